@@ -1,0 +1,263 @@
+//! Wire types spoken between the atmost filter (inside Envoy) and the atmost ledger.
+//!
+//! Both sides compile this crate, so a field renamed here is renamed on both ends.
+//! Every body is JSON. Paths:
+//! - `POST /v1/authorize`: [`AuthorizeRequest`] → [`AuthorizeResponse`]
+//! - `POST /v1/outcomes`: [`OutcomesRequest`] → [`OutcomesResponse`]
+//!
+//! Both paths require `authorization: Bearer <service token>`.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// Path of the authorize call.
+pub const AUTHORIZE_PATH: &str = "/v1/authorize";
+/// Path of the outcome reports.
+pub const OUTCOMES_PATH: &str = "/v1/outcomes";
+
+/// The filter asks whether one `tools/call` may go upstream.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AuthorizeRequest {
+    /// The secret permit token exactly as the agent presented it.
+    pub permit_token: String,
+    /// `params.name` of the call.
+    pub tool: String,
+    /// The client's idempotency key, if it sent one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+    /// Lowercase hex SHA-256 of the RFC 8785 form of `{"tool", "arguments"}`.
+    pub fingerprint: String,
+    /// `params.arguments`, so the ledger can apply the permit's cost rule.
+    #[serde(default)]
+    pub arguments: Value,
+    /// The gateway config requires a key for this tool.
+    #[serde(default)]
+    pub key_required: bool,
+}
+
+/// The ledger's answer to an [`AuthorizeRequest`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "decision", rename_all = "snake_case")]
+pub enum AuthorizeResponse {
+    /// A slot and the budget are reserved: send the call upstream.
+    Dispatch {
+        attempt_id: String,
+        permit_id: String,
+        /// How long the ledger waits for an outcome before the attempt turns `uncertain`.
+        lease_ms: u64,
+    },
+    /// The same key and fingerprint completed before: answer with this receipt.
+    Replay {
+        attempt_id: String,
+        /// The upstream's JSON-RPC response, verbatim.
+        receipt: String,
+    },
+    /// Refused; nothing may go upstream.
+    Deny(Denial),
+}
+
+/// A refusal with a stable code and the data a caller needs to act on it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Denial {
+    pub code: DenialCode,
+    pub message: String,
+    #[serde(default, skip_serializing_if = "Map::is_empty")]
+    pub data: Map<String, Value>,
+}
+
+impl Denial {
+    pub fn new(code: DenialCode, message: impl Into<String>) -> Self {
+        Denial {
+            code,
+            message: message.into(),
+            data: Map::new(),
+        }
+    }
+
+    /// Adds one field of `data`.
+    pub fn with(mut self, field: &str, value: impl Into<Value>) -> Self {
+        self.data.insert(field.to_string(), value.into());
+        self
+    }
+}
+
+/// Every reason atmost refuses a call. The README's error table lists each one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DenialCode {
+    PermitInvalid,
+    PermitExpired,
+    PermitToolNotAllowed,
+    PermitMaxCallsExceeded,
+    PermitBudgetExceeded,
+    DuplicateRequestSuspected,
+    IdempotencyKeyRequired,
+    IdempotencyKeyConflict,
+    IdempotencyInProgress,
+    DeliveryUncertain,
+    IdempotencyKeyExpired,
+    GatewayUnavailable,
+    InvalidIdempotencyKey,
+}
+
+impl DenialCode {
+    pub const ALL: [DenialCode; 13] = [
+        DenialCode::PermitInvalid,
+        DenialCode::PermitExpired,
+        DenialCode::PermitToolNotAllowed,
+        DenialCode::PermitMaxCallsExceeded,
+        DenialCode::PermitBudgetExceeded,
+        DenialCode::DuplicateRequestSuspected,
+        DenialCode::IdempotencyKeyRequired,
+        DenialCode::IdempotencyKeyConflict,
+        DenialCode::IdempotencyInProgress,
+        DenialCode::DeliveryUncertain,
+        DenialCode::IdempotencyKeyExpired,
+        DenialCode::GatewayUnavailable,
+        DenialCode::InvalidIdempotencyKey,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DenialCode::PermitInvalid => "permit_invalid",
+            DenialCode::PermitExpired => "permit_expired",
+            DenialCode::PermitToolNotAllowed => "permit_tool_not_allowed",
+            DenialCode::PermitMaxCallsExceeded => "permit_max_calls_exceeded",
+            DenialCode::PermitBudgetExceeded => "permit_budget_exceeded",
+            DenialCode::DuplicateRequestSuspected => "duplicate_request_suspected",
+            DenialCode::IdempotencyKeyRequired => "idempotency_key_required",
+            DenialCode::IdempotencyKeyConflict => "idempotency_key_conflict",
+            DenialCode::IdempotencyInProgress => "idempotency_in_progress",
+            DenialCode::DeliveryUncertain => "delivery_uncertain",
+            DenialCode::IdempotencyKeyExpired => "idempotency_key_expired",
+            DenialCode::GatewayUnavailable => "gateway_unavailable",
+            DenialCode::InvalidIdempotencyKey => "invalid_idempotency_key",
+        }
+    }
+
+    /// The JSON-RPC error code used when the gateway answers with error objects.
+    /// Application codes sit outside -32768..-32000, which JSON-RPC and MCP reserve.
+    pub fn json_rpc_code(self) -> i64 {
+        match self {
+            DenialCode::PermitInvalid => -31001,
+            DenialCode::PermitExpired => -31002,
+            DenialCode::PermitToolNotAllowed => -31003,
+            DenialCode::PermitMaxCallsExceeded => -31004,
+            DenialCode::PermitBudgetExceeded => -31005,
+            DenialCode::DuplicateRequestSuspected => -31006,
+            DenialCode::IdempotencyKeyRequired => -31007,
+            DenialCode::IdempotencyKeyConflict => -31008,
+            DenialCode::IdempotencyInProgress => -31009,
+            DenialCode::DeliveryUncertain => -31010,
+            DenialCode::IdempotencyKeyExpired => -31011,
+            DenialCode::GatewayUnavailable => -31012,
+            DenialCode::InvalidIdempotencyKey => -31013,
+        }
+    }
+}
+
+impl std::fmt::Display for DenialCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What became of a dispatched attempt, as the filter saw it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum Outcome {
+    /// The upstream answered the call; `receipt` is its JSON-RPC response, verbatim.
+    Completed { receipt: String },
+    /// Envoy proves the request never reached the upstream: slot and budget come back.
+    Released { reason: String },
+    /// Sent, and the outcome is unknown: slot and budget stay taken until someone resolves it.
+    Uncertain { reason: String },
+}
+
+/// One outcome for one attempt.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OutcomeReport {
+    pub attempt_id: String,
+    #[serde(flatten)]
+    pub outcome: Outcome,
+}
+
+/// Body of `POST /v1/outcomes`: one or more reports, applied one by one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OutcomesRequest {
+    pub reports: Vec<OutcomeReport>,
+}
+
+/// How the ledger took one report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutcomeAck {
+    /// The attempt moved from `in_flight` to the reported state.
+    Applied,
+    /// The attempt was already in that state (a repeated report).
+    AlreadyRecorded,
+    /// The attempt is in another terminal state (for example swept to `uncertain`); nothing changed.
+    Conflict,
+    /// No attempt has that id.
+    UnknownAttempt,
+}
+
+/// Answer of `POST /v1/outcomes`, one ack per report in order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OutcomesResponse {
+    pub acks: Vec<OutcomeAck>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn denial_code_serializes_as_its_documented_name() {
+        for code in DenialCode::ALL {
+            let json = serde_json::to_value(code).unwrap_or_default();
+            assert_eq!(json, Value::String(code.as_str().to_string()));
+        }
+    }
+
+    #[test]
+    fn json_rpc_codes_are_unique_and_outside_the_reserved_range() {
+        let mut seen = std::collections::HashSet::new();
+        for code in DenialCode::ALL {
+            let n = code.json_rpc_code();
+            assert!(!(-32768..=-32000).contains(&n), "{code} uses reserved {n}");
+            assert!(seen.insert(n), "{code} reuses {n}");
+        }
+    }
+
+    #[test]
+    fn authorize_response_is_tagged_by_decision() {
+        let deny = AuthorizeResponse::Deny(
+            Denial::new(DenialCode::PermitMaxCallsExceeded, "cap reached")
+                .with("tool", "pay_invoice")
+                .with("limit", 1)
+                .with("calls_made", 1),
+        );
+        let json = serde_json::to_value(&deny).unwrap_or_default();
+        assert_eq!(json["decision"], "deny");
+        assert_eq!(json["code"], "permit_max_calls_exceeded");
+        assert_eq!(json["data"]["limit"], 1);
+        let back: AuthorizeResponse = serde_json::from_value(json).unwrap_or(AuthorizeResponse::Replay {
+            attempt_id: String::new(),
+            receipt: String::new(),
+        });
+        assert_eq!(back, deny);
+    }
+
+    #[test]
+    fn outcome_report_flattens_the_outcome() {
+        let report = OutcomeReport {
+            attempt_id: "a1".into(),
+            outcome: Outcome::Uncertain { reason: "upstream_reset".into() },
+        };
+        let json = serde_json::to_value(&report).unwrap_or_default();
+        assert_eq!(json["outcome"], "uncertain");
+        assert_eq!(json["reason"], "upstream_reset");
+        assert_eq!(json["attempt_id"], "a1");
+    }
+}
