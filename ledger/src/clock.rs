@@ -1,0 +1,88 @@
+//! Injected time. Every store method takes `now` from a [`Clock`], so tests can move time.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Milliseconds since the Unix epoch.
+pub type Millis = i64;
+
+/// A source of the current time.
+pub trait Clock: Send + Sync {
+    fn now_ms(&self) -> Millis;
+}
+
+/// The machine's wall clock.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now_ms(&self) -> Millis {
+        match SystemTime::now().duration_since(UNIX_EPOCH) {
+            Ok(d) => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
+            Err(_) => 0,
+        }
+    }
+}
+
+/// A clock that only moves when told to: for tests.
+#[derive(Debug, Default)]
+pub struct ManualClock {
+    now: AtomicI64,
+}
+
+impl ManualClock {
+    pub fn new(start_ms: Millis) -> Self {
+        ManualClock {
+            now: AtomicI64::new(start_ms),
+        }
+    }
+
+    pub fn set(&self, ms: Millis) {
+        self.now.store(ms, Ordering::SeqCst);
+    }
+
+    pub fn advance_ms(&self, ms: Millis) {
+        self.now.fetch_add(ms, Ordering::SeqCst);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now_ms(&self) -> Millis {
+        self.now.load(Ordering::SeqCst)
+    }
+}
+
+/// RFC 3339 text (UTC, millisecond precision) for a timestamp.
+pub fn rfc3339(ms: Millis) -> String {
+    let ms = u64::try_from(ms.max(0)).unwrap_or(0);
+    let t = UNIX_EPOCH + std::time::Duration::from_millis(ms);
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+/// Parses RFC 3339 text into milliseconds since the epoch.
+pub fn parse_rfc3339(s: &str) -> Option<Millis> {
+    let t = humantime::parse_rfc3339_weak(s).ok()?;
+    let d = t.duration_since(UNIX_EPOCH).ok()?;
+    i64::try_from(d.as_millis()).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_round_trips() {
+        let ms = 1_767_225_600_123;
+        assert_eq!(parse_rfc3339(&rfc3339(ms)), Some(ms));
+    }
+
+    #[test]
+    fn manual_clock_moves_only_when_told() {
+        let c = ManualClock::new(10);
+        assert_eq!(c.now_ms(), 10);
+        c.advance_ms(5);
+        assert_eq!(c.now_ms(), 15);
+        c.set(1);
+        assert_eq!(c.now_ms(), 1);
+    }
+}

@@ -1,0 +1,300 @@
+//! The ledger's records: permits and attempts.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::clock::Millis;
+
+/// What the duplicate guard does with a new key whose fingerprint matches a recent attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum GuardMode {
+    Off,
+    #[default]
+    Log,
+    Enforce,
+}
+
+impl GuardMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GuardMode::Off => "off",
+            GuardMode::Log => "log",
+            GuardMode::Enforce => "enforce",
+        }
+    }
+}
+
+impl FromStr for GuardMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "off" => Ok(GuardMode::Off),
+            "log" => Ok(GuardMode::Log),
+            "enforce" => Ok(GuardMode::Enforce),
+            other => Err(format!("duplicate guard must be off, log or enforce, not {other:?}")),
+        }
+    }
+}
+
+/// How much one call to a tool costs against the permit's budget.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum CostRule {
+    /// A fixed number of minor units.
+    Fixed(u64),
+    /// A JSON pointer (RFC 6901) into `arguments` that must hold a non-negative integer.
+    Pointer(String),
+}
+
+impl FromStr for CostRule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.starts_with('/') {
+            Ok(CostRule::Pointer(s.to_string()))
+        } else {
+            s.parse::<u64>().map(CostRule::Fixed).map_err(|_| {
+                format!("cost must be a non-negative integer or a JSON pointer starting with '/', not {s:?}")
+            })
+        }
+    }
+}
+
+/// The policy part of a permit: everything an operator sets at creation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Policy {
+    /// Tool names, or `["*"]` for every tool.
+    pub tools: Vec<String>,
+    #[serde(default)]
+    pub max_calls: BTreeMap<String, u64>,
+    #[serde(default)]
+    pub max_calls_default: Option<u64>,
+    /// Budget in integer minor units; `None` means no budget limit.
+    #[serde(default)]
+    pub budget: Option<u64>,
+    #[serde(default)]
+    pub cost: BTreeMap<String, CostRule>,
+    #[serde(default)]
+    pub cost_default: u64,
+    #[serde(default)]
+    pub duplicate_guard: GuardMode,
+    /// How long completed receipts stay replayable, in milliseconds.
+    pub retention_ms: Millis,
+}
+
+impl Policy {
+    pub fn allows_tool(&self, tool: &str) -> bool {
+        self.tools.iter().any(|t| t == "*" || t == tool)
+    }
+
+    pub fn limit_for(&self, tool: &str) -> Option<u64> {
+        self.max_calls.get(tool).copied().or(self.max_calls_default)
+    }
+
+    pub fn cost_rule_for(&self, tool: &str) -> CostRule {
+        self.cost
+            .get(tool)
+            .cloned()
+            .unwrap_or(CostRule::Fixed(self.cost_default))
+    }
+}
+
+/// A durable authorization an agent acts under.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Permit {
+    pub id: String,
+    /// Lowercase hex SHA-256 of the full token. The token itself is never stored.
+    pub token_hash: String,
+    pub label: String,
+    pub created_at_ms: Millis,
+    pub expires_at_ms: Millis,
+    pub revoked_at_ms: Option<Millis>,
+    pub policy: Policy,
+}
+
+impl Permit {
+    pub fn status(&self, now: Millis) -> &'static str {
+        if self.revoked_at_ms.is_some() {
+            "revoked"
+        } else if now >= self.expires_at_ms {
+            "expired"
+        } else {
+            "active"
+        }
+    }
+}
+
+/// Where an attempt stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum AttemptState {
+    InFlight,
+    Completed,
+    Released,
+    Uncertain,
+    ResolvedExecuted,
+    ResolvedNotExecuted,
+}
+
+impl AttemptState {
+    pub const ALL: [AttemptState; 6] = [
+        AttemptState::InFlight,
+        AttemptState::Completed,
+        AttemptState::Released,
+        AttemptState::Uncertain,
+        AttemptState::ResolvedExecuted,
+        AttemptState::ResolvedNotExecuted,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptState::InFlight => "in_flight",
+            AttemptState::Completed => "completed",
+            AttemptState::Released => "released",
+            AttemptState::Uncertain => "uncertain",
+            AttemptState::ResolvedExecuted => "resolved_executed",
+            AttemptState::ResolvedNotExecuted => "resolved_not_executed",
+        }
+    }
+
+    /// The attempt holds one of its tool's slots.
+    pub fn holds_slot(self) -> bool {
+        matches!(
+            self,
+            AttemptState::InFlight
+                | AttemptState::Completed
+                | AttemptState::Uncertain
+                | AttemptState::ResolvedExecuted
+        )
+    }
+
+    /// The attempt's cost is reserved (not yet spent).
+    pub fn reserves_budget(self) -> bool {
+        self == AttemptState::InFlight
+    }
+
+    /// The attempt's cost counts as spent.
+    pub fn spends_budget(self) -> bool {
+        matches!(
+            self,
+            AttemptState::Completed | AttemptState::Uncertain | AttemptState::ResolvedExecuted
+        )
+    }
+
+    /// The attempt gave its slot and budget back; its key may be used again.
+    pub fn gave_back(self) -> bool {
+        matches!(
+            self,
+            AttemptState::Released | AttemptState::ResolvedNotExecuted
+        )
+    }
+}
+
+impl fmt::Display for AttemptState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for AttemptState {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        AttemptState::ALL
+            .into_iter()
+            .find(|st| st.as_str() == s)
+            .ok_or_else(|| format!("unknown attempt state {s:?}"))
+    }
+}
+
+/// Who settled an uncertain attempt, when and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resolution {
+    pub executed: bool,
+    pub by: String,
+    pub at_ms: Millis,
+    pub note: Option<String>,
+}
+
+/// One reservation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attempt {
+    pub id: String,
+    pub permit_id: String,
+    pub tool: String,
+    /// Hex SHA-256 of the idempotency key; the raw key is never stored.
+    pub key_hash: Option<String>,
+    pub fingerprint: String,
+    pub cost: u64,
+    pub state: AttemptState,
+    pub created_at_ms: Millis,
+    pub updated_at_ms: Millis,
+    pub lease_expires_at_ms: Millis,
+    /// When the attempt reached `completed` or `resolved_executed`.
+    pub finished_at_ms: Option<Millis>,
+    pub receipt: Option<String>,
+    /// The filter's (or sweeper's) reason for `released` / `uncertain`.
+    pub reason: Option<String>,
+    pub replay_count: u64,
+    /// Set when the receipt was pruned past retention: the row stays as a tombstone.
+    pub pruned_at_ms: Option<Millis>,
+    pub resolution: Option<Resolution>,
+}
+
+/// Slots held for one tool under one permit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ToolUsage {
+    pub calls_made: u64,
+}
+
+/// Budget use under one permit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct BudgetTotals {
+    pub spent: u64,
+    pub reserved: u64,
+}
+
+/// Everything `permit show` reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PermitDetail {
+    pub permit: Permit,
+    /// Slots held per tool (tools with attempts or a configured cap).
+    pub usage: BTreeMap<String, ToolUsage>,
+    pub budget: BudgetTotals,
+    pub attempts_by_state: BTreeMap<AttemptState, u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slot_and_budget_rules_per_state() {
+        use AttemptState::*;
+        for s in AttemptState::ALL {
+            assert_eq!(s.holds_slot(), !s.gave_back(), "{s}");
+            assert_eq!(
+                s.holds_slot(),
+                s.reserves_budget() || s.spends_budget(),
+                "{s}"
+            );
+            assert_eq!(s.as_str().parse::<AttemptState>(), Ok(s));
+        }
+        assert!(Uncertain.holds_slot() && Uncertain.spends_budget());
+        assert!(ResolvedNotExecuted.gave_back());
+    }
+
+    #[test]
+    fn cost_rule_parses_fixed_and_pointer() {
+        assert_eq!("12".parse::<CostRule>(), Ok(CostRule::Fixed(12)));
+        assert_eq!(
+            "/amount".parse::<CostRule>(),
+            Ok(CostRule::Pointer("/amount".into()))
+        );
+        assert!("-1".parse::<CostRule>().is_err());
+        let json = serde_json::to_value(CostRule::Fixed(3)).unwrap();
+        assert_eq!(json, serde_json::json!(3));
+    }
+}

@@ -1,0 +1,106 @@
+//! Permit tokens, ids and hashing.
+//!
+//! A token is `atmp_<permit id>_<64 hex chars>`; the permit id is `pmt_<24 hex chars>`.
+//! The random parts are hex, so the last `_` separates id and secret unambiguously.
+//! Only the SHA-256 of the whole token is stored.
+
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+use crate::error::LedgerError;
+
+pub const TOKEN_PREFIX: &str = "atmp_";
+pub const PERMIT_ID_PREFIX: &str = "pmt_";
+pub const ATTEMPT_ID_PREFIX: &str = "att_";
+
+/// `n` bytes from the operating system's CSPRNG, as lowercase hex.
+pub fn random_hex(n: usize) -> Result<String, LedgerError> {
+    let mut buf = vec![0u8; n];
+    getrandom::fill(&mut buf).map_err(|e| LedgerError::Random(e.to_string()))?;
+    Ok(hex::encode(buf))
+}
+
+pub fn new_permit_id() -> Result<String, LedgerError> {
+    Ok(format!("{PERMIT_ID_PREFIX}{}", random_hex(12)?))
+}
+
+pub fn new_attempt_id() -> Result<String, LedgerError> {
+    Ok(format!("{ATTEMPT_ID_PREFIX}{}", random_hex(16)?))
+}
+
+/// A fresh secret token for a permit.
+pub fn new_token(permit_id: &str) -> Result<String, LedgerError> {
+    Ok(format!("{TOKEN_PREFIX}{permit_id}_{}", random_hex(32)?))
+}
+
+/// The permit id inside a token, if the token is well formed.
+pub fn permit_id_of(token: &str) -> Option<&str> {
+    let rest = token.strip_prefix(TOKEN_PREFIX)?;
+    let (id, secret) = rest.rsplit_once('_')?;
+    if id.is_empty()
+        || secret.len() < 32
+        || !secret.bytes().all(|b| b.is_ascii_hexdigit())
+        || !id.starts_with(PERMIT_ID_PREFIX)
+    {
+        return None;
+    }
+    Some(id)
+}
+
+/// Lowercase hex SHA-256.
+pub fn sha256_hex(data: &str) -> String {
+    hex::encode(Sha256::digest(data.as_bytes()))
+}
+
+/// Whether `token` hashes to `stored_hash`, compared in constant time.
+pub fn token_matches(token: &str, stored_hash: &str) -> bool {
+    let presented = sha256_hex(token);
+    presented.as_bytes().ct_eq(stored_hash.as_bytes()).into()
+}
+
+/// Constant-time comparison of two secrets (service and admin bearer tokens).
+pub fn secrets_equal(a: &str, b: &str) -> bool {
+    // Hash first so lengths do not leak through an early exit.
+    let ha = Sha256::digest(a.as_bytes());
+    let hb = Sha256::digest(b.as_bytes());
+    ha.as_slice().ct_eq(hb.as_slice()).into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_carries_its_permit_id() {
+        let id = new_permit_id().unwrap();
+        let token = new_token(&id).unwrap();
+        assert!(token.starts_with("atmp_pmt_"));
+        assert_eq!(permit_id_of(&token), Some(id.as_str()));
+        assert!(token.len() > 5 + id.len() + 64);
+    }
+
+    #[test]
+    fn malformed_tokens_have_no_id() {
+        for t in [
+            "",
+            "atmp_",
+            "atmp_pmt_abc",
+            "xx_pmt_abc_00000000000000000000000000000000",
+            "atmp_pmt_abc_zz000000000000000000000000000000",
+            "atmp__00000000000000000000000000000000",
+        ] {
+            assert_eq!(permit_id_of(t), None, "{t}");
+        }
+    }
+
+    #[test]
+    fn hashes_compare() {
+        let h = sha256_hex("atmp_x");
+        assert!(token_matches("atmp_x", &h));
+        assert!(!token_matches("atmp_y", &h));
+        assert!(secrets_equal("a", "a"));
+        assert!(!secrets_equal("a", "ab"));
+        let a = new_attempt_id().unwrap();
+        assert!(a.starts_with("att_") && a.len() == 4 + 32);
+    }
+}

@@ -1,0 +1,120 @@
+"""`make run`: the ledger, an MCP server, and Envoy with atmost on 127.0.0.1:10000/mcp.
+
+UPSTREAM=host:port fronts another MCP server instead of the example one. Ctrl-C stops all.
+Demo credentials come from ATMOST_SERVICE_TOKEN / ATMOST_ADMIN_TOKEN when set.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.support.stack import ENVOY_CONFIG, ROOT, Envoy, ExampleServer, Ledger, Process, sidecar_config  # noqa: E402
+
+LISTEN_PORT = 10000
+ADMIN_PORT = 9901
+LEDGER_PORT = 8081
+EXAMPLE_PORT = 8000
+
+
+def upstream_address() -> tuple[str, int] | None:
+    value = os.environ.get("UPSTREAM", "").strip()
+    if not value:
+        return None
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        sys.exit(f"UPSTREAM must be host:port, got {value!r}")
+    return host, int(port)
+
+
+def main() -> int:
+    run_dir = ROOT / ".run"
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    service_token = os.environ.get("ATMOST_SERVICE_TOKEN", "demo-service-token")
+    admin_token = os.environ.get("ATMOST_ADMIN_TOKEN", "demo-admin-token")
+    started: list[Process] = []
+
+    def stop_all(*_):
+        for p in reversed(started):
+            p.stop()
+        sys.exit(0)
+
+    signal.signal(signal.SIGINT, stop_all)
+    signal.signal(signal.SIGTERM, stop_all)
+
+    try:
+        ledger = Ledger(log_dir, run_dir / "ledger-data", port=LEDGER_PORT,
+                        service_token=service_token, admin_token=admin_token)
+        ledger.start()
+        started.append(ledger)
+
+        upstream = upstream_address()
+        if upstream is None:
+            server = ExampleServer(log_dir, port=EXAMPLE_PORT, json_response=False)
+            server.start()
+            started.append(server)
+            upstream = ("127.0.0.1", EXAMPLE_PORT)
+
+        config = sidecar_config(LISTEN_PORT, ADMIN_PORT, upstream[1], [LEDGER_PORT],
+                                plugin_overrides={"ledger": {"service_token": service_token}})
+        cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "mcp_upstream")
+        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
+            "address"] = upstream[0]
+        if not upstream[0].replace(".", "").isdigit():
+            cluster["type"] = "STRICT_DNS"
+        envoy = Envoy(log_dir, upstream[1], [LEDGER_PORT], port=LISTEN_PORT)
+        envoy.admin_port = ADMIN_PORT
+        envoy.admin_url = f"http://127.0.0.1:{ADMIN_PORT}"
+        envoy.config_path.write_text(yaml.safe_dump(config))
+        envoy.start()
+        started.append(envoy)
+
+        permit = ledger.create_permit("--max-calls", "pay_invoice=3", "--budget", "10000",
+                                      "--cost", "pay_invoice=/amount", label="demo")
+    except Exception as e:  # noqa: BLE001 - report and clean up whatever did start
+        print(f"make run failed: {e}\nlogs: {log_dir}", file=sys.stderr)
+        for p in reversed(started):
+            p.stop()
+        return 1
+
+    token = permit["token"]
+    print(f"""
+atmost is running.
+  MCP endpoint : http://127.0.0.1:{LISTEN_PORT}/mcp   (upstream {upstream[0]}:{upstream[1]})
+  ledger       : {ledger.url}   (admin token: {admin_token})
+  Envoy admin  : http://127.0.0.1:{ADMIN_PORT}
+  logs         : {log_dir}
+
+Demo permit {permit['id']} (pay_invoice: at most 3 calls, budget 10000, cost = amount).
+Its token is shown once:
+
+  {token}
+
+Try it:
+  curl -s http://127.0.0.1:{LISTEN_PORT}/mcp \\
+    -H 'content-type: application/json' -H 'accept: application/json, text/event-stream' \\
+    -H 'mcp-protocol-version: 2026-07-28' -H 'mcp-method: tools/call' -H 'mcp-name: pay_invoice' \\
+    -H 'atmost-permit: {token}' -H 'idempotency-key: "task-4417-pay"' \\
+    -d '{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"pay_invoice","arguments":{{"invoice":"INV-4417","amount":250}},"_meta":{{"io.modelcontextprotocol/protocolVersion":"2026-07-28","io.modelcontextprotocol/clientCapabilities":{{}}}}}}}}'
+
+Run it twice: the second answer is the first receipt, marked replayed. Ctrl-C stops everything.
+""", flush=True)
+    while all(p.alive() for p in started):
+        time.sleep(0.5)
+    dead = [p.name for p in started if not p.alive()]
+    print(f"stopped: {', '.join(dead)} exited (logs in {log_dir})", file=sys.stderr)
+    for p in reversed(started):
+        p.stop()
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

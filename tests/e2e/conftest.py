@@ -1,0 +1,86 @@
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.support.mcp_raw import RawMcp  # noqa: E402
+from tests.support.stack import ROOT, Envoy, ExampleServer, Ledger  # noqa: E402
+from tests.support.tcp_proxy import TcpProxy  # noqa: E402
+
+UPSTREAM_SECRET = "demo-upstream-key-secret"
+
+
+@pytest.fixture(scope="session")
+def log_dir() -> Path:
+    path = ROOT / ".run" / "test-logs" / time.strftime("%Y%m%d-%H%M%S")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def data_root():
+    path = Path(tempfile.mkdtemp(prefix="atmost-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ledger(log_dir, data_root):
+    ledger = Ledger(log_dir, data_root / "ledger")
+    ledger.start()
+    yield ledger
+    ledger.stop()
+
+
+@pytest.fixture(scope="session")
+def mcp_server(log_dir):
+    server = ExampleServer(log_dir)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def upstream_proxy(mcp_server):
+    proxy = TcpProxy(mcp_server.port).start()
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway(log_dir, ledger, upstream_proxy):
+    envoy = Envoy(log_dir, upstream_proxy.port, [ledger.port],
+                  plugin_overrides={"ledger": {"service_token": ledger.service_token}})
+    envoy.start()
+    yield envoy
+    envoy.stop()
+
+
+@pytest.fixture
+def server(mcp_server, upstream_proxy):
+    """The example server, with counters zeroed and the proxy passing traffic."""
+    mcp_server.reset()
+    upstream_proxy.mode = "pass"
+    return mcp_server
+
+
+@pytest.fixture
+def permit(ledger):
+    return ledger.create_permit(label=f"test-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture
+def client(gateway):
+    c = RawMcp(gateway.url)
+    yield c
+    c.close()
+
+
+def new_key() -> str:
+    return f"key-{uuid.uuid4()}"

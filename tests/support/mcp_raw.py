@@ -1,0 +1,72 @@
+"""A plain HTTP MCP client for assertions on exact bytes: ids, headers, denials.
+
+The SDK clients prove interoperability; this one lets a test see what went over the wire.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import httpx
+
+PROTOCOL_VERSION = "2026-07-28"
+KEY_META = "dev.atmost/idempotency-key"
+_ids = itertools.count(1000)
+
+
+class RawMcp:
+    def __init__(self, url: str, permit_header: str = "atmost-permit", timeout: float = 30.0):
+        self.url = url
+        self.permit_header = permit_header
+        self.http = httpx.Client(timeout=timeout)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def post(self, body, headers: dict | None = None) -> httpx.Response:
+        base = {
+            "content-type": "application/json",
+            "accept": "application/json, text/event-stream",
+            "mcp-protocol-version": PROTOCOL_VERSION,
+        }
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return self.http.post(self.url, content=content, headers={**base, **(headers or {})})
+
+    def call(self, tool: str, arguments: dict, permit: str | None, key: str | None = None,
+             key_via: str = "header", request_id=None, extra_headers: dict | None = None) -> httpx.Response:
+        """Sends one tools/call; the key goes in the Idempotency-Key header or in params._meta."""
+        request_id = next(_ids) if request_id is None else request_id
+        meta = {
+            "io.modelcontextprotocol/protocolVersion": PROTOCOL_VERSION,
+            "io.modelcontextprotocol/clientCapabilities": {},
+        }
+        headers = {"mcp-method": "tools/call", "mcp-name": tool}
+        if permit is not None:
+            headers[self.permit_header] = permit
+        if key is not None and key_via == "header":
+            headers["idempotency-key"] = f'"{key}"'
+        if key is not None and key_via == "meta":
+            meta[KEY_META] = key
+        body = {"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
+                "params": {"name": tool, "arguments": arguments, "_meta": meta}}
+        return self.post(body, {**headers, **(extra_headers or {})})
+
+
+def result_text(response: httpx.Response) -> str:
+    body = response.json()
+    return body["result"]["content"][0]["text"]
+
+
+def denial(response: httpx.Response) -> dict | None:
+    """The denial's error object if the response is an atmost denial (result form), else None."""
+    body = response.json()
+    result = body.get("result") or {}
+    if result.get("isError") and isinstance(result.get("structuredContent"), dict):
+        return result["structuredContent"].get("error")
+    return None
+
+
+def denial_code(response: httpx.Response) -> str | None:
+    d = denial(response)
+    return d.get("code") if d else None
