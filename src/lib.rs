@@ -1,1 +1,30 @@
-pub mod placeholder {}
+//! atmost filter: a proxy-wasm HTTP filter for Envoy that asks the atmost ledger before
+//! any governed MCP `tools/call` goes upstream, and reports what became of every call it
+//! let through.
+//!
+//! Everything except [`adapter`] is plain Rust with no proxy-wasm dependency, so it is
+//! tested natively with `cargo test -p atmost-filter`. The adapter only exists in the
+//! `wasm32` build: it turns Envoy's callbacks into [`call::Event`]s for the per-request
+//! state machine and carries out the [`call::Effect`]s it returns.
+//!
+//! The promise is *at most N dispatches per tool under one permit* and *one dispatch per
+//! idempotency key*; the remote side effect itself is not guaranteed to happen only once.
+
+pub mod call;
+pub mod config;
+pub mod denial;
+pub mod fingerprint;
+pub mod idempotency;
+pub mod ledger;
+pub mod mcp;
+pub mod outcome;
+pub mod receipt;
+pub mod replay;
+pub mod reply;
+pub mod reports;
+pub mod sse;
+pub mod stats;
+pub mod upstream_key;
+
+#[cfg(target_arch = "wasm32")]
+mod adapter;

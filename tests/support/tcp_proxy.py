@@ -13,14 +13,14 @@ import threading
 
 
 class TcpProxy:
-    def __init__(self, target_port: int, target_host: str = "127.0.0.1"):
+    def __init__(self, target_port: int, target_host: str = "127.0.0.1", listen_port: int = 0):
         self.target = (target_host, target_port)
         self.mode = "pass"
         self.connections = 0
         self._lock = threading.Lock()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", 0))
+        self._listener.bind(("127.0.0.1", listen_port))
         self._listener.listen(128)
         self._listener.settimeout(0.2)
         self.port = self._listener.getsockname()[1]

@@ -1,0 +1,444 @@
+//! The ledger's decisions as pure functions: no I/O, no clock, no randomness.
+//!
+//! A store loads a [`Snapshot`] inside one transaction, calls [`decide`], and applies the
+//! returned [`Mutation`] in the same transaction. Outcomes, resolutions and the sweeper
+//! have their own pure transitions here too, so every store behaves the same.
+
+use atmost_protocol::{AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, Outcome, OutcomeAck};
+use serde_json::Value;
+
+use crate::clock::Millis;
+use crate::error::ResolveError;
+use crate::model::{Attempt, AttemptState, BudgetTotals, CostRule, GuardMode, Permit, Resolution, ToolUsage};
+use crate::token;
+
+/// Longest idempotency key accepted, in bytes.
+pub const MAX_KEY_LEN: usize = 255;
+/// Upper bound of `retry_after` for a key still in flight, in seconds.
+pub const MAX_RETRY_AFTER_SECS: i64 = 30;
+/// Reason recorded when the sweeper turns an expired lease into `uncertain`.
+pub const LEASE_EXPIRED_REASON: &str = "lease_expired";
+
+/// What the store read for one authorize call, all inside the same transaction.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    /// The permit whose id the token names, if one exists.
+    pub permit: Option<Permit>,
+    /// The attempt the request's idempotency key maps to under this permit.
+    pub existing: Option<Attempt>,
+    /// Slots held for the requested tool.
+    pub usage: ToolUsage,
+    /// Spent and reserved budget of the permit.
+    pub budget: BudgetTotals,
+    /// The newest attempt under this permit with the same fingerprint, another key (or no key),
+    /// not given back, created within the permit's retention window.
+    pub recent_duplicate: Option<Attempt>,
+    pub now_ms: Millis,
+}
+
+/// Values the store supplies for a possible reservation.
+#[derive(Debug, Clone)]
+pub struct DecideParams {
+    pub lease_ms: u64,
+    /// The id a new attempt gets if the call dispatches.
+    pub new_attempt_id: String,
+}
+
+/// What the store must write, in the same transaction as the read.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Mutation {
+    None,
+    /// Insert this `in_flight` attempt and, when it has a key, point the key at it.
+    Reserve(Attempt),
+    /// Rewrite this attempt (a replay bumps its replay count).
+    Update(Attempt),
+}
+
+/// A note for logs and metrics that does not change the answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Notice {
+    /// The duplicate guard in `log` mode saw a new key with a recent attempt's fingerprint.
+    DuplicateLogged { earlier_attempt_id: String },
+    /// The duplicate guard in `enforce` mode refused.
+    DuplicateDenied { earlier_attempt_id: String },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub response: AuthorizeResponse,
+    pub mutation: Mutation,
+    pub notices: Vec<Notice>,
+}
+
+impl Decision {
+    fn deny(d: Denial) -> Self {
+        Decision {
+            response: AuthorizeResponse::Deny(d),
+            mutation: Mutation::None,
+            notices: Vec::new(),
+        }
+    }
+}
+
+/// The idempotency key as stored: its SHA-256, so a raw key never rests in the ledger.
+pub fn key_hash(req: &AuthorizeRequest) -> Option<String> {
+    req.idempotency_key.as_deref().map(token::sha256_hex)
+}
+
+/// Whether the token authenticates the permit (constant-time hash comparison) and it is not revoked.
+pub fn authenticate<'a>(token: &str, permit: Option<&'a Permit>) -> Option<&'a Permit> {
+    let permit = permit?;
+    if token::permit_id_of(token) != Some(permit.id.as_str()) {
+        return None;
+    }
+    if !token::token_matches(token, &permit.token_hash) {
+        return None;
+    }
+    if permit.revoked_at_ms.is_some() {
+        return None;
+    }
+    Some(permit)
+}
+
+fn valid_key(key: &str) -> bool {
+    !key.is_empty() && key.len() <= MAX_KEY_LEN && !key.chars().any(char::is_control)
+}
+
+/// The cost of this call under the permit's rule for the tool.
+pub fn resolve_cost(rule: &CostRule, arguments: &Value) -> Result<u64, String> {
+    let cost = match rule {
+        CostRule::Fixed(n) => *n,
+        CostRule::Pointer(ptr) => match arguments.pointer(ptr).and_then(Value::as_u64) {
+            Some(n) => n,
+            None => return Err(ptr.clone()),
+        },
+    };
+    if i64::try_from(cost).is_err() {
+        return Err(match rule {
+            CostRule::Pointer(p) => p.clone(),
+            CostRule::Fixed(_) => String::from("(fixed)"),
+        });
+    }
+    Ok(cost)
+}
+
+/// THE authorize decision. See DESIGN.md's decision table.
+pub fn decide(req: &AuthorizeRequest, snap: &Snapshot, params: &DecideParams) -> Decision {
+    let now = snap.now_ms;
+
+    // 1. Permit authentication comes first.
+    let Some(permit) = authenticate(&req.permit_token, snap.permit.as_ref()) else {
+        return Decision::deny(Denial::new(
+            DenialCode::PermitInvalid,
+            "the permit token is unknown or revoked",
+        ));
+    };
+
+    if let Some(key) = req.idempotency_key.as_deref() {
+        if !valid_key(key) {
+            return Decision::deny(Denial::new(
+                DenialCode::InvalidIdempotencyKey,
+                format!("an idempotency key must be 1 to {MAX_KEY_LEN} bytes without control characters"),
+            ));
+        }
+    }
+
+    // 2. The key already has an attempt under this permit.
+    if let Some(existing) = snap.existing.as_ref() {
+        if existing.pruned_at_ms.is_some() {
+            return Decision::deny(Denial::new(
+                DenialCode::IdempotencyKeyExpired,
+                "this idempotency key was used before and its receipt has passed the permit's retention; use a new key only if you intend a new call",
+            ));
+        }
+        if existing.fingerprint != req.fingerprint {
+            return Decision::deny(Denial::new(
+                DenialCode::IdempotencyKeyConflict,
+                "this idempotency key was used for a different tool call under this permit",
+            ));
+        }
+        match existing.state {
+            AttemptState::Completed | AttemptState::ResolvedExecuted => {
+                return match existing.receipt.as_ref() {
+                    Some(receipt) => {
+                        let mut replayed = existing.clone();
+                        replayed.replay_count = replayed.replay_count.saturating_add(1);
+                        Decision {
+                            response: AuthorizeResponse::Replay {
+                                attempt_id: existing.id.clone(),
+                                receipt: receipt.clone(),
+                            },
+                            mutation: Mutation::Update(replayed),
+                            notices: Vec::new(),
+                        }
+                    }
+                    None => Decision::deny(
+                        Denial::new(
+                            DenialCode::IdempotencyKeyConflict,
+                            "already executed; no receipt stored",
+                        )
+                        .with("attempt_id", existing.id.clone()),
+                    ),
+                };
+            }
+            AttemptState::InFlight => {
+                let remaining_ms = existing.lease_expires_at_ms.saturating_sub(now).max(0);
+                let secs = ((remaining_ms + 999) / 1000).clamp(1, MAX_RETRY_AFTER_SECS);
+                return Decision::deny(
+                    Denial::new(
+                        DenialCode::IdempotencyInProgress,
+                        "a call with this idempotency key is still in flight; retry later with the same key",
+                    )
+                    .with("retry_after", secs),
+                );
+            }
+            AttemptState::Uncertain => {
+                return Decision::deny(
+                    Denial::new(
+                        DenialCode::DeliveryUncertain,
+                        "a call with this idempotency key was sent and its outcome is unknown; it will not be sent again until someone checks the provider and resolves it",
+                    )
+                    .with("attempt_id", existing.id.clone()),
+                );
+            }
+            // Given back: the same key may try again, through every check below.
+            AttemptState::Released | AttemptState::ResolvedNotExecuted => {}
+        }
+    }
+
+    // 3. A new call (new key, no key, or a key whose attempt was given back).
+    let policy = &permit.policy;
+    if now >= permit.expires_at_ms {
+        return Decision::deny(
+            Denial::new(DenialCode::PermitExpired, "the permit has expired")
+                .with("expires_at", crate::clock::rfc3339(permit.expires_at_ms)),
+        );
+    }
+    if !policy.allows_tool(&req.tool) {
+        return Decision::deny(
+            Denial::new(
+                DenialCode::PermitToolNotAllowed,
+                format!("the permit does not allow the tool {:?}", req.tool),
+            )
+            .with("tool", req.tool.clone()),
+        );
+    }
+    if req.key_required && req.idempotency_key.is_none() {
+        return Decision::deny(
+            Denial::new(
+                DenialCode::IdempotencyKeyRequired,
+                format!("the tool {:?} requires an idempotency key", req.tool),
+            )
+            .with("tool", req.tool.clone()),
+        );
+    }
+    if let Some(limit) = policy.limit_for(&req.tool) {
+        if snap.usage.calls_made >= limit {
+            return Decision::deny(
+                Denial::new(
+                    DenialCode::PermitMaxCallsExceeded,
+                    format!(
+                        "the permit allows at most {limit} calls of {:?}; {} already made",
+                        req.tool, snap.usage.calls_made
+                    ),
+                )
+                .with("tool", req.tool.clone())
+                .with("limit", limit)
+                .with("calls_made", snap.usage.calls_made),
+            );
+        }
+    }
+    let cost = match resolve_cost(&policy.cost_rule_for(&req.tool), &req.arguments) {
+        Ok(c) => c,
+        Err(pointer) => {
+            return Decision::deny(
+                Denial::new(
+                    DenialCode::PermitBudgetExceeded,
+                    format!(
+                        "the cost of this call could not be determined: {pointer} in the arguments must be a non-negative integer"
+                    ),
+                )
+                .with("error", "cost_unresolvable")
+                .with("pointer", pointer),
+            );
+        }
+    };
+    if let Some(budget) = policy.budget {
+        let needed = u128::from(snap.budget.spent) + u128::from(snap.budget.reserved) + u128::from(cost);
+        if needed > u128::from(budget) {
+            return Decision::deny(
+                Denial::new(
+                    DenialCode::PermitBudgetExceeded,
+                    "this call would exceed the permit's budget",
+                )
+                .with("budget", budget)
+                .with("spent", snap.budget.spent)
+                .with("reserved", snap.budget.reserved)
+                .with("cost", cost),
+            );
+        }
+    }
+    let key_hash = key_hash(req);
+    let mut notices = Vec::new();
+    if let Some(dup) = snap.recent_duplicate.as_ref() {
+        let is_duplicate = dup.permit_id == permit.id
+            && dup.fingerprint == req.fingerprint
+            && !dup.state.gave_back()
+            && now.saturating_sub(dup.created_at_ms) <= policy.retention_ms
+            && (key_hash.is_none() || dup.key_hash != key_hash);
+        if is_duplicate {
+            match policy.duplicate_guard {
+                GuardMode::Off => {}
+                GuardMode::Log => notices.push(Notice::DuplicateLogged {
+                    earlier_attempt_id: dup.id.clone(),
+                }),
+                GuardMode::Enforce => {
+                    let mut d = Decision::deny(Denial::new(
+                        DenialCode::DuplicateRequestSuspected,
+                        "a recent call under this permit had the same tool and arguments under another idempotency key; reuse that key to get its result",
+                    ));
+                    d.notices.push(Notice::DuplicateDenied {
+                        earlier_attempt_id: dup.id.clone(),
+                    });
+                    return d;
+                }
+            }
+        }
+    }
+
+    // 4. Reserve: slot and budget taken before anything is sent.
+    let lease_ms = i64::try_from(params.lease_ms).unwrap_or(i64::MAX);
+    let attempt = Attempt {
+        id: params.new_attempt_id.clone(),
+        permit_id: permit.id.clone(),
+        tool: req.tool.clone(),
+        key_hash,
+        fingerprint: req.fingerprint.clone(),
+        cost,
+        state: AttemptState::InFlight,
+        created_at_ms: now,
+        updated_at_ms: now,
+        lease_expires_at_ms: now.saturating_add(lease_ms),
+        finished_at_ms: None,
+        receipt: None,
+        reason: None,
+        replay_count: 0,
+        pruned_at_ms: None,
+        resolution: None,
+    };
+    Decision {
+        response: AuthorizeResponse::Dispatch {
+            attempt_id: attempt.id.clone(),
+            permit_id: permit.id.clone(),
+            lease_ms: params.lease_ms,
+        },
+        mutation: Mutation::Reserve(attempt),
+        notices,
+    }
+}
+
+/// The state an outcome report asks for.
+pub fn outcome_state(outcome: &Outcome) -> AttemptState {
+    match outcome {
+        Outcome::Completed { .. } => AttemptState::Completed,
+        Outcome::Released { .. } => AttemptState::Released,
+        Outcome::Uncertain { .. } => AttemptState::Uncertain,
+    }
+}
+
+/// Applies one outcome report. Only `in_flight` attempts move; the attempt to write, if any, is returned.
+pub fn apply_outcome(
+    existing: Option<&Attempt>,
+    outcome: &Outcome,
+    now: Millis,
+) -> (OutcomeAck, Option<Attempt>) {
+    let Some(a) = existing else {
+        return (OutcomeAck::UnknownAttempt, None);
+    };
+    let target = outcome_state(outcome);
+    if a.state != AttemptState::InFlight {
+        let ack = if a.state == target {
+            OutcomeAck::AlreadyRecorded
+        } else {
+            OutcomeAck::Conflict
+        };
+        return (ack, None);
+    }
+    let mut next = a.clone();
+    next.state = target;
+    next.updated_at_ms = now;
+    match outcome {
+        Outcome::Completed { receipt } => {
+            next.receipt = Some(receipt.clone());
+            next.finished_at_ms = Some(now);
+        }
+        Outcome::Released { reason } | Outcome::Uncertain { reason } => {
+            next.reason = Some(reason.clone());
+        }
+    }
+    (OutcomeAck::Applied, Some(next))
+}
+
+/// What a person (or reconciler) found when checking the provider.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ResolveInput {
+    pub executed: bool,
+    #[serde(default)]
+    pub receipt: Option<String>,
+    #[serde(default)]
+    pub note: Option<String>,
+    pub by: String,
+}
+
+/// Settles an `uncertain` attempt. Nothing else can be resolved.
+pub fn resolve(a: &Attempt, input: &ResolveInput, now: Millis) -> Result<Attempt, ResolveError> {
+    if a.state != AttemptState::Uncertain {
+        return Err(ResolveError::NotUncertain(a.state));
+    }
+    let mut next = a.clone();
+    next.updated_at_ms = now;
+    if input.executed {
+        next.state = AttemptState::ResolvedExecuted;
+        next.receipt = input.receipt.clone();
+        next.finished_at_ms = Some(now);
+    } else {
+        next.state = AttemptState::ResolvedNotExecuted;
+        next.receipt = None;
+    }
+    next.resolution = Some(Resolution {
+        executed: input.executed,
+        by: input.by.clone(),
+        at_ms: now,
+        note: input.note.clone(),
+    });
+    Ok(next)
+}
+
+/// The sweeper: an `in_flight` attempt past its lease becomes `uncertain` (never `released`).
+pub fn expire_lease(a: &Attempt, now: Millis) -> Option<Attempt> {
+    if a.state != AttemptState::InFlight || now < a.lease_expires_at_ms {
+        return None;
+    }
+    let mut next = a.clone();
+    next.state = AttemptState::Uncertain;
+    next.reason = Some(LEASE_EXPIRED_REASON.to_string());
+    next.updated_at_ms = now;
+    Some(next)
+}
+
+/// Retention: a finished attempt's receipt older than the permit's retention is dropped and the
+/// row kept as a tombstone. `uncertain` and `in_flight` attempts are never pruned.
+pub fn prune(a: &Attempt, retention_ms: Millis, now: Millis) -> Option<Attempt> {
+    if !matches!(a.state, AttemptState::Completed | AttemptState::ResolvedExecuted) || a.pruned_at_ms.is_some() {
+        return None;
+    }
+    let finished = a.finished_at_ms.unwrap_or(a.updated_at_ms);
+    if now.saturating_sub(finished) < retention_ms {
+        return None;
+    }
+    let mut next = a.clone();
+    next.receipt = None;
+    next.pruned_at_ms = Some(now);
+    next.updated_at_ms = now;
+    Some(next)
+}

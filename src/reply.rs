@@ -1,0 +1,81 @@
+//! Local replies: answers the filter sends itself, without going upstream.
+
+use serde_json::{json, Value};
+
+/// An HTTP response the filter sends in place of the upstream's (`send_http_response`).
+/// Sending one ends the request: nothing is resumed after it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LocalReply {
+    pub status: u32,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+/// JSON-RPC 2.0 error codes used for requests the filter refuses to read.
+pub mod rpc_code {
+    /// Body is not JSON.
+    pub const PARSE_ERROR: i64 = -32700;
+    /// JSON, but not a JSON-RPC message, or a batch holding `tools/call`, or too large.
+    pub const INVALID_REQUEST: i64 = -32600;
+    /// `tools/call` whose `params` are malformed.
+    pub const INVALID_PARAMS: i64 = -32602;
+    /// MCP 2026-07-28: mirrored `Mcp-Method` / `Mcp-Name` header disagrees with the body.
+    pub const HEADER_MISMATCH: i64 = -32020;
+}
+
+impl LocalReply {
+    /// A JSON body with `content-type: application/json`.
+    pub fn json(status: u32, body: &Value) -> LocalReply {
+        LocalReply {
+            status,
+            headers: vec![("content-type".to_string(), "application/json".to_string())],
+            body: body.to_string().into_bytes(),
+        }
+    }
+
+    /// A JSON-RPC error object answering request `id` (`null` when unknown).
+    pub fn rpc_error(status: u32, id: Option<&Value>, code: i64, message: &str) -> LocalReply {
+        let id = id.cloned().unwrap_or(Value::Null);
+        LocalReply::json(
+            status,
+            &json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message}}),
+        )
+    }
+
+    /// Adds a header.
+    pub fn with_header(mut self, name: &str, value: &str) -> LocalReply {
+        self.headers.push((name.to_string(), value.to_string()));
+        self
+    }
+
+    /// The body parsed as JSON (tests and logs).
+    pub fn body_json(&self) -> Option<Value> {
+        serde_json::from_slice(&self.body).ok()
+    }
+
+    /// First value of a header, by lowercase name.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rpc_error_uses_the_given_id_or_null() {
+        let r = LocalReply::rpc_error(400, Some(&json!(7)), rpc_code::PARSE_ERROR, "Parse error");
+        assert_eq!(r.status, 400);
+        assert_eq!(r.header("content-type"), Some("application/json"));
+        assert_eq!(
+            r.body_json(),
+            Some(json!({"jsonrpc":"2.0","id":7,"error":{"code":-32700,"message":"Parse error"}}))
+        );
+        let r = LocalReply::rpc_error(413, None, rpc_code::INVALID_REQUEST, "x");
+        assert_eq!(r.body_json().map(|v| v["id"].clone()), Some(Value::Null));
+    }
+}
