@@ -8,7 +8,7 @@ VPY := $(VENV)/bin/python
 WASM := target/wasm32-wasip1/release/atmost_filter.wasm
 CARGO ?= cargo
 
-.PHONY: all run test test-unit test-e2e lint fmt wasm ledger ledger-release setup rust-setup venv clean
+.PHONY: all run test test-unit test-e2e lint fmt wasm ledger ledger-release setup rust-setup venv clean oci
 
 all: wasm ledger-release
 
@@ -26,6 +26,11 @@ $(VENV)/.installed: requirements.txt
 
 wasm: rust-setup
 	$(CARGO) build --release --target wasm32-wasip1 -p atmost-filter
+
+## The filter as an OCI image for Istio (compat variant: one layer with plugin.wasm), reproducible:
+## target/oci/atmost-filter/ (OCI layout), target/oci/atmost-filter.tar, target/oci/atmost-filter.digest.
+oci: wasm
+	$(PYTHON) scripts/oci_image.py --wasm $(WASM) --out target/oci
 
 ledger:
 	$(CARGO) build -p atmost-ledger
