@@ -1,0 +1,131 @@
+//! Thin wrappers over proxy-wasm hostcalls that never unwrap: a failed hostcall is
+//! logged or treated as "absent".
+
+use crate::call::Level;
+use crate::stats::Stat;
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType};
+use std::collections::HashMap;
+use std::time::Duration;
+
+pub fn log(level: Level, message: &str) {
+    let level = match level {
+        Level::Debug => LogLevel::Debug,
+        Level::Info => LogLevel::Info,
+        Level::Warn => LogLevel::Warn,
+        Level::Error => LogLevel::Error,
+    };
+    let _ = hostcalls::log(level, message);
+}
+
+pub fn headers(map: MapType) -> Vec<(String, Vec<u8>)> {
+    hostcalls::get_map_bytes(map).unwrap_or_default()
+}
+
+pub fn buffer(kind: BufferType, len: usize) -> Vec<u8> {
+    if len == 0 {
+        return Vec::new();
+    }
+    match hostcalls::get_buffer(kind, 0, len) {
+        Ok(Some(b)) => b,
+        _ => Vec::new(),
+    }
+}
+
+pub fn remove_header(map: MapType, name: &str) {
+    if hostcalls::remove_map_value(map, name).is_err() {
+        log(
+            Level::Error,
+            &format!("atmost: could not remove header `{name}`"),
+        );
+    }
+}
+
+pub fn set_header(map: MapType, name: &str, value: &str) {
+    if hostcalls::set_map_value(map, name, Some(value)).is_err() {
+        log(
+            Level::Error,
+            &format!("atmost: could not set header `{name}`"),
+        );
+    }
+}
+
+pub fn property_int(path: &[&str]) -> Option<u64> {
+    match hostcalls::get_property(path.to_vec()) {
+        Ok(v) => crate::outcome::decode_int(v.as_deref()),
+        Err(_) => None,
+    }
+}
+
+pub fn dispatch(
+    cluster: &str,
+    headers: &[(String, String)],
+    body: &[u8],
+    timeout_ms: u64,
+) -> Option<u32> {
+    let hs: Vec<(&str, &str)> = headers
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    match hostcalls::dispatch_http_call(
+        cluster,
+        hs,
+        Some(body),
+        Vec::new(),
+        Duration::from_millis(timeout_ms),
+    ) {
+        Ok(token) => Some(token),
+        Err(status) => {
+            log(
+                Level::Warn,
+                &format!("atmost: dispatch_http_call to cluster `{cluster}` failed: {status:?}"),
+            );
+            None
+        }
+    }
+}
+
+/// Reads a callout's answer: `:status` (none when zero headers) and body.
+pub fn callout_reply(num_headers: usize, body_size: usize) -> crate::ledger::LedgerReply {
+    if num_headers == 0 {
+        return crate::ledger::LedgerReply::failed();
+    }
+    let status = headers(MapType::HttpCallResponseHeaders)
+        .iter()
+        .find(|(k, _)| k == ":status")
+        .and_then(|(_, v)| crate::ledger::parse_status(v));
+    crate::ledger::LedgerReply {
+        status,
+        body: buffer(BufferType::HttpCallResponseBody, body_size),
+    }
+}
+
+/// Counter ids, defined once per VM.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    ids: HashMap<Stat, u32>,
+}
+
+impl Metrics {
+    pub fn define() -> Metrics {
+        let mut ids = HashMap::new();
+        for stat in Stat::all() {
+            match hostcalls::define_metric(MetricType::Counter, &stat.name()) {
+                Ok(id) => {
+                    ids.insert(stat, id);
+                }
+                Err(_) => log(
+                    Level::Warn,
+                    &format!("atmost: could not define metric {}", stat.name()),
+                ),
+            }
+        }
+        Metrics { ids }
+    }
+
+    pub fn inc(&self, stat: Stat) {
+        if let Some(id) = self.ids.get(&stat) {
+            let _ = hostcalls::increment_metric(*id, 1);
+        }
+    }
+}

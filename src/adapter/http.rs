@@ -1,0 +1,218 @@
+//! One HTTP request: reads what Envoy offers, feeds [`Call`], carries out its effects.
+
+use super::host;
+use super::root::Shared;
+use crate::call::{BodyStep, Call, Effect, Flow, Level, LogProps, RequestHead, ResponseHead, Step};
+use crate::ledger;
+use crate::stats::Stat;
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::{Action, BufferType, MapType};
+
+pub struct Http {
+    shared: Shared,
+    call: Call,
+}
+
+impl Http {
+    pub fn new(shared: Shared) -> Http {
+        let call = Call::new(shared.config.clone());
+        Http { shared, call }
+    }
+
+    fn apply(&mut self, step: Step) -> Action {
+        for effect in step.effects {
+            self.effect(effect);
+        }
+        if let Some(callout) = step.callout {
+            let cfg = &self.shared.config.ledger;
+            let headers = ledger::headers(cfg, callout.endpoint);
+            if host::dispatch(&cfg.cluster, &headers, &callout.body, cfg.timeout_ms).is_none() {
+                let next = self.call.on_callout_failed();
+                return self.apply(next);
+            }
+        }
+        match step.flow {
+            Flow::Continue => Action::Continue,
+            Flow::Pause => Action::Pause,
+        }
+    }
+
+    fn effect(&mut self, effect: Effect) {
+        match effect {
+            Effect::RemoveRequestHeader(name) => {
+                host::remove_header(MapType::HttpRequestHeaders, &name)
+            }
+            Effect::SetRequestHeader(name, value) => {
+                host::set_header(MapType::HttpRequestHeaders, &name, &value)
+            }
+            Effect::LocalReply(reply) => {
+                let headers: Vec<(&str, &str)> = reply
+                    .headers
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_str()))
+                    .collect();
+                if hostcalls::send_http_response(reply.status, headers, Some(&reply.body)).is_err()
+                {
+                    host::log(Level::Error, "atmost: could not send a local reply");
+                }
+            }
+            Effect::ResumeRequest => {
+                if hostcalls::resume_http_request().is_err() {
+                    host::log(Level::Error, "atmost: could not resume the request");
+                }
+            }
+            Effect::ResumeResponse => {
+                if hostcalls::resume_http_response().is_err() {
+                    host::log(Level::Error, "atmost: could not resume the response");
+                }
+            }
+            Effect::Enqueue(report) => {
+                let dropped = self.shared.queue.borrow_mut().push(report);
+                if let Some(old) = dropped {
+                    self.shared.metrics.inc(Stat::ReportDropped);
+                    host::log(
+                        Level::Error,
+                        &format!(
+                            "atmost: report queue full; dropped the report of attempt {} (the ledger's lease sweeper will mark it uncertain)",
+                            old.attempt_id
+                        ),
+                    );
+                }
+            }
+            Effect::Count(stat) => self.shared.metrics.inc(stat),
+            Effect::Log(level, message) => host::log(level, &message),
+        }
+    }
+
+    fn request_head(&self, end_of_stream: bool) -> RequestHead {
+        let permit_name = self.shared.config.permit_header.as_str();
+        let mut head = RequestHead {
+            end_of_stream,
+            ..RequestHead::default()
+        };
+        for (name, value) in host::headers(MapType::HttpRequestHeaders) {
+            let name = name.to_ascii_lowercase();
+            if name == permit_name {
+                head.permit.push(value);
+            } else if name == crate::call::IDEMPOTENCY_HEADER {
+                head.idempotency_key.push(value);
+            } else if name == ":method" {
+                head.method = String::from_utf8_lossy(&value).into_owned();
+            } else if name == "mcp-method" && head.mirrored.method.is_none() {
+                head.mirrored.method = Some(String::from_utf8_lossy(&value).trim().to_string());
+            } else if name == "mcp-name" && head.mirrored.name.is_none() {
+                head.mirrored.name = Some(String::from_utf8_lossy(&value).trim().to_string());
+            } else if name == "content-length" {
+                head.content_length = std::str::from_utf8(&value)
+                    .ok()
+                    .and_then(|v| v.trim().parse().ok());
+            }
+        }
+        head
+    }
+}
+
+impl Context for Http {
+    fn on_http_call_response(
+        &mut self,
+        _token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let reply = host::callout_reply(num_headers, body_size);
+        let step = self.call.on_ledger_reply(&reply);
+        // Returned flow is meaningless in a callout callback; resumes are explicit effects.
+        let _ = self.apply(step);
+    }
+}
+
+impl HttpContext for Http {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let head = self.request_head(end_of_stream);
+        let step = self.call.on_request_headers(head);
+        self.apply(step)
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        match self.call.on_request_body(body_size, end_of_stream) {
+            BodyStep::Done(step) => self.apply(step),
+            BodyStep::Read { len } => {
+                let body = host::buffer(BufferType::HttpRequestBody, len);
+                let step = self.call.on_request_body_data(&body);
+                self.apply(step)
+            }
+        }
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        let step = self.call.on_request_trailers();
+        self.apply(step)
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let content_type = host::headers(MapType::HttpResponseHeaders)
+            .into_iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+            .map(|(_, v)| String::from_utf8_lossy(&v).into_owned());
+        let step = self.call.on_response_headers(ResponseHead {
+            content_type,
+            end_of_stream,
+        });
+        self.apply(step)
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        match self.call.on_response_body(body_size, end_of_stream) {
+            BodyStep::Done(step) => self.apply(step),
+            BodyStep::Read { len } => {
+                let bytes = host::buffer(BufferType::HttpResponseBody, len);
+                let step = self.call.on_response_body_data(&bytes, end_of_stream);
+                self.apply(step)
+            }
+        }
+    }
+
+    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        match self.call.on_response_trailers() {
+            BodyStep::Done(step) => self.apply(step),
+            BodyStep::Read { len } => {
+                let bytes = host::buffer(BufferType::HttpResponseBody, len);
+                let step = self.call.on_response_body_data(&bytes, true);
+                self.apply(step)
+            }
+        }
+    }
+
+    fn on_log(&mut self) {
+        let props = LogProps {
+            attempts: host::property_int(&["upstream", "request_attempt_count"]),
+            flags: host::property_int(&["response", "flags"]),
+        };
+        let step = self.call.on_log(props);
+        let _ = self.apply(step);
+    }
+}
+
+/// The HTTP context used when the plugin has no valid configuration: every request is
+/// refused (fail closed), never passed unchecked.
+pub struct Refuse;
+
+impl Context for Refuse {}
+
+impl HttpContext for Refuse {
+    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let body = br#"{"jsonrpc":"2.0","id":null,"error":{"code":-32603,"message":"atmost filter is not configured"}}"#;
+        if hostcalls::send_http_response(
+            503,
+            vec![("content-type", "application/json")],
+            Some(body),
+        )
+        .is_err()
+        {
+            host::log(Level::Error, "atmost: could not send a local reply");
+        }
+        Action::Pause
+    }
+}

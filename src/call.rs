@@ -1,0 +1,717 @@
+//! The per-request state machine. The adapter feeds it Envoy's callbacks as events; it
+//! answers with a [`Step`]: what to return to Envoy ([`Flow`]), side effects in order
+//! ([`Effect`]), and at most one ledger callout. It never touches Envoy itself, so every
+//! transition is tested natively.
+//!
+//! ```text
+//! Start ──non-POST / bodiless POST──────────────────────────────────▶ Passing
+//!   │ POST
+//!   ▼
+//! ReadingBody ──too large / unreadable / batch with tools/call──────▶ Answered (local reply)
+//!   │ ──not tools/call / ungoverned tool────────────────────────────▶ Passing
+//!   │ ──no permit / bad key─────────────────────────────────────────▶ Answered (denial)
+//!   ▼ governed tools/call: ONE authorize callout
+//! Authorizing ──deny / replay / ledger unavailable──────────────────▶ Answered
+//!   │ dispatch: resume the request upstream
+//!   ▼
+//! Dispatched(response watch) ──receipt found──▶ report `completed`, hold the chunk ──▶ Settled
+//!   └─ on_log without an acknowledged report ──▶ queue completed / released / uncertain
+//! ```
+
+use crate::config::Config;
+use crate::denial;
+use crate::fingerprint::fingerprint;
+use crate::idempotency;
+use crate::ledger::{Callout, Endpoint, LedgerReply};
+use crate::mcp::{self, Message, Mirrored};
+use crate::outcome::{self, NoReceipt};
+use crate::receipt::{self, SseCapture, SseProgress};
+use crate::replay;
+use crate::reply::{rpc_code, LocalReply};
+use crate::stats::Stat;
+use crate::upstream_key;
+use atmost_protocol::{
+    AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, Outcome, OutcomeAck, OutcomeReport,
+    OutcomesRequest,
+};
+use serde_json::Value;
+use std::rc::Rc;
+
+/// Name of the idempotency header, as Envoy stores it.
+pub const IDEMPOTENCY_HEADER: &str = "idempotency-key";
+
+/// What the request headers told us.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RequestHead {
+    /// `:method`.
+    pub method: String,
+    /// Every value of the permit header.
+    pub permit: Vec<Vec<u8>>,
+    /// Every value of `Idempotency-Key`.
+    pub idempotency_key: Vec<Vec<u8>>,
+    /// `Mcp-Method`, `Mcp-Name`.
+    pub mirrored: Mirrored,
+    /// `content-length`, when announced.
+    pub content_length: Option<u64>,
+    pub end_of_stream: bool,
+}
+
+/// What the response headers told us.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ResponseHead {
+    pub content_type: Option<String>,
+    pub end_of_stream: bool,
+}
+
+/// Envoy properties read in `on_log`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LogProps {
+    /// `upstream.request_attempt_count`.
+    pub attempts: Option<u64>,
+    /// `response.flags`.
+    pub flags: Option<u64>,
+}
+
+/// What to return to Envoy from the current callback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    Pause,
+}
+
+/// Log levels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+/// One side effect, carried out by the adapter in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Effect {
+    RemoveRequestHeader(String),
+    SetRequestHeader(String, String),
+    /// `send_http_response`; the request ends here.
+    LocalReply(LocalReply),
+    /// `resume_http_request` (only from a callout callback).
+    ResumeRequest,
+    /// `resume_http_response` (only from a callout callback).
+    ResumeResponse,
+    /// Hand a report to the root context's queue.
+    Enqueue(OutcomeReport),
+    Count(Stat),
+    Log(Level, String),
+}
+
+/// The machine's answer to one event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Step {
+    pub flow: Flow,
+    pub effects: Vec<Effect>,
+    /// Dispatched after the effects; if dispatching fails the adapter calls
+    /// [`Call::on_callout_failed`] and returns that step's flow instead.
+    pub callout: Option<Callout>,
+}
+
+impl Step {
+    fn new(flow: Flow) -> Step {
+        Step {
+            flow,
+            effects: Vec::new(),
+            callout: None,
+        }
+    }
+    fn cont() -> Step {
+        Step::new(Flow::Continue)
+    }
+    fn pause() -> Step {
+        Step::new(Flow::Pause)
+    }
+    fn with(mut self, e: Effect) -> Step {
+        self.effects.push(e);
+        self
+    }
+}
+
+/// A body callback's answer: either done, or "read `len` bytes of the buffered body and
+/// call the matching `*_data` method with them".
+#[derive(Debug, Clone, PartialEq)]
+pub enum BodyStep {
+    Done(Step),
+    Read { len: usize },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Pending {
+    id: Value,
+    tool: String,
+    key: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+enum Watch {
+    /// Upstream has not answered yet.
+    AwaitingHeaders,
+    /// `application/json`: buffering the body (Pause until end of stream).
+    BufferingJson { size: usize },
+    /// `text/event-stream`: chunks pass, a copy is scanned.
+    StreamingSse(Box<SseCapture>),
+    /// Done watching, without a receipt.
+    NoReceipt(NoReceipt),
+    /// A `completed` report is out; the response is held until it is answered.
+    Reporting { receipt: String },
+    /// The completion was acknowledged or handed to the root queue: nothing left to do.
+    Settled,
+}
+
+#[derive(Debug, Clone)]
+struct Dispatched {
+    attempt_id: String,
+    id: Value,
+    tool: String,
+    watch: Watch,
+}
+
+#[derive(Debug, Clone)]
+enum State {
+    Start,
+    /// Not governed: passes untouched (permit header already removed).
+    Passing,
+    ReadingBody(Box<RequestHead>),
+    Authorizing(Pending),
+    Dispatched(Box<Dispatched>),
+    /// A local reply was sent.
+    Answered,
+}
+
+/// One request's state machine.
+#[derive(Debug, Clone)]
+pub struct Call {
+    config: Rc<Config>,
+    state: State,
+}
+
+fn deny_step(config: &Config, denial: &Denial, id: &Value, tool: &str) -> Step {
+    let mut step = Step::pause()
+        .with(Effect::LocalReply(denial::render(
+            denial,
+            id,
+            config.denial_format,
+        )))
+        .with(Effect::Count(Stat::Denied))
+        .with(Effect::Count(Stat::DeniedCode(denial.code)));
+    if denial.code == DenialCode::GatewayUnavailable {
+        step = step.with(Effect::Count(Stat::GatewayUnavailable));
+    }
+    step.with(Effect::Log(
+        Level::Info,
+        format!("atmost: denied tools/call of `{tool}`: {}", denial.code),
+    ))
+}
+
+fn bad_request(reply: LocalReply) -> Step {
+    Step::pause()
+        .with(Effect::LocalReply(reply))
+        .with(Effect::Count(Stat::BadRequest))
+}
+
+fn too_large(max: u64) -> Step {
+    bad_request(LocalReply::rpc_error(
+        413,
+        None,
+        rpc_code::INVALID_REQUEST,
+        &format!("request body exceeds max_body_bytes ({max})"),
+    ))
+}
+
+fn gateway_unavailable() -> Denial {
+    Denial::new(
+        DenialCode::GatewayUnavailable,
+        "the atmost ledger could not be asked; the call was not sent",
+    )
+}
+
+fn content_kind(content_type: Option<&str>) -> Option<bool> {
+    let media = content_type?
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    match media.as_str() {
+        "application/json" => Some(true),
+        "text/event-stream" => Some(false),
+        _ => None,
+    }
+}
+
+fn usize_of(n: u64) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
+impl Call {
+    pub fn new(config: Rc<Config>) -> Call {
+        Call {
+            config,
+            state: State::Start,
+        }
+    }
+
+    /// Short state name (tests, debug logs).
+    pub fn state_name(&self) -> &'static str {
+        match &self.state {
+            State::Start => "start",
+            State::Passing => "passing",
+            State::ReadingBody(_) => "reading_body",
+            State::Authorizing(_) => "authorizing",
+            State::Answered => "answered",
+            State::Dispatched(d) => match d.watch {
+                Watch::AwaitingHeaders => "dispatched",
+                Watch::BufferingJson { .. } => "buffering_json",
+                Watch::StreamingSse(_) => "streaming_sse",
+                Watch::NoReceipt(_) => "no_receipt",
+                Watch::Reporting { .. } => "reporting",
+                Watch::Settled => "settled",
+            },
+        }
+    }
+
+    pub fn on_request_headers(&mut self, head: RequestHead) -> Step {
+        if !matches!(self.state, State::Start) {
+            return Step::cont();
+        }
+        let strip = Effect::RemoveRequestHeader(self.config.permit_header.clone());
+        if !head.method.eq_ignore_ascii_case("POST") || head.end_of_stream {
+            self.state = State::Passing;
+            return Step::cont().with(strip);
+        }
+        if head
+            .content_length
+            .is_some_and(|n| n > self.config.max_body_bytes)
+        {
+            self.state = State::Answered;
+            return too_large(self.config.max_body_bytes);
+        }
+        self.state = State::ReadingBody(Box::new(head));
+        Step::pause().with(strip)
+    }
+
+    pub fn on_request_body(&mut self, size: usize, end_of_stream: bool) -> BodyStep {
+        match &self.state {
+            State::ReadingBody(_) => {
+                if size as u64 > self.config.max_body_bytes {
+                    self.state = State::Answered;
+                    BodyStep::Done(too_large(self.config.max_body_bytes))
+                } else if end_of_stream {
+                    BodyStep::Read { len: size }
+                } else {
+                    BodyStep::Done(Step::pause())
+                }
+            }
+            State::Authorizing(_) | State::Answered => BodyStep::Done(Step::pause()),
+            _ => BodyStep::Done(Step::cont()),
+        }
+    }
+
+    pub fn on_request_trailers(&mut self) -> Step {
+        match &self.state {
+            State::ReadingBody(_) => {
+                self.state = State::Answered;
+                bad_request(LocalReply::rpc_error(
+                    400,
+                    None,
+                    rpc_code::INVALID_REQUEST,
+                    "request trailers are not accepted by atmost",
+                ))
+            }
+            State::Authorizing(_) | State::Answered => Step::pause(),
+            _ => Step::cont(),
+        }
+    }
+
+    /// The whole request body, after [`BodyStep::Read`].
+    pub fn on_request_body_data(&mut self, body: &[u8]) -> Step {
+        let State::ReadingBody(head) = std::mem::replace(&mut self.state, State::Answered) else {
+            // Not expected; put nothing at risk.
+            return Step::pause();
+        };
+        let call = match mcp::parse(body, &head.mirrored) {
+            Err(reply) => return bad_request(*reply),
+            Ok(Message::Other) => {
+                self.state = State::Passing;
+                return Step::cont();
+            }
+            Ok(Message::ToolCall(call)) => call,
+        };
+        if !self.config.governed_tools.contains(&call.name) {
+            self.state = State::Passing;
+            return Step::cont();
+        }
+        let permit = match head.permit.as_slice() {
+            [] => Err(format!(
+                "no permit: send the permit token in the `{}` header",
+                self.config.permit_header
+            )),
+            [one] => match std::str::from_utf8(one).map(str::trim) {
+                Ok(t) if !t.is_empty() && t.bytes().all(|b| (0x21..=0x7e).contains(&b)) => {
+                    Ok(t.to_string())
+                }
+                _ => Err(format!(
+                    "the `{}` header is empty or not a token",
+                    self.config.permit_header
+                )),
+            },
+            _ => Err(format!(
+                "the `{}` header was sent more than once",
+                self.config.permit_header
+            )),
+        };
+        let permit_token = match permit {
+            Ok(t) => t,
+            Err(msg) => {
+                let d = Denial::new(DenialCode::PermitInvalid, msg);
+                return deny_step(&self.config, &d, &call.id, &call.name);
+            }
+        };
+        let key = match idempotency::resolve(&head.idempotency_key, &call.meta_key) {
+            Ok(k) => k,
+            Err(d) => return deny_step(&self.config, &d, &call.id, &call.name),
+        };
+        let fp = match fingerprint(&call.name, &call.arguments) {
+            Ok(fp) => fp,
+            Err(_) => {
+                return bad_request(LocalReply::rpc_error(
+                    400,
+                    Some(&call.id),
+                    rpc_code::INVALID_PARAMS,
+                    "Invalid params: arguments cannot be canonicalised (RFC 8785)",
+                ))
+            }
+        };
+        let request = AuthorizeRequest {
+            permit_token,
+            tool: call.name.clone(),
+            idempotency_key: key.clone(),
+            fingerprint: fp,
+            key_required: self.config.key_required_tools.contains(&call.name),
+            arguments: Value::Object(call.arguments),
+        };
+        let body = match serde_json::to_vec(&request) {
+            Ok(b) => b,
+            Err(_) => return deny_step(&self.config, &gateway_unavailable(), &call.id, &call.name),
+        };
+        self.state = State::Authorizing(Pending {
+            id: call.id,
+            tool: call.name,
+            key,
+        });
+        Step {
+            flow: Flow::Pause,
+            effects: Vec::new(),
+            callout: Some(Callout {
+                endpoint: Endpoint::Authorize,
+                body,
+            }),
+        }
+    }
+
+    /// The callout of the last step could not even be dispatched.
+    pub fn on_callout_failed(&mut self) -> Step {
+        match &mut self.state {
+            State::Authorizing(p) => {
+                let (id, tool) = (p.id.clone(), p.tool.clone());
+                self.state = State::Answered;
+                deny_step(&self.config, &gateway_unavailable(), &id, &tool).with(Effect::Log(
+                    Level::Warn,
+                    "atmost: could not dispatch the authorize callout; call denied (gateway_unavailable)".into(),
+                ))
+            }
+            State::Dispatched(d) => match std::mem::replace(&mut d.watch, Watch::Settled) {
+                Watch::Reporting { receipt } => Step::cont()
+                    .with(Effect::Enqueue(OutcomeReport {
+                        attempt_id: d.attempt_id.clone(),
+                        outcome: Outcome::Completed { receipt },
+                    }))
+                    .with(Effect::Count(Stat::ReportDeferred))
+                    .with(Effect::Log(
+                        Level::Warn,
+                        format!(
+                            "atmost: could not dispatch the completed report of attempt {}; queued",
+                            d.attempt_id
+                        ),
+                    )),
+                other => {
+                    d.watch = other;
+                    Step::cont()
+                }
+            },
+            _ => Step::cont(),
+        }
+    }
+
+    /// The ledger answered (or failed to answer) the pending callout.
+    pub fn on_ledger_reply(&mut self, reply: &LedgerReply) -> Step {
+        match std::mem::replace(&mut self.state, State::Answered) {
+            State::Authorizing(p) => self.on_authorize_reply(p, reply),
+            State::Dispatched(mut d) => {
+                let step = match std::mem::replace(&mut d.watch, Watch::Settled) {
+                    Watch::Reporting { receipt } => {
+                        let mut step = Step::cont();
+                        match reply.outcomes(1) {
+                            Ok(acks) => match acks.first() {
+                                Some(OutcomeAck::Applied) | Some(OutcomeAck::AlreadyRecorded) => {}
+                                Some(a) => {
+                                    step = step.with(Effect::Log(
+                                        Level::Warn,
+                                        format!(
+                                            "atmost: ledger did not apply the completed report of attempt {}: {a:?}",
+                                            d.attempt_id
+                                        ),
+                                    ));
+                                }
+                                None => {}
+                            },
+                            Err(e) => {
+                                step = step
+                                    .with(Effect::Enqueue(OutcomeReport {
+                                        attempt_id: d.attempt_id.clone(),
+                                        outcome: Outcome::Completed { receipt },
+                                    }))
+                                    .with(Effect::Count(Stat::ReportDeferred))
+                                    .with(Effect::Log(
+                                        Level::Warn,
+                                        format!(
+                                            "atmost: completed report of attempt {} failed ({e}); queued",
+                                            d.attempt_id
+                                        ),
+                                    ));
+                            }
+                        }
+                        step.with(Effect::ResumeResponse)
+                    }
+                    other => {
+                        d.watch = other;
+                        Step::cont()
+                    }
+                };
+                self.state = State::Dispatched(d);
+                step
+            }
+            other => {
+                self.state = other;
+                Step::cont()
+            }
+        }
+    }
+
+    fn on_authorize_reply(&mut self, p: Pending, reply: &LedgerReply) -> Step {
+        let cfg = Rc::clone(&self.config);
+        match reply.authorize() {
+            Err(reason) => deny_step(&cfg, &gateway_unavailable(), &p.id, &p.tool).with(
+                Effect::Log(Level::Warn, format!("atmost: authorize failed: {reason}")),
+            ),
+            Ok(AuthorizeResponse::Deny(d)) => deny_step(&cfg, &d, &p.id, &p.tool),
+            Ok(AuthorizeResponse::Replay {
+                attempt_id,
+                receipt,
+            }) => match replay::render(&receipt, &p.id) {
+                Ok(reply) => Step::pause()
+                    .with(Effect::LocalReply(reply))
+                    .with(Effect::Count(Stat::Replayed))
+                    .with(Effect::Log(
+                        Level::Info,
+                        format!("atmost: replayed attempt {attempt_id} for `{}`", p.tool),
+                    )),
+                Err(_) => {
+                    deny_step(&cfg, &gateway_unavailable(), &p.id, &p.tool).with(Effect::Log(
+                        Level::Error,
+                        format!(
+                        "atmost: stored receipt of attempt {attempt_id} is not a JSON-RPC response"
+                    ),
+                    ))
+                }
+            },
+            Ok(AuthorizeResponse::Dispatch {
+                attempt_id,
+                permit_id,
+                ..
+            }) => {
+                let key_effect = match upstream_key::upstream_value(
+                    &cfg.upstream_key,
+                    &permit_id,
+                    p.key.as_deref(),
+                ) {
+                    Some(v) => Effect::SetRequestHeader(IDEMPOTENCY_HEADER.into(), v),
+                    None => Effect::RemoveRequestHeader(IDEMPOTENCY_HEADER.into()),
+                };
+                let step = Step::cont()
+                    .with(key_effect)
+                    .with(Effect::Count(Stat::Dispatched))
+                    .with(Effect::Log(
+                        Level::Info,
+                        format!("atmost: dispatching attempt {attempt_id} of `{}`", p.tool),
+                    ))
+                    .with(Effect::ResumeRequest);
+                self.state = State::Dispatched(Box::new(Dispatched {
+                    attempt_id,
+                    id: p.id,
+                    tool: p.tool,
+                    watch: Watch::AwaitingHeaders,
+                }));
+                step
+            }
+        }
+    }
+
+    pub fn on_response_headers(&mut self, head: ResponseHead) -> Step {
+        let max = usize_of(self.config.max_receipt_bytes);
+        if let State::Dispatched(d) = &mut self.state {
+            if matches!(d.watch, Watch::AwaitingHeaders) {
+                d.watch = if head.end_of_stream {
+                    Watch::NoReceipt(NoReceipt::NotJsonRpc)
+                } else {
+                    match content_kind(head.content_type.as_deref()) {
+                        Some(true) => Watch::BufferingJson { size: 0 },
+                        Some(false) => {
+                            Watch::StreamingSse(Box::new(SseCapture::new(d.id.clone(), max)))
+                        }
+                        None => Watch::NoReceipt(NoReceipt::NotJsonRpc),
+                    }
+                };
+            }
+        }
+        Step::cont()
+    }
+
+    pub fn on_response_body(&mut self, size: usize, end_of_stream: bool) -> BodyStep {
+        let max = self.config.max_receipt_bytes;
+        let State::Dispatched(d) = &mut self.state else {
+            return BodyStep::Done(Step::cont());
+        };
+        match &mut d.watch {
+            Watch::BufferingJson { size: seen } => {
+                if size as u64 > max {
+                    d.watch = Watch::NoReceipt(NoReceipt::TooLarge);
+                    BodyStep::Done(receipt_too_large(&d.attempt_id))
+                } else if end_of_stream {
+                    BodyStep::Read { len: size }
+                } else {
+                    *seen = size;
+                    BodyStep::Done(Step::pause())
+                }
+            }
+            Watch::StreamingSse(_) => BodyStep::Read { len: size },
+            Watch::Reporting { .. } => BodyStep::Done(Step::pause()),
+            _ => BodyStep::Done(Step::cont()),
+        }
+    }
+
+    pub fn on_response_trailers(&mut self) -> BodyStep {
+        match &self.state {
+            State::Dispatched(d) => match &d.watch {
+                Watch::BufferingJson { size } => BodyStep::Read { len: *size },
+                Watch::Reporting { .. } => BodyStep::Done(Step::pause()),
+                _ => BodyStep::Done(Step::cont()),
+            },
+            _ => BodyStep::Done(Step::cont()),
+        }
+    }
+
+    /// Response bytes after [`BodyStep::Read`]: the whole buffered JSON body, or one SSE chunk.
+    pub fn on_response_body_data(&mut self, bytes: &[u8], end_of_stream: bool) -> Step {
+        let State::Dispatched(d) = &mut self.state else {
+            return Step::cont();
+        };
+        let found = match &mut d.watch {
+            Watch::BufferingJson { .. } => match receipt::from_json_body(bytes, &d.id) {
+                Some(r) => r,
+                None => {
+                    d.watch = Watch::NoReceipt(NoReceipt::NoMatchingResponse);
+                    return Step::cont();
+                }
+            },
+            Watch::StreamingSse(cap) => match cap.feed(bytes) {
+                SseProgress::Found(r) => r,
+                SseProgress::TooLarge => {
+                    d.watch = Watch::NoReceipt(NoReceipt::TooLarge);
+                    return receipt_too_large(&d.attempt_id);
+                }
+                SseProgress::Pending => {
+                    if end_of_stream {
+                        d.watch = Watch::NoReceipt(NoReceipt::NoMatchingResponse);
+                    }
+                    return Step::cont();
+                }
+            },
+            _ => return Step::cont(),
+        };
+        let request = OutcomesRequest {
+            reports: vec![OutcomeReport {
+                attempt_id: d.attempt_id.clone(),
+                outcome: Outcome::Completed {
+                    receipt: found.clone(),
+                },
+            }],
+        };
+        d.watch = Watch::Reporting { receipt: found };
+        Step {
+            flow: Flow::Pause,
+            effects: vec![Effect::Count(Stat::Completed)],
+            callout: Some(Callout::outcomes(&request)),
+        }
+    }
+
+    /// The request is over (`on_log`).
+    pub fn on_log(&mut self, props: LogProps) -> Step {
+        match std::mem::replace(&mut self.state, State::Answered) {
+            State::Authorizing(p) => Step::cont().with(Effect::Log(
+                Level::Warn,
+                format!(
+                    "atmost: request ended before the ledger answered for `{}`; a reserved attempt turns uncertain when its lease runs out",
+                    p.tool
+                ),
+            )),
+            State::Dispatched(d) => {
+                let (receipt, why) = match d.watch {
+                    Watch::Settled => return Step::cont(),
+                    Watch::Reporting { receipt } => (Some(receipt), NoReceipt::NoResponse),
+                    Watch::NoReceipt(r) => (None, r),
+                    Watch::AwaitingHeaders | Watch::BufferingJson { .. } | Watch::StreamingSse(_) => {
+                        (None, NoReceipt::NoResponse)
+                    }
+                };
+                let outcome = outcome::classify(receipt.as_deref(), why, props.attempts, props.flags);
+                let (stat, text) = match &outcome {
+                    Outcome::Completed { .. } => (Stat::Completed, "completed".to_string()),
+                    Outcome::Released { reason } => (Stat::Released, format!("released ({reason})")),
+                    Outcome::Uncertain { reason } => (Stat::Uncertain, format!("uncertain ({reason})")),
+                };
+                Step::cont()
+                    .with(Effect::Enqueue(OutcomeReport {
+                        attempt_id: d.attempt_id.clone(),
+                        outcome,
+                    }))
+                    .with(Effect::Count(stat))
+                    .with(Effect::Log(
+                        Level::Info,
+                        format!("atmost: attempt {} of `{}` is {text}", d.attempt_id, d.tool),
+                    ))
+            }
+            _ => Step::cont(),
+        }
+    }
+}
+
+fn receipt_too_large(attempt_id: &str) -> Step {
+    Step::cont()
+        .with(Effect::Count(Stat::ReceiptTooLarge))
+        .with(Effect::Log(
+            Level::Warn,
+            format!("atmost: response of attempt {attempt_id} exceeds max_receipt_bytes; it will be reported uncertain (receipt_too_large)"),
+        ))
+}
+
+#[cfg(test)]
+mod tests;

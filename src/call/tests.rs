@@ -1,0 +1,735 @@
+//! Event → action table for the per-request state machine.
+
+use super::*;
+use crate::config::tests::{config_from, minimal};
+use serde_json::json;
+
+fn cfg() -> Rc<Config> {
+    Rc::new(config_from(&minimal()))
+}
+
+fn cfg_with(patch: Value) -> Rc<Config> {
+    let mut c = minimal();
+    if let (Some(obj), Value::Object(p)) = (c.as_object_mut(), patch) {
+        for (k, v) in p {
+            obj.insert(k, v);
+        }
+    }
+    Rc::new(config_from(&c))
+}
+
+fn post(permit: &[&str], key: &[&str]) -> RequestHead {
+    RequestHead {
+        method: "POST".into(),
+        permit: permit.iter().map(|p| p.as_bytes().to_vec()).collect(),
+        idempotency_key: key.iter().map(|k| k.as_bytes().to_vec()).collect(),
+        ..RequestHead::default()
+    }
+}
+
+const PAY: &str = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"pay_invoice","arguments":{"invoice":"INV-1","amount":1250}}}"#;
+
+fn read(step: BodyStep) -> usize {
+    match step {
+        BodyStep::Read { len } => len,
+        BodyStep::Done(s) => panic!("expected a read, got {s:?}"),
+    }
+}
+
+fn done(step: BodyStep) -> Step {
+    match step {
+        BodyStep::Done(s) => s,
+        BodyStep::Read { len } => panic!("expected done, got read {len}"),
+    }
+}
+
+/// Drives headers + whole body; returns the step after the body.
+fn send(call: &mut Call, head: RequestHead, body: &str) -> Step {
+    let s = call.on_request_headers(head);
+    assert_eq!(s.flow, Flow::Pause);
+    assert_eq!(
+        s.effects,
+        vec![Effect::RemoveRequestHeader("atmost-permit".into())]
+    );
+    assert_eq!(
+        done(call.on_request_body(body.len() / 2, false)).flow,
+        Flow::Pause
+    );
+    let len = read(call.on_request_body(body.len(), true));
+    assert_eq!(len, body.len());
+    call.on_request_body_data(body.as_bytes())
+}
+
+fn local_reply(step: &Step) -> &LocalReply {
+    step.effects
+        .iter()
+        .find_map(|e| match e {
+            Effect::LocalReply(r) => Some(r),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no local reply in {step:?}"))
+}
+
+fn counts(step: &Step) -> Vec<Stat> {
+    step.effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Count(s) => Some(*s),
+            _ => None,
+        })
+        .collect()
+}
+
+fn enqueued(step: &Step) -> Vec<OutcomeReport> {
+    step.effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Enqueue(r) => Some(r.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn authorize_body(step: &Step) -> AuthorizeRequest {
+    let c = step
+        .callout
+        .as_ref()
+        .unwrap_or_else(|| panic!("no callout in {step:?}"));
+    assert_eq!(c.endpoint, Endpoint::Authorize);
+    serde_json::from_slice(&c.body).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn ledger(resp: &AuthorizeResponse) -> LedgerReply {
+    LedgerReply {
+        status: Some(200),
+        body: serde_json::to_vec(resp).unwrap_or_default(),
+    }
+}
+
+fn dispatch() -> AuthorizeResponse {
+    AuthorizeResponse::Dispatch {
+        attempt_id: "att_1".into(),
+        permit_id: "pmt_1".into(),
+        lease_ms: 30_000,
+    }
+}
+
+/// A call dispatched upstream with a key.
+fn dispatched(c: Rc<Config>) -> Call {
+    let mut call = Call::new(c);
+    let s = send(&mut call, post(&["tok"], &["\"k1\""]), PAY);
+    assert!(s.callout.is_some());
+    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    assert_eq!(s.effects.last(), Some(&Effect::ResumeRequest));
+    assert_eq!(call.state_name(), "dispatched");
+    call
+}
+
+fn json_head() -> ResponseHead {
+    ResponseHead {
+        content_type: Some("application/json; charset=utf-8".into()),
+        end_of_stream: false,
+    }
+}
+
+fn sse_head() -> ResponseHead {
+    ResponseHead {
+        content_type: Some("text/event-stream".into()),
+        end_of_stream: false,
+    }
+}
+
+const RECEIPT: &str =
+    r#"{"jsonrpc":"2.0","id":7,"result":{"content":[{"type":"text","text":"paid"}]}}"#;
+
+#[test]
+fn non_post_passes_without_reading() {
+    for method in ["GET", "DELETE", "OPTIONS", "PUT"] {
+        let mut call = Call::new(cfg());
+        let s = call.on_request_headers(RequestHead {
+            method: method.into(),
+            ..RequestHead::default()
+        });
+        assert_eq!(s.flow, Flow::Continue);
+        assert_eq!(
+            s.effects,
+            vec![Effect::RemoveRequestHeader("atmost-permit".into())]
+        );
+        assert!(s.callout.is_none());
+        assert_eq!(call.state_name(), "passing");
+        assert_eq!(done(call.on_request_body(10, true)).flow, Flow::Continue);
+        assert_eq!(call.on_response_headers(sse_head()).flow, Flow::Continue);
+        assert_eq!(done(call.on_response_body(10, false)), Step::cont());
+        assert_eq!(call.on_log(LogProps::default()), Step::cont());
+    }
+}
+
+#[test]
+fn bodiless_post_passes() {
+    let mut call = Call::new(cfg());
+    let mut head = post(&[], &[]);
+    head.end_of_stream = true;
+    let s = call.on_request_headers(head);
+    assert_eq!(s.flow, Flow::Continue);
+    assert_eq!(call.state_name(), "passing");
+}
+
+#[test]
+fn too_large_by_content_length_or_by_body() {
+    let c = cfg_with(json!({"max_body_bytes": 100}));
+    let mut call = Call::new(Rc::clone(&c));
+    let mut head = post(&["tok"], &[]);
+    head.content_length = Some(101);
+    let s = call.on_request_headers(head);
+    assert_eq!(s.flow, Flow::Pause);
+    let r = local_reply(&s);
+    assert_eq!(r.status, 413);
+    assert_eq!(
+        r.body_json(),
+        Some(
+            json!({"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"request body exceeds max_body_bytes (100)"}})
+        )
+    );
+    assert_eq!(call.state_name(), "answered");
+
+    let mut call = Call::new(c);
+    call.on_request_headers(post(&["tok"], &[]));
+    assert_eq!(done(call.on_request_body(60, false)).flow, Flow::Pause);
+    let s = done(call.on_request_body(101, false));
+    assert_eq!(local_reply(&s).status, 413);
+    assert_eq!(s.flow, Flow::Pause);
+    assert_eq!(counts(&s), vec![Stat::BadRequest]);
+}
+
+#[test]
+fn bad_bodies_are_local_replies() {
+    for (body, status, code) in [
+        ("nope", 400, -32700),
+        ("{}", 400, -32600),
+        (
+            r#"[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x"}}]"#,
+            400,
+            -32600,
+        ),
+        (
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":1}}"#,
+            400,
+            -32602,
+        ),
+    ] {
+        let mut call = Call::new(cfg());
+        let s = send(&mut call, post(&["tok"], &[]), body);
+        assert_eq!(s.flow, Flow::Pause);
+        assert!(s.callout.is_none());
+        let r = local_reply(&s);
+        assert_eq!(r.status, status);
+        assert_eq!(
+            r.body_json().map(|v| v["error"]["code"].clone()),
+            Some(json!(code))
+        );
+        assert_eq!(call.state_name(), "answered");
+    }
+}
+
+#[test]
+fn other_methods_and_ungoverned_tools_pass_without_callout() {
+    let c = cfg_with(json!({"governed_tools": ["pay_invoice"]}));
+    for body in [
+        r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{}}"#,
+        r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#,
+        r#"[{"jsonrpc":"2.0","id":1,"method":"tools/list"}]"#,
+        r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"search"}}"#,
+    ] {
+        let mut call = Call::new(Rc::clone(&c));
+        // No permit needed for traffic that is not governed.
+        let s = send(&mut call, post(&[], &[]), body);
+        assert_eq!(s, Step::cont(), "{body}");
+        assert_eq!(call.state_name(), "passing");
+        assert_eq!(
+            call.on_log(LogProps {
+                attempts: Some(1),
+                flags: Some(0)
+            }),
+            Step::cont()
+        );
+    }
+}
+
+#[test]
+fn permit_problems_deny_locally() {
+    for permit in [&[][..], &[""][..], &["a", "b"][..], &["to ken"][..]] {
+        let mut call = Call::new(cfg());
+        let s = send(&mut call, post(permit, &[]), PAY);
+        assert!(s.callout.is_none());
+        let r = local_reply(&s);
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("atmost-denial"), Some("permit_invalid"));
+        assert_eq!(
+            counts(&s),
+            vec![Stat::Denied, Stat::DeniedCode(DenialCode::PermitInvalid)]
+        );
+        let v = r.body_json().unwrap_or(Value::Null);
+        assert_eq!(v["id"], 7);
+        assert_eq!(v["result"]["isError"], true);
+    }
+}
+
+#[test]
+fn key_problems_deny_locally() {
+    let conflict = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"pay_invoice","_meta":{"dev.atmost/idempotency-key":"other"}}}"#;
+    for (keys, body) in [
+        (&["\"unterminated"][..], PAY),
+        (&["a", "b"][..], PAY),
+        (&["\"k1\""][..], conflict),
+    ] {
+        let mut call = Call::new(cfg());
+        let s = send(&mut call, post(&["tok"], keys), body);
+        assert!(s.callout.is_none());
+        assert_eq!(
+            local_reply(&s).header("atmost-denial"),
+            Some("invalid_idempotency_key")
+        );
+    }
+}
+
+#[test]
+fn governed_call_makes_one_authorize_callout() {
+    let c = cfg_with(json!({"key_required_tools": ["pay_invoice"]}));
+    let mut call = Call::new(c);
+    let s = send(&mut call, post(&[" tok "], &["\"k1\""]), PAY);
+    assert_eq!(s.flow, Flow::Pause);
+    assert!(s.effects.is_empty());
+    let req = authorize_body(&s);
+    assert_eq!(req.permit_token, "tok");
+    assert_eq!(req.tool, "pay_invoice");
+    assert_eq!(req.idempotency_key.as_deref(), Some("k1"));
+    assert_eq!(req.arguments, json!({"invoice":"INV-1","amount":1250}));
+    assert!(req.key_required);
+    assert_eq!(
+        Some(req.fingerprint),
+        crate::fingerprint::fingerprint(
+            "pay_invoice",
+            json!({"amount":1250,"invoice":"INV-1"})
+                .as_object()
+                .unwrap_or(&serde_json::Map::new())
+        )
+        .ok()
+    );
+    assert_eq!(call.state_name(), "authorizing");
+    // Body callbacks while waiting keep holding.
+    assert_eq!(done(call.on_request_body(0, true)).flow, Flow::Pause);
+}
+
+#[test]
+fn authorize_failures_fail_closed() {
+    let failures = [
+        LedgerReply::failed(),
+        LedgerReply {
+            status: Some(503),
+            body: b"{}".to_vec(),
+        },
+        LedgerReply {
+            status: Some(200),
+            body: b"garbage".to_vec(),
+        },
+    ];
+    for f in &failures {
+        let mut call = Call::new(cfg());
+        send(&mut call, post(&["tok"], &[]), PAY);
+        let s = call.on_ledger_reply(f);
+        assert!(!s.effects.contains(&Effect::ResumeRequest));
+        assert_eq!(
+            local_reply(&s).header("atmost-denial"),
+            Some("gateway_unavailable")
+        );
+        assert!(counts(&s).contains(&Stat::GatewayUnavailable));
+        assert_eq!(call.state_name(), "answered");
+    }
+    // The callout could not even be dispatched.
+    let mut call = Call::new(cfg());
+    send(&mut call, post(&["tok"], &[]), PAY);
+    let s = call.on_callout_failed();
+    assert_eq!(s.flow, Flow::Pause);
+    assert_eq!(
+        local_reply(&s).header("atmost-denial"),
+        Some("gateway_unavailable")
+    );
+}
+
+#[test]
+fn dispatch_sets_the_upstream_key_and_resumes() {
+    // hmac (default)
+    let mut call = Call::new(cfg());
+    send(&mut call, post(&["tok"], &["\"k1\""]), PAY);
+    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    let want = crate::upstream_key::upstream_value(&cfg().upstream_key, "pmt_1", Some("k1"))
+        .unwrap_or_default();
+    assert_eq!(
+        s.effects,
+        vec![
+            Effect::SetRequestHeader("idempotency-key".into(), want),
+            Effect::Count(Stat::Dispatched),
+            Effect::Log(
+                Level::Info,
+                "atmost: dispatching attempt att_1 of `pay_invoice`".into()
+            ),
+            Effect::ResumeRequest,
+        ]
+    );
+    // raw
+    let mut call = Call::new(cfg_with(json!({"upstream_key": {"mode": "raw"}})));
+    send(&mut call, post(&["tok"], &["\"k1\""]), PAY);
+    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    assert_eq!(
+        s.effects[0],
+        Effect::SetRequestHeader("idempotency-key".into(), "k1".into())
+    );
+    // off
+    let mut call = Call::new(cfg_with(json!({"upstream_key": {"mode": "off"}})));
+    send(&mut call, post(&["tok"], &["\"k1\""]), PAY);
+    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    assert_eq!(
+        s.effects[0],
+        Effect::RemoveRequestHeader("idempotency-key".into())
+    );
+    // no key at all
+    let mut call = Call::new(cfg());
+    send(&mut call, post(&["tok"], &[]), PAY);
+    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    assert_eq!(
+        s.effects[0],
+        Effect::RemoveRequestHeader("idempotency-key".into())
+    );
+}
+
+#[test]
+fn replay_and_deny_answer_locally() {
+    let mut call = Call::new(cfg());
+    send(&mut call, post(&["tok"], &["k1"]), PAY);
+    let s = call.on_ledger_reply(&ledger(&AuthorizeResponse::Replay {
+        attempt_id: "att_0".into(),
+        receipt: r#"{"jsonrpc":"2.0","id":1,"result":{"content":[]}}"#.into(),
+    }));
+    let r = local_reply(&s);
+    assert_eq!(r.header("idempotent-replayed"), Some("true"));
+    assert_eq!(
+        r.body_json(),
+        Some(
+            json!({"jsonrpc":"2.0","id":7,"result":{"content":[],"_meta":{"dev.atmost/replayed":true}}})
+        )
+    );
+    assert_eq!(counts(&s), vec![Stat::Replayed]);
+    assert!(!s.effects.contains(&Effect::ResumeRequest));
+
+    let mut call = Call::new(cfg_with(json!({"denial_format": "error"})));
+    send(&mut call, post(&["tok"], &["k1"]), PAY);
+    let s = call.on_ledger_reply(&ledger(&AuthorizeResponse::Deny(
+        Denial::new(DenialCode::DeliveryUncertain, "unknown").with("attempt_id", "att_0"),
+    )));
+    let v = local_reply(&s).body_json().unwrap_or(Value::Null);
+    assert_eq!(v["error"]["code"], -31010);
+    assert_eq!(
+        v["error"]["data"],
+        json!({"code":"delivery_uncertain","attempt_id":"att_0"})
+    );
+    assert!(!s.effects.contains(&Effect::ResumeRequest));
+}
+
+#[test]
+fn json_response_is_held_and_reported_before_release() {
+    let mut call = dispatched(cfg());
+    assert_eq!(call.on_response_headers(json_head()), Step::cont());
+    assert_eq!(done(call.on_response_body(10, false)).flow, Flow::Pause);
+    let len = read(call.on_response_body(RECEIPT.len(), true));
+    let s = call.on_response_body_data(&RECEIPT.as_bytes()[..len], true);
+    assert_eq!(s.flow, Flow::Pause);
+    assert_eq!(counts(&s), vec![Stat::Completed]);
+    let c = s.callout.unwrap_or_else(|| panic!("no report"));
+    assert_eq!(c.endpoint, Endpoint::Outcomes);
+    let req: OutcomesRequest =
+        serde_json::from_slice(&c.body).unwrap_or(OutcomesRequest { reports: vec![] });
+    assert_eq!(
+        req.reports,
+        vec![OutcomeReport {
+            attempt_id: "att_1".into(),
+            outcome: Outcome::Completed {
+                receipt: RECEIPT.into()
+            }
+        }]
+    );
+    assert_eq!(call.state_name(), "reporting");
+    // Acknowledged: resume, nothing left for on_log.
+    let s = call.on_ledger_reply(&LedgerReply {
+        status: Some(200),
+        body: br#"{"acks":["applied"]}"#.to_vec(),
+    });
+    assert_eq!(s.effects, vec![Effect::ResumeResponse]);
+    assert_eq!(call.state_name(), "settled");
+    assert_eq!(
+        call.on_log(LogProps {
+            attempts: Some(1),
+            flags: Some(0)
+        }),
+        Step::cont()
+    );
+}
+
+#[test]
+fn failed_completion_report_is_queued_and_response_resumed() {
+    let mut call = dispatched(cfg());
+    call.on_response_headers(json_head());
+    read(call.on_response_body(RECEIPT.len(), true));
+    call.on_response_body_data(RECEIPT.as_bytes(), true);
+    let s = call.on_ledger_reply(&LedgerReply::failed());
+    assert_eq!(s.effects.last(), Some(&Effect::ResumeResponse));
+    assert_eq!(
+        enqueued(&s),
+        vec![OutcomeReport {
+            attempt_id: "att_1".into(),
+            outcome: Outcome::Completed {
+                receipt: RECEIPT.into()
+            }
+        }]
+    );
+    assert_eq!(call.on_log(LogProps::default()), Step::cont());
+
+    // Dispatch of the report itself failed: queue, let the chunk go.
+    let mut call = dispatched(cfg());
+    call.on_response_headers(json_head());
+    read(call.on_response_body(RECEIPT.len(), true));
+    call.on_response_body_data(RECEIPT.as_bytes(), true);
+    let s = call.on_callout_failed();
+    assert_eq!(s.flow, Flow::Continue);
+    assert_eq!(enqueued(&s).len(), 1);
+    assert!(!s.effects.contains(&Effect::ResumeResponse));
+    assert_eq!(call.on_log(LogProps::default()), Step::cont());
+}
+
+#[test]
+fn client_gone_while_reporting_queues_completed() {
+    let mut call = dispatched(cfg());
+    call.on_response_headers(json_head());
+    read(call.on_response_body(RECEIPT.len(), true));
+    call.on_response_body_data(RECEIPT.as_bytes(), true);
+    let s = call.on_log(LogProps {
+        attempts: Some(1),
+        flags: Some(outcome::DC),
+    });
+    assert_eq!(
+        enqueued(&s),
+        vec![OutcomeReport {
+            attempt_id: "att_1".into(),
+            outcome: Outcome::Completed {
+                receipt: RECEIPT.into()
+            }
+        }]
+    );
+}
+
+#[test]
+fn sse_streams_through_and_holds_the_chunk_with_the_response() {
+    let mut call = dispatched(cfg());
+    call.on_response_headers(sse_head());
+    let chunks: [&[u8]; 3] = [
+        b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{}}\n\ndata: {\"jsonrpc\":\"2.0\",",
+        b"\"id\":7,\"result\":{\"content\":[]}}\n",
+        b"\n",
+    ];
+    for (i, chunk) in chunks.iter().enumerate() {
+        let len = read(call.on_response_body(chunk.len(), false));
+        let s = call.on_response_body_data(&chunk[..len], false);
+        if i < 2 {
+            assert_eq!(s, Step::cont(), "chunk {i} passes");
+        } else {
+            assert_eq!(s.flow, Flow::Pause);
+            let c = s.callout.unwrap_or_else(|| panic!("no report"));
+            let req: OutcomesRequest =
+                serde_json::from_slice(&c.body).unwrap_or(OutcomesRequest { reports: vec![] });
+            assert_eq!(
+                req.reports[0].outcome,
+                Outcome::Completed {
+                    receipt: r#"{"jsonrpc":"2.0","id":7,"result":{"content":[]}}"#.into()
+                }
+            );
+        }
+    }
+    // More data while the report is out stays held; the end passes after the ack.
+    assert_eq!(done(call.on_response_body(5, true)).flow, Flow::Pause);
+    let s = call.on_ledger_reply(&LedgerReply {
+        status: Some(200),
+        body: br#"{"acks":["already_recorded"]}"#.to_vec(),
+    });
+    assert_eq!(s.effects, vec![Effect::ResumeResponse]);
+    assert_eq!(done(call.on_response_body(5, true)).flow, Flow::Continue);
+}
+
+#[test]
+fn oversized_receipts_become_uncertain() {
+    let c = cfg_with(json!({"max_receipt_bytes": 16}));
+    let mut call = dispatched(Rc::clone(&c));
+    call.on_response_headers(json_head());
+    let s = done(call.on_response_body(17, false));
+    assert_eq!(s.flow, Flow::Continue);
+    assert_eq!(counts(&s), vec![Stat::ReceiptTooLarge]);
+    assert_eq!(done(call.on_response_body(100, true)).flow, Flow::Continue);
+    let s = call.on_log(LogProps {
+        attempts: Some(1),
+        flags: Some(0),
+    });
+    assert!(
+        matches!(&enqueued(&s)[0].outcome, Outcome::Uncertain { reason } if reason.starts_with("receipt_too_large"))
+    );
+
+    let mut call = dispatched(c);
+    call.on_response_headers(sse_head());
+    let chunk = b"data: {\"jsonrpc\":\"2.0\",\"id\":7,\"result\":{}}\n\n";
+    let len = read(call.on_response_body(chunk.len(), false));
+    let s = call.on_response_body_data(&chunk[..len], false);
+    assert_eq!(s.flow, Flow::Continue);
+    assert_eq!(counts(&s), vec![Stat::ReceiptTooLarge]);
+}
+
+#[test]
+fn on_log_classifies_unreported_attempts() {
+    let table: Vec<(Option<ResponseHead>, LogProps, &str)> = vec![
+        // connection refused: Envoy's own 503 text/plain, UF
+        (
+            Some(ResponseHead {
+                content_type: Some("text/plain".into()),
+                end_of_stream: false,
+            }),
+            LogProps {
+                attempts: Some(1),
+                flags: Some(outcome::UF),
+            },
+            "released",
+        ),
+        // never attempted
+        (
+            None,
+            LogProps {
+                attempts: Some(0),
+                flags: Some(outcome::DC),
+            },
+            "released",
+        ),
+        // cut after the tool ran
+        (
+            Some(json_head()),
+            LogProps {
+                attempts: Some(1),
+                flags: Some(outcome::UC),
+            },
+            "uncertain",
+        ),
+        // timeout
+        (
+            Some(ResponseHead {
+                content_type: Some("text/plain".into()),
+                end_of_stream: false,
+            }),
+            LogProps {
+                attempts: Some(1),
+                flags: Some(outcome::UT),
+            },
+            "uncertain",
+        ),
+        // client hung up while upstream worked
+        (
+            None,
+            LogProps {
+                attempts: Some(1),
+                flags: Some(outcome::DC),
+            },
+            "uncertain",
+        ),
+        // a 200 without a receipt
+        (
+            Some(ResponseHead {
+                content_type: Some("text/html".into()),
+                end_of_stream: false,
+            }),
+            LogProps {
+                attempts: Some(1),
+                flags: Some(0),
+            },
+            "uncertain",
+        ),
+        // properties unavailable
+        (None, LogProps::default(), "uncertain"),
+    ];
+    for (resp, props, want) in table {
+        let mut call = dispatched(cfg());
+        if let Some(h) = resp.clone() {
+            call.on_response_headers(h);
+        }
+        let s = call.on_log(props);
+        let q = enqueued(&s);
+        assert_eq!(q.len(), 1);
+        assert_eq!(q[0].attempt_id, "att_1");
+        let got = match &q[0].outcome {
+            Outcome::Completed { .. } => "completed",
+            Outcome::Released { .. } => "released",
+            Outcome::Uncertain { .. } => "uncertain",
+        };
+        assert_eq!(got, want, "{resp:?} {props:?}");
+        let want_stat = if want == "released" {
+            Stat::Released
+        } else {
+            Stat::Uncertain
+        };
+        assert_eq!(counts(&s), vec![want_stat]);
+        // on_log happens once.
+        assert_eq!(call.on_log(props), Step::cont());
+    }
+}
+
+#[test]
+fn json_without_matching_response_is_not_a_receipt() {
+    let mut call = dispatched(cfg());
+    call.on_response_headers(json_head());
+    let body = br#"{"jsonrpc":"2.0","id":8,"result":{}}"#;
+    read(call.on_response_body(body.len(), true));
+    let s = call.on_response_body_data(body, true);
+    assert_eq!(s, Step::cont());
+    assert_eq!(call.state_name(), "no_receipt");
+}
+
+#[test]
+fn request_trailers_while_reading_are_refused() {
+    let mut call = Call::new(cfg());
+    call.on_request_headers(post(&["tok"], &[]));
+    let s = call.on_request_trailers();
+    assert_eq!(local_reply(&s).status, 400);
+}
+
+#[test]
+fn logs_never_carry_secrets() {
+    let mut call = Call::new(cfg());
+    let mut all = Vec::new();
+    all.push(send(
+        &mut call,
+        post(&["permit-secret-tok"], &["\"key-secret\""]),
+        PAY,
+    ));
+    all.push(call.on_ledger_reply(&ledger(&dispatch())));
+    call.on_response_headers(json_head());
+    read(call.on_response_body(RECEIPT.len(), true));
+    all.push(call.on_response_body_data(RECEIPT.as_bytes(), true));
+    all.push(call.on_ledger_reply(&LedgerReply::failed()));
+    for s in &all {
+        for e in &s.effects {
+            if let Effect::Log(_, m) = e {
+                for secret in [
+                    "permit-secret-tok",
+                    "key-secret",
+                    "INV-1",
+                    "paid",
+                    "svc-token",
+                ] {
+                    assert!(!m.contains(secret), "{m}");
+                }
+            }
+        }
+    }
+}

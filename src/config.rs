@@ -1,0 +1,619 @@
+//! The plugin configuration: the JSON in the Wasm filter's `configuration`.
+//!
+//! Parsing and checking happen in one pass over the JSON so that every error names the
+//! field it is about (`ledger.timeout_ms`, `upstream_key.secret`, …). Unknown fields are
+//! refused, so a typo is an error and not a silently ignored setting. Error messages never
+//! echo a field's value (some are secrets).
+
+use serde_json::{Map, Value};
+
+/// Default `permit_header`.
+pub const DEFAULT_PERMIT_HEADER: &str = "atmost-permit";
+/// Default `ledger.authority`.
+pub const DEFAULT_AUTHORITY: &str = "atmost-ledger";
+/// Default `ledger.timeout_ms`.
+pub const DEFAULT_TIMEOUT_MS: u64 = 1000;
+/// Default `max_body_bytes` and `max_receipt_bytes` (1 MiB).
+pub const DEFAULT_MAX_BYTES: u64 = 1_048_576;
+/// Largest accepted `max_body_bytes` / `max_receipt_bytes` (64 MiB).
+pub const MAX_MAX_BYTES: u64 = 64 * 1_048_576;
+/// Default `report_interval_ms`.
+pub const DEFAULT_REPORT_INTERVAL_MS: u64 = 200;
+/// Shortest accepted `upstream_key.secret`, in bytes.
+pub const MIN_SECRET_BYTES: usize = 16;
+
+/// The checked plugin configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// `ledger`: where and how the filter asks the ledger.
+    pub ledger: LedgerConfig,
+    /// `permit_header` (string, default `"atmost-permit"`): request header carrying the
+    /// permit token. Matched case-insensitively, always removed before upstream. May not be
+    /// `authorization` (that one stays the MCP server's), `idempotency-key`, `host` or a
+    /// pseudo-header.
+    pub permit_header: String,
+    /// `governed_tools` (array of strings, default `["*"]`): tool names (`params.name`)
+    /// whose `tools/call` needs the ledger's decision; `"*"` governs every tool. Calls to
+    /// other tools pass like any other traffic. Must not be empty.
+    pub governed_tools: ToolSet,
+    /// `key_required_tools` (array of strings, default `[]`): governed tools for which the
+    /// ledger denies a call without an idempotency key (`idempotency_key_required`); `"*"`
+    /// means every governed tool.
+    pub key_required_tools: ToolSet,
+    /// `upstream_key`: what the upstream receives in its `Idempotency-Key` header.
+    pub upstream_key: UpstreamKey,
+    /// `denial_format` (`"result"` | `"error"`, default `"result"`): `result` answers a
+    /// denial with HTTP 200 and a JSON-RPC result with `isError: true` and
+    /// `structuredContent.error`; `error` answers with a JSON-RPC error object whose code is
+    /// the denial's application code (-31001…).
+    pub denial_format: DenialFormat,
+    /// `max_body_bytes` (integer, default 1048576, 1..=67108864): largest request body the
+    /// filter reads; a larger POST is answered HTTP 413 with a JSON-RPC error. Envoy's
+    /// `per_connection_buffer_limit_bytes` must be at least this large.
+    pub max_body_bytes: u64,
+    /// `max_receipt_bytes` (integer, default 1048576, 1..=67108864): largest upstream
+    /// response (JSON) or single SSE event the filter keeps as a receipt. Past it the
+    /// response still reaches the client, but the call is reported `uncertain` with reason
+    /// `receipt_too_large`.
+    pub max_receipt_bytes: u64,
+    /// `report_interval_ms` (integer, default 200, 10..=60000): tick period of the root
+    /// context, which sends queued outcome reports to the ledger in batches.
+    pub report_interval_ms: u64,
+}
+
+/// `ledger`: the callout target.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LedgerConfig {
+    /// `ledger.cluster` (string, required): name of the Envoy cluster of the ledger.
+    pub cluster: String,
+    /// `ledger.authority` (string, default `"atmost-ledger"`): `:authority` of callouts.
+    pub authority: String,
+    /// `ledger.timeout_ms` (integer, default 1000, 1..=60000): timeout of each callout; a
+    /// timed-out authorize denies the call with `gateway_unavailable`.
+    pub timeout_ms: u64,
+    /// `ledger.service_token` (string, required): sent as `authorization: Bearer <token>`
+    /// on every callout. Printable ASCII; never logged.
+    pub service_token: String,
+}
+
+/// Which tools a list names.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolSet {
+    /// `"*"` was listed.
+    All,
+    /// Exactly these names.
+    Only(Vec<String>),
+}
+
+impl ToolSet {
+    /// Whether `tool` is in the set.
+    pub fn contains(&self, tool: &str) -> bool {
+        match self {
+            ToolSet::All => true,
+            ToolSet::Only(names) => names.iter().any(|n| n == tool),
+        }
+    }
+}
+
+/// `upstream_key`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum UpstreamKey {
+    /// `{"mode": "hmac", "secret": "..."}` (default mode): the upstream gets lowercase hex
+    /// `HMAC-SHA256(secret, permit_id + ":" + key)`. `upstream_key.secret` (string, at
+    /// least 16 bytes) is required in this mode.
+    Hmac { secret: String },
+    /// `{"mode": "raw"}`: the upstream gets the client's key as sent.
+    Raw,
+    /// `{"mode": "off"}`: the `Idempotency-Key` header is removed.
+    Off,
+}
+
+/// `denial_format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DenialFormat {
+    Result,
+    Error,
+}
+
+/// A configuration the filter refuses. `field` is the dotted path of the offending field.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    pub field: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "atmost: bad plugin configuration: {}", self.message)
+        } else {
+            write!(
+                f,
+                "atmost: bad plugin configuration: field `{}`: {}",
+                self.field, self.message
+            )
+        }
+    }
+}
+
+fn err(field: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field: field.to_string(),
+        message: message.into(),
+    }
+}
+
+/// One JSON object being read; remembers which keys were used to refuse the rest.
+struct Obj<'a> {
+    path: &'a str,
+    map: &'a Map<String, Value>,
+}
+
+impl<'a> Obj<'a> {
+    fn field_path(&self, key: &str) -> String {
+        if self.path.is_empty() {
+            key.to_string()
+        } else {
+            format!("{}.{}", self.path, key)
+        }
+    }
+
+    fn refuse_unknown(&self, known: &[&str]) -> Result<(), ConfigError> {
+        // Report in a stable order.
+        let mut unknown: Vec<&String> = self
+            .map
+            .keys()
+            .filter(|k| !known.contains(&k.as_str()))
+            .collect();
+        unknown.sort();
+        match unknown.first() {
+            None => Ok(()),
+            Some(k) => Err(err(
+                &self.field_path(k),
+                format!("unknown field (expected one of: {})", known.join(", ")),
+            )),
+        }
+    }
+
+    fn string(&self, key: &str) -> Result<Option<String>, ConfigError> {
+        match self.map.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(_) => Err(err(&self.field_path(key), "must be a string")),
+        }
+    }
+
+    fn required_string(&self, key: &str) -> Result<String, ConfigError> {
+        match self.string(key)? {
+            Some(s) if !s.is_empty() => Ok(s),
+            Some(_) => Err(err(&self.field_path(key), "must not be empty")),
+            None => Err(err(&self.field_path(key), "is required")),
+        }
+    }
+
+    fn integer(&self, key: &str, default: u64, min: u64, max: u64) -> Result<u64, ConfigError> {
+        let n = match self.map.get(key) {
+            None => return Ok(default),
+            Some(v) => v
+                .as_u64()
+                .ok_or_else(|| err(&self.field_path(key), "must be a non-negative integer"))?,
+        };
+        if n < min || n > max {
+            return Err(err(
+                &self.field_path(key),
+                format!("must be between {min} and {max} (got {n})"),
+            ));
+        }
+        Ok(n)
+    }
+
+    fn object(&self, key: &str) -> Result<Option<&'a Map<String, Value>>, ConfigError> {
+        match self.map.get(key) {
+            None => Ok(None),
+            Some(Value::Object(m)) => Ok(Some(m)),
+            Some(_) => Err(err(&self.field_path(key), "must be an object")),
+        }
+    }
+
+    fn tool_set(&self, key: &str, default: ToolSet) -> Result<ToolSet, ConfigError> {
+        let path = self.field_path(key);
+        let items = match self.map.get(key) {
+            None => return Ok(default),
+            Some(Value::Array(items)) => items,
+            Some(_) => return Err(err(&path, "must be an array of tool names")),
+        };
+        let mut names = Vec::with_capacity(items.len());
+        for (i, item) in items.iter().enumerate() {
+            match item {
+                Value::String(s) if !s.is_empty() => names.push(s.clone()),
+                _ => {
+                    return Err(err(
+                        &format!("{path}[{i}]"),
+                        "must be a non-empty string (a tool name or \"*\")",
+                    ))
+                }
+            }
+        }
+        if names.iter().any(|n| n == "*") {
+            Ok(ToolSet::All)
+        } else {
+            Ok(ToolSet::Only(names))
+        }
+    }
+}
+
+fn is_token_char(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+fn printable_ascii(s: &str) -> bool {
+    s.bytes().all(|b| (0x20..=0x7e).contains(&b))
+}
+
+impl Config {
+    /// Parses and checks the plugin configuration bytes.
+    pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
+        if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+            return Err(err(
+                "",
+                "configuration is empty; `ledger.cluster` and `ledger.service_token` are required",
+            ));
+        }
+        let root: Value = serde_json::from_slice(bytes).map_err(|e| {
+            err(
+                "",
+                format!("not valid JSON (line {}, column {})", e.line(), e.column()),
+            )
+        })?;
+        let Value::Object(map) = &root else {
+            return Err(err("", "must be a JSON object"));
+        };
+        let top = Obj { path: "", map };
+        top.refuse_unknown(&[
+            "ledger",
+            "permit_header",
+            "governed_tools",
+            "key_required_tools",
+            "upstream_key",
+            "denial_format",
+            "max_body_bytes",
+            "max_receipt_bytes",
+            "report_interval_ms",
+        ])?;
+
+        let ledger_map = top
+            .object("ledger")?
+            .ok_or_else(|| err("ledger", "is required (with `cluster` and `service_token`)"))?;
+        let ledger = Obj {
+            path: "ledger",
+            map: ledger_map,
+        };
+        ledger.refuse_unknown(&["cluster", "authority", "timeout_ms", "service_token"])?;
+        let cluster = ledger.required_string("cluster")?;
+        let authority = ledger
+            .string("authority")?
+            .unwrap_or_else(|| DEFAULT_AUTHORITY.to_string());
+        if authority.is_empty() || !printable_ascii(&authority) || authority.contains(' ') {
+            return Err(err(
+                "ledger.authority",
+                "must be a non-empty host name without spaces",
+            ));
+        }
+        let timeout_ms = ledger.integer("timeout_ms", DEFAULT_TIMEOUT_MS, 1, 60_000)?;
+        let service_token = ledger.required_string("service_token")?;
+        if !printable_ascii(&service_token) {
+            return Err(err(
+                "ledger.service_token",
+                "must be printable ASCII (it is sent in an HTTP header)",
+            ));
+        }
+
+        let permit_header = top
+            .string("permit_header")?
+            .unwrap_or_else(|| DEFAULT_PERMIT_HEADER.to_string())
+            .to_ascii_lowercase();
+        if permit_header.is_empty() || !permit_header.bytes().all(is_token_char) {
+            return Err(err(
+                "permit_header",
+                "must be a valid HTTP header name (letters, digits, `-`, …)",
+            ));
+        }
+        if [
+            "authorization",
+            "idempotency-key",
+            "host",
+            "content-length",
+            "content-type",
+            "mcp-method",
+            "mcp-name",
+            "mcp-session-id",
+            "mcp-protocol-version",
+        ]
+        .contains(&permit_header.as_str())
+        {
+            return Err(err(
+                "permit_header",
+                "names a header atmost or MCP already uses; pick a dedicated one such as `atmost-permit`",
+            ));
+        }
+
+        let governed_tools = top.tool_set("governed_tools", ToolSet::All)?;
+        if governed_tools == ToolSet::Only(Vec::new()) {
+            return Err(err(
+                "governed_tools",
+                "is empty, which governs nothing; use [\"*\"] to govern every tool",
+            ));
+        }
+        let key_required_tools = top.tool_set("key_required_tools", ToolSet::Only(Vec::new()))?;
+
+        let upstream_key = match top.object("upstream_key")? {
+            None => {
+                return Err(err(
+                    "upstream_key.secret",
+                    "is required: the default upstream_key mode is `hmac` (or set `upstream_key.mode` to `raw` or `off`)",
+                ))
+            }
+            Some(m) => {
+                let uk = Obj {
+                    path: "upstream_key",
+                    map: m,
+                };
+                uk.refuse_unknown(&["mode", "secret"])?;
+                let mode = uk.string("mode")?.unwrap_or_else(|| "hmac".to_string());
+                match mode.as_str() {
+                    "hmac" => {
+                        let secret = uk.required_string("secret")?;
+                        if secret.len() < MIN_SECRET_BYTES {
+                            return Err(err(
+                                "upstream_key.secret",
+                                format!("must be at least {MIN_SECRET_BYTES} bytes"),
+                            ));
+                        }
+                        UpstreamKey::Hmac { secret }
+                    }
+                    "raw" => UpstreamKey::Raw,
+                    "off" => UpstreamKey::Off,
+                    _ => {
+                        return Err(err(
+                            "upstream_key.mode",
+                            "must be one of `hmac`, `raw`, `off`",
+                        ))
+                    }
+                }
+            }
+        };
+
+        let denial_format = match top.string("denial_format")?.as_deref() {
+            None | Some("result") => DenialFormat::Result,
+            Some("error") => DenialFormat::Error,
+            Some(_) => return Err(err("denial_format", "must be `result` or `error`")),
+        };
+        let max_body_bytes = top.integer("max_body_bytes", DEFAULT_MAX_BYTES, 1, MAX_MAX_BYTES)?;
+        let max_receipt_bytes =
+            top.integer("max_receipt_bytes", DEFAULT_MAX_BYTES, 1, MAX_MAX_BYTES)?;
+        let report_interval_ms =
+            top.integer("report_interval_ms", DEFAULT_REPORT_INTERVAL_MS, 10, 60_000)?;
+
+        Ok(Config {
+            ledger: LedgerConfig {
+                cluster,
+                authority,
+                timeout_ms,
+                service_token,
+            },
+            permit_header,
+            governed_tools,
+            key_required_tools,
+            upstream_key,
+            denial_format,
+            max_body_bytes,
+            max_receipt_bytes,
+            report_interval_ms,
+        })
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use serde_json::json;
+
+    pub(crate) fn minimal() -> Value {
+        json!({
+            "ledger": {"cluster": "atmost_ledger", "service_token": "svc-token"},
+            "upstream_key": {"secret": "0123456789abcdef0123"}
+        })
+    }
+
+    pub(crate) fn config_from(v: &Value) -> Config {
+        match Config::parse(v.to_string().as_bytes()) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    fn field_of(v: &Value) -> String {
+        match Config::parse(v.to_string().as_bytes()) {
+            Ok(_) => panic!("accepted {v}"),
+            Err(e) => {
+                assert!(e.to_string().contains(&e.field), "{e}");
+                e.field
+            }
+        }
+    }
+
+    #[test]
+    fn defaults() {
+        let c = config_from(&minimal());
+        assert_eq!(c.ledger.cluster, "atmost_ledger");
+        assert_eq!(c.ledger.authority, "atmost-ledger");
+        assert_eq!(c.ledger.timeout_ms, 1000);
+        assert_eq!(c.permit_header, "atmost-permit");
+        assert_eq!(c.governed_tools, ToolSet::All);
+        assert_eq!(c.key_required_tools, ToolSet::Only(vec![]));
+        assert_eq!(
+            c.upstream_key,
+            UpstreamKey::Hmac {
+                secret: "0123456789abcdef0123".into()
+            }
+        );
+        assert_eq!(c.denial_format, DenialFormat::Result);
+        assert_eq!(c.max_body_bytes, 1_048_576);
+        assert_eq!(c.max_receipt_bytes, 1_048_576);
+        assert_eq!(c.report_interval_ms, 200);
+    }
+
+    #[test]
+    fn full_example_parses() {
+        let c = config_from(&json!({
+          "ledger": {"cluster": "atmost_ledger", "authority": "ledger.local", "timeout_ms": 250, "service_token": "t"},
+          "permit_header": "X-Agent-Permit",
+          "governed_tools": ["pay_invoice", "send_email"],
+          "key_required_tools": ["*"],
+          "upstream_key": {"mode": "off"},
+          "denial_format": "error",
+          "max_body_bytes": 2048,
+          "max_receipt_bytes": 4096,
+          "report_interval_ms": 50
+        }));
+        assert_eq!(c.permit_header, "x-agent-permit");
+        assert!(c.governed_tools.contains("pay_invoice"));
+        assert!(!c.governed_tools.contains("search"));
+        assert!(c.key_required_tools.contains("anything"));
+        assert_eq!(c.upstream_key, UpstreamKey::Off);
+        assert_eq!(c.denial_format, DenialFormat::Error);
+        assert_eq!(c.ledger.timeout_ms, 250);
+        let c = config_from(
+            &json!({"ledger": {"cluster": "c", "service_token": "t"}, "upstream_key": {"mode": "raw"}}),
+        );
+        assert_eq!(c.upstream_key, UpstreamKey::Raw);
+    }
+
+    #[test]
+    fn each_bad_field_is_named() {
+        let with = |path: &[&str], v: Value| {
+            let mut c = minimal();
+            let mut cur = &mut c;
+            for p in &path[..path.len() - 1] {
+                cur = &mut cur[*p];
+            }
+            if let Some(obj) = cur.as_object_mut() {
+                if v.is_null() {
+                    obj.remove(path[path.len() - 1]);
+                } else {
+                    obj.insert(path[path.len() - 1].to_string(), v);
+                }
+            }
+            c
+        };
+        let cases: Vec<(Value, &str)> = vec![
+            (with(&["ledger"], Value::Null), "ledger"),
+            (with(&["ledger"], json!("x")), "ledger"),
+            (with(&["ledger", "cluster"], Value::Null), "ledger.cluster"),
+            (with(&["ledger", "cluster"], json!("")), "ledger.cluster"),
+            (with(&["ledger", "cluster"], json!(3)), "ledger.cluster"),
+            (
+                with(&["ledger", "service_token"], Value::Null),
+                "ledger.service_token",
+            ),
+            (
+                with(&["ledger", "service_token"], json!("a\nb")),
+                "ledger.service_token",
+            ),
+            (
+                with(&["ledger", "timeout_ms"], json!(0)),
+                "ledger.timeout_ms",
+            ),
+            (
+                with(&["ledger", "timeout_ms"], json!("1000")),
+                "ledger.timeout_ms",
+            ),
+            (
+                with(&["ledger", "authority"], json!("")),
+                "ledger.authority",
+            ),
+            (with(&["ledger", "clustr"], json!("x")), "ledger.clustr"),
+            (
+                with(&["permit_header"], json!("authorization")),
+                "permit_header",
+            ),
+            (
+                with(&["permit_header"], json!("bad header")),
+                "permit_header",
+            ),
+            (with(&["permit_header"], json!(1)), "permit_header"),
+            (with(&["governed_tools"], json!([])), "governed_tools"),
+            (with(&["governed_tools"], json!("*")), "governed_tools"),
+            (
+                with(&["governed_tools"], json!(["a", 1])),
+                "governed_tools[1]",
+            ),
+            (
+                with(&["key_required_tools"], json!([""])),
+                "key_required_tools[0]",
+            ),
+            (with(&["upstream_key"], Value::Null), "upstream_key.secret"),
+            (
+                with(&["upstream_key", "secret"], Value::Null),
+                "upstream_key.secret",
+            ),
+            (
+                with(&["upstream_key", "secret"], json!("short")),
+                "upstream_key.secret",
+            ),
+            (
+                with(&["upstream_key", "mode"], json!("plain")),
+                "upstream_key.mode",
+            ),
+            (
+                with(&["upstream_key", "sekret"], json!("x")),
+                "upstream_key.sekret",
+            ),
+            (with(&["denial_format"], json!("text")), "denial_format"),
+            (with(&["max_body_bytes"], json!(0)), "max_body_bytes"),
+            (with(&["max_body_bytes"], json!(-1)), "max_body_bytes"),
+            (
+                with(&["max_receipt_bytes"], json!(1.5)),
+                "max_receipt_bytes",
+            ),
+            (
+                with(&["max_receipt_bytes"], json!(MAX_MAX_BYTES + 1)),
+                "max_receipt_bytes",
+            ),
+            (
+                with(&["report_interval_ms"], json!(1)),
+                "report_interval_ms",
+            ),
+            (with(&["governd_tools"], json!(["*"])), "governd_tools"),
+        ];
+        for (cfg, field) in cases {
+            assert_eq!(field_of(&cfg), field, "{cfg}");
+        }
+    }
+
+    #[test]
+    fn not_json_or_not_object_or_empty() {
+        assert!(Config::parse(b"").is_err());
+        assert!(Config::parse(b"  ").is_err());
+        assert!(Config::parse(b"{").is_err());
+        assert!(Config::parse(b"[]").is_err());
+    }
+
+    #[test]
+    fn errors_never_echo_secrets() {
+        let mut a = minimal();
+        a["upstream_key"]["secret"] = json!("zqzqsecret");
+        let mut b = minimal();
+        b["ledger"]["service_token"] = json!("zqzq\u{7f}bad");
+        let mut c = minimal();
+        c["ledger"]["service_token"] = json!(987654321);
+        for v in [a, b, c] {
+            let e = Config::parse(v.to_string().as_bytes())
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(!e.is_empty());
+            assert!(!e.contains("zqzq") && !e.contains("987654321"), "{e}");
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! The fingerprint of a call: lowercase hex SHA-256 of the RFC 8785 (JCS) canonical JSON
+//! of `{"tool": params.name, "arguments": params.arguments}`. Absent arguments count as
+//! `{}`. Key order, whitespace, the JSON-RPC id and `_meta` do not change it; numbers are
+//! canonicalised the ECMAScript way, so `1`, `1.0` and `1e0` give the same fingerprint.
+
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+
+/// Lowercase hex of bytes.
+pub fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(char::from(DIGITS[usize::from(b >> 4)]));
+        s.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+    }
+    s
+}
+
+/// The canonical JSON text that is hashed.
+pub fn canonical(tool: &str, arguments: &Map<String, Value>) -> Result<String, String> {
+    let mut obj = Map::new();
+    obj.insert("tool".into(), Value::String(tool.to_string()));
+    obj.insert("arguments".into(), Value::Object(arguments.clone()));
+    serde_jcs::to_string(&Value::Object(obj)).map_err(|e| e.to_string())
+}
+
+/// The fingerprint of a call.
+pub fn fingerprint(tool: &str, arguments: &Map<String, Value>) -> Result<String, String> {
+    let text = canonical(tool, arguments)?;
+    Ok(hex(&Sha256::digest(text.as_bytes())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mcp::{self, Message};
+
+    fn fp_of_body(body: &str) -> String {
+        match mcp::parse(body.as_bytes(), &mcp::Mirrored::default()) {
+            Ok(Message::ToolCall(c)) => fingerprint(&c.name, &c.arguments).unwrap_or_default(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn args(v: Value) -> Map<String, Value> {
+        match v {
+            Value::Object(m) => m,
+            _ => Map::new(),
+        }
+    }
+
+    // Vectors computed independently with Python:
+    //   hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(',', ':'),
+    //                  ensure_ascii=False).encode()).hexdigest()
+    #[test]
+    fn known_vectors() {
+        let v = serde_json::json!({"invoice": "INV-1", "amount": 1250, "currency": "EUR"});
+        assert_eq!(
+            canonical("pay_invoice", &args(v.clone())).ok().as_deref(),
+            Some(
+                r#"{"arguments":{"amount":1250,"currency":"EUR","invoice":"INV-1"},"tool":"pay_invoice"}"#
+            )
+        );
+        let cases = [
+            (
+                "pay_invoice",
+                v,
+                "442130e19951db89114d715027c9ba7b563f8f37de9eb3b1a511a43de19edf4c",
+            ),
+            (
+                "t",
+                serde_json::json!({}),
+                "8fd627452e8a504048e4617df4e2cda85034bf48d3e7df4c3e2eb4a4acb0133e",
+            ),
+            (
+                "send_email",
+                serde_json::json!({"to": ["a@example.com", "b@example.com"], "subject": "Gr\u{fc}\u{df}e",
+                                   "nested": {"z": null, "a": true, "m": [1, 2, {"q": "x"}]}}),
+                "6d77cc8198e04c7b28b18f7bc2dabb5c93cc24e6f25449ffa76a90df73d50bd6",
+            ),
+        ];
+        for (tool, a, want) in cases {
+            assert_eq!(
+                fingerprint(tool, &args(a)).ok().as_deref(),
+                Some(want),
+                "{tool}"
+            );
+        }
+    }
+
+    #[test]
+    fn key_order_whitespace_id_and_meta_do_not_matter() {
+        let a = fp_of_body(
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"t","arguments":{"b":[1,{"y":2,"x":1}],"a":"s"}}}"#,
+        );
+        let b = fp_of_body("{ \"id\" : \"other\", \"params\" : { \"arguments\" : { \"a\" : \"s\" ,\n \"b\" : [ 1 , { \"x\":1,\"y\":2 } ] }, \"_meta\": {\"dev.atmost/idempotency-key\": \"k\"}, \"name\":\"t\" }, \"method\":\"tools/call\", \"jsonrpc\":\"2.0\" }");
+        assert_eq!(a, b);
+        assert_eq!(a.len(), 64);
+        assert!(a
+            .bytes()
+            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)));
+    }
+
+    #[test]
+    fn numbers_are_canonical() {
+        let one = fp_of_body(
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"t","arguments":{"n":1}}}"#,
+        );
+        let one_point_zero = fp_of_body(
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"t","arguments":{"n":1.0}}}"#,
+        );
+        let one_e0 = fp_of_body(
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"t","arguments":{"n":1e0}}}"#,
+        );
+        let two = fp_of_body(
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"t","arguments":{"n":2}}}"#,
+        );
+        assert_eq!(one, one_point_zero);
+        assert_eq!(one, one_e0);
+        assert_ne!(one, two);
+    }
+
+    #[test]
+    fn absent_arguments_are_the_empty_object() {
+        let absent =
+            fp_of_body(r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"t"}}"#);
+        let empty = fp_of_body(
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"t","arguments":{}}}"#,
+        );
+        assert_eq!(absent, empty);
+        assert_ne!(
+            absent,
+            fp_of_body(r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"u"}}"#)
+        );
+    }
+}

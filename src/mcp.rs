@@ -1,0 +1,367 @@
+//! Reading an MCP request body: what kind of JSON-RPC message it is, and for a
+//! `tools/call` the parts atmost needs. Refusals are JSON-RPC errors as local replies.
+
+use crate::reply::{rpc_code, LocalReply};
+use serde_json::{Map, Value};
+
+/// `params._meta` key that may carry the idempotency key.
+pub const META_KEY: &str = "dev.atmost/idempotency-key";
+
+/// Message of the refusal of a batch that holds a `tools/call`.
+pub const BATCH_REFUSED: &str =
+    "batches containing tools/call are refused by atmost; send each call alone";
+
+/// MCP 2026-07-28 mirrored headers (`Mcp-Method`, `Mcp-Name`), when the client sent them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Mirrored {
+    pub method: Option<String>,
+    pub name: Option<String>,
+}
+
+/// What the body is, as far as atmost cares.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Message {
+    /// Anything that is not a single `tools/call` request (initialize, lists,
+    /// notifications, responses to the server, batches without `tools/call`): it passes.
+    Other,
+    /// One `tools/call` request.
+    ToolCall(ToolCall),
+}
+
+/// The parts of a `tools/call` request atmost uses.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    /// JSON-RPC `id` (a string or a number).
+    pub id: Value,
+    /// `params.name`.
+    pub name: String,
+    /// `params.arguments`; an empty object when absent.
+    pub arguments: Map<String, Value>,
+    /// `params._meta["dev.atmost/idempotency-key"]`.
+    pub meta_key: MetaKey,
+}
+
+/// The `_meta` idempotency key as found in the body.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MetaKey {
+    Absent,
+    Present(String),
+    /// Present but not a string.
+    NotAString,
+}
+
+fn bad(status: u32, id: Option<&Value>, code: i64, message: &str) -> Box<LocalReply> {
+    Box::new(LocalReply::rpc_error(status, id, code, message))
+}
+
+/// The id usable in an error reply: a string or a number, else none (`null`).
+fn reply_id(obj: &Map<String, Value>) -> Option<&Value> {
+    obj.get("id").filter(|v| v.is_string() || v.is_number())
+}
+
+fn is_tools_call(v: &Value) -> bool {
+    v.get("method").and_then(Value::as_str) == Some("tools/call")
+}
+
+/// Reads a request body. `Err` is the local reply refusing it (HTTP 400).
+pub fn parse(body: &[u8], mirrored: &Mirrored) -> Result<Message, Box<LocalReply>> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|_| bad(400, None, rpc_code::PARSE_ERROR, "Parse error"))?;
+    match value {
+        Value::Array(items) => {
+            if items.iter().any(is_tools_call) {
+                Err(bad(400, None, rpc_code::INVALID_REQUEST, BATCH_REFUSED))
+            } else {
+                Ok(Message::Other)
+            }
+        }
+        Value::Object(obj) => parse_object(obj, mirrored),
+        _ => Err(bad(
+            400,
+            None,
+            rpc_code::INVALID_REQUEST,
+            "Invalid Request: not a JSON-RPC message",
+        )),
+    }
+}
+
+fn parse_object(
+    mut obj: Map<String, Value>,
+    mirrored: &Mirrored,
+) -> Result<Message, Box<LocalReply>> {
+    let invalid = |obj: &Map<String, Value>, msg: &str| {
+        bad(400, reply_id(obj), rpc_code::INVALID_REQUEST, msg)
+    };
+    if obj.get("jsonrpc").and_then(Value::as_str) != Some("2.0") {
+        return Err(invalid(
+            &obj,
+            "Invalid Request: \"jsonrpc\" must be \"2.0\"",
+        ));
+    }
+    if let Some(id) = obj.get("id") {
+        if !(id.is_string() || id.is_number() || id.is_null()) {
+            return Err(invalid(
+                &obj,
+                "Invalid Request: \"id\" must be a string or a number",
+            ));
+        }
+    }
+    let method = match obj.get("method") {
+        None => {
+            // A response the client sends back to the server (sampling, elicitation, …).
+            if obj.contains_key("id") && (obj.contains_key("result") || obj.contains_key("error")) {
+                return Ok(Message::Other);
+            }
+            return Err(invalid(&obj, "Invalid Request: no \"method\""));
+        }
+        Some(Value::String(m)) => m.clone(),
+        Some(_) => {
+            return Err(invalid(
+                &obj,
+                "Invalid Request: \"method\" must be a string",
+            ))
+        }
+    };
+    match obj.get("params") {
+        None | Some(Value::Object(_)) | Some(Value::Array(_)) => {}
+        Some(_) => {
+            return Err(invalid(
+                &obj,
+                "Invalid Request: \"params\" must be an object or an array",
+            ))
+        }
+    }
+    if let Some(h) = &mirrored.method {
+        if *h != method {
+            return Err(bad(
+                400,
+                reply_id(&obj),
+                rpc_code::HEADER_MISMATCH,
+                "HeaderMismatch: the Mcp-Method header does not match the body's method",
+            ));
+        }
+    }
+    if method != "tools/call" {
+        return Ok(Message::Other);
+    }
+    let id = match obj.get("id") {
+        Some(id) if id.is_string() || id.is_number() => id.clone(),
+        _ => {
+            return Err(invalid(
+                &obj,
+                "Invalid Request: tools/call must be a request with a string or number \"id\"",
+            ))
+        }
+    };
+    let invalid_params = |msg: &str| bad(400, Some(&id), rpc_code::INVALID_PARAMS, msg);
+    let Some(Value::Object(mut params)) = obj.remove("params") else {
+        return Err(invalid_params(
+            "Invalid params: tools/call needs a params object",
+        ));
+    };
+    let name = match params.get("name") {
+        Some(Value::String(n)) => n.clone(),
+        _ => {
+            return Err(invalid_params(
+                "Invalid params: params.name must be a string",
+            ))
+        }
+    };
+    let arguments = match params.remove("arguments") {
+        None => Map::new(),
+        Some(Value::Object(a)) => a,
+        Some(_) => {
+            return Err(invalid_params(
+                "Invalid params: params.arguments must be an object",
+            ))
+        }
+    };
+    if let Some(h) = &mirrored.name {
+        if *h != name {
+            return Err(bad(
+                400,
+                Some(&id),
+                rpc_code::HEADER_MISMATCH,
+                "HeaderMismatch: the Mcp-Name header does not match params.name",
+            ));
+        }
+    }
+    let meta_key = match params.get("_meta") {
+        Some(Value::Object(meta)) => match meta.get(META_KEY) {
+            None => MetaKey::Absent,
+            Some(Value::String(k)) => MetaKey::Present(k.clone()),
+            Some(_) => MetaKey::NotAString,
+        },
+        _ => MetaKey::Absent,
+    };
+    Ok(Message::ToolCall(ToolCall {
+        id,
+        name,
+        arguments,
+        meta_key,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn refused(body: &str) -> (u32, Value) {
+        refused_with(body, &Mirrored::default())
+    }
+
+    fn refused_with(body: &str, m: &Mirrored) -> (u32, Value) {
+        match parse(body.as_bytes(), m) {
+            Ok(msg) => panic!("accepted {body}: {msg:?}"),
+            Err(r) => (r.status, r.body_json().unwrap_or(Value::Null)),
+        }
+    }
+
+    fn call(body: &str) -> ToolCall {
+        match parse(body.as_bytes(), &Mirrored::default()) {
+            Ok(Message::ToolCall(c)) => c,
+            other => panic!("{body}: {other:?}"),
+        }
+    }
+
+    fn passes(body: &str) {
+        assert_eq!(
+            parse(body.as_bytes(), &Mirrored::default()),
+            Ok(Message::Other),
+            "{body}"
+        );
+    }
+
+    #[test]
+    fn not_json_is_a_parse_error() {
+        for body in ["", "{", "nope", "{\"jsonrpc\":\"2.0\",}", "\u{0}"] {
+            let (status, v) = refused(body);
+            assert_eq!(status, 400);
+            assert_eq!(v["error"]["code"], -32700);
+            assert_eq!(v["id"], Value::Null);
+        }
+    }
+
+    #[test]
+    fn json_but_not_jsonrpc_is_invalid_request() {
+        for body in [
+            "1",
+            "\"x\"",
+            "null",
+            "{}",
+            r#"{"method":"tools/list","id":1}"#,
+            r#"{"jsonrpc":"1.0","method":"tools/list","id":1}"#,
+            r#"{"jsonrpc":"2.0","id":1}"#,
+            r#"{"jsonrpc":"2.0","method":5,"id":1}"#,
+            r#"{"jsonrpc":"2.0","method":"x","id":{"a":1}}"#,
+            r#"{"jsonrpc":"2.0","method":"x","params":3,"id":1}"#,
+            r#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"t"}}"#,
+            r#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"t"},"id":null}"#,
+        ] {
+            let (status, v) = refused(body);
+            assert_eq!(status, 400, "{body}");
+            assert_eq!(v["error"]["code"], -32600, "{body}");
+        }
+        let (_, v) = refused(r#"{"jsonrpc":"1.0","method":"tools/list","id":"abc"}"#);
+        assert_eq!(v["id"], "abc");
+    }
+
+    #[test]
+    fn bad_tools_call_params_are_invalid_params_with_the_id() {
+        for body in [
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":4}"#,
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":4,"params":[]}"#,
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":4,"params":{}}"#,
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":4,"params":{"name":7}}"#,
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":4,"params":{"name":"t","arguments":[1]}}"#,
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":4,"params":{"name":"t","arguments":null}}"#,
+        ] {
+            let (status, v) = refused(body);
+            assert_eq!(status, 400, "{body}");
+            assert_eq!(v["error"]["code"], -32602, "{body}");
+            assert_eq!(v["id"], 4, "{body}");
+        }
+    }
+
+    #[test]
+    fn other_messages_pass() {
+        passes(r#"{"jsonrpc":"2.0","method":"initialize","id":1,"params":{}}"#);
+        passes(r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#);
+        passes(r#"{"jsonrpc":"2.0","method":"tools/list","id":"x"}"#);
+        passes(r#"{"jsonrpc":"2.0","id":9,"result":{}}"#);
+        passes(r#"{"jsonrpc":"2.0","id":9,"error":{"code":1,"message":"m"}}"#);
+        passes(r#"[]"#);
+        passes(
+            r#"[{"jsonrpc":"2.0","method":"tools/list","id":1},{"jsonrpc":"2.0","method":"notifications/x"}]"#,
+        );
+    }
+
+    #[test]
+    fn batch_with_tools_call_is_refused_whole() {
+        let (status, v) = refused(
+            r#"[{"jsonrpc":"2.0","method":"tools/list","id":1},{"jsonrpc":"2.0","method":"tools/call","id":2,"params":{"name":"t"}}]"#,
+        );
+        assert_eq!(status, 400);
+        assert_eq!(v["error"]["code"], -32600);
+        assert_eq!(v["error"]["message"], BATCH_REFUSED);
+        // Even a malformed tools/call inside a batch refuses the batch.
+        let (_, v) = refused(r#"[{"method":"tools/call"}]"#);
+        assert_eq!(v["error"]["message"], BATCH_REFUSED);
+    }
+
+    #[test]
+    fn tools_call_parts() {
+        let c = call(
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":"r1","params":{"name":"pay","arguments":{"a":1},"_meta":{"dev.atmost/idempotency-key":"k1","progressToken":3}}}"#,
+        );
+        assert_eq!(c.id, json!("r1"));
+        assert_eq!(c.name, "pay");
+        assert_eq!(Value::Object(c.arguments), json!({"a":1}));
+        assert_eq!(c.meta_key, MetaKey::Present("k1".into()));
+        let c = call(r#"{"jsonrpc":"2.0","method":"tools/call","id":0,"params":{"name":"pay"}}"#);
+        assert!(c.arguments.is_empty());
+        assert_eq!(c.meta_key, MetaKey::Absent);
+        let c = call(
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":0,"params":{"name":"pay","_meta":{"dev.atmost/idempotency-key":5}}}"#,
+        );
+        assert_eq!(c.meta_key, MetaKey::NotAString);
+    }
+
+    #[test]
+    fn mirrored_headers_must_match() {
+        let body = r#"{"jsonrpc":"2.0","method":"tools/call","id":3,"params":{"name":"pay"}}"#;
+        let ok = Mirrored {
+            method: Some("tools/call".into()),
+            name: Some("pay".into()),
+        };
+        assert!(matches!(
+            parse(body.as_bytes(), &ok),
+            Ok(Message::ToolCall(_))
+        ));
+        for m in [
+            Mirrored {
+                method: Some("tools/list".into()),
+                name: None,
+            },
+            Mirrored {
+                method: None,
+                name: Some("refund".into()),
+            },
+        ] {
+            let (status, v) = refused_with(body, &m);
+            assert_eq!(status, 400);
+            assert_eq!(v["error"]["code"], -32020);
+            assert_eq!(v["id"], 3);
+        }
+        // A header claiming tools/list on a tools/call body cannot dodge governance.
+        let (_, v) = refused_with(
+            body,
+            &Mirrored {
+                method: Some("tools/list".into()),
+                name: None,
+            },
+        );
+        assert_eq!(v["error"]["code"], -32020);
+    }
+}

@@ -1,0 +1,138 @@
+//! Finding the receipt of a dispatched call in the upstream's response: the JSON-RPC
+//! response object whose `id` is the request's id (it has `result` or `error` and no
+//! `method`, so a server-to-client request reusing the id is not taken for it).
+//!
+//! An `application/json` body is read whole (bounded by `max_receipt_bytes`); a
+//! `text/event-stream` body is scanned event by event as it streams past. The receipt is
+//! the response's JSON text verbatim when it stands alone (a whole JSON body or a whole
+//! SSE event), else the matching element of a batch array re-serialised.
+
+use crate::sse::{SseParser, TooLarge};
+use serde_json::Value;
+
+fn is_response_to(v: &Value, id: &Value) -> bool {
+    v.get("id") == Some(id)
+        && v.get("method").is_none()
+        && (v.get("result").is_some() || v.get("error").is_some())
+}
+
+/// The receipt in one complete JSON text, if it holds the response to `id`.
+pub fn from_json_text(text: &str, id: &Value) -> Option<String> {
+    let value: Value = serde_json::from_str(text).ok()?;
+    match &value {
+        Value::Object(_) if is_response_to(&value, id) => Some(text.trim().to_string()),
+        Value::Array(items) => items
+            .iter()
+            .find(|v| is_response_to(v, id))
+            .map(|v| v.to_string()),
+        _ => None,
+    }
+}
+
+/// The receipt in a whole `application/json` body.
+pub fn from_json_body(body: &[u8], id: &Value) -> Option<String> {
+    from_json_text(std::str::from_utf8(body).ok()?, id)
+}
+
+/// What an SSE chunk brought.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SseProgress {
+    /// Not yet.
+    Pending,
+    /// The response to the request.
+    Found(String),
+    /// An event grew past `max_receipt_bytes`; capture stopped.
+    TooLarge,
+}
+
+/// Watches an SSE response for the response to one request.
+#[derive(Debug, Clone)]
+pub struct SseCapture {
+    parser: SseParser,
+    id: Value,
+}
+
+impl SseCapture {
+    pub fn new(id: Value, max_event_bytes: usize) -> SseCapture {
+        SseCapture {
+            parser: SseParser::new(max_event_bytes),
+            id,
+        }
+    }
+
+    /// Feeds a copy of one chunk.
+    pub fn feed(&mut self, chunk: &[u8]) -> SseProgress {
+        let mut events = Vec::new();
+        let res = self.parser.feed(chunk, &mut events);
+        for data in &events {
+            if let Some(r) = from_json_text(data, &self.id) {
+                return SseProgress::Found(r);
+            }
+        }
+        match res {
+            Ok(()) => SseProgress::Pending,
+            Err(TooLarge) => SseProgress::TooLarge,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn json_bodies() {
+        let body = br#"{"jsonrpc":"2.0","id":5,"result":{"ok":true}}"#;
+        assert_eq!(
+            from_json_body(body, &json!(5)).as_deref(),
+            Some(r#"{"jsonrpc":"2.0","id":5,"result":{"ok":true}}"#)
+        );
+        assert_eq!(from_json_body(body, &json!(6)), None);
+        assert_eq!(from_json_body(body, &json!("5")), None);
+        let err = br#"{"jsonrpc":"2.0","id":"a","error":{"code":-32602,"message":"x"}}"#;
+        assert!(from_json_body(err, &json!("a")).is_some());
+        // A server request reusing the id is not a response.
+        let req = br#"{"jsonrpc":"2.0","id":5,"method":"sampling/createMessage","params":{}}"#;
+        assert_eq!(from_json_body(req, &json!(5)), None);
+        let batch =
+            br#"[{"jsonrpc":"2.0","id":4,"result":{}},{"jsonrpc":"2.0","id":5,"result":{"n":1}}]"#;
+        assert_eq!(
+            from_json_body(batch, &json!(5)).and_then(|s| serde_json::from_str::<Value>(&s).ok()),
+            Some(json!({"jsonrpc":"2.0","id":5,"result":{"n":1}}))
+        );
+        assert_eq!(from_json_body(b"not json", &json!(5)), None);
+        assert_eq!(from_json_body(&[0xff, 0xfe], &json!(5)), None);
+    }
+
+    #[test]
+    fn sse_stream_finds_the_final_response() {
+        let stream = "event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{}}\n\n\
+                      data: {\"jsonrpc\":\"2.0\",\"id\":9,\"method\":\"elicitation/create\",\"params\":{}}\n\n\
+                      data: {\"jsonrpc\":\"2.0\",\"id\":9,\r\ndata: \"result\":{\"content\":[]}}\r\n\r\n";
+        let bytes = stream.as_bytes();
+        for split in 0..bytes.len() {
+            let mut cap = SseCapture::new(json!(9), 1 << 20);
+            let mut found = None;
+            for part in [&bytes[..split], &bytes[split..]] {
+                if let SseProgress::Found(r) = cap.feed(part) {
+                    found = Some(r);
+                }
+            }
+            assert_eq!(
+                found.as_deref(),
+                Some("{\"jsonrpc\":\"2.0\",\"id\":9,\n\"result\":{\"content\":[]}}"),
+                "split at {split}"
+            );
+        }
+    }
+
+    #[test]
+    fn sse_too_large() {
+        let mut cap = SseCapture::new(json!(1), 10);
+        assert_eq!(
+            cap.feed(b"data: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{}}\n\n"),
+            SseProgress::TooLarge
+        );
+    }
+}

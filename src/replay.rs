@@ -1,0 +1,104 @@
+//! Answering a call from a stored receipt: the stored JSON-RPC response with its `id`
+//! replaced by the current request's id and `result._meta["dev.atmost/replayed"] = true`
+//! (an `error` response is left as it is), sent with `idempotent-replayed: true`.
+
+use crate::reply::LocalReply;
+use serde_json::{Map, Value};
+
+/// `_meta` key marking a replayed result.
+pub const REPLAYED_META: &str = "dev.atmost/replayed";
+/// Header marking a replayed response.
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+
+/// The stored receipt is not a JSON-RPC response object.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnreadableReceipt;
+
+/// The rewritten receipt body.
+pub fn rewrite(receipt: &str, id: &Value) -> Result<Value, UnreadableReceipt> {
+    let Ok(Value::Object(mut obj)) = serde_json::from_str::<Value>(receipt) else {
+        return Err(UnreadableReceipt);
+    };
+    obj.insert("id".into(), id.clone());
+    if let Some(Value::Object(result)) = obj.get_mut("result") {
+        let meta = result
+            .entry("_meta")
+            .or_insert_with(|| Value::Object(Map::new()));
+        if !meta.is_object() {
+            *meta = Value::Object(Map::new());
+        }
+        if let Value::Object(meta) = meta {
+            meta.insert(REPLAYED_META.into(), Value::Bool(true));
+        }
+    }
+    Ok(Value::Object(obj))
+}
+
+/// The local reply for a replay: HTTP 200, JSON, `idempotent-replayed: true`.
+pub fn render(receipt: &str, id: &Value) -> Result<LocalReply, UnreadableReceipt> {
+    Ok(LocalReply::json(200, &rewrite(receipt, id)?).with_header(REPLAYED_HEADER, "true"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn replaces_id_and_marks_result() {
+        let stored = r#"{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"paid"}],"_meta":{"x":1}}}"#;
+        let r = render(stored, &json!("new-7")).ok();
+        let r = r.as_ref();
+        assert_eq!(r.map(|r| r.status), Some(200));
+        assert_eq!(r.and_then(|r| r.header(REPLAYED_HEADER)), Some("true"));
+        assert_eq!(
+            r.and_then(|r| r.header("content-type")),
+            Some("application/json")
+        );
+        assert_eq!(
+            r.and_then(|r| r.body_json()),
+            Some(
+                json!({"jsonrpc":"2.0","id":"new-7","result":{"content":[{"type":"text","text":"paid"}],
+                        "_meta":{"x":1,"dev.atmost/replayed":true}}})
+            )
+        );
+    }
+
+    #[test]
+    fn creates_meta_when_missing_or_not_an_object() {
+        let v = rewrite(r#"{"jsonrpc":"2.0","id":1,"result":{}}"#, &json!(2)).ok();
+        assert_eq!(
+            v,
+            Some(json!({"jsonrpc":"2.0","id":2,"result":{"_meta":{"dev.atmost/replayed":true}}}))
+        );
+        let v = rewrite(
+            r#"{"jsonrpc":"2.0","id":1,"result":{"_meta":7}}"#,
+            &json!(2),
+        )
+        .ok();
+        assert_eq!(
+            v.map(|v| v["result"]["_meta"].clone()),
+            Some(json!({"dev.atmost/replayed":true}))
+        );
+    }
+
+    #[test]
+    fn error_responses_keep_their_error() {
+        let stored = r#"{"jsonrpc":"2.0","id":1,"error":{"code":-32602,"message":"bad"}}"#;
+        let r = render(stored, &json!(9)).ok();
+        assert_eq!(
+            r.as_ref().and_then(|r| r.header(REPLAYED_HEADER)),
+            Some("true")
+        );
+        assert_eq!(
+            r.and_then(|r| r.body_json()),
+            Some(json!({"jsonrpc":"2.0","id":9,"error":{"code":-32602,"message":"bad"}}))
+        );
+    }
+
+    #[test]
+    fn unreadable_receipts_are_refused() {
+        assert_eq!(rewrite("not json", &json!(1)), Err(UnreadableReceipt));
+        assert_eq!(rewrite("[1]", &json!(1)), Err(UnreadableReceipt));
+    }
+}
