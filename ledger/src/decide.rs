@@ -4,12 +4,16 @@
 //! returned [`Mutation`] in the same transaction. Outcomes, resolutions and the sweeper
 //! have their own pure transitions here too, so every store behaves the same.
 
-use atmost_protocol::{AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, Outcome, OutcomeAck};
+use atmost_protocol::{
+    AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, Outcome, OutcomeAck,
+};
 use serde_json::Value;
 
 use crate::clock::Millis;
 use crate::error::ResolveError;
-use crate::model::{Attempt, AttemptState, BudgetTotals, CostRule, GuardMode, Permit, Resolution, ToolUsage};
+use crate::model::{
+    Attempt, AttemptState, BudgetTotals, CostRule, GuardMode, Permit, Resolution, ToolUsage,
+};
 use crate::token;
 
 /// Longest idempotency key accepted, in bytes.
@@ -264,7 +268,8 @@ pub fn decide(req: &AuthorizeRequest, snap: &Snapshot, params: &DecideParams) ->
         }
     };
     if let Some(budget) = policy.budget {
-        let needed = u128::from(snap.budget.spent) + u128::from(snap.budget.reserved) + u128::from(cost);
+        let needed =
+            u128::from(snap.budget.spent) + u128::from(snap.budget.reserved) + u128::from(cost);
         if needed > u128::from(budget) {
             return Decision::deny(
                 Denial::new(
@@ -429,7 +434,11 @@ pub fn expire_lease(a: &Attempt, now: Millis) -> Option<Attempt> {
 /// Retention: a finished attempt's receipt older than the permit's retention is dropped and the
 /// row kept as a tombstone. `uncertain` and `in_flight` attempts are never pruned.
 pub fn prune(a: &Attempt, retention_ms: Millis, now: Millis) -> Option<Attempt> {
-    if !matches!(a.state, AttemptState::Completed | AttemptState::ResolvedExecuted) || a.pruned_at_ms.is_some() {
+    if !matches!(
+        a.state,
+        AttemptState::Completed | AttemptState::ResolvedExecuted
+    ) || a.pruned_at_ms.is_some()
+    {
         return None;
     }
     let finished = a.finished_at_ms.unwrap_or(a.updated_at_ms);

@@ -1,1 +1,21 @@
+//! The atmost ledger: permits, attempts and receipts for the atmost Envoy filter.
+//!
+//! The promise is at most N dispatches per tool under one permit and one dispatch per
+//! idempotency key; an outcome that is unknown stays `uncertain` until someone resolves it.
 
+pub mod clock;
+pub mod decide;
+pub mod error;
+pub mod model;
+pub mod store;
+pub mod token;
+
+pub mod api;
+pub mod cli;
+#[cfg(test)]
+mod decide_tests;
+pub mod metrics;
+pub mod server;
+
+#[cfg(test)]
+mod http_tests;

@@ -35,7 +35,9 @@ impl FromStr for GuardMode {
             "off" => Ok(GuardMode::Off),
             "log" => Ok(GuardMode::Log),
             "enforce" => Ok(GuardMode::Enforce),
-            other => Err(format!("duplicate guard must be off, log or enforce, not {other:?}")),
+            other => Err(format!(
+                "duplicate guard must be off, log or enforce, not {other:?}"
+            )),
         }
     }
 }

@@ -1,0 +1,719 @@
+//! Unit tests of the pure decision functions: every row of DESIGN.md's decision table.
+
+use std::collections::BTreeMap;
+
+use atmost_protocol::{AuthorizeRequest, AuthorizeResponse, DenialCode, Outcome, OutcomeAck};
+use serde_json::json;
+
+use crate::decide::*;
+use crate::error::ResolveError;
+use crate::model::*;
+use crate::token;
+
+const NOW: i64 = 1_800_000_000_000;
+const HOUR: i64 = 3_600_000;
+const PID: &str = "pmt_000000000000000000000001";
+
+fn token_for(id: &str) -> String {
+    format!("atmp_{id}_{}", "ab".repeat(32))
+}
+
+fn permit() -> Permit {
+    Permit {
+        id: PID.into(),
+        token_hash: token::sha256_hex(&token_for(PID)),
+        label: "test".into(),
+        created_at_ms: NOW - HOUR,
+        expires_at_ms: NOW + HOUR,
+        revoked_at_ms: None,
+        policy: Policy {
+            tools: vec!["*".into()],
+            max_calls: BTreeMap::new(),
+            max_calls_default: None,
+            budget: None,
+            cost: BTreeMap::new(),
+            cost_default: 0,
+            duplicate_guard: GuardMode::Log,
+            retention_ms: 24 * HOUR,
+        },
+    }
+}
+
+fn req(key: Option<&str>, fp: &str) -> AuthorizeRequest {
+    AuthorizeRequest {
+        permit_token: token_for(PID),
+        tool: "pay".into(),
+        idempotency_key: key.map(String::from),
+        fingerprint: fp.into(),
+        arguments: json!({"amount": 5}),
+        key_required: false,
+    }
+}
+
+fn snap(p: Permit) -> Snapshot {
+    Snapshot {
+        permit: Some(p),
+        now_ms: NOW,
+        ..Snapshot::default()
+    }
+}
+
+fn params() -> DecideParams {
+    DecideParams {
+        lease_ms: 60_000,
+        new_attempt_id: "att_new".into(),
+    }
+}
+
+fn attempt(state: AttemptState, key: Option<&str>, fp: &str) -> Attempt {
+    Attempt {
+        id: "att_old".into(),
+        permit_id: PID.into(),
+        tool: "pay".into(),
+        key_hash: key.map(token::sha256_hex),
+        fingerprint: fp.into(),
+        cost: 5,
+        state,
+        created_at_ms: NOW - 10_000,
+        updated_at_ms: NOW - 5_000,
+        lease_expires_at_ms: NOW + 50_000,
+        finished_at_ms: None,
+        receipt: None,
+        reason: None,
+        replay_count: 0,
+        pruned_at_ms: None,
+        resolution: None,
+    }
+}
+
+fn code(d: &Decision) -> Option<DenialCode> {
+    match &d.response {
+        AuthorizeResponse::Deny(x) => Some(x.code),
+        _ => None,
+    }
+}
+
+fn denial(d: &Decision) -> atmost_protocol::Denial {
+    match &d.response {
+        AuthorizeResponse::Deny(x) => x.clone(),
+        other => panic!("expected a denial, got {other:?}"),
+    }
+}
+
+fn is_dispatch(d: &Decision) -> bool {
+    matches!(d.response, AuthorizeResponse::Dispatch { .. })
+        && matches!(d.mutation, Mutation::Reserve(_))
+}
+
+#[test]
+fn new_key_dispatches_and_reserves() {
+    let d = decide(&req(Some("k"), "fp"), &snap(permit()), &params());
+    assert_eq!(
+        d.response,
+        AuthorizeResponse::Dispatch {
+            attempt_id: "att_new".into(),
+            permit_id: PID.into(),
+            lease_ms: 60_000
+        }
+    );
+    let Mutation::Reserve(a) = d.mutation else {
+        panic!("no reservation")
+    };
+    assert_eq!(a.state, AttemptState::InFlight);
+    assert_eq!(a.key_hash, Some(token::sha256_hex("k")));
+    assert_eq!(a.lease_expires_at_ms, NOW + 60_000);
+    assert_eq!(a.cost, 0);
+}
+
+#[test]
+fn no_key_dispatches() {
+    assert!(is_dispatch(&decide(
+        &req(None, "fp"),
+        &snap(permit()),
+        &params()
+    )));
+}
+
+#[test]
+fn unknown_wrong_or_revoked_token_is_permit_invalid() {
+    let mut s = snap(permit());
+    s.permit = None;
+    assert_eq!(
+        code(&decide(&req(None, "fp"), &s, &params())),
+        Some(DenialCode::PermitInvalid)
+    );
+
+    let mut r = req(None, "fp");
+    r.permit_token = format!("atmp_{PID}_{}", "cd".repeat(32));
+    assert_eq!(
+        code(&decide(&r, &snap(permit()), &params())),
+        Some(DenialCode::PermitInvalid)
+    );
+
+    r.permit_token = "garbage".into();
+    assert_eq!(
+        code(&decide(&r, &snap(permit()), &params())),
+        Some(DenialCode::PermitInvalid)
+    );
+
+    let mut p = permit();
+    p.revoked_at_ms = Some(NOW - 1);
+    // Even a replayable key is refused once the permit is revoked: authentication comes first.
+    let mut s = snap(p);
+    let mut done = attempt(AttemptState::Completed, Some("k"), "fp");
+    done.receipt = Some("{}".into());
+    s.existing = Some(done);
+    assert_eq!(
+        code(&decide(&req(Some("k"), "fp"), &s, &params())),
+        Some(DenialCode::PermitInvalid)
+    );
+}
+
+#[test]
+fn invalid_key_is_refused() {
+    for k in ["", &"x".repeat(MAX_KEY_LEN + 1), "a\nb"] {
+        assert_eq!(
+            code(&decide(&req(Some(k), "fp"), &snap(permit()), &params())),
+            Some(DenialCode::InvalidIdempotencyKey)
+        );
+    }
+}
+
+#[test]
+fn completed_same_fingerprint_replays_without_slot_even_after_expiry() {
+    let mut p = permit();
+    p.expires_at_ms = NOW - 1;
+    p.policy.max_calls_default = Some(1);
+    let mut s = snap(p);
+    s.usage.calls_made = 1;
+    let mut done = attempt(AttemptState::Completed, Some("k"), "fp");
+    done.receipt = Some(r#"{"jsonrpc":"2.0","id":1,"result":{}}"#.into());
+    s.existing = Some(done);
+    let d = decide(&req(Some("k"), "fp"), &s, &params());
+    assert_eq!(
+        d.response,
+        AuthorizeResponse::Replay {
+            attempt_id: "att_old".into(),
+            receipt: r#"{"jsonrpc":"2.0","id":1,"result":{}}"#.into()
+        }
+    );
+    let Mutation::Update(a) = d.mutation else {
+        panic!("replay count not bumped")
+    };
+    assert_eq!(a.replay_count, 1);
+    assert_eq!(a.state, AttemptState::Completed);
+}
+
+#[test]
+fn different_fingerprint_conflicts_in_every_state_and_never_echoes() {
+    for st in AttemptState::ALL {
+        let mut s = snap(permit());
+        let mut a = attempt(st, Some("k"), "fp-old");
+        a.receipt = Some("SECRET-RECEIPT".into());
+        s.existing = Some(a);
+        let d = decide(&req(Some("k"), "fp-new"), &s, &params());
+        let den = denial(&d);
+        assert_eq!(den.code, DenialCode::IdempotencyKeyConflict, "{st}");
+        let text = serde_json::to_string(&den).unwrap();
+        assert!(
+            !text.contains("SECRET-RECEIPT") && !text.contains("fp-old"),
+            "{text}"
+        );
+        assert_eq!(d.mutation, Mutation::None);
+    }
+}
+
+#[test]
+fn in_flight_same_fingerprint_is_in_progress_with_retry_after() {
+    let mut s = snap(permit());
+    s.existing = Some(attempt(AttemptState::InFlight, Some("k"), "fp"));
+    let den = denial(&decide(&req(Some("k"), "fp"), &s, &params()));
+    assert_eq!(den.code, DenialCode::IdempotencyInProgress);
+    assert_eq!(den.data["retry_after"], json!(MAX_RETRY_AFTER_SECS));
+
+    let mut a = attempt(AttemptState::InFlight, Some("k"), "fp");
+    a.lease_expires_at_ms = NOW + 2_500;
+    s.existing = Some(a.clone());
+    assert_eq!(
+        denial(&decide(&req(Some("k"), "fp"), &s, &params())).data["retry_after"],
+        json!(3)
+    );
+    a.lease_expires_at_ms = NOW - 10;
+    s.existing = Some(a);
+    assert_eq!(
+        denial(&decide(&req(Some("k"), "fp"), &s, &params())).data["retry_after"],
+        json!(1)
+    );
+}
+
+#[test]
+fn uncertain_same_fingerprint_is_delivery_uncertain_with_attempt_id() {
+    let mut s = snap(permit());
+    s.existing = Some(attempt(AttemptState::Uncertain, Some("k"), "fp"));
+    let d = decide(&req(Some("k"), "fp"), &s, &params());
+    let den = denial(&d);
+    assert_eq!(den.code, DenialCode::DeliveryUncertain);
+    assert_eq!(den.data["attempt_id"], json!("att_old"));
+    assert_eq!(d.mutation, Mutation::None);
+}
+
+#[test]
+fn released_and_resolved_not_executed_same_key_are_new_calls() {
+    for st in [AttemptState::Released, AttemptState::ResolvedNotExecuted] {
+        let mut s = snap(permit());
+        s.existing = Some(attempt(st, Some("k"), "fp"));
+        let d = decide(&req(Some("k"), "fp"), &s, &params());
+        assert!(is_dispatch(&d), "{st}");
+        // ...and they go through the checks again.
+        let mut p = permit();
+        p.expires_at_ms = NOW;
+        let mut s = snap(p);
+        s.existing = Some(attempt(st, Some("k"), "fp"));
+        assert_eq!(
+            code(&decide(&req(Some("k"), "fp"), &s, &params())),
+            Some(DenialCode::PermitExpired)
+        );
+        let mut p = permit();
+        p.policy.max_calls_default = Some(1);
+        let mut s = snap(p);
+        s.usage.calls_made = 1;
+        s.existing = Some(attempt(st, Some("k"), "fp"));
+        assert_eq!(
+            code(&decide(&req(Some("k"), "fp"), &s, &params())),
+            Some(DenialCode::PermitMaxCallsExceeded)
+        );
+    }
+}
+
+#[test]
+fn resolved_executed_replays_with_receipt_else_conflict() {
+    let mut s = snap(permit());
+    let mut a = attempt(AttemptState::ResolvedExecuted, Some("k"), "fp");
+    a.receipt = Some("R".into());
+    s.existing = Some(a.clone());
+    assert!(matches!(
+        decide(&req(Some("k"), "fp"), &s, &params()).response,
+        AuthorizeResponse::Replay { .. }
+    ));
+    a.receipt = None;
+    s.existing = Some(a);
+    let den = denial(&decide(&req(Some("k"), "fp"), &s, &params()));
+    assert_eq!(den.code, DenialCode::IdempotencyKeyConflict);
+    assert!(den.message.contains("no receipt"));
+}
+
+#[test]
+fn pruned_tombstone_is_key_expired_for_any_fingerprint() {
+    for fp in ["fp", "other"] {
+        let mut s = snap(permit());
+        let mut a = attempt(AttemptState::Completed, Some("k"), "fp");
+        a.pruned_at_ms = Some(NOW - 1);
+        s.existing = Some(a);
+        assert_eq!(
+            code(&decide(&req(Some("k"), fp), &s, &params())),
+            Some(DenialCode::IdempotencyKeyExpired)
+        );
+    }
+}
+
+#[test]
+fn expired_permit_denies_new_calls() {
+    let mut p = permit();
+    p.expires_at_ms = NOW;
+    assert_eq!(
+        code(&decide(&req(Some("k"), "fp"), &snap(p), &params())),
+        Some(DenialCode::PermitExpired)
+    );
+}
+
+#[test]
+fn tool_scope() {
+    let mut p = permit();
+    p.policy.tools = vec!["search".into(), "pay".into()];
+    assert!(is_dispatch(&decide(
+        &req(None, "fp"),
+        &snap(p.clone()),
+        &params()
+    )));
+    p.policy.tools = vec!["search".into()];
+    let den = denial(&decide(&req(None, "fp"), &snap(p), &params()));
+    assert_eq!(den.code, DenialCode::PermitToolNotAllowed);
+    assert_eq!(den.data["tool"], json!("pay"));
+}
+
+#[test]
+fn key_required() {
+    let mut r = req(None, "fp");
+    r.key_required = true;
+    assert_eq!(
+        code(&decide(&r, &snap(permit()), &params())),
+        Some(DenialCode::IdempotencyKeyRequired)
+    );
+    r.idempotency_key = Some("k".into());
+    assert!(is_dispatch(&decide(&r, &snap(permit()), &params())));
+}
+
+#[test]
+fn cap_per_tool_and_default() {
+    let mut p = permit();
+    p.policy.max_calls.insert("pay".into(), 2);
+    p.policy.max_calls_default = Some(100);
+    let mut s = snap(p.clone());
+    s.usage.calls_made = 1;
+    assert!(is_dispatch(&decide(&req(None, "fp"), &s, &params())));
+    s.usage.calls_made = 2;
+    let den = denial(&decide(&req(None, "fp"), &s, &params()));
+    assert_eq!(den.code, DenialCode::PermitMaxCallsExceeded);
+    assert_eq!(den.data["tool"], json!("pay"));
+    assert_eq!(den.data["limit"], json!(2));
+    assert_eq!(den.data["calls_made"], json!(2));
+
+    p.policy.max_calls.clear();
+    p.policy.max_calls_default = Some(0);
+    assert_eq!(
+        code(&decide(&req(None, "fp"), &snap(p), &params())),
+        Some(DenialCode::PermitMaxCallsExceeded)
+    );
+}
+
+#[test]
+fn budget_with_fixed_and_pointer_costs() {
+    let mut p = permit();
+    p.policy.budget = Some(100);
+    p.policy
+        .cost
+        .insert("pay".into(), CostRule::Pointer("/amount".into()));
+    let mut s = snap(p.clone());
+    s.budget = BudgetTotals {
+        spent: 60,
+        reserved: 30,
+    };
+    let mut r = req(None, "fp");
+    r.arguments = json!({"amount": 10});
+    let d = decide(&r, &s, &params());
+    let Mutation::Reserve(a) = &d.mutation else {
+        panic!("not reserved")
+    };
+    assert_eq!(a.cost, 10);
+
+    r.arguments = json!({"amount": 11});
+    let den = denial(&decide(&r, &s, &params()));
+    assert_eq!(den.code, DenialCode::PermitBudgetExceeded);
+    assert_eq!(den.data["budget"], json!(100));
+    assert_eq!(den.data["spent"], json!(60));
+    assert_eq!(den.data["reserved"], json!(30));
+    assert_eq!(den.data["cost"], json!(11));
+
+    for bad in [
+        json!({}),
+        json!({"amount": -1}),
+        json!({"amount": 1.5}),
+        json!({"amount": "3"}),
+    ] {
+        r.arguments = bad;
+        let den = denial(&decide(&r, &s, &params()));
+        assert_eq!(den.code, DenialCode::PermitBudgetExceeded);
+        assert_eq!(den.data["error"], json!("cost_unresolvable"));
+        assert!(den.message.contains("/amount"));
+    }
+
+    p.policy.cost.insert("pay".into(), CostRule::Fixed(7));
+    p.policy.budget = None;
+    let mut s = snap(p);
+    s.budget = BudgetTotals {
+        spent: u64::MAX / 2,
+        reserved: 0,
+    };
+    let d = decide(&req(None, "fp"), &s, &params());
+    let Mutation::Reserve(a) = &d.mutation else {
+        panic!("no budget means no limit")
+    };
+    assert_eq!(a.cost, 7);
+}
+
+#[test]
+fn cost_default_applies_to_other_tools() {
+    let mut p = permit();
+    p.policy.cost_default = 3;
+    p.policy.budget = Some(5);
+    let mut s = snap(p);
+    s.budget.spent = 2;
+    assert!(is_dispatch(&decide(&req(None, "fp"), &s, &params())));
+    s.budget.spent = 3;
+    assert_eq!(
+        code(&decide(&req(None, "fp"), &s, &params())),
+        Some(DenialCode::PermitBudgetExceeded)
+    );
+}
+
+fn dup_snapshot(mode: GuardMode) -> Snapshot {
+    let mut p = permit();
+    p.policy.duplicate_guard = mode;
+    let mut s = snap(p);
+    s.recent_duplicate = Some(attempt(AttemptState::Completed, Some("k-old"), "fp"));
+    s
+}
+
+#[test]
+fn duplicate_guard_off_log_enforce() {
+    let d = decide(
+        &req(Some("k-new"), "fp"),
+        &dup_snapshot(GuardMode::Off),
+        &params(),
+    );
+    assert!(is_dispatch(&d));
+    assert!(d.notices.is_empty());
+
+    let d = decide(
+        &req(Some("k-new"), "fp"),
+        &dup_snapshot(GuardMode::Log),
+        &params(),
+    );
+    assert!(is_dispatch(&d));
+    assert_eq!(
+        d.notices,
+        vec![Notice::DuplicateLogged {
+            earlier_attempt_id: "att_old".into()
+        }]
+    );
+
+    let d = decide(
+        &req(Some("k-new"), "fp"),
+        &dup_snapshot(GuardMode::Enforce),
+        &params(),
+    );
+    assert_eq!(code(&d), Some(DenialCode::DuplicateRequestSuspected));
+    assert_eq!(d.mutation, Mutation::None);
+    // No key at all counts as a different key.
+    let d = decide(
+        &req(None, "fp"),
+        &dup_snapshot(GuardMode::Enforce),
+        &params(),
+    );
+    assert_eq!(code(&d), Some(DenialCode::DuplicateRequestSuspected));
+}
+
+#[test]
+fn duplicate_guard_ignores_given_back_old_and_other_fingerprints() {
+    let mut s = dup_snapshot(GuardMode::Enforce);
+    if let Some(a) = s.recent_duplicate.as_mut() {
+        a.state = AttemptState::Released;
+    }
+    assert!(is_dispatch(&decide(
+        &req(Some("k-new"), "fp"),
+        &s,
+        &params()
+    )));
+
+    let mut s = dup_snapshot(GuardMode::Enforce);
+    if let Some(a) = s.recent_duplicate.as_mut() {
+        a.created_at_ms = NOW - 25 * HOUR;
+    }
+    assert!(is_dispatch(&decide(
+        &req(Some("k-new"), "fp"),
+        &s,
+        &params()
+    )));
+
+    let s = dup_snapshot(GuardMode::Enforce);
+    assert!(is_dispatch(&decide(
+        &req(Some("k-new"), "other"),
+        &s,
+        &params()
+    )));
+}
+
+#[test]
+fn order_of_new_call_checks() {
+    // Expiry before scope before cap before budget.
+    let mut p = permit();
+    p.expires_at_ms = NOW;
+    p.policy.tools = vec!["search".into()];
+    p.policy.max_calls_default = Some(0);
+    p.policy.budget = Some(0);
+    p.policy.cost_default = 1;
+    assert_eq!(
+        code(&decide(&req(None, "fp"), &snap(p.clone()), &params())),
+        Some(DenialCode::PermitExpired)
+    );
+    p.expires_at_ms = NOW + 1;
+    assert_eq!(
+        code(&decide(&req(None, "fp"), &snap(p.clone()), &params())),
+        Some(DenialCode::PermitToolNotAllowed)
+    );
+    p.policy.tools = vec!["*".into()];
+    assert_eq!(
+        code(&decide(&req(None, "fp"), &snap(p.clone()), &params())),
+        Some(DenialCode::PermitMaxCallsExceeded)
+    );
+    p.policy.max_calls_default = None;
+    assert_eq!(
+        code(&decide(&req(None, "fp"), &snap(p), &params())),
+        Some(DenialCode::PermitBudgetExceeded)
+    );
+}
+
+#[test]
+fn outcomes_only_move_in_flight() {
+    let a = attempt(AttemptState::InFlight, Some("k"), "fp");
+    let (ack, next) = apply_outcome(
+        Some(&a),
+        &Outcome::Completed {
+            receipt: "R".into(),
+        },
+        NOW,
+    );
+    assert_eq!(ack, OutcomeAck::Applied);
+    let next = next.unwrap();
+    assert_eq!(next.state, AttemptState::Completed);
+    assert_eq!(next.receipt.as_deref(), Some("R"));
+    assert_eq!(next.finished_at_ms, Some(NOW));
+
+    let (ack, next) = apply_outcome(
+        Some(&a),
+        &Outcome::Released {
+            reason: "refused".into(),
+        },
+        NOW,
+    );
+    assert_eq!(ack, OutcomeAck::Applied);
+    assert_eq!(next.unwrap().state, AttemptState::Released);
+    let (ack, next) = apply_outcome(
+        Some(&a),
+        &Outcome::Uncertain {
+            reason: "reset".into(),
+        },
+        NOW,
+    );
+    assert_eq!(ack, OutcomeAck::Applied);
+    assert_eq!(next.unwrap().reason.as_deref(), Some("reset"));
+
+    let done = attempt(AttemptState::Completed, Some("k"), "fp");
+    assert_eq!(
+        apply_outcome(
+            Some(&done),
+            &Outcome::Completed {
+                receipt: "R2".into()
+            },
+            NOW
+        ),
+        (OutcomeAck::AlreadyRecorded, None)
+    );
+    let unc = attempt(AttemptState::Uncertain, Some("k"), "fp");
+    assert_eq!(
+        apply_outcome(
+            Some(&unc),
+            &Outcome::Completed {
+                receipt: "R".into()
+            },
+            NOW
+        ),
+        (OutcomeAck::Conflict, None)
+    );
+    assert_eq!(
+        apply_outcome(Some(&unc), &Outcome::Released { reason: "x".into() }, NOW),
+        (OutcomeAck::Conflict, None)
+    );
+    assert_eq!(
+        apply_outcome(None, &Outcome::Released { reason: "x".into() }, NOW),
+        (OutcomeAck::UnknownAttempt, None)
+    );
+}
+
+#[test]
+fn resolution_effects() {
+    let unc = attempt(AttemptState::Uncertain, Some("k"), "fp");
+    let input = ResolveInput {
+        executed: true,
+        receipt: Some("R".into()),
+        note: Some("checked".into()),
+        by: "alice".into(),
+    };
+    let r = resolve(&unc, &input, NOW).unwrap();
+    assert_eq!(r.state, AttemptState::ResolvedExecuted);
+    assert!(r.state.holds_slot() && r.state.spends_budget());
+    assert_eq!(r.receipt.as_deref(), Some("R"));
+    let res = r.resolution.unwrap();
+    assert_eq!(
+        (res.by.as_str(), res.at_ms, res.note.as_deref()),
+        ("alice", NOW, Some("checked"))
+    );
+
+    let r = resolve(
+        &unc,
+        &ResolveInput {
+            executed: false,
+            receipt: None,
+            note: None,
+            by: "bob".into(),
+        },
+        NOW,
+    )
+    .unwrap();
+    assert_eq!(r.state, AttemptState::ResolvedNotExecuted);
+    assert!(r.state.gave_back() && !r.state.spends_budget());
+
+    for st in AttemptState::ALL
+        .into_iter()
+        .filter(|s| *s != AttemptState::Uncertain)
+    {
+        assert!(matches!(
+            resolve(&attempt(st, None, "fp"), &input, NOW),
+            Err(ResolveError::NotUncertain(s)) if s == st
+        ));
+    }
+}
+
+#[test]
+fn sweeper_turns_expired_leases_uncertain_never_released() {
+    let mut a = attempt(AttemptState::InFlight, None, "fp");
+    a.lease_expires_at_ms = NOW;
+    assert_eq!(expire_lease(&a, NOW - 1), None);
+    let next = expire_lease(&a, NOW).unwrap();
+    assert_eq!(next.state, AttemptState::Uncertain);
+    assert_eq!(next.reason.as_deref(), Some(LEASE_EXPIRED_REASON));
+    for st in AttemptState::ALL
+        .into_iter()
+        .filter(|s| *s != AttemptState::InFlight)
+    {
+        let mut b = attempt(st, None, "fp");
+        b.lease_expires_at_ms = NOW - HOUR;
+        assert_eq!(expire_lease(&b, NOW), None, "{st}");
+    }
+}
+
+#[test]
+fn retention_prunes_finished_receipts_to_tombstones_never_uncertain() {
+    let mut a = attempt(AttemptState::Completed, Some("k"), "fp");
+    a.receipt = Some("R".into());
+    a.finished_at_ms = Some(NOW - HOUR);
+    assert_eq!(prune(&a, 2 * HOUR, NOW), None);
+    let t = prune(&a, HOUR, NOW).unwrap();
+    assert_eq!(t.receipt, None);
+    assert_eq!(t.pruned_at_ms, Some(NOW));
+    assert_eq!(t.state, AttemptState::Completed, "the slot stays taken");
+    assert_eq!(prune(&t, HOUR, NOW + HOUR), None, "already a tombstone");
+
+    for st in [
+        AttemptState::Uncertain,
+        AttemptState::InFlight,
+        AttemptState::Released,
+    ] {
+        let mut b = attempt(st, Some("k"), "fp");
+        b.updated_at_ms = NOW - 100 * HOUR;
+        b.created_at_ms = NOW - 100 * HOUR;
+        assert_eq!(prune(&b, HOUR, NOW), None, "{st}");
+    }
+    let mut r = attempt(AttemptState::ResolvedExecuted, Some("k"), "fp");
+    r.finished_at_ms = Some(NOW - 2 * HOUR);
+    r.receipt = Some("R".into());
+    assert!(prune(&r, HOUR, NOW).is_some());
+
+    // A tombstone answers idempotency_key_expired.
+    let mut s = snap(permit());
+    s.existing = Some(t);
+    assert_eq!(
+        code(&decide(&req(Some("k"), "fp"), &s, &params())),
+        Some(DenialCode::IdempotencyKeyExpired)
+    );
+}

@@ -1,0 +1,394 @@
+//! HTTP tests of the server: authentication of both APIs, the admin JSON shapes, h2c.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::clock::ManualClock;
+use crate::metrics::Metrics;
+use crate::server::{self, AppState, ServerConfig};
+use crate::store::sqlite::SqliteStore;
+
+const SVC: &str = "service-secret";
+const ADM: &str = "admin-secret";
+
+struct TestServer {
+    base: String,
+    http: reqwest::Client,
+    state: Arc<AppState>,
+    clock: Arc<ManualClock>,
+    _dir: tempfile::TempDir,
+}
+
+async fn start() -> TestServer {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(1_800_000_000_000));
+    let state = Arc::new(AppState {
+        store: Arc::new(SqliteStore::open_dir(dir.path()).unwrap()),
+        clock: clock.clone(),
+        config: ServerConfig {
+            service_token: SVC.into(),
+            admin_token: ADM.into(),
+            lease: Duration::from_secs(60),
+        },
+        metrics: Arc::new(Metrics::new().unwrap()),
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = server::router(state.clone());
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    TestServer {
+        base: format!("http://{addr}"),
+        http: reqwest::Client::new(),
+        state,
+        clock,
+        _dir: dir,
+    }
+}
+
+impl TestServer {
+    async fn post(&self, path: &str, token: Option<&str>, body: Value) -> (u16, Value) {
+        let mut rb = self.http.post(format!("{}{path}", self.base)).json(&body);
+        if let Some(t) = token {
+            rb = rb.bearer_auth(t);
+        }
+        let resp = rb.send().await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn get(&self, path: &str, token: Option<&str>) -> (u16, Value) {
+        let mut rb = self.http.get(format!("{}{path}", self.base));
+        if let Some(t) = token {
+            rb = rb.bearer_auth(t);
+        }
+        let resp = rb.send().await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn create_permit(&self, body: Value) -> (String, String) {
+        let (st, v) = self.post("/admin/v1/permits", Some(ADM), body).await;
+        assert_eq!(st, 201, "{v}");
+        (
+            v["id"].as_str().unwrap().into(),
+            v["token"].as_str().unwrap().into(),
+        )
+    }
+}
+
+fn authz(token: &str, key: &str, fp: &str) -> Value {
+    json!({"permit_token": token, "tool": "pay", "idempotency_key": key, "fingerprint": fp, "arguments": {"amount": 3}})
+}
+
+#[tokio::test]
+async fn service_api_needs_the_service_token() {
+    let s = start().await;
+    let body = json!({"permit_token": "x", "tool": "t", "fingerprint": "f"});
+    for tok in [None, Some("wrong"), Some(ADM), Some("")] {
+        let (st, v) = s.post("/v1/authorize", tok, body.clone()).await;
+        assert_eq!(
+            (st, v.clone()),
+            (401, json!({"error": "unauthorized"})),
+            "{tok:?}"
+        );
+        let (st, _) = s.post("/v1/outcomes", tok, json!({"reports": []})).await;
+        assert_eq!(st, 401);
+    }
+    // Basic auth or a bare token is not a bearer token.
+    let resp = s
+        .http
+        .post(format!("{}/v1/authorize", s.base))
+        .header("authorization", SVC)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 401);
+    let (st, v) = s.post("/v1/authorize", Some(SVC), body).await;
+    assert_eq!(st, 200);
+    assert_eq!(v["decision"], "deny");
+    assert_eq!(v["code"], "permit_invalid");
+    let (st, v) = s.post("/v1/authorize", Some(SVC), json!({"nope": 1})).await;
+    assert_eq!(st, 400, "{v}");
+}
+
+#[tokio::test]
+async fn admin_api_needs_the_admin_token() {
+    let s = start().await;
+    for tok in [None, Some("wrong"), Some(SVC)] {
+        assert_eq!(s.get("/admin/v1/permits", tok).await.0, 401);
+        assert_eq!(s.get("/admin/v1/attempts", tok).await.0, 401);
+        let (st, v) = s
+            .post(
+                "/admin/v1/permits",
+                tok,
+                json!({"label": "x", "expires": "1h"}),
+            )
+            .await;
+        assert_eq!((st, v), (401, json!({"error": "unauthorized"})));
+        assert_eq!(
+            s.post("/admin/v1/permits/pmt_x/revoke", tok, json!({}))
+                .await
+                .0,
+            401
+        );
+        assert_eq!(
+            s.post(
+                "/admin/v1/attempts/att_x/resolve",
+                tok,
+                json!({"executed": true, "by": "x"})
+            )
+            .await
+            .0,
+            401
+        );
+    }
+    assert_eq!(
+        s.get("/admin/v1/permits", Some(ADM)).await,
+        (200, json!({"permits": []}))
+    );
+    // Health, readiness and metrics need no token.
+    assert_eq!(s.get("/healthz", None).await.0, 200);
+    assert_eq!(s.get("/readyz", None).await.0, 200);
+}
+
+#[tokio::test]
+async fn create_permit_validates_input() {
+    let s = start().await;
+    for body in [
+        json!({"label": "", "expires": "1h"}),
+        json!({"label": "x", "expires": "yesterday"}),
+        json!({"label": "x", "expires": "2001-01-01T00:00:00Z"}),
+        json!({"label": "x", "expires": "1h", "tools": []}),
+        json!({"label": "x", "expires": "1h", "cost": {"pay": "amount"}}),
+        json!({"label": "x", "expires": "1h", "duplicate_guard": "maybe"}),
+        json!({"label": "x", "expires": "1h", "retention": "forever"}),
+    ] {
+        let (st, v) = s.post("/admin/v1/permits", Some(ADM), body.clone()).await;
+        assert_eq!(st, 400, "{body} → {v}");
+        assert_eq!(v["error"], "bad_request");
+    }
+}
+
+#[tokio::test]
+async fn full_flow_over_http() {
+    let s = start().await;
+    let (id, tok) = s
+        .create_permit(json!({
+            "label": "agent-7", "expires": "24h", "tools": ["pay", "search"],
+            "max_calls": {"pay": 1}, "budget": 100, "cost": {"pay": "/amount"},
+            "duplicate_guard": "enforce", "retention": "7d"
+        }))
+        .await;
+    assert!(tok.starts_with(&format!("atmp_{id}_")));
+    let (_, created) = s
+        .post(
+            "/admin/v1/permits",
+            Some(ADM),
+            json!({"label": "shape", "expires": "1h"}),
+        )
+        .await;
+    for field in [
+        "id",
+        "token",
+        "label",
+        "status",
+        "expires_at",
+        "tools",
+        "duplicate_guard",
+    ] {
+        assert!(created.get(field).is_some(), "{field} missing in {created}");
+    }
+    assert_eq!(created["tools"], json!(["*"]));
+    assert_eq!(created["duplicate_guard"], "log");
+
+    // The token is shown once: list and show never carry it.
+    let (_, list) = s.get("/admin/v1/permits", Some(ADM)).await;
+    assert_eq!(list["permits"].as_array().unwrap().len(), 2);
+    assert!(!list.to_string().contains(&tok));
+    let p = list["permits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["id"] == json!(id))
+        .unwrap();
+    assert_eq!(p["status"], "active");
+    assert_eq!(p["max_calls"], json!({"pay": 1}));
+    assert_eq!(p["cost"], json!({"pay": "/amount"}));
+    assert_eq!(p["retention_secs"], json!(7 * 24 * 3600));
+
+    let (st, d) = s
+        .post("/v1/authorize", Some(SVC), authz(&tok, "k1", "fp1"))
+        .await;
+    assert_eq!(st, 200);
+    assert_eq!(d["decision"], "dispatch", "{d}");
+    assert_eq!(d["lease_ms"], 60_000);
+    let attempt = d["attempt_id"].as_str().unwrap().to_string();
+
+    // h2c prior knowledge, as Envoy speaks it.
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let resp = h2
+        .post(format!("{}/v1/authorize", s.base))
+        .bearer_auth(SVC)
+        .json(&authz(&tok, "k2", "fp2"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.version(), reqwest::Version::HTTP_2);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["code"], "permit_max_calls_exceeded");
+    assert_eq!(
+        v["data"],
+        json!({"tool": "pay", "limit": 1, "calls_made": 1})
+    );
+
+    let receipt = r#"{"jsonrpc":"2.0","id":7,"result":{"content":[]}}"#;
+    let (st, v) = s
+        .post(
+            "/v1/outcomes",
+            Some(SVC),
+            json!({"reports": [
+                {"attempt_id": attempt, "outcome": "completed", "receipt": receipt},
+                {"attempt_id": attempt, "outcome": "completed", "receipt": receipt},
+                {"attempt_id": attempt, "outcome": "released", "reason": "x"},
+                {"attempt_id": "att_unknown", "outcome": "uncertain", "reason": "x"}
+            ]}),
+        )
+        .await;
+    assert_eq!(st, 200);
+    assert_eq!(
+        v,
+        json!({"acks": ["applied", "already_recorded", "conflict", "unknown_attempt"]})
+    );
+    let (_, v) = s
+        .post("/v1/authorize", Some(SVC), authz(&tok, "k1", "fp1"))
+        .await;
+    assert_eq!(
+        v,
+        json!({"decision": "replay", "attempt_id": attempt, "receipt": receipt})
+    );
+
+    // A search call that goes uncertain, then is resolved by a person.
+    let (_, d) = s
+        .post(
+            "/v1/authorize",
+            Some(SVC),
+            json!({"permit_token": tok, "tool": "search", "idempotency_key": "s1", "fingerprint": "fs", "arguments": {}}),
+        )
+        .await;
+    let unc = d["attempt_id"].as_str().unwrap().to_string();
+    s.clock.advance_ms(61_000);
+    server::sweep_once(&s.state).await;
+    let (st, v) = s
+        .get(
+            &format!("/admin/v1/attempts?state=uncertain&permit={id}"),
+            Some(ADM),
+        )
+        .await;
+    assert_eq!(st, 200);
+    assert_eq!(v["attempts"].as_array().unwrap().len(), 1);
+    assert_eq!(v["attempts"][0]["id"], json!(unc));
+    assert_eq!(v["attempts"][0]["reason"], "lease_expired");
+    assert_eq!(
+        s.get("/admin/v1/attempts?state=bogus", Some(ADM)).await.0,
+        400
+    );
+
+    let (st, v) = s
+        .post(
+            &format!("/admin/v1/attempts/{unc}/resolve"),
+            Some(ADM),
+            json!({"executed": false, "note": "provider shows nothing", "by": "alice"}),
+        )
+        .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["attempt"]["state"], "resolved_not_executed");
+    assert_eq!(v["attempt"]["resolution"]["by"], "alice");
+    assert_eq!(v["attempt"]["resolution"]["note"], "provider shows nothing");
+    let (st, v) = s
+        .post(
+            &format!("/admin/v1/attempts/{unc}/resolve"),
+            Some(ADM),
+            json!({"executed": true, "by": "alice"}),
+        )
+        .await;
+    assert_eq!((st, v["error"].clone()), (409, json!("not_uncertain")));
+    assert_eq!(
+        s.post(
+            "/admin/v1/attempts/att_nope/resolve",
+            Some(ADM),
+            json!({"executed": true, "by": "a"})
+        )
+        .await
+        .0,
+        404
+    );
+    assert_eq!(
+        s.post(
+            &format!("/admin/v1/attempts/{unc}/resolve"),
+            Some(ADM),
+            json!({"executed": true, "by": ""})
+        )
+        .await
+        .0,
+        400
+    );
+
+    let (st, v) = s.get(&format!("/admin/v1/permits/{id}"), Some(ADM)).await;
+    assert_eq!(st, 200);
+    assert_eq!(v["usage"]["pay"], json!({"calls_made": 1, "limit": 1}));
+    assert_eq!(
+        v["usage"]["search"],
+        json!({"calls_made": 0, "limit": null})
+    );
+    assert_eq!(
+        v["budget"],
+        json!({"budget": 100, "spent": 3, "reserved": 0, "left": 97})
+    );
+    assert_eq!(v["attempts"]["completed"], 1);
+    assert_eq!(v["attempts"]["resolved_not_executed"], 1);
+    assert_eq!(v["attempts"]["uncertain"], 0);
+    assert_eq!(s.get("/admin/v1/permits/pmt_nope", Some(ADM)).await.0, 404);
+
+    let (st, v) = s
+        .post(
+            &format!("/admin/v1/permits/{id}/revoke"),
+            Some(ADM),
+            json!({}),
+        )
+        .await;
+    assert_eq!((st, v["permit"]["status"].clone()), (200, json!("revoked")));
+    let (_, v) = s
+        .post("/v1/authorize", Some(SVC), authz(&tok, "k1", "fp1"))
+        .await;
+    assert_eq!(v["code"], "permit_invalid");
+
+    let text = s
+        .http
+        .get(format!("{}/metrics", s.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        text.contains(r#"atmost_authorize_total{code="none",decision="dispatch"} 2"#),
+        "{text}"
+    );
+    assert!(text
+        .contains(r#"atmost_authorize_total{code="permit_max_calls_exceeded",decision="deny"} 1"#));
+    assert!(text.contains(r#"atmost_outcomes_total{ack="applied",kind="completed"} 1"#));
+    assert!(text.contains("atmost_leases_expired_total 1"));
+    assert!(text.contains("atmost_sweeps_total 1"));
+    let oversold = ["exactly", "once"].join(" ");
+    assert!(!text.to_lowercase().contains(&oversold));
+}

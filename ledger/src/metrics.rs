@@ -1,0 +1,135 @@
+//! Prometheus metrics of the ledger.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
+
+use crate::error::LedgerError;
+
+pub struct Metrics {
+    registry: Registry,
+    /// Authorize answers by decision (dispatch, replay, deny) and denial code ("none" otherwise).
+    pub authorize: IntCounterVec,
+    pub authorize_seconds: Histogram,
+    /// Outcome reports by kind (completed, released, uncertain) and ack.
+    pub outcomes: IntCounterVec,
+    /// Duplicate-guard hits by mode (log, enforce).
+    pub duplicates: IntCounterVec,
+    /// Admin resolutions by result (executed, not_executed).
+    pub resolutions: IntCounterVec,
+    /// Requests refused for a missing or wrong bearer token, by api (service, admin).
+    pub unauthorized: IntCounterVec,
+    /// Store failures by operation.
+    pub store_errors: IntCounterVec,
+    pub sweeps: IntCounter,
+    pub leases_expired: IntCounter,
+    pub receipts_pruned: IntCounter,
+    pub permits_created: IntCounter,
+    pub permits_revoked: IntCounter,
+    /// Attempts per state, refreshed by the sweeper.
+    pub attempts: IntGaugeVec,
+}
+
+fn m<T>(r: Result<T, prometheus::Error>) -> Result<T, LedgerError> {
+    r.map_err(|e| LedgerError::Invalid(format!("metrics: {e}")))
+}
+
+impl Metrics {
+    pub fn new() -> Result<Self, LedgerError> {
+        let registry = Registry::new();
+        let counter_vec =
+            |name: &str, help: &str, labels: &[&str]| -> Result<IntCounterVec, LedgerError> {
+                let c = m(IntCounterVec::new(Opts::new(name, help), labels))?;
+                m(registry.register(Box::new(c.clone())))?;
+                Ok(c)
+            };
+        let counter = |name: &str, help: &str| -> Result<IntCounter, LedgerError> {
+            let c = m(IntCounter::new(name, help))?;
+            m(registry.register(Box::new(c.clone())))?;
+            Ok(c)
+        };
+        let authorize = counter_vec(
+            "atmost_authorize_total",
+            "Authorize answers by decision and denial code.",
+            &["decision", "code"],
+        )?;
+        let outcomes = counter_vec(
+            "atmost_outcomes_total",
+            "Outcome reports by kind and how they were taken.",
+            &["kind", "ack"],
+        )?;
+        let duplicates = counter_vec(
+            "atmost_duplicate_suspected_total",
+            "New keys whose fingerprint matched a recent attempt, by guard mode.",
+            &["mode"],
+        )?;
+        let resolutions = counter_vec(
+            "atmost_resolutions_total",
+            "Uncertain attempts resolved by a person or reconciler.",
+            &["result"],
+        )?;
+        let unauthorized = counter_vec(
+            "atmost_unauthorized_requests_total",
+            "Requests refused for a missing or wrong bearer token.",
+            &["api"],
+        )?;
+        let store_errors = counter_vec(
+            "atmost_store_errors_total",
+            "Store failures by operation.",
+            &["op"],
+        )?;
+        let sweeps = counter("atmost_sweeps_total", "Sweeper runs.")?;
+        let leases_expired = counter(
+            "atmost_leases_expired_total",
+            "In-flight attempts turned uncertain by the sweeper after their lease.",
+        )?;
+        let receipts_pruned = counter(
+            "atmost_receipts_pruned_total",
+            "Receipts dropped to a tombstone after the permit's retention.",
+        )?;
+        let permits_created = counter("atmost_permits_created_total", "Permits created.")?;
+        let permits_revoked = counter("atmost_permits_revoked_total", "Permits revoked.")?;
+        let authorize_seconds = m(Histogram::with_opts(
+            HistogramOpts::new(
+                "atmost_authorize_seconds",
+                "Time to answer an authorize call.",
+            )
+            .buckets(vec![
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+            ]),
+        ))?;
+        m(registry.register(Box::new(authorize_seconds.clone())))?;
+        let attempts = m(IntGaugeVec::new(
+            Opts::new(
+                "atmost_attempts",
+                "Attempts per state, as of the last sweep.",
+            ),
+            &["state"],
+        ))?;
+        m(registry.register(Box::new(attempts.clone())))?;
+        Ok(Metrics {
+            registry,
+            authorize,
+            authorize_seconds,
+            outcomes,
+            duplicates,
+            resolutions,
+            unauthorized,
+            store_errors,
+            sweeps,
+            leases_expired,
+            receipts_pruned,
+            permits_created,
+            permits_revoked,
+            attempts,
+        })
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> Result<String, LedgerError> {
+        let mut buf = Vec::new();
+        m(TextEncoder::new().encode(&self.registry.gather(), &mut buf))?;
+        String::from_utf8(buf).map_err(|e| LedgerError::Invalid(e.to_string()))
+    }
+}

@@ -1,0 +1,578 @@
+//! The ledger's HTTP server (HTTP/1.1 and h2c prior knowledge) and its sweeper.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use atmost_protocol::{
+    AuthorizeRequest, AuthorizeResponse, Outcome, OutcomeAck, OutcomesRequest, OutcomesResponse,
+    AUTHORIZE_PATH, OUTCOMES_PATH,
+};
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use tracing::{error, info, warn};
+
+use crate::api::{
+    self, AttemptListResponse, AttemptResponse, AttemptView, CreatePermitRequest,
+    CreatePermitResponse, ErrorBody, PermitListResponse, PermitResponse, PermitShowResponse,
+    PermitView,
+};
+use crate::clock::Clock;
+use crate::decide::{Notice, ResolveInput};
+use crate::error::{LedgerError, ResolveError};
+use crate::metrics::Metrics;
+use crate::model::{AttemptState, GuardMode, Permit, Policy};
+use crate::store::{AttemptFilter, Store};
+use crate::token;
+
+/// Largest request body accepted (receipts ride in outcome reports).
+pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+
+/// Secrets and timings of a running ledger.
+#[derive(Clone)]
+pub struct ServerConfig {
+    pub service_token: String,
+    pub admin_token: String,
+    pub lease: Duration,
+}
+
+impl std::fmt::Debug for ServerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerConfig")
+            .field("service_token", &"<redacted>")
+            .field("admin_token", &"<redacted>")
+            .field("lease", &self.lease)
+            .finish()
+    }
+}
+
+pub struct AppState {
+    pub store: Arc<dyn Store>,
+    pub clock: Arc<dyn Clock>,
+    pub config: ServerConfig,
+    pub metrics: Arc<Metrics>,
+}
+
+impl AppState {
+    fn lease_ms(&self) -> u64 {
+        u64::try_from(self.config.lease.as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+type Shared = Arc<AppState>;
+
+fn error_response(status: StatusCode, error: &str, message: Option<String>) -> Response {
+    (
+        status,
+        Json(ErrorBody {
+            error: error.to_string(),
+            message,
+        }),
+    )
+        .into_response()
+}
+
+fn bad_request(message: impl Into<String>) -> Response {
+    error_response(StatusCode::BAD_REQUEST, "bad_request", Some(message.into()))
+}
+
+fn not_found(what: &str) -> Response {
+    error_response(StatusCode::NOT_FOUND, what, None)
+}
+
+fn internal(state: &AppState, op: &str, e: &LedgerError) -> Response {
+    state.metrics.store_errors.with_label_values(&[op]).inc();
+    error!(op, error = %e, "store operation failed");
+    error_response(StatusCode::INTERNAL_SERVER_ERROR, "internal", None)
+}
+
+fn json_rejection(r: JsonRejection) -> Response {
+    bad_request(r.body_text())
+}
+
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, rest) = v.split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    Some(rest.trim())
+}
+
+fn unauthorized(state: &AppState, api: &str) -> Response {
+    state.metrics.unauthorized.with_label_values(&[api]).inc();
+    error_response(StatusCode::UNAUTHORIZED, "unauthorized", None)
+}
+
+async fn require_service(State(state): State<Shared>, req: Request, next: Next) -> Response {
+    match bearer(req.headers()) {
+        Some(t) if token::secrets_equal(t, &state.config.service_token) => next.run(req).await,
+        _ => unauthorized(&state, "service"),
+    }
+}
+
+async fn require_admin(State(state): State<Shared>, req: Request, next: Next) -> Response {
+    match bearer(req.headers()) {
+        Some(t) if token::secrets_equal(t, &state.config.admin_token) => next.run(req).await,
+        _ => unauthorized(&state, "admin"),
+    }
+}
+
+/// All routes of the ledger.
+pub fn router(state: Shared) -> Router {
+    let service = Router::new()
+        .route(AUTHORIZE_PATH, post(authorize))
+        .route(OUTCOMES_PATH, post(outcomes))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_service,
+        ));
+    let admin = Router::new()
+        .route(
+            api::ADMIN_PERMITS_PATH,
+            post(create_permit).get(list_permits),
+        )
+        .route("/admin/v1/permits/{id}", get(show_permit))
+        .route("/admin/v1/permits/{id}/revoke", post(revoke_permit))
+        .route(api::ADMIN_ATTEMPTS_PATH, get(list_attempts))
+        .route("/admin/v1/attempts/{id}", get(show_attempt))
+        .route("/admin/v1/attempts/{id}/resolve", post(resolve_attempt))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_admin));
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .merge(service)
+        .merge(admin)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+async fn healthz() -> Response {
+    (StatusCode::OK, Json(serde_json::json!({"status": "ok"}))).into_response()
+}
+
+async fn readyz(State(state): State<Shared>) -> Response {
+    match state.store.ping(state.clock.now_ms()).await {
+        Ok(()) => (StatusCode::OK, Json(serde_json::json!({"status": "ready"}))).into_response(),
+        Err(e) => {
+            state
+                .metrics
+                .store_errors
+                .with_label_values(&["ping"])
+                .inc();
+            warn!(error = %e, "store not ready");
+            error_response(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", None)
+        }
+    }
+}
+
+async fn metrics(State(state): State<Shared>) -> Response {
+    match state.metrics.render() {
+        Ok(text) => (
+            StatusCode::OK,
+            [(
+                header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        Err(e) => internal(&state, "metrics", &e),
+    }
+}
+
+async fn authorize(
+    State(state): State<Shared>,
+    body: Result<Json<AuthorizeRequest>, JsonRejection>,
+) -> Response {
+    let Json(req) = match body {
+        Ok(b) => b,
+        Err(r) => return json_rejection(r),
+    };
+    let started = Instant::now();
+    let now = state.clock.now_ms();
+    let decision = match state.store.authorize(&req, state.lease_ms(), now).await {
+        Ok(d) => d,
+        Err(e) => return internal(&state, "authorize", &e),
+    };
+    state
+        .metrics
+        .authorize_seconds
+        .observe(started.elapsed().as_secs_f64());
+    let permit_id = token::permit_id_of(&req.permit_token).unwrap_or("-");
+    for n in &decision.notices {
+        match n {
+            Notice::DuplicateLogged { earlier_attempt_id } => {
+                state
+                    .metrics
+                    .duplicates
+                    .with_label_values(&[GuardMode::Log.as_str()])
+                    .inc();
+                warn!(permit_id, tool = %req.tool, earlier_attempt_id = %earlier_attempt_id,
+                    "duplicate request suspected: new key, same fingerprint as a recent attempt; dispatching (guard=log)");
+            }
+            Notice::DuplicateDenied { earlier_attempt_id } => {
+                state
+                    .metrics
+                    .duplicates
+                    .with_label_values(&[GuardMode::Enforce.as_str()])
+                    .inc();
+                warn!(permit_id, tool = %req.tool, earlier_attempt_id = %earlier_attempt_id,
+                    "duplicate request suspected: denied (guard=enforce)");
+            }
+        }
+    }
+    match &decision.response {
+        AuthorizeResponse::Dispatch { attempt_id, .. } => {
+            state
+                .metrics
+                .authorize
+                .with_label_values(&["dispatch", "none"])
+                .inc();
+            info!(permit_id, tool = %req.tool, attempt_id = %attempt_id, decision = "dispatch", "authorize");
+        }
+        AuthorizeResponse::Replay { attempt_id, .. } => {
+            state
+                .metrics
+                .authorize
+                .with_label_values(&["replay", "none"])
+                .inc();
+            info!(permit_id, tool = %req.tool, attempt_id = %attempt_id, decision = "replay", "authorize");
+        }
+        AuthorizeResponse::Deny(d) => {
+            state
+                .metrics
+                .authorize
+                .with_label_values(&["deny", d.code.as_str()])
+                .inc();
+            info!(permit_id, tool = %req.tool, decision = "deny", code = d.code.as_str(), "authorize");
+        }
+    }
+    (StatusCode::OK, Json(decision.response)).into_response()
+}
+
+fn outcome_kind(o: &Outcome) -> &'static str {
+    match o {
+        Outcome::Completed { .. } => "completed",
+        Outcome::Released { .. } => "released",
+        Outcome::Uncertain { .. } => "uncertain",
+    }
+}
+
+fn ack_str(a: OutcomeAck) -> &'static str {
+    match a {
+        OutcomeAck::Applied => "applied",
+        OutcomeAck::AlreadyRecorded => "already_recorded",
+        OutcomeAck::Conflict => "conflict",
+        OutcomeAck::UnknownAttempt => "unknown_attempt",
+    }
+}
+
+async fn outcomes(
+    State(state): State<Shared>,
+    body: Result<Json<OutcomesRequest>, JsonRejection>,
+) -> Response {
+    let Json(req) = match body {
+        Ok(b) => b,
+        Err(r) => return json_rejection(r),
+    };
+    let mut acks = Vec::with_capacity(req.reports.len());
+    for report in &req.reports {
+        let now = state.clock.now_ms();
+        let result = match state.store.record_outcome(report, now).await {
+            Ok(r) => r,
+            Err(e) => return internal(&state, "outcome", &e),
+        };
+        let kind = outcome_kind(&report.outcome);
+        state
+            .metrics
+            .outcomes
+            .with_label_values(&[kind, ack_str(result.ack)])
+            .inc();
+        let reason = match &report.outcome {
+            Outcome::Released { reason } | Outcome::Uncertain { reason } => reason.as_str(),
+            Outcome::Completed { .. } => "",
+        };
+        match result.ack {
+            OutcomeAck::Conflict => warn!(
+                attempt_id = %report.attempt_id, reported = kind,
+                current = result.previous.map(AttemptState::as_str).unwrap_or("-"),
+                reason, "outcome conflicts with the attempt's state; state kept"
+            ),
+            OutcomeAck::UnknownAttempt => {
+                warn!(attempt_id = %report.attempt_id, reported = kind, "outcome for unknown attempt")
+            }
+            _ => {
+                info!(attempt_id = %report.attempt_id, outcome = kind, reason, ack = ack_str(result.ack), "outcome")
+            }
+        }
+        acks.push(result.ack);
+    }
+    (StatusCode::OK, Json(OutcomesResponse { acks })).into_response()
+}
+
+fn build_permit(req: CreatePermitRequest, now: i64) -> Result<(Permit, String), String> {
+    let label = req.label.trim().to_string();
+    if label.is_empty() {
+        return Err("label must not be empty".into());
+    }
+    let expires_at_ms = api::parse_expiry(&req.expires, now)?;
+    if expires_at_ms <= now {
+        return Err("expiry is in the past".into());
+    }
+    let tools = req.tools.unwrap_or_else(|| vec!["*".to_string()]);
+    if tools.is_empty() || tools.iter().any(|t| t.trim().is_empty()) {
+        return Err("tools must be a non-empty list of tool names, or [\"*\"]".into());
+    }
+    for (tool, rule) in &req.cost {
+        if let crate::model::CostRule::Pointer(p) = rule {
+            if !p.starts_with('/') {
+                return Err(format!("cost pointer for {tool:?} must start with '/'"));
+            }
+        }
+        if let crate::model::CostRule::Fixed(n) = rule {
+            if i64::try_from(*n).is_err() {
+                return Err(format!("cost for {tool:?} is too large"));
+            }
+        }
+    }
+    let retention_ms = match req.retention.as_deref() {
+        Some(r) => api::parse_duration_ms(r)?,
+        None => i64::try_from(api::DEFAULT_RETENTION.as_millis()).unwrap_or(i64::MAX),
+    };
+    let id = token::new_permit_id().map_err(|e| e.to_string())?;
+    let tok = token::new_token(&id).map_err(|e| e.to_string())?;
+    let permit = Permit {
+        token_hash: token::sha256_hex(&tok),
+        id,
+        label,
+        created_at_ms: now,
+        expires_at_ms,
+        revoked_at_ms: None,
+        policy: Policy {
+            tools,
+            max_calls: req.max_calls,
+            max_calls_default: req.max_calls_default,
+            budget: req.budget,
+            cost: req.cost,
+            cost_default: req.cost_default.unwrap_or(0),
+            duplicate_guard: req.duplicate_guard.unwrap_or_default(),
+            retention_ms,
+        },
+    };
+    Ok((permit, tok))
+}
+
+async fn create_permit(
+    State(state): State<Shared>,
+    body: Result<Json<CreatePermitRequest>, JsonRejection>,
+) -> Response {
+    let Json(req) = match body {
+        Ok(b) => b,
+        Err(r) => return json_rejection(r),
+    };
+    let now = state.clock.now_ms();
+    let (permit, tok) = match build_permit(req, now) {
+        Ok(p) => p,
+        Err(m) => return bad_request(m),
+    };
+    if let Err(e) = state.store.create_permit(&permit, now).await {
+        return internal(&state, "create_permit", &e);
+    }
+    state.metrics.permits_created.inc();
+    info!(permit_id = %permit.id, label = %permit.label, "permit created");
+    (
+        StatusCode::CREATED,
+        Json(CreatePermitResponse {
+            permit: PermitView::new(&permit, now),
+            token: tok,
+        }),
+    )
+        .into_response()
+}
+
+async fn list_permits(State(state): State<Shared>) -> Response {
+    let now = state.clock.now_ms();
+    match state.store.list_permits(now).await {
+        Ok(ps) => Json(PermitListResponse {
+            permits: ps.iter().map(|p| PermitView::new(p, now)).collect(),
+        })
+        .into_response(),
+        Err(e) => internal(&state, "list_permits", &e),
+    }
+}
+
+async fn show_permit(State(state): State<Shared>, Path(id): Path<String>) -> Response {
+    let now = state.clock.now_ms();
+    match state.store.permit_detail(&id, now).await {
+        Ok(Some(d)) => Json(PermitShowResponse::new(&d, now)).into_response(),
+        Ok(None) => not_found("unknown_permit"),
+        Err(e) => internal(&state, "permit_detail", &e),
+    }
+}
+
+async fn revoke_permit(State(state): State<Shared>, Path(id): Path<String>) -> Response {
+    let now = state.clock.now_ms();
+    match state.store.revoke_permit(&id, now).await {
+        Ok(Some(p)) => {
+            state.metrics.permits_revoked.inc();
+            info!(permit_id = %p.id, "permit revoked");
+            Json(PermitResponse {
+                permit: PermitView::new(&p, now),
+            })
+            .into_response()
+        }
+        Ok(None) => not_found("unknown_permit"),
+        Err(e) => internal(&state, "revoke_permit", &e),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct AttemptQuery {
+    state: Option<String>,
+    permit: Option<String>,
+    limit: Option<u32>,
+}
+
+async fn list_attempts(State(state): State<Shared>, Query(q): Query<AttemptQuery>) -> Response {
+    let st = match q
+        .state
+        .as_deref()
+        .filter(|s| !s.is_empty())
+        .map(str::parse::<AttemptState>)
+    {
+        None => None,
+        Some(Ok(s)) => Some(s),
+        Some(Err(m)) => return bad_request(m),
+    };
+    let filter = AttemptFilter {
+        state: st,
+        permit_id: q.permit.filter(|p| !p.is_empty()),
+        limit: q.limit,
+    };
+    let now = state.clock.now_ms();
+    match state.store.list_attempts(&filter, now).await {
+        Ok(list) => Json(AttemptListResponse {
+            attempts: list.iter().map(AttemptView::from).collect(),
+        })
+        .into_response(),
+        Err(e) => internal(&state, "list_attempts", &e),
+    }
+}
+
+async fn show_attempt(State(state): State<Shared>, Path(id): Path<String>) -> Response {
+    match state.store.get_attempt(&id, state.clock.now_ms()).await {
+        Ok(Some(a)) => Json(AttemptResponse {
+            attempt: AttemptView::from(&a),
+        })
+        .into_response(),
+        Ok(None) => not_found("unknown_attempt"),
+        Err(e) => internal(&state, "get_attempt", &e),
+    }
+}
+
+async fn resolve_attempt(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    body: Result<Json<ResolveInput>, JsonRejection>,
+) -> Response {
+    let Json(input) = match body {
+        Ok(b) => b,
+        Err(r) => return json_rejection(r),
+    };
+    if input.by.trim().is_empty() {
+        return bad_request("by must name who resolved the attempt");
+    }
+    if !input.executed && input.receipt.is_some() {
+        return bad_request("a receipt only goes with executed: true");
+    }
+    let now = state.clock.now_ms();
+    match state.store.resolve_attempt(&id, &input, now).await {
+        Ok(a) => {
+            let result = if input.executed {
+                "executed"
+            } else {
+                "not_executed"
+            };
+            state.metrics.resolutions.with_label_values(&[result]).inc();
+            info!(attempt_id = %a.id, permit_id = %a.permit_id, result, by = %input.by, "attempt resolved");
+            Json(AttemptResponse {
+                attempt: AttemptView::from(&a),
+            })
+            .into_response()
+        }
+        Err(ResolveError::UnknownAttempt) => not_found("unknown_attempt"),
+        Err(ResolveError::NotUncertain(s)) => error_response(
+            StatusCode::CONFLICT,
+            "not_uncertain",
+            Some(format!(
+                "attempt is {s}; only uncertain attempts can be resolved"
+            )),
+        ),
+        Err(ResolveError::Ledger(e)) => internal(&state, "resolve_attempt", &e),
+    }
+}
+
+/// One sweep: expired leases → uncertain, old receipts → tombstones, gauges refreshed.
+pub async fn sweep_once(state: &AppState) {
+    let now = state.clock.now_ms();
+    state.metrics.sweeps.inc();
+    match state.store.sweep(now).await {
+        Ok(r) => {
+            state.metrics.leases_expired.inc_by(r.leases_expired);
+            state.metrics.receipts_pruned.inc_by(r.receipts_pruned);
+            if r.leases_expired > 0 || r.receipts_pruned > 0 {
+                info!(
+                    leases_expired = r.leases_expired,
+                    receipts_pruned = r.receipts_pruned,
+                    "sweep"
+                );
+            }
+        }
+        Err(e) => {
+            state
+                .metrics
+                .store_errors
+                .with_label_values(&["sweep"])
+                .inc();
+            error!(error = %e, "sweep failed");
+        }
+    }
+    match state.store.attempt_counts(now).await {
+        Ok(counts) => {
+            for (s, n) in counts {
+                state
+                    .metrics
+                    .attempts
+                    .with_label_values(&[s.as_str()])
+                    .set(i64::try_from(n).unwrap_or(i64::MAX));
+            }
+        }
+        Err(e) => {
+            state
+                .metrics
+                .store_errors
+                .with_label_values(&["attempt_counts"])
+                .inc();
+            error!(error = %e, "attempt counts failed");
+        }
+    }
+}
+
+/// Runs the sweeper every `interval` until the task is dropped.
+pub fn spawn_sweeper(state: Shared, interval: Duration) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval.max(Duration::from_millis(10)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            sweep_once(&state).await;
+        }
+    })
+}

@@ -1,0 +1,838 @@
+//! The store conformance suite, written once over `Arc<dyn Store>`.
+//!
+//! A store's test module implements [`Harness`] and calls [`conformance_suite!`] once; every
+//! check below then runs against it. The SQLite instantiation sits at the bottom of
+//! `store/sqlite.rs`'s tests; a PostgreSQL store adds one more `conformance_suite!` call.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use atmost_protocol::{
+    AuthorizeRequest, AuthorizeResponse, DenialCode, Outcome, OutcomeAck, OutcomeReport,
+};
+use serde_json::{json, Value};
+
+use super::{AttemptFilter, Store};
+use crate::decide::{Notice, ResolveInput};
+use crate::error::ResolveError;
+use crate::model::{AttemptState, CostRule, GuardMode, Permit, Policy};
+use crate::token;
+
+pub const T0: i64 = 1_800_000_000_000;
+pub const MIN: i64 = 60_000;
+pub const HOUR: i64 = 60 * MIN;
+pub const LEASE_MS: u64 = 60_000;
+
+/// What a store under test provides.
+#[async_trait]
+pub trait Harness: Send + Sync {
+    /// The store, empty at the start of each test.
+    async fn store(&self) -> Arc<dyn Store>;
+    /// Another handle on the same data (another connection, process or replica).
+    async fn second_handle(&self) -> Arc<dyn Store>;
+    /// Reopens the durable data after every handle was dropped.
+    async fn reopen(&self) -> Arc<dyn Store>;
+}
+
+/// Instantiates every conformance test for a harness expression.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($make:expr) => {
+        $crate::conformance_suite!(@tests $make;
+            decision_table, expiry_scope_and_key_required, budget_reserve_spend_release,
+            duplicate_guard_modes, outcome_acks, race_cap_of_one_distinct_keys, race_same_key,
+            race_budget, sweeper_expires_leases_to_uncertain, retention_tombstones_and_uncertain_kept,
+            resolution, durability_across_reopen, permit_admin);
+    };
+    (@tests $make:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                let h = $make;
+                $crate::store::conformance::$name(&h).await;
+            }
+        )*
+    };
+}
+
+pub fn policy() -> Policy {
+    Policy {
+        tools: vec!["*".into()],
+        max_calls: BTreeMap::new(),
+        max_calls_default: None,
+        budget: None,
+        cost: BTreeMap::new(),
+        cost_default: 0,
+        duplicate_guard: GuardMode::Log,
+        retention_ms: 24 * HOUR,
+    }
+}
+
+/// Stores a permit with `policy`, returns it and its token.
+pub async fn make_permit(store: &dyn Store, policy: Policy, expires_at: i64) -> (Permit, String) {
+    let id = token::new_permit_id().unwrap();
+    let tok = token::new_token(&id).unwrap();
+    let p = Permit {
+        token_hash: token::sha256_hex(&tok),
+        id,
+        label: "conformance".into(),
+        created_at_ms: T0,
+        expires_at_ms: expires_at,
+        revoked_at_ms: None,
+        policy,
+    };
+    store.create_permit(&p, T0).await.unwrap();
+    (p, tok)
+}
+
+pub fn req(tok: &str, tool: &str, key: Option<&str>, fp: &str, args: Value) -> AuthorizeRequest {
+    AuthorizeRequest {
+        permit_token: tok.into(),
+        tool: tool.into(),
+        idempotency_key: key.map(String::from),
+        fingerprint: fp.into(),
+        arguments: args,
+        key_required: false,
+    }
+}
+
+async fn auth(store: &dyn Store, r: &AuthorizeRequest, now: i64) -> AuthorizeResponse {
+    store.authorize(r, LEASE_MS, now).await.unwrap().response
+}
+
+fn dispatched(r: &AuthorizeResponse) -> String {
+    match r {
+        AuthorizeResponse::Dispatch { attempt_id, .. } => attempt_id.clone(),
+        other => panic!("expected dispatch, got {other:?}"),
+    }
+}
+
+fn denied(r: &AuthorizeResponse) -> DenialCode {
+    match r {
+        AuthorizeResponse::Deny(d) => d.code,
+        other => panic!("expected a denial, got {other:?}"),
+    }
+}
+
+fn denial_data(r: &AuthorizeResponse) -> serde_json::Map<String, Value> {
+    match r {
+        AuthorizeResponse::Deny(d) => d.data.clone(),
+        other => panic!("expected a denial, got {other:?}"),
+    }
+}
+
+async fn report(store: &dyn Store, id: &str, outcome: Outcome, now: i64) -> OutcomeAck {
+    store
+        .record_outcome(
+            &OutcomeReport {
+                attempt_id: id.into(),
+                outcome,
+            },
+            now,
+        )
+        .await
+        .unwrap()
+        .ack
+}
+
+fn completed(r: &str) -> Outcome {
+    Outcome::Completed { receipt: r.into() }
+}
+
+fn released() -> Outcome {
+    Outcome::Released {
+        reason: "connection_refused".into(),
+    }
+}
+
+fn uncertain() -> Outcome {
+    Outcome::Uncertain {
+        reason: "upstream_reset".into(),
+    }
+}
+
+async fn calls_made(store: &dyn Store, permit: &str, tool: &str) -> u64 {
+    let d = store.permit_detail(permit, T0).await.unwrap().unwrap();
+    d.usage.get(tool).map(|u| u.calls_made).unwrap_or(0)
+}
+
+async fn state_of(store: &dyn Store, attempt: &str) -> AttemptState {
+    store.get_attempt(attempt, T0).await.unwrap().unwrap().state
+}
+
+pub async fn decision_table(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.max_calls.insert("pay".into(), 3);
+    let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
+    let now = T0;
+
+    // nothing → dispatch; in_flight same fp → in progress; different fp → conflict.
+    let a1 = dispatched(&auth(&*s, &req(&tok, "pay", Some("k1"), "A", json!({})), now).await);
+    let r = auth(&*s, &req(&tok, "pay", Some("k1"), "A", json!({})), now).await;
+    assert_eq!(denied(&r), DenialCode::IdempotencyInProgress);
+    assert!(denial_data(&r)["retry_after"].as_i64().unwrap() >= 1);
+    assert_eq!(
+        denied(&auth(&*s, &req(&tok, "pay", Some("k1"), "B", json!({})), now).await),
+        DenialCode::IdempotencyKeyConflict
+    );
+
+    // completed same fp → replay, no slot; different fp → conflict.
+    assert_eq!(
+        report(&*s, &a1, completed("R1"), now).await,
+        OutcomeAck::Applied
+    );
+    for _ in 0..2 {
+        let r = auth(&*s, &req(&tok, "pay", Some("k1"), "A", json!({})), now).await;
+        assert_eq!(
+            r,
+            AuthorizeResponse::Replay {
+                attempt_id: a1.clone(),
+                receipt: "R1".into()
+            }
+        );
+    }
+    assert_eq!(
+        s.get_attempt(&a1, now).await.unwrap().unwrap().replay_count,
+        2
+    );
+    let r = auth(&*s, &req(&tok, "pay", Some("k1"), "B", json!({})), now).await;
+    assert_eq!(denied(&r), DenialCode::IdempotencyKeyConflict);
+    assert!(!serde_json::to_string(&r).unwrap().contains("R1"));
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
+
+    // uncertain same fp → delivery_uncertain with the attempt id.
+    let a2 = dispatched(&auth(&*s, &req(&tok, "pay", Some("k2"), "C", json!({})), now).await);
+    report(&*s, &a2, uncertain(), now).await;
+    let r = auth(&*s, &req(&tok, "pay", Some("k2"), "C", json!({})), now).await;
+    assert_eq!(denied(&r), DenialCode::DeliveryUncertain);
+    assert_eq!(denial_data(&r)["attempt_id"], json!(a2));
+    assert_eq!(
+        denied(&auth(&*s, &req(&tok, "pay", Some("k2"), "Z", json!({})), now).await),
+        DenialCode::IdempotencyKeyConflict
+    );
+
+    // released same fp → new attempt under the same key; the key now maps to it.
+    let a3 = dispatched(&auth(&*s, &req(&tok, "pay", Some("k3"), "D", json!({})), now).await);
+    report(&*s, &a3, released(), now).await;
+    assert_eq!(
+        denied(&auth(&*s, &req(&tok, "pay", Some("k3"), "E", json!({})), now).await),
+        DenialCode::IdempotencyKeyConflict
+    );
+    let a3b = dispatched(&auth(&*s, &req(&tok, "pay", Some("k3"), "D", json!({})), now).await);
+    assert_ne!(a3, a3b);
+    assert_eq!(
+        denied(&auth(&*s, &req(&tok, "pay", Some("k3"), "D", json!({})), now).await),
+        DenialCode::IdempotencyInProgress
+    );
+    assert_eq!(state_of(&*s, &a3).await, AttemptState::Released);
+
+    // slots: completed + uncertain + in_flight = 3 = cap.
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 3);
+    let r = auth(&*s, &req(&tok, "pay", Some("k4"), "F", json!({})), now).await;
+    assert_eq!(denied(&r), DenialCode::PermitMaxCallsExceeded);
+    let d = denial_data(&r);
+    assert_eq!(
+        (
+            d["tool"].clone(),
+            d["limit"].clone(),
+            d["calls_made"].clone()
+        ),
+        (json!("pay"), json!(3), json!(3))
+    );
+    // Another tool has no cap here; the key scope is the permit.
+    dispatched(&auth(&*s, &req(&tok, "search", Some("k4"), "G", json!({})), now).await);
+    // Same key and same fp still replay at the cap.
+    assert!(matches!(
+        auth(&*s, &req(&tok, "pay", Some("k1"), "A", json!({})), now).await,
+        AuthorizeResponse::Replay { .. }
+    ));
+
+    // Keys are scoped to the permit: another permit's k1 is new.
+    let (_p2, tok2) = make_permit(&*s, policy(), T0 + HOUR).await;
+    dispatched(&auth(&*s, &req(&tok2, "pay", Some("k1"), "A", json!({})), now).await);
+
+    // unknown token, wrong secret, revoked → permit_invalid.
+    assert_eq!(
+        denied(
+            &auth(
+                &*s,
+                &req(
+                    "atmp_pmt_nope_00000000000000000000000000000000",
+                    "pay",
+                    None,
+                    "A",
+                    json!({})
+                ),
+                now
+            )
+            .await
+        ),
+        DenialCode::PermitInvalid
+    );
+    let wrong = format!("atmp_{}_{}", p.id, "0".repeat(64));
+    assert_eq!(
+        denied(&auth(&*s, &req(&wrong, "pay", None, "A", json!({})), now).await),
+        DenialCode::PermitInvalid
+    );
+    s.revoke_permit(&p.id, now).await.unwrap();
+    assert_eq!(
+        denied(&auth(&*s, &req(&tok, "pay", Some("k1"), "A", json!({})), now).await),
+        DenialCode::PermitInvalid
+    );
+}
+
+pub async fn expiry_scope_and_key_required(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.tools = vec!["pay".into()];
+    let (_p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
+    assert_eq!(
+        denied(&auth(&*s, &req(&tok, "search", None, "A", json!({})), T0).await),
+        DenialCode::PermitToolNotAllowed
+    );
+    let mut r = req(&tok, "pay", None, "A", json!({}));
+    r.key_required = true;
+    assert_eq!(
+        denied(&auth(&*s, &r, T0).await),
+        DenialCode::IdempotencyKeyRequired
+    );
+    r.idempotency_key = Some("k".into());
+    let a = dispatched(&auth(&*s, &r, T0).await);
+    report(&*s, &a, completed("R"), T0).await;
+    // After expiry: new calls denied, the completed key still replays.
+    let later = T0 + HOUR;
+    assert_eq!(
+        denied(&auth(&*s, &req(&tok, "pay", Some("k2"), "B", json!({})), later).await),
+        DenialCode::PermitExpired
+    );
+    assert!(matches!(
+        auth(&*s, &r, later).await,
+        AuthorizeResponse::Replay { .. }
+    ));
+}
+
+pub async fn budget_reserve_spend_release(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.budget = Some(10);
+    pol.cost
+        .insert("pay".into(), CostRule::Pointer("/amount".into()));
+    let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
+    let a = dispatched(
+        &auth(
+            &*s,
+            &req(&tok, "pay", Some("a"), "A", json!({"amount": 6})),
+            T0,
+        )
+        .await,
+    );
+    let r = auth(
+        &*s,
+        &req(&tok, "pay", Some("b"), "B", json!({"amount": 5})),
+        T0,
+    )
+    .await;
+    assert_eq!(denied(&r), DenialCode::PermitBudgetExceeded);
+    let d = denial_data(&r);
+    assert_eq!(
+        (
+            d["budget"].clone(),
+            d["spent"].clone(),
+            d["reserved"].clone(),
+            d["cost"].clone()
+        ),
+        (json!(10), json!(0), json!(6), json!(5))
+    );
+    let r = auth(
+        &*s,
+        &req(&tok, "pay", Some("c"), "C", json!({"amount": "x"})),
+        T0,
+    )
+    .await;
+    assert_eq!(denial_data(&r)["error"], json!("cost_unresolvable"));
+
+    // Released: budget back.
+    report(&*s, &a, released(), T0).await;
+    let b = dispatched(
+        &auth(
+            &*s,
+            &req(&tok, "pay", Some("b"), "B", json!({"amount": 5})),
+            T0,
+        )
+        .await,
+    );
+    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    assert_eq!((det.budget.spent, det.budget.reserved), (0, 5));
+    // Completed: reserved → spent.
+    report(&*s, &b, completed("R"), T0).await;
+    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    assert_eq!((det.budget.spent, det.budget.reserved), (5, 0));
+    // Uncertain: counts as spent.
+    let c = dispatched(
+        &auth(
+            &*s,
+            &req(&tok, "pay", Some("c"), "C", json!({"amount": 4})),
+            T0,
+        )
+        .await,
+    );
+    report(&*s, &c, uncertain(), T0).await;
+    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    assert_eq!((det.budget.spent, det.budget.reserved), (9, 0));
+    assert_eq!(
+        denied(
+            &auth(
+                &*s,
+                &req(&tok, "pay", Some("d"), "D", json!({"amount": 2})),
+                T0
+            )
+            .await
+        ),
+        DenialCode::PermitBudgetExceeded
+    );
+    // Resolved not executed: budget back.
+    s.resolve_attempt(
+        &c,
+        &ResolveInput {
+            executed: false,
+            receipt: None,
+            note: None,
+            by: "t".into(),
+        },
+        T0,
+    )
+    .await
+    .unwrap();
+    dispatched(
+        &auth(
+            &*s,
+            &req(&tok, "pay", Some("d"), "D", json!({"amount": 2})),
+            T0,
+        )
+        .await,
+    );
+}
+
+pub async fn duplicate_guard_modes(h: &dyn Harness) {
+    let s = h.store().await;
+    for mode in [GuardMode::Off, GuardMode::Log, GuardMode::Enforce] {
+        let mut pol = policy();
+        pol.duplicate_guard = mode;
+        let (_p, tok) = make_permit(&*s, pol, T0 + 100 * HOUR).await;
+        let a = dispatched(&auth(&*s, &req(&tok, "pay", Some("k1"), "X", json!({})), T0).await);
+        report(&*s, &a, completed("R"), T0).await;
+        let d = s
+            .authorize(
+                &req(&tok, "pay", Some("k2"), "X", json!({})),
+                LEASE_MS,
+                T0 + 1,
+            )
+            .await
+            .unwrap();
+        match mode {
+            GuardMode::Off => {
+                dispatched(&d.response);
+                assert!(d.notices.is_empty());
+            }
+            GuardMode::Log => {
+                dispatched(&d.response);
+                assert_eq!(
+                    d.notices,
+                    vec![Notice::DuplicateLogged {
+                        earlier_attempt_id: a.clone()
+                    }]
+                );
+            }
+            GuardMode::Enforce => {
+                assert_eq!(denied(&d.response), DenialCode::DuplicateRequestSuspected);
+                // No key at all is a different key too; another fingerprint passes.
+                assert_eq!(
+                    denied(&auth(&*s, &req(&tok, "pay", None, "X", json!({})), T0 + 1).await),
+                    DenialCode::DuplicateRequestSuspected
+                );
+                dispatched(&auth(&*s, &req(&tok, "pay", Some("k3"), "Y", json!({})), T0 + 1).await);
+                // A released attempt does not count; outside the retention window neither.
+                let r = dispatched(
+                    &auth(&*s, &req(&tok, "pay", Some("k4"), "W", json!({})), T0 + 1).await,
+                );
+                report(&*s, &r, released(), T0 + 1).await;
+                dispatched(&auth(&*s, &req(&tok, "pay", Some("k5"), "W", json!({})), T0 + 2).await);
+                dispatched(
+                    &auth(
+                        &*s,
+                        &req(&tok, "pay", Some("k6"), "X", json!({})),
+                        T0 + 25 * HOUR,
+                    )
+                    .await,
+                );
+            }
+        }
+    }
+}
+
+pub async fn outcome_acks(h: &dyn Harness) {
+    let s = h.store().await;
+    let (_p, tok) = make_permit(&*s, policy(), T0 + HOUR).await;
+    let a = dispatched(&auth(&*s, &req(&tok, "pay", None, "A", json!({})), T0).await);
+    assert_eq!(
+        report(&*s, &a, completed("R"), T0).await,
+        OutcomeAck::Applied
+    );
+    assert_eq!(
+        report(&*s, &a, completed("R"), T0).await,
+        OutcomeAck::AlreadyRecorded
+    );
+    assert_eq!(report(&*s, &a, released(), T0).await, OutcomeAck::Conflict);
+    assert_eq!(report(&*s, &a, uncertain(), T0).await, OutcomeAck::Conflict);
+    assert_eq!(state_of(&*s, &a).await, AttemptState::Completed);
+    assert_eq!(
+        report(&*s, "att_unknown", released(), T0).await,
+        OutcomeAck::UnknownAttempt
+    );
+    let b = dispatched(&auth(&*s, &req(&tok, "pay", None, "B", json!({})), T0).await);
+    assert_eq!(report(&*s, &b, released(), T0).await, OutcomeAck::Applied);
+    assert_eq!(
+        report(&*s, &b, released(), T0).await,
+        OutcomeAck::AlreadyRecorded
+    );
+    assert_eq!(
+        report(&*s, &b, completed("late"), T0).await,
+        OutcomeAck::Conflict
+    );
+    let got = s.get_attempt(&b, T0).await.unwrap().unwrap();
+    assert_eq!((got.state, got.receipt), (AttemptState::Released, None));
+}
+
+/// Runs `n` authorize calls at once, split over two handles of the same data.
+async fn race(h: &dyn Harness, reqs: Vec<AuthorizeRequest>) -> Vec<AuthorizeResponse> {
+    let s1 = h.store().await;
+    let s2 = h.second_handle().await;
+    let barrier = Arc::new(tokio::sync::Barrier::new(reqs.len()));
+    let mut tasks = Vec::new();
+    for (i, r) in reqs.into_iter().enumerate() {
+        let s = if i % 2 == 0 { s1.clone() } else { s2.clone() };
+        let b = barrier.clone();
+        tasks.push(tokio::spawn(async move {
+            b.wait().await;
+            s.authorize(&r, LEASE_MS, T0).await.unwrap().response
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+fn count(rs: &[AuthorizeResponse], code: Option<DenialCode>) -> usize {
+    rs.iter()
+        .filter(|r| match (r, code) {
+            (AuthorizeResponse::Dispatch { .. }, None) => true,
+            (AuthorizeResponse::Deny(d), Some(c)) => d.code == c,
+            _ => false,
+        })
+        .count()
+}
+
+pub async fn race_cap_of_one_distinct_keys(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.max_calls.insert("pay".into(), 1);
+    let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
+    let reqs = (0..32)
+        .map(|i| {
+            req(
+                &tok,
+                "pay",
+                Some(&format!("key-{i}")),
+                &format!("fp-{i}"),
+                json!({}),
+            )
+        })
+        .collect();
+    let rs = race(h, reqs).await;
+    assert_eq!(count(&rs, None), 1, "{rs:?}");
+    assert_eq!(count(&rs, Some(DenialCode::PermitMaxCallsExceeded)), 31);
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
+}
+
+pub async fn race_same_key(h: &dyn Harness) {
+    let s = h.store().await;
+    let (p, tok) = make_permit(&*s, policy(), T0 + HOUR).await;
+    let reqs = (0..32)
+        .map(|_| req(&tok, "pay", Some("one-key"), "A", json!({})))
+        .collect();
+    let rs = race(h, reqs).await;
+    assert_eq!(count(&rs, None), 1, "{rs:?}");
+    assert_eq!(count(&rs, Some(DenialCode::IdempotencyInProgress)), 31);
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
+}
+
+pub async fn race_budget(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.budget = Some(10);
+    pol.cost_default = 3;
+    let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
+    let reqs = (0..32)
+        .map(|i| {
+            req(
+                &tok,
+                "pay",
+                Some(&format!("key-{i}")),
+                &format!("fp-{i}"),
+                json!({}),
+            )
+        })
+        .collect();
+    let rs = race(h, reqs).await;
+    assert_eq!(count(&rs, None), 3, "{rs:?}");
+    assert_eq!(count(&rs, Some(DenialCode::PermitBudgetExceeded)), 29);
+    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    assert_eq!(det.budget.reserved, 9);
+}
+
+pub async fn sweeper_expires_leases_to_uncertain(h: &dyn Harness) {
+    let s = h.store().await;
+    let (p, tok) = make_permit(&*s, policy(), T0 + HOUR).await;
+    let a = dispatched(&auth(&*s, &req(&tok, "pay", Some("k"), "A", json!({})), T0).await);
+    let b = dispatched(&auth(&*s, &req(&tok, "pay", Some("k2"), "B", json!({})), T0).await);
+    report(&*s, &b, completed("R"), T0).await;
+    let lease = i64::try_from(LEASE_MS).unwrap();
+    assert_eq!(s.sweep(T0 + lease - 1).await.unwrap().leases_expired, 0);
+    assert_eq!(state_of(&*s, &a).await, AttemptState::InFlight);
+    assert_eq!(s.sweep(T0 + lease).await.unwrap().leases_expired, 1);
+    let got = s.get_attempt(&a, T0).await.unwrap().unwrap();
+    assert_eq!(got.state, AttemptState::Uncertain);
+    assert_eq!(
+        got.reason.as_deref(),
+        Some(crate::decide::LEASE_EXPIRED_REASON)
+    );
+    assert_eq!(state_of(&*s, &b).await, AttemptState::Completed);
+    // A late report does not change it; the same key gets the same unknown; the slot stays.
+    assert_eq!(
+        report(&*s, &a, completed("late"), T0 + lease).await,
+        OutcomeAck::Conflict
+    );
+    assert_eq!(
+        report(&*s, &a, released(), T0 + lease).await,
+        OutcomeAck::Conflict
+    );
+    assert_eq!(
+        denied(
+            &auth(
+                &*s,
+                &req(&tok, "pay", Some("k"), "A", json!({})),
+                T0 + lease
+            )
+            .await
+        ),
+        DenialCode::DeliveryUncertain
+    );
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 2);
+    assert_eq!(s.sweep(T0 + 10 * lease).await.unwrap().leases_expired, 0);
+    let listed = s
+        .list_attempts(
+            &AttemptFilter {
+                state: Some(AttemptState::Uncertain),
+                permit_id: Some(p.id.clone()),
+                limit: None,
+            },
+            T0,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        listed.iter().map(|x| x.id.clone()).collect::<Vec<_>>(),
+        vec![a]
+    );
+}
+
+pub async fn retention_tombstones_and_uncertain_kept(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.retention_ms = HOUR;
+    pol.max_calls.insert("pay".into(), 5);
+    let (p, tok) = make_permit(&*s, pol, T0 + 100 * HOUR).await;
+    let a = dispatched(&auth(&*s, &req(&tok, "pay", Some("done"), "A", json!({})), T0).await);
+    report(&*s, &a, completed("R"), T0).await;
+    let u = dispatched(&auth(&*s, &req(&tok, "pay", Some("unk"), "U", json!({})), T0).await);
+    report(&*s, &u, uncertain(), T0).await;
+
+    let r = s.sweep(T0 + HOUR - 1).await.unwrap();
+    assert_eq!(r.receipts_pruned, 0);
+    assert!(matches!(
+        auth(
+            &*s,
+            &req(&tok, "pay", Some("done"), "A", json!({})),
+            T0 + HOUR - 1
+        )
+        .await,
+        AuthorizeResponse::Replay { .. }
+    ));
+    let r = s.sweep(T0 + HOUR).await.unwrap();
+    assert_eq!(r.receipts_pruned, 1);
+    let t = s.get_attempt(&a, T0).await.unwrap().unwrap();
+    assert_eq!(
+        (t.state, t.receipt.is_none(), t.pruned_at_ms.is_some()),
+        (AttemptState::Completed, true, true)
+    );
+    for fp in ["A", "other"] {
+        assert_eq!(
+            denied(
+                &auth(
+                    &*s,
+                    &req(&tok, "pay", Some("done"), fp, json!({})),
+                    T0 + HOUR
+                )
+                .await
+            ),
+            DenialCode::IdempotencyKeyExpired
+        );
+    }
+    // The tombstone keeps its slot; the uncertain attempt is never pruned.
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 2);
+    assert_eq!(s.sweep(T0 + 1000 * HOUR).await.unwrap().receipts_pruned, 0);
+    assert_eq!(state_of(&*s, &u).await, AttemptState::Uncertain);
+    assert_eq!(
+        denied(
+            &auth(
+                &*s,
+                &req(&tok, "pay", Some("unk"), "U", json!({})),
+                T0 + 99 * HOUR
+            )
+            .await
+        ),
+        DenialCode::DeliveryUncertain
+    );
+}
+
+pub async fn resolution(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.max_calls.insert("pay".into(), 2);
+    let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
+    let a = dispatched(&auth(&*s, &req(&tok, "pay", Some("a"), "A", json!({})), T0).await);
+    let b = dispatched(&auth(&*s, &req(&tok, "pay", Some("b"), "B", json!({})), T0).await);
+    report(&*s, &a, uncertain(), T0).await;
+    report(&*s, &b, uncertain(), T0).await;
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 2);
+
+    let exec = ResolveInput {
+        executed: true,
+        receipt: Some("PROVIDER-RECEIPT".into()),
+        note: Some("found charge ch_1".into()),
+        by: "alice".into(),
+    };
+    let got = s.resolve_attempt(&a, &exec, T0 + 5).await.unwrap();
+    assert_eq!(got.state, AttemptState::ResolvedExecuted);
+    let res = got.resolution.clone().unwrap();
+    assert_eq!(
+        (res.by.as_str(), res.at_ms, res.note.as_deref()),
+        ("alice", T0 + 5, Some("found charge ch_1"))
+    );
+    // Stored, not just returned.
+    assert_eq!(s.get_attempt(&a, T0).await.unwrap().unwrap(), got);
+    assert_eq!(
+        auth(&*s, &req(&tok, "pay", Some("a"), "A", json!({})), T0 + 6).await,
+        AuthorizeResponse::Replay {
+            attempt_id: a.clone(),
+            receipt: "PROVIDER-RECEIPT".into()
+        }
+    );
+    assert!(matches!(
+        s.resolve_attempt(&a, &exec, T0).await,
+        Err(ResolveError::NotUncertain(AttemptState::ResolvedExecuted))
+    ));
+    assert!(matches!(
+        s.resolve_attempt("att_nope", &exec, T0).await,
+        Err(ResolveError::UnknownAttempt)
+    ));
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 2);
+
+    let not = ResolveInput {
+        executed: false,
+        receipt: None,
+        note: None,
+        by: "bob".into(),
+    };
+    s.resolve_attempt(&b, &not, T0 + 7).await.unwrap();
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
+    // The same key may now try again.
+    let b2 = dispatched(&auth(&*s, &req(&tok, "pay", Some("b"), "B", json!({})), T0 + 8).await);
+    assert_ne!(b, b2);
+    // Resolving an in_flight attempt is refused.
+    assert!(matches!(
+        s.resolve_attempt(&b2, &not, T0).await,
+        Err(ResolveError::NotUncertain(AttemptState::InFlight))
+    ));
+    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    assert_eq!(
+        det.attempts_by_state.get(&AttemptState::ResolvedExecuted),
+        Some(&1)
+    );
+    assert_eq!(
+        det.attempts_by_state
+            .get(&AttemptState::ResolvedNotExecuted),
+        Some(&1)
+    );
+    assert_eq!(det.attempts_by_state.get(&AttemptState::InFlight), Some(&1));
+}
+
+pub async fn durability_across_reopen(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.max_calls.insert("pay".into(), 2);
+    let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
+    let a = dispatched(&auth(&*s, &req(&tok, "pay", Some("a"), "A", json!({})), T0).await);
+    report(&*s, &a, completed("R"), T0).await;
+    let b = dispatched(&auth(&*s, &req(&tok, "pay", Some("b"), "B", json!({})), T0).await);
+    drop(s);
+    let s = h.reopen().await;
+    assert_eq!(
+        auth(&*s, &req(&tok, "pay", Some("a"), "A", json!({})), T0).await,
+        AuthorizeResponse::Replay {
+            attempt_id: a,
+            receipt: "R".into()
+        }
+    );
+    assert_eq!(state_of(&*s, &b).await, AttemptState::InFlight);
+    assert_eq!(
+        denied(&auth(&*s, &req(&tok, "pay", Some("c"), "C", json!({})), T0).await),
+        DenialCode::PermitMaxCallsExceeded
+    );
+    assert_eq!(s.list_permits(T0).await.unwrap().len(), 1);
+    assert_eq!(s.permit_detail(&p.id, T0).await.unwrap().unwrap().permit, p);
+}
+
+pub async fn permit_admin(h: &dyn Harness) {
+    let s = h.store().await;
+    s.ping(T0).await.unwrap();
+    let mut pol = policy();
+    pol.max_calls.insert("pay".into(), 1);
+    pol.cost
+        .insert("pay".into(), CostRule::Pointer("/a".into()));
+    pol.budget = Some(7);
+    let (p1, _) = make_permit(&*s, pol, T0 + HOUR).await;
+    let (p2, _) = make_permit(&*s, policy(), T0 + HOUR).await;
+    let list = s.list_permits(T0).await.unwrap();
+    assert_eq!(list.len(), 2);
+    assert!(list.contains(&p1) && list.contains(&p2));
+    let d = s.permit_detail(&p1.id, T0).await.unwrap().unwrap();
+    assert_eq!(d.permit, p1);
+    assert_eq!(d.usage.get("pay").map(|u| u.calls_made), Some(0));
+    assert!(s.permit_detail("pmt_nope", T0).await.unwrap().is_none());
+    let r = s.revoke_permit(&p1.id, T0 + 1).await.unwrap().unwrap();
+    assert_eq!(r.revoked_at_ms, Some(T0 + 1));
+    let r = s.revoke_permit(&p1.id, T0 + 2).await.unwrap().unwrap();
+    assert_eq!(
+        r.revoked_at_ms,
+        Some(T0 + 1),
+        "revoking twice keeps the first time"
+    );
+    assert!(s.revoke_permit("pmt_nope", T0).await.unwrap().is_none());
+    let counts = s.attempt_counts(T0).await.unwrap();
+    assert_eq!(counts.values().sum::<u64>(), 0);
+}

@@ -1,0 +1,105 @@
+//! Storage of permits and attempts behind one async trait.
+//!
+//! Each store reads a [`Snapshot`](crate::decide::Snapshot) and applies the pure decision's
+//! [`Mutation`](crate::decide::Mutation) inside ONE transaction that serializes every
+//! decision for the same permit (SQLite: `BEGIN IMMEDIATE`; PostgreSQL: `SELECT … FOR UPDATE`
+//! on the permit row). That makes check + reserve one atomic step.
+
+use std::collections::BTreeMap;
+
+use async_trait::async_trait;
+use atmost_protocol::{AuthorizeRequest, OutcomeAck, OutcomeReport};
+
+use crate::clock::Millis;
+use crate::decide::{Decision, ResolveInput};
+use crate::error::{LedgerError, ResolveError};
+use crate::model::{Attempt, AttemptState, Permit, PermitDetail};
+
+pub mod sqlite;
+
+#[cfg(test)]
+pub mod conformance;
+
+/// Which attempts to list.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AttemptFilter {
+    pub state: Option<AttemptState>,
+    pub permit_id: Option<String>,
+    /// At most this many, newest first.
+    pub limit: Option<u32>,
+}
+
+/// What one sweep did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// `in_flight` attempts past their lease turned `uncertain`.
+    pub leases_expired: u64,
+    /// Receipts past retention dropped to a tombstone.
+    pub receipts_pruned: u64,
+}
+
+/// How an outcome report was taken, with the state the attempt had before (for logs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutcomeResult {
+    pub ack: OutcomeAck,
+    pub previous: Option<AttemptState>,
+}
+
+#[async_trait]
+pub trait Store: Send + Sync {
+    /// The store answers.
+    async fn ping(&self, now: Millis) -> Result<(), LedgerError>;
+
+    /// Stores a new permit (its token already hashed).
+    async fn create_permit(&self, permit: &Permit, now: Millis) -> Result<(), LedgerError>;
+
+    async fn list_permits(&self, now: Millis) -> Result<Vec<Permit>, LedgerError>;
+
+    /// A permit with its usage per tool, budget totals and attempt counts.
+    async fn permit_detail(
+        &self,
+        id: &str,
+        now: Millis,
+    ) -> Result<Option<PermitDetail>, LedgerError>;
+
+    /// Revokes a permit; revoking twice keeps the first time. `None` if unknown.
+    async fn revoke_permit(&self, id: &str, now: Millis) -> Result<Option<Permit>, LedgerError>;
+
+    /// Check and reserve in one atomic step.
+    async fn authorize(
+        &self,
+        req: &AuthorizeRequest,
+        lease_ms: u64,
+        now: Millis,
+    ) -> Result<Decision, LedgerError>;
+
+    /// Applies one outcome report.
+    async fn record_outcome(
+        &self,
+        report: &OutcomeReport,
+        now: Millis,
+    ) -> Result<OutcomeResult, LedgerError>;
+
+    async fn get_attempt(&self, id: &str, now: Millis) -> Result<Option<Attempt>, LedgerError>;
+
+    async fn list_attempts(
+        &self,
+        filter: &AttemptFilter,
+        now: Millis,
+    ) -> Result<Vec<Attempt>, LedgerError>;
+
+    /// Settles an `uncertain` attempt.
+    async fn resolve_attempt(
+        &self,
+        id: &str,
+        input: &ResolveInput,
+        now: Millis,
+    ) -> Result<Attempt, ResolveError>;
+
+    /// Expired leases → `uncertain`; receipts past retention → tombstones.
+    async fn sweep(&self, now: Millis) -> Result<SweepReport, LedgerError>;
+
+    /// Number of attempts per state, over all permits.
+    async fn attempt_counts(&self, now: Millis)
+        -> Result<BTreeMap<AttemptState, u64>, LedgerError>;
+}
