@@ -242,10 +242,11 @@ mod tests {
         assert_eq!(json["decision"], "deny");
         assert_eq!(json["code"], "permit_max_calls_exceeded");
         assert_eq!(json["data"]["limit"], 1);
-        let back: AuthorizeResponse = serde_json::from_value(json).unwrap_or(AuthorizeResponse::Replay {
-            attempt_id: String::new(),
-            receipt: String::new(),
-        });
+        let back: AuthorizeResponse =
+            serde_json::from_value(json).unwrap_or(AuthorizeResponse::Replay {
+                attempt_id: String::new(),
+                receipt: String::new(),
+            });
         assert_eq!(back, deny);
     }
 
@@ -253,7 +254,9 @@ mod tests {
     fn outcome_report_flattens_the_outcome() {
         let report = OutcomeReport {
             attempt_id: "a1".into(),
-            outcome: Outcome::Uncertain { reason: "upstream_reset".into() },
+            outcome: Outcome::Uncertain {
+                reason: "upstream_reset".into(),
+            },
         };
         let json = serde_json::to_value(&report).unwrap_or_default();
         assert_eq!(json["outcome"], "uncertain");
