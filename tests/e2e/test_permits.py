@@ -147,3 +147,46 @@ def test_resolving_an_uncertain_attempt_changes_usage_as_specified(gateway, serv
     else:
         assert "executions=2" in result_text(next_call)
         assert server.executions("pay_invoice") == 2
+
+
+def test_client_hanging_up_mid_call_still_gets_its_attempt_recorded_uncertain(gateway, server, ledger):
+    """The report is sent from the root context after the request's own context is gone."""
+    permit = ledger.create_permit("--max-calls", "pay_invoice=1")
+    server.configure(pay_delay_ms=1500)
+    impatient = RawMcp(gateway.url, timeout=0.4)
+    try:
+        with pytest.raises(Exception):
+            impatient.call("pay_invoice", {"invoice": "gone", "amount": 1}, permit["token"], "hang-up-key")
+    finally:
+        impatient.close()
+    [attempt] = wait_for_state(ledger, permit["id"], "uncertain")
+    # Well before the 120 s lease: this came from the filter's report, not from the sweeper.
+    assert attempt["lease_expires_at"] is not None
+    assert "0x4000" in (attempt.get("reason") or "") or "DC" in (attempt.get("reason") or ""), attempt
+    assert server.executions("pay_invoice") == 1
+
+
+def test_gateway_and_ledger_count_what_they_decided(gateway, server, ledger, client, upstream_proxy):
+    stats_before = gateway.stats()
+    permit = ledger.create_permit("--max-calls", "pay_invoice=1")
+    key = new_key()
+    client.call("pay_invoice", {"invoice": "m", "amount": 1}, permit["token"], key)            # dispatched
+    client.call("pay_invoice", {"invoice": "m", "amount": 1}, permit["token"], key)            # replayed
+    client.call("pay_invoice", {"invoice": "m", "amount": 1}, permit["token"], new_key())      # denied: cap
+    upstream_proxy.mode = "cut_response"
+    client.call("echo", {"text": "lost"}, permit["token"], new_key())                          # uncertain
+    upstream_proxy.mode = "pass"
+    wait_for_state(ledger, permit["id"], "uncertain")
+
+    def grew(name: str) -> int:
+        return gateway.stat(f"wasmcustom.{name}") - stats_before.get(f"wasmcustom.{name}", 0)
+
+    wait_until(lambda: grew("atmost_uncertain") >= 1, 10, "the uncertain stat")
+    assert grew("atmost_dispatched") == 2
+    assert grew("atmost_replayed") == 1
+    assert grew("atmost_denied_permit_max_calls_exceeded") == 1
+    assert grew("atmost_completed") == 1
+    metrics = ledger.metrics()
+    assert 'atmost_authorize_total{code="permit_max_calls_exceeded",decision="deny"}' in metrics
+    assert "atmost_outcomes_total" in metrics
+    assert "exactly once" not in metrics.lower()

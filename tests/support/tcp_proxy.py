@@ -50,40 +50,27 @@ class TcpProxy:
                 return
             with self._lock:
                 self.connections += 1
-            threading.Thread(target=self._serve, args=(client, self.mode), daemon=True).start()
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
-    def _serve(self, client: socket.socket, mode: str) -> None:
+    def _serve(self, client: socket.socket) -> None:
         try:
             upstream = socket.create_connection(self.target, timeout=5)
         except OSError:
             client.close()
             return
-        to_upstream = threading.Thread(target=self._pipe, args=(client, upstream), daemon=True)
-        to_upstream.start()
-        if mode == "cut_response":
-            # Drain the server's answer so the tool finishes, then drop the client connection.
-            upstream.settimeout(10)
-            try:
-                while upstream.recv(65536):
-                    break
-            except OSError:
-                pass
-            for s in (client, upstream):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.close()
-            return
-        self._pipe(upstream, client)
+        threading.Thread(target=self._pipe, args=(client, upstream), daemon=True).start()
+        # The mode is read when the answer arrives, so pooled connections obey a mode change.
+        self._pipe(upstream, client, cut_when_cutting=True)
 
-    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, cut_when_cutting: bool = False) -> None:
         source.settimeout(None)
         try:
             while not self._stopped.is_set():
                 data = source.recv(65536)
                 if not data:
                     break
+                if cut_when_cutting and self.mode == "cut_response":
+                    break  # the server answered (the tool ran); the answer is dropped
                 sink.sendall(data)
         except OSError:
             pass
