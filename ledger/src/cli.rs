@@ -56,6 +56,18 @@ pub enum Command {
         #[command(subcommand)]
         command: AttemptsCommand,
     },
+    /// Check the filter's plugin configuration offline.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Check a plugin configuration (JSON; `-` reads standard input) with the filter's own
+    /// parser: prints `ok: …` and exits 0, or prints the line Envoy would log and exits 2.
+    Check { file: std::path::PathBuf },
 }
 
 #[derive(Debug, Args)]
@@ -225,6 +237,9 @@ pub enum CliError {
     Ledger(#[from] LedgerError),
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
+    /// A refused plugin configuration: the filter's own error line.
+    #[error("{0}")]
+    Config(String),
 }
 
 /// Runs the parsed command line.
@@ -240,6 +255,15 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Attempts { command } => {
             run_attempts(&Client::new(&cli.client)?, cli.client.json, command)
         }
+        Command::Config {
+            command: ConfigCommand::Check { file },
+        } => match crate::config_check::check_file(&file) {
+            Ok(summary) => {
+                println!("{summary}");
+                Ok(())
+            }
+            Err(line) => Err(CliError::Config(line)),
+        },
     }
 }
 

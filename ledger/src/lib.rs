@@ -12,6 +12,7 @@ pub mod token;
 
 pub mod api;
 pub mod cli;
+pub mod config_check;
 #[cfg(test)]
 mod decide_tests;
 pub mod metrics;

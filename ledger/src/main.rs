@@ -1,13 +1,20 @@
-//! `atmost`: the ledger server (`atmost ledger`) and its admin CLI (`atmost permit …`, `atmost attempts …`).
+//! `atmost`: the ledger server (`atmost ledger`), its admin CLI (`atmost permit …`,
+//! `atmost attempts …`) and the offline config check (`atmost config check`).
 
 use std::process::ExitCode;
 
+use atmost_ledger::cli::CliError;
 use clap::Parser;
 
 fn main() -> ExitCode {
     let cli = atmost_ledger::cli::Cli::parse();
     match atmost_ledger::cli::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
+        // Already the filter's own line, as Envoy would log it.
+        Err(CliError::Config(line)) => {
+            eprintln!("{line}");
+            ExitCode::from(2)
+        }
         Err(e) => {
             eprintln!("atmost: {e}");
             ExitCode::FAILURE

@@ -1,0 +1,66 @@
+"""A bad plugin configuration is refused by real Envoy with one line naming the field,
+and `atmost config check` gives the same answer offline."""
+
+import json
+import subprocess
+
+import pytest
+import yaml
+
+from tests.support.stack import VENV_BIN, ledger_binary, sidecar_config
+
+GOOD = {
+    "ledger": {"cluster": "atmost_ledger", "service_token": "demo-service-token"},
+    "upstream_key": {"mode": "hmac", "secret": "demo-upstream-key-secret"},
+}
+
+BAD = [
+    ("ledger.timeout_ms", {**GOOD, "ledger": {**GOOD["ledger"], "timeout_ms": 0}}),
+    ("upstream_key.secret", {**GOOD, "upstream_key": {"mode": "hmac", "secret": "short"}}),
+    ("denial_format", {**GOOD, "denial_format": "xml"}),
+    ("ledger.cluster", {**GOOD, "ledger": {"service_token": "t"}}),
+    ("governed_tool", {**GOOD, "governed_tool": ["pay_invoice"]}),  # a typo of governed_tools
+]
+
+
+def envoy_with_plugin_config(tmp_path, plugin: dict):
+    config = sidecar_config(10000, 9901, 8000, [8081])
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    wasm = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm")
+    wasm["typed_config"]["config"]["configuration"]["value"] = json.dumps(plugin)
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = subprocess.run([str(VENV_BIN / "envoy"), "--mode", "validate", "-c", str(path), "--use-dynamic-base-id"],
+                            capture_output=True, text=True, timeout=60)
+    return result.returncode, result.stdout + result.stderr
+
+
+def config_check(tmp_path, plugin: dict):
+    path = tmp_path / "plugin.json"
+    path.write_text(json.dumps(plugin))
+    result = subprocess.run([str(ledger_binary()), "config", "check", str(path)], capture_output=True, text=True,
+                            timeout=30)
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_good_config_is_accepted_by_envoy_and_by_the_check(tmp_path):
+    code, log = envoy_with_plugin_config(tmp_path, GOOD)
+    assert code == 0, log[-2000:]
+    code, out = config_check(tmp_path, GOOD)
+    assert code == 0 and out.startswith("ok:"), out
+
+
+@pytest.mark.parametrize("field,plugin", BAD, ids=[b[0] for b in BAD])
+def test_bad_config_is_refused_with_one_line_naming_the_field(tmp_path, field, plugin):
+    code, log = envoy_with_plugin_config(tmp_path, plugin)
+    assert code != 0, "Envoy accepted a bad plugin configuration"
+    lines = [line for line in log.splitlines() if "atmost: bad plugin configuration" in line]
+    assert len(lines) == 1, log[-3000:]
+    assert f"field `{field}`" in lines[0]
+    message = lines[0][lines[0].index("atmost: bad plugin configuration"):]
+
+    check_code, check_out = config_check(tmp_path, plugin)
+    assert check_code == 2
+    assert check_out.strip() == message.strip()
+    # Secrets are never echoed back.
+    assert "demo-service-token" not in lines[0] and "demo-service-token" not in check_out
