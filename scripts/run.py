@@ -16,7 +16,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.support.stack import ENVOY_CONFIG, ROOT, Envoy, ExampleServer, Ledger, Process, sidecar_config  # noqa: E402
+from tests.support.stack import ROOT, Envoy, ExampleServer, Ledger, Process, sidecar_config  # noqa: E402
 
 LISTEN_PORT = 10000
 ADMIN_PORT = 9901
