@@ -147,3 +147,18 @@ async def test_python_sdk_client_retrying_with_the_same_key_gets_the_original_re
     assert "executions=1" in first
     assert second == first
     assert server.executions("pay_invoice") == 1
+
+
+def test_traffic_that_is_not_a_governed_tool_call_makes_no_callout(gateway, client, server, permit):
+    callouts = "cluster.atmost_ledger.upstream_rq_total"
+    before = gateway.stat(callouts)
+    meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
+    assert client.post({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": meta}},
+                       {"mcp-method": "tools/list", "atmost-permit": permit["token"]}).status_code == 200
+    assert client.post({"jsonrpc": "2.0", "id": 2, "method": "server/discover", "params": {"_meta": meta}},
+                       {"mcp-method": "server/discover"}).status_code == 200
+    client.http.get(gateway.url, headers={"accept": "text/event-stream"}, timeout=5)
+    assert gateway.stat(callouts) == before
+    # One governed call makes exactly one callout to authorize and one to report completion.
+    client.call("echo", {"text": "one"}, permit["token"], new_key())
+    assert gateway.stat(callouts) == before + 2
