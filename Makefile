@@ -8,7 +8,7 @@ VPY := $(VENV)/bin/python
 WASM := target/wasm32-wasip1/release/atmost_filter.wasm
 CARGO ?= cargo
 
-.PHONY: all run test test-unit test-e2e lint fmt wasm ledger ledger-release setup rust-setup venv clean oci
+.PHONY: all run test test-unit test-e2e lint fmt ts-deps wasm ledger ledger-release setup rust-setup venv clean oci
 
 all: wasm ledger-release
 
@@ -22,6 +22,13 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	touch $@
+
+## The TypeScript MCP SDK (exact versions in tests/ts/package-lock.json) for the interoperability tests.
+ts-deps: tests/ts/node_modules/.installed
+
+tests/ts/node_modules/.installed: tests/ts/package.json tests/ts/package-lock.json
+	cd tests/ts && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
 wasm: rust-setup
@@ -50,13 +57,19 @@ lint:
 fmt:
 	$(CARGO) fmt --all
 
+## The PostgreSQL store's tests need DATABASE_URL: scripts/with-postgres uses it when set, else a
+## server at 127.0.0.1:5432 (database test), else a throwaway cluster; it fails if none works.
+WITH_PG := scripts/with-postgres
+
 test-unit:
-	$(CARGO) test --workspace
+	$(WITH_PG) $(CARGO) test --workspace
 
-test-e2e: setup wasm ledger
-	ATMOST_BIN=target/debug/atmost $(VPY) -m pytest tests/e2e -q -p no:cacheprovider --timeout 300
+test-e2e: setup ts-deps wasm ledger
+	ATMOST_BIN=target/debug/atmost $(WITH_PG) $(VPY) -m pytest tests/e2e -q -p no:cacheprovider --timeout 300
 
-test: setup lint test-unit test-e2e
+# One PostgreSQL for both suites (a throwaway one is started once and stopped at the end).
+test: setup lint
+	$(WITH_PG) $(MAKE) --no-print-directory test-unit test-e2e
 
 clean:
 	$(CARGO) clean

@@ -4,6 +4,16 @@ Built on the Python MCP SDK (`mcp` on PyPI). Tools:
 - `pay_invoice(invoice: str, amount: int)`: stands in for a paid side effect. Its result
   text says how many times it has really executed so far, as `executions=N`.
 - `echo(text: str)`: returns the text.
+- `slow_count(n: int, delay_ms: int)`: counts to n, sending a progress notification (when the
+  client asked for progress) and sleeping `delay_ms` before each step; returns `counted n`.
+- `approve_payment(invoice: str, amount: int)`: asks the user to approve before "paying": on
+  MCP 2026-07-28 it answers `input_required` (an elicitation) and finishes on the client's
+  continuation; on older versions it sends `elicitation/create` mid-call. `executions=N`
+  counts real payments.
+- `pause_stream(text: str)`: (with `--event-store`) closes its POST SSE stream early, waits,
+  and answers on the stream the client resumes with GET + Last-Event-ID.
+Resources: `atmost://example/readme` (text) and the template `atmost://example/items/{item}`.
+Prompt: `summarize(topic: str)`.
 
 Besides `/mcp`, it serves a small inspection surface for tests and demos:
 - `GET /_example/state`: executions per tool and the headers of the last requests seen.
@@ -18,8 +28,13 @@ import asyncio
 import collections
 import json
 
-from mcp.server.mcpserver import MCPServer
+import itertools
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.streamable_http import EventStore
 from mcp.server.transport_security import TransportSecuritySettings
+from mcp_types import ElicitRequest, ElicitRequestFormParams, InputRequiredResult
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -27,7 +42,7 @@ SEEN_LIMIT = 200
 
 executions: collections.Counter[str] = collections.Counter()
 seen_requests: collections.deque[dict] = collections.deque(maxlen=SEEN_LIMIT)
-settings = {"pay_delay_ms": 0}
+settings = {"pay_delay_ms": 0, "pause_ms": 500}
 
 server = MCPServer("atmost-example", version="1.0.0")
 
@@ -49,6 +64,99 @@ async def echo(text: str) -> str:
     return text
 
 
+@server.tool()
+async def slow_count(n: int, delay_ms: int, ctx: Context) -> str:
+    """Count to n slowly, reporting progress at each step."""
+    executions["slow_count"] += 1
+    for i in range(1, n + 1):
+        await asyncio.sleep(delay_ms / 1000)
+        await ctx.report_progress(i, n, f"step {i}")
+    return f"counted {n}"
+
+
+class Approval(BaseModel):
+    approve: bool
+
+
+APPROVAL_SCHEMA = {"type": "object", "properties": {"approve": {"type": "boolean"}}, "required": ["approve"]}
+
+
+@server.tool()
+async def approve_payment(invoice: str, amount: int, ctx: Context) -> str | InputRequiredResult:
+    """Pay an invoice after the user approves it."""
+    if (ctx.protocol_version or "") >= "2026-07-28":
+        answer = (ctx.input_responses or {}).get("approval")
+        if answer is None:
+            executions["approve_payment_asked"] += 1
+            return InputRequiredResult(
+                input_requests={"approval": ElicitRequest(params=ElicitRequestFormParams(
+                    message=f"Pay {amount} for {invoice}?", requested_schema=APPROVAL_SCHEMA))},
+                request_state=f"approve:{invoice}",
+            )
+        approved = getattr(answer, "action", None) == "accept" and bool((answer.content or {}).get("approve"))
+    else:
+        executions["approve_payment_asked"] += 1
+        result = await ctx.elicit(f"Pay {amount} for {invoice}?", Approval)
+        approved = result.action == "accept" and result.data.approve
+    if not approved:
+        return f"not approved: invoice {invoice}"
+    executions["approve_payment"] += 1
+    return f"paid invoice {invoice} amount={amount} approved executions={executions['approve_payment']}"
+
+
+@server.tool()
+async def pause_stream(text: str, ctx: Context) -> str:
+    """Close this call's SSE stream early, then answer on the resumed stream."""
+    executions["pause_stream"] += 1
+    await ctx.report_progress(1, 2, "before the pause")
+    await ctx.close_sse_stream()
+    await asyncio.sleep(settings["pause_ms"] / 1000)
+    return f"resumed: {text}"
+
+
+@server.resource("atmost://example/readme", mime_type="text/plain")
+def readme() -> str:
+    """What this example server is."""
+    return "atmost example server: pay_invoice, echo, slow_count, approve_payment, pause_stream"
+
+
+@server.resource("atmost://example/items/{item}", mime_type="application/json")
+def item(item: str) -> str:
+    """One item, as JSON."""
+    return json.dumps({"item": item, "price": len(item) * 100})
+
+
+@server.prompt()
+def summarize(topic: str) -> str:
+    """Ask for a short summary of a topic."""
+    return f"Summarize {topic} in three sentences."
+
+
+class MemoryEventStore(EventStore):
+    """Keeps every SSE event in memory so a client can resume a stream (tests and demos only)."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._events: list[tuple[str, str, object]] = []
+
+    async def store_event(self, stream_id, message):
+        event_id = f"ev-{next(self._ids)}"
+        self._events.append((event_id, stream_id, message))
+        return event_id
+
+    async def replay_events_after(self, last_event_id, send_callback):
+        from mcp.server.streamable_http import EventMessage
+
+        index = next((i for i, e in enumerate(self._events) if e[0] == last_event_id), None)
+        if index is None:
+            return None
+        stream_id = self._events[index][1]
+        for event_id, sid, message in self._events[index + 1:]:
+            if sid == stream_id and message is not None:
+                await send_callback(EventMessage(message, event_id))
+        return stream_id
+
+
 @server.custom_route("/_example/state", methods=["GET"])
 async def state(_: Request) -> JSONResponse:
     return JSONResponse({"executions": dict(executions), "requests": list(seen_requests)})
@@ -57,8 +165,9 @@ async def state(_: Request) -> JSONResponse:
 @server.custom_route("/_example/config", methods=["POST"])
 async def configure(request: Request) -> JSONResponse:
     body = await request.json()
-    if "pay_delay_ms" in body:
-        settings["pay_delay_ms"] = int(body["pay_delay_ms"])
+    for name in ("pay_delay_ms", "pause_ms"):
+        if name in body:
+            settings[name] = int(body[name])
     return JSONResponse(settings)
 
 
@@ -67,6 +176,7 @@ async def reset(_: Request) -> JSONResponse:
     executions.clear()
     seen_requests.clear()
     settings["pay_delay_ms"] = 0
+    settings["pause_ms"] = 500
     return JSONResponse({"ok": True})
 
 
@@ -114,6 +224,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--json-response", action="store_true", help="answer POSTs with application/json instead of SSE")
     parser.add_argument("--stateless", action="store_true", help="no Mcp-Session-Id sessions")
+    parser.add_argument("--event-store", action="store_true",
+                        help="keep SSE events in memory so clients can resume streams (enables pause_stream)")
     args = parser.parse_args()
 
     import uvicorn
@@ -121,6 +233,8 @@ def main() -> None:
     app = server.streamable_http_app(
         json_response=args.json_response,
         stateless_http=args.stateless,
+        event_store=MemoryEventStore() if args.event_store else None,
+        retry_interval=100 if args.event_store else None,
         # The gateway in front rewrites nothing about Host; demo and tests run on loopback only.
         transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
         host=args.host,

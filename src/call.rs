@@ -25,9 +25,10 @@ use crate::idempotency;
 use crate::ledger::{Callout, Endpoint, LedgerReply};
 use crate::mcp::{self, Message, Mirrored};
 use crate::outcome::{self, NoReceipt};
-use crate::receipt::{self, SseCapture, SseProgress};
+use crate::receipt::{self, ResultKind, SseCapture, SseProgress};
 use crate::replay;
 use crate::reply::{rpc_code, LocalReply};
+use crate::resume::{self, Ticket};
 use crate::stats::Stat;
 use crate::upstream_key;
 use atmost_protocol::{
@@ -54,6 +55,11 @@ pub struct RequestHead {
     /// `content-length`, when announced.
     pub content_length: Option<u64>,
     pub end_of_stream: bool,
+    /// `Mcp-Session-Id`.
+    pub session_id: Option<String>,
+    /// For a GET carrying `Last-Event-ID`: the ticket a POST stream closed early left under
+    /// `resume::key(session, last event id)`, as the adapter found it in shared data.
+    pub resume: Option<Ticket>,
 }
 
 /// What the response headers told us.
@@ -101,6 +107,8 @@ pub enum Effect {
     ResumeResponse,
     /// Hand a report to the root context's queue.
     Enqueue(OutcomeReport),
+    /// Store a resume ticket in shared data under this key (see [`crate::resume`]).
+    SaveResume(String, Ticket),
     Count(Stat),
     Log(Level, String),
 }
@@ -148,6 +156,7 @@ struct Pending {
     id: Value,
     tool: String,
     key: Option<String>,
+    session_id: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -160,8 +169,9 @@ enum Watch {
     StreamingSse(Box<SseCapture>),
     /// Done watching, without a receipt.
     NoReceipt(NoReceipt),
-    /// A `completed` report is out; the response is held until it is answered.
-    Reporting { receipt: String },
+    /// A `completed` (or `input_required` / `accepted`) report is out; the response is held
+    /// until it is answered.
+    Reporting { outcome: Outcome },
     /// The completion was acknowledged or handed to the root queue: nothing left to do.
     Settled,
 }
@@ -172,6 +182,10 @@ struct Dispatched {
     id: Value,
     tool: String,
     watch: Watch,
+    session_id: Option<String>,
+    /// A GET resuming the stream of a call dispatched by an earlier POST: it can bring the
+    /// receipt, but its own failure says nothing about the call.
+    resumed: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -283,6 +297,26 @@ impl Call {
             return Step::cont();
         }
         let strip = Effect::RemoveRequestHeader(self.config.permit_header.clone());
+        if head.method.eq_ignore_ascii_case("GET") {
+            if let Some(t) = head.resume {
+                let step = Step::cont().with(strip).with(Effect::Log(
+                    Level::Info,
+                    format!(
+                        "atmost: GET resumes the stream of attempt {} of `{}`; watching it for the answer",
+                        t.attempt_id, t.tool
+                    ),
+                ));
+                self.state = State::Dispatched(Box::new(Dispatched {
+                    attempt_id: t.attempt_id,
+                    id: t.id,
+                    tool: t.tool,
+                    watch: Watch::AwaitingHeaders,
+                    session_id: head.session_id,
+                    resumed: true,
+                }));
+                return step;
+            }
+        }
         if !head.method.eq_ignore_ascii_case("POST") || head.end_of_stream {
             self.state = State::Passing;
             return Step::cont().with(strip);
@@ -396,6 +430,7 @@ impl Call {
             idempotency_key: key.clone(),
             fingerprint: fp,
             key_required: self.config.key_required_tools.contains(&call.name),
+            continuation: call.continuation,
             arguments: Value::Object(call.arguments),
         };
         let body = match serde_json::to_vec(&request) {
@@ -406,6 +441,7 @@ impl Call {
             id: call.id,
             tool: call.name,
             key,
+            session_id: head.session_id.clone(),
         });
         Step {
             flow: Flow::Pause,
@@ -429,10 +465,10 @@ impl Call {
                 ))
             }
             State::Dispatched(d) => match std::mem::replace(&mut d.watch, Watch::Settled) {
-                Watch::Reporting { receipt } => Step::cont()
+                Watch::Reporting { outcome } => Step::cont()
                     .with(Effect::Enqueue(OutcomeReport {
                         attempt_id: d.attempt_id.clone(),
-                        outcome: Outcome::Completed { receipt },
+                        outcome,
                     }))
                     .with(Effect::Count(Stat::ReportDeferred))
                     .with(Effect::Log(
@@ -457,7 +493,7 @@ impl Call {
             State::Authorizing(p) => self.on_authorize_reply(p, reply),
             State::Dispatched(mut d) => {
                 let step = match std::mem::replace(&mut d.watch, Watch::Settled) {
-                    Watch::Reporting { receipt } => {
+                    Watch::Reporting { outcome } => {
                         let mut step = Step::cont();
                         match reply.outcomes(1) {
                             Ok(acks) => match acks.first() {
@@ -477,7 +513,7 @@ impl Call {
                                 step = step
                                     .with(Effect::Enqueue(OutcomeReport {
                                         attempt_id: d.attempt_id.clone(),
-                                        outcome: Outcome::Completed { receipt },
+                                        outcome,
                                     }))
                                     .with(Effect::Count(Stat::ReportDeferred))
                                     .with(Effect::Log(
@@ -559,6 +595,8 @@ impl Call {
                     id: p.id,
                     tool: p.tool,
                     watch: Watch::AwaitingHeaders,
+                    session_id: p.session_id,
+                    resumed: false,
                 }));
                 step
             }
@@ -639,26 +677,50 @@ impl Call {
                     return receipt_too_large(&d.attempt_id);
                 }
                 SseProgress::Pending => {
-                    if end_of_stream {
-                        d.watch = Watch::NoReceipt(NoReceipt::NoMatchingResponse);
+                    if !end_of_stream {
+                        return Step::cont();
                     }
-                    return Step::cont();
+                    // Ended without the answer. With event ids the client may resume the
+                    // stream (GET + Last-Event-ID) and get the answer there.
+                    let Some(last) = cap.last_event_id().map(str::to_string) else {
+                        d.watch = Watch::NoReceipt(NoReceipt::NoMatchingResponse);
+                        return Step::cont();
+                    };
+                    d.watch = Watch::NoReceipt(NoReceipt::StreamClosedResumable);
+                    let key = resume::key(d.session_id.as_deref(), &last);
+                    return Step::cont().with(Effect::SaveResume(
+                        key,
+                        Ticket {
+                            attempt_id: d.attempt_id.clone(),
+                            id: d.id.clone(),
+                            tool: d.tool.clone(),
+                        },
+                    ));
                 }
             },
             _ => return Step::cont(),
         };
+        let resumed_stat = d.resumed.then_some(Effect::Count(Stat::ResumedReceipt));
+        let (outcome, stat) = match receipt::kind_of(&found) {
+            ResultKind::Final => (Outcome::Completed { receipt: found }, Stat::Completed),
+            ResultKind::InputRequired => (
+                Outcome::InputRequired { receipt: found },
+                Stat::InputRequired,
+            ),
+            ResultKind::Task => (Outcome::Accepted { receipt: found }, Stat::Accepted),
+        };
         let request = OutcomesRequest {
             reports: vec![OutcomeReport {
                 attempt_id: d.attempt_id.clone(),
-                outcome: Outcome::Completed {
-                    receipt: found.clone(),
-                },
+                outcome: outcome.clone(),
             }],
         };
-        d.watch = Watch::Reporting { receipt: found };
+        d.watch = Watch::Reporting { outcome };
+        let mut effects = vec![Effect::Count(stat)];
+        effects.extend(resumed_stat);
         Step {
             flow: Flow::Pause,
-            effects: vec![Effect::Count(Stat::Completed)],
+            effects,
             callout: Some(Callout::outcomes(&request)),
         }
     }
@@ -674,17 +736,46 @@ impl Call {
                 ),
             )),
             State::Dispatched(d) => {
-                let (receipt, why) = match d.watch {
+                let (reported, why) = match d.watch {
                     Watch::Settled => return Step::cont(),
-                    Watch::Reporting { receipt } => (Some(receipt), NoReceipt::NoResponse),
+                    Watch::Reporting { outcome } => (Some(outcome), NoReceipt::NoResponse),
                     Watch::NoReceipt(r) => (None, r),
                     Watch::AwaitingHeaders | Watch::BufferingJson { .. } | Watch::StreamingSse(_) => {
                         (None, NoReceipt::NoResponse)
                     }
                 };
-                let outcome = outcome::classify(receipt.as_deref(), why, props.attempts, props.flags);
+                let outcome = match reported {
+                    Some(o) => o,
+                    None if d.resumed => {
+                        // The call went out with an earlier POST; this stream failing or
+                        // ending says nothing new about it. The lease decides.
+                        return Step::cont().with(Effect::Log(
+                            Level::Info,
+                            format!(
+                                "atmost: resumed stream of attempt {} ended without its answer; it stays in flight",
+                                d.attempt_id
+                            ),
+                        ));
+                    }
+                    None if why == NoReceipt::StreamClosedResumable
+                        && outcome::closed_cleanly(props.attempts, props.flags) =>
+                    {
+                        return Step::cont()
+                            .with(Effect::Count(Stat::StreamAwaitingResume))
+                            .with(Effect::Log(
+                                Level::Info,
+                                format!(
+                                    "atmost: the server closed the resumable stream of attempt {} of `{}` before its answer; it stays in flight for the resumed GET stream (or the lease)",
+                                    d.attempt_id, d.tool
+                                ),
+                            ));
+                    }
+                    None => outcome::classify(None, why, props.attempts, props.flags),
+                };
                 let (stat, text) = match &outcome {
                     Outcome::Completed { .. } => (Stat::Completed, "completed".to_string()),
+                    Outcome::InputRequired { .. } => (Stat::InputRequired, "awaiting input".to_string()),
+                    Outcome::Accepted { .. } => (Stat::Accepted, "accepted (task)".to_string()),
                     Outcome::Released { reason } => (Stat::Released, format!("released ({reason})")),
                     Outcome::Uncertain { reason } => (Stat::Uncertain, format!("uncertain ({reason})")),
                 };

@@ -3,7 +3,8 @@
 //!
 //! - `result` (default): a JSON-RPC result with `isError: true`,
 //!   `structuredContent: {"error": {"code", "message", ...data}}` and the same JSON as text
-//!   in `content[0].text`, so a model reads it and stops.
+//!   in `content[0].text`, so a model reads it and stops; `resultType: "complete"` as MCP
+//!   2026-07-28 requires (older clients ignore the field).
 //! - `error`: a JSON-RPC error object `{"code": <application code>, "message",
 //!   "data": {"code": "<code>", ...data}}`, application codes outside -32768..-32000.
 
@@ -39,7 +40,9 @@ pub fn render(denial: &Denial, id: &Value, format: DenialFormat) -> LocalReply {
                 "result": {
                     "content": [{"type": "text", "text": structured.to_string()}],
                     "structuredContent": structured,
-                    "isError": true
+                    "isError": true,
+                    // Required by MCP 2026-07-28 (clients validate it); older clients ignore it.
+                    "resultType": "complete"
                 }
             })
         }
@@ -92,6 +95,7 @@ mod tests {
         assert_eq!(v["jsonrpc"], "2.0");
         assert_eq!(v["id"], 42);
         assert_eq!(v["result"]["isError"], true);
+        assert_eq!(v["result"]["resultType"], "complete");
         assert_eq!(v["result"]["structuredContent"], json!({"error": want_err}));
         assert_eq!(v["result"]["content"][0]["type"], "text");
         let text: Value =

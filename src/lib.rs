@@ -22,6 +22,7 @@ pub mod receipt;
 pub mod replay;
 pub mod reply;
 pub mod reports;
+pub mod resume;
 pub mod sse;
 pub mod stats;
 pub mod upstream_key;

@@ -11,11 +11,22 @@ pub const META_KEY: &str = "dev.atmost/idempotency-key";
 pub const BATCH_REFUSED: &str =
     "batches containing tools/call are refused by atmost; send each call alone";
 
-/// MCP 2026-07-28 mirrored headers (`Mcp-Method`, `Mcp-Name`), when the client sent them.
+/// First protocol version that mirrors the method and name into `Mcp-Method` / `Mcp-Name`
+/// headers (and requires them on `tools/call`).
+pub const MIRRORING_VERSION: &str = "2026-07-28";
+/// `params._meta` key carrying the per-request protocol version (2026-07-28).
+pub const PROTOCOL_VERSION_META: &str = "io.modelcontextprotocol/protocolVersion";
+
+/// Request headers that describe the message: the 2026-07-28 mirrored headers
+/// (`Mcp-Method`, `Mcp-Name`) and `MCP-Protocol-Version`, when the client sent them.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Mirrored {
     pub method: Option<String>,
     pub name: Option<String>,
+    /// `MCP-Protocol-Version`.
+    pub protocol_version: Option<String>,
+    /// `Mcp-Method` or `Mcp-Name` was sent more than once.
+    pub duplicated: bool,
 }
 
 /// What the body is, as far as atmost cares.
@@ -39,6 +50,9 @@ pub struct ToolCall {
     pub arguments: Map<String, Value>,
     /// `params._meta["dev.atmost/idempotency-key"]`.
     pub meta_key: MetaKey,
+    /// MCP 2026-07-28 multi-round-trip: `params` carries `inputResponses` or
+    /// `requestState`, so this is the retry of a call that answered `input_required`.
+    pub continuation: bool,
 }
 
 /// The `_meta` idempotency key as found in the body.
@@ -176,29 +190,57 @@ fn parse_object(
             ))
         }
     };
+    let mismatch = |msg: &str| bad(400, Some(&id), rpc_code::HEADER_MISMATCH, msg);
+    if mirrored.duplicated {
+        return Err(mismatch(
+            "HeaderMismatch: the Mcp-Method or Mcp-Name header appears more than once",
+        ));
+    }
     if let Some(h) = &mirrored.name {
         if *h != name {
-            return Err(bad(
-                400,
-                Some(&id),
-                rpc_code::HEADER_MISMATCH,
+            return Err(mismatch(
                 "HeaderMismatch: the Mcp-Name header does not match params.name",
             ));
         }
     }
-    let meta_key = match params.get("_meta") {
-        Some(Value::Object(meta)) => match meta.get(META_KEY) {
+    let meta = match params.get("_meta") {
+        Some(Value::Object(meta)) => Some(meta),
+        _ => None,
+    };
+    let body_version = meta
+        .and_then(|m| m.get(PROTOCOL_VERSION_META))
+        .and_then(Value::as_str);
+    if let (Some(h), Some(b)) = (mirrored.protocol_version.as_deref(), body_version) {
+        if h != b {
+            return Err(mismatch(
+                "HeaderMismatch: the MCP-Protocol-Version header does not match params._meta's protocol version",
+            ));
+        }
+    }
+    // From 2026-07-28 on, a tools/call must mirror its method and tool name in headers.
+    let version = mirrored.protocol_version.as_deref().or(body_version);
+    if version.is_some_and(|v| v >= MIRRORING_VERSION)
+        && (mirrored.method.is_none() || mirrored.name.is_none())
+    {
+        return Err(mismatch(
+            "HeaderMismatch: MCP 2026-07-28 requires the Mcp-Method and Mcp-Name headers on tools/call",
+        ));
+    }
+    let meta_key = match meta {
+        Some(meta) => match meta.get(META_KEY) {
             None => MetaKey::Absent,
             Some(Value::String(k)) => MetaKey::Present(k.clone()),
             Some(_) => MetaKey::NotAString,
         },
-        _ => MetaKey::Absent,
+        None => MetaKey::Absent,
     };
+    let continuation = params.contains_key("inputResponses") || params.contains_key("requestState");
     Ok(Message::ToolCall(ToolCall {
         id,
         name,
         arguments,
         meta_key,
+        continuation,
     }))
 }
 
@@ -334,6 +376,7 @@ mod tests {
         let ok = Mirrored {
             method: Some("tools/call".into()),
             name: Some("pay".into()),
+            ..Mirrored::default()
         };
         assert!(matches!(
             parse(body.as_bytes(), &ok),
@@ -343,10 +386,12 @@ mod tests {
             Mirrored {
                 method: Some("tools/list".into()),
                 name: None,
+                ..Mirrored::default()
             },
             Mirrored {
                 method: None,
                 name: Some("refund".into()),
+                ..Mirrored::default()
             },
         ] {
             let (status, v) = refused_with(body, &m);
@@ -354,14 +399,81 @@ mod tests {
             assert_eq!(v["error"]["code"], -32020);
             assert_eq!(v["id"], 3);
         }
+        // Duplicated mirrored headers are refused even when the first one matches.
+        let (_, v) = refused_with(
+            body,
+            &Mirrored {
+                duplicated: true,
+                ..ok.clone()
+            },
+        );
+        assert_eq!(v["error"]["code"], -32020);
         // A header claiming tools/list on a tools/call body cannot dodge governance.
         let (_, v) = refused_with(
             body,
             &Mirrored {
                 method: Some("tools/list".into()),
                 name: None,
+                ..Mirrored::default()
             },
         );
         assert_eq!(v["error"]["code"], -32020);
+    }
+
+    #[test]
+    fn protocol_version_decides_whether_mirrored_headers_are_required() {
+        let modern = r#"{"jsonrpc":"2.0","method":"tools/call","id":3,"params":{"name":"pay","_meta":{"io.modelcontextprotocol/protocolVersion":"2026-07-28"}}}"#;
+        let legacy = r#"{"jsonrpc":"2.0","method":"tools/call","id":3,"params":{"name":"pay"}}"#;
+        let v2026 = |method: Option<&str>, name: Option<&str>| Mirrored {
+            method: method.map(String::from),
+            name: name.map(String::from),
+            protocol_version: Some("2026-07-28".into()),
+            duplicated: false,
+        };
+        // 2026-07-28 by header or by body: both headers required.
+        for (body, m) in [
+            (modern, Mirrored::default()),
+            (legacy, v2026(None, None)),
+            (legacy, v2026(Some("tools/call"), None)),
+            (legacy, v2026(None, Some("pay"))),
+        ] {
+            let (status, v) = refused_with(body, &m);
+            assert_eq!((status, v["error"]["code"].clone()), (400, json!(-32020)));
+        }
+        assert!(matches!(
+            parse(modern.as_bytes(), &v2026(Some("tools/call"), Some("pay"))),
+            Ok(Message::ToolCall(_))
+        ));
+        // Header and body disagreeing on the version is a mismatch.
+        let mut m = v2026(Some("tools/call"), Some("pay"));
+        m.protocol_version = Some("2025-11-25".into());
+        let (_, v) = refused_with(modern, &m);
+        assert_eq!(v["error"]["code"], -32020);
+        // Older versions need no mirrored headers.
+        for version in ["2025-03-26", "2025-06-18", "2025-11-25"] {
+            let m = Mirrored {
+                protocol_version: Some(version.into()),
+                ..Mirrored::default()
+            };
+            assert!(
+                matches!(parse(legacy.as_bytes(), &m), Ok(Message::ToolCall(_))),
+                "{version}"
+            );
+        }
+    }
+
+    #[test]
+    fn continuations_are_recognised() {
+        let c = call(
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"pay","arguments":{"a":1},"inputResponses":{"q":{"action":"accept"}},"requestState":"s"}}"#,
+        );
+        assert!(c.continuation);
+        assert_eq!(Value::Object(c.arguments), json!({"a":1}));
+        let c = call(
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"pay","requestState":"s"}}"#,
+        );
+        assert!(c.continuation);
+        let c = call(r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"pay"}}"#);
+        assert!(!c.continuation);
     }
 }

@@ -91,6 +91,9 @@ pub enum NoReceipt {
     NoMatchingResponse,
     /// The response was larger than `max_receipt_bytes`.
     TooLarge,
+    /// A resumable SSE stream (its events had ids) ended without the answer: the client
+    /// may get it on a resumed GET stream.
+    StreamClosedResumable,
 }
 
 impl NoReceipt {
@@ -100,8 +103,15 @@ impl NoReceipt {
             NoReceipt::NotJsonRpc => "no_receipt",
             NoReceipt::NoMatchingResponse => "no_receipt",
             NoReceipt::TooLarge => "receipt_too_large",
+            NoReceipt::StreamClosedResumable => "stream_closed_before_answer",
         }
     }
+}
+
+/// The request reached upstream and its response ended normally: at least one attempt and
+/// no flag at all (neither "never delivered" nor "outcome unknown").
+pub fn closed_cleanly(attempts: Option<u64>, flags: Option<u64>) -> bool {
+    attempts.is_some_and(|n| n >= 1) && flags == Some(0)
 }
 
 /// The outcome of a dispatched call whose completion was not acknowledged.

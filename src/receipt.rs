@@ -29,6 +29,44 @@ pub fn from_json_text(text: &str, id: &Value) -> Option<String> {
     }
 }
 
+/// What a captured response says about the call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResultKind {
+    /// A final result or a JSON-RPC error: the call is complete.
+    Final,
+    /// MCP 2026-07-28 `resultType: "input_required"`: the server waits for the client's
+    /// continuation of the same call.
+    InputRequired,
+    /// A task handle (`CreateTaskResult`: `result.task.taskId`, or `resultType: "task"`):
+    /// the call was accepted, not completed.
+    Task,
+}
+
+/// Reads the kind of a captured response (anything unreadable counts as final).
+pub fn kind_of(receipt: &str) -> ResultKind {
+    let Ok(v) = serde_json::from_str::<Value>(receipt) else {
+        return ResultKind::Final;
+    };
+    let Some(result) = v.get("result").and_then(Value::as_object) else {
+        return ResultKind::Final;
+    };
+    match result.get("resultType").and_then(Value::as_str) {
+        Some("input_required") => return ResultKind::InputRequired,
+        Some("task") => return ResultKind::Task,
+        _ => {}
+    }
+    let is_task_handle = result
+        .get("task")
+        .and_then(Value::as_object)
+        .is_some_and(|t| t.get("taskId").is_some_and(Value::is_string))
+        && !result.contains_key("content");
+    if is_task_handle {
+        ResultKind::Task
+    } else {
+        ResultKind::Final
+    }
+}
+
 /// The receipt in a whole `application/json` body.
 pub fn from_json_body(body: &[u8], id: &Value) -> Option<String> {
     from_json_text(std::str::from_utf8(body).ok()?, id)
@@ -58,6 +96,11 @@ impl SseCapture {
             parser: SseParser::new(max_event_bytes),
             id,
         }
+    }
+
+    /// The stream's last event id so far (see [`SseParser::last_event_id`]).
+    pub fn last_event_id(&self) -> Option<&str> {
+        self.parser.last_event_id()
     }
 
     /// Feeds a copy of one chunk.
@@ -124,6 +167,44 @@ mod tests {
                 Some("{\"jsonrpc\":\"2.0\",\"id\":9,\n\"result\":{\"content\":[]}}"),
                 "split at {split}"
             );
+        }
+    }
+
+    #[test]
+    fn result_kinds() {
+        for (text, kind) in [
+            (
+                r#"{"jsonrpc":"2.0","id":1,"result":{"content":[]}}"#,
+                ResultKind::Final,
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":1,"error":{"code":1,"message":"m"}}"#,
+                ResultKind::Final,
+            ),
+            ("not json", ResultKind::Final),
+            (
+                r#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"complete","content":[]}}"#,
+                ResultKind::Final,
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"input_required","inputRequests":{},"requestState":"s"}}"#,
+                ResultKind::InputRequired,
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":1,"result":{"task":{"taskId":"t1","status":"working","createdAt":"x","lastUpdatedAt":"x","ttl":null}}}"#,
+                ResultKind::Task,
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"task","task":{"taskId":"t1"}}}"#,
+                ResultKind::Task,
+            ),
+            // A tool result that happens to hold a `task` field is still a result.
+            (
+                r#"{"jsonrpc":"2.0","id":1,"result":{"content":[],"task":{"taskId":"t1"}}}"#,
+                ResultKind::Final,
+            ),
+        ] {
+            assert_eq!(kind_of(text), kind, "{text}");
         }
     }
 

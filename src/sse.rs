@@ -1,7 +1,10 @@
 //! An incremental `text/event-stream` parser. It sees a copy of each response chunk as it
 //! passes (the chunks themselves are not held) and yields the `data` of each complete
 //! event. Handles lines split across chunks, multi-line data, CRLF / CR / LF line ends,
-//! comments, a leading BOM, and fields it does not use (`event`, `id`, `retry`).
+//! comments, a leading BOM, and fields it does not use (`event`, `retry`). It keeps the
+//! stream's last event id the way a browser's `EventSource` does (the `id` of the last
+//! finished event, kept until another one sets it), which is what a client sends back as
+//! `Last-Event-ID` when it resumes the stream.
 
 /// The pending event grew past the limit; the parser stops.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,6 +20,8 @@ pub struct SseParser {
     first_line: bool,
     max_event_bytes: usize,
     dead: bool,
+    id_buffer: Option<String>,
+    last_event_id: Option<String>,
 }
 
 impl SseParser {
@@ -31,7 +36,14 @@ impl SseParser {
             first_line: true,
             max_event_bytes,
             dead: false,
+            id_buffer: None,
+            last_event_id: None,
         }
+    }
+
+    /// The last event id of the stream so far (set when an event carrying `id` ends).
+    pub fn last_event_id(&self) -> Option<&str> {
+        self.last_event_id.as_deref()
     }
 
     /// Feeds one chunk; the data of every event completed by it is appended to `events`.
@@ -76,6 +88,9 @@ impl SseParser {
             }
         }
         if line.is_empty() {
+            if self.id_buffer.is_some() {
+                self.last_event_id.clone_from(&self.id_buffer);
+            }
             if self.has_data {
                 let mut data = std::mem::take(&mut self.data);
                 if data.last() == Some(&b'\n') {
@@ -103,6 +118,10 @@ impl SseParser {
             self.data.extend_from_slice(value);
             self.data.push(b'\n');
             self.has_data = true;
+        } else if field == b"id" && !value.contains(&0) {
+            if let Ok(id) = std::str::from_utf8(value) {
+                self.id_buffer = Some(id.to_string());
+            }
         }
     }
 }
@@ -160,6 +179,28 @@ mod tests {
             }
             assert_eq!(out, expected(), "chunks of {j}");
         }
+    }
+
+    #[test]
+    fn last_event_id_follows_finished_events() {
+        let mut p = SseParser::new(1 << 20);
+        let mut out = Vec::new();
+        assert_eq!(p.feed(b"data: a\n\n", &mut out), Ok(()));
+        assert_eq!(p.last_event_id(), None);
+        // A priming event: id and empty data.
+        assert_eq!(p.feed(b"id: ev-1\ndata:\n\n", &mut out), Ok(()));
+        assert_eq!(p.last_event_id(), Some("ev-1"));
+        // Unfinished: not yet.
+        assert_eq!(p.feed(b"id: ev-2\ndata: b\n", &mut out), Ok(()));
+        assert_eq!(p.last_event_id(), Some("ev-1"));
+        assert_eq!(p.feed(b"\n", &mut out), Ok(()));
+        assert_eq!(p.last_event_id(), Some("ev-2"));
+        // An event without id keeps the last one.
+        assert_eq!(p.feed(b"data: c\n\n", &mut out), Ok(()));
+        assert_eq!(p.last_event_id(), Some("ev-2"));
+        let mut q = SseParser::new(1 << 20);
+        assert_eq!(q.feed(SAMPLE.as_bytes(), &mut out), Ok(()));
+        assert_eq!(q.last_event_id(), Some("1"));
     }
 
     #[test]

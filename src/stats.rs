@@ -34,6 +34,16 @@ pub enum Stat {
     ReportBatchFailed,
     /// A queued outcome report was dropped because the queue was full.
     ReportDropped,
+    /// A dispatched call answered `input_required` (MCP 2026-07-28); the attempt awaits its continuation.
+    InputRequired,
+    /// A dispatched call answered with a task handle (`CreateTaskResult`): reported `accepted`.
+    Accepted,
+    /// A resumable SSE response (events with ids) ended cleanly before the call's answer:
+    /// the attempt is left in flight for the resumed GET stream (or the lease sweeper).
+    StreamAwaitingResume,
+    /// A resumed GET stream (`Last-Event-ID`) carried the answer of a call whose POST stream
+    /// closed early; it was reported.
+    ResumedReceipt,
 }
 
 impl Stat {
@@ -53,6 +63,10 @@ impl Stat {
             Stat::ReportBatchSent,
             Stat::ReportBatchFailed,
             Stat::ReportDropped,
+            Stat::InputRequired,
+            Stat::Accepted,
+            Stat::StreamAwaitingResume,
+            Stat::ResumedReceipt,
         ];
         all.extend(DenialCode::ALL.iter().map(|c| Stat::DeniedCode(*c)));
         all
@@ -75,6 +89,10 @@ impl Stat {
             Stat::ReportBatchSent => "atmost_report_batch_sent".into(),
             Stat::ReportBatchFailed => "atmost_report_batch_failed".into(),
             Stat::ReportDropped => "atmost_report_dropped".into(),
+            Stat::InputRequired => "atmost_input_required".into(),
+            Stat::Accepted => "atmost_accepted".into(),
+            Stat::StreamAwaitingResume => "atmost_stream_awaiting_resume".into(),
+            Stat::ResumedReceipt => "atmost_resumed_receipt".into(),
         }
     }
 }
@@ -92,6 +110,6 @@ mod tests {
             assert!(seen.insert(n));
         }
         assert!(seen.contains("atmost_denied_permit_invalid"));
-        assert_eq!(seen.len(), 13 + DenialCode::ALL.len());
+        assert_eq!(seen.len(), 17 + DenialCode::ALL.len());
     }
 }

@@ -21,7 +21,9 @@ use crate::error::LedgerError;
 use crate::metrics::Metrics;
 use crate::model::{AttemptState, CostRule, GuardMode};
 use crate::server::{self, AppState, ServerConfig};
+use crate::store::postgres::{self, PgOptions, PgStore};
 use crate::store::sqlite::SqliteStore;
+use crate::store::Store;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -78,9 +80,36 @@ pub struct LedgerArgs {
     /// Address to listen on (HTTP/1.1 and h2c).
     #[arg(long, env = "ATMOST_LISTEN", default_value = "127.0.0.1:8081")]
     pub listen: SocketAddr,
-    /// Directory of the store's database file.
+    /// Directory of the embedded store's database file (`--store sqlite`).
     #[arg(long, env = "ATMOST_DATA_DIR", default_value = "./atmost-data")]
     pub data_dir: PathBuf,
+    /// Where state lives: `sqlite` (default: one file under --data-dir, one ledger process) or a
+    /// PostgreSQL URL `postgres://user:pass@host:5432/db?sslmode=require` (several replicas).
+    #[arg(
+        long,
+        env = "ATMOST_STORE",
+        hide_env_values = true,
+        default_value = "sqlite"
+    )]
+    pub store: String,
+    /// PostgreSQL: most connections this replica opens.
+    #[arg(long, env = "ATMOST_PG_POOL_SIZE", default_value_t = 16)]
+    pub pg_pool_size: usize,
+    /// PostgreSQL: timeout of connecting and of waiting for a pooled connection.
+    #[arg(long, env = "ATMOST_PG_CONNECT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub pg_connect_timeout: Duration,
+    /// PostgreSQL: timeout of one statement (lock waits included), set on the server; a whole
+    /// store operation is given the connect timeout plus twice this.
+    #[arg(long, env = "ATMOST_PG_STATEMENT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub pg_statement_timeout: Duration,
+    /// PostgreSQL: schema of the ledger's tables (created if missing; default: the server's
+    /// search_path, normally `public`).
+    #[arg(long, env = "ATMOST_PG_SCHEMA")]
+    pub pg_schema: Option<String>,
+    /// PostgreSQL: PEM file of the CA certificates to trust with `sslmode=require` (default:
+    /// the system's roots).
+    #[arg(long, env = "ATMOST_PG_CA_FILE")]
+    pub pg_ca_file: Option<PathBuf>,
     /// Bearer token the filter presents on /v1/authorize and /v1/outcomes.
     #[arg(long, env = "ATMOST_SERVICE_TOKEN", hide_env_values = true)]
     pub service_token: String,
@@ -295,10 +324,12 @@ fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), CliError> {
         return Err(CliError::Usage("--lease must be positive".into()));
     }
     init_logs(args.log_format);
-    let store = SqliteStore::open_dir(&args.data_dir)?;
-    tracing::info!(path = %store.path().display(), "store opened");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let store = rt.block_on(open_store(&args))?;
     let state = Arc::new(AppState {
-        store: Arc::new(store),
+        store,
         clock: Arc::new(SystemClock),
         config: ServerConfig {
             service_token: args.service_token,
@@ -307,9 +338,6 @@ fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), CliError> {
         },
         metrics: Arc::new(Metrics::new()?),
     });
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(args.listen).await?;
         tracing::info!(listen = %args.listen, lease_ms = state.config.lease.as_millis() as u64, "ledger listening");
@@ -321,6 +349,40 @@ fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), CliError> {
         served
     })?;
     Ok(())
+}
+
+/// Opens the store `--store` names: the embedded SQLite file, or PostgreSQL (migrations run
+/// here, before the ledger listens).
+async fn open_store(args: &LedgerArgs) -> Result<Arc<dyn Store>, CliError> {
+    let spec = args.store.trim();
+    if spec.is_empty() || spec == "sqlite" {
+        let store = SqliteStore::open_dir(&args.data_dir)?;
+        tracing::info!(store = "sqlite", path = %store.path().display(), "store opened");
+        return Ok(Arc::new(store));
+    }
+    if !postgres::is_postgres_url(spec) {
+        return Err(CliError::Usage(format!(
+            "--store must be `sqlite` or a postgres:// / postgresql:// URL, not {}",
+            postgres::redact_url(spec)
+        )));
+    }
+    if args.pg_connect_timeout.is_zero() || args.pg_statement_timeout.is_zero() {
+        return Err(CliError::Usage(
+            "--pg-connect-timeout and --pg-statement-timeout must be positive".into(),
+        ));
+    }
+    let opts = PgOptions {
+        url: spec.to_string(),
+        pool_size: args.pg_pool_size,
+        connect_timeout: args.pg_connect_timeout,
+        statement_timeout: args.pg_statement_timeout,
+        schema: args.pg_schema.clone().filter(|s| !s.is_empty()),
+        ca_file: args.pg_ca_file.clone(),
+    };
+    let store = PgStore::connect(&opts).await?;
+    tracing::info!(store = "postgres", database = %store.description(), pool_size = opts.pool_size,
+        "store opened, migrations applied");
+    Ok(Arc::new(store))
 }
 
 async fn shutdown_signal() {

@@ -22,6 +22,9 @@ pub const MAX_KEY_LEN: usize = 255;
 pub const MAX_RETRY_AFTER_SECS: i64 = 30;
 /// Reason recorded when the sweeper turns an expired lease into `uncertain`.
 pub const LEASE_EXPIRED_REASON: &str = "lease_expired";
+/// Reason recorded when the sweeper turns an `awaiting_input` attempt whose continuation
+/// never came into `uncertain` (the server may have acted before it asked).
+pub const INPUT_ABANDONED_REASON: &str = "input_required_abandoned";
 
 /// What the store read for one authorize call, all inside the same transaction.
 #[derive(Debug, Clone, Default)]
@@ -54,7 +57,8 @@ pub enum Mutation {
     None,
     /// Insert this `in_flight` attempt and, when it has a key, point the key at it.
     Reserve(Attempt),
-    /// Rewrite this attempt (a replay bumps its replay count).
+    /// Rewrite this attempt (a replay bumps its replay count; a continuation moves an
+    /// `awaiting_input` attempt back to `in_flight` with a new lease).
     Update(Attempt),
 }
 
@@ -162,7 +166,7 @@ pub fn decide(req: &AuthorizeRequest, snap: &Snapshot, params: &DecideParams) ->
             ));
         }
         match existing.state {
-            AttemptState::Completed | AttemptState::ResolvedExecuted => {
+            AttemptState::Completed | AttemptState::ResolvedExecuted | AttemptState::Accepted => {
                 return match existing.receipt.as_ref() {
                     Some(receipt) => {
                         let mut replayed = existing.clone();
@@ -194,6 +198,42 @@ pub fn decide(req: &AuthorizeRequest, snap: &Snapshot, params: &DecideParams) ->
                         "a call with this idempotency key is still in flight; retry later with the same key",
                     )
                     .with("retry_after", secs),
+                );
+            }
+            AttemptState::AwaitingInput if req.continuation => {
+                // The same call, continued: dispatch again under the SAME attempt. Its slot
+                // and budget are already held; nothing new is taken.
+                if now >= permit.expires_at_ms {
+                    return Decision::deny(
+                        Denial::new(DenialCode::PermitExpired, "the permit has expired")
+                            .with("expires_at", crate::clock::rfc3339(permit.expires_at_ms)),
+                    );
+                }
+                let lease_ms = i64::try_from(params.lease_ms).unwrap_or(i64::MAX);
+                let mut next = existing.clone();
+                next.state = AttemptState::InFlight;
+                next.updated_at_ms = now;
+                next.lease_expires_at_ms = now.saturating_add(lease_ms);
+                return Decision {
+                    response: AuthorizeResponse::Dispatch {
+                        attempt_id: existing.id.clone(),
+                        permit_id: permit.id.clone(),
+                        lease_ms: params.lease_ms,
+                    },
+                    mutation: Mutation::Update(next),
+                    notices: Vec::new(),
+                };
+            }
+            AttemptState::AwaitingInput => {
+                let remaining_ms = existing.lease_expires_at_ms.saturating_sub(now).max(0);
+                let secs = ((remaining_ms + 999) / 1000).clamp(1, MAX_RETRY_AFTER_SECS);
+                return Decision::deny(
+                    Denial::new(
+                        DenialCode::IdempotencyInProgress,
+                        "the call with this idempotency key is waiting for input: send its continuation (params.inputResponses / params.requestState) with the same key",
+                    )
+                    .with("retry_after", secs)
+                    .with("awaiting_input", true),
                 );
             }
             AttemptState::Uncertain => {
@@ -348,6 +388,8 @@ pub fn outcome_state(outcome: &Outcome) -> AttemptState {
         Outcome::Completed { .. } => AttemptState::Completed,
         Outcome::Released { .. } => AttemptState::Released,
         Outcome::Uncertain { .. } => AttemptState::Uncertain,
+        Outcome::InputRequired { .. } => AttemptState::AwaitingInput,
+        Outcome::Accepted { .. } => AttemptState::Accepted,
     }
 }
 
@@ -373,12 +415,19 @@ pub fn apply_outcome(
     next.state = target;
     next.updated_at_ms = now;
     match outcome {
-        Outcome::Completed { receipt } => {
+        Outcome::Completed { receipt } | Outcome::Accepted { receipt } => {
             next.receipt = Some(receipt.clone());
             next.finished_at_ms = Some(now);
         }
         Outcome::Released { reason } | Outcome::Uncertain { reason } => {
             next.reason = Some(reason.clone());
+        }
+        Outcome::InputRequired { receipt } => {
+            // The interim answer, kept for inspection (never replayed: the state does not
+            // replay). The lease is renewed for as long as the dispatch lease was.
+            next.receipt = Some(receipt.clone());
+            let lease = a.lease_expires_at_ms.saturating_sub(a.updated_at_ms).max(0);
+            next.lease_expires_at_ms = now.saturating_add(lease);
         }
     }
     (OutcomeAck::Applied, Some(next))
@@ -419,14 +468,22 @@ pub fn resolve(a: &Attempt, input: &ResolveInput, now: Millis) -> Result<Attempt
     Ok(next)
 }
 
-/// The sweeper: an `in_flight` attempt past its lease becomes `uncertain` (never `released`).
+/// The sweeper: an `in_flight` or `awaiting_input` attempt past its lease becomes
+/// `uncertain` (never `released`).
 pub fn expire_lease(a: &Attempt, now: Millis) -> Option<Attempt> {
-    if a.state != AttemptState::InFlight || now < a.lease_expires_at_ms {
+    if !a.state.leased() || now < a.lease_expires_at_ms {
         return None;
     }
     let mut next = a.clone();
+    next.reason = Some(
+        if a.state == AttemptState::AwaitingInput {
+            INPUT_ABANDONED_REASON
+        } else {
+            LEASE_EXPIRED_REASON
+        }
+        .to_string(),
+    );
     next.state = AttemptState::Uncertain;
-    next.reason = Some(LEASE_EXPIRED_REASON.to_string());
     next.updated_at_ms = now;
     Some(next)
 }
@@ -434,11 +491,7 @@ pub fn expire_lease(a: &Attempt, now: Millis) -> Option<Attempt> {
 /// Retention: a finished attempt's receipt older than the permit's retention is dropped and the
 /// row kept as a tombstone. `uncertain` and `in_flight` attempts are never pruned.
 pub fn prune(a: &Attempt, retention_ms: Millis, now: Millis) -> Option<Attempt> {
-    if !matches!(
-        a.state,
-        AttemptState::Completed | AttemptState::ResolvedExecuted
-    ) || a.pruned_at_ms.is_some()
-    {
+    if !a.state.replays() || a.pruned_at_ms.is_some() {
         return None;
     }
     let finished = a.finished_at_ms.unwrap_or(a.updated_at_ms);

@@ -47,6 +47,7 @@ fn req(key: Option<&str>, fp: &str) -> AuthorizeRequest {
         fingerprint: fp.into(),
         arguments: json!({"amount": 5}),
         key_required: false,
+        continuation: false,
     }
 }
 
@@ -672,10 +673,7 @@ fn sweeper_turns_expired_leases_uncertain_never_released() {
     let next = expire_lease(&a, NOW).unwrap();
     assert_eq!(next.state, AttemptState::Uncertain);
     assert_eq!(next.reason.as_deref(), Some(LEASE_EXPIRED_REASON));
-    for st in AttemptState::ALL
-        .into_iter()
-        .filter(|s| *s != AttemptState::InFlight)
-    {
+    for st in AttemptState::ALL.into_iter().filter(|s| !s.leased()) {
         let mut b = attempt(st, None, "fp");
         b.lease_expires_at_ms = NOW - HOUR;
         assert_eq!(expire_lease(&b, NOW), None, "{st}");
@@ -716,4 +714,186 @@ fn retention_prunes_finished_receipts_to_tombstones_never_uncertain() {
         code(&decide(&req(Some("k"), "fp"), &s, &params())),
         Some(DenialCode::IdempotencyKeyExpired)
     );
+}
+
+fn continuation(key: Option<&str>, fp: &str) -> AuthorizeRequest {
+    AuthorizeRequest {
+        continuation: true,
+        ..req(key, fp)
+    }
+}
+
+#[test]
+fn awaiting_input_continuation_dispatches_again_under_the_same_attempt() {
+    let mut s = snap(permit());
+    let mut waiting = attempt(AttemptState::AwaitingInput, Some("k"), "fp");
+    waiting.cost = 7;
+    s.existing = Some(waiting.clone());
+    // Even at the cap: the slot is the attempt's own.
+    s.usage.calls_made = 1;
+    let mut p = permit();
+    p.policy.max_calls.insert("pay".into(), 1);
+    s.permit = Some(p);
+    let d = decide(&continuation(Some("k"), "fp"), &s, &params());
+    assert_eq!(
+        d.response,
+        AuthorizeResponse::Dispatch {
+            attempt_id: "att_old".into(),
+            permit_id: PID.into(),
+            lease_ms: 60_000
+        }
+    );
+    let Mutation::Update(next) = d.mutation else {
+        panic!(
+            "expected an update of the same attempt, got {:?}",
+            d.mutation
+        )
+    };
+    assert_eq!(next.id, "att_old");
+    assert_eq!(next.state, AttemptState::InFlight);
+    assert_eq!(next.cost, 7, "no new budget");
+    assert_eq!(next.lease_expires_at_ms, NOW + 60_000);
+    assert_eq!(next.updated_at_ms, NOW);
+}
+
+#[test]
+fn awaiting_input_without_continuation_is_in_progress() {
+    let mut s = snap(permit());
+    s.existing = Some(attempt(AttemptState::AwaitingInput, Some("k"), "fp"));
+    let d = decide(&req(Some("k"), "fp"), &s, &params());
+    let den = denial(&d);
+    assert_eq!(den.code, DenialCode::IdempotencyInProgress);
+    assert_eq!(den.data["awaiting_input"], json!(true));
+    assert!(den.data["retry_after"].as_i64().unwrap_or(0) >= 1);
+    assert_eq!(d.mutation, Mutation::None);
+    // A different fingerprint is a conflict, continuation or not.
+    for r in [req(Some("k"), "other"), continuation(Some("k"), "other")] {
+        assert_eq!(
+            code(&decide(&r, &s, &params())),
+            Some(DenialCode::IdempotencyKeyConflict)
+        );
+    }
+}
+
+#[test]
+fn awaiting_input_continuation_after_expiry_is_denied() {
+    let mut p = permit();
+    p.expires_at_ms = NOW - 1;
+    let mut s = snap(p);
+    s.existing = Some(attempt(AttemptState::AwaitingInput, Some("k"), "fp"));
+    let d = decide(&continuation(Some("k"), "fp"), &s, &params());
+    assert_eq!(code(&d), Some(DenialCode::PermitExpired));
+    assert_eq!(d.mutation, Mutation::None);
+}
+
+#[test]
+fn continuation_flag_changes_nothing_in_other_states() {
+    // in_flight: still in progress; completed: replay; no attempt: a new call.
+    let mut s = snap(permit());
+    s.existing = Some(attempt(AttemptState::InFlight, Some("k"), "fp"));
+    assert_eq!(
+        code(&decide(&continuation(Some("k"), "fp"), &s, &params())),
+        Some(DenialCode::IdempotencyInProgress)
+    );
+    let mut done = attempt(AttemptState::Completed, Some("k"), "fp");
+    done.receipt = Some("R".into());
+    s.existing = Some(done);
+    assert!(matches!(
+        decide(&continuation(Some("k"), "fp"), &s, &params()).response,
+        AuthorizeResponse::Replay { .. }
+    ));
+    assert!(is_dispatch(&decide(
+        &continuation(Some("k2"), "fp"),
+        &snap(permit()),
+        &params()
+    )));
+    assert!(is_dispatch(&decide(
+        &continuation(None, "fp"),
+        &snap(permit()),
+        &params()
+    )));
+}
+
+#[test]
+fn accepted_task_handle_replays_like_a_receipt() {
+    let mut s = snap(permit());
+    let mut acc = attempt(AttemptState::Accepted, Some("k"), "fp");
+    acc.receipt = Some("HANDLE".into());
+    s.existing = Some(acc);
+    let d = decide(&req(Some("k"), "fp"), &s, &params());
+    assert_eq!(
+        d.response,
+        AuthorizeResponse::Replay {
+            attempt_id: "att_old".into(),
+            receipt: "HANDLE".into()
+        }
+    );
+    assert_eq!(
+        code(&decide(&req(Some("k"), "x"), &s, &params())),
+        Some(DenialCode::IdempotencyKeyConflict)
+    );
+}
+
+#[test]
+fn input_required_and_accepted_outcomes() {
+    let inflight = attempt(AttemptState::InFlight, Some("k"), "fp");
+    let (ack, next) = apply_outcome(
+        Some(&inflight),
+        &Outcome::InputRequired {
+            receipt: "ASK".into(),
+        },
+        NOW,
+    );
+    assert_eq!(ack, OutcomeAck::Applied);
+    let next = next.unwrap_or_else(|| panic!("no update"));
+    assert_eq!(next.state, AttemptState::AwaitingInput);
+    assert_eq!(next.receipt.as_deref(), Some("ASK"));
+    // Lease renewed for the dispatch lease's length (updated NOW-5s, expiring NOW+50s → 55s).
+    assert_eq!(next.lease_expires_at_ms, NOW + 55_000);
+    // A repeated report is already recorded; a late one on a continued attempt conflicts nothing away.
+    let (ack, none) = apply_outcome(
+        Some(&next),
+        &Outcome::InputRequired {
+            receipt: "ASK".into(),
+        },
+        NOW,
+    );
+    assert_eq!((ack, none), (OutcomeAck::AlreadyRecorded, None));
+    let (ack, none) = apply_outcome(
+        Some(&next),
+        &Outcome::Completed {
+            receipt: "R".into(),
+        },
+        NOW,
+    );
+    assert_eq!((ack, none), (OutcomeAck::Conflict, None));
+
+    let (ack, next) = apply_outcome(
+        Some(&inflight),
+        &Outcome::Accepted {
+            receipt: "HANDLE".into(),
+        },
+        NOW,
+    );
+    assert_eq!(ack, OutcomeAck::Applied);
+    let next = next.unwrap_or_else(|| panic!("no update"));
+    assert_eq!(next.state, AttemptState::Accepted);
+    assert_eq!(next.receipt.as_deref(), Some("HANDLE"));
+    assert_eq!(next.finished_at_ms, Some(NOW));
+}
+
+#[test]
+fn sweeper_turns_abandoned_input_uncertain_and_prunes_accepted() {
+    let mut waiting = attempt(AttemptState::AwaitingInput, Some("k"), "fp");
+    waiting.lease_expires_at_ms = NOW;
+    let swept = expire_lease(&waiting, NOW).unwrap_or_else(|| panic!("not swept"));
+    assert_eq!(swept.state, AttemptState::Uncertain);
+    assert_eq!(swept.reason.as_deref(), Some(INPUT_ABANDONED_REASON));
+    assert!(expire_lease(&waiting, NOW - 1).is_none());
+    let mut acc = attempt(AttemptState::Accepted, Some("k"), "fp");
+    acc.receipt = Some("HANDLE".into());
+    acc.finished_at_ms = Some(NOW - 25 * HOUR);
+    assert!(expire_lease(&acc, NOW + HOUR).is_none());
+    let pruned = prune(&acc, 24 * HOUR, NOW).unwrap_or_else(|| panic!("not pruned"));
+    assert_eq!(pruned.receipt, None);
 }

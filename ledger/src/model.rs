@@ -139,16 +139,25 @@ pub enum AttemptState {
     Uncertain,
     ResolvedExecuted,
     ResolvedNotExecuted,
+    /// MCP 2026-07-28: the upstream answered `input_required`; the attempt keeps its slot
+    /// and reserved budget and waits for the continuation under the same key (which moves
+    /// it back to `in_flight`). Past its lease the sweeper turns it `uncertain`.
+    AwaitingInput,
+    /// The upstream accepted the call as a task (`CreateTaskResult`): the stored receipt is
+    /// the task handle, replayed like a completed receipt; slot kept, budget spent.
+    Accepted,
 }
 
 impl AttemptState {
-    pub const ALL: [AttemptState; 6] = [
+    pub const ALL: [AttemptState; 8] = [
         AttemptState::InFlight,
         AttemptState::Completed,
         AttemptState::Released,
         AttemptState::Uncertain,
         AttemptState::ResolvedExecuted,
         AttemptState::ResolvedNotExecuted,
+        AttemptState::AwaitingInput,
+        AttemptState::Accepted,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -159,7 +168,33 @@ impl AttemptState {
             AttemptState::Uncertain => "uncertain",
             AttemptState::ResolvedExecuted => "resolved_executed",
             AttemptState::ResolvedNotExecuted => "resolved_not_executed",
+            AttemptState::AwaitingInput => "awaiting_input",
+            AttemptState::Accepted => "accepted",
         }
+    }
+
+    /// The stored names of the states for which `pred` holds, as an SQL list
+    /// `('a','b')` (names are fixed identifiers, never user input).
+    pub fn sql_list(pred: impl Fn(AttemptState) -> bool) -> String {
+        let names: Vec<String> = AttemptState::ALL
+            .into_iter()
+            .filter(|s| pred(*s))
+            .map(|s| format!("'{}'", s.as_str()))
+            .collect();
+        format!("({})", names.join(","))
+    }
+
+    /// A stored receipt of this state is answered as a replay.
+    pub fn replays(self) -> bool {
+        matches!(
+            self,
+            AttemptState::Completed | AttemptState::ResolvedExecuted | AttemptState::Accepted
+        )
+    }
+
+    /// The lease sweeper turns this state `uncertain` once its lease has run out.
+    pub fn leased(self) -> bool {
+        matches!(self, AttemptState::InFlight | AttemptState::AwaitingInput)
     }
 
     /// The attempt holds one of its tool's slots.
@@ -170,19 +205,24 @@ impl AttemptState {
                 | AttemptState::Completed
                 | AttemptState::Uncertain
                 | AttemptState::ResolvedExecuted
+                | AttemptState::AwaitingInput
+                | AttemptState::Accepted
         )
     }
 
     /// The attempt's cost is reserved (not yet spent).
     pub fn reserves_budget(self) -> bool {
-        self == AttemptState::InFlight
+        matches!(self, AttemptState::InFlight | AttemptState::AwaitingInput)
     }
 
     /// The attempt's cost counts as spent.
     pub fn spends_budget(self) -> bool {
         matches!(
             self,
-            AttemptState::Completed | AttemptState::Uncertain | AttemptState::ResolvedExecuted
+            AttemptState::Completed
+                | AttemptState::Uncertain
+                | AttemptState::ResolvedExecuted
+                | AttemptState::Accepted
         )
     }
 
@@ -286,6 +326,13 @@ mod tests {
         }
         assert!(Uncertain.holds_slot() && Uncertain.spends_budget());
         assert!(ResolvedNotExecuted.gave_back());
+        assert!(AwaitingInput.holds_slot() && AwaitingInput.reserves_budget());
+        assert!(Accepted.holds_slot() && Accepted.spends_budget() && Accepted.replays());
+        assert!(AwaitingInput.leased() && InFlight.leased() && !Accepted.leased());
+        assert_eq!(
+            AttemptState::sql_list(AttemptState::reserves_budget),
+            "('in_flight','awaiting_input')"
+        );
     }
 
     #[test]

@@ -85,10 +85,18 @@ fn not_found(what: &str) -> Response {
     error_response(StatusCode::NOT_FOUND, what, None)
 }
 
+/// A store failure. The store could not answer or commit (down, timed out, failing over):
+/// 503 `store_unavailable`, which the filter turns into `gateway_unavailable`, so nothing is
+/// dispatched on a decision that was not committed. Anything else: 500.
 fn internal(state: &AppState, op: &str, e: &LedgerError) -> Response {
     state.metrics.store_errors.with_label_values(&[op]).inc();
     error!(op, error = %e, "store operation failed");
-    error_response(StatusCode::INTERNAL_SERVER_ERROR, "internal", None)
+    match e {
+        LedgerError::Store(_) | LedgerError::Join(_) => {
+            error_response(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", None)
+        }
+        _ => error_response(StatusCode::INTERNAL_SERVER_ERROR, "internal", None),
+    }
 }
 
 fn json_rejection(r: JsonRejection) -> Response {
@@ -262,6 +270,8 @@ fn outcome_kind(o: &Outcome) -> &'static str {
         Outcome::Completed { .. } => "completed",
         Outcome::Released { .. } => "released",
         Outcome::Uncertain { .. } => "uncertain",
+        Outcome::InputRequired { .. } => "input_required",
+        Outcome::Accepted { .. } => "accepted",
     }
 }
 
@@ -297,7 +307,9 @@ async fn outcomes(
             .inc();
         let reason = match &report.outcome {
             Outcome::Released { reason } | Outcome::Uncertain { reason } => reason.as_str(),
-            Outcome::Completed { .. } => "",
+            Outcome::Completed { .. }
+            | Outcome::InputRequired { .. }
+            | Outcome::Accepted { .. } => "",
         };
         match result.ack {
             OutcomeAck::Conflict => warn!(

@@ -33,13 +33,20 @@ pub struct AuthorizeRequest {
     /// The gateway config requires a key for this tool.
     #[serde(default)]
     pub key_required: bool,
+    /// MCP 2026-07-28 multi-round-trip: this `tools/call` is the retry of a call that
+    /// answered `input_required` (its params carry `inputResponses` or `requestState`).
+    /// With the same key and fingerprint as an `awaiting_input` attempt it dispatches again
+    /// under that attempt: no second slot, no second budget.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub continuation: bool,
 }
 
 /// The ledger's answer to an [`AuthorizeRequest`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "decision", rename_all = "snake_case")]
 pub enum AuthorizeResponse {
-    /// A slot and the budget are reserved: send the call upstream.
+    /// A slot and the budget are reserved (or, for a continuation, still held by the same
+    /// attempt): send the call upstream.
     Dispatch {
         attempt_id: String,
         permit_id: String,
@@ -172,6 +179,14 @@ pub enum Outcome {
     Released { reason: String },
     /// Sent, and the outcome is unknown: slot and budget stay taken until someone resolves it.
     Uncertain { reason: String },
+    /// MCP 2026-07-28: the upstream answered `resultType: "input_required"`. The attempt
+    /// keeps its slot and budget and waits (`awaiting_input`, lease renewed) for the
+    /// client's continuation under the same key. `receipt` is that interim response.
+    InputRequired { receipt: String },
+    /// The upstream accepted the call as a task (`CreateTaskResult`): a receipt of
+    /// acceptance, not of completion. `receipt` is the response holding the task handle;
+    /// replays return it.
+    Accepted { receipt: String },
 }
 
 /// One outcome for one attempt.
@@ -262,5 +277,32 @@ mod tests {
         assert_eq!(json["outcome"], "uncertain");
         assert_eq!(json["reason"], "upstream_reset");
         assert_eq!(json["attempt_id"], "a1");
+        for (outcome, tag) in [
+            (
+                Outcome::InputRequired {
+                    receipt: "r".into(),
+                },
+                "input_required",
+            ),
+            (
+                Outcome::Accepted {
+                    receipt: "r".into(),
+                },
+                "accepted",
+            ),
+        ] {
+            let json = serde_json::to_value(&outcome).unwrap_or_default();
+            assert_eq!(json["outcome"], tag);
+            assert_eq!(json["receipt"], "r");
+        }
+    }
+
+    #[test]
+    fn continuation_defaults_to_false_and_is_omitted_when_false() {
+        let v = serde_json::json!({"permit_token": "t", "tool": "x", "fingerprint": "f"});
+        let r: Option<AuthorizeRequest> = serde_json::from_value(v).ok();
+        assert_eq!(r.as_ref().map(|r| r.continuation), Some(false));
+        let json = r.map(|r| serde_json::to_value(&r).unwrap_or_default());
+        assert_eq!(json.as_ref().and_then(|j| j.get("continuation")), None);
     }
 }

@@ -50,6 +50,23 @@ pub fn set_header(map: MapType, name: &str, value: &str) {
     }
 }
 
+/// A value of Envoy's shared data (shared by the VMs of every worker with this vm_id).
+pub fn get_shared(key: &str) -> Option<Vec<u8>> {
+    match hostcalls::get_shared_data(key) {
+        Ok((Some(v), _)) => Some(v),
+        _ => None,
+    }
+}
+
+pub fn set_shared(key: &str, value: &[u8]) {
+    if hostcalls::set_shared_data(key, Some(value), None).is_err() {
+        log(
+            Level::Warn,
+            &format!("atmost: could not store shared data `{key}`"),
+        );
+    }
+}
+
 pub fn property_int(path: &[&str]) -> Option<u64> {
     match hostcalls::get_property(path.to_vec()) {
         Ok(v) => crate::outcome::decode_int(v.as_deref()),

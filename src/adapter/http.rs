@@ -80,6 +80,7 @@ impl Http {
                     );
                 }
             }
+            Effect::SaveResume(key, ticket) => host::set_shared(&key, &ticket.to_bytes()),
             Effect::Count(stat) => self.shared.metrics.inc(stat),
             Effect::Log(level, message) => host::log(level, &message),
         }
@@ -91,6 +92,7 @@ impl Http {
             end_of_stream,
             ..RequestHead::default()
         };
+        let mut last_event_id: Option<String> = None;
         for (name, value) in host::headers(MapType::HttpRequestHeaders) {
             let name = name.to_ascii_lowercase();
             if name == permit_name {
@@ -99,14 +101,35 @@ impl Http {
                 head.idempotency_key.push(value);
             } else if name == ":method" {
                 head.method = String::from_utf8_lossy(&value).into_owned();
-            } else if name == "mcp-method" && head.mirrored.method.is_none() {
-                head.mirrored.method = Some(String::from_utf8_lossy(&value).trim().to_string());
-            } else if name == "mcp-name" && head.mirrored.name.is_none() {
-                head.mirrored.name = Some(String::from_utf8_lossy(&value).trim().to_string());
+            } else if name == "mcp-method" || name == "mcp-name" {
+                let slot = if name == "mcp-method" {
+                    &mut head.mirrored.method
+                } else {
+                    &mut head.mirrored.name
+                };
+                if slot.is_some() {
+                    head.mirrored.duplicated = true;
+                } else {
+                    *slot = Some(String::from_utf8_lossy(&value).trim().to_string());
+                }
+            } else if name == "mcp-protocol-version" && head.mirrored.protocol_version.is_none() {
+                head.mirrored.protocol_version =
+                    Some(String::from_utf8_lossy(&value).trim().to_string());
+            } else if name == "mcp-session-id" && head.session_id.is_none() {
+                head.session_id = Some(String::from_utf8_lossy(&value).trim().to_string());
+            } else if name == "last-event-id" && last_event_id.is_none() {
+                last_event_id = Some(String::from_utf8_lossy(&value).trim().to_string());
             } else if name == "content-length" {
                 head.content_length = std::str::from_utf8(&value)
                     .ok()
                     .and_then(|v| v.trim().parse().ok());
+            }
+        }
+        if head.method.eq_ignore_ascii_case("GET") {
+            if let Some(last) = last_event_id {
+                let key = crate::resume::key(head.session_id.as_deref(), &last);
+                head.resume =
+                    host::get_shared(&key).and_then(|b| crate::resume::Ticket::from_bytes(&b));
             }
         }
         head

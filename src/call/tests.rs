@@ -671,6 +671,7 @@ fn on_log_classifies_unreported_attempts() {
             Outcome::Completed { .. } => "completed",
             Outcome::Released { .. } => "released",
             Outcome::Uncertain { .. } => "uncertain",
+            Outcome::InputRequired { .. } | Outcome::Accepted { .. } => "interim",
         };
         assert_eq!(got, want, "{resp:?} {props:?}");
         let want_stat = if want == "released" {
@@ -732,4 +733,184 @@ fn logs_never_carry_secrets() {
             }
         }
     }
+}
+
+fn reported(s: &Step) -> Outcome {
+    let c = s
+        .callout
+        .as_ref()
+        .unwrap_or_else(|| panic!("no report in {s:?}"));
+    assert_eq!(c.endpoint, Endpoint::Outcomes);
+    let req: OutcomesRequest =
+        serde_json::from_slice(&c.body).unwrap_or(OutcomesRequest { reports: vec![] });
+    assert_eq!(req.reports.len(), 1);
+    req.reports[0].outcome.clone()
+}
+
+fn json_answer(call: &mut Call, body: &str) -> Step {
+    call.on_response_headers(json_head());
+    let len = read(call.on_response_body(body.len(), true));
+    call.on_response_body_data(&body.as_bytes()[..len], true)
+}
+
+#[test]
+fn input_required_and_task_handles_are_reported_as_such() {
+    let ask = r#"{"jsonrpc":"2.0","id":7,"result":{"resultType":"input_required","inputRequests":{"q":{"method":"elicitation/create","params":{}}},"requestState":"s1"}}"#;
+    let mut call = dispatched(cfg());
+    let s = json_answer(&mut call, ask);
+    assert_eq!(s.flow, Flow::Pause);
+    assert_eq!(counts(&s), vec![Stat::InputRequired]);
+    assert_eq!(
+        reported(&s),
+        Outcome::InputRequired {
+            receipt: ask.into()
+        }
+    );
+    // Unacknowledged: on_log queues the same outcome (never `completed`).
+    let s = call.on_log(LogProps {
+        attempts: Some(1),
+        flags: Some(0x4000),
+    });
+    assert_eq!(
+        enqueued(&s)[0].outcome,
+        Outcome::InputRequired {
+            receipt: ask.into()
+        }
+    );
+
+    let task = r#"{"jsonrpc":"2.0","id":7,"result":{"task":{"taskId":"t-1","status":"working","createdAt":"2025-11-25T00:00:00Z","lastUpdatedAt":"2025-11-25T00:00:00Z","ttl":60000}}}"#;
+    let mut call = dispatched(cfg());
+    let s = json_answer(&mut call, task);
+    assert_eq!(counts(&s), vec![Stat::Accepted]);
+    assert_eq!(
+        reported(&s),
+        Outcome::Accepted {
+            receipt: task.into()
+        }
+    );
+}
+
+#[test]
+fn continuation_is_told_to_the_ledger() {
+    let body = r#"{"jsonrpc":"2.0","id":8,"method":"tools/call","params":{"name":"pay_invoice","arguments":{"invoice":"INV-1","amount":1250},"inputResponses":{"q":{"action":"accept","content":{}}},"requestState":"s1"}}"#;
+    let mut call = Call::new(cfg());
+    let s = send(&mut call, post(&["tok"], &["\"k1\""]), body);
+    let req = authorize_body(&s);
+    assert!(req.continuation);
+    // Same fingerprint as the first round: continuation fields are outside the arguments.
+    let mut first = Call::new(cfg());
+    let first_req = authorize_body(&send(&mut first, post(&["tok"], &["\"k1\""]), PAY));
+    assert!(!first_req.continuation);
+    assert_eq!(req.fingerprint, first_req.fingerprint);
+}
+
+const PRIMING: &[u8] = b"id: ev-1\nretry: 100\ndata: \n\n";
+
+#[test]
+fn resumable_stream_closed_early_stays_in_flight_and_the_resumed_get_brings_the_receipt() {
+    let mut head = post(&["tok"], &["\"k1\""]);
+    head.session_id = Some("sess-1".into());
+    let mut call = Call::new(cfg());
+    let s = send(&mut call, head, PAY);
+    assert!(s.callout.is_some());
+    call.on_ledger_reply(&ledger(&dispatch()));
+    call.on_response_headers(sse_head());
+    let progress = b"id: ev-2\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{}}\n\n";
+    let mut chunk = PRIMING.to_vec();
+    chunk.extend_from_slice(progress);
+    let len = read(call.on_response_body(chunk.len(), false));
+    assert_eq!(
+        call.on_response_body_data(&chunk[..len], false),
+        Step::cont()
+    );
+    // The server ends the stream cleanly: a ticket under the last event id, no report.
+    read(call.on_response_body(0, true));
+    let s = call.on_response_body_data(b"", true);
+    let ticket = Ticket {
+        attempt_id: "att_1".into(),
+        id: json!(7),
+        tool: "pay_invoice".into(),
+    };
+    assert_eq!(s.flow, Flow::Continue);
+    assert_eq!(
+        s.effects,
+        vec![Effect::SaveResume(
+            resume::key(Some("sess-1"), "ev-2"),
+            ticket.clone()
+        )]
+    );
+    let s = call.on_log(LogProps {
+        attempts: Some(1),
+        flags: Some(0),
+    });
+    assert!(enqueued(&s).is_empty(), "{s:?}");
+    assert_eq!(counts(&s), vec![Stat::StreamAwaitingResume]);
+
+    // The same stream cut with a reset flag is uncertain as before.
+    let mut cut = dispatched(cfg());
+    cut.on_response_headers(sse_head());
+    read(cut.on_response_body(PRIMING.len(), true));
+    cut.on_response_body_data(PRIMING, true);
+    let s = cut.on_log(LogProps {
+        attempts: Some(1),
+        flags: Some(0x40),
+    });
+    assert!(matches!(enqueued(&s)[0].outcome, Outcome::Uncertain { .. }));
+
+    // The resumed GET: watched, and its answer is the receipt.
+    let mut get = Call::new(cfg());
+    let s = get.on_request_headers(RequestHead {
+        method: "GET".into(),
+        session_id: Some("sess-1".into()),
+        resume: Some(ticket.clone()),
+        end_of_stream: true,
+        ..RequestHead::default()
+    });
+    assert_eq!(s.flow, Flow::Continue);
+    assert_eq!(get.state_name(), "dispatched");
+    get.on_response_headers(sse_head());
+    let answer = b"id: ev-3\ndata: {\"jsonrpc\":\"2.0\",\"id\":7,\"result\":{\"content\":[]}}\n\n";
+    let len = read(get.on_response_body(answer.len(), false));
+    let s = get.on_response_body_data(&answer[..len], false);
+    assert_eq!(s.flow, Flow::Pause);
+    assert_eq!(counts(&s), vec![Stat::Completed, Stat::ResumedReceipt]);
+    assert!(matches!(reported(&s), Outcome::Completed { .. }));
+
+    // A resumed GET that fails reports nothing: the call's fate is the lease's.
+    let mut get = Call::new(cfg());
+    get.on_request_headers(RequestHead {
+        method: "GET".into(),
+        resume: Some(ticket),
+        end_of_stream: true,
+        ..RequestHead::default()
+    });
+    let s = get.on_log(LogProps {
+        attempts: Some(1),
+        flags: Some(0x4000),
+    });
+    assert!(enqueued(&s).is_empty());
+    // A GET without a ticket just passes.
+    let mut plain = Call::new(cfg());
+    plain.on_request_headers(RequestHead {
+        method: "GET".into(),
+        end_of_stream: true,
+        ..RequestHead::default()
+    });
+    assert_eq!(plain.state_name(), "passing");
+}
+
+#[test]
+fn sse_stream_without_event_ids_ending_early_is_uncertain() {
+    let mut call = dispatched(cfg());
+    call.on_response_headers(sse_head());
+    let chunk =
+        b"data: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{}}\n\n";
+    read(call.on_response_body(chunk.len(), true));
+    let s = call.on_response_body_data(chunk, true);
+    assert_eq!(s, Step::cont());
+    let s = call.on_log(LogProps {
+        attempts: Some(1),
+        flags: Some(0),
+    });
+    assert!(matches!(enqueued(&s)[0].outcome, Outcome::Uncertain { .. }));
 }

@@ -163,12 +163,15 @@ class Ledger(Process):
 
 
 class ExampleServer(Process):
-    def __init__(self, log_dir: Path, port: int | None = None, json_response: bool = True, name: str = "mcp-server"):
+    def __init__(self, log_dir: Path, port: int | None = None, json_response: bool = True, name: str = "mcp-server",
+                 event_store: bool = False):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [str(VENV_BIN / "python"), str(EXAMPLE_SERVER), "--port", str(self.port)]
         if json_response:
             argv.append("--json-response")
+        if event_store:
+            argv.append("--event-store")
         super().__init__(name, argv, log_dir)
 
     def start(self) -> None:
@@ -189,9 +192,48 @@ class ExampleServer(Process):
         http_post_json(self.url + "/_example/config", settings)
 
 
+TS_DIR = ROOT / "tests" / "ts"
+
+
+class TsServer(Process):
+    """The TypeScript SDK example server (tests/ts/server.mjs), stateless Streamable HTTP."""
+
+    def __init__(self, log_dir: Path, json_response: bool, name: str = "mcp-server-ts"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = ["node", str(TS_DIR / "server.mjs"), "--port", str(self.port)]
+        if json_response:
+            argv.append("--json-response")
+        super().__init__(name, argv, log_dir, cwd=TS_DIR)
+
+    def start(self) -> None:
+        super().start()
+        wait_until(lambda: self.alive() and http_get(self.url + "/_example/state")[0] == 200, 30,
+                   f"TypeScript MCP server on {self.url}")
+
+    def executions(self, tool: str = "pay_invoice") -> int:
+        return json.loads(http_get(self.url + "/_example/state")[1])["executions"].get(tool, 0)
+
+    def reset(self) -> None:
+        http_post_json(self.url + "/_example/reset", {})
+
+
+def ts_client(url: str, token: str | None = None, key: str | None = None) -> dict:
+    """Runs tests/ts/client.mjs (TypeScript SDK client) against `url`; returns its transcript."""
+    argv = ["node", str(TS_DIR / "client.mjs"), url, token or "", *([key] if key else [])]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=TS_DIR)
+    if result.returncode != 0:
+        raise RuntimeError(f"TypeScript client failed ({result.returncode}): {result.stderr[-3000:]}")
+    return json.loads(result.stdout)
+
+
 def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger_ports: list[int],
-                   plugin_overrides: dict | None = None, wasm: Path = WASM) -> dict:
-    """The shipped sidecar config with this run's ports, the absolute wasm path and plugin overrides."""
+                   plugin_overrides: dict | None = None, wasm: Path = WASM, plain: bool = False) -> dict:
+    """The shipped sidecar config with this run's ports, the absolute wasm path and plugin overrides.
+
+    `plain=True` is the same proxy without the atmost filter: the baseline an MCP client must not
+    be able to tell apart from the gateway for well-behaved traffic.
+    """
     config = yaml.safe_load(ENVOY_CONFIG.read_text())
     config = copy.deepcopy(config)
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
@@ -199,6 +241,8 @@ def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger
     listener["address"]["socket_address"]["port_value"] = listen_port
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     wasm_filter = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm")
+    if plain:
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f is not wasm_filter]
     plugin = wasm_filter["typed_config"]["config"]
     plugin["vm_config"]["code"]["local"]["filename"] = str(wasm)
     plugin_json = json.loads(plugin["configuration"]["value"])
@@ -222,12 +266,12 @@ def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger
 
 class Envoy(Process):
     def __init__(self, log_dir: Path, upstream_port: int, ledger_ports: list[int], plugin_overrides: dict | None = None,
-                 concurrency: int = 2, name: str = "envoy", port: int | None = None):
+                 concurrency: int = 2, name: str = "envoy", port: int | None = None, plain: bool = False):
         self.port = port or free_port()
         self.admin_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/mcp"
         self.admin_url = f"http://127.0.0.1:{self.admin_port}"
-        config = sidecar_config(self.port, self.admin_port, upstream_port, ledger_ports, plugin_overrides)
+        config = sidecar_config(self.port, self.admin_port, upstream_port, ledger_ports, plugin_overrides, plain=plain)
         self.config_path = Path(tempfile.mkdtemp(prefix="atmost-envoy-")) / "envoy.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         argv = [str(VENV_BIN / "envoy"), "-c", str(self.config_path), "--concurrency", str(concurrency),

@@ -43,7 +43,8 @@ macro_rules! conformance_suite {
             decision_table, expiry_scope_and_key_required, budget_reserve_spend_release,
             duplicate_guard_modes, outcome_acks, race_cap_of_one_distinct_keys, race_same_key,
             race_budget, sweeper_expires_leases_to_uncertain, retention_tombstones_and_uncertain_kept,
-            resolution, durability_across_reopen, permit_admin);
+            resolution, durability_across_reopen, permit_admin, input_required_continuations,
+            accepted_task_handles, race_continuations);
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
         $(
@@ -94,6 +95,7 @@ pub fn req(tok: &str, tool: &str, key: Option<&str>, fp: &str, args: Value) -> A
         fingerprint: fp.into(),
         arguments: args,
         key_required: false,
+        continuation: false,
     }
 }
 
@@ -835,4 +837,191 @@ pub async fn permit_admin(h: &dyn Harness) {
     assert!(s.revoke_permit("pmt_nope", T0).await.unwrap().is_none());
     let counts = s.attempt_counts(T0).await.unwrap();
     assert_eq!(counts.values().sum::<u64>(), 0);
+}
+
+fn continued(mut r: AuthorizeRequest) -> AuthorizeRequest {
+    r.continuation = true;
+    r
+}
+
+fn input_required(r: &str) -> Outcome {
+    Outcome::InputRequired { receipt: r.into() }
+}
+
+/// `input_required` keeps the slot and reserved budget; the continuation with the same key
+/// dispatches again under the same attempt, even at the cap; the sweeper turns an
+/// abandoned one `uncertain`.
+pub async fn input_required_continuations(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.max_calls.insert("pay".into(), 1);
+    pol.budget = Some(100);
+    pol.cost.insert("pay".into(), CostRule::Fixed(30));
+    let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
+    let now = T0;
+    let first = req(&tok, "pay", Some("k1"), "A", json!({}));
+    let a = dispatched(&auth(&*s, &first, now).await);
+    assert_eq!(
+        report(&*s, &a, input_required("ASK"), now + 1000).await,
+        OutcomeAck::Applied
+    );
+    let att = s.get_attempt(&a, now).await.unwrap().unwrap();
+    assert_eq!(att.state, AttemptState::AwaitingInput);
+    assert_eq!(att.lease_expires_at_ms, now + 1000 + LEASE_MS as i64);
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
+    let d = s.permit_detail(&p.id, now).await.unwrap().unwrap();
+    assert_eq!((d.budget.reserved, d.budget.spent), (30, 0));
+    assert_eq!(
+        d.attempts_by_state.get(&AttemptState::AwaitingInput),
+        Some(&1)
+    );
+    // Without the continuation flag: in progress; other arguments: conflict; another key: cap.
+    let r = auth(&*s, &first, now + 2000).await;
+    assert_eq!(denied(&r), DenialCode::IdempotencyInProgress);
+    assert_eq!(denial_data(&r)["awaiting_input"], json!(true));
+    assert_eq!(
+        denied(
+            &auth(
+                &*s,
+                &continued(req(&tok, "pay", Some("k1"), "B", json!({}))),
+                now
+            )
+            .await
+        ),
+        DenialCode::IdempotencyKeyConflict
+    );
+    assert_eq!(
+        denied(
+            &auth(
+                &*s,
+                &continued(req(&tok, "pay", Some("k2"), "A", json!({}))),
+                now
+            )
+            .await
+        ),
+        DenialCode::PermitMaxCallsExceeded
+    );
+    // The continuation: same attempt, no new slot, no new budget.
+    let again = dispatched(&auth(&*s, &continued(first.clone()), now + 3000).await);
+    assert_eq!(again, a);
+    assert_eq!(state_of(&*s, &a).await, AttemptState::InFlight);
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
+    let d = s.permit_detail(&p.id, now).await.unwrap().unwrap();
+    assert_eq!((d.budget.reserved, d.budget.spent), (30, 0));
+    assert_eq!(
+        s.list_attempts(
+            &AttemptFilter {
+                permit_id: Some(p.id.clone()),
+                ..AttemptFilter::default()
+            },
+            now
+        )
+        .await
+        .unwrap()
+        .len(),
+        1
+    );
+    // While it runs again, a second continuation is in progress.
+    assert_eq!(
+        denied(&auth(&*s, &continued(first.clone()), now + 3500).await),
+        DenialCode::IdempotencyInProgress
+    );
+    // Done: replay, budget spent once.
+    assert_eq!(
+        report(&*s, &a, completed("FINAL"), now + 4000).await,
+        OutcomeAck::Applied
+    );
+    assert_eq!(
+        auth(&*s, &continued(first.clone()), now + 5000).await,
+        AuthorizeResponse::Replay {
+            attempt_id: a.clone(),
+            receipt: "FINAL".into()
+        }
+    );
+    let d = s.permit_detail(&p.id, now).await.unwrap().unwrap();
+    assert_eq!((d.budget.reserved, d.budget.spent), (0, 30));
+
+    // Abandoned: the sweeper turns it uncertain after the renewed lease, never released.
+    let (_p2, tok2) = make_permit(&*s, policy(), T0 + 10 * HOUR).await;
+    let r2 = req(&tok2, "pay", Some("k9"), "Z", json!({}));
+    let b = dispatched(&auth(&*s, &r2, now).await);
+    report(&*s, &b, input_required("ASK"), now + 10_000).await;
+    s.sweep(now + LEASE_MS as i64 + 5_000).await.unwrap();
+    assert_eq!(state_of(&*s, &b).await, AttemptState::AwaitingInput);
+    let swept = s.sweep(now + 10_000 + LEASE_MS as i64).await.unwrap();
+    assert_eq!(swept.leases_expired, 1);
+    let att = s.get_attempt(&b, now).await.unwrap().unwrap();
+    assert_eq!(att.state, AttemptState::Uncertain);
+    assert_eq!(
+        att.reason.as_deref(),
+        Some(crate::decide::INPUT_ABANDONED_REASON)
+    );
+    assert_eq!(
+        denied(&auth(&*s, &continued(r2), now + 20 * MIN).await),
+        DenialCode::DeliveryUncertain
+    );
+}
+
+/// A task handle is recorded `accepted`: slot kept, budget spent, the handle replayed.
+pub async fn accepted_task_handles(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.max_calls.insert("job".into(), 1);
+    pol.budget = Some(100);
+    pol.cost.insert("job".into(), CostRule::Fixed(40));
+    let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
+    let now = T0;
+    let r = req(&tok, "job", Some("k1"), "A", json!({}));
+    let a = dispatched(&auth(&*s, &r, now).await);
+    assert_eq!(
+        report(
+            &*s,
+            &a,
+            Outcome::Accepted {
+                receipt: "HANDLE".into()
+            },
+            now
+        )
+        .await,
+        OutcomeAck::Applied
+    );
+    assert_eq!(state_of(&*s, &a).await, AttemptState::Accepted);
+    assert_eq!(
+        auth(&*s, &r, now).await,
+        AuthorizeResponse::Replay {
+            attempt_id: a.clone(),
+            receipt: "HANDLE".into()
+        }
+    );
+    assert_eq!(calls_made(&*s, &p.id, "job").await, 1);
+    let d = s.permit_detail(&p.id, now).await.unwrap().unwrap();
+    assert_eq!((d.budget.reserved, d.budget.spent), (0, 40));
+    assert_eq!(
+        denied(&auth(&*s, &req(&tok, "job", Some("k2"), "B", json!({})), now).await),
+        DenialCode::PermitMaxCallsExceeded
+    );
+    // A late `completed` for the same attempt does not overwrite the handle.
+    assert_eq!(
+        report(&*s, &a, completed("LATE"), now).await,
+        OutcomeAck::Conflict
+    );
+    // Accepted receipts are pruned past retention like completed ones.
+    let swept = s.sweep(now + 25 * HOUR).await.unwrap();
+    assert_eq!(swept.receipts_pruned, 1);
+    assert_eq!(
+        denied(&auth(&*s, &r, now + 25 * HOUR).await),
+        DenialCode::IdempotencyKeyExpired
+    );
+}
+
+/// Concurrent continuations of one awaiting attempt: exactly one dispatches.
+pub async fn race_continuations(h: &dyn Harness) {
+    let s = h.store().await;
+    let (_p, tok) = make_permit(&*s, policy(), T0 + HOUR).await;
+    let first = req(&tok, "pay", Some("k1"), "A", json!({}));
+    let a = dispatched(&auth(&*s, &first, T0).await);
+    report(&*s, &a, input_required("ASK"), T0).await;
+    let rs = race(h, (0..16).map(|_| continued(first.clone())).collect()).await;
+    assert_eq!(count(&rs, None), 1, "{rs:?}");
+    assert_eq!(count(&rs, Some(DenialCode::IdempotencyInProgress)), 15);
 }

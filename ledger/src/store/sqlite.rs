@@ -73,10 +73,12 @@ const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerprint
 
 const PERMIT_COLS: &str = "id, token_hash, label, created_at, expires_at, revoked_at, policy";
 
-/// States whose attempt holds a slot, as SQL.
-const SLOT_STATES: &str = "('in_flight','completed','uncertain','resolved_executed')";
-const SPENT_STATES: &str = "('completed','uncertain','resolved_executed')";
-const GAVE_BACK_STATES: &str = "('released','resolved_not_executed')";
+/// The state lists of the SQL below come from the model's rules (`holds_slot`,
+/// `reserves_budget`, …), so a state added there is counted here without edits. States are
+/// stored as text (`AttemptState::as_str`).
+fn states(pred: fn(AttemptState) -> bool) -> String {
+    AttemptState::sql_list(pred)
+}
 
 pub struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
@@ -274,7 +276,10 @@ fn update_attempt(tx: &Transaction<'_>, a: &Attempt) -> Result<(), LedgerError> 
 
 fn tool_usage(conn: &Connection, permit_id: &str, tool: &str) -> Result<ToolUsage, LedgerError> {
     let n: i64 = conn.query_row(
-        &format!("SELECT COUNT(*) FROM attempts WHERE permit_id = ?1 AND tool = ?2 AND state IN {SLOT_STATES}"),
+        &format!(
+            "SELECT COUNT(*) FROM attempts WHERE permit_id = ?1 AND tool = ?2 AND state IN {}",
+            states(AttemptState::holds_slot)
+        ),
         params![permit_id, tool],
         |r| r.get(0),
     )?;
@@ -286,9 +291,11 @@ fn tool_usage(conn: &Connection, permit_id: &str, tool: &str) -> Result<ToolUsag
 fn budget_totals(conn: &Connection, permit_id: &str) -> Result<BudgetTotals, LedgerError> {
     let (reserved, spent): (i64, i64) = conn.query_row(
         &format!(
-            "SELECT COALESCE(SUM(CASE WHEN state = 'in_flight' THEN cost END), 0), \
-                    COALESCE(SUM(CASE WHEN state IN {SPENT_STATES} THEN cost END), 0) \
-             FROM attempts WHERE permit_id = ?1"
+            "SELECT COALESCE(SUM(CASE WHEN state IN {} THEN cost END), 0), \
+                    COALESCE(SUM(CASE WHEN state IN {} THEN cost END), 0) \
+             FROM attempts WHERE permit_id = ?1",
+            states(AttemptState::reserves_budget),
+            states(AttemptState::spends_budget)
         ),
         params![permit_id],
         |r| Ok((r.get(0)?, r.get(1)?)),
@@ -334,9 +341,10 @@ fn load_snapshot(
     let since = now.saturating_sub(permit.policy.retention_ms);
     let sql = format!(
         "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.permit_id = ?1 AND a.fingerprint = ?2 \
-         AND a.state NOT IN {GAVE_BACK_STATES} AND a.created_at >= ?3 \
+         AND a.state NOT IN {} AND a.created_at >= ?3 \
          AND (?4 IS NULL OR a.key_hash IS NULL OR a.key_hash <> ?4) \
-         ORDER BY a.created_at DESC LIMIT 1"
+         ORDER BY a.created_at DESC LIMIT 1",
+        states(AttemptState::gave_back)
     );
     snap.recent_duplicate = query_attempts(
         conn,
@@ -618,7 +626,8 @@ impl Store for SqliteStore {
             let tx = immediate(c)?;
             let mut report = SweepReport::default();
             let sql = format!(
-                "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.state = 'in_flight' AND a.lease_expires_at <= ?1"
+                "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.state IN {} AND a.lease_expires_at <= ?1",
+                states(AttemptState::leased)
             );
             for a in query_attempts(&tx, &sql, &[&now])? {
                 if let Some(next) = decide::expire_lease(&a, now) {
@@ -628,8 +637,9 @@ impl Store for SqliteStore {
             }
             let sql = format!(
                 "SELECT {ATTEMPT_COLS}, p.retention_ms FROM attempts a JOIN permits p ON p.id = a.permit_id \
-                 WHERE a.state IN ('completed','resolved_executed') AND a.pruned_at IS NULL \
-                 AND COALESCE(a.finished_at, a.updated_at) + p.retention_ms <= ?1"
+                 WHERE a.state IN {} AND a.pruned_at IS NULL \
+                 AND COALESCE(a.finished_at, a.updated_at) + p.retention_ms <= ?1",
+                states(AttemptState::replays)
             );
             let candidates: Vec<(Attempt, i64)> = {
                 let mut stmt = tx.prepare(&sql)?;

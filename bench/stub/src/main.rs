@@ -1,0 +1,128 @@
+//! Benchmark stubs, both on one single-threaded runtime (so a stub never takes more than
+//! one core from the setup under test):
+//!
+//! - `--mcp PORT`: a minimal MCP upstream over Streamable HTTP with JSON responses. It
+//!   answers `initialize`, `tools/list` and `tools/call` (echoing the request's `id`),
+//!   and 202 to notifications. Enough for the gateway to see real JSON-RPC responses.
+//! - `--callout PORT`: a static target for the reference callout filter: every request
+//!   gets the same small JSON body (the shape of an authorize `dispatch` answer).
+//!
+//! Both speak HTTP/1.1 and HTTP/2 with prior knowledge (h2c), like the ledger.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use serde_json::Value;
+use tokio::net::TcpListener;
+
+const CALLOUT_BODY: &str =
+    r#"{"decision":"dispatch","attempt_id":"bench","permit_id":"bench","lease_ms":120000}"#;
+
+fn json(status: StatusCode, body: Vec<u8>) -> Response<Full<Bytes>> {
+    let mut resp = Response::new(Full::new(Bytes::from(body)));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+fn mcp_answer(body: &[u8]) -> Response<Full<Bytes>> {
+    let Ok(msg) = serde_json::from_slice::<Value>(body) else {
+        return json(
+            StatusCode::BAD_REQUEST,
+            br#"{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"Parse error"}}"#
+                .to_vec(),
+        );
+    };
+    let Some(id) = msg.get("id") else {
+        // A notification: accepted, no body.
+        let mut resp = Response::new(Full::new(Bytes::new()));
+        *resp.status_mut() = StatusCode::ACCEPTED;
+        return resp;
+    };
+    let id = id.to_string();
+    let result = match msg.get("method").and_then(Value::as_str) {
+        Some("initialize") => r#"{"protocolVersion":"2025-06-18","capabilities":{"tools":{"listChanged":false}},"serverInfo":{"name":"atmost-bench-stub","version":"0.1.0"}}"#,
+        Some("tools/list") => r#"{"tools":[{"name":"echo","description":"Echoes text","inputSchema":{"type":"object","properties":{"text":{"type":"string"}},"required":["text"]}}]}"#,
+        Some("tools/call") => r#"{"content":[{"type":"text","text":"ok"}],"isError":false}"#,
+        _ => {
+            return json(
+                StatusCode::OK,
+                format!(r#"{{"jsonrpc":"2.0","id":{id},"error":{{"code":-32601,"message":"Method not found"}}}}"#)
+                    .into_bytes(),
+            )
+        }
+    };
+    json(
+        StatusCode::OK,
+        format!(r#"{{"jsonrpc":"2.0","id":{id},"result":{result}}}"#).into_bytes(),
+    )
+}
+
+async fn serve(listener: TcpListener, mcp: bool) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        tokio::spawn(async move {
+            let svc = service_fn(move |req: Request<Incoming>| async move {
+                let body = match req.into_body().collect().await {
+                    Ok(b) => b.to_bytes(),
+                    Err(_) => Bytes::new(),
+                };
+                let resp = if mcp {
+                    mcp_answer(&body)
+                } else {
+                    json(StatusCode::OK, CALLOUT_BODY.as_bytes().to_vec())
+                };
+                Ok::<_, Infallible>(resp)
+            });
+            let _ = auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+fn usage() -> ! {
+    eprintln!("usage: atmost-bench-stub [--mcp PORT] [--callout PORT]");
+    std::process::exit(2)
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.is_empty() || args.iter().any(|a| a == "--help" || a == "-h") {
+        usage();
+    }
+    let mut tasks = Vec::new();
+    for pair in args.chunks(2) {
+        let [flag, port] = pair else { usage() };
+        let mcp = match flag.as_str() {
+            "--mcp" => true,
+            "--callout" => false,
+            _ => usage(),
+        };
+        let Ok(port) = port.parse::<u16>() else { usage() };
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let listener = match TcpListener::bind(addr).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("atmost-bench-stub: cannot listen on {addr}: {e}");
+                std::process::exit(1)
+            }
+        };
+        tasks.push(tokio::spawn(serve(listener, mcp)));
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}

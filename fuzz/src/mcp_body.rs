@@ -1,0 +1,165 @@
+//! `mcp_body`: the request body classifier (`mcp::parse`) on arbitrary bytes, under a set of
+//! header combinations, plus the `Idempotency-Key` header decoder on the same bytes.
+//!
+//! Asserts:
+//! - it never panics and is deterministic;
+//! - a refusal is HTTP 400 and a well-formed JSON-RPC error with a known code and an id
+//!   that is a string, a number or null;
+//! - a body read as a `tools/call` with no headers is never read as anything else
+//!   (`Message::Other`) under any header combination: a header cannot take a call out of
+//!   governance; with matching mirrored headers it reads the same, with a mismatching or
+//!   duplicated `Mcp-Method` / `Mcp-Name` it is refused `HeaderMismatch` (-32020);
+//! - the parsed call is what the body says (`params.name`, `params.arguments`, `id`);
+//! - the call's fingerprint can be computed;
+//! - `idempotency::parse_header_value` accepts only 1..=255 printable ASCII bytes, and a
+//!   quoted form of an accepted key decodes to the same key.
+
+use crate::util::assert_rpc_error;
+use atmost_filter::fingerprint::fingerprint;
+use atmost_filter::idempotency::{self, MAX_KEY_BYTES};
+use atmost_filter::mcp::{self, Message, MetaKey, Mirrored, ToolCall, MIRRORING_VERSION};
+use atmost_filter::reply::rpc_code;
+use serde_json::Value;
+
+const KNOWN_CODES: [i64; 4] = [
+    rpc_code::PARSE_ERROR,
+    rpc_code::INVALID_REQUEST,
+    rpc_code::INVALID_PARAMS,
+    rpc_code::HEADER_MISMATCH,
+];
+
+fn parse(body: &[u8], m: &Mirrored) -> Result<Message, i64> {
+    match mcp::parse(body, m) {
+        Ok(msg) => Ok(msg),
+        Err(reply) => {
+            assert_eq!(reply.status, 400, "refusal is not HTTP 400: {reply:?}");
+            let (_, code) = assert_rpc_error(&reply);
+            assert!(KNOWN_CODES.contains(&code), "unknown code {code}");
+            Err(code)
+        }
+    }
+}
+
+fn mirrored(method: Option<&str>, name: Option<&str>, version: Option<&str>, dup: bool) -> Mirrored {
+    Mirrored {
+        method: method.map(str::to_string),
+        name: name.map(str::to_string),
+        protocol_version: version.map(str::to_string),
+        duplicated: dup,
+    }
+}
+
+/// Header combinations tried on every body, whatever it holds.
+fn fixed_combinations() -> Vec<Mirrored> {
+    vec![
+        mirrored(Some("tools/call"), None, None, false),
+        mirrored(Some("tools/list"), None, None, false),
+        mirrored(None, Some("pay_invoice"), None, false),
+        mirrored(Some("tools/call"), Some("pay_invoice"), Some(MIRRORING_VERSION), false),
+        mirrored(None, None, Some(MIRRORING_VERSION), false),
+        mirrored(None, None, Some("2025-03-26"), false),
+        mirrored(None, None, Some(""), false),
+        mirrored(Some(""), Some(""), Some("\u{0}"), true),
+    ]
+}
+
+fn check_call(body: &[u8], call: &ToolCall) {
+    let v: Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) => panic!("parsed as tools/call but is not JSON: {e}"),
+    };
+    assert_eq!(v["method"], "tools/call");
+    assert_eq!(v["jsonrpc"], "2.0");
+    assert_eq!(v["id"], call.id);
+    assert!(call.id.is_string() || call.id.is_number());
+    assert_eq!(v["params"]["name"].as_str(), Some(call.name.as_str()));
+    match v["params"].get("arguments") {
+        None => assert!(call.arguments.is_empty()),
+        Some(a) => assert_eq!(a, &Value::Object(call.arguments.clone())),
+    }
+    match (&call.meta_key, v["params"]["_meta"].get(mcp::META_KEY)) {
+        (MetaKey::Absent, None) => {}
+        (MetaKey::Present(k), Some(Value::String(s))) => assert_eq!(k, s),
+        (MetaKey::NotAString, Some(x)) => assert!(!x.is_string()),
+        (m, x) => panic!("meta key {m:?} but body has {x:?}"),
+    }
+    if let Err(e) = fingerprint(&call.name, &call.arguments) {
+        panic!("parsed arguments cannot be fingerprinted: {e}");
+    }
+}
+
+fn check_idempotency_header(data: &[u8]) {
+    let once = idempotency::parse_header_value(data);
+    assert_eq!(once, idempotency::parse_header_value(data));
+    if let Ok(k) = once {
+        assert!(!k.is_empty() && k.len() <= MAX_KEY_BYTES, "key length {}", k.len());
+        assert!(k.bytes().all(|b| (0x20..=0x7e).contains(&b)), "{k:?}");
+        // The sf-string form of the same key decodes to it.
+        let mut quoted = String::from("\"");
+        for c in k.chars() {
+            if c == '"' || c == '\\' {
+                quoted.push('\\');
+            }
+            quoted.push(c);
+        }
+        quoted.push('"');
+        assert_eq!(
+            idempotency::parse_header_value(quoted.as_bytes()).ok().as_deref(),
+            Some(k.as_str()),
+            "quoted form {quoted:?}"
+        );
+    }
+}
+
+pub fn check(data: &[u8]) {
+    check_idempotency_header(data);
+
+    let plain = parse(data, &Mirrored::default());
+    assert_eq!(plain, parse(data, &Mirrored::default()), "not deterministic");
+
+    let call = match &plain {
+        Ok(Message::ToolCall(c)) => {
+            check_call(data, c);
+            Some(c.clone())
+        }
+        _ => None,
+    };
+
+    let mut combos = fixed_combinations();
+    if let Some(c) = &call {
+        // Matching headers, legacy and 2026-07-28.
+        combos.push(mirrored(Some("tools/call"), Some(&c.name), None, false));
+        combos.push(mirrored(Some("tools/call"), Some(&c.name), Some(MIRRORING_VERSION), false));
+    }
+    for m in &combos {
+        let r = parse(data, m);
+        if let Some(c) = &call {
+            match &r {
+                Ok(Message::ToolCall(c2)) => assert_eq!(c2, c, "headers {m:?} changed the call"),
+                Ok(Message::Other) => {
+                    panic!("headers {m:?} took a tools/call out of governance")
+                }
+                Err(_) => {}
+            }
+            let method_mismatch = m.method.as_deref().is_some_and(|h| h != "tools/call");
+            let name_mismatch = m.name.as_deref().is_some_and(|h| h != c.name);
+            if method_mismatch || name_mismatch || m.duplicated {
+                assert_eq!(
+                    r,
+                    Err(rpc_code::HEADER_MISMATCH),
+                    "headers {m:?} on a call to {:?}",
+                    c.name
+                );
+            }
+            let matching = m.method.as_deref() == Some("tools/call")
+                && m.name.as_deref() == Some(c.name.as_str())
+                && !m.duplicated
+                && m.protocol_version.is_none();
+            if matching {
+                assert_eq!(r, Ok(Message::ToolCall(c.clone())), "headers {m:?}");
+            }
+        } else if let Ok(Message::ToolCall(c2)) = &r {
+            panic!("a header made a tools/call out of a body that is not one: {c2:?} under {m:?}");
+        }
+    }
+}

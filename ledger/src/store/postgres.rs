@@ -1,0 +1,1499 @@
+//! The PostgreSQL store: several ledger replicas on one database, with the embedded store's
+//! guarantees.
+//!
+//! # Why READ COMMITTED with one row lock is enough
+//!
+//! Every transaction that reads or changes a permit's attempts, usage or keys (authorize,
+//! outcome reports, resolutions, the sweeper) first takes `SELECT … FOR UPDATE` on that
+//! permit's row. So all of them are serialized per permit, across connections and replicas.
+//! Under READ COMMITTED each later statement of the transaction takes a fresh snapshot, which
+//! therefore contains every commit of every transaction that held the lock before: the
+//! snapshot the decision is made on is current, and the reservation written after it commits
+//! before the next holder reads. Check and reserve are one atomic step, as with SQLite's
+//! `BEGIN IMMEDIATE`; only the lock's scope is one permit instead of the whole file.
+//!
+//! # Failing closed
+//!
+//! A pool bounds connections; connecting, waiting for a pooled connection and every
+//! statement have timeouts (server side `statement_timeout`, client side a deadline on the
+//! whole operation), so a hung or unreachable database turns into a [`LedgerError::Store`]
+//! (HTTP 503, the filter denies `gateway_unavailable`), never a hang and never a decision
+//! that was not committed. `idle_in_transaction_session_timeout` frees a row lock held by a
+//! replica that stopped mid-transaction.
+//!
+//! States are stored as TEXT via [`AttemptState::as_str`]; which states hold a slot, reserve
+//! or spend budget, expire or get pruned is asked of the model and of the pure transitions in
+//! [`crate::decide`], so a new state needs no change here.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::io;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use atmost_protocol::{AuthorizeRequest, OutcomeReport};
+use deadpool_postgres::GenericClient;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio_postgres::config::SslMode;
+use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect};
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Row, Socket};
+
+use super::{AttemptFilter, OutcomeResult, Store, SweepReport};
+use crate::clock::Millis;
+use crate::decide::{self, DecideParams, Decision, Mutation, ResolveInput, Snapshot};
+use crate::error::{LedgerError, ResolveError};
+use crate::model::{
+    Attempt, AttemptState, BudgetTotals, Permit, PermitDetail, Policy, Resolution, ToolUsage,
+};
+use crate::token;
+
+/// Key of the advisory lock that serializes migrations of every replica.
+const MIGRATION_LOCK: i64 = 0x6174_6d6f_7374_0001;
+
+/// Versioned migrations, applied in order, each once, recorded in `atmost_migrations`.
+/// Never edit a released one: add the next version.
+const MIGRATIONS: &[(i32, &str, &str)] = &[(
+    1,
+    "permits, attempts, idempotency keys",
+    r#"
+CREATE TABLE permits (
+    id           TEXT PRIMARY KEY,
+    token_hash   TEXT NOT NULL,
+    label        TEXT NOT NULL,
+    created_at   BIGINT NOT NULL,
+    expires_at   BIGINT NOT NULL,
+    revoked_at   BIGINT,
+    retention_ms BIGINT NOT NULL,
+    policy       TEXT NOT NULL
+);
+CREATE TABLE attempts (
+    id                TEXT PRIMARY KEY,
+    permit_id         TEXT NOT NULL REFERENCES permits(id),
+    tool              TEXT NOT NULL,
+    key_hash          TEXT,
+    fingerprint       TEXT NOT NULL,
+    cost              BIGINT NOT NULL,
+    state             TEXT NOT NULL,
+    created_at        BIGINT NOT NULL,
+    updated_at        BIGINT NOT NULL,
+    lease_expires_at  BIGINT NOT NULL,
+    finished_at       BIGINT,
+    receipt           TEXT,
+    reason            TEXT,
+    replay_count      BIGINT NOT NULL DEFAULT 0,
+    pruned_at         BIGINT,
+    resolved_executed BOOLEAN,
+    resolved_by       TEXT,
+    resolved_at       BIGINT,
+    resolution_note   TEXT
+);
+CREATE INDEX attempts_by_permit_tool_state ON attempts(permit_id, tool, state);
+CREATE INDEX attempts_by_permit_fingerprint ON attempts(permit_id, fingerprint, created_at);
+CREATE INDEX attempts_by_state_lease ON attempts(state, lease_expires_at);
+CREATE INDEX attempts_unpruned ON attempts(state, permit_id) WHERE pruned_at IS NULL;
+CREATE INDEX attempts_by_created ON attempts(created_at);
+CREATE TABLE idempotency_keys (
+    permit_id  TEXT NOT NULL,
+    key_hash   TEXT NOT NULL,
+    attempt_id TEXT NOT NULL REFERENCES attempts(id),
+    PRIMARY KEY (permit_id, key_hash)
+);
+"#,
+)];
+
+const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerprint, a.cost, a.state, a.created_at, \
+     a.updated_at, a.lease_expires_at, a.finished_at, a.receipt, a.reason, a.replay_count, a.pruned_at, \
+     a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note";
+
+const PERMIT_COLS: &str = "id, token_hash, label, created_at, expires_at, revoked_at, policy";
+
+/// How to reach the database and how long to wait for it.
+#[derive(Clone)]
+pub struct PgOptions {
+    /// `postgres://…` or `postgresql://…` (libpq URL; `sslmode=require` turns TLS on).
+    pub url: String,
+    /// Most connections this replica opens.
+    pub pool_size: usize,
+    /// Connecting (TCP, TLS, authentication) and waiting for a pooled connection.
+    pub connect_timeout: Duration,
+    /// One statement, server side; the whole operation gets `connect_timeout` + 2× this.
+    pub statement_timeout: Duration,
+    /// Schema for the tables (created if missing); `None`: the server's `search_path`.
+    pub schema: Option<String>,
+    /// PEM file of CA certificates to trust for TLS instead of the system's roots.
+    pub ca_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for PgOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgOptions")
+            .field("url", &redact_url(&self.url))
+            .field("pool_size", &self.pool_size)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("statement_timeout", &self.statement_timeout)
+            .field("schema", &self.schema)
+            .field("ca_file", &self.ca_file)
+            .finish()
+    }
+}
+
+impl PgOptions {
+    pub fn new(url: impl Into<String>) -> Self {
+        PgOptions {
+            url: url.into(),
+            pool_size: 16,
+            connect_timeout: Duration::from_secs(5),
+            statement_timeout: Duration::from_secs(5),
+            schema: None,
+            ca_file: None,
+        }
+    }
+}
+
+/// True for a `--store` value that names PostgreSQL.
+pub fn is_postgres_url(s: &str) -> bool {
+    s.starts_with("postgres://") || s.starts_with("postgresql://")
+}
+
+/// The URL without its password, for logs.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "<unparsable url>".into();
+    };
+    let (authority, tail) = match rest.find(['/', '?']) {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{scheme}://{user}:***@{host}{tail}")
+        }
+        None => url.to_string(),
+    }
+    .split("password=")
+    .next()
+    .unwrap_or("")
+    .to_string()
+}
+
+fn valid_schema_name(s: &str) -> bool {
+    let mut chars = s.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_lowercase() || c == '_')
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        && s.len() <= 63
+}
+
+/// State lists the SQL needs (bound as `TEXT[]` parameters), from the model's rules, so that
+/// a state added there needs no change here. The pure transitions in `decide` still have the
+/// last word on every row.
+#[derive(Debug, Clone)]
+struct StateSets {
+    slot: Vec<String>,
+    reserved: Vec<String>,
+    spent: Vec<String>,
+    gave_back: Vec<String>,
+    expirable: Vec<String>,
+    prunable: Vec<String>,
+}
+
+impl StateSets {
+    fn new() -> Self {
+        let names = |pred: &dyn Fn(AttemptState) -> bool| -> Vec<String> {
+            AttemptState::ALL
+                .into_iter()
+                .filter(|s| pred(*s))
+                .map(|s| s.as_str().to_string())
+                .collect()
+        };
+        StateSets {
+            slot: names(&|s| s.holds_slot()),
+            reserved: names(&|s| s.reserves_budget()),
+            spent: names(&|s| s.spends_budget()),
+            gave_back: names(&|s| s.gave_back()),
+            expirable: names(&|s| s.leased()),
+            prunable: names(&|s| s.replays()),
+        }
+    }
+}
+
+pub struct PgStore {
+    pool: Pool,
+    states: StateSets,
+    op_timeout: Duration,
+    description: String,
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgStore")
+            .field("database", &self.description)
+            .finish()
+    }
+}
+
+fn pg_err(e: tokio_postgres::Error) -> LedgerError {
+    match e.as_db_error() {
+        Some(db) => {
+            LedgerError::Store(format!("postgres: {} ({})", db.message(), db.code().code()))
+        }
+        None => LedgerError::Store(format!("postgres: {e}")),
+    }
+}
+
+fn pool_err(e: deadpool_postgres::PoolError) -> LedgerError {
+    match e {
+        deadpool_postgres::PoolError::Backend(e) => pg_err(e),
+        other => LedgerError::Store(format!("postgres pool: {other}")),
+    }
+}
+
+fn to_i64(n: u64) -> Result<i64, LedgerError> {
+    i64::try_from(n).map_err(|_| LedgerError::Invalid(format!("{n} is too large to store")))
+}
+
+fn to_u64(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
+fn read_permit(row: &Row) -> Result<Permit, LedgerError> {
+    let policy_json: String = row.try_get(6).map_err(pg_err)?;
+    let policy: Policy = serde_json::from_str(&policy_json)?;
+    Ok(Permit {
+        id: row.try_get(0).map_err(pg_err)?,
+        token_hash: row.try_get(1).map_err(pg_err)?,
+        label: row.try_get(2).map_err(pg_err)?,
+        created_at_ms: row.try_get(3).map_err(pg_err)?,
+        expires_at_ms: row.try_get(4).map_err(pg_err)?,
+        revoked_at_ms: row.try_get(5).map_err(pg_err)?,
+        policy,
+    })
+}
+
+fn read_attempt(row: &Row) -> Result<Attempt, LedgerError> {
+    let g = |e| pg_err(e);
+    let state: String = row.try_get(6).map_err(g)?;
+    let resolved_executed: Option<bool> = row.try_get(15).map_err(g)?;
+    let resolved_by: Option<String> = row.try_get(16).map_err(g)?;
+    let resolved_at: Option<i64> = row.try_get(17).map_err(g)?;
+    let note: Option<String> = row.try_get(18).map_err(g)?;
+    let resolution = match (resolved_executed, resolved_by, resolved_at) {
+        (Some(executed), Some(by), Some(at_ms)) => Some(Resolution {
+            executed,
+            by,
+            at_ms,
+            note,
+        }),
+        _ => None,
+    };
+    Ok(Attempt {
+        id: row.try_get(0).map_err(g)?,
+        permit_id: row.try_get(1).map_err(g)?,
+        tool: row.try_get(2).map_err(g)?,
+        key_hash: row.try_get(3).map_err(g)?,
+        fingerprint: row.try_get(4).map_err(g)?,
+        cost: to_u64(row.try_get(5).map_err(g)?),
+        state: state.parse().map_err(LedgerError::Corrupt)?,
+        created_at_ms: row.try_get(7).map_err(g)?,
+        updated_at_ms: row.try_get(8).map_err(g)?,
+        lease_expires_at_ms: row.try_get(9).map_err(g)?,
+        finished_at_ms: row.try_get(10).map_err(g)?,
+        receipt: row.try_get(11).map_err(g)?,
+        reason: row.try_get(12).map_err(g)?,
+        replay_count: to_u64(row.try_get(13).map_err(g)?),
+        pruned_at_ms: row.try_get(14).map_err(g)?,
+        resolution,
+    })
+}
+
+/// Runs one query through the connection's statement cache (one round trip once prepared).
+async fn query<C: GenericClient>(
+    c: &C,
+    sql: &str,
+    args: &[&(dyn ToSql + Sync)],
+) -> Result<Vec<Row>, LedgerError> {
+    let st = c.prepare_cached(sql).await.map_err(pg_err)?;
+    c.query(&st, args).await.map_err(pg_err)
+}
+
+/// Runs one statement through the connection's statement cache.
+async fn exec<C: GenericClient>(
+    c: &C,
+    sql: &str,
+    args: &[&(dyn ToSql + Sync)],
+) -> Result<u64, LedgerError> {
+    let st = c.prepare_cached(sql).await.map_err(pg_err)?;
+    c.execute(&st, args).await.map_err(pg_err)
+}
+
+async fn query_attempts<C: GenericClient>(
+    c: &C,
+    sql: &str,
+    args: &[&(dyn ToSql + Sync)],
+) -> Result<Vec<Attempt>, LedgerError> {
+    query(c, sql, args)
+        .await?
+        .iter()
+        .map(read_attempt)
+        .collect()
+}
+
+async fn load_attempt<C: GenericClient>(c: &C, id: &str) -> Result<Option<Attempt>, LedgerError> {
+    let sql = format!("SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.id = $1");
+    Ok(query_attempts(c, &sql, &[&id]).await?.into_iter().next())
+}
+
+/// Takes the row lock of the permit an attempt belongs to (see the module docs).
+async fn lock_permit_of_attempt<C: GenericClient>(
+    c: &C,
+    attempt_id: &str,
+) -> Result<(), LedgerError> {
+    query(
+        c,
+        "SELECT p.id FROM permits p JOIN attempts a ON a.permit_id = p.id WHERE a.id = $1 FOR UPDATE OF p",
+        &[&attempt_id],
+    )
+    .await?;
+    Ok(())
+}
+
+async fn insert_attempt<C: GenericClient>(c: &C, a: &Attempt) -> Result<(), LedgerError> {
+    let cost = to_i64(a.cost)?;
+    let replays = to_i64(a.replay_count)?;
+    exec(
+        c,
+        "INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, updated_at, \
+         lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
+        &[
+            &a.id,
+            &a.permit_id,
+            &a.tool,
+            &a.key_hash,
+            &a.fingerprint,
+            &cost,
+            &a.state.as_str(),
+            &a.created_at_ms,
+            &a.updated_at_ms,
+            &a.lease_expires_at_ms,
+            &a.finished_at_ms,
+            &a.receipt,
+            &a.reason,
+            &replays,
+            &a.pruned_at_ms,
+        ],
+    )
+    .await?;
+    if let Some(kh) = a.key_hash.as_ref() {
+        exec(
+            c,
+            "INSERT INTO idempotency_keys (permit_id, key_hash, attempt_id) VALUES ($1, $2, $3) \
+             ON CONFLICT (permit_id, key_hash) DO UPDATE SET attempt_id = excluded.attempt_id",
+            &[&a.permit_id, kh, &a.id],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+async fn update_attempt<C: GenericClient>(c: &C, a: &Attempt) -> Result<(), LedgerError> {
+    let (rex, rby, rat, rnote) = match a.resolution.as_ref() {
+        Some(r) => (
+            Some(r.executed),
+            Some(r.by.clone()),
+            Some(r.at_ms),
+            r.note.clone(),
+        ),
+        None => (None, None, None, None),
+    };
+    let replays = to_i64(a.replay_count)?;
+    exec(
+        c,
+        "UPDATE attempts SET state = $2, updated_at = $3, lease_expires_at = $4, finished_at = $5, receipt = $6, \
+         reason = $7, replay_count = $8, pruned_at = $9, resolved_executed = $10, resolved_by = $11, \
+         resolved_at = $12, resolution_note = $13 WHERE id = $1",
+        &[
+            &a.id,
+            &a.state.as_str(),
+            &a.updated_at_ms,
+            &a.lease_expires_at_ms,
+            &a.finished_at_ms,
+            &a.receipt,
+            &a.reason,
+            &replays,
+            &a.pruned_at_ms,
+            &rex,
+            &rby,
+            &rat,
+            &rnote,
+        ],
+    )
+    .await?;
+    Ok(())
+}
+
+async fn budget_totals<C: GenericClient>(
+    c: &C,
+    states: &StateSets,
+    permit_id: &str,
+) -> Result<BudgetTotals, LedgerError> {
+    let rows = query(
+        c,
+        "SELECT COALESCE(SUM(cost) FILTER (WHERE state = ANY($2)), 0)::BIGINT, \
+                COALESCE(SUM(cost) FILTER (WHERE state = ANY($3)), 0)::BIGINT \
+         FROM attempts WHERE permit_id = $1",
+        &[&permit_id, &states.reserved, &states.spent],
+    )
+    .await?;
+    let row = rows
+        .first()
+        .ok_or_else(|| LedgerError::Store("budget query returned no row".into()))?;
+    Ok(BudgetTotals {
+        reserved: to_u64(row.try_get(0).map_err(pg_err)?),
+        spent: to_u64(row.try_get(1).map_err(pg_err)?),
+    })
+}
+
+impl PgStore {
+    /// Connects, runs the migrations (under an advisory lock) and returns the store.
+    pub async fn connect(opts: &PgOptions) -> Result<Self, LedgerError> {
+        if opts.pool_size == 0 {
+            return Err(LedgerError::Invalid(
+                "the pool size must be at least 1".into(),
+            ));
+        }
+        if let Some(s) = opts.schema.as_deref() {
+            if !valid_schema_name(s) {
+                return Err(LedgerError::Invalid(format!(
+                    "schema {s:?}: use lowercase letters, digits and '_', starting with a letter or '_'"
+                )));
+            }
+        }
+        let config = pg_config(opts)?;
+        let tls = if config.get_ssl_mode() == SslMode::Disable {
+            RustlsMakeTls::disabled()
+        } else {
+            RustlsMakeTls::new(opts.ca_file.as_deref())?
+        };
+        let manager = Manager::from_config(
+            config,
+            tls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(opts.pool_size)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(opts.connect_timeout))
+            .create_timeout(Some(opts.connect_timeout))
+            .recycle_timeout(Some(opts.connect_timeout))
+            .build()
+            .map_err(|e| LedgerError::Store(format!("postgres pool: {e}")))?;
+        let store = PgStore {
+            pool,
+            states: StateSets::new(),
+            op_timeout: opts.connect_timeout + opts.statement_timeout * 2,
+            description: format!(
+                "{}{}",
+                redact_url(&opts.url),
+                opts.schema
+                    .as_deref()
+                    .map(|s| format!(" schema {s}"))
+                    .unwrap_or_default()
+            ),
+        };
+        store.migrate(opts.schema.as_deref()).await?;
+        Ok(store)
+    }
+
+    /// The database (password redacted) and schema, for logs.
+    pub fn description(&self) -> &str {
+        &self.description
+    }
+
+    async fn migrate(&self, schema: Option<&str>) -> Result<(), LedgerError> {
+        let schema = schema.map(str::to_string);
+        self.timed(async move |c: &mut deadpool_postgres::Object| {
+            let tx = c.transaction().await.map_err(pg_err)?;
+            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+                .await
+                .map_err(pg_err)?;
+            if let Some(s) = schema.as_deref() {
+                // Validated: lowercase letters, digits, '_'.
+                tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {s}"))
+                    .await
+                    .map_err(pg_err)?;
+            }
+            tx.batch_execute(
+                "CREATE TABLE IF NOT EXISTS atmost_migrations (\
+                   version INTEGER PRIMARY KEY, description TEXT NOT NULL, \
+                   applied_at TIMESTAMPTZ NOT NULL DEFAULT now())",
+            )
+            .await
+            .map_err(pg_err)?;
+            let applied: Vec<i32> = tx
+                .query("SELECT version FROM atmost_migrations ORDER BY version", &[])
+                .await
+                .map_err(pg_err)?
+                .iter()
+                .map(|r| r.try_get(0))
+                .collect::<Result<_, _>>()
+                .map_err(pg_err)?;
+            for (version, description, sql) in MIGRATIONS {
+                if applied.contains(version) {
+                    continue;
+                }
+                tx.batch_execute(sql).await.map_err(pg_err)?;
+                tx.execute(
+                    "INSERT INTO atmost_migrations (version, description) VALUES ($1, $2)",
+                    &[version, description],
+                )
+                .await
+                .map_err(pg_err)?;
+                tracing::info!(version, description, "migration applied");
+            }
+            let known = MIGRATIONS.iter().map(|m| m.0).max().unwrap_or(0);
+            if let Some(newer) = applied.iter().copied().filter(|v| *v > known).max() {
+                tracing::warn!(
+                    database_version = newer,
+                    known,
+                    "the database has migrations this ledger does not know (a newer replica ran them)"
+                );
+            }
+            tx.commit().await.map_err(pg_err)?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Runs `f` on a pooled connection under the operation deadline: a database that does not
+    /// answer becomes an error, never a hang.
+    async fn timed<R, E, F>(&self, f: F) -> Result<R, E>
+    where
+        E: From<LedgerError>,
+        F: AsyncFnOnce(&mut deadpool_postgres::Object) -> Result<R, E>,
+    {
+        let work = async {
+            let mut conn = self.pool.get().await.map_err(pool_err)?;
+            f(&mut conn).await
+        };
+        match tokio::time::timeout(self.op_timeout, work).await {
+            Ok(r) => r,
+            Err(_) => Err(E::from(LedgerError::Store(format!(
+                "postgres did not answer within {} ms",
+                self.op_timeout.as_millis()
+            )))),
+        }
+    }
+}
+
+/// The connection config: the URL plus timeouts, keepalives and the session settings.
+fn pg_config(opts: &PgOptions) -> Result<tokio_postgres::Config, LedgerError> {
+    // tokio-postgres knows disable/prefer/require; this store always verifies the server's
+    // certificate and host name, so libpq's stricter modes mean the same here.
+    let url = opts
+        .url
+        .replace("sslmode=verify-full", "sslmode=require")
+        .replace("sslmode=verify-ca", "sslmode=require");
+    let mut config: tokio_postgres::Config = url.parse().map_err(|e| {
+        LedgerError::Invalid(format!("bad PostgreSQL URL {}: {e}", redact_url(&opts.url)))
+    })?;
+    // libpq's default `prefer` would try TLS and fall back silently: here TLS is on only when
+    // asked for (`sslmode=require`), and then it is verified.
+    if config.get_ssl_mode() == SslMode::Prefer {
+        config.ssl_mode(SslMode::Disable);
+    }
+    if config.get_application_name().is_none() {
+        config.application_name("atmost-ledger");
+    }
+    config.connect_timeout(opts.connect_timeout);
+    config.keepalives(true);
+    config.keepalives_idle(Duration::from_secs(10));
+    let stmt_ms = opts.statement_timeout.as_millis().max(1);
+    let idle_tx_ms = (stmt_ms * 2).max(1000);
+    let mut options = config.get_options().unwrap_or("").to_string();
+    options.push_str(&format!(
+        " -c statement_timeout={stmt_ms} -c lock_timeout={stmt_ms} \
+         -c idle_in_transaction_session_timeout={idle_tx_ms} -c default_transaction_isolation=read\\ committed"
+    ));
+    if let Some(s) = opts.schema.as_deref() {
+        options.push_str(&format!(" -c search_path={s}"));
+    }
+    config.options(options.trim());
+    Ok(config)
+}
+
+#[async_trait]
+impl Store for PgStore {
+    async fn ping(&self, _now: Millis) -> Result<(), LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            query(&*c, "SELECT 1 FROM atmost_migrations LIMIT 1", &[]).await?;
+            Ok::<_, LedgerError>(())
+        })
+        .await
+    }
+
+    async fn create_permit(&self, p: &Permit, _now: Millis) -> Result<(), LedgerError> {
+        let policy =
+            serde_json::to_string(&p.policy).map_err(|e| LedgerError::Invalid(e.to_string()))?;
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            exec(
+                &*c,
+                "INSERT INTO permits (id, token_hash, label, created_at, expires_at, revoked_at, retention_ms, policy) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+                &[
+                    &p.id,
+                    &p.token_hash,
+                    &p.label,
+                    &p.created_at_ms,
+                    &p.expires_at_ms,
+                    &p.revoked_at_ms,
+                    &p.policy.retention_ms,
+                    &policy,
+                ],
+            )
+            .await?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn list_permits(&self, _now: Millis) -> Result<Vec<Permit>, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let sql = format!("SELECT {PERMIT_COLS} FROM permits ORDER BY created_at, id");
+            query(&*c, &sql, &[])
+                .await?
+                .iter()
+                .map(read_permit)
+                .collect()
+        })
+        .await
+    }
+
+    async fn permit_detail(
+        &self,
+        id: &str,
+        _now: Millis,
+    ) -> Result<Option<PermitDetail>, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            // One consistent snapshot for the permit, its counts and its budget.
+            let tx = c
+                .build_transaction()
+                .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+                .read_only(true)
+                .start()
+                .await
+                .map_err(pg_err)?;
+            let sql = format!("SELECT {PERMIT_COLS} FROM permits WHERE id = $1");
+            let Some(permit) = query(&tx, &sql, &[&id]).await?.first().map(read_permit).transpose()?
+            else {
+                return Ok(None);
+            };
+            let mut usage: BTreeMap<String, ToolUsage> = permit
+                .policy
+                .max_calls
+                .keys()
+                .map(|t| (t.clone(), ToolUsage::default()))
+                .collect();
+            let mut attempts_by_state = BTreeMap::new();
+            let rows = query(
+                &tx,
+                "SELECT tool, state, COUNT(*) FROM attempts WHERE permit_id = $1 GROUP BY tool, state",
+                &[&id],
+            )
+            .await?;
+            for r in &rows {
+                let tool: String = r.try_get(0).map_err(pg_err)?;
+                let state: String = r.try_get(1).map_err(pg_err)?;
+                let n: i64 = r.try_get(2).map_err(pg_err)?;
+                let state: AttemptState = state.parse().map_err(LedgerError::Corrupt)?;
+                let n = to_u64(n);
+                *attempts_by_state.entry(state).or_insert(0) += n;
+                let u = usage.entry(tool).or_default();
+                if state.holds_slot() {
+                    u.calls_made += n;
+                }
+            }
+            let budget = budget_totals(&tx, &self.states, id).await?;
+            tx.commit().await.map_err(pg_err)?;
+            Ok(Some(PermitDetail {
+                permit,
+                usage,
+                budget,
+                attempts_by_state,
+            }))
+        })
+        .await
+    }
+
+    async fn revoke_permit(&self, id: &str, now: Millis) -> Result<Option<Permit>, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let tx = c.transaction().await.map_err(pg_err)?;
+            exec(
+                &tx,
+                "UPDATE permits SET revoked_at = $2 WHERE id = $1 AND revoked_at IS NULL",
+                &[&id, &now],
+            )
+            .await?;
+            let sql = format!("SELECT {PERMIT_COLS} FROM permits WHERE id = $1");
+            let p = query(&tx, &sql, &[&id])
+                .await?
+                .first()
+                .map(read_permit)
+                .transpose()?;
+            tx.commit().await.map_err(pg_err)?;
+            Ok(p)
+        })
+        .await
+    }
+
+    async fn authorize(
+        &self,
+        req: &AuthorizeRequest,
+        lease_ms: u64,
+        now: Millis,
+    ) -> Result<Decision, LedgerError> {
+        let params = DecideParams {
+            lease_ms,
+            new_attempt_id: token::new_attempt_id()?,
+        };
+        let states = &self.states;
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let tx = c.transaction().await.map_err(pg_err)?;
+            let key_hash = decide::key_hash(req);
+            let mut snap = Snapshot {
+                now_ms: now,
+                ..Snapshot::default()
+            };
+            if let Some(permit_id) = token::permit_id_of(&req.permit_token) {
+                // The lock every decision on this permit serializes on (module docs).
+                let sql = format!("SELECT {PERMIT_COLS} FROM permits WHERE id = $1 FOR UPDATE");
+                let permit = query(&tx, &sql, &[&permit_id])
+                    .await?
+                    .first()
+                    .map(read_permit)
+                    .transpose()?;
+                if let Some(permit) = permit {
+                    // Nothing else is read for a token that does not authenticate.
+                    if decide::authenticate(&req.permit_token, Some(&permit)).is_some() {
+                        if let Some(kh) = key_hash.as_deref() {
+                            let sql = format!(
+                                "SELECT {ATTEMPT_COLS} FROM idempotency_keys k JOIN attempts a ON a.id = k.attempt_id \
+                                 WHERE k.permit_id = $1 AND k.key_hash = $2"
+                            );
+                            snap.existing = query_attempts(&tx, &sql, &[&permit.id, &kh])
+                                .await?
+                                .into_iter()
+                                .next();
+                        }
+                        let rows = query(
+                            &tx,
+                            "SELECT COUNT(*) FILTER (WHERE tool = $2 AND state = ANY($3)), \
+                                    COALESCE(SUM(cost) FILTER (WHERE state = ANY($4)), 0)::BIGINT, \
+                                    COALESCE(SUM(cost) FILTER (WHERE state = ANY($5)), 0)::BIGINT \
+                             FROM attempts WHERE permit_id = $1",
+                            &[&permit.id, &req.tool, &states.slot, &states.reserved, &states.spent],
+                        )
+                        .await?;
+                        let row = rows.first().ok_or_else(|| {
+                            LedgerError::Store("usage query returned no row".into())
+                        })?;
+                        snap.usage = ToolUsage {
+                            calls_made: to_u64(row.try_get(0).map_err(pg_err)?),
+                        };
+                        snap.budget = BudgetTotals {
+                            reserved: to_u64(row.try_get(1).map_err(pg_err)?),
+                            spent: to_u64(row.try_get(2).map_err(pg_err)?),
+                        };
+                        let since = now.saturating_sub(permit.policy.retention_ms);
+                        let sql = format!(
+                            "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.permit_id = $1 AND a.fingerprint = $2 \
+                             AND NOT (a.state = ANY($3)) AND a.created_at >= $4 \
+                             AND ($5::TEXT IS NULL OR a.key_hash IS NULL OR a.key_hash <> $5::TEXT) \
+                             ORDER BY a.created_at DESC LIMIT 1"
+                        );
+                        snap.recent_duplicate = query_attempts(
+                            &tx,
+                            &sql,
+                            &[&permit.id, &req.fingerprint, &states.gave_back, &since, &key_hash],
+                        )
+                        .await?
+                        .into_iter()
+                        .next();
+                    }
+                    snap.permit = Some(permit);
+                }
+            }
+            let decision = decide::decide(req, &snap, &params);
+            match &decision.mutation {
+                Mutation::None => {}
+                Mutation::Reserve(a) => insert_attempt(&tx, a).await?,
+                Mutation::Update(a) => update_attempt(&tx, a).await?,
+            }
+            // No answer leaves before the commit did: a decision that cannot commit is an error.
+            tx.commit().await.map_err(pg_err)?;
+            Ok(decision)
+        })
+        .await
+    }
+
+    async fn record_outcome(
+        &self,
+        report: &OutcomeReport,
+        now: Millis,
+    ) -> Result<OutcomeResult, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let tx = c.transaction().await.map_err(pg_err)?;
+            lock_permit_of_attempt(&tx, &report.attempt_id).await?;
+            let existing = load_attempt(&tx, &report.attempt_id).await?;
+            let (ack, next) = decide::apply_outcome(existing.as_ref(), &report.outcome, now);
+            if let Some(a) = next.as_ref() {
+                update_attempt(&tx, a).await?;
+            }
+            tx.commit().await.map_err(pg_err)?;
+            Ok(OutcomeResult {
+                ack,
+                previous: existing.map(|a| a.state),
+            })
+        })
+        .await
+    }
+
+    async fn get_attempt(&self, id: &str, _now: Millis) -> Result<Option<Attempt>, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| load_attempt(&*c, id).await)
+            .await
+    }
+
+    async fn list_attempts(
+        &self,
+        filter: &AttemptFilter,
+        _now: Millis,
+    ) -> Result<Vec<Attempt>, LedgerError> {
+        let state = filter.state.map(|s| s.as_str().to_string());
+        let permit = filter.permit_id.clone();
+        let limit = i64::from(filter.limit.unwrap_or(1000));
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let sql = format!(
+                "SELECT {ATTEMPT_COLS} FROM attempts a WHERE ($1::TEXT IS NULL OR a.state = $1::TEXT) \
+                 AND ($2::TEXT IS NULL OR a.permit_id = $2::TEXT) ORDER BY a.created_at DESC, a.id LIMIT $3"
+            );
+            query_attempts(&*c, &sql, &[&state, &permit, &limit]).await
+        })
+        .await
+    }
+
+    async fn resolve_attempt(
+        &self,
+        id: &str,
+        input: &ResolveInput,
+        now: Millis,
+    ) -> Result<Attempt, ResolveError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let tx = c.transaction().await.map_err(pg_err)?;
+            lock_permit_of_attempt(&tx, id).await?;
+            let Some(existing) = load_attempt(&tx, id).await? else {
+                return Err(ResolveError::UnknownAttempt);
+            };
+            let next = decide::resolve(&existing, input, now)?;
+            update_attempt(&tx, &next).await?;
+            tx.commit().await.map_err(pg_err)?;
+            Ok(next)
+        })
+        .await
+    }
+
+    /// Safe with every replica sweeping at once: each permit is swept in its own transaction
+    /// under its row lock, and each row is re-read under that lock and passed through the pure
+    /// transition again, so a row another replica already moved is left alone (and not counted).
+    async fn sweep(&self, now: Millis) -> Result<SweepReport, LedgerError> {
+        let states = &self.states;
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let mut report = SweepReport::default();
+            let permits: Vec<String> = query(
+                &*c,
+                "SELECT permit_id FROM attempts WHERE state = ANY($1) AND lease_expires_at <= $2 \
+                 UNION \
+                 SELECT a.permit_id FROM attempts a JOIN permits p ON p.id = a.permit_id \
+                 WHERE a.state = ANY($3) AND a.pruned_at IS NULL \
+                 AND COALESCE(a.finished_at, a.updated_at) + p.retention_ms <= $2 \
+                 ORDER BY 1",
+                &[&states.expirable, &now, &states.prunable],
+            )
+            .await?
+            .iter()
+            .map(|r| r.try_get(0))
+            .collect::<Result<_, _>>()
+            .map_err(pg_err)?;
+            for permit_id in permits {
+                let tx = c.transaction().await.map_err(pg_err)?;
+                let locked = query(
+                    &tx,
+                    "SELECT retention_ms FROM permits WHERE id = $1 FOR UPDATE",
+                    &[&permit_id],
+                )
+                .await?;
+                let Some(row) = locked.first() else {
+                    continue;
+                };
+                let retention: i64 = row.try_get(0).map_err(pg_err)?;
+                let sql = format!(
+                    "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.permit_id = $1 AND a.state = ANY($2) \
+                     AND a.lease_expires_at <= $3"
+                );
+                for a in query_attempts(&tx, &sql, &[&permit_id, &states.expirable, &now]).await? {
+                    if let Some(next) = decide::expire_lease(&a, now) {
+                        update_attempt(&tx, &next).await?;
+                        report.leases_expired += 1;
+                    }
+                }
+                let sql = format!(
+                    "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.permit_id = $1 AND a.state = ANY($2) \
+                     AND a.pruned_at IS NULL AND COALESCE(a.finished_at, a.updated_at) + $3 <= $4"
+                );
+                for a in
+                    query_attempts(&tx, &sql, &[&permit_id, &states.prunable, &retention, &now])
+                        .await?
+                {
+                    if let Some(next) = decide::prune(&a, retention, now) {
+                        update_attempt(&tx, &next).await?;
+                        report.receipts_pruned += 1;
+                    }
+                }
+                tx.commit().await.map_err(pg_err)?;
+            }
+            Ok(report)
+        })
+        .await
+    }
+
+    async fn attempt_counts(
+        &self,
+        _now: Millis,
+    ) -> Result<BTreeMap<AttemptState, u64>, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let rows = query(
+                &*c,
+                "SELECT state, COUNT(*) FROM attempts GROUP BY state",
+                &[],
+            )
+            .await?;
+            let mut out: BTreeMap<AttemptState, u64> =
+                AttemptState::ALL.iter().map(|s| (*s, 0)).collect();
+            for r in &rows {
+                let s: String = r.try_get(0).map_err(pg_err)?;
+                let n: i64 = r.try_get(1).map_err(pg_err)?;
+                let s: AttemptState = s.parse().map_err(LedgerError::Corrupt)?;
+                out.insert(s, to_u64(n));
+            }
+            Ok(out)
+        })
+        .await
+    }
+}
+
+// --- TLS (rustls, ring) for `sslmode=require` ---------------------------------------------
+
+/// Makes verified TLS connections: the system's roots (or `--pg-ca-file`) and the host name.
+#[derive(Clone)]
+struct RustlsMakeTls {
+    config: Option<Arc<rustls::ClientConfig>>,
+}
+
+impl RustlsMakeTls {
+    /// For `sslmode=disable`: never asked to connect.
+    fn disabled() -> Self {
+        RustlsMakeTls { config: None }
+    }
+
+    fn new(ca_file: Option<&std::path::Path>) -> Result<Self, LedgerError> {
+        use rustls_pki_types::pem::PemObject;
+        use rustls_pki_types::CertificateDer;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| LedgerError::Invalid(format!("TLS: {e}")))?;
+        let config = match ca_file {
+            Some(path) => {
+                let mut roots = rustls::RootCertStore::empty();
+                let certs = CertificateDer::pem_file_iter(path).map_err(|e| {
+                    LedgerError::Invalid(format!("CA file {}: {e}", path.display()))
+                })?;
+                for cert in certs {
+                    let cert = cert.map_err(|e| {
+                        LedgerError::Invalid(format!("CA file {}: {e}", path.display()))
+                    })?;
+                    roots.add(cert).map_err(|e| {
+                        LedgerError::Invalid(format!("CA file {}: {e}", path.display()))
+                    })?;
+                }
+                if roots.is_empty() {
+                    return Err(LedgerError::Invalid(format!(
+                        "CA file {} holds no certificate",
+                        path.display()
+                    )));
+                }
+                builder.with_root_certificates(roots).with_no_client_auth()
+            }
+            None => {
+                use rustls_platform_verifier::BuilderVerifierExt;
+                builder
+                    .with_platform_verifier()
+                    .map_err(|e| LedgerError::Invalid(format!("TLS: {e}")))?
+                    .with_no_client_auth()
+            }
+        };
+        Ok(RustlsMakeTls {
+            config: Some(Arc::new(config)),
+        })
+    }
+}
+
+struct RustlsConnect {
+    config: Option<Arc<rustls::ClientConfig>>,
+    name: rustls_pki_types::ServerName<'static>,
+}
+
+impl MakeTlsConnect<Socket> for RustlsMakeTls {
+    type Stream = RustlsStream;
+    type TlsConnect = RustlsConnect;
+    type Error = io::Error;
+
+    fn make_tls_connect(&mut self, domain: &str) -> Result<RustlsConnect, io::Error> {
+        let name = rustls_pki_types::ServerName::try_from(domain.to_string())
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        Ok(RustlsConnect {
+            config: self.config.clone(),
+            name,
+        })
+    }
+}
+
+impl TlsConnect<Socket> for RustlsConnect {
+    type Stream = RustlsStream;
+    type Error = io::Error;
+    type Future = Pin<Box<dyn Future<Output = io::Result<RustlsStream>> + Send>>;
+
+    fn connect(self, stream: Socket) -> Self::Future {
+        Box::pin(async move {
+            let config = self.config.ok_or_else(|| {
+                io::Error::other("TLS requested but the store was opened with sslmode=disable")
+            })?;
+            let tls = tokio_rustls::TlsConnector::from(config)
+                .connect(self.name, stream)
+                .await?;
+            Ok(RustlsStream(Box::new(tls)))
+        })
+    }
+}
+
+struct RustlsStream(Box<tokio_rustls::client::TlsStream<Socket>>);
+
+impl AsyncRead for RustlsStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut *self.0).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for RustlsStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut *self.0).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut *self.0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut *self.0).poll_shutdown(cx)
+    }
+}
+
+impl tokio_postgres::tls::TlsStream for RustlsStream {
+    fn channel_binding(&self) -> ChannelBinding {
+        // SCRAM without channel binding (`channel_binding=prefer`, the default).
+        ChannelBinding::none()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use async_trait::async_trait;
+    use serde_json::json;
+
+    use super::{pg_config, PgOptions, PgStore, RustlsMakeTls, MIGRATIONS};
+    use crate::store::conformance::{self, Harness, LEASE_MS, T0};
+    use crate::store::Store;
+    use crate::token;
+
+    /// The server the PostgreSQL tests use. They never skip: without it they fail.
+    pub fn database_url() -> String {
+        match std::env::var("DATABASE_URL") {
+            Ok(u) if !u.trim().is_empty() => u,
+            _ => panic!(
+                "DATABASE_URL is not set. The PostgreSQL store tests need a server and never skip: \
+                 `make test` finds or starts one (scripts/with-postgres); by hand, e.g. \
+                 DATABASE_URL=postgres://postgres@127.0.0.1:5432/test cargo test -p atmost-ledger"
+            ),
+        }
+    }
+
+    fn opts(url: &str, schema: &str) -> PgOptions {
+        PgOptions {
+            pool_size: 8,
+            connect_timeout: Duration::from_secs(10),
+            statement_timeout: Duration::from_secs(15),
+            schema: Some(schema.to_string()),
+            ..PgOptions::new(url)
+        }
+    }
+
+    fn new_schema() -> String {
+        format!("atmost_test_{}", token::random_hex(6).unwrap())
+    }
+
+    /// A plain client on the database (no schema), for set-up and clean-up.
+    async fn raw_client(url: &str) -> tokio_postgres::Client {
+        let config = pg_config(&PgOptions::new(url)).unwrap();
+        let tls = if config.get_ssl_mode() == tokio_postgres::config::SslMode::Disable {
+            RustlsMakeTls::disabled()
+        } else {
+            RustlsMakeTls::new(None).unwrap()
+        };
+        let (client, conn) = config
+            .connect(tls)
+            .await
+            .unwrap_or_else(|e| panic!("cannot connect to DATABASE_URL: {e}"));
+        tokio::spawn(conn);
+        client
+    }
+
+    /// Drops a test schema, from any context (also from `Drop` inside a runtime).
+    fn drop_schema(url: String, schema: String) {
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let c = raw_client(&url).await;
+                let _ = c
+                    .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+                    .await;
+            });
+        })
+        .join();
+    }
+
+    /// One fresh schema per test: `store` and `second_handle` are two pools on it (like two
+    /// replicas), `reopen` a new pool; the schema is dropped at the end.
+    struct PgHarness {
+        url: String,
+        schema: String,
+        first: Arc<dyn Store>,
+    }
+
+    impl PgHarness {
+        async fn new() -> Self {
+            let url = database_url();
+            let schema = new_schema();
+            let first: Arc<dyn Store> =
+                Arc::new(PgStore::connect(&opts(&url, &schema)).await.unwrap());
+            PgHarness { url, schema, first }
+        }
+
+        async fn handle(&self) -> Arc<dyn Store> {
+            Arc::new(
+                PgStore::connect(&opts(&self.url, &self.schema))
+                    .await
+                    .unwrap(),
+            )
+        }
+    }
+
+    impl Drop for PgHarness {
+        fn drop(&mut self) {
+            drop_schema(self.url.clone(), self.schema.clone());
+        }
+    }
+
+    #[async_trait]
+    impl Harness for PgHarness {
+        async fn store(&self) -> Arc<dyn Store> {
+            self.first.clone()
+        }
+        async fn second_handle(&self) -> Arc<dyn Store> {
+            self.handle().await
+        }
+        async fn reopen(&self) -> Arc<dyn Store> {
+            self.handle().await
+        }
+    }
+
+    crate::conformance_suite!(PgHarness::new().await);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn migrations_are_versioned_idempotent_and_safe_when_replicas_start_together() {
+        let url = database_url();
+        let schema = new_schema();
+        let _cleanup = Cleanup(url.clone(), schema.clone());
+        let starts: Vec<_> = (0..4)
+            .map(|_| {
+                let o = opts(&url, &schema);
+                tokio::spawn(async move { PgStore::connect(&o).await.map(|_| ()) })
+            })
+            .collect();
+        for s in starts {
+            s.await.unwrap().unwrap();
+        }
+        PgStore::connect(&opts(&url, &schema)).await.unwrap();
+        let c = raw_client(&url).await;
+        let rows = c
+            .query(
+                &format!("SELECT version FROM {schema}.atmost_migrations ORDER BY version"),
+                &[],
+            )
+            .await
+            .unwrap();
+        let versions: Vec<i32> = rows.iter().map(|r| r.get(0)).collect();
+        let known: Vec<i32> = MIGRATIONS.iter().map(|m| m.0).collect();
+        assert_eq!(versions, known);
+    }
+
+    struct Cleanup(String, String);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            drop_schema(self.0.clone(), self.1.clone());
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn replicas_sweeping_at_once_move_each_attempt_once() {
+        let h = PgHarness::new().await;
+        let s = h.store().await;
+        let (_p, tok) = conformance::make_permit(&*s, conformance::policy(), T0 + 3_600_000).await;
+        for i in 0..20 {
+            let r = conformance::req(
+                &tok,
+                "pay",
+                Some(&format!("k{i}")),
+                &format!("f{i}"),
+                json!({}),
+            );
+            s.authorize(&r, LEASE_MS, T0).await.unwrap();
+        }
+        let replicas = vec![s.clone(), h.handle().await, h.handle().await];
+        let later = T0 + i64::try_from(LEASE_MS).unwrap();
+        let sweeps: Vec<_> = replicas
+            .into_iter()
+            .map(|r| tokio::spawn(async move { r.sweep(later).await.unwrap() }))
+            .collect();
+        let mut expired = 0;
+        for sw in sweeps {
+            expired += sw.await.unwrap().leases_expired;
+        }
+        assert_eq!(expired, 20);
+        let counts = s.attempt_counts(T0).await.unwrap();
+        assert_eq!(counts[&crate::model::AttemptState::Uncertain], 20);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn unreachable_database_fails_at_start() {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let mut o = PgOptions::new(format!("postgres://atmost@127.0.0.1:{port}/none"));
+        o.connect_timeout = Duration::from_millis(500);
+        o.statement_timeout = Duration::from_millis(500);
+        let started = Instant::now();
+        let err = PgStore::connect(&o).await.unwrap_err();
+        assert!(matches!(err, crate::error::LedgerError::Store(_)), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    /// Serves the ledger's routes on `store`; returns the base URL.
+    async fn serve(store: Arc<PgStore>) -> String {
+        let state = Arc::new(crate::server::AppState {
+            store,
+            clock: Arc::new(crate::clock::SystemClock),
+            config: crate::server::ServerConfig {
+                service_token: "svc".into(),
+                admin_token: "adm".into(),
+                lease: Duration::from_secs(60),
+            },
+            metrics: Arc::new(crate::metrics::Metrics::new().unwrap()),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = crate::server::router(state);
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        format!("http://{addr}")
+    }
+
+    /// A TCP relay to the database that can stall every byte, like a database that hangs or a
+    /// network partition during a failover.
+    struct Relay {
+        port: u16,
+        stalled: Arc<AtomicBool>,
+    }
+
+    impl Relay {
+        async fn start(target: (String, u16)) -> Relay {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let port = listener.local_addr().unwrap().port();
+            let stalled = Arc::new(AtomicBool::new(false));
+            let st = stalled.clone();
+            tokio::spawn(async move {
+                while let Ok((down, _)) = listener.accept().await {
+                    let Ok(up) =
+                        tokio::net::TcpStream::connect((target.0.as_str(), target.1)).await
+                    else {
+                        continue;
+                    };
+                    let (dr, dw) = down.into_split();
+                    let (ur, uw) = up.into_split();
+                    tokio::spawn(pump(dr, uw, st.clone()));
+                    tokio::spawn(pump(ur, dw, st.clone()));
+                }
+            });
+            Relay { port, stalled }
+        }
+    }
+
+    async fn pump(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        stalled: Arc<AtomicBool>,
+    ) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            while stalled.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            if to.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Transient database failures fail closed: an error within the deadline (the server
+    /// answers 503 → `gateway_unavailable`), never a hang and never a dispatch; readiness
+    /// (`ping`) follows the database; the store recovers when the database does.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn hung_database_fails_closed_within_the_deadline_and_recovers() {
+        let url = database_url();
+        let config: tokio_postgres::Config = url.parse().unwrap();
+        let host = match config.get_hosts().first() {
+            Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+            _ => "127.0.0.1".to_string(),
+        };
+        let port = config.get_ports().first().copied().unwrap_or(5432);
+        let relay = Relay::start((host.clone(), port)).await;
+        let schema = new_schema();
+        let _cleanup = Cleanup(url.clone(), schema.clone());
+        // The same URL with the relay's address.
+        let relayed = url.replacen(
+            &format!("{host}:{port}"),
+            &format!("127.0.0.1:{}", relay.port),
+            1,
+        );
+        assert_ne!(
+            relayed, url,
+            "DATABASE_URL must name host:port for this test"
+        );
+        let mut o = opts(&relayed, &schema);
+        o.pool_size = 2;
+        o.connect_timeout = Duration::from_millis(700);
+        o.statement_timeout = Duration::from_millis(700);
+        let s = Arc::new(PgStore::connect(&o).await.unwrap());
+        let mut pol = conformance::policy();
+        pol.max_calls.insert("pay".into(), 1);
+        let (p, tok) = conformance::make_permit(&*s, pol, T0 + 3_600_000).await;
+        s.ping(T0).await.unwrap();
+        let base = serve(s.clone()).await;
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let http = reqwest::Client::new();
+        assert_eq!(
+            http.get(format!("{base}/readyz"))
+                .send()
+                .await
+                .unwrap()
+                .status(),
+            200
+        );
+
+        relay.stalled.store(true, Ordering::SeqCst);
+        let started = Instant::now();
+        let r = conformance::req(&tok, "pay", Some("k1"), "A", json!({}));
+        let err = s.authorize(&r, LEASE_MS, T0).await.unwrap_err();
+        assert!(matches!(err, crate::error::LedgerError::Store(_)), "{err}");
+        assert!(s.ping(T0).await.is_err(), "readiness follows the database");
+        assert!(
+            started.elapsed() < Duration::from_secs(6),
+            "bounded by the deadline: {:?}",
+            started.elapsed()
+        );
+        // Through the server: 503, which the filter turns into gateway_unavailable.
+        let resp = http
+            .post(format!("{base}{}", atmost_protocol::AUTHORIZE_PATH))
+            .bearer_auth("svc")
+            .json(&r)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 503);
+        let body: serde_json::Value = resp.json().await.unwrap();
+        assert_eq!(body["error"], "store_unavailable");
+        assert_eq!(
+            http.get(format!("{base}/readyz"))
+                .send()
+                .await
+                .unwrap()
+                .status(),
+            503
+        );
+
+        relay.stalled.store(false, Ordering::SeqCst);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let decision = loop {
+            match s.authorize(&r, LEASE_MS, T0).await {
+                Ok(d) => break d,
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("the store did not recover: {e}"),
+            }
+        };
+        s.ping(T0).await.unwrap();
+        // Whatever the stalled attempt left, the cap of one holds: one slot at most.
+        let d = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+        assert_eq!(d.usage["pay"].calls_made, 1, "{:?}", decision.response);
+    }
+}

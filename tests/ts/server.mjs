@@ -1,0 +1,114 @@
+// A small MCP server on the TypeScript SDK (@modelcontextprotocol/sdk) for atmost's
+// end-to-end interoperability tests. Same tools, resources and prompt as the Python example
+// server (pay_invoice, echo, slow_count; atmost://example/readme; summarize).
+//
+//   node server.mjs --port 8100 [--json-response]
+//
+// Stateless Streamable HTTP on /mcp (a fresh server per POST); GET /_example/state reports
+// executions per tool, POST /_example/reset zeroes them.
+import http from 'node:http';
+import { McpServer, ResourceTemplate } from '@modelcontextprotocol/sdk/server/mcp.js';
+import { StreamableHTTPServerTransport } from '@modelcontextprotocol/sdk/server/streamableHttp.js';
+import { z } from 'zod';
+
+const args = process.argv.slice(2);
+const port = Number(args[args.indexOf('--port') + 1] || 8100);
+const jsonResponse = args.includes('--json-response');
+const executions = {};
+const count = (tool) => (executions[tool] = (executions[tool] || 0) + 1);
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+function buildServer() {
+  const server = new McpServer({ name: 'atmost-example-ts', version: '1.0.0' });
+  server.registerTool('pay_invoice', {
+    description: 'Pay an invoice (a stand-in for a paid, non-repeatable side effect).',
+    inputSchema: { invoice: z.string(), amount: z.number().int() },
+  }, async ({ invoice, amount }) => {
+    const n = count('pay_invoice');
+    return { content: [{ type: 'text', text: `paid invoice ${invoice} amount=${amount} executions=${n}` }] };
+  });
+  server.registerTool('echo', {
+    description: 'Return the text unchanged.',
+    inputSchema: { text: z.string() },
+  }, async ({ text }) => {
+    count('echo');
+    return { content: [{ type: 'text', text }] };
+  });
+  server.registerTool('slow_count', {
+    description: 'Count to n slowly, reporting progress at each step.',
+    inputSchema: { n: z.number().int(), delay_ms: z.number().int() },
+  }, async ({ n, delay_ms }, extra) => {
+    count('slow_count');
+    const token = extra._meta?.progressToken;
+    for (let i = 1; i <= n; i++) {
+      await sleep(delay_ms);
+      if (token !== undefined) {
+        await extra.sendNotification({
+          method: 'notifications/progress',
+          params: { progressToken: token, progress: i, total: n, message: `step ${i}` },
+        });
+      }
+    }
+    return { content: [{ type: 'text', text: `counted ${n}` }] };
+  });
+  server.registerResource('readme', 'atmost://example/readme', { mimeType: 'text/plain', description: 'What this server is.' },
+    async (uri) => ({ contents: [{ uri: uri.href, mimeType: 'text/plain', text: 'atmost example server (TypeScript SDK)' }] }));
+  server.registerResource('item', new ResourceTemplate('atmost://example/items/{item}', { list: undefined }),
+    { mimeType: 'application/json', description: 'One item, as JSON.' },
+    async (uri, { item }) => ({
+      contents: [{ uri: uri.href, mimeType: 'application/json', text: JSON.stringify({ item, price: item.length * 100 }) }],
+    }));
+  server.registerPrompt('summarize', { description: 'Ask for a short summary of a topic.', argsSchema: { topic: z.string() } },
+    ({ topic }) => ({ messages: [{ role: 'user', content: { type: 'text', text: `Summarize ${topic} in three sentences.` } }] }));
+  return server;
+}
+
+async function readBody(req) {
+  const chunks = [];
+  for await (const c of req) chunks.push(c);
+  return Buffer.concat(chunks).toString('utf8');
+}
+
+http.createServer(async (req, res) => {
+  try {
+    if (req.url === '/_example/state' && req.method === 'GET') {
+      res.writeHead(200, { 'content-type': 'application/json' });
+      return res.end(JSON.stringify({ executions }));
+    }
+    if (req.url === '/_example/reset' && req.method === 'POST') {
+      for (const k of Object.keys(executions)) delete executions[k];
+      res.writeHead(200, { 'content-type': 'application/json' });
+      return res.end('{"ok":true}');
+    }
+    if (!req.url.startsWith('/mcp')) {
+      res.writeHead(404);
+      return res.end();
+    }
+    if (req.method !== 'POST') {
+      res.writeHead(405, { allow: 'POST' });
+      return res.end();
+    }
+    const raw = await readBody(req);
+    let body;
+    try {
+      body = JSON.parse(raw);
+    } catch {
+      res.writeHead(400, { 'content-type': 'application/json' });
+      return res.end(JSON.stringify({ jsonrpc: '2.0', id: null, error: { code: -32700, message: 'Parse error' } }));
+    }
+    const server = buildServer();
+    const transport = new StreamableHTTPServerTransport({ sessionIdGenerator: undefined, enableJsonResponse: jsonResponse });
+    res.on('close', () => {
+      transport.close();
+      server.close();
+    });
+    await server.connect(transport);
+    await transport.handleRequest(req, res, body);
+  } catch (e) {
+    console.error(e);
+    if (!res.headersSent) {
+      res.writeHead(500);
+      res.end();
+    }
+  }
+}).listen(port, '127.0.0.1', () => console.log(`listening on ${port}`));
