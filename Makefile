@@ -8,7 +8,7 @@ VPY := $(VENV)/bin/python
 WASM := target/wasm32-wasip1/release/atmost_filter.wasm
 CARGO ?= cargo
 
-.PHONY: all run test test-unit test-e2e lint fmt ts-deps wasm ledger ledger-release setup rust-setup venv clean oci
+.PHONY: all run test test-unit test-e2e test-faults lint fmt ts-deps wasm ledger ledger-release setup rust-setup venv clean oci
 
 all: wasm ledger-release
 
@@ -70,6 +70,12 @@ test-e2e: setup ts-deps wasm ledger
 # One PostgreSQL for both suites (a throwaway one is started once and stopped at the end).
 test: setup lint
 	$(WITH_PG) $(MAKE) --no-print-directory test-unit test-e2e
+
+## The fault suite: real processes under kill -9, a slow or silent ledger, upstream resets and timeouts,
+## client hang-ups, Envoy killed, reloaded or drained mid-call, a failed VM, a full or read-only store,
+## PostgreSQL restarts; the hostile-input catalogue; security checks (ends with a scan of every log).
+test-faults: setup wasm ledger
+	ATMOST_BIN=target/debug/atmost $(WITH_PG) $(VPY) -m pytest tests/faults -q -p no:cacheprovider --timeout 180 -rxs
 
 clean:
 	$(CARGO) clean

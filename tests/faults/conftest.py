@@ -142,7 +142,13 @@ class FaultStack:
         for r in list(self.history.calls):
             if r.key and r.outcome in ("ok", "unknown") and (r.permit_id, r.key) not in seen:
                 seen.add((r.permit_id, r.key))
-                probes.append(self.call(by_id[r.permit_id], r.tool, r.arguments, r.key, phase="probe"))
+                deadline = time.monotonic() + 5
+                while True:  # a connection Envoy has not yet seen die may fail once: same key, try again
+                    probe = self.call(by_id[r.permit_id], r.tool, r.arguments, r.key, phase="probe")
+                    if probe.code != "gateway_unavailable" or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.2)
+                probes.append(probe)
         return probes
 
     def rows(self) -> list[dict]:
