@@ -143,10 +143,11 @@ def test_completed_on_one_replica_is_replayed_by_the_other(log_dir, data_root, d
             answer = client.call("pay_invoice", args, permit["token"], "replay-across-replicas")
             return None if denial_code(answer) == "gateway_unavailable" else answer
 
-        wait_until(lambda: http_get(envoy.admin_url + "/clusters")[1].decode().count(
-            "atmost_ledger::127.0.0.1:") and all(
-            f"127.0.0.1:{r.port}::health_flags::healthy" in http_get(envoy.admin_url + "/clusters")[1].decode()
-            for r in ledgers), 15, "both replicas healthy in Envoy")
+        def both_healthy():
+            text = http_get(envoy.admin_url + "/clusters")[1].decode()
+            return all(f"127.0.0.1:{r.port}::health_flags::healthy" in text for r in ledgers)
+
+        wait_until(both_healthy, 15, "both replicas healthy in Envoy")
         first = wait_until(decided, 10, "the first call decided", interval=0.2)
         assert "executions=1" in result_text(first)
         wait_until(lambda: attempts(ledgers[1], permit["id"], "completed"), 15, "the receipt recorded")
