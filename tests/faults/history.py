@@ -266,10 +266,10 @@ def check(history: History, executions: list[dict], permits: list[Permit], upstr
                     v.append(f"key {owner[1]}: stored receipt is not its execution's answer")
             if settled and row["state"] == "in_flight":
                 v.append(f"attempt {row['id']} of key {owner[1]} still in_flight after the settle time")
-            # Probes run after recovery: a completed key replays, an uncertain one says so.
-            for r in calls_by_key.get(owner, []):
-                if r.phase != "probe":
-                    continue
+            # Probes run after recovery: a completed key replays, an uncertain one says so (the
+            # last probe counts: one may have met a connection Envoy had not yet seen die).
+            probes = [r for r in calls_by_key.get(owner, []) if r.phase == "probe"]
+            for r in probes[-1:]:
                 if row["state"] == "completed" and not (r.outcome == "ok" and r.replayed):
                     v.append(f"completed key {owner[1]} did not replay after recovery: {r.outcome}/{r.code}")
                 if row["state"] == "uncertain" and not (r.outcome == "denied" and r.code == "delivery_uncertain"):

@@ -11,7 +11,7 @@ import time
 import pytest
 import yaml
 
-from tests.faults.conftest import new_key
+from tests.faults.fault_stack import new_key
 from tests.faults.test_ledger_faults import LOAD_CODES
 from tests.support.stack import http_get, wait_until
 
@@ -51,6 +51,7 @@ def lds_stack(fault_stack, tmp_path):
     s.envoy = s.new_envoy(f"envoy-{s.name}-lds")
     to_lds(s.envoy, tmp_path)
     s.envoy.start()
+    s.warm()
     s.lds_dir = tmp_path
     return s
 

@@ -9,7 +9,7 @@ import re
 import httpx
 import pytest
 
-from tests.faults.conftest import SECRETS, new_key
+from tests.faults.fault_stack import SECRETS, new_key
 from tests.support.mcp_raw import KEY_META, PROTOCOL_VERSION
 
 META = {"io.modelcontextprotocol/protocolVersion": PROTOCOL_VERSION, "io.modelcontextprotocol/clientCapabilities": {}}
@@ -17,7 +17,7 @@ META = {"io.modelcontextprotocol/protocolVersion": PROTOCOL_VERSION, "io.modelco
 
 @pytest.fixture(scope="module")
 def hostile(request, log_dir, data_root):
-    from tests.faults.conftest import FaultStack
+    from tests.faults.fault_stack import FaultStack
     s = FaultStack("hostile", log_dir, data_root).start()
     s.p = s.permit()
     yield s

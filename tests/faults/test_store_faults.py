@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.conftest import new_key
+from tests.faults.fault_stack import new_key
 from tests.faults.test_ledger_faults import LOAD_CODES, first_ok
 from tests.support.stack import Process, http_get, wait_until
 

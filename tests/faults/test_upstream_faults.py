@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.faults.conftest import new_key
+from tests.faults.fault_stack import new_key
 from tests.faults.test_ledger_faults import LOAD_CODES, first_ok
 from tests.support.stack import wait_until
 
@@ -33,7 +33,8 @@ def test_upstream_reset_after_receiving_the_request_is_uncertain(fault_stack, wh
     s = fault_stack()
     p = s.permit({"pay": 1})
     if where == "proxy-reset-after-request":
-        s.upstream_proxy.set_mode("reset_after_request", cut=True)
+        s.upstream.behave("pay", delay=0.6)  # still working when the reset comes
+        s.upstream_proxy.set_mode("reset_after_request")  # pooled connections obey it too
     elif where == "server-reset-after-executing":
         s.upstream.behave("pay", delay=0.05, action="reset")
     else:
@@ -110,6 +111,7 @@ def test_envoy_killed_mid_call_leaves_an_attempt_the_sweeper_makes_uncertain(fau
     assert row["reason"] == "lease_expired", row
     s.envoy = s.new_envoy("envoy-envoy-killed-2")
     s.envoy.start()
+    s.warm()
     s.upstream.reset_behaviour()
     uncertain_after_send(s, p, key, args)
     s.verify(allowed_codes=LOAD_CODES)

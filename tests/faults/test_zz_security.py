@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.faults.conftest import HISTORIES, SECRETS, new_key
+from tests.faults.fault_stack import HISTORIES, SECRETS, new_key
 from tests.support.mcp_raw import KEY_META
 from tests.support.stack import ROOT, free_port, ledger_binary
 
@@ -37,7 +37,7 @@ RECEIPT_RES = [re.compile(r"executions=\d+"), re.compile(r"nonce=[0-9a-f]{12}"),
 
 @pytest.fixture(scope="module")
 def sec(log_dir, data_root):
-    from tests.faults.conftest import FaultStack
+    from tests.faults.fault_stack import FaultStack
     s = FaultStack("security", log_dir, data_root).start()
     yield s
     s.stop()

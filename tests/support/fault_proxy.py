@@ -11,8 +11,8 @@ Modes:
 - `delay_reply`: holds every chunk coming back for `delay` seconds.
 - `drop_reply`: forwards requests, swallows every byte of the answers (the target acts,
   the caller never hears back).
-- `reset_after_request`: forwards the first request chunk of a connection, then resets
-  the caller's side (TCP RST); the target's side is left to finish what it started.
+- `reset_after_request`: forwards the request (what arrives until the caller pauses for
+  200 ms), then resets the caller's side (TCP RST); the target finishes what it started.
 - `reset_on_reply`: forwards requests; when the answer arrives, resets the caller's side
   instead of passing it on (the target acted, its answer is lost with a reset).
 - `blackhole`: accepts and reads, forwards nothing, answers nothing.
@@ -154,8 +154,8 @@ class FaultProxy:
 
     def _pipe_up(self, conn: _Conn) -> None:
         """Caller → target."""
-        conn.client.settimeout(None)
         try:
+            conn.client.settimeout(None)
             while not conn.closed.is_set() and not self._stopped.is_set():
                 data = conn.client.recv(65536)
                 if not data:
@@ -172,7 +172,17 @@ class FaultProxy:
                     self.bytes_up += len(data)
                 conn.requests_forwarded += 1
                 if mode == "reset_after_request":
-                    # The target has the request; the caller loses the connection with a reset.
+                    # Pass on the rest of the request (headers and body may come in several
+                    # writes), then the caller loses the connection with a reset.
+                    conn.client.settimeout(0.2)
+                    try:
+                        while True:
+                            more = conn.client.recv(65536)
+                            if not more:
+                                break
+                            conn.upstream.sendall(more)
+                    except (socket.timeout, OSError):
+                        pass
                     conn.closed.set()
                     _reset(conn.client)
                     return
@@ -187,8 +197,8 @@ class FaultProxy:
 
     def _pipe_down(self, conn: _Conn) -> None:
         """Target → caller."""
-        conn.upstream.settimeout(None)
         try:
+            conn.upstream.settimeout(None)
             while not self._stopped.is_set():
                 data = conn.upstream.recv(65536)
                 if not data:
