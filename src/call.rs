@@ -18,12 +18,13 @@
 //!   └─ on_log without an acknowledged report ──▶ queue completed / released / uncertain
 //! ```
 
-use crate::config::Config;
+use crate::config::{Config, UpstreamKey};
 use crate::denial;
 use crate::fingerprint::fingerprint;
 use crate::idempotency;
 use crate::ledger::{Callout, Endpoint, LedgerReply};
-use crate::mcp::{self, Message, Mirrored};
+use crate::mcp::{self, Message, MetaKey, Mirrored};
+use crate::meta_key;
 use crate::outcome::{self, NoReceipt};
 use crate::receipt::{self, ResultKind, SseCapture, SseProgress};
 use crate::replay;
@@ -99,6 +100,11 @@ pub enum Level {
 pub enum Effect {
     RemoveRequestHeader(String),
     SetRequestHeader(String, String),
+    /// Replace the buffered request body (`original_len` bytes) with `body`.
+    ReplaceRequestBody {
+        original_len: usize,
+        body: Vec<u8>,
+    },
     /// `send_http_response`; the request ends here.
     LocalReply(LocalReply),
     /// `resume_http_request` (only from a callout callback).
@@ -157,6 +163,17 @@ struct Pending {
     tool: String,
     key: Option<String>,
     session_id: Option<String>,
+    /// The raw body and where its `_meta` idempotency key sits, kept only when that key
+    /// must be rewritten before upstream (`upstream_key.mode` other than `raw`).
+    meta_key_edit: Option<MetaKeyEdit>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct MetaKeyEdit {
+    body: Vec<u8>,
+    span: meta_key::MemberSpan,
+    /// The request announced a `content-length`, which must follow the new size.
+    had_content_length: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -366,7 +383,8 @@ impl Call {
     }
 
     /// The whole request body, after [`BodyStep::Read`].
-    pub fn on_request_body_data(&mut self, body: &[u8]) -> Step {
+    pub fn on_request_body_data(&mut self, body_bytes: &[u8]) -> Step {
+        let body = body_bytes;
         let State::ReadingBody(head) = std::mem::replace(&mut self.state, State::Answered) else {
             // Not expected; put nothing at risk.
             return Step::pause();
@@ -437,11 +455,20 @@ impl Call {
             Ok(b) => b,
             Err(_) => return deny_step(&self.config, &gateway_unavailable(), &call.id, &call.name),
         };
+        let meta_key_edit = match (&call.meta_key, &self.config.upstream_key) {
+            (_, UpstreamKey::Raw) | (MetaKey::Absent | MetaKey::NotAString, _) => None,
+            (MetaKey::Present(_), _) => meta_key::find(body_bytes).map(|span| MetaKeyEdit {
+                body: body_bytes.to_vec(),
+                span,
+                had_content_length: head.content_length.is_some(),
+            }),
+        };
         self.state = State::Authorizing(Pending {
             id: call.id,
             tool: call.name,
             key,
             session_id: head.session_id.clone(),
+            meta_key_edit,
         });
         Step {
             flow: Flow::Pause,
@@ -574,16 +601,28 @@ impl Call {
                 permit_id,
                 ..
             }) => {
-                let key_effect = match upstream_key::upstream_value(
-                    &cfg.upstream_key,
-                    &permit_id,
-                    p.key.as_deref(),
-                ) {
-                    Some(v) => Effect::SetRequestHeader(IDEMPOTENCY_HEADER.into(), v),
+                let upstream_value =
+                    upstream_key::upstream_value(&cfg.upstream_key, &permit_id, p.key.as_deref());
+                let key_effect = match &upstream_value {
+                    Some(v) => Effect::SetRequestHeader(IDEMPOTENCY_HEADER.into(), v.clone()),
                     None => Effect::RemoveRequestHeader(IDEMPOTENCY_HEADER.into()),
                 };
-                let step = Step::cont()
-                    .with(key_effect)
+                let mut step = Step::cont().with(key_effect);
+                // The `_meta` copy of the key gets the same treatment as the header.
+                if let Some(edit) = p.meta_key_edit {
+                    let body = meta_key::rewrite(&edit.body, edit.span, upstream_value.as_deref());
+                    if edit.had_content_length {
+                        step = step.with(Effect::SetRequestHeader(
+                            "content-length".into(),
+                            body.len().to_string(),
+                        ));
+                    }
+                    step = step.with(Effect::ReplaceRequestBody {
+                        original_len: edit.body.len(),
+                        body,
+                    });
+                }
+                let step = step
                     .with(Effect::Count(Stat::Dispatched))
                     .with(Effect::Log(
                         Level::Info,

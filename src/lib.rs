@@ -17,6 +17,7 @@ pub mod fingerprint;
 pub mod idempotency;
 pub mod ledger;
 pub mod mcp;
+pub mod meta_key;
 pub mod outcome;
 pub mod receipt;
 pub mod replay;
@@ -25,6 +26,7 @@ pub mod reports;
 pub mod resume;
 pub mod sse;
 pub mod stats;
+pub mod strict_json;
 pub mod upstream_key;
 
 #[cfg(target_arch = "wasm32")]

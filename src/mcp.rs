@@ -79,8 +79,14 @@ fn is_tools_call(v: &Value) -> bool {
 
 /// Reads a request body. `Err` is the local reply refusing it (HTTP 400).
 pub fn parse(body: &[u8], mirrored: &Mirrored) -> Result<Message, Box<LocalReply>> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|_| bad(400, None, rpc_code::PARSE_ERROR, "Parse error"))?;
+    let value: Value = crate::strict_json::from_slice(body).map_err(|e| {
+        let message = if e.to_string().starts_with("duplicate key") {
+            "Parse error: an object names the same key twice"
+        } else {
+            "Parse error"
+        };
+        bad(400, None, rpc_code::PARSE_ERROR, message)
+    })?;
     match value {
         Value::Array(items) => {
             if items.iter().any(is_tools_call) {

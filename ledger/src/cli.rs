@@ -113,8 +113,11 @@ pub struct LedgerArgs {
     /// Bearer token the filter presents on /v1/authorize and /v1/outcomes.
     #[arg(long, env = "ATMOST_SERVICE_TOKEN", hide_env_values = true)]
     pub service_token: String,
-    /// How long an in_flight attempt waits for its outcome before it turns uncertain.
-    #[arg(long, env = "ATMOST_LEASE", default_value = "120s", value_parser = humantime::parse_duration)]
+    /// How long an in_flight attempt waits for its outcome before it turns uncertain. Keep it
+    /// longer than the filter's `ledger.timeout_ms` plus the MCP route's timeout (120 s in the
+    /// shipped Envoy config), or a call still running when its lease ends is recorded
+    /// uncertain even if its answer then arrives.
+    #[arg(long, env = "ATMOST_LEASE", default_value = "300s", value_parser = humantime::parse_duration)]
     pub lease: Duration,
     /// How often the sweeper runs.
     #[arg(long, env = "ATMOST_SWEEP_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration)]

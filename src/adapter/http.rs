@@ -46,6 +46,13 @@ impl Http {
             Effect::SetRequestHeader(name, value) => {
                 host::set_header(MapType::HttpRequestHeaders, &name, &value)
             }
+            Effect::ReplaceRequestBody { original_len, body } => {
+                if hostcalls::set_buffer(BufferType::HttpRequestBody, 0, original_len, &body)
+                    .is_err()
+                {
+                    host::log(Level::Error, "atmost: could not rewrite the request body");
+                }
+            }
             Effect::LocalReply(reply) => {
                 let headers: Vec<(&str, &str)> = reply
                     .headers

@@ -403,6 +403,50 @@ fn dispatch_sets_the_upstream_key_and_resumes() {
 }
 
 #[test]
+fn a_key_in_meta_is_rewritten_in_the_body_like_the_header() {
+    const META_PAY: &str = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"pay_invoice","arguments":{"amount":10.50},"_meta":{"dev.atmost/idempotency-key":"raw-k1","x":1}}}"#;
+    let body_effect = |s: &Step| {
+        s.effects.iter().find_map(|e| match e {
+            Effect::ReplaceRequestBody { original_len, body } => {
+                Some((*original_len, String::from_utf8_lossy(body).into_owned()))
+            }
+            _ => None,
+        })
+    };
+    // hmac: the body carries the derived key, content-length follows the new size.
+    let mut call = Call::new(cfg());
+    let head = RequestHead {
+        content_length: Some(META_PAY.len() as u64),
+        ..post(&["tok"], &[])
+    };
+    send(&mut call, head, META_PAY);
+    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    let want = crate::upstream_key::upstream_value(&cfg().upstream_key, "pmt_1", Some("raw-k1"))
+        .unwrap_or_default();
+    let (len, body) = body_effect(&s).expect("body rewritten");
+    assert_eq!(len, META_PAY.len());
+    assert_eq!(body, META_PAY.replace("raw-k1", &want));
+    assert!(s.effects.contains(&Effect::SetRequestHeader(
+        "content-length".into(),
+        body.len().to_string()
+    )));
+    // off: the member is removed, the rest stays byte for byte.
+    let mut call = Call::new(cfg_with(json!({"upstream_key": {"mode": "off"}})));
+    send(&mut call, post(&["tok"], &[]), META_PAY);
+    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    let (_, body) = body_effect(&s).expect("body rewritten");
+    assert_eq!(
+        body,
+        META_PAY.replace(r#""dev.atmost/idempotency-key":"raw-k1","#, "")
+    );
+    // raw: the body goes as sent.
+    let mut call = Call::new(cfg_with(json!({"upstream_key": {"mode": "raw"}})));
+    send(&mut call, post(&["tok"], &[]), META_PAY);
+    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    assert_eq!(body_effect(&s), None);
+}
+
+#[test]
 fn replay_and_deny_answer_locally() {
     let mut call = Call::new(cfg());
     send(&mut call, post(&["tok"], &["k1"]), PAY);

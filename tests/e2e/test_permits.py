@@ -160,7 +160,7 @@ def test_client_hanging_up_mid_call_still_gets_its_attempt_recorded_uncertain(ga
     finally:
         impatient.close()
     [attempt] = wait_for_state(ledger, permit["id"], "uncertain")
-    # Well before the 120 s lease: this came from the filter's report, not from the sweeper.
+    # Well before the lease ends: this came from the filter's report, not from the sweeper.
     assert attempt["lease_expires_at"] is not None
     assert "0x4000" in (attempt.get("reason") or "") or "DC" in (attempt.get("reason") or ""), attempt
     assert server.executions("pay_invoice") == 1

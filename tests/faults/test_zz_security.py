@@ -114,9 +114,6 @@ def test_upstream_sees_only_the_derived_key_from_the_header(sec):
     assert e["upstream_key"] and len(e["upstream_key"]) == 64
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: a key sent in params._meta['dev.atmost/idempotency-key'] is "
-                   "forwarded verbatim in the body; the filter only replaces the header (src/call.rs), so the raw "
-                   "client key crosses to the upstream under the default hmac mode")
 def test_upstream_never_sees_the_raw_key_sent_in_meta(sec):
     p = sec.permit()
     key = new_key()
@@ -130,6 +127,8 @@ def test_upstream_never_sees_the_raw_key_sent_in_meta(sec):
     assert r.status_code == 200
     [e] = [e for e in sec.upstream.snapshot() if e["arguments"] == {"invoice": "meta-raw"}]
     assert KEY_META and key not in e["body"], "the raw key reached the upstream in params._meta"
+    # In its place the body carries the same derived key as the header.
+    assert json.loads(e["body"])["params"]["_meta"][KEY_META] == e["upstream_key"]
 
 
 def _logs_to_scan(log_dir: Path) -> list[Path]:

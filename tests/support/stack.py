@@ -44,6 +44,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ProcessExited(RuntimeError):
+    """A process being waited for has exited: waiting longer cannot help."""
+
+
 def wait_until(check, timeout: float, what: str, interval: float = 0.05):
     """Polls `check` until it returns a truthy value; raises after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -53,7 +57,9 @@ def wait_until(check, timeout: float, what: str, interval: float = 0.05):
             value = check()
             if value:
                 return value
-        except Exception as e:  # noqa: BLE001 - any failure means "not yet"
+        except ProcessExited:
+            raise
+        except Exception as e:  # noqa: BLE001 - any other failure means "not yet"
             last_error = e
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
@@ -139,7 +145,7 @@ class Ledger(Process):
 
     def _ready(self) -> bool:
         if not self.alive():
-            raise RuntimeError(f"ledger exited:\n{self.log_text()[-3000:]}")
+            raise ProcessExited(f"ledger exited:\n{self.log_text()[-3000:]}")
         return http_get(self.url + "/readyz")[0] == 200
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -284,7 +290,7 @@ class Envoy(Process):
 
     def _ready(self) -> bool:
         if not self.alive():
-            raise RuntimeError(f"envoy exited:\n{self.log_text()[-3000:]}")
+            raise ProcessExited(f"envoy exited:\n{self.log_text()[-3000:]}")
         return http_get(self.admin_url + "/ready")[0] == 200
 
     def stats(self) -> dict[str, int]:
