@@ -80,3 +80,64 @@ test-faults: setup wasm ledger
 clean:
 	$(CARGO) clean
 	rm -rf $(VENV) .run
+
+## Benchmarks, not part of `make test` (method and numbers: README, "Performance"):
+## B/N/S/C/D/Dr/E setups, the ledger alone, criterion micro-benchmarks, PASS/FAIL per target.
+## Writes target/bench/results.md and results.json. PostgreSQL as for the tests (WITH_PG).
+.PHONY: bench bench-tools
+OHA_VERSION := 1.16.0
+
+bench: setup wasm ledger-release bench-tools
+	$(WITH_PG) $(VPY) bench/run.py
+
+# wrk (Debian) for the ceilings; oha (crates.io, pinned) to cross-check the fixed-rate
+# latencies; the stubs, the load generator and the two reference wasm filters (bench/).
+bench-tools: rust-setup
+	@command -v wrk >/dev/null 2>&1 || apt-get install -y wrk
+	@test -x target/bench-tools/bin/oha || $(CARGO) install --locked --root target/bench-tools oha@$(OHA_VERSION)
+	cd bench && CARGO_TARGET_DIR=../target/bench $(CARGO) build --release -p atmost-bench-stub -p atmost-bench-load
+	cd bench && CARGO_TARGET_DIR=../target/bench $(CARGO) build --profile wasm --target wasm32-wasip1 -p bench-filter-noop -p bench-filter-callout
+
+## Fuzzing (fuzz/, cargo-fuzz + libFuzzer, AddressSanitizer). cargo-fuzz needs nightly
+## flags; stable rustc accepts them with RUSTC_BOOTSTRAP=1. FUZZ_SANITIZER=none if the
+## ASan runtime is missing. New inputs grow in fuzz/work/ (ignored); fuzz/corpus/ holds
+## the committed seeds, fuzz/regressions/ every input that ever crashed.
+.PHONY: fuzz fuzz-ci fuzz-setup fuzz-build fuzz-regressions
+CARGO_FUZZ_VERSION := 0.13.1
+FUZZ_TARGETS := mcp_body fingerprint sse plugin_config plugin_config_structured call_state_machine replay
+FUZZ_SECONDS ?= 300
+FUZZ_CI_SECONDS ?= 15
+FUZZ_SANITIZER ?= address
+# Debug assertions and overflow checks on: an overflow that wraps silently in the release
+# Wasm build is a crash here.
+FUZZ_FLAGS := --sanitizer $(FUZZ_SANITIZER) --debug-assertions
+CARGO_FUZZ := RUSTC_BOOTSTRAP=1 $(CARGO) fuzz
+
+fuzz-setup:
+	@$(CARGO) fuzz --version 2>/dev/null | grep -q ' $(CARGO_FUZZ_VERSION)$$' || \
+		$(CARGO) install cargo-fuzz --locked --version $(CARGO_FUZZ_VERSION)
+
+fuzz-build: fuzz-setup
+	cd fuzz && $(CARGO_FUZZ) build $(FUZZ_FLAGS)
+
+## The committed seeds and regression inputs, as plain tests and through the instrumented targets.
+fuzz-regressions: fuzz-build
+	cd fuzz && $(CARGO) test
+	@set -e; for t in $(FUZZ_TARGETS); do \
+		mkdir -p fuzz/regressions/$$t; \
+		(cd fuzz && $(CARGO_FUZZ) run $(FUZZ_FLAGS) $$t corpus/$$t regressions/$$t -- -runs=0); \
+	done
+
+# One target for SECONDS_EACH seconds; crashes land in fuzz/artifacts/<target>/.
+fuzz-run-%:
+	@mkdir -p fuzz/work/$*
+	cd fuzz && $(CARGO_FUZZ) run $(FUZZ_FLAGS) $* work/$* corpus/$* -- \
+		-max_total_time=$(SECONDS_EACH) -print_final_stats=1
+
+## Every target for FUZZ_SECONDS each (default 300), one after another.
+fuzz: fuzz-regressions
+	@set -e; for t in $(FUZZ_TARGETS); do $(MAKE) --no-print-directory fuzz-run-$$t SECONDS_EACH=$(FUZZ_SECONDS); done
+
+## CI: the regressions, then every target briefly (FUZZ_CI_SECONDS each).
+fuzz-ci: fuzz-regressions
+	@set -e; for t in $(FUZZ_TARGETS); do $(MAKE) --no-print-directory fuzz-run-$$t SECONDS_EACH=$(FUZZ_CI_SECONDS); done

@@ -71,6 +71,20 @@ impl Bytes {
 }
 
 #[derive(Arbitrary, Debug)]
+enum Status {
+    Ok,
+    /// Zero headers: the callout failed or timed out.
+    Failed,
+    Other(u16),
+}
+
+#[derive(Arbitrary, Debug)]
+enum Permit {
+    Valid,
+    Raw(Vec<Vec<u8>>),
+}
+
+#[derive(Arbitrary, Debug)]
 enum LedgerBody {
     Dispatch,
     Replay(Bytes),
@@ -83,7 +97,7 @@ enum LedgerBody {
 enum Ev {
     RequestHeaders {
         method: u8,
-        permits: Vec<Vec<u8>>,
+        permits: Permit,
         keys: Vec<Vec<u8>>,
         mcp_method: Option<String>,
         mcp_name: Option<String>,
@@ -94,16 +108,34 @@ enum Ev {
         session: Option<String>,
         resume: bool,
     },
-    RequestBody { size: u32, end_of_stream: bool },
+    RequestBody {
+        size: u32,
+        end_of_stream: bool,
+    },
     RequestBodyData(Bytes),
     RequestTrailers,
     CalloutFailed,
-    LedgerReply { status: Option<u16>, body: LedgerBody },
-    ResponseHeaders { content_type: u8, end_of_stream: bool },
-    ResponseBody { size: u32, end_of_stream: bool },
+    LedgerReply {
+        status: Status,
+        body: LedgerBody,
+    },
+    ResponseHeaders {
+        content_type: u8,
+        end_of_stream: bool,
+    },
+    ResponseBody {
+        size: u32,
+        end_of_stream: bool,
+    },
     ResponseTrailers,
-    ResponseBodyData { bytes: Bytes, end_of_stream: bool },
-    Log { attempts: Option<u8>, flags: Option<u64> },
+    ResponseBodyData {
+        bytes: Bytes,
+        end_of_stream: bool,
+    },
+    Log {
+        attempts: Option<u8>,
+        flags: Option<u64>,
+    },
 }
 
 #[derive(Default)]
@@ -133,40 +165,68 @@ fn kind(o: &Outcome) -> &'static str {
     }
 }
 
-fn ledger_reply(status: Option<u16>, body: &LedgerBody) -> (LedgerReply, bool) {
+fn ledger_reply(status: &Status, body: &LedgerBody) -> (LedgerReply, bool) {
     let (bytes, dispatch) = match body {
         LedgerBody::Dispatch => (
-            json!({"decision":"dispatch","attempt_id":"att-1","permit_id":"p-1","lease_ms":1000}).to_string().into_bytes(),
+            json!({"decision":"dispatch","attempt_id":"att-1","permit_id":"p-1","lease_ms":1000})
+                .to_string()
+                .into_bytes(),
             true,
         ),
         LedgerBody::Replay(r) => (
             json!({"decision":"replay","attempt_id":"att-0",
-                   "receipt": String::from_utf8_lossy(r.get(&RESPONSES))}).to_string().into_bytes(),
+                   "receipt": String::from_utf8_lossy(r.get(&RESPONSES))})
+            .to_string()
+            .into_bytes(),
             false,
         ),
         LedgerBody::Deny(c) => {
-            let codes = ["permit_invalid", "permit_max_calls_exceeded", "delivery_uncertain", "idempotency_key_conflict", "bogus_code"];
+            let codes = [
+                "permit_invalid",
+                "permit_max_calls_exceeded",
+                "delivery_uncertain",
+                "idempotency_key_conflict",
+                "bogus_code",
+            ];
             (
                 json!({"decision":"deny","code":codes[usize::from(*c) % codes.len()],"message":"no","data":{"tool":"pay","limit":1}}).to_string().into_bytes(),
                 false,
             )
         }
         LedgerBody::Acks(n) => {
-            let acks: Vec<&str> = (0..n % 3).map(|i| ["applied", "already_recorded", "conflict"][usize::from(i)]).collect();
+            let acks: Vec<&str> = (0..n % 3)
+                .map(|i| ["applied", "already_recorded", "conflict"][usize::from(i)])
+                .collect();
             (json!({"acks": acks}).to_string().into_bytes(), false)
         }
         LedgerBody::Raw(b) => (b.clone(), false),
     };
-    let status = status.map(u32::from);
-    (LedgerReply { status, body: bytes }, dispatch && status == Some(200))
+    let status = match status {
+        Status::Ok => Some(200),
+        Status::Failed => None,
+        Status::Other(n) => Some(u32::from(*n)),
+    };
+    (
+        LedgerReply {
+            status,
+            body: bytes,
+        },
+        dispatch && status == Some(200),
+    )
 }
 
 fn observe(w: &mut Watch, cfg: &Config, step: &Step, from_ledger: bool) {
     if w.answered {
-        assert!(step.callout.is_none(), "callout after a local reply: {step:?}");
+        assert!(
+            step.callout.is_none(),
+            "callout after a local reply: {step:?}"
+        );
         for e in &step.effects {
             assert!(
-                !matches!(e, Effect::LocalReply(_) | Effect::ResumeRequest | Effect::ResumeResponse),
+                !matches!(
+                    e,
+                    Effect::LocalReply(_) | Effect::ResumeRequest | Effect::ResumeResponse
+                ),
                 "{e:?} after a local reply"
             );
         }
@@ -234,13 +294,27 @@ fn body_step(w: &mut Watch, cfg: &Config, s: BodyStep) {
 }
 
 pub fn check(data: &[u8]) {
+    run(data);
+}
+
+/// What a run reached: (the request was dispatched, outcome reports made). Tests use it to
+/// show the committed corpus drives the machine past the ledger.
+pub fn reach(data: &[u8]) -> (bool, usize) {
+    run(data)
+}
+
+fn run(data: &[u8]) -> (bool, usize) {
     let mut u = Unstructured::new(data);
-    let Ok(ci) = u8::arbitrary(&mut u) else { return };
+    let Ok(ci) = u8::arbitrary(&mut u) else {
+        return (false, 0);
+    };
     let cfg = match Config::parse(CONFIGS[usize::from(ci) % CONFIGS.len()].as_bytes()) {
         Ok(c) => Rc::new(c),
         Err(e) => panic!("fuzz config refused: {e}"),
     };
-    let Ok(events) = Vec::<Ev>::arbitrary_take_rest(u) else { return };
+    let Ok(events) = Vec::<Ev>::arbitrary_take_rest(u) else {
+        return (false, 0);
+    };
     let mut call = Call::new(Rc::clone(&cfg));
     let mut w = Watch::default();
     let mut mirrored = Mirrored::default();
@@ -248,7 +322,19 @@ pub fn check(data: &[u8]) {
 
     for ev in events.iter().take(64) {
         match ev {
-            Ev::RequestHeaders { method, permits, keys, mcp_method, mcp_name, version, duplicated, content_length, end_of_stream, session, resume } => {
+            Ev::RequestHeaders {
+                method,
+                permits,
+                keys,
+                mcp_method,
+                mcp_name,
+                version,
+                duplicated,
+                content_length,
+                end_of_stream,
+                session,
+                resume,
+            } => {
                 mirrored = Mirrored {
                     method: mcp_method.clone(),
                     name: mcp_name.clone(),
@@ -256,19 +342,30 @@ pub fn check(data: &[u8]) {
                     duplicated: *duplicated,
                 };
                 let head = RequestHead {
-                    method: ["POST", "GET", "DELETE", "post", ""][usize::from(*method) % 5].to_string(),
-                    permit: permits.clone(),
+                    method: ["POST", "GET", "DELETE", "post", ""][usize::from(*method) % 5]
+                        .to_string(),
+                    permit: match permits {
+                        Permit::Valid => vec![b"tok-123".to_vec()],
+                        Permit::Raw(p) => p.clone(),
+                    },
                     idempotency_key: keys.clone(),
                     mirrored: mirrored.clone(),
                     content_length: *content_length,
                     end_of_stream: *end_of_stream,
                     session_id: session.clone(),
-                    resume: resume.then(|| Ticket { attempt_id: "att-r".into(), id: json!(7), tool: "pay".into() }),
+                    resume: resume.then(|| Ticket {
+                        attempt_id: "att-r".into(),
+                        id: json!(7),
+                        tool: "pay".into(),
+                    }),
                 };
                 let s = call.on_request_headers(head);
                 observe(&mut w, &cfg, &s, false);
             }
-            Ev::RequestBody { size, end_of_stream } => {
+            Ev::RequestBody {
+                size,
+                end_of_stream,
+            } => {
                 let s = call.on_request_body(*size as usize, *end_of_stream);
                 body_step(&mut w, &cfg, s);
             }
@@ -284,9 +381,16 @@ pub fn check(data: &[u8]) {
                 let was_reading = call.state_name() == "reading_body";
                 let s = call.on_request_body_data(body);
                 if was_reading && governed {
-                    assert_eq!(s.flow, Flow::Pause, "a governed tools/call continued unchecked");
-                    assert!(s.callout.is_some() || s.effects.iter().any(|e| matches!(e, Effect::LocalReply(_))),
-                        "a governed tools/call neither asked the ledger nor answered: {s:?}");
+                    assert_eq!(
+                        s.flow,
+                        Flow::Pause,
+                        "a governed tools/call continued unchecked"
+                    );
+                    assert!(
+                        s.callout.is_some()
+                            || s.effects.iter().any(|e| matches!(e, Effect::LocalReply(_))),
+                        "a governed tools/call neither asked the ledger nor answered: {s:?}"
+                    );
                 }
                 observe(&mut w, &cfg, &s, false);
             }
@@ -301,12 +405,15 @@ pub fn check(data: &[u8]) {
                 observe(&mut w, &cfg, &s, false);
             }
             Ev::LedgerReply { status, body } => {
-                let (reply, dispatch_ok) = ledger_reply(*status, body);
+                let (reply, dispatch_ok) = ledger_reply(status, body);
                 let authorizing = w.authorize_pending && call.state_name() == "authorizing";
                 let s = call.on_ledger_reply(&reply);
                 let resumes = s.effects.iter().any(|e| matches!(e, Effect::ResumeRequest));
                 if resumes {
-                    assert!(authorizing && dispatch_ok, "resumed without a dispatch decision");
+                    assert!(
+                        authorizing && dispatch_ok,
+                        "resumed without a dispatch decision"
+                    );
                     assert!(!w.resumed_request, "resumed twice");
                     w.resumed_request = true;
                     dispatched_reports_start = Some(w.reports.len());
@@ -317,15 +424,27 @@ pub fn check(data: &[u8]) {
                 w.outcomes_pending = false;
                 observe(&mut w, &cfg, &s, true);
             }
-            Ev::ResponseHeaders { content_type, end_of_stream } => {
-                let ct = [None, Some("application/json"), Some("text/event-stream; charset=utf-8"), Some("text/html"), Some("APPLICATION/JSON;x=1")];
+            Ev::ResponseHeaders {
+                content_type,
+                end_of_stream,
+            } => {
+                let ct = [
+                    None,
+                    Some("application/json"),
+                    Some("text/event-stream; charset=utf-8"),
+                    Some("text/html"),
+                    Some("APPLICATION/JSON;x=1"),
+                ];
                 let s = call.on_response_headers(ResponseHead {
                     content_type: ct[usize::from(*content_type) % ct.len()].map(str::to_string),
                     end_of_stream: *end_of_stream,
                 });
                 observe(&mut w, &cfg, &s, false);
             }
-            Ev::ResponseBody { size, end_of_stream } => {
+            Ev::ResponseBody {
+                size,
+                end_of_stream,
+            } => {
                 let s = call.on_response_body(*size as usize, *end_of_stream);
                 body_step(&mut w, &cfg, s);
             }
@@ -333,12 +452,18 @@ pub fn check(data: &[u8]) {
                 let s = call.on_response_trailers();
                 body_step(&mut w, &cfg, s);
             }
-            Ev::ResponseBodyData { bytes, end_of_stream } => {
+            Ev::ResponseBodyData {
+                bytes,
+                end_of_stream,
+            } => {
                 let s = call.on_response_body_data(bytes.get(&RESPONSES), *end_of_stream);
                 observe(&mut w, &cfg, &s, false);
             }
             Ev::Log { attempts, flags } => {
-                let s = call.on_log(LogProps { attempts: attempts.map(u64::from), flags: *flags });
+                let s = call.on_log(LogProps {
+                    attempts: attempts.map(u64::from),
+                    flags: *flags,
+                });
                 observe(&mut w, &cfg, &s, false);
             }
         }
@@ -349,10 +474,20 @@ pub fn check(data: &[u8]) {
     if let Some(start) = dispatched_reports_start {
         let reports = &w.reports[start..];
         if let Some(first) = reports.first() {
-            assert!(reports.iter().all(|k| k == first), "conflicting reports {reports:?}");
+            assert!(
+                reports.iter().all(|k| k == first),
+                "conflicting reports {reports:?}"
+            );
         }
-        if reports.iter().any(|k| *k != "released" && *k != "uncertain") {
-            assert!(!reports.contains(&"released"), "receipt then released: {reports:?}");
+        if reports
+            .iter()
+            .any(|k| *k != "released" && *k != "uncertain")
+        {
+            assert!(
+                !reports.contains(&"released"),
+                "receipt then released: {reports:?}"
+            );
         }
     }
+    (w.resumed_request, w.reports.len())
 }

@@ -168,7 +168,8 @@ fn rewrite_numbers(text: &str, form: Form) -> Option<String> {
             }
             b'-' | b'0'..=b'9' => {
                 let s = i;
-                while i < b.len() && matches!(b[i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9') {
+                while i < b.len() && matches!(b[i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9')
+                {
                     i += 1;
                 }
                 out.push_str(text.get(start_plain..s)?);
@@ -183,7 +184,9 @@ fn rewrite_numbers(text: &str, form: Form) -> Option<String> {
 }
 
 fn parse_args(text: &str) -> Option<Map<String, Value>> {
-    serde_json::from_str::<Value>(text).ok().map(|v| as_arguments(v).0)
+    serde_json::from_str::<Value>(text)
+        .ok()
+        .map(|v| as_arguments(v).0)
 }
 
 pub fn check(data: &[u8]) {
@@ -196,7 +199,11 @@ pub fn check(data: &[u8]) {
     let (args, is_object) = as_arguments(value);
     let f = fp(&args);
     assert_eq!(f.len(), 64);
-    assert!(f.bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)), "{f}");
+    assert!(
+        f.bytes()
+            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)),
+        "{f}"
+    );
 
     // Canonical form is a fixed point.
     let canon = match canonical(TOOL, &args) {
@@ -212,7 +219,11 @@ pub fn check(data: &[u8]) {
         other => panic!("canonical text lost the arguments: {other:?}"),
     };
     assert_eq!(back.get("tool"), Some(&Value::String(TOOL.into())));
-    assert_eq!(fp(&back_args), f, "canonical text re-read changes the fingerprint: {canon}");
+    assert_eq!(
+        fp(&back_args),
+        f,
+        "canonical text re-read changes the fingerprint: {canon}"
+    );
 
     // Key order, whitespace, string escapes.
     let mut rng = Rng::new(data);
@@ -242,14 +253,20 @@ pub fn check(data: &[u8]) {
     if is_object {
         for (id, meta) in [
             ("1", r#"{}"#),
-            (r#""req-x""#, r#"{"dev.atmost/idempotency-key":"k","progressToken":7}"#),
+            (
+                r#""req-x""#,
+                r#"{"dev.atmost/idempotency-key":"k","progressToken":7}"#,
+            ),
         ] {
             let body = format!(
                 r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"_meta":{meta},"arguments":{text},"name":"{TOOL}"}}}}"#
             );
             match mcp::parse(body.as_bytes(), &Mirrored::default()) {
                 Ok(Message::ToolCall(c)) => {
-                    assert_eq!(fingerprint(&c.name, &c.arguments).ok().as_deref(), Some(f.as_str()))
+                    assert_eq!(
+                        fingerprint(&c.name, &c.arguments).ok().as_deref(),
+                        Some(f.as_str())
+                    )
                 }
                 // A nesting depth the arguments alone did not reach can be refused.
                 Ok(Message::Other) => panic!("a tools/call body was read as another message"),

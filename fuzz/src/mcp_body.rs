@@ -40,7 +40,12 @@ fn parse(body: &[u8], m: &Mirrored) -> Result<Message, i64> {
     }
 }
 
-fn mirrored(method: Option<&str>, name: Option<&str>, version: Option<&str>, dup: bool) -> Mirrored {
+fn mirrored(
+    method: Option<&str>,
+    name: Option<&str>,
+    version: Option<&str>,
+    dup: bool,
+) -> Mirrored {
     Mirrored {
         method: method.map(str::to_string),
         name: name.map(str::to_string),
@@ -55,7 +60,12 @@ fn fixed_combinations() -> Vec<Mirrored> {
         mirrored(Some("tools/call"), None, None, false),
         mirrored(Some("tools/list"), None, None, false),
         mirrored(None, Some("pay_invoice"), None, false),
-        mirrored(Some("tools/call"), Some("pay_invoice"), Some(MIRRORING_VERSION), false),
+        mirrored(
+            Some("tools/call"),
+            Some("pay_invoice"),
+            Some(MIRRORING_VERSION),
+            false,
+        ),
         mirrored(None, None, Some(MIRRORING_VERSION), false),
         mirrored(None, None, Some("2025-03-26"), false),
         mirrored(None, None, Some(""), false),
@@ -92,7 +102,11 @@ fn check_idempotency_header(data: &[u8]) {
     let once = idempotency::parse_header_value(data);
     assert_eq!(once, idempotency::parse_header_value(data));
     if let Ok(k) = once {
-        assert!(!k.is_empty() && k.len() <= MAX_KEY_BYTES, "key length {}", k.len());
+        assert!(
+            !k.is_empty() && k.len() <= MAX_KEY_BYTES,
+            "key length {}",
+            k.len()
+        );
         assert!(k.bytes().all(|b| (0x20..=0x7e).contains(&b)), "{k:?}");
         // The sf-string form of the same key decodes to it.
         let mut quoted = String::from("\"");
@@ -104,7 +118,9 @@ fn check_idempotency_header(data: &[u8]) {
         }
         quoted.push('"');
         assert_eq!(
-            idempotency::parse_header_value(quoted.as_bytes()).ok().as_deref(),
+            idempotency::parse_header_value(quoted.as_bytes())
+                .ok()
+                .as_deref(),
             Some(k.as_str()),
             "quoted form {quoted:?}"
         );
@@ -115,7 +131,11 @@ pub fn check(data: &[u8]) {
     check_idempotency_header(data);
 
     let plain = parse(data, &Mirrored::default());
-    assert_eq!(plain, parse(data, &Mirrored::default()), "not deterministic");
+    assert_eq!(
+        plain,
+        parse(data, &Mirrored::default()),
+        "not deterministic"
+    );
 
     let call = match &plain {
         Ok(Message::ToolCall(c)) => {
@@ -129,7 +149,12 @@ pub fn check(data: &[u8]) {
     if let Some(c) = &call {
         // Matching headers, legacy and 2026-07-28.
         combos.push(mirrored(Some("tools/call"), Some(&c.name), None, false));
-        combos.push(mirrored(Some("tools/call"), Some(&c.name), Some(MIRRORING_VERSION), false));
+        combos.push(mirrored(
+            Some("tools/call"),
+            Some(&c.name),
+            Some(MIRRORING_VERSION),
+            false,
+        ));
     }
     for m in &combos {
         let r = parse(data, m);

@@ -46,23 +46,41 @@ struct Mutation {
     unknown_key: String,
 }
 
-const TOKEN: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789!#$%&'*+-.^_`|~";
+const TOKEN: &[u8] =
+    b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789!#$%&'*+-.^_`|~";
 const RESERVED: [&str; 9] = [
-    "authorization", "idempotency-key", "host", "content-length", "content-type",
-    "mcp-method", "mcp-name", "mcp-session-id", "mcp-protocol-version",
+    "authorization",
+    "idempotency-key",
+    "host",
+    "content-length",
+    "content-type",
+    "mcp-method",
+    "mcp-name",
+    "mcp-session-id",
+    "mcp-protocol-version",
 ];
 
 fn from_alphabet(bytes: &[u8], alphabet: &[u8]) -> String {
-    bytes.iter().map(|b| char::from(alphabet[usize::from(*b) % alphabet.len()])).collect()
+    bytes
+        .iter()
+        .map(|b| char::from(alphabet[usize::from(*b) % alphabet.len()]))
+        .collect()
 }
 
 fn printable(bytes: &[u8], with_space: bool) -> String {
     let lo = if with_space { 0x20 } else { 0x21 };
-    bytes.iter().map(|b| char::from(lo + b % (0x7f - lo))).collect()
+    bytes
+        .iter()
+        .map(|b| char::from(lo + b % (0x7f - lo)))
+        .collect()
 }
 
 fn nonempty(s: String, fallback: &str) -> String {
-    if s.is_empty() { fallback.to_string() } else { s }
+    if s.is_empty() {
+        fallback.to_string()
+    } else {
+        s
+    }
 }
 
 fn tools(list: &[String]) -> Vec<String> {
@@ -70,64 +88,115 @@ fn tools(list: &[String]) -> Vec<String> {
 }
 
 fn tool_set(list: &[String]) -> ToolSet {
-    if list.iter().any(|t| t == "*") { ToolSet::All } else { ToolSet::Only(list.to_vec()) }
+    if list.iter().any(|t| t == "*") {
+        ToolSet::All
+    } else {
+        ToolSet::Only(list.to_vec())
+    }
 }
 
 /// Paths a mutation may hit, with the kind of value the field holds.
 #[derive(Clone, Copy, PartialEq)]
-enum Kind { Str, Int { min: u64, max: u64 }, Tools, Obj }
+enum Kind {
+    Str,
+    Int { min: u64, max: u64 },
+    Tools,
+    Obj,
+}
 
 pub fn check(data: &[u8]) {
     let mut u = Unstructured::new(data);
-    let Ok(spec) = Spec::arbitrary(&mut u) else { return };
+    let Ok(spec) = Spec::arbitrary(&mut u) else {
+        return;
+    };
 
     // Build the valid configuration and what parse must read back.
     let cluster = nonempty(spec.cluster.clone(), "c");
-    let authority = spec.authority.as_ref().map(|a| nonempty(printable(a, false), "ledger"));
+    let authority = spec
+        .authority
+        .as_ref()
+        .map(|a| nonempty(printable(a, false), "ledger"));
     let timeout_ms = spec.timeout_ms.map(|t| 1 + u64::from(t) % 60_000);
     let service_token = nonempty(printable(&spec.service_token, true), "tok");
     let permit_header = spec.permit_header.as_ref().map(|p| {
         let h = nonempty(from_alphabet(p, TOKEN), "x-permit");
-        if RESERVED.contains(&h.to_ascii_lowercase().as_str()) { "x-permit".to_string() } else { h }
+        if RESERVED.contains(&h.to_ascii_lowercase().as_str()) {
+            "x-permit".to_string()
+        } else {
+            h
+        }
     });
     let governed = spec.governed_tools.as_ref().map(|g| {
         let t = tools(g);
-        if t.is_empty() { vec!["*".to_string()] } else { t }
+        if t.is_empty() {
+            vec!["*".to_string()]
+        } else {
+            t
+        }
     });
     let key_required = spec.key_required_tools.as_ref().map(|k| tools(k));
     let bytes_of = |n: Option<u32>| n.map(|n| 1 + u64::from(n) % MAX_MAX_BYTES);
-    let (max_body, max_receipt) = (bytes_of(spec.max_body_bytes), bytes_of(spec.max_receipt_bytes));
+    let (max_body, max_receipt) = (
+        bytes_of(spec.max_body_bytes),
+        bytes_of(spec.max_receipt_bytes),
+    );
     let report = spec.report_interval_ms.map(|r| 10 + u64::from(r) % 59_991);
 
     let mut ledger = Map::new();
     ledger.insert("cluster".into(), json!(cluster));
     ledger.insert("service_token".into(), json!(service_token));
-    if let Some(a) = &authority { ledger.insert("authority".into(), json!(a)); }
-    if let Some(t) = timeout_ms { ledger.insert("timeout_ms".into(), json!(t)); }
+    if let Some(a) = &authority {
+        ledger.insert("authority".into(), json!(a));
+    }
+    if let Some(t) = timeout_ms {
+        ledger.insert("timeout_ms".into(), json!(t));
+    }
     let mut root = Map::new();
     root.insert("ledger".into(), Value::Object(ledger));
     let (uk_json, uk_expected) = match &spec.upstream_key {
-        Uk::Hmac { explicit_mode, secret } => {
+        Uk::Hmac {
+            explicit_mode,
+            secret,
+        } => {
             let mut s = secret.clone();
-            while s.len() < 16 { s.push('s'); }
+            while s.len() < 16 {
+                s.push('s');
+            }
             let mut m = Map::new();
             m.insert("secret".into(), json!(s));
-            if *explicit_mode { m.insert("mode".into(), json!("hmac")); }
+            if *explicit_mode {
+                m.insert("mode".into(), json!("hmac"));
+            }
             (Value::Object(m), UpstreamKey::Hmac { secret: s })
         }
         Uk::Raw => (json!({"mode": "raw"}), UpstreamKey::Raw),
         Uk::Off => (json!({"mode": "off"}), UpstreamKey::Off),
     };
     root.insert("upstream_key".into(), uk_json);
-    if let Some(h) = &permit_header { root.insert("permit_header".into(), json!(h)); }
-    if let Some(g) = &governed { root.insert("governed_tools".into(), json!(g)); }
-    if let Some(k) = &key_required { root.insert("key_required_tools".into(), json!(k)); }
-    if let Some(e) = spec.denial_error {
-        root.insert("denial_format".into(), json!(if e { "error" } else { "result" }));
+    if let Some(h) = &permit_header {
+        root.insert("permit_header".into(), json!(h));
     }
-    if let Some(n) = max_body { root.insert("max_body_bytes".into(), json!(n)); }
-    if let Some(n) = max_receipt { root.insert("max_receipt_bytes".into(), json!(n)); }
-    if let Some(n) = report { root.insert("report_interval_ms".into(), json!(n)); }
+    if let Some(g) = &governed {
+        root.insert("governed_tools".into(), json!(g));
+    }
+    if let Some(k) = &key_required {
+        root.insert("key_required_tools".into(), json!(k));
+    }
+    if let Some(e) = spec.denial_error {
+        root.insert(
+            "denial_format".into(),
+            json!(if e { "error" } else { "result" }),
+        );
+    }
+    if let Some(n) = max_body {
+        root.insert("max_body_bytes".into(), json!(n));
+    }
+    if let Some(n) = max_receipt {
+        root.insert("max_receipt_bytes".into(), json!(n));
+    }
+    if let Some(n) = report {
+        root.insert("report_interval_ms".into(), json!(n));
+    }
 
     let expected = Config {
         ledger: atmost_filter::config::LedgerConfig {
@@ -136,11 +205,19 @@ pub fn check(data: &[u8]) {
             timeout_ms: timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS),
             service_token,
         },
-        permit_header: permit_header.unwrap_or_else(|| DEFAULT_PERMIT_HEADER.to_string()).to_ascii_lowercase(),
+        permit_header: permit_header
+            .unwrap_or_else(|| DEFAULT_PERMIT_HEADER.to_string())
+            .to_ascii_lowercase(),
         governed_tools: governed.as_deref().map_or(ToolSet::All, tool_set),
-        key_required_tools: key_required.as_deref().map_or(ToolSet::Only(Vec::new()), tool_set),
+        key_required_tools: key_required
+            .as_deref()
+            .map_or(ToolSet::Only(Vec::new()), tool_set),
         upstream_key: uk_expected,
-        denial_format: if spec.denial_error == Some(true) { DenialFormat::Error } else { DenialFormat::Result },
+        denial_format: if spec.denial_error == Some(true) {
+            DenialFormat::Error
+        } else {
+            DenialFormat::Result
+        },
         max_body_bytes: max_body.unwrap_or(DEFAULT_MAX_BYTES),
         max_receipt_bytes: max_receipt.unwrap_or(DEFAULT_MAX_BYTES),
         report_interval_ms: report.unwrap_or(DEFAULT_REPORT_INTERVAL_MS),
@@ -154,7 +231,13 @@ pub fn check(data: &[u8]) {
             ("ledger", Kind::Obj),
             ("ledger.cluster", Kind::Str),
             ("ledger.authority", Kind::Str),
-            ("ledger.timeout_ms", Kind::Int { min: 1, max: 60_000 }),
+            (
+                "ledger.timeout_ms",
+                Kind::Int {
+                    min: 1,
+                    max: 60_000,
+                },
+            ),
             ("ledger.service_token", Kind::Str),
             ("permit_header", Kind::Str),
             ("governed_tools", Kind::Tools),
@@ -162,9 +245,27 @@ pub fn check(data: &[u8]) {
             ("upstream_key", Kind::Obj),
             ("upstream_key.mode", Kind::Str),
             ("denial_format", Kind::Str),
-            ("max_body_bytes", Kind::Int { min: 1, max: MAX_MAX_BYTES }),
-            ("max_receipt_bytes", Kind::Int { min: 1, max: MAX_MAX_BYTES }),
-            ("report_interval_ms", Kind::Int { min: 10, max: 60_000 }),
+            (
+                "max_body_bytes",
+                Kind::Int {
+                    min: 1,
+                    max: MAX_MAX_BYTES,
+                },
+            ),
+            (
+                "max_receipt_bytes",
+                Kind::Int {
+                    min: 1,
+                    max: MAX_MAX_BYTES,
+                },
+            ),
+            (
+                "report_interval_ms",
+                Kind::Int {
+                    min: 10,
+                    max: 60_000,
+                },
+            ),
             ("", Kind::Obj), // an unknown top-level field
         ];
         if hmac {
@@ -179,7 +280,10 @@ pub fn check(data: &[u8]) {
                 expect_field = Some(k);
                 (Value::Null, String::new())
             }
-            Kind::Obj => ([json!(null), json!(1), json!("x"), json!([])][b % 4].clone(), path.to_string()),
+            Kind::Obj => (
+                [json!(null), json!(1), json!("x"), json!([])][b % 4].clone(),
+                path.to_string(),
+            ),
             Kind::Str => {
                 // Wrong types, and strings every string field refuses (empty / a space for
                 // the header-like ones / a bad enum value).
@@ -199,8 +303,20 @@ pub fn check(data: &[u8]) {
                 (v, path.to_string())
             }
             Kind::Int { min, max } => {
-                let v = [json!(-1), json!(1.5), json!("10"), json!(max + 1), json!(u64::MAX), json!(null)][b % 6].clone();
-                let v = if b % 6 == 5 && min > 0 { json!(min - 1) } else { v };
+                let v = [
+                    json!(-1),
+                    json!(1.5),
+                    json!("10"),
+                    json!(max + 1),
+                    json!(u64::MAX),
+                    json!(null),
+                ][b % 6]
+                    .clone();
+                let v = if b % 6 == 5 && min > 0 {
+                    json!(min - 1)
+                } else {
+                    v
+                };
                 (v, path.to_string())
             }
             Kind::Tools => {

@@ -17,7 +17,10 @@ use serde_json::Value;
 
 fn check_rewrite(receipt: &str, id: &Value) {
     let Ok(out) = replay::rewrite(receipt, id) else {
-        assert!(!matches!(serde_json::from_str::<Value>(receipt), Ok(Value::Object(_))));
+        assert!(!matches!(
+            serde_json::from_str::<Value>(receipt),
+            Ok(Value::Object(_))
+        ));
         return;
     };
     let stored: Value = match serde_json::from_str(receipt) {
@@ -85,7 +88,10 @@ pub fn check(data: &[u8]) {
         assert_response_to(r, &id);
         let _ = receipt::kind_of(r);
         check_rewrite(r, &id);
-        assert!(replay::rewrite(r, &id).is_ok(), "a captured receipt does not replay: {r}");
+        assert!(
+            replay::rewrite(r, &id).is_ok(),
+            "a captured receipt does not replay: {r}"
+        );
     }
 
     // The same bytes as an SSE stream, whole and in two pieces.
@@ -102,7 +108,11 @@ pub fn check(data: &[u8]) {
     };
     let whole = run(&[rest]);
     let mid = rest.len() / 2;
-    assert_eq!(whole, run(&[&rest[..mid], &rest[mid..]]), "SSE capture depends on the split");
+    assert_eq!(
+        whole,
+        run(&[&rest[..mid], &rest[mid..]]),
+        "SSE capture depends on the split"
+    );
     if let Some(r) = &whole {
         assert_response_to(r, &id);
         check_rewrite(r, &id);

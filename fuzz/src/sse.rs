@@ -130,7 +130,8 @@ pub fn check(data: &[u8]) {
     // Splits must not matter even with empty chunks in between.
     let with_empty = feed_chunks(
         max,
-        cuts.windows(2).flat_map(|w| [&stream[w[0]..w[1]], &b""[..]]),
+        cuts.windows(2)
+            .flat_map(|w| [&stream[w[0]..w[1]], &b""[..]]),
     );
     assert_eq!(whole, with_empty);
 
@@ -142,6 +143,10 @@ pub fn check(data: &[u8]) {
         assert!(!id.contains(['\r', '\n', '\0']), "last event id {id:?}");
     }
     if res.is_ok() {
-        assert_eq!((events, last_id), reference(stream), "differs from the reference");
+        assert_eq!(
+            (events, last_id),
+            reference(stream),
+            "differs from the reference"
+        );
     }
 }
