@@ -371,6 +371,12 @@ impl Config {
                         }
                         UpstreamKey::Hmac { secret }
                     }
+                    "raw" | "off" if uk.map.contains_key("secret") => {
+                        return Err(err(
+                            "upstream_key.secret",
+                            format!("is only used with mode `hmac`, not `{mode}`: remove it"),
+                        ))
+                    }
                     "raw" => UpstreamKey::Raw,
                     "off" => UpstreamKey::Off,
                     _ => {
@@ -564,6 +570,10 @@ pub(crate) mod tests {
             (
                 with(&["upstream_key", "mode"], json!("plain")),
                 "upstream_key.mode",
+            ),
+            (
+                with(&["upstream_key", "mode"], json!("raw")),
+                "upstream_key.secret",
             ),
             (
                 with(&["upstream_key", "sekret"], json!("x")),
