@@ -7,6 +7,8 @@ Every setup runs on this machine, in this run, against the same stub upstream
   B   plain Envoy (the shipped sidecar config without the wasm filter)
   N   Envoy + a no-op Rust proxy-wasm filter (bench/filters/noop)
   S   Envoy + a filter making one HTTP/2 callout per request to a static stub (bench/filters/callout)
+  S2  the same filter making a second callout before releasing the response's last chunk: the
+      floor of "authorize, then report completion in-band" (two callouts per call)
   C   atmost, non-tool MCP traffic (initialize, tools/list in turn)
   D   atmost + ledger on the embedded store (SQLite), tools/call with fresh keys
   Dr  D with one repeated key (replays)
@@ -18,9 +20,11 @@ CPU-seconds per 1000 requests of each process over the ceiling run, peak RSS (Vm
 Then the ledger alone (authorize + completed report pairs over h2c), criterion
 micro-benchmarks, the module size; writes target/bench/results.{md,json}, prints PASS/FAIL.
 
-Environment: BENCH_SECONDS (ceiling run, default 8), BENCH_RATE_SECONDS (each fixed rate,
+Environment: BENCH_SECONDS (one ceiling run, default 6), BENCH_REPEATS (ceiling runs, best
+kept, default 3), BENCH_RATE_SECONDS (each fixed rate,
 default 5), BENCH_LEDGER_SECONDS (default 8), BENCH_SETUPS (e.g. "B,N,D"), BENCH_CRITERION=0
-to skip criterion, DATABASE_URL (E and the ledger-on-PostgreSQL numbers; skipped if unset).
+to skip criterion, BENCH_OUT (output directory), BENCH_LEDGER_BIN (another `atmost` build, to
+compare a change), DATABASE_URL (E and the ledger-on-PostgreSQL numbers; skipped if unset).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))
 import stack  # noqa: E402  (the e2e suites' process wrappers and sidecar_config)
 import yaml  # noqa: E402
 
-OUT = ROOT / "target" / "bench"
+OUT = Path(os.environ.get("BENCH_OUT", ROOT / "target" / "bench"))
 RUN = OUT / "run"
 TOOLS = ROOT / "target" / "bench" / "release"
 STUB = TOOLS / "atmost-bench-stub"
@@ -51,12 +55,13 @@ WASM_DIR = ROOT / "target" / "bench" / "wasm32-wasip1" / "wasm"
 NOOP_WASM = WASM_DIR / "bench_filter_noop.wasm"
 CALLOUT_WASM = WASM_DIR / "bench_filter_callout.wasm"
 ATMOST_WASM = stack.WASM
-LEDGER_BIN = ROOT / "target" / "release" / "atmost"
+LEDGER_BIN = Path(os.environ.get("BENCH_LEDGER_BIN", ROOT / "target" / "release" / "atmost"))
 ENVOY = Path(sys.executable).parent / "envoy"
 LUA = ROOT / "bench" / "lua" / "post.lua"
 OHA = shutil.which("oha") or str(ROOT / "target" / "bench-tools" / "bin" / "oha")
 
-SECONDS = float(os.environ.get("BENCH_SECONDS", "8"))
+SECONDS = float(os.environ.get("BENCH_SECONDS", "6"))
+REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
 RATE_SECONDS = float(os.environ.get("BENCH_RATE_SECONDS", "5"))
 LEDGER_SECONDS = float(os.environ.get("BENCH_LEDGER_SECONDS", "8"))
 WRK_CONNECTIONS = 32
@@ -72,12 +77,13 @@ LIST = '{"jsonrpc":"2.0","id":2,"method":"tools/list","params":{}}'
 CALL_FRESH = '{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"echo","arguments":{"text":"{SEQ}"},"_meta":{"dev.atmost/idempotency-key":"{SEQ}"}}}'
 CALL_REPLAY = '{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"echo","arguments":{"text":"same"},"_meta":{"dev.atmost/idempotency-key":"replay-' + STAMP + '"}}}'
 
-BODIES = {"B": [CALL_FRESH], "N": [CALL_FRESH], "S": [CALL_FRESH], "C": [INIT, LIST],
+BODIES = {"B": [CALL_FRESH], "N": [CALL_FRESH], "S": [CALL_FRESH], "S2": [CALL_FRESH], "C": [INIT, LIST],
           "D": [CALL_FRESH], "Dr": [CALL_REPLAY], "E": [CALL_FRESH]}
 DESCRIPTION = {
     "B": "plain Envoy",
     "N": "Envoy + no-op wasm filter",
     "S": "Envoy + wasm filter, one HTTP/2 callout per request (static stub)",
+    "S2": "Envoy + wasm filter, two callouts per request (before the request, before the last response chunk)",
     "C": "atmost, non-tool MCP traffic (initialize, tools/list)",
     "D": "atmost, tools/call, fresh keys, ledger on SQLite",
     "Dr": "atmost, tools/call, one repeated key (replays), SQLite",
@@ -174,12 +180,12 @@ class Envoy(stack.Process):
         stack.wait_until(lambda: self.alive() and stack.http_get(self.admin + "/ready")[0] == 200, 30,
                          f"envoy {self.name} (log: {self.log_path})")
 
-    def stats(self, needle: str) -> dict[str, int]:
+    def stats(self, *prefixes: str) -> dict[str, int]:
         text = stack.http_get(self.admin + "/stats?usedonly")[1].decode()
         out = {}
         for line in text.splitlines():
             name, _, value = line.partition(": ")
-            if needle in name and value.strip().isdigit():
+            if name.startswith(prefixes) and value.strip().isdigit():
                 out[name] = int(value)
         return out
 
@@ -194,12 +200,25 @@ def start_ledger(name: str, store: str | None) -> stack.Ledger:
     data = RUN / f"data-{name}"
     shutil.rmtree(data, ignore_errors=True)
     data.mkdir(parents=True)
-    extra = ["--store", store] if store else []
+    # PostgreSQL: a fresh schema per ledger, like the fresh SQLite file (dropped at the end).
+    extra = ["--store", store, "--pg-schema", pg_schema(name)] if store else []
     os.environ["ATMOST_BIN"] = str(LEDGER_BIN)
     ledger = stack.Ledger(RUN, data, service_token=SERVICE_TOKEN, admin_token=ADMIN_TOKEN,
                           extra_args=extra, name=f"ledger-{name}")
     ledger.start()
     return ledger
+
+
+def pg_schema(name: str) -> str:
+    return re.sub(r"[^a-z0-9_]", "_", f"atmost_bench_{STAMP}_{name}".lower())
+
+
+def drop_pg_schemas(url: str, names: list[str]) -> None:
+    if not shutil.which("psql"):
+        return
+    for n in names:
+        subprocess.run(["psql", url, "-qc", f"DROP SCHEMA IF EXISTS {pg_schema(n)} CASCADE"],
+                       capture_output=True, timeout=60)
 
 
 # ---------------------------------------------------------------- load
@@ -259,11 +278,18 @@ def run_setup(name: str, envoy: Envoy, procs: Procs, b_ceiling: float | None, pe
     if name == "Dr":  # the one key completes first; every later call is a replay
         fixed_rate(envoy.url, bodies, 10, prefix + "-prime", permit)
     wrk(envoy.url, bodies, 2, prefix + "-warm", permit)
-    before = procs.cpu()
-    ceiling = wrk(envoy.url, bodies, SECONDS, prefix + "-ceil", permit)
-    after = procs.cpu()
-    n = max(ceiling["requests"], 1)
-    cpu = {p: round((after[p] - before[p]) / n * 1000, 4) for p in after}
+    # The best of REPEATS ceiling runs: on a shared machine a run that overlapped someone
+    # else's burst is low; every run is kept in the JSON. CPU is from the best run.
+    tries = []
+    for i in range(REPEATS):
+        before = procs.cpu()
+        run = wrk(envoy.url, bodies, SECONDS, f"{prefix}-ceil{i}", permit)
+        after = procs.cpu()
+        n = max(run["requests"], 1)
+        run["cpu"] = {p: round((after[p] - before[p]) / n * 1000, 4) for p in after}
+        tries.append(run)
+    ceiling = max(tries, key=lambda r: r["rps"])
+    cpu = ceiling.pop("cpu")
     rates = {}
     base = b_ceiling or ceiling["rps"]
     for f in FRACTIONS:
@@ -271,8 +297,10 @@ def run_setup(name: str, envoy: Envoy, procs: Procs, b_ceiling: float | None, pe
     result = {
         "setup": name, "description": DESCRIPTION[name], "ceiling_rps": ceiling["rps"],
         "ceiling": {k: v for k, v in ceiling.items() if k != "raw"},
+        "ceiling_runs_rps": [t["rps"] for t in tries],
         "rates": rates, "cpu_s_per_1000": cpu, "peak_rss_mib": procs.hwm_mib(),
-        "envoy_memory": envoy.memory(), "envoy_stats": envoy.stats("atmost") | envoy.stats("wasm"),
+        "envoy_memory": envoy.memory(), "envoy_stats": envoy.stats("wasmcustom.", "wasm.", "cluster.atmost_ledger.upstream_rq_",
+                                   "cluster.mcp_upstream.upstream_rq_total"),
     }
     log(f"{name}: ceiling {ceiling['rps']:.0f} rps; " + ", ".join(
         f"{k}: p50 {v.get('p50_us', 0) / 1000:.2f} ms p99 {v.get('p99_us', 0) / 1000:.2f} ms"
@@ -337,6 +365,10 @@ def pct(v: dict, k: str) -> str:
     return f"{v.get(k, 0) / 1000:.2f}"
 
 
+def runs(v: dict) -> str:
+    return ", ".join(f"{r:.0f}" for r in v.get("ceiling_runs_rps", []))
+
+
 def machine() -> dict:
     model = ""
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -345,7 +377,21 @@ def machine() -> dict:
             break
     mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
     envoy_version = subprocess.run([str(ENVOY), "--version"], capture_output=True, text=True).stdout.strip()
+    # The embedded store commits with fsync: how long one takes on the data directory's disk.
+    RUN.mkdir(parents=True, exist_ok=True)
+    probe = RUN / "fsync.probe"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    times = []
+    for _ in range(100):
+        os.write(fd, b"x" * 4096)
+        t = time.perf_counter()
+        os.fdatasync(fd)
+        times.append(time.perf_counter() - t)
+    os.close(fd)
+    probe.unlink()
+    times.sort()
     return {"nproc": os.cpu_count(), "cpu": model, "memory_gib": round(mem_kib / 1024 / 1024, 1),
+            "fdatasync_p50_ms": round(times[50] * 1000, 3), "fdatasync_p99_ms": round(times[98] * 1000, 3),
             "kernel": os.uname().release, "envoy": envoy_version.split("version:")[-1].strip()[:80],
             "load_before": os.getloadavg()}
 
@@ -380,18 +426,19 @@ def write_report(res: dict) -> list[tuple[str, bool, str]]:
     m = res["machine"]
     lines = ["# atmost benchmarks", "",
              f"Machine: {m['nproc']} vCPU ({m['cpu']}), {m['memory_gib']} GiB, Linux {m['kernel']}; "
-             f"Envoy {m['envoy']}, `--concurrency 1`. Load average before the run: "
+             f"Envoy {m['envoy']}, `--concurrency 1`. fdatasync on the data directory's disk: p50 "
+             f"{m['fdatasync_p50_ms']} ms, p99 {m['fdatasync_p99_ms']} ms. Load average before the run: "
              f"{', '.join(f'{x:.2f}' for x in m['load_before'])}.", "",
-             f"Ceiling: wrk, 1 thread, {WRK_CONNECTIONS} connections, {SECONDS:g} s. Fixed rates: bench/loadgen, "
+             f"Ceiling: wrk, 1 thread, {WRK_CONNECTIONS} connections, best of {REPEATS} runs of {SECONDS:g} s. Fixed rates: bench/loadgen, "
              f"open loop, {RATE_CONNECTIONS} connections, {RATE_SECONDS:g} s each, latency from each request's due "
-             "time (coordinated omission corrected). CPU over the ceiling run.", "",
+             "time (coordinated omission corrected). CPU over the best ceiling run.", "",
              "## Throughput", "",
-             "| setup | what | ceiling (req/s) | × B | × N | × S |", "|---|---|---:|---:|---:|---:|"]
+             "| setup | what | ceiling (req/s) | × B | × N | × S | all runs |", "|---|---|---:|---:|---:|---:|---|"]
     for k, v in s.items():
         n, sv = ceil.get("N"), ceil.get("S")
         lines.append(f"| {k} | {v['description']} | {v['ceiling_rps']:.0f} | {v['ceiling_rps'] / B:.2f} | "
-                     f"{v['ceiling_rps'] / n:.2f} | {v['ceiling_rps'] / sv:.2f} |" if n and sv else
-                     f"| {k} | {v['description']} | {v['ceiling_rps']:.0f} | {v['ceiling_rps'] / B:.2f} | | |")
+                     f"{v['ceiling_rps'] / n:.2f} | {v['ceiling_rps'] / sv:.2f} | {runs(v)} |" if n and sv else
+                     f"| {k} | {v['description']} | {v['ceiling_rps']:.0f} | {v['ceiling_rps'] / B:.2f} | | | {runs(v)} |")
     lines += ["", "## Latency at fixed rates (ms; p50 / p99 / p99.9)", "",
               "| setup | " + " | ".join(f"{int(f * 100)}% of B = {B * f:.0f}/s" for f in FRACTIONS) + " |",
               "|---|" + "---|" * len(FRACTIONS)]
@@ -415,7 +462,7 @@ def write_report(res: dict) -> list[tuple[str, bool, str]]:
     for k, v in s.items():
         lines.append(f"| {k} | " + " | ".join(str(v["cpu_s_per_1000"].get(p, "")) for p in names) + " | "
                      + " | ".join(str(v["peak_rss_mib"].get(p, "")) for p in names) + " |")
-    lines += ["", "## Filter memory per worker", ""]
+    lines += ["", "## Filter memory per worker; ledger callouts per call", ""]
     b_rss = s.get("B", {}).get("peak_rss_mib", {}).get("envoy")
     for k, v in s.items():
         mem = v.get("envoy_memory", {})
@@ -424,6 +471,14 @@ def write_report(res: dict) -> list[tuple[str, bool, str]]:
         lines.append(f"- {k}: Envoy peak RSS {rss} MiB{extra}; heap allocated "
                      f"{int(mem.get('allocated', 0)) / 1048576:.1f} MiB; "
                      f"V8 VMs active: {v['envoy_stats'].get('wasm.envoy.wasm.runtime.v8.active', '-')}")
+    for k, v in s.items():
+        st = v["envoy_stats"]
+        calls = st.get("wasmcustom.atmost_dispatched", 0) + st.get("wasmcustom.atmost_replayed", 0)
+        if calls:
+            lines.append(f"- {k}: ledger callouts per governed tools/call: "
+                         f"{st.get('cluster.atmost_ledger.upstream_rq_total', 0) / calls:.2f} "
+                         f"(dispatched {st.get('wasmcustom.atmost_dispatched', 0)}, replayed "
+                         f"{st.get('wasmcustom.atmost_replayed', 0)}, denied {st.get('wasmcustom.atmost_denied', 0)})")
     lines += ["", "(With `--concurrency 1` Envoy holds two VMs of the module: the main thread's and the "
                   "worker's; the RSS difference to B is both plus V8 itself.)"]
     lines += ["", "## Ledger alone (authorize + completed report pairs, h2c, 64 in flight)", "",
@@ -457,7 +512,7 @@ def main() -> int:
     if not shutil.which("wrk"):
         log("wrk is missing (Debian: apt-get install wrk)")
         return 2
-    wanted = os.environ.get("BENCH_SETUPS", "B,N,S,C,D,Dr,E").split(",")
+    wanted = os.environ.get("BENCH_SETUPS", "B,N,S,S2,C,D,Dr,E").split(",")
     pg_url = os.environ.get("DATABASE_URL")
     res: dict = {"machine": machine(), "setups": {}, "ledger_alone": {}, "pending": [],
                  "wasm_bytes": ATMOST_WASM.stat().st_size}
@@ -468,7 +523,7 @@ def main() -> int:
     stack.wait_until(lambda: stack.http_get(f"http://127.0.0.1:{mcp_port}/")[0] in (200, 400), 10, "stub")
     running: list[stack.Process] = [stub]
     try:
-        for name in ("B", "N", "S", "C", "D", "Dr", "E"):
+        for name in ("B", "N", "S", "S2", "C", "D", "Dr", "E"):
             if name not in wanted:
                 continue
             if name == "E" and not pg_url:
@@ -481,9 +536,11 @@ def main() -> int:
                 ledger = start_ledger(name, pg_url if name == "E" else None)
                 running.append(ledger)
                 permit = ledger.create_permit("--tools", "*", label=f"bench-{name}")["token"]
-            wasm = {"B": None, "N": NOOP_WASM, "S": CALLOUT_WASM}.get(name, ATMOST_WASM)
-            envoy = Envoy(name, wasm, mcp_port, ledger.port if ledger else callout_port,
-                          {"ledger": {"service_token": SERVICE_TOKEN}})
+            wasm = {"B": None, "N": NOOP_WASM, "S": CALLOUT_WASM, "S2": CALLOUT_WASM}.get(name, ATMOST_WASM)
+            overrides = {"ledger": {"service_token": SERVICE_TOKEN}}
+            if name == "S2":
+                overrides["two_callouts"] = True
+            envoy = Envoy(name, wasm, mcp_port, ledger.port if ledger else callout_port, overrides)
             envoy.start()
             running.append(envoy)
             procs.add("envoy", [envoy.proc.pid])
@@ -509,6 +566,8 @@ def main() -> int:
     finally:
         for p in reversed(running):
             p.stop()
+        if pg_url:
+            drop_pg_schemas(pg_url, ["E", "alone-postgres"])
     res["criterion"] = criterion()
     (OUT / "results.json").write_text(json.dumps(res, indent=1, default=str))
     checks = write_report(res)

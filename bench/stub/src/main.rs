@@ -113,7 +113,9 @@ async fn main() {
             "--callout" => false,
             _ => usage(),
         };
-        let Ok(port) = port.parse::<u16>() else { usage() };
+        let Ok(port) = port.parse::<u16>() else {
+            usage()
+        };
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
         let listener = match TcpListener::bind(addr).await {
             Ok(l) => l,
