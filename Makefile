@@ -8,11 +8,16 @@ VPY := $(VENV)/bin/python
 WASM := target/wasm32-wasip1/release/atmost_filter.wasm
 CARGO ?= cargo
 
+.PHONY: oci-tools
 .PHONY: all run test test-unit test-e2e test-faults lint fmt ts-deps wasm ledger ledger-release setup rust-setup venv clean oci
 
 all: wasm ledger-release
 
-setup: rust-setup venv
+setup: rust-setup venv oci-tools
+
+# skopeo (Debian) reads and copies OCI images: it checks what `make oci` builds.
+oci-tools:
+	@command -v skopeo >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq skopeo; }
 
 rust-setup:
 	@rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
@@ -36,8 +41,10 @@ wasm: rust-setup
 
 ## The filter as an OCI image for Istio (compat variant: one layer with plugin.wasm), reproducible:
 ## target/oci/atmost-filter/ (OCI layout), target/oci/atmost-filter.tar, target/oci/atmost-filter.digest.
-oci: wasm
+oci: wasm oci-tools
 	$(PYTHON) scripts/oci_image.py --wasm $(WASM) --out target/oci
+	@# A standard OCI tool must read the image and see the same manifest digest.
+	@test "$$(skopeo inspect --format '{{.Digest}}' oci:target/oci/atmost-filter)" = "$$(cat target/oci/atmost-filter.digest)"
 
 ledger:
 	$(CARGO) build -p atmost-ledger

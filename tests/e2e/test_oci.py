@@ -118,3 +118,24 @@ def test_make_oci_runs_the_packager():
     result = subprocess.run(["make", "-n", "oci"], capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "scripts/oci_image.py" in result.stdout and "target/oci" in result.stdout
+
+
+def test_skopeo_reads_the_image_and_keeps_its_digest_on_copy(builds, tmp_path):
+    """A standard OCI tool (skopeo, from Debian) sees the digest we document, and copying
+    the image, as a push to a registry would, keeps it."""
+    (digest, out), _ = builds
+    layout = out / NAME
+    inspected = subprocess.run(["skopeo", "inspect", "--format", "{{.Digest}}", f"oci:{layout}"],
+                               capture_output=True, text=True, timeout=60)
+    assert inspected.returncode == 0, inspected.stderr
+    assert inspected.stdout.strip() == digest
+    copied = tmp_path / "copy"
+    result = subprocess.run(["skopeo", "copy", "--preserve-digests", f"oci:{layout}", f"oci:{copied}:0.1.0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    again = subprocess.run(["skopeo", "inspect", "--format", "{{.Digest}}", f"oci:{copied}:0.1.0"],
+                           capture_output=True, text=True, timeout=60)
+    assert again.stdout.strip() == digest
+    archive = subprocess.run(["skopeo", "inspect", "--format", "{{.Digest}}", f"oci-archive:{out / (NAME + '.tar')}"],
+                             capture_output=True, text=True, timeout=60)
+    assert archive.returncode == 0 and archive.stdout.strip() == digest, archive.stderr
