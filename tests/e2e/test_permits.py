@@ -1,12 +1,11 @@
 """Permits bound what an agent can spend: caps, budgets, expiry, scope, and the uncertain path."""
 
-import concurrent.futures
 import time
 
 import pytest
 
 from tests.e2e.conftest import new_key
-from tests.support.mcp_raw import RawMcp, denial, denial_code, result_text
+from tests.support.mcp_raw import RawMcp, denial, denial_code, race_new_keys, result_text, worker_connections
 from tests.support.stack import Envoy, free_port, wait_until
 from tests.support.tcp_proxy import TcpProxy
 
@@ -28,25 +27,15 @@ def wait_for_state(ledger, permit_id: str, state: str, count: int = 1) -> list[d
 
 def test_cap_of_one_under_32_concurrent_new_keys_on_both_workers(gateway, server, ledger):
     permit = ledger.create_permit("--max-calls", "pay_invoice=1")
-    worker_stats = [f"listener.127.0.0.1_{gateway.port}.worker_{w}.downstream_cx_total" for w in (0, 1)]
-    before = [gateway.stat(s) for s in worker_stats]
-
-    def one_call(i: int):
-        c = RawMcp(gateway.url)  # one connection each, so the kernel spreads them over both workers
-        try:
-            return c.call("pay_invoice", {"invoice": f"race-{i}", "amount": 1}, permit["token"], new_key())
-        finally:
-            c.close()
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=32) as pool:
-        answers = list(pool.map(one_call, range(32)))
+    before = worker_connections(gateway)
+    answers = race_new_keys(gateway.url, permit["token"], "pay_invoice", 32, "race", new_key)
     codes = [denial_code(a) for a in answers]
     assert codes.count(None) == 1, [a.text for a in answers if denial_code(a) not in (None, "permit_max_calls_exceeded")]
     assert codes.count("permit_max_calls_exceeded") == 31
     refused = denial(answers[codes.index("permit_max_calls_exceeded")])
     assert (refused["tool"], refused["limit"], refused["calls_made"]) == ("pay_invoice", 1, 1)
     assert server.executions("pay_invoice") == 1
-    after = [gateway.stat(s) for s in worker_stats]
+    after = worker_connections(gateway)
     assert all(a > b for a, b in zip(after, before)), f"both Envoy workers must take calls: {before} -> {after}"
 
 

@@ -4,7 +4,6 @@ These tests need DATABASE_URL (`make test` provides it, see scripts/with-postgre
 they fail; they never skip.
 """
 
-import concurrent.futures
 import os
 import re
 import shutil
@@ -16,7 +15,7 @@ import pytest
 import yaml
 
 from tests.e2e.conftest import new_key
-from tests.support.mcp_raw import RawMcp, denial, denial_code, result_text
+from tests.support.mcp_raw import RawMcp, denial, denial_code, race_new_keys, result_text, worker_connections
 from tests.support.stack import Envoy, Ledger, http_get, wait_until
 
 
@@ -89,19 +88,9 @@ def test_cap_of_one_across_two_replicas_and_two_workers_executes_once(replicated
     gateway = replicated_gateway
     first, second = replicas
     permit = first.create_permit("--max-calls", "pay_invoice=1")
-    worker_stats = [f"listener.127.0.0.1_{gateway.port}.worker_{w}.downstream_cx_total" for w in (0, 1)]
-    workers_before = [gateway.stat(s) for s in worker_stats]
+    workers_before = worker_connections(gateway)
     served_before = [total(authorize_counts(r)) for r in replicas]
-
-    def one_call(i: int):
-        c = RawMcp(gateway.url)  # one connection each, so the kernel spreads them over both workers
-        try:
-            return c.call("pay_invoice", {"invoice": f"replica-race-{i}", "amount": 1}, permit["token"], new_key())
-        finally:
-            c.close()
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=32) as pool:
-        answers = list(pool.map(one_call, range(32)))
+    answers = race_new_keys(gateway.url, permit["token"], "pay_invoice", 32, "replica-race", new_key)
     codes = [denial_code(a) for a in answers]
     assert codes.count(None) == 1, [a.text for a in answers if denial_code(a) not in (None, "permit_max_calls_exceeded")]
     assert codes.count("permit_max_calls_exceeded") == 31
@@ -112,7 +101,7 @@ def test_cap_of_one_across_two_replicas_and_two_workers_executes_once(replicated
     assert sum(served) == 32, served
     for r in replicas:
         assert r.cli_json("permit", "show", permit["id"])["usage"]["pay_invoice"]["calls_made"] == 1
-    workers_after = [gateway.stat(s) for s in worker_stats]
+    workers_after = worker_connections(gateway)
     assert all(a > b for a, b in zip(workers_after, workers_before)), \
         f"both Envoy workers must take calls: {workers_before} -> {workers_after}"
 

@@ -70,3 +70,24 @@ def denial(response: httpx.Response) -> dict | None:
 def denial_code(response: httpx.Response) -> str | None:
     d = denial(response)
     return d.get("code") if d else None
+
+
+def race_new_keys(url: str, token: str, tool: str, calls: int, label: str, new_key) -> list[httpx.Response]:
+    """`calls` concurrent tools/call under distinct keys, each on its own connection, so the
+    kernel spreads them over every Envoy worker."""
+    import concurrent.futures
+
+    def one_call(i: int) -> httpx.Response:
+        c = RawMcp(url)
+        try:
+            return c.call(tool, {"invoice": f"{label}-{i}", "amount": 1}, token, new_key())
+        finally:
+            c.close()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=calls) as pool:
+        return list(pool.map(one_call, range(calls)))
+
+
+def worker_connections(envoy) -> list[int]:
+    """Connections each of the two Envoy workers has accepted on the MCP listener."""
+    return [envoy.stat(f"listener.127.0.0.1_{envoy.port}.worker_{w}.downstream_cx_total") for w in (0, 1)]
