@@ -18,7 +18,7 @@
 //!   └─ on_log without an acknowledged report ──▶ queue completed / released / uncertain
 //! ```
 
-use crate::config::{Config, UpstreamKey};
+use crate::config::{CompletionReports, Config, UpstreamKey};
 use crate::denial;
 use crate::fingerprint::fingerprint;
 use crate::idempotency;
@@ -113,6 +113,11 @@ pub enum Effect {
     ResumeResponse,
     /// Hand a report to the root context's queue.
     Enqueue(OutcomeReport),
+    /// `completion_reports: batched`: hand this `completed` (or `input_required` /
+    /// `accepted`) report to the root's batch; the response stays held (the step's flow is
+    /// `Pause`) until the root resumes it. Tell the machine with
+    /// [`Call::on_completion_settled`] once the batch is done.
+    Complete(OutcomeReport),
     /// Store a resume ticket in shared data under this key (see [`crate::resume`]).
     SaveResume(String, Ticket),
     Count(Stat),
@@ -145,6 +150,10 @@ impl Step {
     }
     fn with(mut self, e: Effect) -> Step {
         self.effects.push(e);
+        self
+    }
+    fn with_opt(mut self, e: Option<Effect>) -> Step {
+        self.effects.extend(e);
         self
     }
 }
@@ -313,10 +322,13 @@ impl Call {
         if !matches!(self.state, State::Start) {
             return Step::cont();
         }
-        let strip = Effect::RemoveRequestHeader(self.config.permit_header.clone());
+        // The permit never goes upstream; when the request has none there is nothing to
+        // remove (the adapter matched every header name case-insensitively).
+        let strip = (!head.permit.is_empty())
+            .then(|| Effect::RemoveRequestHeader(self.config.permit_header.clone()));
         if head.method.eq_ignore_ascii_case("GET") {
             if let Some(t) = head.resume {
-                let step = Step::cont().with(strip).with(Effect::Log(
+                let step = Step::cont().with_opt(strip).with(Effect::Log(
                     Level::Info,
                     format!(
                         "atmost: GET resumes the stream of attempt {} of `{}`; watching it for the answer",
@@ -336,7 +348,7 @@ impl Call {
         }
         if !head.method.eq_ignore_ascii_case("POST") || head.end_of_stream {
             self.state = State::Passing;
-            return Step::cont().with(strip);
+            return Step::cont().with_opt(strip);
         }
         if head
             .content_length
@@ -346,7 +358,7 @@ impl Call {
             return too_large(self.config.max_body_bytes);
         }
         self.state = State::ReadingBody(Box::new(head));
-        Step::pause().with(strip)
+        Step::pause().with_opt(strip)
     }
 
     pub fn on_request_body(&mut self, size: usize, end_of_stream: bool) -> BodyStep {
@@ -748,20 +760,59 @@ impl Call {
             ),
             ResultKind::Task => (Outcome::Accepted { receipt: found }, Stat::Accepted),
         };
-        let request = OutcomesRequest {
-            reports: vec![OutcomeReport {
-                attempt_id: d.attempt_id.clone(),
-                outcome: outcome.clone(),
-            }],
+        let report = OutcomeReport {
+            attempt_id: d.attempt_id.clone(),
+            outcome: outcome.clone(),
         };
         d.watch = Watch::Reporting { outcome };
         let mut effects = vec![Effect::Count(stat)];
         effects.extend(resumed_stat);
-        Step {
-            flow: Flow::Pause,
-            effects,
-            callout: Some(Callout::outcomes(&request)),
+        match self.config.completion_reports {
+            CompletionReports::Batched => {
+                effects.push(Effect::Complete(report));
+                Step {
+                    flow: Flow::Pause,
+                    effects,
+                    callout: None,
+                }
+            }
+            CompletionReports::PerCall => Step {
+                flow: Flow::Pause,
+                effects,
+                callout: Some(Callout::outcomes(&OutcomesRequest {
+                    reports: vec![report],
+                })),
+            },
         }
+    }
+
+    /// Whether a completion report is out and the response held (the adapter then checks
+    /// the root's batch in later callbacks).
+    pub fn is_reporting(&self) -> bool {
+        matches!(&self.state, State::Dispatched(d) if matches!(d.watch, Watch::Reporting { .. }))
+    }
+
+    /// `completion_reports: batched`: the root finished the batch carrying this call's
+    /// report (acknowledged, or failed and queued for retry by the root) and resumed the
+    /// response. Nothing is left to report.
+    pub fn on_completion_settled(&mut self) {
+        if let State::Dispatched(d) = &mut self.state {
+            if matches!(d.watch, Watch::Reporting { .. }) {
+                d.watch = Watch::Settled;
+            }
+        }
+    }
+
+    /// Whether `on_log` needs Envoy's attempt count and response flags: only for a
+    /// dispatched call whose outcome is not settled yet.
+    pub fn needs_log_props(&self) -> bool {
+        matches!(&self.state, State::Dispatched(d) if !matches!(d.watch, Watch::Settled | Watch::Reporting { .. }))
+    }
+
+    /// Whether the response headers matter (a dispatched call waiting for them): only then
+    /// does the adapter look up `content-type`.
+    pub fn watches_response_headers(&self) -> bool {
+        matches!(&self.state, State::Dispatched(d) if matches!(d.watch, Watch::AwaitingHeaders))
     }
 
     /// The request is over (`on_log`).

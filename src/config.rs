@@ -59,6 +59,15 @@ pub struct Config {
     /// `report_interval_ms` (integer, default 200, 10..=60000): tick period of the root
     /// context, which sends queued outcome reports to the ledger in batches.
     pub report_interval_ms: u64,
+    /// `completion_reports` (`"batched"` | `"per_call"`, default `"batched"`): how the
+    /// `completed` report of a dispatched call is sent before its answer is released to
+    /// the client. `batched`: the root context of each Envoy worker sends the reports of
+    /// every call waiting at that moment in one `POST /v1/outcomes` (at most one batch out
+    /// per worker; a lone call goes out at once), so under load many calls share one
+    /// callout. `per_call`: each call sends its own report. Either way the answer is held
+    /// until the ledger acknowledges (or, if it cannot be reached, the report is queued
+    /// for retry and the answer released).
+    pub completion_reports: CompletionReports,
 }
 
 /// `ledger`: the callout target.
@@ -106,6 +115,13 @@ pub enum UpstreamKey {
     Raw,
     /// `{"mode": "off"}`: the `Idempotency-Key` header is removed.
     Off,
+}
+
+/// `completion_reports`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompletionReports {
+    Batched,
+    PerCall,
 }
 
 /// `denial_format`.
@@ -279,6 +295,7 @@ impl Config {
             "max_body_bytes",
             "max_receipt_bytes",
             "report_interval_ms",
+            "completion_reports",
         ])?;
 
         let ledger_map = top
@@ -399,6 +416,11 @@ impl Config {
             top.integer("max_receipt_bytes", DEFAULT_MAX_BYTES, 1, MAX_MAX_BYTES)?;
         let report_interval_ms =
             top.integer("report_interval_ms", DEFAULT_REPORT_INTERVAL_MS, 10, 60_000)?;
+        let completion_reports = match top.string("completion_reports")?.as_deref() {
+            None | Some("batched") => CompletionReports::Batched,
+            Some("per_call") => CompletionReports::PerCall,
+            Some(_) => return Err(err("completion_reports", "must be `batched` or `per_call`")),
+        };
 
         Ok(Config {
             ledger: LedgerConfig {
@@ -415,6 +437,7 @@ impl Config {
             max_body_bytes,
             max_receipt_bytes,
             report_interval_ms,
+            completion_reports,
         })
     }
 }
@@ -467,6 +490,22 @@ pub(crate) mod tests {
         assert_eq!(c.max_body_bytes, 1_048_576);
         assert_eq!(c.max_receipt_bytes, 1_048_576);
         assert_eq!(c.report_interval_ms, 200);
+        assert_eq!(c.completion_reports, CompletionReports::Batched);
+    }
+
+    #[test]
+    fn completion_reports_modes() {
+        let mut v = minimal();
+        v["completion_reports"] = json!("per_call");
+        assert_eq!(
+            config_from(&v).completion_reports,
+            CompletionReports::PerCall
+        );
+        v["completion_reports"] = json!("batched");
+        assert_eq!(
+            config_from(&v).completion_reports,
+            CompletionReports::Batched
+        );
     }
 
     #[test]
@@ -580,6 +619,14 @@ pub(crate) mod tests {
                 "upstream_key.sekret",
             ),
             (with(&["denial_format"], json!("text")), "denial_format"),
+            (
+                with(&["completion_reports"], json!("sometimes")),
+                "completion_reports",
+            ),
+            (
+                with(&["completion_reports"], json!(true)),
+                "completion_reports",
+            ),
             (with(&["max_body_bytes"], json!(0)), "max_body_bytes"),
             (with(&["max_body_bytes"], json!(-1)), "max_body_bytes"),
             (

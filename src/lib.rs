@@ -11,6 +11,7 @@
 //! idempotency key*; the remote side effect itself is not guaranteed to happen only once.
 
 pub mod call;
+pub mod completions;
 pub mod config;
 pub mod denial;
 pub mod fingerprint;

@@ -22,6 +22,11 @@ pub fn headers(map: MapType) -> Vec<(String, Vec<u8>)> {
     hostcalls::get_map_bytes(map).unwrap_or_default()
 }
 
+/// The first value of one header (`name` lowercase), if present.
+pub fn header(map: MapType, name: &str) -> Option<Vec<u8>> {
+    hostcalls::get_map_value_bytes(map, name).ok().flatten()
+}
+
 pub fn buffer(kind: BufferType, len: usize) -> Vec<u8> {
     if len == 0 {
         return Vec::new();

@@ -12,12 +12,30 @@ use proxy_wasm::types::{Action, BufferType, MapType};
 pub struct Http {
     shared: Shared,
     call: Call,
+    context_id: u32,
+    /// This context's completion report is in the root's batch (`completion_reports:
+    /// batched`) and the machine has not heard that the batch is done.
+    in_batch: bool,
 }
 
 impl Http {
-    pub fn new(shared: Shared) -> Http {
+    pub fn new(shared: Shared, context_id: u32) -> Http {
         let call = Call::new(shared.config.clone());
-        Http { shared, call }
+        Http {
+            shared,
+            call,
+            context_id,
+            in_batch: false,
+        }
+    }
+
+    /// Tells the machine when the root has finished the batch carrying this context's
+    /// report (the root resumed the response; a failed report is in the root's queue).
+    fn sync_batch(&mut self) {
+        if self.in_batch && !self.shared.completions.borrow().is_waiting(self.context_id) {
+            self.in_batch = false;
+            self.call.on_completion_settled();
+        }
     }
 
     fn apply(&mut self, step: Step) -> Action {
@@ -85,6 +103,23 @@ impl Http {
                             old.attempt_id
                         ),
                     );
+                }
+            }
+            Effect::Complete(report) => {
+                self.in_batch = true;
+                let ring = self
+                    .shared
+                    .completions
+                    .borrow_mut()
+                    .push(self.context_id, report);
+                if ring {
+                    let rang = self.shared.doorbell.is_some_and(|q| {
+                        hostcalls::enqueue_shared_queue(q, Some(b"!".as_slice())).is_ok()
+                    });
+                    if !rang {
+                        // The root's tick sends it instead.
+                        self.shared.completions.borrow_mut().answered_doorbell();
+                    }
                 }
             }
             Effect::SaveResume(key, ticket) => host::set_shared(&key, &ticket.to_bytes()),
@@ -182,10 +217,12 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        let content_type = host::headers(MapType::HttpResponseHeaders)
-            .into_iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case("content-type"))
-            .map(|(_, v)| String::from_utf8_lossy(&v).into_owned());
+        // Only a dispatched call watches its response; other traffic costs no lookup.
+        if !self.call.watches_response_headers() {
+            return Action::Continue;
+        }
+        let content_type = host::header(MapType::HttpResponseHeaders, "content-type")
+            .map(|v| String::from_utf8_lossy(&v).into_owned());
         let step = self.call.on_response_headers(ResponseHead {
             content_type,
             end_of_stream,
@@ -194,6 +231,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.sync_batch();
         match self.call.on_response_body(body_size, end_of_stream) {
             BodyStep::Done(step) => self.apply(step),
             BodyStep::Read { len } => {
@@ -205,6 +243,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        self.sync_batch();
         match self.call.on_response_trailers() {
             BodyStep::Done(step) => self.apply(step),
             BodyStep::Read { len } => {
@@ -216,9 +255,15 @@ impl HttpContext for Http {
     }
 
     fn on_log(&mut self) {
-        let props = LogProps {
-            attempts: host::property_int(&["upstream", "request_attempt_count"]),
-            flags: host::property_int(&["response", "flags"]),
+        self.sync_batch();
+        // Envoy's properties only matter for a dispatched call not settled yet.
+        let props = if self.call.needs_log_props() {
+            LogProps {
+                attempts: host::property_int(&["upstream", "request_attempt_count"]),
+                flags: host::property_int(&["response", "flags"]),
+            }
+        } else {
+            LogProps::default()
         };
         let step = self.call.on_log(props);
         let _ = self.apply(step);

@@ -2,8 +2,8 @@
 //! [`crate::call::Call`] and carries out the effects it returns. No decisions live here.
 //!
 //! Root context id: `atmost` (the `root_id` in Envoy's plugin config). One VM is
-//! single-threaded: the root context and its HTTP contexts share the report queue and
-//! the metric ids through `Rc`.
+//! single-threaded: the root context and its HTTP contexts share the report queue, the
+//! batch of completion reports ([`crate::completions`]) and the metric ids through `Rc`.
 
 mod host;
 mod http;
@@ -24,7 +24,7 @@ proxy_wasm::main! {{
             &format!("atmost: panic at {at}; this VM fails and Envoy applies the failure_policy"),
         );
     }));
-    proxy_wasm::set_root_context(|_context_id| -> Box<dyn proxy_wasm::traits::RootContext> {
-        Box::new(root::Root::new())
+    proxy_wasm::set_root_context(|context_id| -> Box<dyn proxy_wasm::traits::RootContext> {
+        Box::new(root::Root::new(context_id))
     });
 }}

@@ -1,9 +1,12 @@
-//! The root context: reads the configuration, owns the VM's report queue and sends it
-//! to the ledger on every tick.
+//! The root context: reads the configuration, owns the VM's report queue (sent to the
+//! ledger on every tick) and, with `completion_reports: batched`, the VM's batch of
+//! completion reports (sent when an HTTP context rings the doorbell queue, and again as
+//! soon as the previous batch is answered).
 
 use super::host::{self, Metrics};
 use super::http::{Http, Refuse};
 use crate::call::Level;
+use crate::completions::{Completions, Finished};
 use crate::config::Config;
 use crate::ledger::{self, Callout, Endpoint};
 use crate::reports::{BatchResult, ReportQueue};
@@ -20,26 +23,58 @@ use std::time::Duration;
 pub struct Shared {
     pub config: Rc<Config>,
     pub queue: Rc<RefCell<ReportQueue>>,
+    pub completions: Rc<RefCell<Completions>>,
+    /// The root's doorbell: a shared queue registered under a name unique to this VM.
+    pub doorbell: Option<u32>,
     pub metrics: Rc<Metrics>,
 }
 
+/// Dequeues at most this many doorbell messages per wake-up.
+const MAX_DOORBELL_DRAIN: usize = 10_000;
+
 pub struct Root {
+    context_id: u32,
     shared: Option<Shared>,
     queue: Rc<RefCell<ReportQueue>>,
+    completions: Rc<RefCell<Completions>>,
+    doorbell: Option<u32>,
     batch_token: Option<u32>,
     /// Ticks since the batch went out; a batch with no answer after many is given up on
     /// (requeued), so one lost callback cannot stall the queue.
     batch_ticks: u64,
+    /// The batch of completion reports that is out, and ticks since it went out.
+    completion_token: Option<u32>,
+    completion_ticks: u64,
+}
+
+/// A queue name no other VM of this vm_id uses (shared queues are shared by the VMs of
+/// every worker): 128 random bits from WASI `random_get`.
+fn doorbell_name() -> Option<String> {
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes).ok()?;
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    Some(format!("atmost.completions.{hex}"))
 }
 
 impl Root {
-    pub fn new() -> Root {
+    pub fn new(context_id: u32) -> Root {
         Root {
+            context_id,
             shared: None,
             queue: Rc::new(RefCell::new(ReportQueue::new())),
+            completions: Rc::new(RefCell::new(Completions::new())),
+            doorbell: None,
             batch_token: None,
             batch_ticks: 0,
+            completion_token: None,
+            completion_ticks: 0,
         }
+    }
+
+    fn timeout_ticks(&self) -> u64 {
+        self.shared.as_ref().map_or(u64::MAX, |s| {
+            (s.config.ledger.timeout_ms + 5_000) / s.config.report_interval_ms.max(1) + 1
+        })
     }
 
     fn send_batch(&mut self) {
@@ -67,6 +102,95 @@ impl Root {
             }
         }
     }
+
+    /// Sends the waiting completion reports as one batch, unless one is out.
+    fn send_completions(&mut self) {
+        // A batch that cannot even be dispatched is finished at once (its responses are
+        // resumed, its reports queued); bounded so a dead cluster cannot loop forever.
+        for _ in 0..1_000 {
+            if self.completion_token.is_some() {
+                return;
+            }
+            let Some(shared) = self.shared.clone() else {
+                return;
+            };
+            let Some(batch) = self.completions.borrow_mut().next_batch() else {
+                return;
+            };
+            let callout = Callout::outcomes(&batch);
+            let cfg = &shared.config.ledger;
+            // Resuming HTTP contexts switched the effective context: the callout must
+            // belong to the root (an HTTP context's callouts die with it).
+            let _ = hostcalls::set_effective_context(self.context_id);
+            match host::dispatch(
+                &cfg.cluster,
+                &ledger::headers(cfg, Endpoint::Outcomes),
+                &callout.body,
+                cfg.timeout_ms,
+            ) {
+                Some(token) => {
+                    self.completion_token = Some(token);
+                    self.completion_ticks = 0;
+                    return;
+                }
+                None => {
+                    let done = self
+                        .completions
+                        .borrow_mut()
+                        .finish_batch(Err("dispatch failed".into()));
+                    self.finish_completions(&shared, done);
+                }
+            }
+        }
+    }
+
+    /// Carries out a finished completion batch: failed reports to the after-the-fact
+    /// queue, then every held response resumed.
+    fn finish_completions(&self, shared: &Shared, done: Finished) {
+        match &done.failure {
+            None => shared.metrics.inc(Stat::ReportBatchSent),
+            Some(why) => {
+                shared.metrics.inc(Stat::ReportBatchFailed);
+                host::log(
+                    Level::Warn,
+                    &format!(
+                        "atmost: batch of {} completed reports failed ({why}); queued for retry",
+                        done.requeue.len()
+                    ),
+                );
+            }
+        }
+        for (attempt, ack) in &done.not_applied {
+            host::log(
+                Level::Warn,
+                &format!(
+                    "atmost: ledger did not apply the completed report of attempt {attempt}: {ack:?}"
+                ),
+            );
+        }
+        for report in done.requeue {
+            shared.metrics.inc(Stat::ReportDeferred);
+            let dropped = self.queue.borrow_mut().push(report);
+            if let Some(old) = dropped {
+                shared.metrics.inc(Stat::ReportDropped);
+                host::log(
+                    Level::Error,
+                    &format!(
+                        "atmost: report queue full; dropped the report of attempt {} (the ledger's lease sweeper will mark it uncertain)",
+                        old.attempt_id
+                    ),
+                );
+            }
+        }
+        for context_id in done.resume {
+            // A context that is gone (client hung up) refuses: its on_log already queued
+            // its report, and a repeat is acknowledged `already_recorded`.
+            if hostcalls::set_effective_context(context_id).is_ok() {
+                let _ = hostcalls::resume_http_response();
+            }
+        }
+        let _ = hostcalls::set_effective_context(self.context_id);
+    }
 }
 
 impl Context for Root {
@@ -77,6 +201,20 @@ impl Context for Root {
         body_size: usize,
         _num_trailers: usize,
     ) {
+        if self.completion_token == Some(token_id) {
+            self.completion_token = None;
+            let reply = host::callout_reply(num_headers, body_size);
+            let sent = self.completions.borrow().in_flight_len();
+            let done = self
+                .completions
+                .borrow_mut()
+                .finish_batch(reply.outcomes(sent));
+            if let Some(shared) = self.shared.clone() {
+                self.finish_completions(&shared, done);
+            }
+            self.send_completions();
+            return;
+        }
         if self.batch_token != Some(token_id) {
             return;
         }
@@ -128,20 +266,71 @@ impl RootContext for Root {
             host::log(Level::Error, "atmost: could not set the tick period");
             return false;
         }
+        if self.doorbell.is_none() {
+            // Without a doorbell, waiting completion reports go out on the next tick.
+            self.doorbell = match doorbell_name() {
+                Some(name) => match hostcalls::register_shared_queue(&name) {
+                    Ok(id) => Some(id),
+                    Err(status) => {
+                        host::log(
+                            Level::Warn,
+                            &format!("atmost: could not register the completion doorbell queue ({status:?}); completion reports wait for the tick"),
+                        );
+                        None
+                    }
+                },
+                None => {
+                    host::log(
+                        Level::Warn,
+                        "atmost: no random bytes for the completion doorbell queue; completion reports wait for the tick",
+                    );
+                    None
+                }
+            };
+        }
         self.shared = Some(Shared {
             config: Rc::new(config),
             queue: Rc::clone(&self.queue),
+            completions: Rc::clone(&self.completions),
+            doorbell: self.doorbell,
             metrics,
         });
         true
     }
 
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        if self.doorbell != Some(queue_id) {
+            return;
+        }
+        for _ in 0..MAX_DOORBELL_DRAIN {
+            match hostcalls::dequeue_shared_queue(queue_id) {
+                Ok(Some(_)) => {}
+                _ => break,
+            }
+        }
+        self.completions.borrow_mut().answered_doorbell();
+        self.send_completions();
+    }
+
     fn on_tick(&mut self) {
+        let limit = self.timeout_ticks();
+        if self.completion_token.is_some() {
+            self.completion_ticks += 1;
+            if self.completion_ticks > limit {
+                self.completion_token = None;
+                let done = self
+                    .completions
+                    .borrow_mut()
+                    .finish_batch(Err("no answer".into()));
+                if let Some(shared) = self.shared.clone() {
+                    self.finish_completions(&shared, done);
+                }
+            }
+        }
+        // Safety net for a doorbell that could not ring.
+        self.send_completions();
         if self.batch_token.is_some() {
             self.batch_ticks += 1;
-            let limit = self.shared.as_ref().map_or(u64::MAX, |s| {
-                (s.config.ledger.timeout_ms + 5_000) / s.config.report_interval_ms.max(1) + 1
-            });
             if self.batch_ticks <= limit {
                 return;
             }
@@ -157,11 +346,11 @@ impl RootContext for Root {
         self.send_batch();
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         // Returning None would panic in the SDK: without a configuration every request is
         // refused instead.
         Some(match &self.shared {
-            Some(shared) => Box::new(Http::new(shared.clone())),
+            Some(shared) => Box::new(Http::new(shared.clone(), context_id)),
             None => Box::new(Refuse),
         })
     }

@@ -45,12 +45,14 @@ fn done(step: BodyStep) -> Step {
 
 /// Drives headers + whole body; returns the step after the body.
 fn send(call: &mut Call, head: RequestHead, body: &str) -> Step {
+    let strip = if head.permit.is_empty() {
+        vec![]
+    } else {
+        vec![Effect::RemoveRequestHeader("atmost-permit".into())]
+    };
     let s = call.on_request_headers(head);
     assert_eq!(s.flow, Flow::Pause);
-    assert_eq!(
-        s.effects,
-        vec![Effect::RemoveRequestHeader("atmost-permit".into())]
-    );
+    assert_eq!(s.effects, strip);
     assert_eq!(
         done(call.on_request_body(body.len() / 2, false)).flow,
         Flow::Pause
@@ -148,6 +150,7 @@ fn non_post_passes_without_reading() {
         let mut call = Call::new(cfg());
         let s = call.on_request_headers(RequestHead {
             method: method.into(),
+            permit: vec![b"tok".to_vec()],
             ..RequestHead::default()
         });
         assert_eq!(s.flow, Flow::Continue);
@@ -155,6 +158,12 @@ fn non_post_passes_without_reading() {
             s.effects,
             vec![Effect::RemoveRequestHeader("atmost-permit".into())]
         );
+        // Without a permit header there is nothing to strip.
+        let s = Call::new(cfg()).on_request_headers(RequestHead {
+            method: method.into(),
+            ..RequestHead::default()
+        });
+        assert!(s.effects.is_empty());
         assert!(s.callout.is_none());
         assert_eq!(call.state_name(), "passing");
         assert_eq!(done(call.on_request_body(10, true)).flow, Flow::Continue);
@@ -479,9 +488,13 @@ fn replay_and_deny_answer_locally() {
     assert!(!s.effects.contains(&Effect::ResumeRequest));
 }
 
+fn per_call() -> Rc<Config> {
+    cfg_with(json!({"completion_reports": "per_call"}))
+}
+
 #[test]
 fn json_response_is_held_and_reported_before_release() {
-    let mut call = dispatched(cfg());
+    let mut call = dispatched(per_call());
     assert_eq!(call.on_response_headers(json_head()), Step::cont());
     assert_eq!(done(call.on_response_body(10, false)).flow, Flow::Pause);
     let len = read(call.on_response_body(RECEIPT.len(), true));
@@ -520,7 +533,7 @@ fn json_response_is_held_and_reported_before_release() {
 
 #[test]
 fn failed_completion_report_is_queued_and_response_resumed() {
-    let mut call = dispatched(cfg());
+    let mut call = dispatched(per_call());
     call.on_response_headers(json_head());
     read(call.on_response_body(RECEIPT.len(), true));
     call.on_response_body_data(RECEIPT.as_bytes(), true);
@@ -538,7 +551,7 @@ fn failed_completion_report_is_queued_and_response_resumed() {
     assert_eq!(call.on_log(LogProps::default()), Step::cont());
 
     // Dispatch of the report itself failed: queue, let the chunk go.
-    let mut call = dispatched(cfg());
+    let mut call = dispatched(per_call());
     call.on_response_headers(json_head());
     read(call.on_response_body(RECEIPT.len(), true));
     call.on_response_body_data(RECEIPT.as_bytes(), true);
@@ -572,7 +585,7 @@ fn client_gone_while_reporting_queues_completed() {
 
 #[test]
 fn sse_streams_through_and_holds_the_chunk_with_the_response() {
-    let mut call = dispatched(cfg());
+    let mut call = dispatched(per_call());
     call.on_response_headers(sse_head());
     let chunks: [&[u8]; 3] = [
         b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{}}\n\ndata: {\"jsonrpc\":\"2.0\",",
@@ -605,6 +618,86 @@ fn sse_streams_through_and_holds_the_chunk_with_the_response() {
     });
     assert_eq!(s.effects, vec![Effect::ResumeResponse]);
     assert_eq!(done(call.on_response_body(5, true)).flow, Flow::Continue);
+}
+
+#[test]
+fn batched_completion_is_handed_to_the_root_and_held() {
+    let mut call = dispatched(cfg());
+    assert!(call.watches_response_headers());
+    assert!(call.needs_log_props());
+    call.on_response_headers(json_head());
+    assert!(!call.watches_response_headers());
+    let len = read(call.on_response_body(RECEIPT.len(), true));
+    let s = call.on_response_body_data(&RECEIPT.as_bytes()[..len], true);
+    assert_eq!(s.flow, Flow::Pause);
+    assert!(s.callout.is_none(), "no callout of its own");
+    assert_eq!(
+        s.effects,
+        vec![
+            Effect::Count(Stat::Completed),
+            Effect::Complete(OutcomeReport {
+                attempt_id: "att_1".into(),
+                outcome: Outcome::Completed {
+                    receipt: RECEIPT.into()
+                }
+            })
+        ]
+    );
+    assert!(call.is_reporting());
+    assert!(!call.needs_log_props());
+    // Trailers or more data while the batch is out stay held.
+    assert_eq!(done(call.on_response_trailers()).flow, Flow::Pause);
+    // The root finished the batch (acked, or failed and queued by the root): nothing left.
+    call.on_completion_settled();
+    assert!(!call.is_reporting());
+    assert_eq!(call.state_name(), "settled");
+    assert_eq!(done(call.on_response_body(5, true)).flow, Flow::Continue);
+    assert_eq!(call.on_log(LogProps::default()), Step::cont());
+}
+
+#[test]
+fn batched_completion_client_gone_queues_from_on_log() {
+    let mut call = dispatched(cfg());
+    json_answer(&mut call, RECEIPT);
+    assert!(call.is_reporting());
+    // The client hung up before the batch was answered: on_log queues the report for the
+    // after-the-fact queue (a repeat of the batch's report is acked `already_recorded`).
+    let s = call.on_log(LogProps::default());
+    assert_eq!(
+        enqueued(&s),
+        vec![OutcomeReport {
+            attempt_id: "att_1".into(),
+            outcome: Outcome::Completed {
+                receipt: RECEIPT.into()
+            }
+        }]
+    );
+}
+
+#[test]
+fn batched_sse_answer_chunk_is_held_then_stream_passes() {
+    let mut call = dispatched(cfg());
+    call.on_response_headers(sse_head());
+    let chunk = b"data: {\"jsonrpc\":\"2.0\",\"id\":7,\"result\":{\"content\":[]}}\n\n";
+    let len = read(call.on_response_body(chunk.len(), false));
+    let s = call.on_response_body_data(&chunk[..len], false);
+    assert_eq!(s.flow, Flow::Pause);
+    assert!(matches!(reported(&s), Outcome::Completed { .. }));
+    assert_eq!(done(call.on_response_body(5, false)).flow, Flow::Pause);
+    call.on_completion_settled();
+    assert_eq!(done(call.on_response_body(5, true)).flow, Flow::Continue);
+}
+
+#[test]
+fn log_props_and_response_headers_only_matter_for_dispatched_calls() {
+    let mut call = Call::new(cfg());
+    assert!(!call.needs_log_props() && !call.watches_response_headers());
+    call.on_request_headers(RequestHead {
+        method: "GET".into(),
+        ..RequestHead::default()
+    });
+    assert_eq!(call.state_name(), "passing");
+    assert!(!call.needs_log_props() && !call.watches_response_headers());
 }
 
 #[test]
@@ -780,6 +873,13 @@ fn logs_never_carry_secrets() {
 }
 
 fn reported(s: &Step) -> Outcome {
+    if let Some(r) = s.effects.iter().find_map(|e| match e {
+        Effect::Complete(r) => Some(r.clone()),
+        _ => None,
+    }) {
+        assert!(s.callout.is_none(), "batched: no callout of its own");
+        return r.outcome;
+    }
     let c = s
         .callout
         .as_ref()
