@@ -504,3 +504,65 @@ pub fn prune(a: &Attempt, retention_ms: Millis, now: Millis) -> Option<Attempt> 
     next.updated_at_ms = now;
     Some(next)
 }
+
+/// How one write moves the permit's O(1) counters: slots held for the attempt's tool, and
+/// reserved / spent budget. Computed from the attempt's state before (`None`: a new attempt)
+/// and after, with the model's rules, so every store keeps the counters the same way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CounterDelta {
+    pub slots: i64,
+    pub reserved: i64,
+    pub spent: i64,
+}
+
+impl CounterDelta {
+    pub fn is_zero(&self) -> bool {
+        *self == CounterDelta::default()
+    }
+}
+
+/// The counter change of writing `new` over `old` (the same attempt, or none before).
+pub fn counter_delta(old: Option<&Attempt>, new: &Attempt) -> CounterDelta {
+    fn weight(state: Option<AttemptState>, rule: fn(AttemptState) -> bool, n: i64) -> i64 {
+        if state.is_some_and(rule) {
+            n
+        } else {
+            0
+        }
+    }
+    let before = old.map(|a| a.state);
+    let after = Some(new.state);
+    let old_cost = old.map_or(0, |a| i64::try_from(a.cost).unwrap_or(i64::MAX));
+    let new_cost = i64::try_from(new.cost).unwrap_or(i64::MAX);
+    CounterDelta {
+        slots: weight(after, AttemptState::holds_slot, 1)
+            - weight(before, AttemptState::holds_slot, 1),
+        reserved: weight(after, AttemptState::reserves_budget, new_cost)
+            - weight(before, AttemptState::reserves_budget, old_cost),
+        spent: weight(after, AttemptState::spends_budget, new_cost)
+            - weight(before, AttemptState::spends_budget, old_cost),
+    }
+}
+
+/// What an authorize decision needs read besides the permit and the key's attempt: nothing
+/// when the key's attempt decides alone (anything but a given-back attempt); else the tool's
+/// slots only under a cap, the budget totals only under a budget, and the duplicate guard's
+/// lookup only when the guard is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Reads {
+    pub usage: bool,
+    pub budget: bool,
+    pub duplicate: bool,
+}
+
+pub fn reads_needed(req: &AuthorizeRequest, permit: &Permit, existing: Option<&Attempt>) -> Reads {
+    if existing.is_some_and(|a| !a.state.gave_back()) {
+        return Reads::default();
+    }
+    let policy = &permit.policy;
+    Reads {
+        usage: policy.limit_for(&req.tool).is_some(),
+        budget: policy.budget.is_some(),
+        duplicate: policy.duplicate_guard != GuardMode::Off,
+    }
+}

@@ -293,12 +293,17 @@ async fn outcomes(
         Err(r) => return json_rejection(r),
     };
     let mut acks = Vec::with_capacity(req.reports.len());
-    for report in &req.reports {
-        let now = state.clock.now_ms();
-        let result = match state.store.record_outcome(report, now).await {
-            Ok(r) => r,
-            Err(e) => return internal(&state, "outcome", &e),
-        };
+    // Every report of the request in one store call (one transaction where the store can).
+    let now = state.clock.now_ms();
+    let results = match state.store.record_outcomes(&req.reports, now).await {
+        Ok(r) if r.len() == req.reports.len() => r,
+        Ok(_) => {
+            let e = LedgerError::Store("the store answered a different number of reports".into());
+            return internal(&state, "outcome", &e);
+        }
+        Err(e) => return internal(&state, "outcome", &e),
+    };
+    for (report, result) in req.reports.iter().zip(results) {
         let kind = outcome_kind(&report.outcome);
         state
             .metrics

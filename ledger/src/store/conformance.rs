@@ -44,7 +44,7 @@ macro_rules! conformance_suite {
             duplicate_guard_modes, outcome_acks, race_cap_of_one_distinct_keys, race_same_key,
             race_budget, sweeper_expires_leases_to_uncertain, retention_tombstones_and_uncertain_kept,
             resolution, durability_across_reopen, permit_admin, input_required_continuations,
-            accepted_task_handles, race_continuations);
+            accepted_task_handles, race_continuations, counters_match_recount_after_random_operations);
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
         $(
@@ -1024,4 +1024,124 @@ pub async fn race_continuations(h: &dyn Harness) {
     let rs = race(h, (0..16).map(|_| continued(first.clone())).collect()).await;
     assert_eq!(count(&rs, None), 1, "{rs:?}");
     assert_eq!(count(&rs, Some(DenialCode::IdempotencyInProgress)), 15);
+}
+
+/// The O(1) counters equal a recount from the attempts after a long random sequence of
+/// authorizations (new keys, reused keys, continuations), outcome reports (single and batched),
+/// resolutions and sweeps, on two permits.
+pub async fn counters_match_recount_after_random_operations(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.max_calls.insert("pay".into(), 6);
+    pol.max_calls_default = Some(40);
+    pol.budget = Some(400);
+    pol.cost.insert("pay".into(), CostRule::Fixed(17));
+    pol.cost
+        .insert("ship".into(), CostRule::Pointer("/n".into()));
+    pol.cost_default = 3;
+    pol.duplicate_guard = GuardMode::Off;
+    let (p1, tok1) = make_permit(&*s, pol.clone(), T0 + 100 * HOUR).await;
+    pol.budget = None;
+    pol.retention_ms = 10 * MIN;
+    let (p2, tok2) = make_permit(&*s, pol, T0 + 100 * HOUR).await;
+    // A small deterministic generator (no extra dependency).
+    let mut seed: u64 = 0x5eed_1234_abcd_0001;
+    let mut next = move |n: u64| {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (seed >> 33) % n
+    };
+    let tools = ["pay", "ship", "read"];
+    let mut attempts: Vec<String> = Vec::new();
+    let mut now = T0;
+    for i in 0..400u64 {
+        now += 7_000;
+        let tok = if next(2) == 0 { &tok1 } else { &tok2 };
+        match next(10) {
+            0..=3 => {
+                let tool = tools[next(3) as usize];
+                let k = next(25);
+                let key = format!("k{k}");
+                let key = if next(6) == 0 {
+                    None
+                } else {
+                    Some(key.as_str())
+                };
+                let mut r = req(tok, tool, key, &format!("{tool}-{k}"), json!({"n": k}));
+                r.continuation = next(4) == 0;
+                let d = s.authorize(&r, LEASE_MS, now).await.unwrap();
+                if let AuthorizeResponse::Dispatch { attempt_id, .. } = d.response {
+                    attempts.push(attempt_id);
+                }
+            }
+            4..=6 if !attempts.is_empty() => {
+                let id = attempts[next(attempts.len() as u64) as usize].clone();
+                let outcome = match next(5) {
+                    0 => completed("{}"),
+                    1 => released(),
+                    2 => uncertain(),
+                    3 => input_required("{}"),
+                    _ => Outcome::Accepted {
+                        receipt: "{}".into(),
+                    },
+                };
+                report(&*s, &id, outcome, now).await;
+            }
+            7 if !attempts.is_empty() => {
+                let batch: Vec<OutcomeReport> = (0..1 + next(4))
+                    .map(|_| OutcomeReport {
+                        attempt_id: attempts[next(attempts.len() as u64) as usize].clone(),
+                        outcome: if next(2) == 0 {
+                            completed("{}")
+                        } else {
+                            released()
+                        },
+                    })
+                    .collect();
+                let acks = s.record_outcomes(&batch, now).await.unwrap();
+                assert_eq!(acks.len(), batch.len());
+            }
+            8 if !attempts.is_empty() => {
+                let id = attempts[next(attempts.len() as u64) as usize].clone();
+                let input = ResolveInput {
+                    executed: next(2) == 0,
+                    receipt: Some("{}".into()),
+                    note: None,
+                    by: "test".into(),
+                };
+                let _ = s.resolve_attempt(&id, &input, now).await;
+            }
+            _ => {
+                if i % 3 == 0 {
+                    now += 2 * MIN;
+                }
+                s.sweep(now).await.unwrap();
+            }
+        }
+    }
+    for p in [&p1, &p2] {
+        let detail = s.permit_detail(&p.id, now).await.unwrap().unwrap();
+        let counters = s.permit_counters(&p.id).await.unwrap().unwrap();
+        let recount: BTreeMap<String, i64> = detail
+            .usage
+            .iter()
+            .filter(|(_, u)| u.calls_made > 0)
+            .map(|(t, u)| (t.clone(), u.calls_made as i64))
+            .collect();
+        let stored: BTreeMap<String, i64> = counters
+            .slots_held
+            .iter()
+            .filter(|(_, n)| **n != 0)
+            .map(|(t, n)| (t.clone(), *n))
+            .collect();
+        assert_eq!(stored, recount, "slots held per tool");
+        assert_eq!(counters.reserved, detail.budget.reserved as i64, "reserved");
+        assert_eq!(counters.spent, detail.budget.spent as i64, "spent");
+        assert!(
+            detail.attempts_by_state.values().sum::<u64>() > 20,
+            "the sequence did something: {:?}",
+            detail.attempts_by_state
+        );
+    }
 }

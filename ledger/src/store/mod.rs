@@ -46,6 +46,15 @@ pub struct OutcomeResult {
     pub previous: Option<AttemptState>,
 }
 
+/// A permit's O(1) counters as stored (kept in the same transaction as every attempt write).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PermitCounters {
+    /// Slots held per tool (rows may hold 0).
+    pub slots_held: BTreeMap<String, i64>,
+    pub reserved: i64,
+    pub spent: i64,
+}
+
 #[async_trait]
 pub trait Store: Send + Sync {
     /// The store answers.
@@ -80,6 +89,24 @@ pub trait Store: Send + Sync {
         report: &OutcomeReport,
         now: Millis,
     ) -> Result<OutcomeResult, LedgerError>;
+
+    /// Applies the reports of one batch, in order. The default loops over
+    /// [`Store::record_outcome`]; a store may apply them all in one transaction. One answer per
+    /// report; an error of the whole call means none of them is known to be recorded.
+    async fn record_outcomes(
+        &self,
+        reports: &[OutcomeReport],
+        now: Millis,
+    ) -> Result<Vec<OutcomeResult>, LedgerError> {
+        let mut out = Vec::with_capacity(reports.len());
+        for r in reports {
+            out.push(self.record_outcome(r, now).await?);
+        }
+        Ok(out)
+    }
+
+    /// The permit's stored counters, `None` if unknown.
+    async fn permit_counters(&self, id: &str) -> Result<Option<PermitCounters>, LedgerError>;
 
     async fn get_attempt(&self, id: &str, now: Millis) -> Result<Option<Attempt>, LedgerError>;
 

@@ -44,12 +44,13 @@ use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Row, Socket};
 
-use super::{AttemptFilter, OutcomeResult, Store, SweepReport};
+use super::{AttemptFilter, OutcomeResult, PermitCounters, Store, SweepReport};
 use crate::clock::Millis;
 use crate::decide::{self, DecideParams, Decision, Mutation, ResolveInput, Snapshot};
 use crate::error::{LedgerError, ResolveError};
 use crate::model::{
-    Attempt, AttemptState, BudgetTotals, Permit, PermitDetail, Policy, Resolution, ToolUsage,
+    Attempt, AttemptState, BudgetTotals, GuardMode, Permit, PermitDetail, Policy, Resolution,
+    ToolUsage,
 };
 use crate::token;
 
@@ -58,10 +59,11 @@ const MIGRATION_LOCK: i64 = 0x6174_6d6f_7374_0001;
 
 /// Versioned migrations, applied in order, each once, recorded in `atmost_migrations`.
 /// Never edit a released one: add the next version.
-const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "permits, attempts, idempotency keys",
-    r#"
+const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "permits, attempts, idempotency keys",
+        r#"
 CREATE TABLE permits (
     id           TEXT PRIMARY KEY,
     token_hash   TEXT NOT NULL,
@@ -105,7 +107,35 @@ CREATE TABLE idempotency_keys (
     PRIMARY KEY (permit_id, key_hash)
 );
 "#,
-)];
+    ),
+    (
+        2,
+        "O(1) counters: slots held per permit and tool, reserved and spent budget per permit",
+        // The state lists are the model's rules when this was written (a migration never changes).
+        r#"
+CREATE TABLE permit_tool_usage (
+    permit_id  TEXT NOT NULL,
+    tool       TEXT NOT NULL,
+    slots_held BIGINT NOT NULL,
+    PRIMARY KEY (permit_id, tool)
+);
+ALTER TABLE permits ADD COLUMN reserved BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE permits ADD COLUMN spent BIGINT NOT NULL DEFAULT 0;
+INSERT INTO permit_tool_usage (permit_id, tool, slots_held)
+    SELECT permit_id, tool, COUNT(*) FROM attempts
+    WHERE state IN ('in_flight','completed','uncertain','resolved_executed','awaiting_input','accepted')
+    GROUP BY permit_id, tool;
+UPDATE permits p SET
+    reserved = COALESCE(t.reserved, 0),
+    spent = COALESCE(t.spent, 0)
+FROM (SELECT permit_id,
+             SUM(cost) FILTER (WHERE state IN ('in_flight','awaiting_input')) AS reserved,
+             SUM(cost) FILTER (WHERE state IN ('completed','uncertain','resolved_executed','accepted')) AS spent
+      FROM attempts GROUP BY permit_id) t
+WHERE t.permit_id = p.id;
+"#,
+    ),
+];
 
 const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerprint, a.cost, a.state, a.created_at, \
      a.updated_at, a.lease_expires_at, a.finished_at, a.receipt, a.reason, a.replay_count, a.pruned_at, \
@@ -195,7 +225,6 @@ fn valid_schema_name(s: &str) -> bool {
 /// last word on every row.
 #[derive(Debug, Clone)]
 struct StateSets {
-    slot: Vec<String>,
     reserved: Vec<String>,
     spent: Vec<String>,
     gave_back: Vec<String>,
@@ -213,7 +242,6 @@ impl StateSets {
                 .collect()
         };
         StateSets {
-            slot: names(&|s| s.holds_slot()),
             reserved: names(&|s| s.reserves_budget()),
             spent: names(&|s| s.spends_budget()),
             gave_back: names(&|s| s.gave_back()),
@@ -225,6 +253,10 @@ impl StateSets {
 
 pub struct PgStore {
     pool: Pool,
+    /// Decisions waiting for their permit's next group transaction.
+    queues: Queues,
+    /// Outcome reports waiting for the next group transaction.
+    outcomes: OutcomeQueue,
     states: StateSets,
     op_timeout: Duration,
     description: String,
@@ -322,6 +354,38 @@ async fn query<C: GenericClient>(
     c.query(&st, args).await.map_err(pg_err)
 }
 
+/// A statement from the connection's cache, prepared on first use.
+async fn prepared<C: GenericClient>(
+    c: &C,
+    sql: &str,
+) -> Result<tokio_postgres::Statement, LedgerError> {
+    c.prepare_cached(sql).await.map_err(pg_err)
+}
+
+/// Takes the row locks of the permits of these attempts (in id order) and then reads the
+/// attempts, pipelined: both statements are prepared first, so they are sent in this order and
+/// the server runs the read (with a fresh READ COMMITTED snapshot) only after the locks are held.
+async fn lock_then_load<C: GenericClient>(
+    c: &C,
+    ids: &[&str],
+) -> Result<Vec<Attempt>, LedgerError> {
+    let lock = prepared(
+        c,
+        "SELECT p.id FROM permits p WHERE p.id IN \
+         (SELECT a.permit_id FROM attempts a WHERE a.id = ANY($1)) ORDER BY p.id FOR UPDATE",
+    )
+    .await?;
+    let load = prepared(
+        c,
+        &format!("SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.id = ANY($1)"),
+    )
+    .await?;
+    let args: [&(dyn ToSql + Sync); 1] = [&ids];
+    let (locked, loaded) = tokio::join!(biased; c.query(&lock, &args), c.query(&load, &args));
+    locked.map_err(pg_err)?;
+    loaded.map_err(pg_err)?.iter().map(read_attempt).collect()
+}
+
 /// Runs one statement through the connection's statement cache.
 async fn exec<C: GenericClient>(
     c: &C,
@@ -363,14 +427,18 @@ async fn lock_permit_of_attempt<C: GenericClient>(
     Ok(())
 }
 
+/// Inserts the attempt and points its key at it in ONE statement (one round trip under the lock).
 async fn insert_attempt<C: GenericClient>(c: &C, a: &Attempt) -> Result<(), LedgerError> {
     let cost = to_i64(a.cost)?;
     let replays = to_i64(a.replay_count)?;
     exec(
         c,
-        "INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, updated_at, \
-         lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
+        "WITH ins AS (INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, \
+         updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) RETURNING id, permit_id, key_hash) \
+         INSERT INTO idempotency_keys (permit_id, key_hash, attempt_id) \
+         SELECT permit_id, key_hash, id FROM ins WHERE key_hash IS NOT NULL \
+         ON CONFLICT (permit_id, key_hash) DO UPDATE SET attempt_id = excluded.attempt_id",
         &[
             &a.id,
             &a.permit_id,
@@ -390,15 +458,6 @@ async fn insert_attempt<C: GenericClient>(c: &C, a: &Attempt) -> Result<(), Ledg
         ],
     )
     .await?;
-    if let Some(kh) = a.key_hash.as_ref() {
-        exec(
-            c,
-            "INSERT INTO idempotency_keys (permit_id, key_hash, attempt_id) VALUES ($1, $2, $3) \
-             ON CONFLICT (permit_id, key_hash) DO UPDATE SET attempt_id = excluded.attempt_id",
-            &[&a.permit_id, kh, &a.id],
-        )
-        .await?;
-    }
     Ok(())
 }
 
@@ -438,6 +497,58 @@ async fn update_attempt<C: GenericClient>(c: &C, a: &Attempt) -> Result<(), Ledg
     Ok(())
 }
 
+/// Moves the permit's counters by what writing `new` over `old` changes.
+async fn apply_counters<C: GenericClient>(
+    c: &C,
+    old: Option<&Attempt>,
+    new: &Attempt,
+) -> Result<(), LedgerError> {
+    let d = decide::counter_delta(old, new);
+    if d.slots != 0 {
+        exec(
+            c,
+            "INSERT INTO permit_tool_usage (permit_id, tool, slots_held) VALUES ($1, $2, $3) \
+             ON CONFLICT (permit_id, tool) DO UPDATE SET slots_held = permit_tool_usage.slots_held + excluded.slots_held",
+            &[&new.permit_id, &new.tool, &d.slots],
+        )
+        .await?;
+    }
+    if d.reserved != 0 || d.spent != 0 {
+        exec(
+            c,
+            "UPDATE permits SET reserved = reserved + $2, spent = spent + $3 WHERE id = $1",
+            &[&new.permit_id, &d.reserved, &d.spent],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// Writes an attempt (inserted when `old` is `None`) and its counters, in the caller's
+/// transaction (which holds the permit's row lock).
+async fn write_attempt<C: GenericClient>(
+    c: &C,
+    old: Option<&Attempt>,
+    new: &Attempt,
+) -> Result<(), LedgerError> {
+    // Checked before anything is sent, so a value that cannot be stored leaves no half write.
+    to_i64(new.cost)?;
+    to_i64(new.replay_count)?;
+    // Sent together (pipelined; the server runs them in order): different tables, one round trip.
+    let (row, counters) = tokio::join!(
+        biased;
+        async {
+            match old {
+                None => insert_attempt(c, new).await,
+                Some(_) => update_attempt(c, new).await,
+            }
+        },
+        apply_counters(c, old, new)
+    );
+    row?;
+    counters
+}
+
 async fn budget_totals<C: GenericClient>(
     c: &C,
     states: &StateSets,
@@ -458,6 +569,332 @@ async fn budget_totals<C: GenericClient>(
         reserved: to_u64(row.try_get(0).map_err(pg_err)?),
         spent: to_u64(row.try_get(1).map_err(pg_err)?),
     })
+}
+
+/// One queued authorize call.
+struct AuthJob {
+    req: AuthorizeRequest,
+    params: DecideParams,
+    now: Millis,
+    reply: tokio::sync::oneshot::Sender<Result<Decision, LedgerError>>,
+}
+
+/// Queued decisions per permit id; a permit present here has a worker running.
+type Queues = Arc<std::sync::Mutex<std::collections::HashMap<String, Vec<AuthJob>>>>;
+
+/// Most decisions one group transaction takes.
+const MAX_GROUP: usize = 256;
+
+/// Takes the permit's queued decisions in groups until none is left.
+async fn permit_worker(
+    pool: Pool,
+    states: StateSets,
+    op_timeout: Duration,
+    queues: Queues,
+    permit_id: String,
+) {
+    loop {
+        let jobs: Vec<AuthJob> = {
+            let mut q = queues.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(waiting) = q.get_mut(&permit_id) else {
+                return;
+            };
+            if waiting.is_empty() {
+                q.remove(&permit_id);
+                return;
+            }
+            let n = waiting.len().min(MAX_GROUP);
+            waiting.drain(..n).collect()
+        };
+        let work = async {
+            let mut conn = pool.get().await.map_err(pool_err)?;
+            let tx = conn.transaction().await.map_err(pg_err)?;
+            // The lock every decision on this permit serializes on (module docs).
+            let sql = format!("SELECT {PERMIT_COLS} FROM permits WHERE id = $1 FOR UPDATE");
+            let permit = query(&tx, &sql, &[&permit_id])
+                .await?
+                .first()
+                .map(read_permit)
+                .transpose()?;
+            let mut decisions = Vec::with_capacity(jobs.len());
+            for job in &jobs {
+                decisions.push(
+                    decide_locked(
+                        &tx,
+                        &states,
+                        permit.as_ref(),
+                        &job.req,
+                        &job.params,
+                        job.now,
+                    )
+                    .await,
+                );
+                if decisions.last().is_some_and(|d| {
+                    d.as_ref()
+                        .is_err_and(|e| !matches!(e, LedgerError::Invalid(_)))
+                }) {
+                    // The transaction is broken: the whole group fails.
+                    break;
+                }
+            }
+            if let Some(Err(e)) = decisions.iter().find(|d| {
+                d.as_ref()
+                    .is_err_and(|e| !matches!(e, LedgerError::Invalid(_)))
+            }) {
+                return Err(LedgerError::Store(e.to_string()));
+            }
+            // No answer leaves before the commit did: a group that cannot commit is an error.
+            tx.commit().await.map_err(pg_err)?;
+            Ok(decisions)
+        };
+        match tokio::time::timeout(op_timeout, work).await {
+            Ok(Ok(decisions)) => {
+                for (job, d) in jobs.into_iter().zip(decisions) {
+                    let _ = job.reply.send(d);
+                }
+            }
+            Ok(Err(e)) => {
+                for job in jobs {
+                    let _ = job.reply.send(Err(LedgerError::Store(e.to_string())));
+                }
+            }
+            Err(_) => {
+                for job in jobs {
+                    let _ = job.reply.send(Err(LedgerError::Store(format!(
+                        "postgres did not answer within {} ms",
+                        op_timeout.as_millis()
+                    ))));
+                }
+            }
+        }
+    }
+}
+
+/// One decision inside a group transaction that holds the permit's row lock: reads, decides,
+/// writes. An `Invalid` error was raised before anything was sent (the transaction is intact);
+/// any other error means the transaction is broken.
+async fn decide_locked<C: GenericClient>(
+    tx: &C,
+    states: &StateSets,
+    permit: Option<&Permit>,
+    req: &AuthorizeRequest,
+    params: &DecideParams,
+    now: Millis,
+) -> Result<Decision, LedgerError> {
+    let key_hash = decide::key_hash(req);
+    let mut snap = Snapshot {
+        now_ms: now,
+        ..Snapshot::default()
+    };
+    if let Some(permit) = permit {
+        // Nothing else is read for a token that does not authenticate.
+        if decide::authenticate(&req.permit_token, Some(permit)).is_some() {
+            // The key's attempt, the counters the policy needs and the duplicate guard's
+            // lookup are sent together (pipelined), after the lock is held: one round trip.
+            // The decision ignores what `reads_needed` rules out.
+            let policy = &permit.policy;
+            let want_usage = policy.limit_for(&req.tool).is_some();
+            let want_budget = policy.budget.is_some();
+            let want_dup = policy.duplicate_guard != GuardMode::Off;
+            let st_key = prepared(
+                tx,
+                &format!(
+                    "SELECT {ATTEMPT_COLS} FROM idempotency_keys k JOIN attempts a ON a.id = k.attempt_id \
+                     WHERE k.permit_id = $1 AND k.key_hash = $2"
+                ),
+            )
+            .await?;
+            let st_usage = prepared(
+                tx,
+                "SELECT slots_held FROM permit_tool_usage WHERE permit_id = $1 AND tool = $2",
+            )
+            .await?;
+            let st_budget =
+                prepared(tx, "SELECT reserved, spent FROM permits WHERE id = $1").await?;
+            let st_dup = prepared(
+                tx,
+                &format!(
+                    "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.permit_id = $1 AND a.fingerprint = $2 \
+                     AND NOT (a.state = ANY($3)) AND a.created_at >= $4 \
+                     AND ($5::TEXT IS NULL OR a.key_hash IS NULL OR a.key_hash <> $5::TEXT) \
+                     ORDER BY a.created_at DESC LIMIT 1"
+                ),
+            )
+            .await?;
+            let since = now.saturating_sub(policy.retention_ms);
+            let (existing, usage, budget, dup) = tokio::join!(
+                biased;
+                async {
+                    match key_hash.as_deref() {
+                        Some(kh) => tx.query(&st_key, &[&permit.id, &kh]).await.map(Some),
+                        None => Ok(None),
+                    }
+                },
+                async {
+                    if want_usage {
+                        tx.query(&st_usage, &[&permit.id, &req.tool]).await.map(Some)
+                    } else {
+                        Ok(None)
+                    }
+                },
+                async {
+                    if want_budget {
+                        tx.query(&st_budget, &[&permit.id]).await.map(Some)
+                    } else {
+                        Ok(None)
+                    }
+                },
+                async {
+                    if want_dup {
+                        tx.query(
+                            &st_dup,
+                            &[&permit.id, &req.fingerprint, &states.gave_back, &since, &key_hash],
+                        )
+                        .await
+                        .map(Some)
+                    } else {
+                        Ok(None)
+                    }
+                }
+            );
+            if let Some(rows) = existing.map_err(pg_err)? {
+                snap.existing = rows.first().map(read_attempt).transpose()?;
+            }
+            let usage = usage.map_err(pg_err)?;
+            let budget = budget.map_err(pg_err)?;
+            let dup = dup.map_err(pg_err)?;
+            let reads = decide::reads_needed(req, permit, snap.existing.as_ref());
+            if reads.usage {
+                let n: i64 = match usage.as_ref().and_then(|r| r.first()) {
+                    Some(r) => r.try_get(0).map_err(pg_err)?,
+                    None => 0,
+                };
+                snap.usage = ToolUsage {
+                    calls_made: to_u64(n),
+                };
+            }
+            if reads.budget {
+                let row = budget
+                    .as_ref()
+                    .and_then(|r| r.first())
+                    .ok_or_else(|| LedgerError::Store("budget query returned no row".into()))?;
+                snap.budget = BudgetTotals {
+                    reserved: to_u64(row.try_get(0).map_err(pg_err)?),
+                    spent: to_u64(row.try_get(1).map_err(pg_err)?),
+                };
+            }
+            if reads.duplicate {
+                snap.recent_duplicate = dup
+                    .as_ref()
+                    .and_then(|r| r.first())
+                    .map(read_attempt)
+                    .transpose()?;
+            }
+        }
+        snap.permit = Some(permit.clone());
+    }
+    let decision = decide::decide(req, &snap, params);
+    match &decision.mutation {
+        Mutation::None => {}
+        Mutation::Reserve(a) => write_attempt(tx, None, a).await?,
+        Mutation::Update(a) => {
+            let old = snap
+                .existing
+                .as_ref()
+                .filter(|e| e.id == a.id)
+                .ok_or_else(|| {
+                    LedgerError::Store("an update names an attempt that was not read".into())
+                })?;
+            write_attempt(tx, Some(old), a).await?
+        }
+    }
+    Ok(decision)
+}
+
+/// One queued outcome report.
+struct OutcomeJob {
+    report: OutcomeReport,
+    now: Millis,
+    reply: tokio::sync::oneshot::Sender<Result<OutcomeResult, LedgerError>>,
+}
+
+/// Queued outcome reports; `Some` while a worker runs.
+type OutcomeQueue = Arc<std::sync::Mutex<Option<Vec<OutcomeJob>>>>;
+
+/// Applies queued outcome reports in groups until none is left: each group is one transaction
+/// that locks the permits of its attempts in id order (so it never waits in a cycle with
+/// another transaction: every other one locks a single permit), applies the reports in order
+/// and commits once.
+async fn outcome_worker(pool: Pool, op_timeout: Duration, queue: OutcomeQueue) {
+    loop {
+        let jobs: Vec<OutcomeJob> = {
+            let mut q = queue.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(waiting) = q.as_mut() else {
+                return;
+            };
+            if waiting.is_empty() {
+                *q = None;
+                return;
+            }
+            let n = waiting.len().min(MAX_GROUP);
+            waiting.drain(..n).collect()
+        };
+        let work = async {
+            let mut conn = pool.get().await.map_err(pool_err)?;
+            let tx = conn.transaction().await.map_err(pg_err)?;
+            let ids: Vec<&str> = jobs.iter().map(|j| j.report.attempt_id.as_str()).collect();
+            let mut current: BTreeMap<String, Attempt> = lock_then_load(&tx, &ids)
+                .await?
+                .into_iter()
+                .map(|a| (a.id.clone(), a))
+                .collect();
+            let mut out: Vec<Result<OutcomeResult, LedgerError>> = Vec::with_capacity(jobs.len());
+            for job in &jobs {
+                let existing = current.get(&job.report.attempt_id).cloned();
+                let (ack, next) =
+                    decide::apply_outcome(existing.as_ref(), &job.report.outcome, job.now);
+                if let (Some(old), Some(a)) = (existing.as_ref(), next) {
+                    match write_attempt(&tx, Some(old), &a).await {
+                        Ok(()) => {
+                            current.insert(a.id.clone(), a);
+                        }
+                        // Refused before anything was sent: this report only.
+                        Err(e @ LedgerError::Invalid(_)) => {
+                            out.push(Err(e));
+                            continue;
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                out.push(Ok(OutcomeResult {
+                    ack,
+                    previous: existing.map(|a| a.state),
+                }));
+            }
+            tx.commit().await.map_err(pg_err)?;
+            Ok(out)
+        };
+        match tokio::time::timeout(op_timeout, work).await {
+            Ok(Ok(results)) => {
+                for (job, r) in jobs.into_iter().zip(results) {
+                    let _ = job.reply.send(r);
+                }
+            }
+            Ok(Err(e)) => {
+                for job in jobs {
+                    let _ = job.reply.send(Err(LedgerError::Store(e.to_string())));
+                }
+            }
+            Err(_) => {
+                for job in jobs {
+                    let _ = job.reply.send(Err(LedgerError::Store(format!(
+                        "postgres did not answer within {} ms",
+                        op_timeout.as_millis()
+                    ))));
+                }
+            }
+        }
+    }
 }
 
 impl PgStore {
@@ -498,6 +935,8 @@ impl PgStore {
             .map_err(|e| LedgerError::Store(format!("postgres pool: {e}")))?;
         let store = PgStore {
             pool,
+            queues: Arc::default(),
+            outcomes: Arc::default(),
             states: StateSets::new(),
             op_timeout: opts.connect_timeout + opts.statement_timeout * 2,
             description: format!(
@@ -754,6 +1193,9 @@ impl Store for PgStore {
         .await
     }
 
+    /// Decisions on one permit are queued and taken in groups: one transaction, one row lock
+    /// and one commit for the whole group, the decisions made one after another inside it
+    /// (each sees the writes of the ones before). No answer leaves before the group committed.
     async fn authorize(
         &self,
         req: &AuthorizeRequest,
@@ -764,104 +1206,173 @@ impl Store for PgStore {
             lease_ms,
             new_attempt_id: token::new_attempt_id()?,
         };
-        let states = &self.states;
-        self.timed(async |c: &mut deadpool_postgres::Object| {
-            let tx = c.transaction().await.map_err(pg_err)?;
-            let key_hash = decide::key_hash(req);
-            let mut snap = Snapshot {
+        let Some(permit_id) = token::permit_id_of(&req.permit_token) else {
+            // No permit is named: nothing to read or write.
+            let snap = Snapshot {
                 now_ms: now,
                 ..Snapshot::default()
             };
-            if let Some(permit_id) = token::permit_id_of(&req.permit_token) {
-                // The lock every decision on this permit serializes on (module docs).
-                let sql = format!("SELECT {PERMIT_COLS} FROM permits WHERE id = $1 FOR UPDATE");
-                let permit = query(&tx, &sql, &[&permit_id])
-                    .await?
-                    .first()
-                    .map(read_permit)
-                    .transpose()?;
-                if let Some(permit) = permit {
-                    // Nothing else is read for a token that does not authenticate.
-                    if decide::authenticate(&req.permit_token, Some(&permit)).is_some() {
-                        if let Some(kh) = key_hash.as_deref() {
-                            let sql = format!(
-                                "SELECT {ATTEMPT_COLS} FROM idempotency_keys k JOIN attempts a ON a.id = k.attempt_id \
-                                 WHERE k.permit_id = $1 AND k.key_hash = $2"
-                            );
-                            snap.existing = query_attempts(&tx, &sql, &[&permit.id, &kh])
-                                .await?
-                                .into_iter()
-                                .next();
-                        }
-                        let rows = query(
-                            &tx,
-                            "SELECT COUNT(*) FILTER (WHERE tool = $2 AND state = ANY($3)), \
-                                    COALESCE(SUM(cost) FILTER (WHERE state = ANY($4)), 0)::BIGINT, \
-                                    COALESCE(SUM(cost) FILTER (WHERE state = ANY($5)), 0)::BIGINT \
-                             FROM attempts WHERE permit_id = $1",
-                            &[&permit.id, &req.tool, &states.slot, &states.reserved, &states.spent],
-                        )
-                        .await?;
-                        let row = rows.first().ok_or_else(|| {
-                            LedgerError::Store("usage query returned no row".into())
-                        })?;
-                        snap.usage = ToolUsage {
-                            calls_made: to_u64(row.try_get(0).map_err(pg_err)?),
-                        };
-                        snap.budget = BudgetTotals {
-                            reserved: to_u64(row.try_get(1).map_err(pg_err)?),
-                            spent: to_u64(row.try_get(2).map_err(pg_err)?),
-                        };
-                        let since = now.saturating_sub(permit.policy.retention_ms);
-                        let sql = format!(
-                            "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.permit_id = $1 AND a.fingerprint = $2 \
-                             AND NOT (a.state = ANY($3)) AND a.created_at >= $4 \
-                             AND ($5::TEXT IS NULL OR a.key_hash IS NULL OR a.key_hash <> $5::TEXT) \
-                             ORDER BY a.created_at DESC LIMIT 1"
-                        );
-                        snap.recent_duplicate = query_attempts(
-                            &tx,
-                            &sql,
-                            &[&permit.id, &req.fingerprint, &states.gave_back, &since, &key_hash],
-                        )
-                        .await?
-                        .into_iter()
-                        .next();
-                    }
-                    snap.permit = Some(permit);
+            return Ok(decide::decide(req, &snap, &params));
+        };
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let job = AuthJob {
+            req: req.clone(),
+            params,
+            now,
+            reply,
+        };
+        let start_worker = {
+            let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
+            match queues.get_mut(permit_id) {
+                Some(q) => {
+                    q.push(job);
+                    false
+                }
+                None => {
+                    queues.insert(permit_id.to_string(), vec![job]);
+                    true
                 }
             }
-            let decision = decide::decide(req, &snap, &params);
-            match &decision.mutation {
-                Mutation::None => {}
-                Mutation::Reserve(a) => insert_attempt(&tx, a).await?,
-                Mutation::Update(a) => update_attempt(&tx, a).await?,
-            }
-            // No answer leaves before the commit did: a decision that cannot commit is an error.
-            tx.commit().await.map_err(pg_err)?;
-            Ok(decision)
-        })
-        .await
+        };
+        if start_worker {
+            tokio::spawn(permit_worker(
+                self.pool.clone(),
+                self.states.clone(),
+                self.op_timeout,
+                Arc::clone(&self.queues),
+                permit_id.to_string(),
+            ));
+        }
+        // A queued decision waits for the group before it too: at most two deadlines.
+        match tokio::time::timeout(self.op_timeout * 2, answer).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(LedgerError::Join("the decision was dropped".into())),
+            Err(_) => Err(LedgerError::Store(format!(
+                "postgres did not answer within {} ms",
+                (self.op_timeout * 2).as_millis()
+            ))),
+        }
     }
 
+    /// Reports are queued and applied in groups (see [`outcome_worker`]): one transaction and
+    /// one commit per group; no answer leaves before its group committed.
     async fn record_outcome(
         &self,
         report: &OutcomeReport,
         now: Millis,
     ) -> Result<OutcomeResult, LedgerError> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let job = OutcomeJob {
+            report: report.clone(),
+            now,
+            reply,
+        };
+        let start_worker = {
+            let mut q = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
+            match q.as_mut() {
+                Some(waiting) => {
+                    waiting.push(job);
+                    false
+                }
+                None => {
+                    *q = Some(vec![job]);
+                    true
+                }
+            }
+        };
+        if start_worker {
+            tokio::spawn(outcome_worker(
+                self.pool.clone(),
+                self.op_timeout,
+                Arc::clone(&self.outcomes),
+            ));
+        }
+        match tokio::time::timeout(self.op_timeout * 2, answer).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(LedgerError::Join("the outcome report was dropped".into())),
+            Err(_) => Err(LedgerError::Store(format!(
+                "postgres did not answer within {} ms",
+                (self.op_timeout * 2).as_millis()
+            ))),
+        }
+    }
+
+    /// One transaction for the whole batch: the permits of every reported attempt are locked
+    /// first, in id order (so two batches never wait on each other in a cycle), then the
+    /// reports are applied in order.
+    async fn record_outcomes(
+        &self,
+        reports: &[OutcomeReport],
+        now: Millis,
+    ) -> Result<Vec<OutcomeResult>, LedgerError> {
+        if reports.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<&str> = reports.iter().map(|r| r.attempt_id.as_str()).collect();
         self.timed(async |c: &mut deadpool_postgres::Object| {
             let tx = c.transaction().await.map_err(pg_err)?;
-            lock_permit_of_attempt(&tx, &report.attempt_id).await?;
-            let existing = load_attempt(&tx, &report.attempt_id).await?;
-            let (ack, next) = decide::apply_outcome(existing.as_ref(), &report.outcome, now);
-            if let Some(a) = next.as_ref() {
-                update_attempt(&tx, a).await?;
+            let mut current: BTreeMap<String, Attempt> = lock_then_load(&tx, &ids)
+                .await?
+                .into_iter()
+                .map(|a| (a.id.clone(), a))
+                .collect();
+            let mut out = Vec::with_capacity(reports.len());
+            for report in reports {
+                let existing = current.get(&report.attempt_id).cloned();
+                let (ack, next) = decide::apply_outcome(existing.as_ref(), &report.outcome, now);
+                if let (Some(old), Some(a)) = (existing.as_ref(), next) {
+                    write_attempt(&tx, Some(old), &a).await?;
+                    current.insert(a.id.clone(), a);
+                }
+                out.push(OutcomeResult {
+                    ack,
+                    previous: existing.map(|a| a.state),
+                });
             }
             tx.commit().await.map_err(pg_err)?;
-            Ok(OutcomeResult {
-                ack,
-                previous: existing.map(|a| a.state),
-            })
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn permit_counters(&self, id: &str) -> Result<Option<PermitCounters>, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let tx = c
+                .build_transaction()
+                .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+                .read_only(true)
+                .start()
+                .await
+                .map_err(pg_err)?;
+            let rows = query(
+                &tx,
+                "SELECT reserved, spent FROM permits WHERE id = $1",
+                &[&id],
+            )
+            .await?;
+            let Some(row) = rows.first() else {
+                return Ok(None);
+            };
+            let reserved: i64 = row.try_get(0).map_err(pg_err)?;
+            let spent: i64 = row.try_get(1).map_err(pg_err)?;
+            let mut slots_held = BTreeMap::new();
+            for r in &query(
+                &tx,
+                "SELECT tool, slots_held FROM permit_tool_usage WHERE permit_id = $1",
+                &[&id],
+            )
+            .await?
+            {
+                let tool: String = r.try_get(0).map_err(pg_err)?;
+                let n: i64 = r.try_get(1).map_err(pg_err)?;
+                slots_held.insert(tool, n);
+            }
+            tx.commit().await.map_err(pg_err)?;
+            Ok(Some(PermitCounters {
+                slots_held,
+                reserved,
+                spent,
+            }))
         })
         .await
     }
@@ -902,7 +1413,7 @@ impl Store for PgStore {
                 return Err(ResolveError::UnknownAttempt);
             };
             let next = decide::resolve(&existing, input, now)?;
-            update_attempt(&tx, &next).await?;
+            write_attempt(&tx, Some(&existing), &next).await?;
             tx.commit().await.map_err(pg_err)?;
             Ok(next)
         })
@@ -949,7 +1460,7 @@ impl Store for PgStore {
                 );
                 for a in query_attempts(&tx, &sql, &[&permit_id, &states.expirable, &now]).await? {
                     if let Some(next) = decide::expire_lease(&a, now) {
-                        update_attempt(&tx, &next).await?;
+                        write_attempt(&tx, Some(&a), &next).await?;
                         report.leases_expired += 1;
                     }
                 }
@@ -962,7 +1473,7 @@ impl Store for PgStore {
                         .await?
                 {
                     if let Some(next) = decide::prune(&a, retention, now) {
-                        update_attempt(&tx, &next).await?;
+                        write_attempt(&tx, Some(&a), &next).await?;
                         report.receipts_pruned += 1;
                     }
                 }
