@@ -24,7 +24,8 @@ Environment: BENCH_SECONDS (one ceiling run, default 6), BENCH_REPEATS (ceiling 
 kept, default 3), BENCH_RATE_SECONDS (each fixed rate,
 default 5), BENCH_LEDGER_SECONDS (default 8), BENCH_SETUPS (e.g. "B,N,D"), BENCH_CRITERION=0
 to skip criterion, BENCH_OUT (output directory), BENCH_LEDGER_BIN (another `atmost` build, to
-compare a change), DATABASE_URL (E and the ledger-on-PostgreSQL numbers; skipped if unset).
+compare a change), DATABASE_URL (E and the ledger-on-PostgreSQL numbers; skipped if unset), BENCH_PLUGIN (JSON
+merged into atmost's plugin configuration, e.g. '{"completion_reports": "per_call"}').
 """
 
 from __future__ import annotations
@@ -540,6 +541,9 @@ def main() -> int:
             overrides = {"ledger": {"service_token": SERVICE_TOKEN}}
             if name == "S2":
                 overrides["two_callouts"] = True
+            if wasm == ATMOST_WASM and os.environ.get("BENCH_PLUGIN"):
+                # Extra atmost plugin settings, e.g. '{"completion_reports": "per_call"}'.
+                overrides.update(json.loads(os.environ["BENCH_PLUGIN"]))
             envoy = Envoy(name, wasm, mcp_port, ledger.port if ledger else callout_port, overrides)
             envoy.start()
             running.append(envoy)

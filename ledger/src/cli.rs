@@ -346,6 +346,13 @@ fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), CliError> {
         tracing::info!(listen = %args.listen, lease_ms = state.config.lease.as_millis() as u64, "ledger listening");
         let sweeper = server::spawn_sweeper(state.clone(), args.sweep_interval);
         let app = server::router(state);
+        // Callouts are small request/response pairs on long-lived connections: without
+        // TCP_NODELAY, Nagle's algorithm holds a reply back until the previous one is acked.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::warn!(error = %e, "could not set TCP_NODELAY on an accepted connection");
+            }
+        });
         let served = axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await;
         sweeper.abort();
         tracing::info!("ledger stopped");
