@@ -18,7 +18,7 @@ executed. `check()` then verifies, over the whole history:
    its receipt is the execution's answer;
 6. the ledger's final states agree with reality: an executed key is never `released` /
    `resolved_not_executed` (its slot would come back for a call that ran), a `completed`
-   key executed exactly once, and after the settle time nothing is left `in_flight`;
+   key executed one time (no more, no fewer), and after the settle time nothing is left `in_flight`;
 7. optional per-scenario rules: allowed denial codes, and "inside this time window every
    call was denied with one of these codes".
 
