@@ -572,6 +572,35 @@ async fn budget_totals<C: GenericClient>(
 }
 
 /// One queued authorize call.
+/// Answers every member of a group once its transaction committed, failed, or ran out of
+/// time: one result each on success, the group's error for all otherwise.
+fn answer_group<T>(
+    replies: impl Iterator<Item = tokio::sync::oneshot::Sender<Result<T, LedgerError>>>,
+    outcome: Result<Result<Vec<Result<T, LedgerError>>, LedgerError>, tokio::time::error::Elapsed>,
+    op_timeout: Duration,
+) {
+    match outcome {
+        Ok(Ok(results)) => {
+            for (reply, r) in replies.zip(results) {
+                let _ = reply.send(r);
+            }
+        }
+        Ok(Err(e)) => {
+            for reply in replies {
+                let _ = reply.send(Err(LedgerError::Store(e.to_string())));
+            }
+        }
+        Err(_) => {
+            for reply in replies {
+                let _ = reply.send(Err(LedgerError::Store(format!(
+                    "postgres did not answer within {} ms",
+                    op_timeout.as_millis()
+                ))));
+            }
+        }
+    }
+}
+
 struct AuthJob {
     req: AuthorizeRequest,
     params: DecideParams,
@@ -647,26 +676,8 @@ async fn permit_worker(
             tx.commit().await.map_err(pg_err)?;
             Ok(decisions)
         };
-        match tokio::time::timeout(op_timeout, work).await {
-            Ok(Ok(decisions)) => {
-                for (job, d) in jobs.into_iter().zip(decisions) {
-                    let _ = job.reply.send(d);
-                }
-            }
-            Ok(Err(e)) => {
-                for job in jobs {
-                    let _ = job.reply.send(Err(LedgerError::Store(e.to_string())));
-                }
-            }
-            Err(_) => {
-                for job in jobs {
-                    let _ = job.reply.send(Err(LedgerError::Store(format!(
-                        "postgres did not answer within {} ms",
-                        op_timeout.as_millis()
-                    ))));
-                }
-            }
-        }
+        let outcome = tokio::time::timeout(op_timeout, work).await;
+        answer_group(jobs.into_iter().map(|j| j.reply), outcome, op_timeout);
     }
 }
 
@@ -874,26 +885,8 @@ async fn outcome_worker(pool: Pool, op_timeout: Duration, queue: OutcomeQueue) {
             tx.commit().await.map_err(pg_err)?;
             Ok(out)
         };
-        match tokio::time::timeout(op_timeout, work).await {
-            Ok(Ok(results)) => {
-                for (job, r) in jobs.into_iter().zip(results) {
-                    let _ = job.reply.send(r);
-                }
-            }
-            Ok(Err(e)) => {
-                for job in jobs {
-                    let _ = job.reply.send(Err(LedgerError::Store(e.to_string())));
-                }
-            }
-            Err(_) => {
-                for job in jobs {
-                    let _ = job.reply.send(Err(LedgerError::Store(format!(
-                        "postgres did not answer within {} ms",
-                        op_timeout.as_millis()
-                    ))));
-                }
-            }
-        }
+        let outcome = tokio::time::timeout(op_timeout, work).await;
+        answer_group(jobs.into_iter().map(|j| j.reply), outcome, op_timeout);
     }
 }
 
