@@ -66,7 +66,7 @@ SECONDS = float(os.environ.get("BENCH_SECONDS", "6"))
 REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
 RATE_SECONDS = float(os.environ.get("BENCH_RATE_SECONDS", "5"))
 LEDGER_SECONDS = float(os.environ.get("BENCH_LEDGER_SECONDS", "8"))
-WRK_CONNECTIONS = 32
+WRK_CONNECTIONS = int(os.environ.get("BENCH_CONNECTIONS", "32"))
 RATE_CONNECTIONS = 64
 FRACTIONS = tuple(int(x) / 100 for x in os.environ.get("BENCH_RATES", "25,50,75").split(",") if x.strip())
 LEDGER_ALONE = os.environ.get("BENCH_LEDGER_ALONE", "1") != "0"
