@@ -20,13 +20,21 @@ CPU-seconds per 1000 requests of each process over the ceiling run, peak RSS (Vm
 Then the ledger alone (authorize + completed report pairs over h2c), criterion
 micro-benchmarks, the module size; writes target/bench/results.{md,json}, prints PASS/FAIL.
 
-Environment: BENCH_SECONDS (one ceiling run, default 6), BENCH_RATES (percentages of B's ceiling for the
-fixed-rate runs, default "25,50,75"; empty skips them), BENCH_LEDGER_ALONE=0 (skip the ledger alone), BENCH_REPEATS (ceiling runs, best
-kept, default 3), BENCH_RATE_SECONDS (each fixed rate,
-default 5), BENCH_LEDGER_SECONDS (default 8), BENCH_SETUPS (e.g. "B,N,D"), BENCH_CRITERION=0
-to skip criterion, BENCH_OUT (output directory), BENCH_LEDGER_BIN (another `atmost` build, to
-compare a change), DATABASE_URL (E and the ledger-on-PostgreSQL numbers; skipped if unset), BENCH_PLUGIN (JSON
-merged into atmost's plugin configuration, e.g. '{"completion_reports": "per_call"}').
+Environment (knobs):
+  BENCH_SETUPS        setups to run, e.g. "B,N,D" (default all)
+  BENCH_SECONDS       one ceiling run, seconds (default 6)
+  BENCH_REPEATS       ceiling runs, the best kept (default 3)
+  BENCH_CONNECTIONS   wrk connections of the ceiling runs (default 32)
+  BENCH_RATES         fixed rates as percentages of B's ceiling (default "25,50,75"; empty: none)
+  BENCH_RATE_SECONDS  each fixed rate, seconds (default 5)
+  BENCH_LEDGER_ALONE  0 skips the ledger-alone runs
+  BENCH_LEDGER_SECONDS  each ledger-alone run, seconds (default 8)
+  BENCH_CRITERION     0 skips criterion
+  BENCH_OUT           output directory
+  BENCH_LEDGER_BIN    another `atmost` build, to compare a change
+  BENCH_PLUGIN        JSON merged into atmost's plugin configuration,
+                      e.g. '{"completion_reports": "per_call"}'
+  DATABASE_URL        E and the ledger-on-PostgreSQL numbers (skipped if unset)
 """
 
 from __future__ import annotations
