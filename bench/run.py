@@ -74,6 +74,7 @@ SECONDS = float(os.environ.get("BENCH_SECONDS", "6"))
 REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
 RATE_SECONDS = float(os.environ.get("BENCH_RATE_SECONDS", "5"))
 LEDGER_SECONDS = float(os.environ.get("BENCH_LEDGER_SECONDS", "8"))
+LEDGER_CONCURRENCY = int(os.environ.get("BENCH_LEDGER_CONCURRENCY", "64"))
 WRK_CONNECTIONS = int(os.environ.get("BENCH_CONNECTIONS", "32"))
 RATE_CONNECTIONS = 64
 FRACTIONS = tuple(int(x) / 100 for x in os.environ.get("BENCH_RATES", "25,50,75").split(",") if x.strip())
@@ -326,18 +327,24 @@ def run_setup(name: str, envoy: Envoy, procs: Procs, b_ceiling: float | None, pe
     return result
 
 
-def ledger_alone(name: str, store: str | None) -> dict:
+def ledger_alone(name: str, store: str | None, permits: int = 1, batched: bool = True) -> dict:
+    """Authorize + completed-report pairs. `batched`: the completions are sent the way the
+    filter sends them by default (`completion_reports: batched`: whatever waits goes in one
+    request when the previous one is answered); otherwise one report per request. On one
+    permit every decision is serialized on it; several permits are several agents."""
     ledger = start_ledger(f"alone-{name}", store)
     try:
-        permit = ledger.create_permit("--tools", "*", label=f"bench-{name}")["token"]
+        permit = ",".join(ledger.create_permit("--tools", "*", label=f"bench-{name}-{i}")["token"]
+                          for i in range(permits))
         procs = Procs()
         procs.add("ledger", [ledger.proc.pid])
         if store:
             procs.add("postgres", lambda: postgres_pids(store))
         before = procs.cpu()
         r = subprocess.run([str(LOAD), "ledger", "--url", ledger.url, "--service-token", SERVICE_TOKEN,
-                            "--permit", permit, "--concurrency", "64", "--connections", "2",
-                            "--duration", f"{LEDGER_SECONDS:g}", "--key-prefix", f"alone-{name}-{STAMP}"],
+                            "--permit", permit, "--concurrency", str(LEDGER_CONCURRENCY), "--connections", "2",
+                            "--duration", f"{LEDGER_SECONDS:g}", "--key-prefix", f"alone-{name}-{STAMP}"]
+                           + (["--batched-completions"] if batched else []),
                            capture_output=True, text=True, timeout=LEDGER_SECONDS + 60)
         after = procs.cpu()
         if r.returncode != 0:
@@ -346,7 +353,7 @@ def ledger_alone(name: str, store: str | None) -> dict:
         pairs = max(out.get("pairs", 0), 1)
         out["cpu_s_per_1000_pairs"] = {p: round((after[p] - before[p]) / pairs * 1000, 4) for p in after}
         out["peak_rss_mib"] = procs.hwm_mib()
-        log(f"ledger alone ({name}): {out['pairs_per_s']:.0f} authorize+complete pairs/s, "
+        log(f"ledger alone ({name}, {permits} permit(s)): {out['pairs_per_s']:.0f} authorize+complete pairs/s, "
             f"p50 {out['p50_us'] / 1000:.2f} ms, failed {out['failed']}")
         return out
     finally:
@@ -507,6 +514,11 @@ def write_report(res: dict) -> list[tuple[str, bool, str]]:
     lines += ["", "(With `--concurrency 1` Envoy holds two VMs of the module: the main thread's and the "
                   "worker's; the RSS difference to B is both plus V8 itself.)"]
     lines += ["", "## Ledger alone (authorize + completed report pairs, h2c, 64 in flight)", "",
+              "Completions are sent as the filter sends them by default (`completion_reports: batched`: "
+              "what waits goes in one request once the previous one is answered), or one report per "
+              "request. On one permit every decision waits for the one before it; 16 permits are 16 "
+              "agents. The targets are checked on the first row of each store: one permit, the "
+              "filter's default traffic.", "",
               "| store | pairs/s | p50 ms | p99 ms | ledger CPU-s/1000 | store CPU-s/1000 | failed |",
               "|---|---:|---:|---:|---:|---:|---:|"]
     for k, v in la.items():
@@ -588,15 +600,20 @@ def main() -> int:
                     running.remove(p)
         if LEDGER_ALONE:
             res["ledger_alone"]["sqlite"] = ledger_alone("sqlite", None)
+            res["ledger_alone"]["sqlite, one report per request"] = ledger_alone("sqlite1", None, batched=False)
+            res["ledger_alone"]["sqlite, 16 permits"] = ledger_alone("sqlite16", None, 16)
             if pg_url:
                 res["ledger_alone"]["postgres"] = ledger_alone("postgres", pg_url)
+                res["ledger_alone"]["postgres, one report per request"] = ledger_alone("postgres1", pg_url,
+                                                                                       batched=False)
+                res["ledger_alone"]["postgres, 16 permits"] = ledger_alone("postgres16", pg_url, 16)
             else:
                 res["pending"].append("ledger alone on PostgreSQL: DATABASE_URL is not set")
     finally:
         for p in reversed(running):
             p.stop()
         if pg_url:
-            drop_pg_schemas(pg_url, ["E", "alone-postgres"])
+            drop_pg_schemas(pg_url, ["E", "alone-postgres", "alone-postgres1", "alone-postgres16"])
     res["criterion"] = criterion()
     (OUT / "results.json").write_text(json.dumps(res, indent=1, default=str))
     checks = write_report(res)

@@ -312,14 +312,27 @@ async fn post(
 async fn ledger(args: &[String]) -> Res<Value> {
     let (authority, _) = split_url(&need(args, "--url")?)?;
     let token = need(args, "--service-token")?;
-    let permit = need(args, "--permit")?;
+    // Several permits (comma-separated) spread the workers over them, as several agents would.
+    let permits: Vec<String> = need(args, "--permit")?
+        .split(',')
+        .map(str::to_string)
+        .collect();
     let workers: usize = num(args, "--concurrency", 64)?;
     let conns: usize = num(args, "--connections", 2)?;
     let secs: f64 = num(args, "--duration", 10.0)?;
     let prefix = arg(args, "--key-prefix").unwrap_or_else(|| "lk".into());
+    let batched = args.iter().any(|a| a == "--batched-completions");
     let mut senders = Vec::new();
+    let mut batchers = Vec::new();
     for _ in 0..conns.max(1) {
-        senders.push(h2_conn(&authority).await?);
+        let send = h2_conn(&authority).await?;
+        // One batcher per connection, as the filter has one per Envoy worker.
+        batchers.push(Batcher::start(
+            send.clone(),
+            authority.clone(),
+            token.clone(),
+        ));
+        senders.push(send);
     }
     let start = Instant::now();
     let stop = start + Duration::from_secs_f64(secs);
@@ -327,10 +340,11 @@ async fn ledger(args: &[String]) -> Res<Value> {
     let mut tasks = Vec::new();
     for w in 0..workers {
         let mut send = senders[w % senders.len()].clone();
+        let batcher = batched.then(|| Arc::clone(&batchers[w % batchers.len()]));
         let (authority, token, permit, prefix, seq) = (
             authority.clone(),
             token.clone(),
-            permit.clone(),
+            permits[w % permits.len()].clone(),
             prefix.clone(),
             Arc::clone(&seq),
         );
@@ -360,18 +374,25 @@ async fn ledger(args: &[String]) -> Res<Value> {
                     tally.errors += 1;
                     continue;
                 };
-                let report = OutcomesRequest {
-                    reports: vec![OutcomeReport {
-                        attempt_id,
-                        outcome: Outcome::Completed {
-                            receipt: format!(
-                                r#"{{"jsonrpc":"2.0","id":{i},"result":{{"content":[{{"type":"text","text":"ok"}}],"isError":false}}}}"#
-                            ),
-                        },
-                    }],
+                let report = OutcomeReport {
+                    attempt_id,
+                    outcome: Outcome::Completed {
+                        receipt: format!(
+                            r#"{{"jsonrpc":"2.0","id":{i},"result":{{"content":[{{"type":"text","text":"ok"}}],"isError":false}}}}"#
+                        ),
+                    },
                 };
-                let body = serde_json::to_vec(&report).unwrap_or_default();
-                match post(&mut send, &authority, "/v1/outcomes", &token, body).await {
+                let answer = match &batcher {
+                    Some(b) => b.report(report).await,
+                    None => {
+                        let body = serde_json::to_vec(&OutcomesRequest {
+                            reports: vec![report],
+                        })
+                        .unwrap_or_default();
+                        post(&mut send, &authority, "/v1/outcomes", &token, body).await
+                    }
+                };
+                match answer {
                     Ok((200, b)) if b.windows(7).any(|w| w == b"applied") => {
                         tally.ok += 1;
                         tally
@@ -403,6 +424,8 @@ async fn ledger(args: &[String]) -> Res<Value> {
         "seconds": elapsed,
         "concurrency": workers,
         "connections": conns,
+        "permits": permits.len(),
+        "batched_completions": batched,
     });
     if let (Some(o), Some(e)) = (out.as_object_mut(), extra.as_object()) {
         o.extend(e.clone());
@@ -410,10 +433,87 @@ async fn ledger(args: &[String]) -> Res<Value> {
     Ok(out)
 }
 
+/// Completion reports sent the way the filter's root context sends them
+/// (`completion_reports: batched`): everything waiting goes in one request, the next request
+/// leaves when the previous one is answered, and each caller waits for its batch's answer.
+struct Batcher {
+    waiting: Mutex<
+        Vec<(
+            OutcomeReport,
+            tokio::sync::oneshot::Sender<Res<(u16, Bytes)>>,
+        )>,
+    >,
+    notify: Notify,
+}
+
+/// Most reports in one request, as in the filter.
+const MAX_BATCH: usize = 100;
+
+impl Batcher {
+    fn start(
+        mut send: hyper::client::conn::http2::SendRequest<Full<Bytes>>,
+        authority: String,
+        token: String,
+    ) -> Arc<Batcher> {
+        let b = Arc::new(Batcher {
+            waiting: Mutex::new(Vec::new()),
+            notify: Notify::new(),
+        });
+        let me = Arc::clone(&b);
+        tokio::spawn(async move {
+            loop {
+                let batch: Vec<_> = {
+                    let mut w = me.waiting.lock().unwrap_or_else(|p| p.into_inner());
+                    let n = w.len().min(MAX_BATCH);
+                    w.drain(..n).collect()
+                };
+                if batch.is_empty() {
+                    me.notify.notified().await;
+                    continue;
+                }
+                let (reports, replies): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
+                let body = serde_json::to_vec(&OutcomesRequest { reports }).unwrap_or_default();
+                let answer = post(&mut send, &authority, "/v1/outcomes", &token, body).await;
+                // Each caller gets its own ack: "applied" in the n-th place of the answer.
+                let acks: Vec<String> = match &answer {
+                    Ok((200, b)) => serde_json::from_slice::<Value>(b)
+                        .ok()
+                        .and_then(|v| v["acks"].as_array().cloned())
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|a| a.as_str().unwrap_or("").to_string())
+                        .collect(),
+                    _ => Vec::new(),
+                };
+                for (n, reply) in replies.into_iter().enumerate() {
+                    let mine = match (&answer, acks.get(n)) {
+                        (Ok((status, _)), Some(ack)) => Ok((*status, Bytes::from(ack.clone()))),
+                        (Ok((status, body)), None) => Ok((*status, body.clone())),
+                        (Err(e), _) => Err(e.clone()),
+                    };
+                    let _ = reply.send(mine);
+                }
+            }
+        });
+        b
+    }
+
+    async fn report(&self, report: OutcomeReport) -> Res<(u16, Bytes)> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.waiting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((report, tx));
+        self.notify.notify_one();
+        rx.await.map_err(|e| e.to_string())?
+    }
+}
+
 const USAGE: &str = "usage:
   atmost-bench-load rate --url http://H:P/path --rate RPS --duration S --body-file F
                          [--connections N] [--key-prefix P] [--header 'name: value']...
-  atmost-bench-load ledger --url http://H:P --service-token T --permit TOKEN
+  atmost-bench-load ledger --url http://H:P --service-token T --permit TOKEN[,TOKEN...]
+                         [--batched-completions]
                          [--concurrency 64] [--connections 2] [--duration 10] [--key-prefix P]";
 
 fn main() {
