@@ -433,16 +433,14 @@ async fn ledger(args: &[String]) -> Res<Value> {
     Ok(out)
 }
 
+/// Where a batched report's caller waits for its share of the answer.
+type AnswerTo = tokio::sync::oneshot::Sender<Res<(u16, Bytes)>>;
+
 /// Completion reports sent the way the filter's root context sends them
 /// (`completion_reports: batched`): everything waiting goes in one request, the next request
 /// leaves when the previous one is answered, and each caller waits for its batch's answer.
 struct Batcher {
-    waiting: Mutex<
-        Vec<(
-            OutcomeReport,
-            tokio::sync::oneshot::Sender<Res<(u16, Bytes)>>,
-        )>,
-    >,
+    waiting: Mutex<Vec<(OutcomeReport, AnswerTo)>>,
     notify: Notify,
 }
 
