@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -341,6 +342,7 @@ def ledger_alone(name: str, store: str | None, permits: int = 1, batched: bool =
         if store:
             procs.add("postgres", lambda: postgres_pids(store))
         before = procs.cpu()
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
         r = subprocess.run([str(LOAD), "ledger", "--url", ledger.url, "--service-token", SERVICE_TOKEN,
                             "--permit", permit, "--concurrency", str(LEDGER_CONCURRENCY), "--connections", "2",
                             "--duration", f"{LEDGER_SECONDS:g}", "--key-prefix", f"alone-{name}-{STAMP}"]
@@ -352,6 +354,10 @@ def ledger_alone(name: str, store: str | None, permits: int = 1, batched: bool =
         out = json.loads(r.stdout)
         pairs = max(out.get("pairs", 0), 1)
         out["cpu_s_per_1000_pairs"] = {p: round((after[p] - before[p]) / pairs * 1000, 4) for p in after}
+        # The load generator runs on the same two cores.
+        done = resource.getrusage(resource.RUSAGE_CHILDREN)
+        loader = (done.ru_utime + done.ru_stime) - (children.ru_utime + children.ru_stime)
+        out["cpu_s_per_1000_pairs"]["loader"] = round(loader / pairs * 1000, 4)
         out["peak_rss_mib"] = procs.hwm_mib()
         log(f"ledger alone ({name}, {permits} permit(s)): {out['pairs_per_s']:.0f} authorize+complete pairs/s, "
             f"p50 {out['p50_us'] / 1000:.2f} ms, failed {out['failed']}")
@@ -519,15 +525,15 @@ def write_report(res: dict) -> list[tuple[str, bool, str]]:
               "request. On one permit every decision waits for the one before it; 16 permits are 16 "
               "agents. The targets are checked on the first row of each store: one permit, the "
               "filter's default traffic.", "",
-              "| store | pairs/s | p50 ms | p99 ms | ledger CPU-s/1000 | store CPU-s/1000 | failed |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+              "| store | pairs/s | p50 ms | p99 ms | ledger CPU-s/1000 | store CPU-s/1000 | loader CPU-s/1000 | failed |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for k, v in la.items():
         if "error" in v:
-            lines.append(f"| {k} | error: {v['error'][:200]} | | | | | |")
+            lines.append(f"| {k} | error: {v['error'][:200]} | | | | | | |")
             continue
         c = v.get("cpu_s_per_1000_pairs", {})
         lines.append(f"| {k} | {v['pairs_per_s']:.0f} | {v['p50_us'] / 1000:.2f} | {v['p99_us'] / 1000:.2f} | "
-                     f"{c.get('ledger', '')} | {c.get('postgres', '')} | {v['failed']} |")
+                     f"{c.get('ledger', '')} | {c.get('postgres', '')} | {c.get('loader', '')} | {v['failed']} |")
     if res.get("criterion"):
         lines += ["", "## Criterion (mean, µs)", "", "| benchmark | µs |", "|---|---:|"]
         lines += [f"| {k} | {v} |" for k, v in res["criterion"].items()]

@@ -44,7 +44,8 @@ macro_rules! conformance_suite {
             duplicate_guard_modes, outcome_acks, race_cap_of_one_distinct_keys, race_same_key,
             race_budget, sweeper_expires_leases_to_uncertain, retention_tombstones_and_uncertain_kept,
             resolution, durability_across_reopen, permit_admin, input_required_continuations,
-            accepted_task_handles, race_continuations, counters_match_recount_after_random_operations);
+            accepted_task_handles, race_continuations, counters_match_recount_after_random_operations,
+            state_counts_and_pruning_per_permit_retention);
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
         $(
@@ -837,6 +838,75 @@ pub async fn permit_admin(h: &dyn Harness) {
     assert!(s.revoke_permit("pmt_nope", T0).await.unwrap().is_none());
     let counts = s.attempt_counts(T0).await.unwrap();
     assert_eq!(counts.values().sum::<u64>(), 0);
+}
+
+/// The per-state counts follow every transition, and the pruner finds each permit's receipts
+/// when that permit's retention has run out (not the shortest one's).
+pub async fn state_counts_and_pruning_per_permit_retention(h: &dyn Harness) {
+    let s = h.store().await;
+    let count =
+        |c: &std::collections::BTreeMap<AttemptState, u64>, st| c.get(&st).copied().unwrap_or(0);
+    let mut short = policy();
+    short.retention_ms = HOUR;
+    let mut long = policy();
+    long.retention_ms = 10 * HOUR;
+    let (_, tok_short) = make_permit(&*s, short, T0 + 100 * HOUR).await;
+    let (_, tok_long) = make_permit(&*s, long, T0 + 100 * HOUR).await;
+    let a = dispatched(&auth(&*s, &req(&tok_short, "pay", Some("s"), "S", json!({})), T0).await);
+    let b = dispatched(&auth(&*s, &req(&tok_long, "pay", Some("l"), "L", json!({})), T0).await);
+    let c = dispatched(&auth(&*s, &req(&tok_long, "pay", Some("u"), "U", json!({})), T0).await);
+    let counts = s.attempt_counts(T0).await.unwrap();
+    assert_eq!(count(&counts, AttemptState::InFlight), 3);
+    report(&*s, &a, completed("RA"), T0).await;
+    report(&*s, &b, completed("RB"), T0).await;
+    let counts = s.attempt_counts(T0).await.unwrap();
+    assert_eq!(
+        (
+            count(&counts, AttemptState::InFlight),
+            count(&counts, AttemptState::Completed)
+        ),
+        (1, 2)
+    );
+    // `c` never reports: its lease runs out and the sweeper makes it uncertain.
+    let r = s.sweep(T0 + HOUR).await.unwrap();
+    assert_eq!((r.leases_expired, r.receipts_pruned), (1, 1));
+    assert_eq!(state_of(&*s, &c).await, AttemptState::Uncertain);
+    assert!(s
+        .get_attempt(&a, T0)
+        .await
+        .unwrap()
+        .unwrap()
+        .receipt
+        .is_none());
+    assert!(s
+        .get_attempt(&b, T0)
+        .await
+        .unwrap()
+        .unwrap()
+        .receipt
+        .is_some());
+    assert_eq!(
+        s.sweep(T0 + 10 * HOUR - 1).await.unwrap().receipts_pruned,
+        0
+    );
+    assert_eq!(s.sweep(T0 + 10 * HOUR).await.unwrap().receipts_pruned, 1);
+    assert!(s
+        .get_attempt(&b, T0)
+        .await
+        .unwrap()
+        .unwrap()
+        .receipt
+        .is_none());
+    let counts = s.attempt_counts(T0).await.unwrap();
+    assert_eq!(
+        (
+            count(&counts, AttemptState::InFlight),
+            count(&counts, AttemptState::Completed),
+            count(&counts, AttemptState::Uncertain),
+        ),
+        (0, 2, 1)
+    );
+    assert_eq!(counts.values().sum::<u64>(), 3);
 }
 
 fn continued(mut r: AuthorizeRequest) -> AuthorizeRequest {

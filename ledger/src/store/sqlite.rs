@@ -91,8 +91,29 @@ UPDATE permits SET
                       AND a.state IN ('completed','uncertain','resolved_executed','accepted')), 0);
 "#;
 
+/// Version 3: what used to be read by scanning every attempt is kept or indexed for what it
+/// is. Attempts per state are counted in a table kept in the writing transaction (the metrics
+/// read it every sweep). The lease sweeper and the receipt pruner read partial indexes that
+/// hold only their candidates, so their work follows the candidates, not the history. The
+/// two indexes over every attempt's state (changed by every report) are gone. The state lists
+/// are the model's `leased` and `replays` when this was written; the queries build the same
+/// lists, and a test keeps them equal.
+const MIGRATION_3: &str = r#"
+CREATE TABLE IF NOT EXISTS attempt_state_counts (
+    state TEXT PRIMARY KEY,
+    n     INTEGER NOT NULL
+) WITHOUT ROWID;
+INSERT INTO attempt_state_counts (state, n) SELECT state, COUNT(*) FROM attempts GROUP BY state;
+DROP INDEX IF EXISTS attempts_by_permit_tool_state;
+DROP INDEX IF EXISTS attempts_by_state_lease;
+CREATE INDEX IF NOT EXISTS attempts_leased ON attempts(lease_expires_at)
+    WHERE state IN ('in_flight','awaiting_input');
+CREATE INDEX IF NOT EXISTS attempts_prunable ON attempts(COALESCE(finished_at, updated_at))
+    WHERE pruned_at IS NULL AND state IN ('completed','resolved_executed','accepted');
+"#;
+
 /// The schema version this ledger writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 /// Brings the file to [`SCHEMA_VERSION`] in one `BEGIN IMMEDIATE` transaction (so processes
 /// opening the same file together migrate it once).
@@ -107,6 +128,9 @@ fn migrate(conn: &mut Connection) -> Result<(), LedgerError> {
     }
     if version < 2 {
         tx.execute_batch(MIGRATION_2)?;
+    }
+    if version < 3 {
+        tx.execute_batch(MIGRATION_3)?;
     }
     if version < SCHEMA_VERSION {
         tx.execute_batch(&format!("PRAGMA user_version = {SCHEMA_VERSION}"))?;
@@ -361,11 +385,27 @@ fn apply_counters(
     Ok(())
 }
 
+/// Moves the count of attempts per state (one row per state, updated in place).
+fn count_state(tx: &Connection, state: AttemptState, by: i64) -> Result<(), LedgerError> {
+    tx.prepare_cached(
+        "INSERT INTO attempt_state_counts (state, n) VALUES (?1, ?2) \
+         ON CONFLICT (state) DO UPDATE SET n = n + excluded.n",
+    )?
+    .execute(params![state.as_str(), by])?;
+    Ok(())
+}
+
 /// Writes an attempt (inserted when `old` is `None`) and its counters, in the caller's transaction.
 fn write_attempt(tx: &Connection, old: Option<&Attempt>, new: &Attempt) -> Result<(), LedgerError> {
     match old {
         None => insert_attempt(tx, new)?,
         Some(_) => update_attempt(tx, new)?,
+    }
+    if old.map(|o| o.state) != Some(new.state) {
+        if let Some(o) = old {
+            count_state(tx, o.state, -1)?;
+        }
+        count_state(tx, new.state, 1)?;
     }
     apply_counters(tx, old, new)
 }
@@ -973,15 +1013,26 @@ impl Store for SqliteStore {
                     report.leases_expired += 1;
                 }
             }
+            // Nothing finished after `now - shortest retention` can be due: the index range
+            // stops there, so a sweep reads the receipts that are due (and those of permits
+            // with longer retention finished in between), not every receipt kept.
+            let shortest: Option<i64> = tx
+                .prepare_cached("SELECT MIN(retention_ms) FROM permits")?
+                .query_row([], |r| r.get(0))?;
+            let Some(shortest) = shortest else {
+                return Ok(report);
+            };
             let sql = format!(
                 "SELECT {ATTEMPT_COLS}, p.retention_ms FROM attempts a JOIN permits p ON p.id = a.permit_id \
-                 WHERE a.state IN {} AND a.pruned_at IS NULL \
+                 WHERE a.pruned_at IS NULL AND a.state IN {} \
+                 AND COALESCE(a.finished_at, a.updated_at) <= ?2 \
                  AND COALESCE(a.finished_at, a.updated_at) + p.retention_ms <= ?1",
                 states(AttemptState::replays)
             );
             let candidates: Vec<(Attempt, i64)> = {
                 let mut stmt = tx.prepare_cached(&sql)?;
-                let rows = stmt.query_map(params![now], |r| Ok((read_attempt(r)?, r.get::<_, i64>(19)?)))?;
+                let before = now.saturating_sub(shortest.max(0));
+                let rows = stmt.query_map(params![now, before], |r| Ok((read_attempt(r)?, r.get::<_, i64>(19)?)))?;
                 let mut out = Vec::new();
                 for r in rows {
                     let (a, retention) = r?;
@@ -1005,7 +1056,7 @@ impl Store for SqliteStore {
         _now: Millis,
     ) -> Result<BTreeMap<AttemptState, u64>, LedgerError> {
         self.read(|c| {
-            let mut stmt = c.prepare("SELECT state, COUNT(*) FROM attempts GROUP BY state")?;
+            let mut stmt = c.prepare_cached("SELECT state, n FROM attempt_state_counts")?;
             let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?;
             let mut out: BTreeMap<AttemptState, u64> =
                 AttemptState::ALL.iter().map(|s| (*s, 0)).collect();
@@ -1122,6 +1173,53 @@ mod tests {
         assert_eq!(n, 200 - (0..200).filter(|i| i % 7 == 0).count() as i64);
     }
 
+    /// The partial indexes' state lists are the model's, and the sweeper's two queries read
+    /// those indexes (so a sweep reads its candidates, not the whole history).
+    #[tokio::test]
+    async fn sweeper_queries_read_the_partial_indexes() {
+        use crate::model::AttemptState;
+        assert!(super::MIGRATION_3.contains(&format!(
+            "WHERE state IN {};",
+            super::states(AttemptState::leased)
+        )));
+        assert!(super::MIGRATION_3.contains(&format!(
+            "WHERE pruned_at IS NULL AND state IN {};",
+            super::states(AttemptState::replays)
+        )));
+        let dir = tempfile::tempdir().unwrap();
+        let s = SqliteStore::open_dir(dir.path()).unwrap();
+        let plans = s
+            .write(|c: &rusqlite::Connection| {
+                let lease = format!(
+                    "EXPLAIN QUERY PLAN SELECT {} FROM attempts a WHERE a.state IN {} AND a.lease_expires_at <= ?1",
+                    super::ATTEMPT_COLS,
+                    super::states(AttemptState::leased)
+                );
+                let prune = format!(
+                    "EXPLAIN QUERY PLAN SELECT {}, p.retention_ms FROM attempts a JOIN permits p ON p.id = a.permit_id \
+                     WHERE a.pruned_at IS NULL AND a.state IN {} \
+                     AND COALESCE(a.finished_at, a.updated_at) <= ?2 \
+                     AND COALESCE(a.finished_at, a.updated_at) + p.retention_ms <= ?1",
+                    super::ATTEMPT_COLS,
+                    super::states(AttemptState::replays)
+                );
+                let mut out = Vec::new();
+                for sql in [lease, prune] {
+                    let mut st = c.prepare(&sql)?;
+                    let zeros = vec![0i64; st.parameter_count()];
+                    let rows = st.query_map(rusqlite::params_from_iter(zeros), |r| {
+                        r.get::<_, String>(3)
+                    })?;
+                    out.push(rows.collect::<Result<Vec<_>, _>>()?.join("; "));
+                }
+                Ok::<_, crate::error::LedgerError>(out)
+            })
+            .await
+            .unwrap();
+        assert!(plans[0].contains("attempts_leased"), "{}", plans[0]);
+        assert!(plans[1].contains("attempts_prunable"), "{}", plans[1]);
+    }
+
     /// An older file (tables without a schema version, attempts in every state) is migrated
     /// to the counters with the same numbers a recount gives.
     #[tokio::test]
@@ -1162,6 +1260,10 @@ mod tests {
         assert_eq!(c.reserved, d.budget.reserved as i64);
         assert_eq!(c.spent, d.budget.spent as i64);
         assert!(c.reserved > 0 && c.spent > 0);
+        // Version 3 counted the attempts per state from the rows.
+        let counts = s.attempt_counts(0).await.unwrap();
+        assert!(counts.values().all(|n| *n == 2), "{counts:?}");
+        assert_eq!(counts.len(), crate::model::AttemptState::ALL.len());
         drop(s);
         // Opening again leaves a migrated file alone.
         let s = SqliteStore::open_file(&path).unwrap();
