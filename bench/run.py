@@ -23,7 +23,8 @@ micro-benchmarks, the module size; writes target/bench/results.{md,json}, prints
 Environment (knobs):
   BENCH_SETUPS        setups to run, e.g. "B,N,D" (default all)
   BENCH_SECONDS       one ceiling run, seconds (default 6)
-  BENCH_REPEATS       ceiling runs, the best kept (default 3)
+  BENCH_REPEATS       rounds: each measures every setup's ceiling once, in turn; the best
+                      round of each setup is kept, the fixed rates run in the last (default 3)
   BENCH_CONNECTIONS   wrk connections of the ceiling runs (default 32)
   BENCH_RATES         fixed rates as percentages of B's ceiling (default "25,50,75"; empty: none)
   BENCH_RATE_SECONDS  each fixed rate, seconds (default 5)
@@ -285,27 +286,23 @@ def oha_fixed_rate(url: str, body: str, rate: float) -> dict | None:
 
 # ---------------------------------------------------------------- setups
 
-def run_setup(name: str, envoy: Envoy, procs: Procs, b_ceiling: float | None, permit: str | None) -> dict:
+def run_setup(name: str, envoy: Envoy, procs: Procs, b_ceiling: float | None, permit: str | None,
+              with_rates: bool) -> dict:
+    """One ceiling run of a setup (one round), and its fixed-rate runs when `with_rates`."""
     bodies = body_file(name, BODIES[name])
-    prefix = f"{name}-{STAMP}"
+    prefix = f"{name}-{STAMP}-{len(os.listdir(RUN))}"
     if name == "Dr":  # the one key completes first; every later call is a replay
         fixed_rate(envoy.url, bodies, 10, prefix + "-prime", permit)
     wrk(envoy.url, bodies, 2, prefix + "-warm", permit)
-    # The best of REPEATS ceiling runs: on a shared machine a run that overlapped someone
-    # else's burst is low; every run is kept in the JSON. CPU is from the best run.
-    tries = []
-    for i in range(REPEATS):
-        before = procs.cpu()
-        run = wrk(envoy.url, bodies, SECONDS, f"{prefix}-ceil{i}", permit)
-        after = procs.cpu()
-        n = max(run["requests"], 1)
-        run["cpu"] = {p: round((after[p] - before[p]) / n * 1000, 4) for p in after}
-        tries.append(run)
-    ceiling = max(tries, key=lambda r: r["rps"])
-    cpu = ceiling.pop("cpu")
+    before = procs.cpu()
+    run = wrk(envoy.url, bodies, SECONDS, f"{prefix}-ceil", permit)
+    after = procs.cpu()
+    n = max(run["requests"], 1)
+    run["cpu"] = {p: round((after[p] - before[p]) / n * 1000, 4) for p in after}
+    run.pop("raw", None)
     rates = {}
-    base = b_ceiling or ceiling["rps"]
-    for f in FRACTIONS:
+    base = b_ceiling or run["rps"]
+    for f in FRACTIONS if with_rates else ():
         # CPU per request at a fixed rate: the cost of a request when nothing is saturated
         # (at the ceiling, time slices fight for 2 cores and the per-request cost grows).
         before = procs.cpu()
@@ -315,17 +312,30 @@ def run_setup(name: str, envoy: Envoy, procs: Procs, b_ceiling: float | None, pe
         r["cpu_s_per_1000"] = {p: round((after[p] - before[p]) / done * 1000, 4) for p in after}
         rates[f"{int(f * 100)}%"] = r
     result = {
-        "setup": name, "description": DESCRIPTION[name], "ceiling_rps": ceiling["rps"],
-        "ceiling": {k: v for k, v in ceiling.items() if k != "raw"},
-        "ceiling_runs_rps": [t["rps"] for t in tries],
-        "rates": rates, "cpu_s_per_1000": cpu, "peak_rss_mib": procs.hwm_mib(),
+        "setup": name, "description": DESCRIPTION[name], "runs": [run],
+        "rates": rates, "peak_rss_mib": procs.hwm_mib(),
         "envoy_memory": envoy.memory(), "envoy_stats": envoy.stats("wasmcustom.", "wasm.", "cluster.atmost_ledger.upstream_rq_",
                                    "cluster.mcp_upstream.upstream_rq_total"),
     }
-    log(f"{name}: ceiling {ceiling['rps']:.0f} rps; " + ", ".join(
-        f"{k}: p50 {v.get('p50_us', 0) / 1000:.2f} ms p99 {v.get('p99_us', 0) / 1000:.2f} ms"
+    log(f"{name}: {run['rps']:.0f} rps" + "".join(
+        f", {k}: p50 {v.get('p50_us', 0) / 1000:.2f} ms p99 {v.get('p99_us', 0) / 1000:.2f} ms"
         + (" (overloaded)" if v.get("overloaded") else "") for k, v in rates.items()))
     return result
+
+
+def merge_round(prev: dict | None, new: dict) -> dict:
+    """A setup's rounds so far: every ceiling run kept, the best one is the ceiling (with its
+    CPU); the fixed rates and Envoy's stats are from the round that ran them (the last)."""
+    runs = (prev["runs"] if prev else []) + new["runs"]
+    best = max(runs, key=lambda r: r["rps"])
+    merged = {**new, "runs": runs, "ceiling_rps": best["rps"],
+              "ceiling": {k: v for k, v in best.items() if k != "cpu"},
+              "ceiling_runs_rps": [r["rps"] for r in runs], "cpu_s_per_1000": best["cpu"]}
+    if prev:
+        if not new["rates"]:
+            merged["rates"] = prev["rates"]
+        merged["peak_rss_mib"] = {k: max(v, prev["peak_rss_mib"].get(k, 0)) for k, v in new["peak_rss_mib"].items()}
+    return merged
 
 
 def ledger_alone(name: str, store: str | None, permits: int = 1, batched: bool = True) -> dict:
@@ -460,7 +470,8 @@ def write_report(res: dict) -> list[tuple[str, bool, str]]:
              f"Envoy {m['envoy']}, `--concurrency 1`. fdatasync on the data directory's disk: p50 "
              f"{m['fdatasync_p50_ms']} ms, p99 {m['fdatasync_p99_ms']} ms. Load average before the run: "
              f"{', '.join(f'{x:.2f}' for x in m['load_before'])}.", "",
-             f"Ceiling: wrk, 1 thread, {WRK_CONNECTIONS} connections, best of {REPEATS} runs of {SECONDS:g} s. Fixed rates: bench/loadgen, "
+             f"Ceiling: wrk, 1 thread, {WRK_CONNECTIONS} connections, {SECONDS:g} s runs; {REPEATS} rounds, each running "
+             "every setup once in turn (a noisy stretch hits all setups alike), the best round of each kept. Fixed rates: bench/loadgen, "
              f"open loop, {RATE_CONNECTIONS} connections, {RATE_SECONDS:g} s each, latency from each request's due "
              "time (coordinated omission corrected). CPU over the best ceiling run.", "",
              "## Throughput", "",
@@ -566,11 +577,14 @@ def main() -> int:
     stack.wait_until(lambda: stack.http_get(f"http://127.0.0.1:{mcp_port}/")[0] in (200, 400), 10, "stub")
     running: list[stack.Process] = [stub]
     try:
-        for name in ("B", "N", "S", "S2", "C", "D", "Dr", "E"):
-            if name not in wanted:
-                continue
+        # Rounds: each round measures every setup once, in turn, so a noisy stretch of a shared
+        # machine hits all setups alike instead of all runs of one; the best round is kept.
+        order = [n for n in ("B", "N", "S", "S2", "C", "D", "Dr", "E") if n in wanted]
+        for rnd, name in [(r, n) for r in range(REPEATS) for n in order]:
+            last_round = rnd == REPEATS - 1
             if name == "E" and not pg_url:
-                res["pending"].append("E: DATABASE_URL is not set")
+                if last_round:
+                    res["pending"].append("E: DATABASE_URL is not set")
                 continue
             ledger = None
             permit = None
@@ -596,8 +610,9 @@ def main() -> int:
             if name == "E":
                 procs.add("postgres", lambda: postgres_pids(pg_url))
             b = res["setups"].get("B", {}).get("ceiling_rps")
-            res["setups"][name] = run_setup(name, envoy, procs, b, permit)
-            if name == "B":
+            res["setups"][name] = merge_round(res["setups"].get(name),
+                                              run_setup(name, envoy, procs, b, permit, last_round))
+            if name == "B" and last_round:
                 res["oha_check"] = oha_fixed_rate(envoy.url, CALL_FRESH.replace("{SEQ}", "x"),
                                                   res["setups"]["B"]["ceiling_rps"] * 0.25)
             for p in (envoy, ledger):
