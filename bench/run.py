@@ -30,6 +30,7 @@ Environment (knobs):
   BENCH_RATE_SECONDS  each fixed rate, seconds (default 5)
   BENCH_LEDGER_ALONE  0 skips the ledger-alone runs
   BENCH_LEDGER_SECONDS  each ledger-alone run, seconds (default 8)
+  BENCH_LEDGER_CONCURRENCY  pairs in flight in the ledger-alone runs (default 64)
   BENCH_CRITERION     0 skips criterion
   BENCH_OUT           output directory
   BENCH_LEDGER_BIN    another `atmost` build, to compare a change
