@@ -923,18 +923,8 @@ impl Store for SqliteStore {
         now: Millis,
     ) -> Result<OutcomeResult, LedgerError> {
         let report = report.clone();
-        self.write(move |tx: &Connection| {
-            let existing = load_attempt(tx, &report.attempt_id)?;
-            let (ack, next) = decide::apply_outcome(existing.as_ref(), &report.outcome, now);
-            if let (Some(old), Some(a)) = (existing.as_ref(), next.as_ref()) {
-                write_attempt(tx, Some(old), a)?;
-            }
-            Ok(OutcomeResult {
-                ack,
-                previous: existing.map(|a| a.state),
-            })
-        })
-        .await
+        self.write(move |tx: &Connection| apply_report(tx, &report, now))
+            .await
     }
 
     async fn record_outcomes(
