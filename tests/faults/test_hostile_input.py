@@ -72,11 +72,22 @@ def test_oversized_body_with_content_length(hostile):
 
 def test_oversized_body_chunked_without_length(hostile):
     before = len(hostile.upstream.requests)
-    r = send(hostile, tool_call({"blob": "x" * (2 * 1024 * 1024)}), [("idempotency-key", f'"{new_key()}"')],
+    # 1.5 MiB: past max_body_bytes (1 MiB), below the listener's buffer limit (2 MiB). However
+    # the chunks arrive, the filter sees the body pass its cap before Envoy's own limit, and
+    # answers with the same JSON-RPC error as when a length is announced.
+    r = send(hostile, tool_call({"blob": "x" * (1536 * 1024)}), [("idempotency-key", f'"{new_key()}"')],
              chunked=True)
-    # The listener's buffer limit sits above max_body_bytes, so the filter answers as the
-    # body grows past its cap, with the same JSON-RPC error as when a length is announced.
     assert r.status_code == 413 and rpc_error(r) == -32600, r.text[:300]
+    nothing_reached_upstream(hostile, before)
+
+
+def test_body_past_envoys_buffer_limit_is_refused(hostile):
+    before = len(hostile.upstream.requests)
+    # 3 MiB without a length: when Envoy's buffer limit is reached before the filter sees the
+    # body pass its cap, Envoy answers 413 itself (plain text); refused either way.
+    r = send(hostile, tool_call({"blob": "x" * (3 * 1024 * 1024)}), [("idempotency-key", f'"{new_key()}"')],
+             chunked=True)
+    assert r.status_code == 413, r.text[:300]
     nothing_reached_upstream(hostile, before)
 
 
