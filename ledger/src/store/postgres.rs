@@ -135,6 +135,32 @@ FROM (SELECT permit_id,
 WHERE t.permit_id = p.id;
 "#,
     ),
+    (
+        3,
+        "attempts per permit and state counted; sweeper candidates in partial indexes",
+        // As in SQLite's version 3: the metrics and the sweeper no longer read every attempt.
+        // Counts are per permit, so they are moved under the permit's row lock that every
+        // writer already holds (no row shared by all permits). The state lists are the
+        // model's `leased` and `replays` when this was written; a test keeps the queries'
+        // lists equal to them (a partial index is only used for the same literal list).
+        r#"
+CREATE TABLE permit_state_counts (
+    permit_id TEXT NOT NULL,
+    state     TEXT NOT NULL,
+    n         BIGINT NOT NULL,
+    PRIMARY KEY (permit_id, state)
+);
+INSERT INTO permit_state_counts (permit_id, state, n)
+    SELECT permit_id, state, COUNT(*) FROM attempts GROUP BY permit_id, state;
+DROP INDEX attempts_by_permit_tool_state;
+DROP INDEX attempts_by_state_lease;
+DROP INDEX attempts_unpruned;
+CREATE INDEX attempts_leased ON attempts(lease_expires_at)
+    WHERE state IN ('in_flight','awaiting_input');
+CREATE INDEX attempts_prunable ON attempts((COALESCE(finished_at, updated_at)))
+    WHERE pruned_at IS NULL AND state IN ('completed','resolved_executed','accepted');
+"#,
+    ),
 ];
 
 const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerprint, a.cost, a.state, a.created_at, \
@@ -228,8 +254,6 @@ struct StateSets {
     reserved: Vec<String>,
     spent: Vec<String>,
     gave_back: Vec<String>,
-    expirable: Vec<String>,
-    prunable: Vec<String>,
 }
 
 impl StateSets {
@@ -245,8 +269,6 @@ impl StateSets {
             reserved: names(&|s| s.reserves_budget()),
             spent: names(&|s| s.spends_budget()),
             gave_back: names(&|s| s.gave_back()),
-            expirable: names(&|s| s.leased()),
-            prunable: names(&|s| s.replays()),
         }
     }
 }
@@ -534,8 +556,9 @@ async fn write_attempt<C: GenericClient>(
     // Checked before anything is sent, so a value that cannot be stored leaves no half write.
     to_i64(new.cost)?;
     to_i64(new.replay_count)?;
-    // Sent together (pipelined; the server runs them in order): different tables, one round trip.
-    let (row, counters) = tokio::join!(
+    // Sent together (pipelined; the server runs them in order): different rows, one round trip.
+    let moved = old.map(|o| o.state) != Some(new.state);
+    let (row, counters, left, entered) = tokio::join!(
         biased;
         async {
             match old {
@@ -543,10 +566,42 @@ async fn write_attempt<C: GenericClient>(
                 Some(_) => update_attempt(c, new).await,
             }
         },
-        apply_counters(c, old, new)
+        apply_counters(c, old, new),
+        async {
+            match old {
+                Some(o) if moved => count_state(c, &new.permit_id, o.state, -1).await,
+                _ => Ok(()),
+            }
+        },
+        async {
+            if moved {
+                count_state(c, &new.permit_id, new.state, 1).await
+            } else {
+                Ok(())
+            }
+        }
     );
     row?;
-    counters
+    counters?;
+    left?;
+    entered
+}
+
+/// Moves the count of a permit's attempts in one state.
+async fn count_state<C: GenericClient>(
+    c: &C,
+    permit_id: &str,
+    state: AttemptState,
+    by: i64,
+) -> Result<(), LedgerError> {
+    exec(
+        c,
+        "INSERT INTO permit_state_counts (permit_id, state, n) VALUES ($1, $2, $3) \
+         ON CONFLICT (permit_id, state) DO UPDATE SET n = permit_state_counts.n + excluded.n",
+        &[&permit_id, &state.as_str(), &by],
+    )
+    .await
+    .map(|_| ())
 }
 
 async fn budget_totals<C: GenericClient>(
@@ -1417,19 +1472,30 @@ impl Store for PgStore {
     /// under its row lock, and each row is re-read under that lock and passed through the pure
     /// transition again, so a row another replica already moved is left alone (and not counted).
     async fn sweep(&self, now: Millis) -> Result<SweepReport, LedgerError> {
-        let states = &self.states;
         self.timed(async |c: &mut deadpool_postgres::Object| {
             let mut report = SweepReport::default();
-            let permits: Vec<String> = query(
-                &*c,
-                "SELECT permit_id FROM attempts WHERE state = ANY($1) AND lease_expires_at <= $2 \
+            // Nothing finished after `now - shortest retention` can be due, so the prunable
+            // index is read up to there only (the same bound as in the SQLite store).
+            let shortest: Option<i64> = query(&*c, "SELECT MIN(retention_ms) FROM permits", &[])
+                .await?
+                .first()
+                .map(|r| r.try_get(0))
+                .transpose()
+                .map_err(pg_err)?
+                .flatten();
+            let before = now.saturating_sub(shortest.unwrap_or(0).max(0));
+            let sql = format!(
+                "SELECT permit_id FROM attempts WHERE state IN {leased} AND lease_expires_at <= $1 \
                  UNION \
                  SELECT a.permit_id FROM attempts a JOIN permits p ON p.id = a.permit_id \
-                 WHERE a.state = ANY($3) AND a.pruned_at IS NULL \
-                 AND COALESCE(a.finished_at, a.updated_at) + p.retention_ms <= $2 \
+                 WHERE a.pruned_at IS NULL AND a.state IN {replays} \
+                 AND COALESCE(a.finished_at, a.updated_at) <= $2 \
+                 AND COALESCE(a.finished_at, a.updated_at) + p.retention_ms <= $1 \
                  ORDER BY 1",
-                &[&states.expirable, &now, &states.prunable],
-            )
+                leased = AttemptState::sql_list(AttemptState::leased),
+                replays = AttemptState::sql_list(AttemptState::replays),
+            );
+            let permits: Vec<String> = query(&*c, &sql, &[&now, &before])
             .await?
             .iter()
             .map(|r| r.try_get(0))
@@ -1448,23 +1514,23 @@ impl Store for PgStore {
                 };
                 let retention: i64 = row.try_get(0).map_err(pg_err)?;
                 let sql = format!(
-                    "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.permit_id = $1 AND a.state = ANY($2) \
-                     AND a.lease_expires_at <= $3"
+                    "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.state IN {} \
+                     AND a.lease_expires_at <= $2 AND a.permit_id = $1",
+                    AttemptState::sql_list(AttemptState::leased)
                 );
-                for a in query_attempts(&tx, &sql, &[&permit_id, &states.expirable, &now]).await? {
+                for a in query_attempts(&tx, &sql, &[&permit_id, &now]).await? {
                     if let Some(next) = decide::expire_lease(&a, now) {
                         write_attempt(&tx, Some(&a), &next).await?;
                         report.leases_expired += 1;
                     }
                 }
                 let sql = format!(
-                    "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.permit_id = $1 AND a.state = ANY($2) \
-                     AND a.pruned_at IS NULL AND COALESCE(a.finished_at, a.updated_at) + $3 <= $4"
+                    "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.pruned_at IS NULL AND a.state IN {} \
+                     AND COALESCE(a.finished_at, a.updated_at) <= $2 AND a.permit_id = $1",
+                    AttemptState::sql_list(AttemptState::replays)
                 );
-                for a in
-                    query_attempts(&tx, &sql, &[&permit_id, &states.prunable, &retention, &now])
-                        .await?
-                {
+                let due = now.saturating_sub(retention);
+                for a in query_attempts(&tx, &sql, &[&permit_id, &due]).await? {
                     if let Some(next) = decide::prune(&a, retention, now) {
                         write_attempt(&tx, Some(&a), &next).await?;
                         report.receipts_pruned += 1;
@@ -1484,7 +1550,7 @@ impl Store for PgStore {
         self.timed(async |c: &mut deadpool_postgres::Object| {
             let rows = query(
                 &*c,
-                "SELECT state, COUNT(*) FROM attempts GROUP BY state",
+                "SELECT state, SUM(n)::BIGINT FROM permit_state_counts GROUP BY state",
                 &[],
             )
             .await?;
@@ -1753,6 +1819,51 @@ mod tests {
     }
 
     crate::conformance_suite!(PgHarness::new().await);
+
+    /// Version 3's partial indexes carry the model's state lists, and the sweeper's queries
+    /// (as generic plans, the way prepared statements end up) are answered from them.
+    #[tokio::test]
+    async fn sweeper_queries_read_the_partial_indexes() {
+        use crate::model::AttemptState;
+        let (_, _, v3) = MIGRATIONS.iter().find(|m| m.0 == 3).unwrap();
+        let leased = AttemptState::sql_list(AttemptState::leased);
+        let replays = AttemptState::sql_list(AttemptState::replays);
+        assert!(v3.contains(&format!("WHERE state IN {leased};")), "{v3}");
+        assert!(
+            v3.contains(&format!("WHERE pruned_at IS NULL AND state IN {replays};")),
+            "{v3}"
+        );
+        let h = PgHarness::new().await;
+        let c = raw_client(&h.url).await;
+        c.batch_execute(&format!(
+            "SET search_path = {}; SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off",
+            h.schema
+        ))
+        .await
+        .unwrap();
+        let queries = [
+            ("attempts_leased", format!(
+                "SELECT a.id FROM attempts a WHERE a.state IN {leased} AND a.lease_expires_at <= $2 AND a.permit_id = $1"
+            )),
+            ("attempts_prunable", format!(
+                "SELECT a.id FROM attempts a WHERE a.pruned_at IS NULL AND a.state IN {replays} \
+                 AND COALESCE(a.finished_at, a.updated_at) <= $2 AND a.permit_id = $1"
+            )),
+        ];
+        for (n, (index, sql)) in queries.iter().enumerate() {
+            c.batch_execute(&format!("PREPARE q{n}(text, bigint) AS {sql}"))
+                .await
+                .unwrap();
+            let plan: Vec<String> = c
+                .query(&format!("EXPLAIN EXECUTE q{n}('p', 0)"), &[])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            assert!(plan.iter().any(|l| l.contains(index)), "{index}: {plan:?}");
+        }
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn migrations_are_versioned_idempotent_and_safe_when_replicas_start_together() {
