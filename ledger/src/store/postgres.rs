@@ -627,6 +627,22 @@ async fn budget_totals<C: GenericClient>(
 }
 
 /// One queued authorize call.
+/// Waits for a queued operation's answer from its group worker, at most `deadline`.
+async fn group_answer<T>(
+    answer: tokio::sync::oneshot::Receiver<Result<T, LedgerError>>,
+    deadline: Duration,
+    dropped: &str,
+) -> Result<T, LedgerError> {
+    match tokio::time::timeout(deadline, answer).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => Err(LedgerError::Join(dropped.into())),
+        Err(_) => Err(LedgerError::Store(format!(
+            "postgres did not answer within {} ms",
+            deadline.as_millis()
+        ))),
+    }
+}
+
 /// Answers every member of a group once its transaction committed, failed, or ran out of
 /// time: one result each on success, the group's error for all otherwise.
 fn answer_group<T>(
@@ -1292,14 +1308,7 @@ impl Store for PgStore {
             ));
         }
         // A queued decision waits for the group before it too: at most two deadlines.
-        match tokio::time::timeout(self.op_timeout * 2, answer).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(LedgerError::Join("the decision was dropped".into())),
-            Err(_) => Err(LedgerError::Store(format!(
-                "postgres did not answer within {} ms",
-                (self.op_timeout * 2).as_millis()
-            ))),
-        }
+        group_answer(answer, self.op_timeout * 2, "the decision was dropped").await
     }
 
     /// Reports are queued and applied in groups (see [`outcome_worker`]): one transaction and
@@ -1335,14 +1344,12 @@ impl Store for PgStore {
                 Arc::clone(&self.outcomes),
             ));
         }
-        match tokio::time::timeout(self.op_timeout * 2, answer).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(LedgerError::Join("the outcome report was dropped".into())),
-            Err(_) => Err(LedgerError::Store(format!(
-                "postgres did not answer within {} ms",
-                (self.op_timeout * 2).as_millis()
-            ))),
-        }
+        group_answer(
+            answer,
+            self.op_timeout * 2,
+            "the outcome report was dropped",
+        )
+        .await
     }
 
     /// One transaction for the whole batch: the permits of every reported attempt are locked
