@@ -7,10 +7,11 @@ use super::host::{self, Metrics};
 use super::http::{Http, Refuse};
 use crate::call::Level;
 use crate::completions::{Completions, Finished};
-use crate::config::Config;
+use crate::config::{Config, LedgerConfig};
 use crate::ledger::{self, Callout, Endpoint};
 use crate::reports::{BatchResult, ReportQueue};
 use crate::stats::Stat;
+use atmost_protocol::OutcomesRequest;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType};
@@ -45,6 +46,18 @@ pub struct Root {
     /// The batch of completion reports that is out, and ticks since it went out.
     completion_token: Option<u32>,
     completion_ticks: u64,
+}
+
+/// `POST /v1/outcomes` with `batch` to the ledger; the callout's token, or `None` if it could
+/// not be dispatched.
+fn dispatch_outcomes(cfg: &LedgerConfig, batch: &OutcomesRequest) -> Option<u32> {
+    let callout = Callout::outcomes(batch);
+    host::dispatch(
+        &cfg.cluster,
+        &ledger::headers(cfg, Endpoint::Outcomes),
+        &callout.body,
+        cfg.timeout_ms,
+    )
 }
 
 /// A queue name no other VM of this vm_id uses (shared queues are shared by the VMs of
@@ -82,14 +95,7 @@ impl Root {
         let Some(batch) = self.queue.borrow_mut().next_batch() else {
             return;
         };
-        let callout = Callout::outcomes(&batch);
-        let cfg = &shared.config.ledger;
-        match host::dispatch(
-            &cfg.cluster,
-            &ledger::headers(cfg, Endpoint::Outcomes),
-            &callout.body,
-            cfg.timeout_ms,
-        ) {
+        match dispatch_outcomes(&shared.config.ledger, &batch) {
             Some(token) => {
                 self.batch_token = Some(token);
                 self.batch_ticks = 0;
@@ -117,17 +123,10 @@ impl Root {
             let Some(batch) = self.completions.borrow_mut().next_batch() else {
                 return;
             };
-            let callout = Callout::outcomes(&batch);
-            let cfg = &shared.config.ledger;
             // Resuming HTTP contexts switched the effective context: the callout must
             // belong to the root (an HTTP context's callouts die with it).
             let _ = hostcalls::set_effective_context(self.context_id);
-            match host::dispatch(
-                &cfg.cluster,
-                &ledger::headers(cfg, Endpoint::Outcomes),
-                &callout.body,
-                cfg.timeout_ms,
-            ) {
+            match dispatch_outcomes(&shared.config.ledger, &batch) {
                 Some(token) => {
                     self.completion_token = Some(token);
                     self.completion_ticks = 0;
