@@ -10,6 +10,8 @@ Every setup runs on this machine, in this run, against the same stub upstream
   S2  the same filter making a second callout before releasing the response's last chunk: the
       floor of "authorize, then report completion in-band" (two callouts per call)
   C   atmost, non-tool MCP traffic (initialize, tools/list in turn)
+  D0  atmost, tools/call with fresh keys, its ledger cluster pointed at the static stub (which
+      answers `dispatch` and acks every completion): the gateway's own cost, no store
   D   atmost + ledger on the embedded store (SQLite), tools/call with fresh keys
   Dr  D with one repeated key (replays)
   E   D with the ledger on PostgreSQL (DATABASE_URL)
@@ -21,7 +23,7 @@ Then the ledger alone (authorize + completed report pairs over h2c), criterion
 micro-benchmarks, the module size; writes target/bench/results.{md,json}, prints PASS/FAIL.
 
 Environment (knobs):
-  BENCH_SETUPS        setups to run, e.g. "B,N,D" (default all)
+  BENCH_SETUPS        setups to run, e.g. "B,N,D0,D" (default all)
   BENCH_SECONDS       one ceiling run, seconds (default 6)
   BENCH_REPEATS       rounds: each measures every setup's ceiling once, in turn; the best
                       round of each setup is kept, the fixed rates run in the last (default 3)
@@ -93,13 +95,14 @@ CALL_FRESH = '{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"ec
 CALL_REPLAY = '{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"echo","arguments":{"text":"same"},"_meta":{"dev.atmost/idempotency-key":"replay-' + STAMP + '"}}}'
 
 BODIES = {"B": [CALL_FRESH], "N": [CALL_FRESH], "S": [CALL_FRESH], "S2": [CALL_FRESH], "C": [INIT, LIST],
-          "D": [CALL_FRESH], "Dr": [CALL_REPLAY], "E": [CALL_FRESH]}
+          "D0": [CALL_FRESH], "D": [CALL_FRESH], "Dr": [CALL_REPLAY], "E": [CALL_FRESH]}
 DESCRIPTION = {
     "B": "plain Envoy",
     "N": "Envoy + no-op wasm filter",
     "S": "Envoy + wasm filter, one HTTP/2 callout per request (static stub)",
     "S2": "Envoy + wasm filter, two callouts per request (before the request, before the last response chunk)",
     "C": "atmost, non-tool MCP traffic (initialize, tools/list)",
+    "D0": "atmost, tools/call, fresh keys, ledger replaced by the static stub (no store)",
     "D": "atmost, tools/call, fresh keys, ledger on SQLite",
     "Dr": "atmost, tools/call, one repeated key (replays), SQLite",
     "E": "atmost, tools/call, fresh keys, ledger on PostgreSQL",
@@ -567,7 +570,7 @@ def main() -> int:
     if not shutil.which("wrk"):
         log("wrk is missing (Debian: apt-get install wrk)")
         return 2
-    wanted = os.environ.get("BENCH_SETUPS", "B,N,S,S2,C,D,Dr,E").split(",")
+    wanted = os.environ.get("BENCH_SETUPS", "B,N,S,S2,C,D0,D,Dr,E").split(",")
     pg_url = os.environ.get("DATABASE_URL")
     res: dict = {"machine": machine(), "setups": {}, "ledger_alone": {}, "pending": [],
                  "wasm_bytes": ATMOST_WASM.stat().st_size}
@@ -580,7 +583,7 @@ def main() -> int:
     try:
         # Rounds: each round measures every setup once, in turn, so a noisy stretch of a shared
         # machine hits all setups alike instead of all runs of one; the best round is kept.
-        order = [n for n in ("B", "N", "S", "S2", "C", "D", "Dr", "E") if n in wanted]
+        order = [n for n in ("B", "N", "S", "S2", "C", "D0", "D", "Dr", "E") if n in wanted]
         for rnd, name in [(r, n) for r in range(REPEATS) for n in order]:
             last_round = rnd == REPEATS - 1
             if name == "E" and not pg_url:
@@ -594,6 +597,8 @@ def main() -> int:
                 ledger = start_ledger(name, pg_url if name == "E" else None)
                 running.append(ledger)
                 permit = ledger.create_permit("--tools", "*", label=f"bench-{name}")["token"]
+            elif name == "D0":
+                permit = "bench-d0-permit"  # the stub checks nothing
             wasm = {"B": None, "N": NOOP_WASM, "S": CALLOUT_WASM, "S2": CALLOUT_WASM}.get(name, ATMOST_WASM)
             overrides = {"ledger": {"service_token": SERVICE_TOKEN}}
             if name == "S2":

@@ -5,7 +5,10 @@
 //!   answers `initialize`, `tools/list` and `tools/call` (echoing the request's `id`),
 //!   and 202 to notifications. Enough for the gateway to see real JSON-RPC responses.
 //! - `--callout PORT`: a static target for the reference callout filter: every request
-//!   gets the same small JSON body (the shape of an authorize `dispatch` answer).
+//!   gets the same small JSON body (the shape of an authorize `dispatch` answer), except
+//!   `POST /v1/outcomes`, which gets one `applied` ack per report. That is enough for
+//!   atmost itself to run against it as a ledger that decides nothing and stores nothing
+//!   (setup D0: the gateway's own cost).
 //!
 //! Both speak HTTP/1.1 and HTTP/2 with prior knowledge (h2c), like the ledger.
 
@@ -33,6 +36,20 @@ fn json(status: StatusCode, body: Vec<u8>) -> Response<Full<Bytes>> {
         hyper::header::HeaderValue::from_static("application/json"),
     );
     resp
+}
+
+/// An outcomes batch answered as the ledger would if every report applied.
+fn outcomes_answer(body: &[u8]) -> Response<Full<Bytes>> {
+    let reports = serde_json::from_slice::<Value>(body)
+        .ok()
+        .and_then(|v| v.get("reports").and_then(Value::as_array).map(Vec::len));
+    match reports {
+        Some(n) => {
+            let acks = vec![r#""applied""#; n].join(",");
+            json(StatusCode::OK, format!(r#"{{"acks":[{acks}]}}"#).into_bytes())
+        }
+        None => json(StatusCode::BAD_REQUEST, br#"{"error":"not a batch"}"#.to_vec()),
+    }
 }
 
 fn mcp_answer(body: &[u8]) -> Response<Full<Bytes>> {
@@ -76,12 +93,15 @@ async fn serve(listener: TcpListener, mcp: bool) {
         let _ = stream.set_nodelay(true);
         tokio::spawn(async move {
             let svc = service_fn(move |req: Request<Incoming>| async move {
+                let outcomes = req.uri().path() == "/v1/outcomes";
                 let body = match req.into_body().collect().await {
                     Ok(b) => b.to_bytes(),
                     Err(_) => Bytes::new(),
                 };
                 let resp = if mcp {
                     mcp_answer(&body)
+                } else if outcomes {
+                    outcomes_answer(&body)
                 } else {
                     json(StatusCode::OK, CALLOUT_BODY.as_bytes().to_vec())
                 };
