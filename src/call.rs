@@ -752,13 +752,11 @@ impl Call {
             _ => return Step::cont(),
         };
         let resumed_stat = d.resumed.then_some(Effect::Count(Stat::ResumedReceipt));
-        let (outcome, stat) = match receipt::kind_of(&found) {
-            ResultKind::Final => (Outcome::Completed { receipt: found }, Stat::Completed),
-            ResultKind::InputRequired => (
-                Outcome::InputRequired { receipt: found },
-                Stat::InputRequired,
-            ),
-            ResultKind::Task => (Outcome::Accepted { receipt: found }, Stat::Accepted),
+        let receipt = found.text;
+        let (outcome, stat) = match found.kind {
+            ResultKind::Final => (Outcome::Completed { receipt }, Stat::Completed),
+            ResultKind::InputRequired => (Outcome::InputRequired { receipt }, Stat::InputRequired),
+            ResultKind::Task => (Outcome::Accepted { receipt }, Stat::Accepted),
         };
         let report = OutcomeReport {
             attempt_id: d.attempt_id.clone(),

@@ -3,6 +3,7 @@
 //! `{}`. Key order, whitespace, the JSON-RPC id and `_meta` do not change it; numbers are
 //! canonicalised the ECMAScript way, so `1`, `1.0` and `1e0` give the same fingerprint.
 
+use serde::Serialize;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
@@ -17,12 +18,16 @@ pub fn hex(bytes: &[u8]) -> String {
     s
 }
 
+/// What is hashed, borrowed from the parsed call (JCS orders the members itself).
+#[derive(Serialize)]
+struct Hashed<'a> {
+    tool: &'a str,
+    arguments: &'a Map<String, Value>,
+}
+
 /// The canonical JSON text that is hashed.
 pub fn canonical(tool: &str, arguments: &Map<String, Value>) -> Result<String, String> {
-    let mut obj = Map::new();
-    obj.insert("tool".into(), Value::String(tool.to_string()));
-    obj.insert("arguments".into(), Value::Object(arguments.clone()));
-    serde_jcs::to_string(&Value::Object(obj)).map_err(|e| e.to_string())
+    serde_jcs::to_string(&Hashed { tool, arguments }).map_err(|e| e.to_string())
 }
 
 /// The fingerprint of a call.

@@ -64,6 +64,17 @@ pub fn rewrite(body: &[u8], span: MemberSpan, replacement: Option<&str>) -> Vec<
     out
 }
 
+/// Whether the JSON string `quoted` (quotes included) spells `name`. Most keys hold no
+/// escape and are compared as bytes; an escaped one is decoded first.
+fn key_is(quoted: &[u8], name: &str) -> Option<bool> {
+    let inner = quoted.get(1..quoted.len().checked_sub(1)?)?;
+    if !inner.contains(&b'\\') {
+        return Some(inner == name.as_bytes());
+    }
+    let key: String = serde_json::from_slice(quoted).ok()?;
+    Some(key == name)
+}
+
 /// A forward-only walk over well-formed JSON text.
 struct Scanner<'a> {
     b: &'a [u8],
@@ -107,7 +118,7 @@ impl Scanner<'_> {
             }
             let key_start = self.i;
             self.skip_string()?;
-            let key: String = serde_json::from_slice(&self.b[key_start..self.i]).ok()?;
+            let is_name = key_is(&self.b[key_start..self.i], name)?;
             self.ws();
             if self.peek()? != b':' {
                 return None;
@@ -116,7 +127,7 @@ impl Scanner<'_> {
             self.ws();
             let value_start = self.i;
             self.skip_value()?;
-            if key == name {
+            if is_name {
                 return Some(MemberSpan {
                     key_start,
                     value_start,
@@ -232,6 +243,16 @@ mod tests {
             edit(body, Some("d"))["params"]["_meta"]["dev.atmost/idempotency-key"],
             "d"
         );
+    }
+
+    #[test]
+    fn keys_compare_as_decoded_text() {
+        assert_eq!(key_is(br#""_meta""#, "_meta"), Some(true));
+        assert_eq!(key_is(br#""\u005fmeta""#, "_meta"), Some(true));
+        assert_eq!(key_is(br#""_met""#, "_meta"), Some(false));
+        assert_eq!(key_is(br#""_meta\n""#, "_meta"), Some(false));
+        assert_eq!(key_is(br#""""#, ""), Some(true));
+        assert_eq!(key_is(b"\"", "_meta"), None);
     }
 
     #[test]

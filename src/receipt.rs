@@ -16,15 +16,29 @@ fn is_response_to(v: &Value, id: &Value) -> bool {
         && (v.get("result").is_some() || v.get("error").is_some())
 }
 
-/// The receipt in one complete JSON text, if it holds the response to `id`.
-pub fn from_json_text(text: &str, id: &Value) -> Option<String> {
+/// A captured response: its text (verbatim when it stood alone) and what it says.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Captured {
+    pub text: String,
+    pub kind: ResultKind,
+}
+
+/// The receipt in one complete JSON text, if it holds the response to `id`. The text is
+/// parsed once; its kind is read from the same tree.
+pub fn from_json_text(text: &str, id: &Value) -> Option<Captured> {
     let value: Value = serde_json::from_str(text).ok()?;
     match &value {
-        Value::Object(_) if is_response_to(&value, id) => Some(text.trim().to_string()),
+        Value::Object(_) if is_response_to(&value, id) => Some(Captured {
+            text: text.trim().to_string(),
+            kind: kind_of_value(&value),
+        }),
         Value::Array(items) => items
             .iter()
             .find(|v| is_response_to(v, id))
-            .map(|v| v.to_string()),
+            .map(|v| Captured {
+                text: v.to_string(),
+                kind: kind_of_value(v),
+            }),
         _ => None,
     }
 }
@@ -43,10 +57,12 @@ pub enum ResultKind {
 }
 
 /// Reads the kind of a captured response (anything unreadable counts as final).
-pub fn kind_of(receipt: &str) -> ResultKind {
-    let Ok(v) = serde_json::from_str::<Value>(receipt) else {
-        return ResultKind::Final;
-    };
+#[cfg(test)]
+fn kind_of(receipt: &str) -> ResultKind {
+    serde_json::from_str::<Value>(receipt).map_or(ResultKind::Final, |v| kind_of_value(&v))
+}
+
+fn kind_of_value(v: &Value) -> ResultKind {
     let Some(result) = v.get("result").and_then(Value::as_object) else {
         return ResultKind::Final;
     };
@@ -68,7 +84,7 @@ pub fn kind_of(receipt: &str) -> ResultKind {
 }
 
 /// The receipt in a whole `application/json` body.
-pub fn from_json_body(body: &[u8], id: &Value) -> Option<String> {
+pub fn from_json_body(body: &[u8], id: &Value) -> Option<Captured> {
     from_json_text(std::str::from_utf8(body).ok()?, id)
 }
 
@@ -78,7 +94,7 @@ pub enum SseProgress {
     /// Not yet.
     Pending,
     /// The response to the request.
-    Found(String),
+    Found(Captured),
     /// An event grew past `max_receipt_bytes`; capture stopped.
     TooLarge,
 }
@@ -128,8 +144,11 @@ mod tests {
     fn json_bodies() {
         let body = br#"{"jsonrpc":"2.0","id":5,"result":{"ok":true}}"#;
         assert_eq!(
-            from_json_body(body, &json!(5)).as_deref(),
-            Some(r#"{"jsonrpc":"2.0","id":5,"result":{"ok":true}}"#)
+            from_json_body(body, &json!(5)),
+            Some(Captured {
+                text: r#"{"jsonrpc":"2.0","id":5,"result":{"ok":true}}"#.into(),
+                kind: ResultKind::Final
+            })
         );
         assert_eq!(from_json_body(body, &json!(6)), None);
         assert_eq!(from_json_body(body, &json!("5")), None);
@@ -141,7 +160,8 @@ mod tests {
         let batch =
             br#"[{"jsonrpc":"2.0","id":4,"result":{}},{"jsonrpc":"2.0","id":5,"result":{"n":1}}]"#;
         assert_eq!(
-            from_json_body(batch, &json!(5)).and_then(|s| serde_json::from_str::<Value>(&s).ok()),
+            from_json_body(batch, &json!(5))
+                .and_then(|c| serde_json::from_str::<Value>(&c.text).ok()),
             Some(json!({"jsonrpc":"2.0","id":5,"result":{"n":1}}))
         );
         assert_eq!(from_json_body(b"not json", &json!(5)), None);
@@ -163,7 +183,7 @@ mod tests {
                 }
             }
             assert_eq!(
-                found.as_deref(),
+                found.map(|c| c.text).as_deref(),
                 Some("{\"jsonrpc\":\"2.0\",\"id\":9,\n\"result\":{\"content\":[]}}"),
                 "split at {split}"
             );
@@ -205,7 +225,24 @@ mod tests {
             ),
         ] {
             assert_eq!(kind_of(text), kind, "{text}");
+            // Captured responses carry the same kind, read from the one parse.
+            if let Some(c) = from_json_text(text, &json!(1)) {
+                assert_eq!(c.kind, kind, "{text}");
+            }
         }
+    }
+
+    #[test]
+    fn a_batch_element_keeps_its_own_kind() {
+        let batch = r#"[{"jsonrpc":"2.0","id":1,"result":{"content":[]}},{"jsonrpc":"2.0","id":2,"result":{"resultType":"input_required","requestState":"s"}}]"#;
+        assert_eq!(
+            from_json_text(batch, &json!(2)).map(|c| c.kind),
+            Some(ResultKind::InputRequired)
+        );
+        assert_eq!(
+            from_json_text(batch, &json!(1)).map(|c| c.kind),
+            Some(ResultKind::Final)
+        );
     }
 
     #[test]

@@ -112,10 +112,8 @@ pub fn callout_reply(num_headers: usize, body_size: usize) -> crate::ledger::Led
     if num_headers == 0 {
         return crate::ledger::LedgerReply::failed();
     }
-    let status = headers(MapType::HttpCallResponseHeaders)
-        .iter()
-        .find(|(k, _)| k == ":status")
-        .and_then(|(_, v)| crate::ledger::parse_status(v));
+    let status = header(MapType::HttpCallResponseHeaders, ":status")
+        .and_then(|v| crate::ledger::parse_status(&v));
     crate::ledger::LedgerReply {
         status,
         body: buffer(BufferType::HttpCallResponseBody, body_size),
