@@ -98,11 +98,14 @@ bench: setup wasm ledger-release bench-tools
 	$(WITH_PG) $(VPY) bench/run.py
 
 # wrk (Debian) for the ceilings; oha (crates.io, pinned) to cross-check the fixed-rate
-# latencies; the stubs, the load generator and the two reference wasm filters (bench/).
+# latencies; valgrind (Debian) to count the filter's instructions per call; the stubs, the
+# load generator, the call-cost driver and the two reference wasm filters (bench/).
 bench-tools: rust-setup
 	@command -v wrk >/dev/null 2>&1 || apt-get install -y wrk
+	@command -v valgrind >/dev/null 2>&1 || apt-get install -y valgrind
 	@test -x target/bench-tools/bin/oha || $(CARGO) install --locked --root target/bench-tools oha@$(OHA_VERSION)
 	cd bench && CARGO_TARGET_DIR=../target/bench $(CARGO) build --release -p atmost-bench-stub -p atmost-bench-load
+	cd bench && CARGO_TARGET_DIR=../target/bench $(CARGO) build --profile callcost -p atmost-bench-callcost
 	cd bench && CARGO_TARGET_DIR=../target/bench $(CARGO) build --profile wasm --target wasm32-wasip1 -p bench-filter-noop -p bench-filter-callout
 
 ## Fuzzing (fuzz/, cargo-fuzz + libFuzzer, AddressSanitizer). cargo-fuzz needs nightly

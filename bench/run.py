@@ -20,7 +20,7 @@ Per setup: the ceiling (wrk, closed loop, 1 thread, 32 connections), then open-l
 rates at 25/50/75 % of B's ceiling (bench/loadgen, latency from each request's due time),
 CPU-seconds per 1000 requests of each process over the ceiling run, peak RSS (VmHWM).
 Then the ledger alone (authorize + completed report pairs over h2c), criterion
-micro-benchmarks, the module size; writes target/bench/results.{md,json}, prints PASS/FAIL.
+micro-benchmarks, the filter's instructions per call (callgrind), the module size; writes target/bench/results.{md,json}, prints PASS/FAIL.
 
 Environment (knobs):
   BENCH_SETUPS        setups to run, e.g. "B,N,D0,D" (default all)
@@ -34,6 +34,7 @@ Environment (knobs):
   BENCH_LEDGER_SECONDS  each ledger-alone run, seconds (default 8)
   BENCH_LEDGER_CONCURRENCY  pairs in flight in the ledger-alone runs (default 64)
   BENCH_CRITERION     0 skips criterion
+  BENCH_CALLCOST      0 skips counting the filter's instructions per call (valgrind)
   BENCH_OUT           output directory
   BENCH_LEDGER_BIN    another `atmost` build, to compare a change
   BENCH_PLUGIN        JSON merged into atmost's plugin configuration,
@@ -66,6 +67,7 @@ RUN = OUT / "run"
 TOOLS = ROOT / "target" / "bench" / "release"
 STUB = TOOLS / "atmost-bench-stub"
 LOAD = TOOLS / "atmost-bench-load"
+CALLCOST = ROOT / "target" / "bench" / "callcost" / "atmost-bench-callcost"
 WASM_DIR = ROOT / "target" / "bench" / "wasm32-wasip1" / "wasm"
 NOOP_WASM = WASM_DIR / "bench_filter_noop.wasm"
 CALLOUT_WASM = WASM_DIR / "bench_filter_callout.wasm"
@@ -380,6 +382,25 @@ def ledger_alone(name: str, store: str | None, permits: int = 1, batched: bool =
         ledger.stop()
 
 
+def call_instructions() -> dict:
+    """Instructions per governed tools/call through the filter's state machine (natively,
+    callgrind): the difference between N and N + 1000 calls, over 1000. Deterministic, so it
+    shows a change to the filter's own work that timings on a shared machine would bury."""
+    if os.environ.get("BENCH_CALLCOST", "1") == "0":
+        return {}
+    if not shutil.which("valgrind") or not CALLCOST.exists():
+        return {"error": "valgrind or the call-cost driver is missing (make bench-tools)"}
+    counts = []
+    for n in (100, 1100):
+        r = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", str(CALLCOST), str(n)],
+                           capture_output=True, text=True, timeout=600)
+        m = re.search(r"Collected\s*:\s*(\d+)", r.stderr) or re.search(r"I\s+refs:\s+([\d,]+)", r.stderr)
+        if r.returncode != 0 or not m:
+            return {"error": (r.stderr or r.stdout)[-500:]}
+        counts.append(int(m.group(1).replace(",", "")))
+    return {"instructions_per_call": round((counts[1] - counts[0]) / 1000)}
+
+
 def criterion() -> dict:
     """Runs the criterion benches (short) and reads their estimates."""
     if os.environ.get("BENCH_CRITERION", "1") == "0":
@@ -552,6 +573,12 @@ def write_report(res: dict) -> list[tuple[str, bool, str]]:
     if res.get("criterion"):
         lines += ["", "## Criterion (mean, µs)", "", "| benchmark | µs |", "|---|---:|"]
         lines += [f"| {k} | {v} |" for k, v in res["criterion"].items()]
+    cc = res.get("callcost", {})
+    if "instructions_per_call" in cc:
+        lines += ["", f"Filter instructions per governed tools/call (native, callgrind, opt-level s): "
+                      f"{cc['instructions_per_call']:,}."]
+    elif "error" in cc:
+        lines += ["", f"Filter instructions per call: not measured ({cc['error'][:200]})."]
     lines += ["", f"wasm module: {size} bytes ({size / 1024:.0f} KiB).", "", "## Targets", ""]
     lines += [f"- {'PASS' if ok else 'FAIL'}: {label} ({detail})" for label, ok, detail in checks]
     pending = [x for x in res.get("pending", [])]
@@ -642,6 +669,7 @@ def main() -> int:
         if pg_url:
             drop_pg_schemas(pg_url, ["E", "alone-postgres", "alone-postgres1", "alone-postgres16"])
     res["criterion"] = criterion()
+    res["callcost"] = call_instructions()
     (OUT / "results.json").write_text(json.dumps(res, indent=1, default=str))
     checks = write_report(res)
     print()

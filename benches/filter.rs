@@ -9,17 +9,18 @@
 use std::hint::black_box;
 use std::rc::Rc;
 
-use atmost_filter::call::{BodyStep, Call, RequestHead, ResponseHead};
 use atmost_filter::config::Config;
 use atmost_filter::fingerprint::fingerprint;
-use atmost_filter::ledger::LedgerReply;
 use atmost_filter::mcp::{self, Mirrored};
 use criterion::{criterion_group, criterion_main, Criterion};
 use serde_json::{json, Map, Value};
 
-const CALL: &[u8] = br#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"pay_invoice","arguments":{"invoice":"INV-1","amount":250,"memo":"quarterly"},"_meta":{"dev.atmost/idempotency-key":"task-4417-pay"}}}"#;
+// The same call as the call-cost driver of `make bench` (instructions per call).
+#[path = "../bench/callcost/src/one_call.rs"]
+mod one_call;
+use one_call::{one_call, CALL, CONFIG};
+
 const LIST: &[u8] = br#"{"jsonrpc":"2.0","id":2,"method":"tools/list","params":{}}"#;
-const CONFIG: &[u8] = br#"{"ledger":{"cluster":"atmost_ledger","service_token":"svc"},"upstream_key":{"mode":"hmac","secret":"0123456789abcdef0123"}}"#;
 
 fn big_arguments() -> Map<String, Value> {
     let mut m = Map::new();
@@ -56,34 +57,8 @@ fn fingerprints(c: &mut Criterion) {
 
 fn whole_call(c: &mut Criterion) {
     let config = Rc::new(Config::parse(CONFIG).unwrap());
-    let dispatch = LedgerReply {
-        status: Some(200),
-        body: br#"{"decision":"dispatch","attempt_id":"att-1","permit_id":"p1","lease_ms":120000}"#
-            .to_vec(),
-    };
-    let response = br#"{"jsonrpc":"2.0","id":3,"result":{"content":[{"type":"text","text":"ok"}],"isError":false}}"#;
     c.bench_function("call/tools_call_request_to_completed_report", |b| {
-        b.iter(|| {
-            let mut call = Call::new(Rc::clone(&config));
-            call.on_request_headers(RequestHead {
-                method: "POST".into(),
-                permit: vec![b"p1.secret".to_vec()],
-                content_length: Some(CALL.len() as u64),
-                ..RequestHead::default()
-            });
-            let BodyStep::Read { .. } = call.on_request_body(CALL.len(), true) else {
-                panic!("body not read")
-            };
-            let step = call.on_request_body_data(CALL);
-            assert!(step.callout.is_some());
-            call.on_ledger_reply(&dispatch);
-            call.on_response_headers(ResponseHead {
-                content_type: Some("application/json".into()),
-                end_of_stream: false,
-            });
-            let _ = call.on_response_body(response.len(), true);
-            black_box(call.on_response_body_data(response, true))
-        })
+        b.iter(|| assert!(black_box(one_call(&config))))
     });
 }
 

@@ -46,9 +46,15 @@ fn outcomes_answer(body: &[u8]) -> Response<Full<Bytes>> {
     match reports {
         Some(n) => {
             let acks = vec![r#""applied""#; n].join(",");
-            json(StatusCode::OK, format!(r#"{{"acks":[{acks}]}}"#).into_bytes())
+            json(
+                StatusCode::OK,
+                format!(r#"{{"acks":[{acks}]}}"#).into_bytes(),
+            )
         }
-        None => json(StatusCode::BAD_REQUEST, br#"{"error":"not a batch"}"#.to_vec()),
+        None => json(
+            StatusCode::BAD_REQUEST,
+            br#"{"error":"not a batch"}"#.to_vec(),
+        ),
     }
 }
 
