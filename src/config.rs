@@ -5,6 +5,7 @@
 //! refused, so a typo is an error and not a silently ignored setting. Error messages never
 //! echo a field's value (some are secrets).
 
+use crate::upstream_key::UpstreamSecret;
 use serde_json::{Map, Value};
 
 /// Default `permit_header`.
@@ -110,7 +111,7 @@ pub enum UpstreamKey {
     /// `{"mode": "hmac", "secret": "..."}` (default mode): the upstream gets lowercase hex
     /// `HMAC-SHA256(secret, permit_id + ":" + key)`. `upstream_key.secret` (string, at
     /// least 16 bytes) is required in this mode.
-    Hmac { secret: String },
+    Hmac { secret: UpstreamSecret },
     /// `{"mode": "raw"}`: the upstream gets the client's key as sent.
     Raw,
     /// `{"mode": "off"}`: the `Idempotency-Key` header is removed.
@@ -386,6 +387,9 @@ impl Config {
                                 format!("must be at least {MIN_SECRET_BYTES} bytes"),
                             ));
                         }
+                        let secret = UpstreamSecret::new(secret).ok_or_else(|| {
+                            err("upstream_key.secret", "is not usable as an HMAC key")
+                        })?;
                         UpstreamKey::Hmac { secret }
                     }
                     "raw" | "off" if uk.map.contains_key("secret") => {
@@ -483,7 +487,7 @@ pub(crate) mod tests {
         assert_eq!(
             c.upstream_key,
             UpstreamKey::Hmac {
-                secret: "0123456789abcdef0123".into()
+                secret: UpstreamSecret::new("0123456789abcdef0123".into()).unwrap()
             }
         );
         assert_eq!(c.denial_format, DenialFormat::Result);
