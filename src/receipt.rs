@@ -56,9 +56,8 @@ pub enum ResultKind {
     Task,
 }
 
-/// Reads the kind of a captured response (anything unreadable counts as final).
-#[cfg(test)]
-fn kind_of(receipt: &str) -> ResultKind {
+/// Reads the kind of a captured response's text (anything unreadable counts as final).
+pub fn kind_of(receipt: &str) -> ResultKind {
     serde_json::from_str::<Value>(receipt).map_or(ResultKind::Final, |v| kind_of_value(&v))
 }
 

@@ -28,6 +28,15 @@ impl UpstreamSecret {
         let keyed = <Hmac<Sha256> as KeyInit>::new_from_slice(secret.as_bytes()).ok()?;
         Some(UpstreamSecret { secret, keyed })
     }
+
+    /// The secret's length in bytes (the configuration requires a minimum).
+    pub fn len(&self) -> usize {
+        self.secret.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.secret.is_empty()
+    }
 }
 
 impl PartialEq for UpstreamSecret {

@@ -13,6 +13,7 @@ use atmost_filter::config::{
     Config, DenialFormat, ToolSet, UpstreamKey, DEFAULT_AUTHORITY, DEFAULT_MAX_BYTES,
     DEFAULT_PERMIT_HEADER, DEFAULT_REPORT_INTERVAL_MS, DEFAULT_TIMEOUT_MS, MAX_MAX_BYTES,
 };
+use atmost_filter::upstream_key::UpstreamSecret;
 use serde_json::{json, Map, Value};
 
 #[derive(Arbitrary, Debug)]
@@ -167,7 +168,8 @@ pub fn check(data: &[u8]) {
             if *explicit_mode {
                 m.insert("mode".into(), json!("hmac"));
             }
-            (Value::Object(m), UpstreamKey::Hmac { secret: s })
+            let secret = UpstreamSecret::new(s).expect("HMAC takes a key of any length");
+            (Value::Object(m), UpstreamKey::Hmac { secret })
         }
         Uk::Raw => (json!({"mode": "raw"}), UpstreamKey::Raw),
         Uk::Off => (json!({"mode": "off"}), UpstreamKey::Off),

@@ -84,9 +84,11 @@ pub fn check(data: &[u8]) {
     let _ = receipt::kind_of(&text);
 
     let found = receipt::from_json_body(rest, &id);
-    if let Some(r) = &found {
+    if let Some(c) = &found {
+        let r = &c.text;
         assert_response_to(r, &id);
-        let _ = receipt::kind_of(r);
+        // The kind read along with the capture is the kind of the text it kept.
+        assert_eq!(c.kind, receipt::kind_of(r), "{r}");
         check_rewrite(r, &id);
         assert!(
             replay::rewrite(r, &id).is_ok(),
@@ -113,8 +115,9 @@ pub fn check(data: &[u8]) {
         run(&[&rest[..mid], &rest[mid..]]),
         "SSE capture depends on the split"
     );
-    if let Some(r) = &whole {
-        assert_response_to(r, &id);
-        check_rewrite(r, &id);
+    if let Some(c) = &whole {
+        assert_response_to(&c.text, &id);
+        assert_eq!(c.kind, receipt::kind_of(&c.text), "{}", c.text);
+        check_rewrite(&c.text, &id);
     }
 }
