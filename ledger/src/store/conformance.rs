@@ -41,8 +41,8 @@ macro_rules! conformance_suite {
     ($make:expr) => {
         $crate::conformance_suite!(@tests $make;
             decision_table, expiry_scope_and_key_required, budget_reserve_spend_release,
-            duplicate_guard_modes, outcome_acks, race_cap_of_one_distinct_keys, race_same_key,
-            race_budget, sweeper_expires_leases_to_uncertain, retention_tombstones_and_uncertain_kept,
+            duplicate_guard_modes, outcome_acks, race_cap_of_one_distinct_keys, race_cap_of_three_distinct_keys, race_same_key,
+            race_duplicate_guard, race_budget, sweeper_expires_leases_to_uncertain, retention_tombstones_and_uncertain_kept,
             resolution, durability_across_reopen, permit_admin, input_required_continuations,
             accepted_task_handles, race_continuations, counters_match_recount_after_random_operations,
             state_counts_and_pruning_per_permit_retention);
@@ -549,12 +549,14 @@ fn count(rs: &[AuthorizeResponse], code: Option<DenialCode>) -> usize {
         .count()
 }
 
-pub async fn race_cap_of_one_distinct_keys(h: &dyn Harness) {
+/// `n` calls with distinct keys race for a tool capped at `cap`: exactly `cap` go through.
+async fn race_cap(h: &dyn Harness, cap: u64) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 1);
+    pol.max_calls.insert("pay".into(), cap);
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
-    let reqs = (0..32)
+    let n = 32;
+    let reqs = (0..n)
         .map(|i| {
             req(
                 &tok,
@@ -566,9 +568,23 @@ pub async fn race_cap_of_one_distinct_keys(h: &dyn Harness) {
         })
         .collect();
     let rs = race(h, reqs).await;
-    assert_eq!(count(&rs, None), 1, "{rs:?}");
-    assert_eq!(count(&rs, Some(DenialCode::PermitMaxCallsExceeded)), 31);
-    assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
+    let cap = usize::try_from(cap).unwrap();
+    assert_eq!(count(&rs, None), cap, "{rs:?}");
+    assert_eq!(
+        count(&rs, Some(DenialCode::PermitMaxCallsExceeded)),
+        n - cap
+    );
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, cap as u64);
+}
+
+pub async fn race_cap_of_one_distinct_keys(h: &dyn Harness) {
+    race_cap(h, 1).await;
+}
+
+/// Several slots: a store that decides queued calls together must count the slots taken
+/// earlier in the same group, not only those already written.
+pub async fn race_cap_of_three_distinct_keys(h: &dyn Harness) {
+    race_cap(h, 3).await;
 }
 
 pub async fn race_same_key(h: &dyn Harness) {
@@ -580,6 +596,22 @@ pub async fn race_same_key(h: &dyn Harness) {
     let rs = race(h, reqs).await;
     assert_eq!(count(&rs, None), 1, "{rs:?}");
     assert_eq!(count(&rs, Some(DenialCode::IdempotencyInProgress)), 31);
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
+}
+
+/// Calls with distinct keys and one fingerprint race under the enforcing duplicate guard: the
+/// first goes through, every later one is the duplicate of a call in flight.
+pub async fn race_duplicate_guard(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.duplicate_guard = GuardMode::Enforce;
+    let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
+    let reqs = (0..32)
+        .map(|i| req(&tok, "pay", Some(&format!("key-{i}")), "same", json!({})))
+        .collect();
+    let rs = race(h, reqs).await;
+    assert_eq!(count(&rs, None), 1, "{rs:?}");
+    assert_eq!(count(&rs, Some(DenialCode::DuplicateRequestSuspected)), 31);
     assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
 }
 

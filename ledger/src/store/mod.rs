@@ -15,6 +15,7 @@ use crate::decide::{Decision, ResolveInput};
 use crate::error::{LedgerError, ResolveError};
 use crate::model::{Attempt, AttemptState, Permit, PermitDetail};
 
+pub mod counters;
 pub mod postgres;
 pub mod sqlite;
 

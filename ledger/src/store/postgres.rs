@@ -44,6 +44,7 @@ use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Row, Socket};
 
+use super::counters::CounterMoves;
 use super::{AttemptFilter, OutcomeResult, PermitCounters, Store, SweepReport};
 use crate::clock::Millis;
 use crate::decide::{self, DecideParams, Decision, Mutation, ResolveInput, Snapshot};
@@ -449,34 +450,50 @@ async fn lock_permit_of_attempt<C: GenericClient>(
     Ok(())
 }
 
-/// Inserts the attempt and points its key at it in ONE statement (one round trip under the lock).
-async fn insert_attempt<C: GenericClient>(c: &C, a: &Attempt) -> Result<(), LedgerError> {
-    let cost = to_i64(a.cost)?;
-    let replays = to_i64(a.replay_count)?;
+/// Inserts attempts and points their keys at them in ONE statement (one round trip under the
+/// lock, however many). No two of them may have the same key.
+async fn insert_attempts<C: GenericClient>(c: &C, attempts: &[Attempt]) -> Result<(), LedgerError> {
+    if attempts.is_empty() {
+        return Ok(());
+    }
+    let mut costs = Vec::with_capacity(attempts.len());
+    let mut replays = Vec::with_capacity(attempts.len());
+    for a in attempts {
+        costs.push(to_i64(a.cost)?);
+        replays.push(to_i64(a.replay_count)?);
+    }
+    let col = |f: fn(&Attempt) -> &str| attempts.iter().map(f).collect::<Vec<&str>>();
+    let opt =
+        |f: fn(&Attempt) -> Option<&str>| attempts.iter().map(f).collect::<Vec<Option<&str>>>();
+    let num = |f: fn(&Attempt) -> Millis| attempts.iter().map(f).collect::<Vec<Millis>>();
+    let opt_num =
+        |f: fn(&Attempt) -> Option<Millis>| attempts.iter().map(f).collect::<Vec<Option<Millis>>>();
     exec(
         c,
         "WITH ins AS (INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, \
          updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) RETURNING id, permit_id, key_hash) \
+         SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::TEXT[], $5::TEXT[], $6::BIGINT[], \
+         $7::TEXT[], $8::BIGINT[], $9::BIGINT[], $10::BIGINT[], $11::BIGINT[], $12::TEXT[], $13::TEXT[], \
+         $14::BIGINT[], $15::BIGINT[]) RETURNING id, permit_id, key_hash) \
          INSERT INTO idempotency_keys (permit_id, key_hash, attempt_id) \
          SELECT permit_id, key_hash, id FROM ins WHERE key_hash IS NOT NULL \
          ON CONFLICT (permit_id, key_hash) DO UPDATE SET attempt_id = excluded.attempt_id",
         &[
-            &a.id,
-            &a.permit_id,
-            &a.tool,
-            &a.key_hash,
-            &a.fingerprint,
-            &cost,
-            &a.state.as_str(),
-            &a.created_at_ms,
-            &a.updated_at_ms,
-            &a.lease_expires_at_ms,
-            &a.finished_at_ms,
-            &a.receipt,
-            &a.reason,
+            &col(|a| &a.id),
+            &col(|a| &a.permit_id),
+            &col(|a| &a.tool),
+            &opt(|a| a.key_hash.as_deref()),
+            &col(|a| &a.fingerprint),
+            &costs,
+            &col(|a| a.state.as_str()),
+            &num(|a| a.created_at_ms),
+            &num(|a| a.updated_at_ms),
+            &num(|a| a.lease_expires_at_ms),
+            &opt_num(|a| a.finished_at_ms),
+            &opt(|a| a.receipt.as_deref()),
+            &opt(|a| a.reason.as_deref()),
             &replays,
-            &a.pruned_at_ms,
+            &opt_num(|a| a.pruned_at_ms),
         ],
     )
     .await?;
@@ -519,89 +536,95 @@ async fn update_attempt<C: GenericClient>(c: &C, a: &Attempt) -> Result<(), Ledg
     Ok(())
 }
 
-/// Moves the permit's counters by what writing `new` over `old` changes.
-async fn apply_counters<C: GenericClient>(
-    c: &C,
-    old: Option<&Attempt>,
-    new: &Attempt,
-) -> Result<(), LedgerError> {
-    let d = decide::counter_delta(old, new);
-    if d.slots != 0 {
-        exec(
+/// Writes the counter moves a transaction summed ([`CounterMoves`]), in the caller's
+/// transaction (which holds the row locks of the permits involved), just before it commits:
+/// each counter row once, however many attempts moved it. The statements are sent together
+/// (pipelined; the server runs them in order).
+async fn write_counters<C: GenericClient>(c: &C, moves: &CounterMoves) -> Result<(), LedgerError> {
+    let (mut sp, mut st, mut sn) = (Vec::new(), Vec::new(), Vec::new());
+    for (p, t, n) in moves.slot_rows() {
+        sp.push(p);
+        st.push(t);
+        sn.push(n);
+    }
+    let (mut bp, mut br, mut bs) = (Vec::new(), Vec::new(), Vec::new());
+    for (p, r, s) in moves.budget_rows() {
+        bp.push(p);
+        br.push(r);
+        bs.push(s);
+    }
+    let (mut cp, mut cs, mut cn) = (Vec::new(), Vec::new(), Vec::new());
+    for (p, s, n) in moves.state_rows() {
+        cp.push(p);
+        cs.push(s.as_str());
+        cn.push(n);
+    }
+    let (slots, budget, states) = tokio::join!(
+        biased;
+        add_to_rows(
             c,
-            "INSERT INTO permit_tool_usage (permit_id, tool, slots_held) VALUES ($1, $2, $3) \
+            "INSERT INTO permit_tool_usage (permit_id, tool, slots_held) \
+             SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[]) \
              ON CONFLICT (permit_id, tool) DO UPDATE SET slots_held = permit_tool_usage.slots_held + excluded.slots_held",
-            &[&new.permit_id, &new.tool, &d.slots],
-        )
-        .await?;
-    }
-    if d.reserved != 0 || d.spent != 0 {
-        exec(
+            (&sp, &st, &sn),
+        ),
+        async {
+            if bp.is_empty() {
+                return Ok(0);
+            }
+            exec(
+                c,
+                "UPDATE permits p SET reserved = p.reserved + m.r, spent = p.spent + m.s \
+                 FROM unnest($1::TEXT[], $2::BIGINT[], $3::BIGINT[]) AS m(id, r, s) WHERE p.id = m.id",
+                &[&bp, &br, &bs],
+            )
+            .await
+        },
+        add_to_rows(
             c,
-            "UPDATE permits SET reserved = reserved + $2, spent = spent + $3 WHERE id = $1",
-            &[&new.permit_id, &d.reserved, &d.spent],
+            "INSERT INTO permit_state_counts (permit_id, state, n) \
+             SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[]) \
+             ON CONFLICT (permit_id, state) DO UPDATE SET n = permit_state_counts.n + excluded.n",
+            (&cp, &cs, &cn),
         )
-        .await?;
-    }
+    );
+    slots?;
+    budget?;
+    states?;
     Ok(())
 }
 
-/// Writes an attempt (inserted when `old` is `None`) and its counters, in the caller's
-/// transaction (which holds the permit's row lock).
+/// Adds to counter rows keyed by two texts (created at the amount when missing); nothing is
+/// sent when there is nothing to add.
+async fn add_to_rows<C: GenericClient>(
+    c: &C,
+    upsert: &str,
+    (first, second, amounts): (&Vec<&str>, &Vec<&str>, &Vec<i64>),
+) -> Result<u64, LedgerError> {
+    if first.is_empty() {
+        return Ok(0);
+    }
+    exec(c, upsert, &[first, second, amounts]).await
+}
+
+/// Writes an attempt (inserted when `old` is `None`) in the caller's transaction (which holds
+/// the permit's row lock) and adds what it moves to `moves`, which the transaction writes with
+/// [`write_counters`] before it commits.
 async fn write_attempt<C: GenericClient>(
     c: &C,
     old: Option<&Attempt>,
     new: &Attempt,
+    moves: &mut CounterMoves,
 ) -> Result<(), LedgerError> {
     // Checked before anything is sent, so a value that cannot be stored leaves no half write.
     to_i64(new.cost)?;
     to_i64(new.replay_count)?;
-    // Sent together (pipelined; the server runs them in order): different rows, one round trip.
-    let moved = old.map(|o| o.state) != Some(new.state);
-    let (row, counters, left, entered) = tokio::join!(
-        biased;
-        async {
-            match old {
-                None => insert_attempt(c, new).await,
-                Some(_) => update_attempt(c, new).await,
-            }
-        },
-        apply_counters(c, old, new),
-        async {
-            match old {
-                Some(o) if moved => count_state(c, &new.permit_id, o.state, -1).await,
-                _ => Ok(()),
-            }
-        },
-        async {
-            if moved {
-                count_state(c, &new.permit_id, new.state, 1).await
-            } else {
-                Ok(())
-            }
-        }
-    );
-    row?;
-    counters?;
-    left?;
-    entered
-}
-
-/// Moves the count of a permit's attempts in one state.
-async fn count_state<C: GenericClient>(
-    c: &C,
-    permit_id: &str,
-    state: AttemptState,
-    by: i64,
-) -> Result<(), LedgerError> {
-    exec(
-        c,
-        "INSERT INTO permit_state_counts (permit_id, state, n) VALUES ($1, $2, $3) \
-         ON CONFLICT (permit_id, state) DO UPDATE SET n = permit_state_counts.n + excluded.n",
-        &[&permit_id, &state.as_str(), &by],
-    )
-    .await
-    .map(|_| ())
+    match old {
+        None => insert_attempts(c, std::slice::from_ref(new)).await?,
+        Some(_) => update_attempt(c, new).await?,
+    }
+    moves.record(old, new);
+    Ok(())
 }
 
 async fn budget_totals<C: GenericClient>(
@@ -716,33 +739,9 @@ async fn permit_worker(
                 .first()
                 .map(read_permit)
                 .transpose()?;
-            let mut decisions = Vec::with_capacity(jobs.len());
-            for job in &jobs {
-                decisions.push(
-                    decide_locked(
-                        &tx,
-                        &states,
-                        permit.as_ref(),
-                        &job.req,
-                        &job.params,
-                        job.now,
-                    )
-                    .await,
-                );
-                if decisions.last().is_some_and(|d| {
-                    d.as_ref()
-                        .is_err_and(|e| !matches!(e, LedgerError::Invalid(_)))
-                }) {
-                    // The transaction is broken: the whole group fails.
-                    break;
-                }
-            }
-            if let Some(Err(e)) = decisions.iter().find(|d| {
-                d.as_ref()
-                    .is_err_and(|e| !matches!(e, LedgerError::Invalid(_)))
-            }) {
-                return Err(LedgerError::Store(e.to_string()));
-            }
+            let mut moves = CounterMoves::default();
+            let decisions = decide_group(&tx, &states, permit.as_ref(), &jobs, &mut moves).await?;
+            write_counters(&tx, &moves).await?;
             // No answer leaves before the commit did: a group that cannot commit is an error.
             tx.commit().await.map_err(pg_err)?;
             Ok(decisions)
@@ -752,145 +751,262 @@ async fn permit_worker(
     }
 }
 
-/// One decision inside a group transaction that holds the permit's row lock: reads, decides,
-/// writes. An `Invalid` error was raised before anything was sent (the transaction is intact);
-/// any other error means the transaction is broken.
-async fn decide_locked<C: GenericClient>(
+/// What one batch of a group read: the attempts its keys name, the slots of its tools, the
+/// permit's budget totals and each job's duplicate candidate.
+#[derive(Default)]
+struct BatchReads {
+    by_key: std::collections::HashMap<String, Attempt>,
+    slots: std::collections::HashMap<String, i64>,
+    budget: Option<(i64, i64)>,
+    /// Index of the job in the batch → the newest attempt its duplicate guard would match.
+    duplicates: std::collections::HashMap<usize, Attempt>,
+}
+
+/// Splits a group into batches in which no job's reads can be changed by an earlier job of
+/// the same batch: a job whose key or fingerprint an earlier job of the batch already has
+/// starts a new batch (that earlier job may write the very attempt it would read). Counters
+/// are the exception, handled by [`CounterMoves`]. Returns the batches' end indexes.
+fn batch_ends(jobs: &[AuthJob]) -> Vec<usize> {
+    let mut ends = Vec::new();
+    let mut keys = std::collections::HashSet::new();
+    let mut prints = std::collections::HashSet::new();
+    for (i, job) in jobs.iter().enumerate() {
+        let key = job.req.idempotency_key.as_deref();
+        let clash =
+            key.is_some_and(|k| keys.contains(k)) || prints.contains(job.req.fingerprint.as_str());
+        if clash {
+            ends.push(i);
+            keys.clear();
+            prints.clear();
+        }
+        if let Some(k) = key {
+            keys.insert(k);
+        }
+        prints.insert(job.req.fingerprint.as_str());
+    }
+    ends.push(jobs.len());
+    ends
+}
+
+/// Reads everything a batch's decisions need, in one round trip: the four statements are
+/// sent together (pipelined), after the permit's lock is held.
+async fn read_batch<C: GenericClient>(
+    tx: &C,
+    states: &StateSets,
+    permit: &Permit,
+    jobs: &[(&AuthJob, Option<String>)],
+) -> Result<BatchReads, LedgerError> {
+    let policy = &permit.policy;
+    let key_hashes: Vec<&str> = jobs.iter().filter_map(|(_, kh)| kh.as_deref()).collect();
+    let mut tools: Vec<&str> = jobs
+        .iter()
+        .map(|(j, _)| j.req.tool.as_str())
+        .filter(|t| policy.limit_for(t).is_some())
+        .collect();
+    tools.sort_unstable();
+    tools.dedup();
+    let want_budget = policy.budget.is_some();
+    let want_dup = policy.duplicate_guard != GuardMode::Off;
+    let (mut fps, mut kh_of, mut since) = (Vec::new(), Vec::new(), Vec::new());
+    if want_dup {
+        for (j, kh) in jobs {
+            fps.push(j.req.fingerprint.as_str());
+            kh_of.push(kh.as_deref());
+            since.push(j.now.saturating_sub(policy.retention_ms));
+        }
+    }
+    let st_keys = prepared(
+        tx,
+        &format!(
+            "SELECT {ATTEMPT_COLS}, k.key_hash FROM idempotency_keys k JOIN attempts a ON a.id = k.attempt_id \
+             WHERE k.permit_id = $1 AND k.key_hash = ANY($2)"
+        ),
+    )
+    .await?;
+    let st_slots = prepared(
+        tx,
+        "SELECT tool, slots_held FROM permit_tool_usage WHERE permit_id = $1 AND tool = ANY($2)",
+    )
+    .await?;
+    let st_budget = prepared(tx, "SELECT reserved, spent FROM permits WHERE id = $1").await?;
+    // One index lookup per job (the same one the single-job query made), numbered by the
+    // job's position in the arrays.
+    let st_dup = prepared(
+        tx,
+        &format!(
+            "SELECT {ATTEMPT_COLS}, j.i FROM unnest($2::TEXT[], $3::TEXT[], $4::BIGINT[]) WITH ORDINALITY \
+             AS j(fp, kh, since, i) CROSS JOIN LATERAL (SELECT * FROM attempts d WHERE d.permit_id = $1 \
+             AND d.fingerprint = j.fp AND NOT (d.state = ANY($5)) AND d.created_at >= j.since \
+             AND (j.kh IS NULL OR d.key_hash IS NULL OR d.key_hash <> j.kh) \
+             ORDER BY d.created_at DESC LIMIT 1) a"
+        ),
+    )
+    .await?;
+    let (keys, slots, budget, dups) = tokio::join!(
+        biased;
+        async {
+            if key_hashes.is_empty() {
+                return Ok(Vec::new());
+            }
+            tx.query(&st_keys, &[&permit.id, &key_hashes]).await
+        },
+        async {
+            if tools.is_empty() {
+                return Ok(Vec::new());
+            }
+            tx.query(&st_slots, &[&permit.id, &tools]).await
+        },
+        async {
+            if !want_budget {
+                return Ok(Vec::new());
+            }
+            tx.query(&st_budget, &[&permit.id]).await
+        },
+        async {
+            if fps.is_empty() {
+                return Ok(Vec::new());
+            }
+            tx.query(&st_dup, &[&permit.id, &fps, &kh_of, &since, &states.gave_back])
+                .await
+        }
+    );
+    let mut reads = BatchReads::default();
+    for row in keys.map_err(pg_err)? {
+        let kh: String = row.try_get(19).map_err(pg_err)?;
+        reads.by_key.insert(kh, read_attempt(&row)?);
+    }
+    for row in slots.map_err(pg_err)? {
+        reads.slots.insert(
+            row.try_get(0).map_err(pg_err)?,
+            row.try_get(1).map_err(pg_err)?,
+        );
+    }
+    if let Some(row) = budget.map_err(pg_err)?.first() {
+        reads.budget = Some((
+            row.try_get(0).map_err(pg_err)?,
+            row.try_get(1).map_err(pg_err)?,
+        ));
+    }
+    for row in dups.map_err(pg_err)? {
+        let i: i64 = row.try_get(19).map_err(pg_err)?;
+        // ORDINALITY counts from 1.
+        if let Some(i) = usize::try_from(i).ok().and_then(|i| i.checked_sub(1)) {
+            reads.duplicates.insert(i, read_attempt(&row)?);
+        }
+    }
+    Ok(reads)
+}
+
+/// Decides a group's jobs in order, inside the transaction that holds the permit's row lock.
+/// Each batch (see [`batch_ends`]) is read in one round trip, decided in memory (counters as
+/// stored plus the group's moves so far) and written in one more. An `Invalid` error is one
+/// job's, raised before its writes were sent (its moves are not counted); any other error
+/// breaks the transaction and fails the group.
+async fn decide_group<C: GenericClient>(
     tx: &C,
     states: &StateSets,
     permit: Option<&Permit>,
-    req: &AuthorizeRequest,
-    params: &DecideParams,
-    now: Millis,
-) -> Result<Decision, LedgerError> {
-    let key_hash = decide::key_hash(req);
-    let mut snap = Snapshot {
-        now_ms: now,
-        ..Snapshot::default()
-    };
-    if let Some(permit) = permit {
+    jobs: &[AuthJob],
+    moves: &mut CounterMoves,
+) -> Result<Vec<Result<Decision, LedgerError>>, LedgerError> {
+    let mut decisions = Vec::with_capacity(jobs.len());
+    let mut start = 0;
+    for end in batch_ends(jobs) {
+        let batch = &jobs[start..end];
+        start = end;
         // Nothing else is read for a token that does not authenticate.
-        if decide::authenticate(&req.permit_token, Some(permit)).is_some() {
-            // The key's attempt, the counters the policy needs and the duplicate guard's
-            // lookup are sent together (pipelined), after the lock is held: one round trip.
-            // The decision ignores what `reads_needed` rules out.
-            let policy = &permit.policy;
-            let want_usage = policy.limit_for(&req.tool).is_some();
-            let want_budget = policy.budget.is_some();
-            let want_dup = policy.duplicate_guard != GuardMode::Off;
-            let st_key = prepared(
-                tx,
-                &format!(
-                    "SELECT {ATTEMPT_COLS} FROM idempotency_keys k JOIN attempts a ON a.id = k.attempt_id \
-                     WHERE k.permit_id = $1 AND k.key_hash = $2"
-                ),
-            )
-            .await?;
-            let st_usage = prepared(
-                tx,
-                "SELECT slots_held FROM permit_tool_usage WHERE permit_id = $1 AND tool = $2",
-            )
-            .await?;
-            let st_budget =
-                prepared(tx, "SELECT reserved, spent FROM permits WHERE id = $1").await?;
-            let st_dup = prepared(
-                tx,
-                &format!(
-                    "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.permit_id = $1 AND a.fingerprint = $2 \
-                     AND NOT (a.state = ANY($3)) AND a.created_at >= $4 \
-                     AND ($5::TEXT IS NULL OR a.key_hash IS NULL OR a.key_hash <> $5::TEXT) \
-                     ORDER BY a.created_at DESC LIMIT 1"
-                ),
-            )
-            .await?;
-            let since = now.saturating_sub(policy.retention_ms);
-            let (existing, usage, budget, dup) = tokio::join!(
-                biased;
-                async {
-                    match key_hash.as_deref() {
-                        Some(kh) => tx.query(&st_key, &[&permit.id, &kh]).await.map(Some),
-                        None => Ok(None),
+        let authed: Vec<(&AuthJob, Option<String>)> = batch
+            .iter()
+            .filter(|j| decide::authenticate(&j.req.permit_token, permit).is_some())
+            .map(|j| (j, decide::key_hash(&j.req)))
+            .collect();
+        let reads = match permit {
+            Some(p) if !authed.is_empty() => read_batch(tx, states, p, &authed).await?,
+            _ => BatchReads::default(),
+        };
+        let mut inserts: Vec<Attempt> = Vec::new();
+        let mut updates: Vec<Attempt> = Vec::new();
+        for job in batch {
+            let mut snap = Snapshot {
+                now_ms: job.now,
+                permit: permit.cloned(),
+                ..Snapshot::default()
+            };
+            // The job's position among the batch's authenticated jobs (the duplicate reads
+            // are numbered by it).
+            let pos = authed.iter().position(|(j, _)| std::ptr::eq(*j, job));
+            if let (Some(p), Some(pos)) = (permit, pos) {
+                if let Some(kh) = authed[pos].1.as_deref() {
+                    snap.existing = reads.by_key.get(kh).cloned();
+                }
+                let need = decide::reads_needed(&job.req, p, snap.existing.as_ref());
+                if need.usage {
+                    let stored = reads.slots.get(&job.req.tool).copied().unwrap_or(0);
+                    // The group's earlier decisions' slots are not written yet.
+                    snap.usage = ToolUsage {
+                        calls_made: to_u64(
+                            stored.saturating_add(moves.slots(&p.id, &job.req.tool)),
+                        ),
+                    };
+                }
+                if need.budget {
+                    let stored = reads
+                        .budget
+                        .ok_or_else(|| LedgerError::Store("budget query returned no row".into()))?;
+                    let pending = moves.budget(&p.id);
+                    snap.budget = BudgetTotals {
+                        reserved: to_u64(stored.0.saturating_add(pending.0)),
+                        spent: to_u64(stored.1.saturating_add(pending.1)),
+                    };
+                }
+                if need.duplicate {
+                    snap.recent_duplicate = reads.duplicates.get(&pos).cloned();
+                }
+            }
+            let decision = decide::decide(&job.req, &snap, &job.params);
+            let write = match &decision.mutation {
+                Mutation::None => Ok(None),
+                Mutation::Reserve(a) => storable(a).map(|()| Some((None, a))),
+                Mutation::Update(a) => match snap.existing.as_ref().filter(|e| e.id == a.id) {
+                    Some(old) => storable(a).map(|()| Some((Some(old), a))),
+                    None => {
+                        return Err(LedgerError::Store(
+                            "an update names an attempt that was not read".into(),
+                        ))
                     }
                 },
-                async {
-                    if want_usage {
-                        tx.query(&st_usage, &[&permit.id, &req.tool]).await.map(Some)
+            };
+            match write {
+                Ok(None) => {}
+                Ok(Some((old, a))) => {
+                    moves.record(old, a);
+                    if old.is_none() {
+                        inserts.push(a.clone());
                     } else {
-                        Ok(None)
-                    }
-                },
-                async {
-                    if want_budget {
-                        tx.query(&st_budget, &[&permit.id]).await.map(Some)
-                    } else {
-                        Ok(None)
-                    }
-                },
-                async {
-                    if want_dup {
-                        tx.query(
-                            &st_dup,
-                            &[&permit.id, &req.fingerprint, &states.gave_back, &since, &key_hash],
-                        )
-                        .await
-                        .map(Some)
-                    } else {
-                        Ok(None)
+                        updates.push(a.clone());
                     }
                 }
-            );
-            if let Some(rows) = existing.map_err(pg_err)? {
-                snap.existing = rows.first().map(read_attempt).transpose()?;
+                Err(e) => {
+                    decisions.push(Err(e));
+                    continue;
+                }
             }
-            let usage = usage.map_err(pg_err)?;
-            let budget = budget.map_err(pg_err)?;
-            let dup = dup.map_err(pg_err)?;
-            let reads = decide::reads_needed(req, permit, snap.existing.as_ref());
-            if reads.usage {
-                let n: i64 = match usage.as_ref().and_then(|r| r.first()) {
-                    Some(r) => r.try_get(0).map_err(pg_err)?,
-                    None => 0,
-                };
-                snap.usage = ToolUsage {
-                    calls_made: to_u64(n),
-                };
-            }
-            if reads.budget {
-                let row = budget
-                    .as_ref()
-                    .and_then(|r| r.first())
-                    .ok_or_else(|| LedgerError::Store("budget query returned no row".into()))?;
-                snap.budget = BudgetTotals {
-                    reserved: to_u64(row.try_get(0).map_err(pg_err)?),
-                    spent: to_u64(row.try_get(1).map_err(pg_err)?),
-                };
-            }
-            if reads.duplicate {
-                snap.recent_duplicate = dup
-                    .as_ref()
-                    .and_then(|r| r.first())
-                    .map(read_attempt)
-                    .transpose()?;
-            }
+            decisions.push(Ok(decision));
         }
-        snap.permit = Some(permit.clone());
-    }
-    let decision = decide::decide(req, &snap, params);
-    match &decision.mutation {
-        Mutation::None => {}
-        Mutation::Reserve(a) => write_attempt(tx, None, a).await?,
-        Mutation::Update(a) => {
-            let old = snap
-                .existing
-                .as_ref()
-                .filter(|e| e.id == a.id)
-                .ok_or_else(|| {
-                    LedgerError::Store("an update names an attempt that was not read".into())
-                })?;
-            write_attempt(tx, Some(old), a).await?
+        insert_attempts(tx, &inserts).await?;
+        // Updates (a key's given-back attempt dispatched again, a continuation) are rare.
+        for a in &updates {
+            update_attempt(tx, a).await?;
         }
     }
-    Ok(decision)
+    Ok(decisions)
+}
+
+/// A value the attempts table cannot hold is refused before anything is sent.
+fn storable(a: &Attempt) -> Result<(), LedgerError> {
+    to_i64(a.cost)?;
+    to_i64(a.replay_count)?;
+    Ok(())
 }
 
 /// One queued outcome report.
@@ -931,12 +1047,13 @@ async fn outcome_worker(pool: Pool, op_timeout: Duration, queue: OutcomeQueue) {
                 .map(|a| (a.id.clone(), a))
                 .collect();
             let mut out: Vec<Result<OutcomeResult, LedgerError>> = Vec::with_capacity(jobs.len());
+            let mut moves = CounterMoves::default();
             for job in &jobs {
                 let existing = current.get(&job.report.attempt_id).cloned();
                 let (ack, next) =
                     decide::apply_outcome(existing.as_ref(), &job.report.outcome, job.now);
                 if let (Some(old), Some(a)) = (existing.as_ref(), next) {
-                    match write_attempt(&tx, Some(old), &a).await {
+                    match write_attempt(&tx, Some(old), &a, &mut moves).await {
                         Ok(()) => {
                             current.insert(a.id.clone(), a);
                         }
@@ -953,6 +1070,7 @@ async fn outcome_worker(pool: Pool, op_timeout: Duration, queue: OutcomeQueue) {
                     previous: existing.map(|a| a.state),
                 }));
             }
+            write_counters(&tx, &moves).await?;
             tx.commit().await.map_err(pg_err)?;
             Ok(out)
         };
@@ -1372,11 +1490,12 @@ impl Store for PgStore {
                 .map(|a| (a.id.clone(), a))
                 .collect();
             let mut out = Vec::with_capacity(reports.len());
+            let mut moves = CounterMoves::default();
             for report in reports {
                 let existing = current.get(&report.attempt_id).cloned();
                 let (ack, next) = decide::apply_outcome(existing.as_ref(), &report.outcome, now);
                 if let (Some(old), Some(a)) = (existing.as_ref(), next) {
-                    write_attempt(&tx, Some(old), &a).await?;
+                    write_attempt(&tx, Some(old), &a, &mut moves).await?;
                     current.insert(a.id.clone(), a);
                 }
                 out.push(OutcomeResult {
@@ -1384,6 +1503,7 @@ impl Store for PgStore {
                     previous: existing.map(|a| a.state),
                 });
             }
+            write_counters(&tx, &moves).await?;
             tx.commit().await.map_err(pg_err)?;
             Ok(out)
         })
@@ -1468,7 +1588,9 @@ impl Store for PgStore {
                 return Err(ResolveError::UnknownAttempt);
             };
             let next = decide::resolve(&existing, input, now)?;
-            write_attempt(&tx, Some(&existing), &next).await?;
+            let mut moves = CounterMoves::default();
+            write_attempt(&tx, Some(&existing), &next, &mut moves).await?;
+            write_counters(&tx, &moves).await?;
             tx.commit().await.map_err(pg_err)?;
             Ok(next)
         })
@@ -1520,6 +1642,7 @@ impl Store for PgStore {
                     continue;
                 };
                 let retention: i64 = row.try_get(0).map_err(pg_err)?;
+                let mut moves = CounterMoves::default();
                 let sql = format!(
                     "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.state IN {} \
                      AND a.lease_expires_at <= $2 AND a.permit_id = $1",
@@ -1527,7 +1650,7 @@ impl Store for PgStore {
                 );
                 for a in query_attempts(&tx, &sql, &[&permit_id, &now]).await? {
                     if let Some(next) = decide::expire_lease(&a, now) {
-                        write_attempt(&tx, Some(&a), &next).await?;
+                        write_attempt(&tx, Some(&a), &next, &mut moves).await?;
                         report.leases_expired += 1;
                     }
                 }
@@ -1539,10 +1662,11 @@ impl Store for PgStore {
                 let due = now.saturating_sub(retention);
                 for a in query_attempts(&tx, &sql, &[&permit_id, &due]).await? {
                     if let Some(next) = decide::prune(&a, retention, now) {
-                        write_attempt(&tx, Some(&a), &next).await?;
+                        write_attempt(&tx, Some(&a), &next, &mut moves).await?;
                         report.receipts_pruned += 1;
                     }
                 }
+                write_counters(&tx, &moves).await?;
                 tx.commit().await.map_err(pg_err)?;
             }
             Ok(report)
@@ -1826,6 +1950,111 @@ mod tests {
     }
 
     crate::conformance_suite!(PgHarness::new().await);
+
+    /// Decisions queued while the permit's lock is held elsewhere are decided together, in
+    /// one transaction: each must see what the earlier ones of its group decided (a slot
+    /// taken, a fingerprint in flight, a key reserved), though none of it is committed yet.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn one_group_of_queued_decisions_sees_its_own_earlier_decisions() {
+        use crate::model::GuardMode;
+        use atmost_protocol::{AuthorizeResponse, DenialCode};
+        let h = PgHarness::new().await;
+        let s = h.store().await;
+        let mut pol = conformance::policy();
+        pol.duplicate_guard = GuardMode::Enforce;
+        pol.max_calls.insert("pay".into(), 3);
+        let (p, tok) = conformance::make_permit(&*s, pol, T0 + conformance::HOUR).await;
+        let raw = raw_client(&h.url).await;
+        raw.batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM {}.permits WHERE id = '{}' FOR UPDATE",
+            h.schema, p.id
+        ))
+        .await
+        .unwrap();
+        let call = |r: atmost_protocol::AuthorizeRequest| {
+            let s = s.clone();
+            tokio::spawn(async move { s.authorize(&r, LEASE_MS, T0).await.unwrap().response })
+        };
+        // The first call is its worker's first group alone, waiting for the lock ...
+        let first = call(conformance::req(
+            &tok,
+            "other",
+            Some("k0"),
+            "fp-0",
+            json!({}),
+        ));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // ... so these queue behind it and form the next group.
+        let mut calls = Vec::new();
+        for i in 0..8 {
+            let key = format!("d{i}");
+            calls.push((
+                "dup",
+                call(conformance::req(
+                    &tok,
+                    "x",
+                    Some(&key),
+                    "one-print",
+                    json!({}),
+                )),
+            ));
+        }
+        for i in 0..8 {
+            let (key, fp) = (format!("c{i}"), format!("fp-c{i}"));
+            calls.push((
+                "cap",
+                call(conformance::req(&tok, "pay", Some(&key), &fp, json!({}))),
+            ));
+        }
+        // One key with other arguments each time (so only the key ties them together).
+        for i in 0..4 {
+            let fp = format!("fp-k{i}");
+            calls.push((
+                "key",
+                call(conformance::req(&tok, "y", Some("same"), &fp, json!({}))),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        raw.batch_execute("COMMIT").await.unwrap();
+        assert!(matches!(
+            first.await.unwrap(),
+            AuthorizeResponse::Dispatch { .. }
+        ));
+        let mut got = std::collections::BTreeMap::<(&str, String), usize>::new();
+        for (kind, c) in calls {
+            let outcome = match c.await.unwrap() {
+                AuthorizeResponse::Dispatch { .. } => "dispatch".to_string(),
+                AuthorizeResponse::Deny(d) => format!("{:?}", d.code),
+                other => format!("{other:?}"),
+            };
+            *got.entry((kind, outcome)).or_default() += 1;
+        }
+        let want: std::collections::BTreeMap<(&str, String), usize> = [
+            (("dup", "dispatch".to_string()), 1),
+            (
+                (
+                    "dup",
+                    format!("{:?}", DenialCode::DuplicateRequestSuspected),
+                ),
+                7,
+            ),
+            (("cap", "dispatch".to_string()), 3),
+            (
+                ("cap", format!("{:?}", DenialCode::PermitMaxCallsExceeded)),
+                5,
+            ),
+            (("key", "dispatch".to_string()), 1),
+            (
+                ("key", format!("{:?}", DenialCode::IdempotencyKeyConflict)),
+                3,
+            ),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(got, want);
+        let counters = s.permit_counters(&p.id).await.unwrap().unwrap();
+        assert_eq!(counters.slots_held.get("pay"), Some(&3));
+    }
 
     /// Version 3's partial indexes carry the model's state lists, and the sweeper's queries
     /// (as generic plans, the way prepared statements end up) are answered from them.
