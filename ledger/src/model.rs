@@ -285,6 +285,31 @@ pub struct Attempt {
     pub resolution: Option<Resolution>,
 }
 
+#[cfg(test)]
+impl Attempt {
+    /// An attempt for tests of what stores do with attempts: no key, no receipt, times at 0.
+    pub fn example(id: &str, permit_id: &str, tool: &str, state: AttemptState, cost: u64) -> Self {
+        Attempt {
+            id: id.into(),
+            permit_id: permit_id.into(),
+            tool: tool.into(),
+            key_hash: None,
+            fingerprint: format!("fp-{id}"),
+            cost,
+            state,
+            created_at_ms: 0,
+            updated_at_ms: 0,
+            lease_expires_at_ms: 0,
+            finished_at_ms: None,
+            receipt: None,
+            reason: None,
+            replay_count: 0,
+            pruned_at_ms: None,
+            resolution: None,
+        }
+    }
+}
+
 /// Slots held for one tool under one permit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct ToolUsage {

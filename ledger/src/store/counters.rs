@@ -118,24 +118,7 @@ mod tests {
     use super::*;
 
     fn attempt(id: &str, tool: &str, state: AttemptState, cost: u64) -> Attempt {
-        Attempt {
-            id: id.into(),
-            permit_id: "p1".into(),
-            tool: tool.into(),
-            key_hash: None,
-            fingerprint: "f".into(),
-            cost,
-            state,
-            created_at_ms: 0,
-            updated_at_ms: 0,
-            lease_expires_at_ms: 0,
-            finished_at_ms: None,
-            receipt: None,
-            reason: None,
-            replay_count: 0,
-            pruned_at_ms: None,
-            resolution: None,
-        }
+        Attempt::example(id, "p1", tool, state, cost)
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! which takes SQLite's write lock before the first read: check and reserve are atomic,
 //! also across processes sharing the file.
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -13,6 +14,7 @@ use atmost_protocol::{AuthorizeRequest, OutcomeReport};
 use rusqlite::config::DbConfig;
 use rusqlite::{params, Connection, OptionalExtension, Row, TransactionBehavior};
 
+use super::counters::CounterMoves;
 use super::{AttemptFilter, OutcomeResult, PermitCounters, Store, SweepReport};
 use crate::clock::Millis;
 use crate::decide::{self, DecideParams, Decision, Mutation, ResolveInput, Snapshot};
@@ -362,52 +364,50 @@ fn update_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerError> {
     Ok(())
 }
 
-/// Moves the permit's counters by what writing `new` over `old` changes.
-fn apply_counters(
-    tx: &Connection,
-    old: Option<&Attempt>,
-    new: &Attempt,
-) -> Result<(), LedgerError> {
-    let d = decide::counter_delta(old, new);
-    if d.slots != 0 {
-        tx.prepare_cached(
+/// Writes a group's summed counter moves ([`CounterMoves`]) just before it commits: each
+/// counter row once, however many attempts of the group moved it.
+fn write_counters(conn: &Connection, moves: &CounterMoves) -> Result<(), LedgerError> {
+    for (permit_id, tool, n) in moves.slot_rows() {
+        conn.prepare_cached(
             "INSERT INTO permit_tool_usage (permit_id, tool, slots_held) VALUES (?1, ?2, ?3) \
              ON CONFLICT (permit_id, tool) DO UPDATE SET slots_held = slots_held + excluded.slots_held",
         )?
-        .execute(params![new.permit_id, new.tool, d.slots])?;
+        .execute(params![permit_id, tool, n])?;
     }
-    if d.reserved != 0 || d.spent != 0 {
-        tx.prepare_cached(
+    for (permit_id, reserved, spent) in moves.budget_rows() {
+        conn.prepare_cached(
             "UPDATE permits SET reserved = reserved + ?2, spent = spent + ?3 WHERE id = ?1",
         )?
-        .execute(params![new.permit_id, d.reserved, d.spent])?;
+        .execute(params![permit_id, reserved, spent])?;
+    }
+    // This store counts attempts per state over all permits (one row per state).
+    let mut per_state: BTreeMap<AttemptState, i64> = BTreeMap::new();
+    for (_, state, n) in moves.state_rows() {
+        *per_state.entry(state).or_default() += n;
+    }
+    for (state, n) in per_state.into_iter().filter(|(_, n)| *n != 0) {
+        conn.prepare_cached(
+            "INSERT INTO attempt_state_counts (state, n) VALUES (?1, ?2) \
+             ON CONFLICT (state) DO UPDATE SET n = n + excluded.n",
+        )?
+        .execute(params![state.as_str(), n])?;
     }
     Ok(())
 }
 
-/// Moves the count of attempts per state (one row per state, updated in place).
-fn count_state(tx: &Connection, state: AttemptState, by: i64) -> Result<(), LedgerError> {
-    tx.prepare_cached(
-        "INSERT INTO attempt_state_counts (state, n) VALUES (?1, ?2) \
-         ON CONFLICT (state) DO UPDATE SET n = n + excluded.n",
-    )?
-    .execute(params![state.as_str(), by])?;
-    Ok(())
-}
-
-/// Writes an attempt (inserted when `old` is `None`) and its counters, in the caller's transaction.
-fn write_attempt(tx: &Connection, old: Option<&Attempt>, new: &Attempt) -> Result<(), LedgerError> {
+/// Writes an attempt (inserted when `old` is `None`) in the caller's group transaction and
+/// adds what it moves to the operation's counter moves.
+fn write_attempt(
+    tx: &GroupTx<'_>,
+    old: Option<&Attempt>,
+    new: &Attempt,
+) -> Result<(), LedgerError> {
     match old {
         None => insert_attempt(tx, new)?,
         Some(_) => update_attempt(tx, new)?,
     }
-    if old.map(|o| o.state) != Some(new.state) {
-        if let Some(o) = old {
-            count_state(tx, o.state, -1)?;
-        }
-        count_state(tx, new.state, 1)?;
-    }
-    apply_counters(tx, old, new)
+    tx.own.borrow_mut().record(old, new);
+    Ok(())
 }
 
 /// Slots held for one tool, from the counter.
@@ -454,7 +454,7 @@ fn budget_totals(conn: &Connection, permit_id: &str) -> Result<BudgetTotals, Led
 }
 
 fn load_snapshot(
-    conn: &Connection,
+    conn: &GroupTx<'_>,
     req: &AuthorizeRequest,
     key_hash: Option<&str>,
     now: Millis,
@@ -485,10 +485,23 @@ fn load_snapshot(
     }
     let reads = decide::reads_needed(req, &permit, snap.existing.as_ref());
     if reads.usage {
-        snap.usage = tool_usage(conn, &permit.id, &req.tool)?;
+        let stored = tool_usage(conn, &permit.id, &req.tool)?;
+        snap.usage = ToolUsage {
+            calls_made: to_u64(
+                i64::try_from(stored.calls_made)
+                    .unwrap_or(i64::MAX)
+                    .saturating_add(conn.pending_slots(&permit.id, &req.tool)),
+            ),
+        };
     }
     if reads.budget {
-        snap.budget = budget_counters(conn, &permit.id)?;
+        let stored = budget_counters(conn, &permit.id)?;
+        let (reserved, spent) = conn.pending_budget(&permit.id);
+        let add = |n: u64, by: i64| to_u64(i64::try_from(n).unwrap_or(i64::MAX).saturating_add(by));
+        snap.budget = BudgetTotals {
+            reserved: add(stored.reserved, reserved),
+            spent: add(stored.spent, spent),
+        };
     }
     if reads.duplicate {
         let since = now.saturating_sub(permit.policy.retention_ms);
@@ -513,7 +526,7 @@ fn load_snapshot(
 
 /// Applies one outcome report in the caller's transaction.
 fn apply_report(
-    tx: &Connection,
+    tx: &GroupTx<'_>,
     report: &OutcomeReport,
     now: Millis,
 ) -> Result<OutcomeResult, LedgerError> {
@@ -594,7 +607,7 @@ impl SqliteStore {
     where
         R: Send + 'static,
         E: From<LedgerError> + Send + 'static,
-        F: FnOnce(&Connection) -> Result<R, E> + Send + 'static,
+        F: FnOnce(&GroupTx<'_>) -> Result<R, E> + Send + 'static,
     {
         let (reply, answer) = tokio::sync::oneshot::channel();
         let op: Box<dyn Op> = Box::new(Pending {
@@ -653,13 +666,48 @@ fn open_conn(path: &Path) -> Result<Connection, LedgerError> {
     Ok(conn)
 }
 
+/// The group transaction one queued operation runs in: the connection (it derefs to it), the
+/// counter moves of the group's earlier operations (written once, before the commit) and its
+/// own. Counter reads add both to what is stored.
+struct GroupTx<'a> {
+    conn: &'a Connection,
+    earlier: &'a CounterMoves,
+    own: RefCell<CounterMoves>,
+}
+
+impl std::ops::Deref for GroupTx<'_> {
+    type Target = Connection;
+
+    fn deref(&self) -> &Connection {
+        self.conn
+    }
+}
+
+impl GroupTx<'_> {
+    /// Slots of the permit's tool taken (or given back) in this group and not written yet.
+    fn pending_slots(&self, permit_id: &str, tool: &str) -> i64 {
+        self.earlier
+            .slots(permit_id, tool)
+            .saturating_add(self.own.borrow().slots(permit_id, tool))
+    }
+
+    /// (reserved, spent) of the permit moved in this group and not written yet.
+    fn pending_budget(&self, permit_id: &str) -> (i64, i64) {
+        let (a, b) = (
+            self.earlier.budget(permit_id),
+            self.own.borrow().budget(permit_id),
+        );
+        (a.0.saturating_add(b.0), a.1.saturating_add(b.1))
+    }
+}
+
 /// Most operations one group transaction takes from the queue.
 const MAX_GROUP: usize = 256;
 
 /// One queued write: run inside the group transaction, then answered with the commit's result.
 trait Op: Send {
     /// Runs the work; `true` if it succeeded (its savepoint is kept).
-    fn run(&mut self, conn: &Connection) -> bool;
+    fn run(&mut self, tx: &GroupTx<'_>) -> bool;
     /// Answers the caller once the group transaction is over.
     fn finish(self: Box<Self>, commit: Result<(), String>);
 }
@@ -674,13 +722,13 @@ impl<R, E, F> Op for Pending<R, E, F>
 where
     R: Send,
     E: From<LedgerError> + Send,
-    F: FnOnce(&Connection) -> Result<R, E> + Send,
+    F: FnOnce(&GroupTx<'_>) -> Result<R, E> + Send,
 {
-    fn run(&mut self, conn: &Connection) -> bool {
+    fn run(&mut self, tx: &GroupTx<'_>) -> bool {
         let Some(work) = self.work.take() else {
             return false;
         };
-        let r = work(conn);
+        let r = work(tx);
         let ok = r.is_ok();
         self.result = Some(r);
         ok
@@ -738,11 +786,18 @@ fn run_group(conn: &Connection, mut group: Vec<Box<dyn Op>>) {
     if let Err(e) = exec_cached(conn, "BEGIN IMMEDIATE") {
         return fail_all(conn, group, e.to_string());
     }
+    let mut moves = CounterMoves::default();
     for op in group.iter_mut() {
         if let Err(e) = exec_cached(conn, "SAVEPOINT op") {
             return fail_all(conn, group, e.to_string());
         }
-        let ok = op.run(conn);
+        let tx = GroupTx {
+            conn,
+            earlier: &moves,
+            own: RefCell::default(),
+        };
+        let ok = op.run(&tx);
+        let own = tx.own.into_inner();
         if conn.is_autocommit() {
             // SQLite rolled the whole transaction back (disk full, I/O error): nothing of
             // this group is durable.
@@ -753,6 +808,8 @@ fn run_group(conn: &Connection, mut group: Vec<Box<dyn Op>>) {
             );
         }
         let end = if ok {
+            // A failed operation's moves were rolled back with its savepoint.
+            moves.absorb(own);
             exec_cached(conn, "RELEASE op")
         } else {
             exec_cached(conn, "ROLLBACK TO op").and_then(|_| exec_cached(conn, "RELEASE op"))
@@ -760,6 +817,9 @@ fn run_group(conn: &Connection, mut group: Vec<Box<dyn Op>>) {
         if let Err(e) = end {
             return fail_all(conn, group, e.to_string());
         }
+    }
+    if let Err(e) = write_counters(conn, &moves) {
+        return fail_all(conn, group, e.to_string());
     }
     match exec_cached(conn, "COMMIT") {
         Ok(_) => {
@@ -775,7 +835,7 @@ fn run_group(conn: &Connection, mut group: Vec<Box<dyn Op>>) {
 impl Store for SqliteStore {
     async fn ping(&self, _now: Millis) -> Result<(), LedgerError> {
         // Through the writer: ready means decisions can be made.
-        self.write(|c: &Connection| {
+        self.write(|c: &GroupTx<'_>| {
             c.prepare_cached("SELECT COUNT(*) FROM permits")?
                 .query_row([], |r| r.get::<_, i64>(0))?;
             Ok::<_, LedgerError>(())
@@ -787,7 +847,7 @@ impl Store for SqliteStore {
         let p = permit.clone();
         let policy =
             serde_json::to_string(&p.policy).map_err(|e| LedgerError::Invalid(e.to_string()))?;
-        self.write(move |tx: &Connection| {
+        self.write(move |tx: &GroupTx<'_>| {
             tx.prepare_cached(
                 "INSERT INTO permits (id, token_hash, label, created_at, expires_at, revoked_at, retention_ms, policy) \
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
@@ -870,7 +930,7 @@ impl Store for SqliteStore {
 
     async fn revoke_permit(&self, id: &str, now: Millis) -> Result<Option<Permit>, LedgerError> {
         let id = id.to_string();
-        self.write(move |tx: &Connection| {
+        self.write(move |tx: &GroupTx<'_>| {
             tx.execute(
                 "UPDATE permits SET revoked_at = ?2 WHERE id = ?1 AND revoked_at IS NULL",
                 params![id, now],
@@ -892,7 +952,7 @@ impl Store for SqliteStore {
             lease_ms,
             new_attempt_id: token::new_attempt_id()?,
         };
-        self.write(move |tx: &Connection| {
+        self.write(move |tx: &GroupTx<'_>| {
             let key_hash = decide::key_hash(&req);
             let snap = load_snapshot(tx, &req, key_hash.as_deref(), now)?;
             let decision = decide::decide(&req, &snap, &params);
@@ -923,7 +983,7 @@ impl Store for SqliteStore {
         now: Millis,
     ) -> Result<OutcomeResult, LedgerError> {
         let report = report.clone();
-        self.write(move |tx: &Connection| apply_report(tx, &report, now))
+        self.write(move |tx: &GroupTx<'_>| apply_report(tx, &report, now))
             .await
     }
 
@@ -933,7 +993,7 @@ impl Store for SqliteStore {
         now: Millis,
     ) -> Result<Vec<OutcomeResult>, LedgerError> {
         let reports = reports.to_vec();
-        self.write(move |tx: &Connection| {
+        self.write(move |tx: &GroupTx<'_>| {
             let mut out = Vec::with_capacity(reports.len());
             for report in &reports {
                 out.push(apply_report(tx, report, now)?);
@@ -979,7 +1039,7 @@ impl Store for SqliteStore {
     ) -> Result<Attempt, ResolveError> {
         let id = id.to_string();
         let input = input.clone();
-        self.write(move |tx: &Connection| {
+        self.write(move |tx: &GroupTx<'_>| {
             let Some(existing) = load_attempt(tx, &id)? else {
                 return Err(ResolveError::UnknownAttempt);
             };
@@ -991,7 +1051,7 @@ impl Store for SqliteStore {
     }
 
     async fn sweep(&self, now: Millis) -> Result<SweepReport, LedgerError> {
-        self.write(move |tx: &Connection| {
+        self.write(move |tx: &GroupTx<'_>| {
             let mut report = SweepReport::default();
             let sql = format!(
                 "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.state IN {} AND a.lease_expires_at <= ?1",
@@ -1068,7 +1128,7 @@ mod tests {
     use async_trait::async_trait;
 
     use super::SqliteStore;
-    use crate::store::conformance::Harness;
+    use crate::store::conformance::{self, Harness, T0};
     use crate::store::Store;
 
     struct SqliteHarness {
@@ -1106,7 +1166,7 @@ mod tests {
         let s = SqliteStore::open_dir(dir.path()).unwrap();
         // The writer's own connection is the one that must be FULL.
         let (mode, sync, qpsg) = s
-            .write(|c: &rusqlite::Connection| {
+            .write(|c: &super::GroupTx<'_>| {
                 let mode: String = c.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
                 let sync: i64 = c.query_row("PRAGMA synchronous", [], |r| r.get(0))?;
                 let qpsg = c.db_config(rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG)?;
@@ -1126,6 +1186,47 @@ mod tests {
     /// A failing operation inside a group transaction rolls back only its own savepoint: the
     /// operations around it commit and are answered, its write is gone.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_failing_ops_counter_moves_go_with_its_savepoint() {
+        use crate::error::LedgerError;
+        use crate::model::{Attempt, AttemptState};
+        let dir = tempfile::tempdir().unwrap();
+        let s = Arc::new(SqliteStore::open_dir(dir.path()).unwrap());
+        let (p, _) = conformance::make_permit(&*s, conformance::policy(), T0 + 1).await;
+        let mut tasks = Vec::new();
+        for i in 0..100 {
+            let (s, permit_id) = (s.clone(), p.id.clone());
+            tasks.push(tokio::spawn(async move {
+                s.write(move |tx: &super::GroupTx<'_>| {
+                    let a = Attempt::example(
+                        &format!("a{i}"),
+                        &permit_id,
+                        "t",
+                        AttemptState::InFlight,
+                        1,
+                    );
+                    super::write_attempt(tx, None, &a)?;
+                    if i % 5 == 0 {
+                        return Err(LedgerError::Invalid(format!("op {i} fails")));
+                    }
+                    Ok(())
+                })
+                .await
+            }));
+        }
+        let mut kept = 0;
+        for t in tasks {
+            if t.await.unwrap().is_ok() {
+                kept += 1;
+            }
+        }
+        assert_eq!(kept, 80);
+        let c = s.permit_counters(&p.id).await.unwrap().unwrap();
+        assert_eq!(c.slots_held.get("t"), Some(&80));
+        let counts = s.attempt_counts(T0).await.unwrap();
+        assert_eq!(counts.get(&AttemptState::InFlight), Some(&80));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn a_failing_op_rolls_back_only_its_savepoint() {
         use crate::error::LedgerError;
         let dir = tempfile::tempdir().unwrap();
@@ -1134,7 +1235,7 @@ mod tests {
         for i in 0..200 {
             let s = s.clone();
             tasks.push(tokio::spawn(async move {
-                s.write(move |c: &rusqlite::Connection| {
+                s.write(move |c: &super::GroupTx<'_>| {
                     c.execute(
                         "INSERT INTO permits (id, token_hash, label, created_at, expires_at, retention_ms, policy) \
                          VALUES (?1, 'h', 'l', 0, 1, 0, '{}')",
@@ -1179,7 +1280,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let s = SqliteStore::open_dir(dir.path()).unwrap();
         let plans = s
-            .write(|c: &rusqlite::Connection| {
+            .write(|c: &super::GroupTx<'_>| {
                 let lease = format!(
                     "EXPLAIN QUERY PLAN SELECT {} FROM attempts a WHERE a.state IN {} AND a.lease_expires_at <= ?1",
                     super::ATTEMPT_COLS,
