@@ -41,7 +41,7 @@ macro_rules! conformance_suite {
     ($make:expr) => {
         $crate::conformance_suite!(@tests $make;
             decision_table, expiry_scope_and_key_required, budget_reserve_spend_release,
-            duplicate_guard_modes, outcome_acks, race_cap_of_one_distinct_keys, race_cap_of_three_distinct_keys, race_same_key,
+            duplicate_guard_modes, outcome_acks, outcome_batch, race_cap_of_one_distinct_keys, race_cap_of_three_distinct_keys, race_same_key,
             race_duplicate_guard, race_budget, sweeper_expires_leases_to_uncertain, retention_tombstones_and_uncertain_kept,
             resolution, durability_across_reopen, permit_admin, input_required_continuations,
             accepted_task_handles, race_continuations, counters_match_recount_after_random_operations,
@@ -516,6 +516,71 @@ pub async fn outcome_acks(h: &dyn Harness) {
     );
     let got = s.get_attempt(&b, T0).await.unwrap().unwrap();
     assert_eq!((got.state, got.receipt), (AttemptState::Released, None));
+}
+
+/// One batch of reports: applied in order, each attempt written once with its last state.
+pub async fn outcome_batch(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.budget = Some(100);
+    pol.cost_default = 2;
+    let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
+    let a = dispatched(&auth(&*s, &req(&tok, "pay", Some("a"), "A", json!({})), T0).await);
+    let b = dispatched(&auth(&*s, &req(&tok, "pay", Some("b"), "B", json!({})), T0).await);
+    let c = dispatched(&auth(&*s, &req(&tok, "pay", Some("c"), "C", json!({})), T0).await);
+    let batch = [
+        (a.as_str(), completed("RA")),
+        (b.as_str(), released()),
+        (a.as_str(), completed("RA")),
+        ("att_unknown", completed("X")),
+        (c.as_str(), input_required("Q")),
+        (b.as_str(), completed("late")),
+    ]
+    .into_iter()
+    .map(|(id, outcome)| OutcomeReport {
+        attempt_id: id.into(),
+        outcome,
+    })
+    .collect::<Vec<_>>();
+    let acks: Vec<OutcomeAck> = s
+        .record_outcomes(&batch, T0 + 5)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.ack)
+        .collect();
+    assert_eq!(
+        acks,
+        vec![
+            OutcomeAck::Applied,
+            OutcomeAck::Applied,
+            OutcomeAck::AlreadyRecorded,
+            OutcomeAck::UnknownAttempt,
+            OutcomeAck::Applied,
+            OutcomeAck::Conflict,
+        ]
+    );
+    let got = |id: String| {
+        let s = s.clone();
+        async move { s.get_attempt(&id, T0).await.unwrap().unwrap() }
+    };
+    let (ga, gb, gc) = (got(a).await, got(b).await, got(c).await);
+    assert_eq!(
+        (ga.state, ga.receipt.as_deref(), ga.finished_at_ms),
+        (AttemptState::Completed, Some("RA"), Some(T0 + 5))
+    );
+    assert_eq!(
+        (gb.state, gb.receipt, gb.reason.as_deref()),
+        (AttemptState::Released, None, Some("connection_refused"))
+    );
+    assert_eq!(
+        (gc.state, gc.receipt.as_deref()),
+        (AttemptState::AwaitingInput, Some("Q"))
+    );
+    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    // a spent, c still reserved, b given back.
+    assert_eq!((det.budget.spent, det.budget.reserved), (2, 2));
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 2);
 }
 
 /// Runs `n` authorize calls at once, split over two handles of the same data.

@@ -524,35 +524,47 @@ async fn insert_attempts<C: GenericClient>(c: &C, attempts: &[Attempt]) -> Resul
 }
 
 async fn update_attempt<C: GenericClient>(c: &C, a: &Attempt) -> Result<(), LedgerError> {
-    let (rex, rby, rat, rnote) = match a.resolution.as_ref() {
-        Some(r) => (
-            Some(r.executed),
-            Some(r.by.clone()),
-            Some(r.at_ms),
-            r.note.clone(),
-        ),
-        None => (None, None, None, None),
-    };
-    let replays = to_i64(a.replay_count)?;
+    update_attempts(c, std::slice::from_ref(a)).await
+}
+
+/// Writes the new versions of attempts in ONE statement (one round trip, however many). No
+/// two of them may be the same attempt (only one of the two would be written).
+async fn update_attempts<C: GenericClient>(c: &C, attempts: &[Attempt]) -> Result<(), LedgerError> {
+    if attempts.is_empty() {
+        return Ok(());
+    }
+    let mut replays = Vec::with_capacity(attempts.len());
+    for a in attempts {
+        replays.push(to_i64(a.replay_count)?);
+    }
+    fn res(a: &Attempt) -> Option<&Resolution> {
+        a.resolution.as_ref()
+    }
     exec(
         c,
-        "UPDATE attempts SET state = $2, updated_at = $3, lease_expires_at = $4, finished_at = $5, receipt = $6, \
-         reason = $7, replay_count = $8, pruned_at = $9, resolved_executed = $10, resolved_by = $11, \
-         resolved_at = $12, resolution_note = $13 WHERE id = $1",
+        "UPDATE attempts a SET state = u.state, updated_at = u.updated_at, lease_expires_at = u.lease_expires_at, \
+         finished_at = u.finished_at, receipt = u.receipt, reason = u.reason, replay_count = u.replay_count, \
+         pruned_at = u.pruned_at, resolved_executed = u.resolved_executed, resolved_by = u.resolved_by, \
+         resolved_at = u.resolved_at, resolution_note = u.resolution_note \
+         FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[], $4::BIGINT[], $5::BIGINT[], $6::TEXT[], $7::TEXT[], \
+         $8::BIGINT[], $9::BIGINT[], $10::BOOLEAN[], $11::TEXT[], $12::BIGINT[], $13::TEXT[]) \
+         AS u(id, state, updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, \
+         resolved_executed, resolved_by, resolved_at, resolution_note) \
+         WHERE a.id = u.id",
         &[
-            &a.id,
-            &a.state.as_str(),
-            &a.updated_at_ms,
-            &a.lease_expires_at_ms,
-            &a.finished_at_ms,
-            &a.receipt,
-            &a.reason,
+            &attempts.iter().map(|a| a.id.as_str()).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| a.state.as_str()).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| a.updated_at_ms).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| a.lease_expires_at_ms).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| a.finished_at_ms).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| a.receipt.as_deref()).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| a.reason.as_deref()).collect::<Vec<_>>(),
             &replays,
-            &a.pruned_at_ms,
-            &rex,
-            &rby,
-            &rat,
-            &rnote,
+            &attempts.iter().map(|a| a.pruned_at_ms).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| res(a).map(|r| r.executed)).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| res(a).map(|r| r.by.as_str())).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| res(a).map(|r| r.at_ms)).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| res(a).and_then(|r| r.note.as_deref())).collect::<Vec<_>>(),
         ],
     )
     .await?;
@@ -764,7 +776,6 @@ async fn permit_worker(
                 .transpose()?;
             let mut moves = CounterMoves::default();
             let decisions = decide_group(&tx, &states, permit.as_ref(), &jobs, &mut moves).await?;
-            write_counters(&tx, &moves).await?;
             // No answer leaves before the commit did: a group that cannot commit is an error.
             tx.commit().await.map_err(pg_err)?;
             Ok(decisions)
@@ -1009,11 +1020,23 @@ async fn decide_group<C: GenericClient>(
             }
             decisions.push(Ok(decision));
         }
-        insert_attempts(tx, &inserts).await?;
-        // Updates (a key's given-back attempt dispatched again, a continuation) are rare.
-        for a in &updates {
-            update_attempt(tx, a).await?;
-        }
+        // The last batch's writes go out with the group's counters: one round trip.
+        let last = end == jobs.len();
+        let (inserted, updated, counters) = tokio::join!(
+            biased;
+            insert_attempts(tx, &inserts),
+            update_attempts(tx, &updates),
+            async {
+                if last {
+                    write_counters(tx, moves).await
+                } else {
+                    Ok(())
+                }
+            }
+        );
+        inserted?;
+        updated?;
+        counters?;
     }
     Ok(decisions)
 }
@@ -1507,11 +1530,16 @@ impl Store for PgStore {
                 .collect();
             let mut out = Vec::with_capacity(reports.len());
             let mut moves = CounterMoves::default();
+            // Reports are applied in order in memory; each attempt's last version is written
+            // once, with the counters, in one round trip.
+            let mut changed = std::collections::BTreeSet::new();
             for report in reports {
                 let existing = current.get(&report.attempt_id).cloned();
                 let (ack, next) = decide::apply_outcome(existing.as_ref(), &report.outcome, now);
                 if let (Some(old), Some(a)) = (existing.as_ref(), next) {
-                    write_attempt(&tx, Some(old), &a, &mut moves).await?;
+                    storable(&a)?;
+                    moves.record(Some(old), &a);
+                    changed.insert(a.id.clone());
                     current.insert(a.id.clone(), a);
                 }
                 out.push(OutcomeResult {
@@ -1519,7 +1547,17 @@ impl Store for PgStore {
                     previous: existing.map(|a| a.state),
                 });
             }
-            write_counters(&tx, &moves).await?;
+            let written: Vec<Attempt> = changed
+                .iter()
+                .filter_map(|id| current.get(id).cloned())
+                .collect();
+            let (rows, counters) = tokio::join!(
+                biased;
+                update_attempts(&tx, &written),
+                write_counters(&tx, &moves)
+            );
+            rows?;
+            counters?;
             tx.commit().await.map_err(pg_err)?;
             Ok(out)
         })
