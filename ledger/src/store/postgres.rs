@@ -277,7 +277,7 @@ impl StateSets {
 pub struct PgStore {
     pool: Pool,
     /// Decisions waiting for their permit's next group transaction.
-    queues: Queues,
+    decisions: DecisionQueue,
     /// Outcome reports waiting for the next group transaction.
     outcomes: OutcomeQueue,
     states: StateSets,
@@ -407,13 +407,13 @@ fn load_attempts_sql() -> String {
     )
 }
 
-/// The attempts the keys `$2` of permit `$1` name, each row ending with its key (see
-/// [`LOCK_PERMITS_OF_ATTEMPTS`] for the form).
+/// The attempts that the keys `$2` of the permits `$1` (pairwise) name, each row ending with
+/// its permit and key (see [`LOCK_PERMITS_OF_ATTEMPTS`] for the form).
 fn attempts_by_keys_sql() -> String {
     format!(
-        "SELECT {ATTEMPT_COLS}, u.kh FROM unnest($2::TEXT[]) AS u(kh) CROSS JOIN LATERAL \
+        "SELECT {ATTEMPT_COLS}, u.p, u.kh FROM unnest($1::TEXT[], $2::TEXT[]) AS u(p, kh) CROSS JOIN LATERAL \
          (SELECT x.* FROM idempotency_keys k JOIN attempts x ON x.id = k.attempt_id \
-          WHERE k.permit_id = $1 AND k.key_hash = u.kh LIMIT 1) a"
+          WHERE k.permit_id = u.p AND k.key_hash = u.kh LIMIT 1) a"
     )
 }
 
@@ -737,28 +737,31 @@ struct AuthJob {
     reply: tokio::sync::oneshot::Sender<Result<Decision, LedgerError>>,
 }
 
-/// Queued decisions per permit id; a permit present here has a worker running.
-type Queues = Arc<std::sync::Mutex<std::collections::HashMap<String, Vec<AuthJob>>>>;
+/// Queued decisions; `Some` while the decision worker runs.
+type DecisionQueue = Arc<std::sync::Mutex<Option<Vec<AuthJob>>>>;
 
 /// Most decisions one group transaction takes.
 const MAX_GROUP: usize = 256;
 
-/// Takes the permit's queued decisions in groups until none is left.
-async fn permit_worker(
+/// Takes the queued decisions, of every permit, in groups until none is left. A group is one
+/// transaction: it locks the rows of the permits its calls name, in id order (as the outcome
+/// transactions do, so no two transactions wait on each other in a cycle), decides them all
+/// and commits once. Many agents, one permit each, then share one commit per group instead
+/// of paying one per permit.
+async fn decision_worker(
     pool: Pool,
     states: StateSets,
     op_timeout: Duration,
-    queues: Queues,
-    permit_id: String,
+    queue: DecisionQueue,
 ) {
     loop {
         let jobs: Vec<AuthJob> = {
-            let mut q = queues.lock().unwrap_or_else(|p| p.into_inner());
-            let Some(waiting) = q.get_mut(&permit_id) else {
+            let mut q = queue.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(waiting) = q.as_mut() else {
                 return;
             };
             if waiting.is_empty() {
-                q.remove(&permit_id);
+                *q = None;
                 return;
             }
             let n = waiting.len().min(MAX_GROUP);
@@ -767,15 +770,28 @@ async fn permit_worker(
         let work = async {
             let mut conn = pool.get().await.map_err(pool_err)?;
             let tx = conn.transaction().await.map_err(pg_err)?;
-            // The lock every decision on this permit serializes on (module docs).
-            let sql = format!("SELECT {PERMIT_COLS} FROM permits WHERE id = $1 FOR UPDATE");
-            let permit = query(&tx, &sql, &[&permit_id])
-                .await?
-                .first()
-                .map(read_permit)
-                .transpose()?;
+            let mut ids: Vec<&str> = jobs
+                .iter()
+                .filter_map(|j| token::permit_id_of(&j.req.permit_token))
+                .collect();
+            ids.sort_unstable();
+            ids.dedup();
+            // The locks every decision on these permits serializes on (module docs). The
+            // budget totals come with them: nothing else writes them while the locks are held.
+            let sql = format!(
+                "SELECT {PERMIT_COLS}, reserved, spent FROM permits WHERE id = ANY($1) ORDER BY id FOR UPDATE"
+            );
+            let mut permits = std::collections::HashMap::new();
+            for row in query(&tx, &sql, &[&ids]).await? {
+                let p = read_permit(&row)?;
+                let budget: (i64, i64) = (
+                    row.try_get(7).map_err(pg_err)?,
+                    row.try_get(8).map_err(pg_err)?,
+                );
+                permits.insert(p.id.clone(), (p, budget));
+            }
             let mut moves = CounterMoves::default();
-            let decisions = decide_group(&tx, &states, permit.as_ref(), &jobs, &mut moves).await?;
+            let decisions = decide_group(&tx, &states, &permits, &jobs, &mut moves).await?;
             // No answer leaves before the commit did: a group that cannot commit is an error.
             tx.commit().await.map_err(pg_err)?;
             Ok(decisions)
@@ -785,29 +801,48 @@ async fn permit_worker(
     }
 }
 
-/// What one batch of a group read: the attempts its keys name, the slots of its tools, the
-/// permit's budget totals and each job's duplicate candidate.
+/// The locked permits of a group, by id, with their stored budget totals (reserved, spent).
+type LockedPermits = std::collections::HashMap<String, (Permit, (i64, i64))>;
+
+/// The permit a job names, if it is locked (it exists), and whether the job's token
+/// authenticates for it.
+fn permit_of<'a>(permits: &'a LockedPermits, job: &AuthJob) -> (Option<&'a Permit>, bool) {
+    let permit = token::permit_id_of(&job.req.permit_token)
+        .and_then(|id| permits.get(id))
+        .map(|(p, _)| p);
+    (
+        permit,
+        decide::authenticate(&job.req.permit_token, permit).is_some(),
+    )
+}
+
+/// What one batch of a group read: the attempts its keys name, the slots of its tools and
+/// each job's duplicate candidate.
 #[derive(Default)]
 struct BatchReads {
-    by_key: std::collections::HashMap<String, Attempt>,
-    slots: std::collections::HashMap<String, i64>,
-    budget: Option<(i64, i64)>,
-    /// Index of the job in the batch → the newest attempt its duplicate guard would match.
+    /// (permit, key hash) → the attempt.
+    by_key: std::collections::HashMap<(String, String), Attempt>,
+    /// (permit, tool) → slots held.
+    slots: std::collections::HashMap<(String, String), i64>,
+    /// Index of the job among the batch's authenticated jobs → the newest attempt its
+    /// duplicate guard would match.
     duplicates: std::collections::HashMap<usize, Attempt>,
 }
 
 /// Splits a group into batches in which no job's reads can be changed by an earlier job of
 /// the same batch: a job whose key or fingerprint an earlier job of the batch already has
-/// starts a new batch (that earlier job may write the very attempt it would read). Counters
-/// are the exception, handled by [`CounterMoves`]. Returns the batches' end indexes.
+/// under the same permit starts a new batch (that earlier job may write the very attempt it
+/// would read). Counters are the exception, handled by [`CounterMoves`]. Returns the
+/// batches' end indexes.
 fn batch_ends(jobs: &[AuthJob]) -> Vec<usize> {
     let mut ends = Vec::new();
     let mut keys = std::collections::HashSet::new();
     let mut prints = std::collections::HashSet::new();
     for (i, job) in jobs.iter().enumerate() {
-        let key = job.req.idempotency_key.as_deref();
-        let clash =
-            key.is_some_and(|k| keys.contains(k)) || prints.contains(job.req.fingerprint.as_str());
+        let permit = token::permit_id_of(&job.req.permit_token).unwrap_or_default();
+        let key = job.req.idempotency_key.as_deref().map(|k| (permit, k));
+        let print = (permit, job.req.fingerprint.as_str());
+        let clash = key.is_some_and(|k| keys.contains(&k)) || prints.contains(&print);
         if clash {
             ends.push(i);
             keys.clear();
@@ -816,123 +851,136 @@ fn batch_ends(jobs: &[AuthJob]) -> Vec<usize> {
         if let Some(k) = key {
             keys.insert(k);
         }
-        prints.insert(job.req.fingerprint.as_str());
+        prints.insert(print);
     }
     ends.push(jobs.len());
     ends
 }
 
-/// Reads everything a batch's decisions need, in one round trip: the four statements are
-/// sent together (pipelined), after the permit's lock is held.
+/// One authenticated job of a batch, with its permit and key hash.
+struct Authed<'a> {
+    job: &'a AuthJob,
+    permit: &'a Permit,
+    key_hash: Option<String>,
+}
+
+/// Reads everything a batch's decisions need, whatever their permits, in one round trip: the
+/// three statements are sent together (pipelined), after the permits' locks are held.
 async fn read_batch<C: GenericClient>(
     tx: &C,
     states: &StateSets,
-    permit: &Permit,
-    jobs: &[(&AuthJob, Option<String>)],
+    authed: &[Authed<'_>],
 ) -> Result<BatchReads, LedgerError> {
-    let policy = &permit.policy;
-    let key_hashes: Vec<&str> = jobs.iter().filter_map(|(_, kh)| kh.as_deref()).collect();
-    let mut tools: Vec<&str> = jobs
-        .iter()
-        .map(|(j, _)| j.req.tool.as_str())
-        .filter(|t| policy.limit_for(t).is_some())
-        .collect();
-    tools.sort_unstable();
-    tools.dedup();
-    let want_budget = policy.budget.is_some();
-    let want_dup = policy.duplicate_guard != GuardMode::Off;
-    let (mut fps, mut kh_of, mut since) = (Vec::new(), Vec::new(), Vec::new());
-    if want_dup {
-        for (j, kh) in jobs {
-            fps.push(j.req.fingerprint.as_str());
-            kh_of.push(kh.as_deref());
-            since.push(j.now.saturating_sub(policy.retention_ms));
+    let (mut key_permits, mut key_hashes) = (Vec::new(), Vec::new());
+    let mut tools: Vec<(&str, &str)> = Vec::new();
+    let (mut dup_permits, mut fps, mut kh_of, mut since, mut dup_of) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (i, a) in authed.iter().enumerate() {
+        let policy = &a.permit.policy;
+        if let Some(kh) = a.key_hash.as_deref() {
+            key_permits.push(a.permit.id.as_str());
+            key_hashes.push(kh);
+        }
+        if policy.limit_for(&a.job.req.tool).is_some() {
+            tools.push((a.permit.id.as_str(), a.job.req.tool.as_str()));
+        }
+        if policy.duplicate_guard != GuardMode::Off {
+            dup_permits.push(a.permit.id.as_str());
+            fps.push(a.job.req.fingerprint.as_str());
+            kh_of.push(a.key_hash.as_deref());
+            since.push(a.job.now.saturating_sub(policy.retention_ms));
+            dup_of.push(i);
         }
     }
+    tools.sort_unstable();
+    tools.dedup();
+    let (tool_permits, tool_names): (Vec<&str>, Vec<&str>) = tools.into_iter().unzip();
     let st_keys = prepared(tx, &attempts_by_keys_sql()).await?;
     let st_slots = prepared(
         tx,
-        "SELECT tool, slots_held FROM permit_tool_usage WHERE permit_id = $1 AND tool = ANY($2)",
+        "SELECT u.p, u.t, s.slots_held FROM unnest($1::TEXT[], $2::TEXT[]) AS u(p, t) CROSS JOIN LATERAL \
+         (SELECT slots_held FROM permit_tool_usage x WHERE x.permit_id = u.p AND x.tool = u.t LIMIT 1) s",
     )
     .await?;
-    let st_budget = prepared(tx, "SELECT reserved, spent FROM permits WHERE id = $1").await?;
     // One index lookup per job (the same one the single-job query made), numbered by the
     // job's position in the arrays.
     let st_dup = prepared(
         tx,
         &format!(
-            "SELECT {ATTEMPT_COLS}, j.i FROM unnest($2::TEXT[], $3::TEXT[], $4::BIGINT[]) WITH ORDINALITY \
-             AS j(fp, kh, since, i) CROSS JOIN LATERAL (SELECT * FROM attempts d WHERE d.permit_id = $1 \
+            "SELECT {ATTEMPT_COLS}, j.i FROM unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::BIGINT[]) WITH ORDINALITY \
+             AS j(p, fp, kh, since, i) CROSS JOIN LATERAL (SELECT * FROM attempts d WHERE d.permit_id = j.p \
              AND d.fingerprint = j.fp AND NOT (d.state = ANY($5)) AND d.created_at >= j.since \
              AND (j.kh IS NULL OR d.key_hash IS NULL OR d.key_hash <> j.kh) \
              ORDER BY d.created_at DESC LIMIT 1) a"
         ),
     )
     .await?;
-    let (keys, slots, budget, dups) = tokio::join!(
+    let (keys, slots, dups) = tokio::join!(
         biased;
         async {
             if key_hashes.is_empty() {
                 return Ok(Vec::new());
             }
-            tx.query(&st_keys, &[&permit.id, &key_hashes]).await
+            tx.query(&st_keys, &[&key_permits, &key_hashes]).await
         },
         async {
-            if tools.is_empty() {
+            if tool_permits.is_empty() {
                 return Ok(Vec::new());
             }
-            tx.query(&st_slots, &[&permit.id, &tools]).await
-        },
-        async {
-            if !want_budget {
-                return Ok(Vec::new());
-            }
-            tx.query(&st_budget, &[&permit.id]).await
+            tx.query(&st_slots, &[&tool_permits, &tool_names]).await
         },
         async {
             if fps.is_empty() {
                 return Ok(Vec::new());
             }
-            tx.query(&st_dup, &[&permit.id, &fps, &kh_of, &since, &states.gave_back])
-                .await
+            tx.query(
+                &st_dup,
+                &[&dup_permits, &fps, &kh_of, &since, &states.gave_back],
+            )
+            .await
         }
     );
     let mut reads = BatchReads::default();
     for row in keys.map_err(pg_err)? {
-        let kh: String = row.try_get(19).map_err(pg_err)?;
-        reads.by_key.insert(kh, read_attempt(&row)?);
+        let (permit, kh): (String, String) = (
+            row.try_get(19).map_err(pg_err)?,
+            row.try_get(20).map_err(pg_err)?,
+        );
+        reads.by_key.insert((permit, kh), read_attempt(&row)?);
     }
     for row in slots.map_err(pg_err)? {
         reads.slots.insert(
-            row.try_get(0).map_err(pg_err)?,
-            row.try_get(1).map_err(pg_err)?,
+            (
+                row.try_get(0).map_err(pg_err)?,
+                row.try_get(1).map_err(pg_err)?,
+            ),
+            row.try_get(2).map_err(pg_err)?,
         );
-    }
-    if let Some(row) = budget.map_err(pg_err)?.first() {
-        reads.budget = Some((
-            row.try_get(0).map_err(pg_err)?,
-            row.try_get(1).map_err(pg_err)?,
-        ));
     }
     for row in dups.map_err(pg_err)? {
         let i: i64 = row.try_get(19).map_err(pg_err)?;
         // ORDINALITY counts from 1.
-        if let Some(i) = usize::try_from(i).ok().and_then(|i| i.checked_sub(1)) {
-            reads.duplicates.insert(i, read_attempt(&row)?);
+        let job = usize::try_from(i)
+            .ok()
+            .and_then(|i| i.checked_sub(1))
+            .and_then(|i| dup_of.get(i).copied());
+        if let Some(job) = job {
+            reads.duplicates.insert(job, read_attempt(&row)?);
         }
     }
     Ok(reads)
 }
 
-/// Decides a group's jobs in order, inside the transaction that holds the permit's row lock.
-/// Each batch (see [`batch_ends`]) is read in one round trip, decided in memory (counters as
-/// stored plus the group's moves so far) and written in one more. An `Invalid` error is one
-/// job's, raised before its writes were sent (its moves are not counted); any other error
-/// breaks the transaction and fails the group.
+/// Decides a group's jobs in order, inside the transaction that holds their permits' row
+/// locks. Each batch (see [`batch_ends`]) is read in one round trip, decided in memory
+/// (counters as stored plus the group's moves so far) and written in one more, the last one
+/// together with the group's counters. An `Invalid` error is one job's, raised before its
+/// writes were sent (its moves are not counted); any other error breaks the transaction and
+/// fails the group.
 async fn decide_group<C: GenericClient>(
     tx: &C,
     states: &StateSets,
-    permit: Option<&Permit>,
+    permits: &LockedPermits,
     jobs: &[AuthJob],
     moves: &mut CounterMoves,
 ) -> Result<Vec<Result<Decision, LedgerError>>, LedgerError> {
@@ -942,18 +990,26 @@ async fn decide_group<C: GenericClient>(
         let batch = &jobs[start..end];
         start = end;
         // Nothing else is read for a token that does not authenticate.
-        let authed: Vec<(&AuthJob, Option<String>)> = batch
+        let authed: Vec<Authed<'_>> = batch
             .iter()
-            .filter(|j| decide::authenticate(&j.req.permit_token, permit).is_some())
-            .map(|j| (j, decide::key_hash(&j.req)))
+            .filter_map(|job| match permit_of(permits, job) {
+                (Some(permit), true) => Some(Authed {
+                    job,
+                    permit,
+                    key_hash: decide::key_hash(&job.req),
+                }),
+                _ => None,
+            })
             .collect();
-        let reads = match permit {
-            Some(p) if !authed.is_empty() => read_batch(tx, states, p, &authed).await?,
-            _ => BatchReads::default(),
+        let reads = if authed.is_empty() {
+            BatchReads::default()
+        } else {
+            read_batch(tx, states, &authed).await?
         };
         let mut inserts: Vec<Attempt> = Vec::new();
         let mut updates: Vec<Attempt> = Vec::new();
         for job in batch {
+            let (permit, _) = permit_of(permits, job);
             let mut snap = Snapshot {
                 now_ms: job.now,
                 permit: permit.cloned(),
@@ -961,14 +1017,18 @@ async fn decide_group<C: GenericClient>(
             };
             // The job's position among the batch's authenticated jobs (the duplicate reads
             // are numbered by it).
-            let pos = authed.iter().position(|(j, _)| std::ptr::eq(*j, job));
+            let pos = authed.iter().position(|a| std::ptr::eq(a.job, job));
             if let (Some(p), Some(pos)) = (permit, pos) {
-                if let Some(kh) = authed[pos].1.as_deref() {
-                    snap.existing = reads.by_key.get(kh).cloned();
+                if let Some(kh) = authed[pos].key_hash.as_deref() {
+                    snap.existing = reads.by_key.get(&(p.id.clone(), kh.to_string())).cloned();
                 }
                 let need = decide::reads_needed(&job.req, p, snap.existing.as_ref());
                 if need.usage {
-                    let stored = reads.slots.get(&job.req.tool).copied().unwrap_or(0);
+                    let stored = reads
+                        .slots
+                        .get(&(p.id.clone(), job.req.tool.clone()))
+                        .copied()
+                        .unwrap_or(0);
                     // The group's earlier decisions' slots are not written yet.
                     snap.usage = ToolUsage {
                         calls_made: to_u64(
@@ -977,9 +1037,7 @@ async fn decide_group<C: GenericClient>(
                     };
                 }
                 if need.budget {
-                    let stored = reads
-                        .budget
-                        .ok_or_else(|| LedgerError::Store("budget query returned no row".into()))?;
+                    let stored = permits.get(&p.id).map(|(_, b)| *b).unwrap_or_default();
                     let pending = moves.budget(&p.id);
                     snap.budget = BudgetTotals {
                         reserved: to_u64(stored.0.saturating_add(pending.0)),
@@ -1156,7 +1214,7 @@ impl PgStore {
             .map_err(|e| LedgerError::Store(format!("postgres pool: {e}")))?;
         let store = PgStore {
             pool,
-            queues: Arc::default(),
+            decisions: Arc::default(),
             outcomes: Arc::default(),
             states: StateSets::new(),
             op_timeout: opts.connect_timeout + opts.statement_timeout * 2,
@@ -1427,14 +1485,14 @@ impl Store for PgStore {
             lease_ms,
             new_attempt_id: token::new_attempt_id()?,
         };
-        let Some(permit_id) = token::permit_id_of(&req.permit_token) else {
+        if token::permit_id_of(&req.permit_token).is_none() {
             // No permit is named: nothing to read or write.
             let snap = Snapshot {
                 now_ms: now,
                 ..Snapshot::default()
             };
             return Ok(decide::decide(req, &snap, &params));
-        };
+        }
         let (reply, answer) = tokio::sync::oneshot::channel();
         let job = AuthJob {
             req: req.clone(),
@@ -1443,25 +1501,24 @@ impl Store for PgStore {
             reply,
         };
         let start_worker = {
-            let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
-            match queues.get_mut(permit_id) {
-                Some(q) => {
-                    q.push(job);
+            let mut q = self.decisions.lock().unwrap_or_else(|p| p.into_inner());
+            match q.as_mut() {
+                Some(waiting) => {
+                    waiting.push(job);
                     false
                 }
                 None => {
-                    queues.insert(permit_id.to_string(), vec![job]);
+                    *q = Some(vec![job]);
                     true
                 }
             }
         };
         if start_worker {
-            tokio::spawn(permit_worker(
+            tokio::spawn(decision_worker(
                 self.pool.clone(),
                 self.states.clone(),
                 self.op_timeout,
-                Arc::clone(&self.queues),
-                permit_id.to_string(),
+                Arc::clone(&self.decisions),
             ));
         }
         // A queued decision waits for the group before it too: at most two deadlines.
@@ -2158,6 +2215,84 @@ mod tests {
         }
     }
 
+    /// One group holds the calls of several permits: keys, fingerprints, slots and budgets
+    /// stay each permit's own.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn one_group_of_several_permits_keeps_each_permits_own_keys_and_counters() {
+        use crate::model::GuardMode;
+        use atmost_protocol::AuthorizeResponse;
+        let h = PgHarness::new().await;
+        let s = h.store().await;
+        let mut pol = conformance::policy();
+        pol.duplicate_guard = GuardMode::Enforce;
+        pol.max_calls.insert("pay".into(), 2);
+        pol.budget = Some(10);
+        pol.cost_default = 4;
+        let (pa, ta) = conformance::make_permit(&*s, pol.clone(), T0 + conformance::HOUR).await;
+        let (pb, tb) = conformance::make_permit(&*s, pol, T0 + conformance::HOUR).await;
+        let raw = raw_client(&h.url).await;
+        raw.batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM {}.permits WHERE id = '{}' FOR UPDATE",
+            h.schema, pa.id
+        ))
+        .await
+        .unwrap();
+        let call = |tok: &str, key: &str, fp: &str| {
+            let (s, r) = (
+                s.clone(),
+                conformance::req(tok, "pay", Some(key), fp, json!({})),
+            );
+            tokio::spawn(async move { s.authorize(&r, LEASE_MS, T0).await.unwrap().response })
+        };
+        // Waits for the lock alone; the rest queue behind it as one group.
+        let first = call(&ta, "k0", "same");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Permit b's key k0 and its call with fingerprint "same" under another key are other
+        // calls than permit a's (already committed); each permit has two slots and budget
+        // for two calls (4 each, of 10).
+        let calls = vec![
+            call(&ta, "k1", "fp-a1"),
+            call(&tb, "k0", "fp-b0"),
+            call(&tb, "kb", "same"),
+            call(&ta, "k2", "fp-a2"),
+            call(&tb, "k3", "fp-b3"),
+        ];
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        raw.batch_execute("COMMIT").await.unwrap();
+        assert!(matches!(
+            first.await.unwrap(),
+            AuthorizeResponse::Dispatch { .. }
+        ));
+        let mut got = Vec::new();
+        for c in calls {
+            got.push(match c.await.unwrap() {
+                AuthorizeResponse::Dispatch { .. } => "dispatch".to_string(),
+                AuthorizeResponse::Deny(d) => format!("{:?}", d.code),
+                other => format!("{other:?}"),
+            });
+        }
+        // a: the first call and k1, then no slot for k2; b: k0 and kb, then none for k3.
+        assert_eq!(
+            got,
+            [
+                "dispatch",
+                "dispatch",
+                "dispatch",
+                "PermitMaxCallsExceeded",
+                "PermitMaxCallsExceeded"
+            ]
+        );
+        for p in [&pa, &pb] {
+            let c = s.permit_counters(&p.id).await.unwrap().unwrap();
+            assert_eq!(
+                (c.slots_held.get("pay"), c.reserved),
+                (Some(&2), 8),
+                "{}",
+                p.id
+            );
+        }
+    }
+
     /// The lookups of a list of ids or keys probe the unique index once per element, also
     /// when the statistics know nothing of the permit (never analyzed: PostgreSQL then guesses
     /// that one permit holds 0.5 % of the keys, when it holds all of them).
@@ -2188,7 +2323,10 @@ mod tests {
             (
                 "keys",
                 attempts_by_keys_sql()
-                    .replace("$1", "'p'")
+                    .replace(
+                        "$1::TEXT[]",
+                        &format!("ARRAY[{}]", vec!["'p'"; 64].join(",")),
+                    )
                     .replace("$2::TEXT[]", &format!("ARRAY[{}]", list.join(","))),
             ),
             (
