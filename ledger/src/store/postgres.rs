@@ -1145,29 +1145,39 @@ async fn outcome_worker(pool: Pool, op_timeout: Duration, queue: OutcomeQueue) {
                 .collect();
             let mut out: Vec<Result<OutcomeResult, LedgerError>> = Vec::with_capacity(jobs.len());
             let mut moves = CounterMoves::default();
+            // Reports are applied in order in memory; each attempt's last version is written
+            // once, all in one statement sent with the counters: one round trip.
+            let mut changed = std::collections::BTreeSet::new();
             for job in &jobs {
                 let existing = current.get(&job.report.attempt_id).cloned();
                 let (ack, next) =
                     decide::apply_outcome(existing.as_ref(), &job.report.outcome, job.now);
                 if let (Some(old), Some(a)) = (existing.as_ref(), next) {
-                    match write_attempt(&tx, Some(old), &a, &mut moves).await {
-                        Ok(()) => {
-                            current.insert(a.id.clone(), a);
-                        }
-                        // Refused before anything was sent: this report only.
-                        Err(e @ LedgerError::Invalid(_)) => {
-                            out.push(Err(e));
-                            continue;
-                        }
-                        Err(e) => return Err(e),
+                    // Refused before anything is sent: this report only.
+                    if let Err(e) = storable(&a) {
+                        out.push(Err(e));
+                        continue;
                     }
+                    moves.record(Some(old), &a);
+                    changed.insert(a.id.clone());
+                    current.insert(a.id.clone(), a);
                 }
                 out.push(Ok(OutcomeResult {
                     ack,
                     previous: existing.map(|a| a.state),
                 }));
             }
-            write_counters(&tx, &moves).await?;
+            let written: Vec<Attempt> = changed
+                .iter()
+                .filter_map(|id| current.get(id).cloned())
+                .collect();
+            let (rows, counters) = tokio::join!(
+                biased;
+                update_attempts(&tx, &written),
+                write_counters(&tx, &moves)
+            );
+            rows?;
+            counters?;
             tx.commit().await.map_err(pg_err)?;
             Ok(out)
         };
@@ -1532,21 +1542,48 @@ impl Store for PgStore {
         report: &OutcomeReport,
         now: Millis,
     ) -> Result<OutcomeResult, LedgerError> {
-        let (reply, answer) = tokio::sync::oneshot::channel();
-        let job = OutcomeJob {
-            report: report.clone(),
-            now,
-            reply,
-        };
+        let mut results = self
+            .record_outcomes(std::slice::from_ref(report), now)
+            .await?;
+        results
+            .pop()
+            .ok_or_else(|| LedgerError::Store("the outcome report was dropped".into()))
+    }
+
+    /// The batch's reports join the queue together and in order (see [`outcome_worker`]), so
+    /// batches sent at the same time share one transaction and one commit. If any report
+    /// fails, the call fails: none of them is known to be recorded (retrying is safe: a
+    /// report already applied is acknowledged again).
+    async fn record_outcomes(
+        &self,
+        reports: &[OutcomeReport],
+        now: Millis,
+    ) -> Result<Vec<OutcomeResult>, LedgerError> {
+        if reports.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut answers = Vec::with_capacity(reports.len());
+        let jobs: Vec<OutcomeJob> = reports
+            .iter()
+            .map(|report| {
+                let (reply, answer) = tokio::sync::oneshot::channel();
+                answers.push(answer);
+                OutcomeJob {
+                    report: report.clone(),
+                    now,
+                    reply,
+                }
+            })
+            .collect();
         let start_worker = {
             let mut q = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
             match q.as_mut() {
                 Some(waiting) => {
-                    waiting.push(job);
+                    waiting.extend(jobs);
                     false
                 }
                 None => {
-                    *q = Some(vec![job]);
+                    *q = Some(jobs);
                     true
                 }
             }
@@ -1558,67 +1595,19 @@ impl Store for PgStore {
                 Arc::clone(&self.outcomes),
             ));
         }
-        group_answer(
-            answer,
-            self.op_timeout * 2,
-            "the outcome report was dropped",
-        )
-        .await
-    }
-
-    /// One transaction for the whole batch: the permits of every reported attempt are locked
-    /// first, in id order (so two batches never wait on each other in a cycle), then the
-    /// reports are applied in order.
-    async fn record_outcomes(
-        &self,
-        reports: &[OutcomeReport],
-        now: Millis,
-    ) -> Result<Vec<OutcomeResult>, LedgerError> {
-        if reports.is_empty() {
-            return Ok(Vec::new());
-        }
-        let ids: Vec<&str> = reports.iter().map(|r| r.attempt_id.as_str()).collect();
-        self.timed(async |c: &mut deadpool_postgres::Object| {
-            let tx = c.transaction().await.map_err(pg_err)?;
-            let mut current: BTreeMap<String, Attempt> = lock_then_load(&tx, &ids)
-                .await?
-                .into_iter()
-                .map(|a| (a.id.clone(), a))
-                .collect();
-            let mut out = Vec::with_capacity(reports.len());
-            let mut moves = CounterMoves::default();
-            // Reports are applied in order in memory; each attempt's last version is written
-            // once, with the counters, in one round trip.
-            let mut changed = std::collections::BTreeSet::new();
-            for report in reports {
-                let existing = current.get(&report.attempt_id).cloned();
-                let (ack, next) = decide::apply_outcome(existing.as_ref(), &report.outcome, now);
-                if let (Some(old), Some(a)) = (existing.as_ref(), next) {
-                    storable(&a)?;
-                    moves.record(Some(old), &a);
-                    changed.insert(a.id.clone());
-                    current.insert(a.id.clone(), a);
-                }
-                out.push(OutcomeResult {
-                    ack,
-                    previous: existing.map(|a| a.state),
-                });
-            }
-            let written: Vec<Attempt> = changed
-                .iter()
-                .filter_map(|id| current.get(id).cloned())
-                .collect();
-            let (rows, counters) = tokio::join!(
-                biased;
-                update_attempts(&tx, &written),
-                write_counters(&tx, &moves)
+        let mut out = Vec::with_capacity(answers.len());
+        for answer in answers {
+            // A queued report waits for the group before it too: at most two deadlines.
+            out.push(
+                group_answer(
+                    answer,
+                    self.op_timeout * 2,
+                    "the outcome report was dropped",
+                )
+                .await?,
             );
-            rows?;
-            counters?;
-            tx.commit().await.map_err(pg_err)?;
-            Ok(out)
-        })
-        .await
+        }
+        Ok(out)
     }
 
     async fn permit_counters(&self, id: &str) -> Result<Option<PermitCounters>, LedgerError> {
@@ -2291,6 +2280,84 @@ mod tests {
                 p.id
             );
         }
+    }
+
+    /// Outcome batches sent while the permit's lock is held elsewhere are applied together,
+    /// in the order they arrived, each answered for its own reports.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn outcome_batches_queued_together_are_applied_in_order() {
+        use crate::model::AttemptState;
+        use atmost_protocol::{AuthorizeResponse, Outcome, OutcomeAck, OutcomeReport};
+        let h = PgHarness::new().await;
+        let s = h.store().await;
+        let (p, tok) =
+            conformance::make_permit(&*s, conformance::policy(), T0 + conformance::HOUR).await;
+        let mut ids = Vec::new();
+        for i in 0..3 {
+            let key = format!("k{i}");
+            let r = conformance::req(&tok, "pay", Some(&key), &key, json!({}));
+            match s.authorize(&r, LEASE_MS, T0).await.unwrap().response {
+                AuthorizeResponse::Dispatch { attempt_id, .. } => ids.push(attempt_id),
+                other => panic!("{other:?}"),
+            }
+        }
+        let raw = raw_client(&h.url).await;
+        raw.batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM {}.permits WHERE id = '{}' FOR UPDATE",
+            h.schema, p.id
+        ))
+        .await
+        .unwrap();
+        let done = |r: &str| Outcome::Completed { receipt: r.into() };
+        let gone = || Outcome::Released {
+            reason: "connection_refused".into(),
+        };
+        let batches = vec![
+            vec![(0, done("R0")), (1, gone())],
+            vec![(2, done("R2")), (0, gone())],
+            vec![(1, done("late")), (2, done("R2"))],
+        ];
+        let mut calls = Vec::new();
+        for batch in batches {
+            let reports: Vec<OutcomeReport> = batch
+                .into_iter()
+                .map(|(i, outcome)| OutcomeReport {
+                    attempt_id: ids[i].clone(),
+                    outcome,
+                })
+                .collect();
+            let s = s.clone();
+            calls.push(tokio::spawn(async move {
+                s.record_outcomes(&reports, T0 + 1).await.unwrap()
+            }));
+            // In this order: the first waits for the lock alone, the others queue behind it.
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        }
+        raw.batch_execute("COMMIT").await.unwrap();
+        let mut acks = Vec::new();
+        for c in calls {
+            acks.push(
+                c.await
+                    .unwrap()
+                    .into_iter()
+                    .map(|r| r.ack)
+                    .collect::<Vec<_>>(),
+            );
+        }
+        assert_eq!(
+            acks,
+            vec![
+                vec![OutcomeAck::Applied, OutcomeAck::Applied],
+                vec![OutcomeAck::Applied, OutcomeAck::Conflict],
+                vec![OutcomeAck::Conflict, OutcomeAck::AlreadyRecorded],
+            ]
+        );
+        let counts = s.attempt_counts(T0).await.unwrap();
+        assert_eq!(counts.get(&AttemptState::Completed), Some(&2));
+        assert_eq!(counts.get(&AttemptState::Released), Some(&1));
+        assert_eq!(counts.get(&AttemptState::InFlight).copied().unwrap_or(0), 0);
+        let c = s.permit_counters(&p.id).await.unwrap().unwrap();
+        assert_eq!(c.slots_held.get("pay"), Some(&2));
     }
 
     /// The lookups of a list of ids or keys probe the unique index once per element, also
