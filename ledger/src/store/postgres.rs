@@ -2054,6 +2054,19 @@ mod tests {
 
     crate::conformance_suite!(PgHarness::new().await);
 
+    /// A client holding the permit's row lock in an open transaction (`COMMIT` releases it),
+    /// so what the store queues meanwhile forms one group.
+    async fn hold_permit_lock(h: &PgHarness, permit_id: &str) -> tokio_postgres::Client {
+        let raw = raw_client(&h.url).await;
+        raw.batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM {}.permits WHERE id = '{permit_id}' FOR UPDATE",
+            h.schema
+        ))
+        .await
+        .unwrap();
+        raw
+    }
+
     /// Decisions queued while the permit's lock is held elsewhere are decided together, in
     /// one transaction: each must see what the earlier ones of its group decided (a slot
     /// taken, a fingerprint in flight, a key reserved), though none of it is committed yet.
@@ -2067,13 +2080,7 @@ mod tests {
         pol.duplicate_guard = GuardMode::Enforce;
         pol.max_calls.insert("pay".into(), 3);
         let (p, tok) = conformance::make_permit(&*s, pol, T0 + conformance::HOUR).await;
-        let raw = raw_client(&h.url).await;
-        raw.batch_execute(&format!(
-            "BEGIN; SELECT 1 FROM {}.permits WHERE id = '{}' FOR UPDATE",
-            h.schema, p.id
-        ))
-        .await
-        .unwrap();
+        let raw = hold_permit_lock(&h, &p.id).await;
         let call = |r: atmost_protocol::AuthorizeRequest| {
             let s = s.clone();
             tokio::spawn(async move { s.authorize(&r, LEASE_MS, T0).await.unwrap().response })
@@ -2219,13 +2226,7 @@ mod tests {
         pol.cost_default = 4;
         let (pa, ta) = conformance::make_permit(&*s, pol.clone(), T0 + conformance::HOUR).await;
         let (pb, tb) = conformance::make_permit(&*s, pol, T0 + conformance::HOUR).await;
-        let raw = raw_client(&h.url).await;
-        raw.batch_execute(&format!(
-            "BEGIN; SELECT 1 FROM {}.permits WHERE id = '{}' FOR UPDATE",
-            h.schema, pa.id
-        ))
-        .await
-        .unwrap();
+        let raw = hold_permit_lock(&h, &pa.id).await;
         let call = |tok: &str, key: &str, fp: &str| {
             let (s, r) = (
                 s.clone(),
@@ -2301,13 +2302,7 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
-        let raw = raw_client(&h.url).await;
-        raw.batch_execute(&format!(
-            "BEGIN; SELECT 1 FROM {}.permits WHERE id = '{}' FOR UPDATE",
-            h.schema, p.id
-        ))
-        .await
-        .unwrap();
+        let raw = hold_permit_lock(&h, &p.id).await;
         let done = |r: &str| Outcome::Completed { receipt: r.into() };
         let gone = || Outcome::Released {
             reason: "connection_refused".into(),
