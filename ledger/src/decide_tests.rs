@@ -68,22 +68,12 @@ fn params() -> DecideParams {
 
 fn attempt(state: AttemptState, key: Option<&str>, fp: &str) -> Attempt {
     Attempt {
-        id: "att_old".into(),
-        permit_id: PID.into(),
-        tool: "pay".into(),
         key_hash: key.map(token::sha256_hex),
         fingerprint: fp.into(),
-        cost: 5,
-        state,
         created_at_ms: NOW - 10_000,
         updated_at_ms: NOW - 5_000,
         lease_expires_at_ms: NOW + 50_000,
-        finished_at_ms: None,
-        receipt: None,
-        reason: None,
-        replay_count: 0,
-        pruned_at_ms: None,
-        resolution: None,
+        ..Attempt::example("att_old", PID, "pay", state, 5)
     }
 }
 

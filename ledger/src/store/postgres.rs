@@ -523,10 +523,6 @@ async fn insert_attempts<C: GenericClient>(c: &C, attempts: &[Attempt]) -> Resul
     Ok(())
 }
 
-async fn update_attempt<C: GenericClient>(c: &C, a: &Attempt) -> Result<(), LedgerError> {
-    update_attempts(c, std::slice::from_ref(a)).await
-}
-
 /// Writes the new versions of attempts in ONE statement (one round trip, however many). No
 /// two of them may be the same attempt (only one of the two would be written).
 async fn update_attempts<C: GenericClient>(c: &C, attempts: &[Attempt]) -> Result<(), LedgerError> {
@@ -642,23 +638,19 @@ async fn add_to_rows<C: GenericClient>(
     exec(c, upsert, &[first, second, amounts]).await
 }
 
-/// Writes an attempt (inserted when `old` is `None`) in the caller's transaction (which holds
-/// the permit's row lock) and adds what it moves to `moves`, which the transaction writes with
+/// Writes a new version of an attempt in the caller's transaction (which holds the permit's
+/// row lock) and adds what it moves to `moves`, which the transaction writes with
 /// [`write_counters`] before it commits.
 async fn write_attempt<C: GenericClient>(
     c: &C,
-    old: Option<&Attempt>,
+    old: &Attempt,
     new: &Attempt,
     moves: &mut CounterMoves,
 ) -> Result<(), LedgerError> {
     // Checked before anything is sent, so a value that cannot be stored leaves no half write.
-    to_i64(new.cost)?;
-    to_i64(new.replay_count)?;
-    match old {
-        None => insert_attempts(c, std::slice::from_ref(new)).await?,
-        Some(_) => update_attempt(c, new).await?,
-    }
-    moves.record(old, new);
+    storable(new)?;
+    update_attempts(c, std::slice::from_ref(new)).await?;
+    moves.record(Some(old), new);
     Ok(())
 }
 
@@ -1689,7 +1681,7 @@ impl Store for PgStore {
             };
             let next = decide::resolve(&existing, input, now)?;
             let mut moves = CounterMoves::default();
-            write_attempt(&tx, Some(&existing), &next, &mut moves).await?;
+            write_attempt(&tx, &existing, &next, &mut moves).await?;
             write_counters(&tx, &moves).await?;
             tx.commit().await.map_err(pg_err)?;
             Ok(next)
@@ -1750,7 +1742,7 @@ impl Store for PgStore {
                 );
                 for a in query_attempts(&tx, &sql, &[&permit_id, &now]).await? {
                     if let Some(next) = decide::expire_lease(&a, now) {
-                        write_attempt(&tx, Some(&a), &next, &mut moves).await?;
+                        write_attempt(&tx, &a, &next, &mut moves).await?;
                         report.leases_expired += 1;
                     }
                 }
@@ -1762,7 +1754,7 @@ impl Store for PgStore {
                 let due = now.saturating_sub(retention);
                 for a in query_attempts(&tx, &sql, &[&permit_id, &due]).await? {
                     if let Some(next) = decide::prune(&a, retention, now) {
-                        write_attempt(&tx, Some(&a), &next, &mut moves).await?;
+                        write_attempt(&tx, &a, &next, &mut moves).await?;
                         report.receipts_pruned += 1;
                     }
                 }
@@ -2054,6 +2046,15 @@ mod tests {
 
     crate::conformance_suite!(PgHarness::new().await);
 
+    /// "dispatch", or the denial's code.
+    fn answer_name(r: atmost_protocol::AuthorizeResponse) -> String {
+        match r {
+            atmost_protocol::AuthorizeResponse::Dispatch { .. } => "dispatch".to_string(),
+            atmost_protocol::AuthorizeResponse::Deny(d) => format!("{:?}", d.code),
+            other => format!("{other:?}"),
+        }
+    }
+
     /// A client holding the permit's row lock in an open transaction (`COMMIT` releases it),
     /// so what the store queues meanwhile forms one group.
     async fn hold_permit_lock(h: &PgHarness, permit_id: &str) -> tokio_postgres::Client {
@@ -2132,11 +2133,7 @@ mod tests {
         ));
         let mut got = std::collections::BTreeMap::<(&str, String), usize>::new();
         for (kind, c) in calls {
-            let outcome = match c.await.unwrap() {
-                AuthorizeResponse::Dispatch { .. } => "dispatch".to_string(),
-                AuthorizeResponse::Deny(d) => format!("{:?}", d.code),
-                other => format!("{other:?}"),
-            };
+            let outcome = answer_name(c.await.unwrap());
             *got.entry((kind, outcome)).or_default() += 1;
         }
         let want: std::collections::BTreeMap<(&str, String), usize> = [
@@ -2255,11 +2252,7 @@ mod tests {
         ));
         let mut got = Vec::new();
         for c in calls {
-            got.push(match c.await.unwrap() {
-                AuthorizeResponse::Dispatch { .. } => "dispatch".to_string(),
-                AuthorizeResponse::Deny(d) => format!("{:?}", d.code),
-                other => format!("{other:?}"),
-            });
+            got.push(answer_name(c.await.unwrap()));
         }
         // a: the first call and k1, then no slot for k2; b: k0 and kb, then none for k3.
         assert_eq!(
