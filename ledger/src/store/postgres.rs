@@ -981,18 +981,25 @@ async fn decide_group<C: GenericClient>(
     for end in batch_ends(jobs) {
         let batch = &jobs[start..end];
         start = end;
-        // Nothing else is read for a token that does not authenticate.
-        let authed: Vec<Authed<'_>> = batch
-            .iter()
-            .filter_map(|job| match permit_of(permits, job) {
-                (Some(permit), true) => Some(Authed {
-                    job,
-                    permit,
-                    key_hash: decide::key_hash(&job.req),
-                }),
+        // Nothing else is read for a token that does not authenticate. Each job's permit, and
+        // its position among the authenticated jobs (the duplicate reads are numbered by it).
+        let mut authed: Vec<Authed<'_>> = Vec::new();
+        let mut checked: Vec<(Option<&Permit>, Option<usize>)> = Vec::with_capacity(batch.len());
+        for job in batch {
+            let (permit, ok) = permit_of(permits, job);
+            let pos = match permit {
+                Some(permit) if ok => {
+                    authed.push(Authed {
+                        job,
+                        permit,
+                        key_hash: decide::key_hash(&job.req),
+                    });
+                    Some(authed.len() - 1)
+                }
                 _ => None,
-            })
-            .collect();
+            };
+            checked.push((permit, pos));
+        }
         let reads = if authed.is_empty() {
             BatchReads::default()
         } else {
@@ -1000,16 +1007,12 @@ async fn decide_group<C: GenericClient>(
         };
         let mut inserts: Vec<Attempt> = Vec::new();
         let mut updates: Vec<Attempt> = Vec::new();
-        for job in batch {
-            let (permit, _) = permit_of(permits, job);
+        for (job, (permit, pos)) in batch.iter().zip(checked) {
             let mut snap = Snapshot {
                 now_ms: job.now,
                 permit: permit.cloned(),
                 ..Snapshot::default()
             };
-            // The job's position among the batch's authenticated jobs (the duplicate reads
-            // are numbered by it).
-            let pos = authed.iter().position(|a| std::ptr::eq(a.job, job));
             if let (Some(p), Some(pos)) = (permit, pos) {
                 if let Some(kh) = authed[pos].key_hash.as_deref() {
                     snap.existing = reads.by_key.get(&(p.id.clone(), kh.to_string())).cloned();

@@ -484,20 +484,17 @@ fn load_snapshot(
             .next();
     }
     let reads = decide::reads_needed(req, &permit, snap.existing.as_ref());
+    // What is stored plus what the group moved and has not written yet.
+    let add = |n: u64, by: i64| to_u64(i64::try_from(n).unwrap_or(i64::MAX).saturating_add(by));
     if reads.usage {
         let stored = tool_usage(conn, &permit.id, &req.tool)?;
         snap.usage = ToolUsage {
-            calls_made: to_u64(
-                i64::try_from(stored.calls_made)
-                    .unwrap_or(i64::MAX)
-                    .saturating_add(conn.pending_slots(&permit.id, &req.tool)),
-            ),
+            calls_made: add(stored.calls_made, conn.pending_slots(&permit.id, &req.tool)),
         };
     }
     if reads.budget {
         let stored = budget_counters(conn, &permit.id)?;
         let (reserved, spent) = conn.pending_budget(&permit.id);
-        let add = |n: u64, by: i64| to_u64(i64::try_from(n).unwrap_or(i64::MAX).saturating_add(by));
         snap.budget = BudgetTotals {
             reserved: add(stored.reserved, reserved),
             spent: add(stored.spent, spent),
