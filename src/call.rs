@@ -33,8 +33,8 @@ use crate::resume::{self, Ticket};
 use crate::stats::Stat;
 use crate::upstream_key;
 use atmost_protocol::{
-    AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, Outcome, OutcomeAck, OutcomeReport,
-    OutcomesRequest,
+    AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, DispatchGrant, Outcome, OutcomeAck,
+    OutcomeReport, OutcomesRequest,
 };
 use serde_json::Value;
 use std::rc::Rc;
@@ -58,8 +58,11 @@ pub struct RequestHead {
     pub end_of_stream: bool,
     /// `Mcp-Session-Id`.
     pub session_id: Option<String>,
+    /// `:path`.
+    pub path: String,
     /// For a GET carrying `Last-Event-ID`: the ticket a POST stream closed early left under
-    /// `resume::key(session, last event id)`, as the adapter found it in shared data.
+    /// `resume::key(session, last event id)`, as the adapter took it from shared data (only
+    /// after [`Ticket::admits`] this GET, and removing it there, so it is used once).
     pub resume: Option<Ticket>,
 }
 
@@ -170,6 +173,8 @@ pub enum BodyStep {
 struct Pending {
     id: Value,
     tool: String,
+    permit_hash: String,
+    path: String,
     key: Option<String>,
     session_id: Option<String>,
     /// The raw body and where its `_meta` idempotency key sits, kept only when that key
@@ -204,7 +209,13 @@ enum Watch {
 
 #[derive(Debug, Clone)]
 struct Dispatched {
-    attempt_id: String,
+    /// The attempt, the round this request dispatched (or resumed) and its capability.
+    grant: DispatchGrant,
+    /// SHA-256 of the permit token the call came with, so only a GET under the same permit
+    /// can resume its stream.
+    permit_hash: String,
+    /// `:path` of the request, which a resuming GET must repeat.
+    path: String,
     id: Value,
     tool: String,
     watch: Watch,
@@ -331,12 +342,14 @@ impl Call {
                 let step = Step::cont().with_opt(strip).with(Effect::Log(
                     Level::Info,
                     format!(
-                        "atmost: GET resumes the stream of attempt {} of `{}`; watching it for the answer",
-                        t.attempt_id, t.tool
+                        "atmost: GET resumes the stream of attempt {} (round {}) of `{}`; watching it for the answer",
+                        t.grant.attempt_id, t.grant.round, t.tool
                     ),
                 ));
                 self.state = State::Dispatched(Box::new(Dispatched {
-                    attempt_id: t.attempt_id,
+                    grant: t.grant,
+                    permit_hash: t.permit_hash,
+                    path: t.path,
                     id: t.id,
                     tool: t.tool,
                     watch: Watch::AwaitingHeaders,
@@ -439,6 +452,7 @@ impl Call {
                 return deny_step(&self.config, &d, &call.id, &call.name);
             }
         };
+        let permit_hash = resume::permit_hash(permit_token.as_bytes());
         let key = match idempotency::resolve(&head.idempotency_key, &call.meta_key) {
             Ok(k) => k,
             Err(d) => return deny_step(&self.config, &d, &call.id, &call.name),
@@ -476,6 +490,8 @@ impl Call {
             }),
         };
         self.state = State::Authorizing(Pending {
+            permit_hash,
+            path: head.path.clone(),
             id: call.id,
             tool: call.name,
             key,
@@ -505,16 +521,13 @@ impl Call {
             }
             State::Dispatched(d) => match std::mem::replace(&mut d.watch, Watch::Settled) {
                 Watch::Reporting { outcome } => Step::cont()
-                    .with(Effect::Enqueue(OutcomeReport {
-                        attempt_id: d.attempt_id.clone(),
-                        outcome,
-                    }))
+                    .with(Effect::Enqueue(d.grant.report(outcome)))
                     .with(Effect::Count(Stat::ReportDeferred))
                     .with(Effect::Log(
                         Level::Warn,
                         format!(
                             "atmost: could not dispatch the completed report of attempt {}; queued",
-                            d.attempt_id
+                            d.grant.attempt_id
                         ),
                     )),
                 other => {
@@ -542,7 +555,7 @@ impl Call {
                                         Level::Warn,
                                         format!(
                                             "atmost: ledger did not apply the completed report of attempt {}: {a:?}",
-                                            d.attempt_id
+                                            d.grant.attempt_id
                                         ),
                                     ));
                                 }
@@ -550,16 +563,13 @@ impl Call {
                             },
                             Err(e) => {
                                 step = step
-                                    .with(Effect::Enqueue(OutcomeReport {
-                                        attempt_id: d.attempt_id.clone(),
-                                        outcome,
-                                    }))
+                                    .with(Effect::Enqueue(d.grant.report(outcome)))
                                     .with(Effect::Count(Stat::ReportDeferred))
                                     .with(Effect::Log(
                                         Level::Warn,
                                         format!(
                                             "atmost: completed report of attempt {} failed ({e}); queued",
-                                            d.attempt_id
+                                            d.grant.attempt_id
                                         ),
                                     ));
                             }
@@ -611,6 +621,8 @@ impl Call {
             Ok(AuthorizeResponse::Dispatch {
                 attempt_id,
                 permit_id,
+                round,
+                capability,
                 ..
             }) => {
                 let upstream_value =
@@ -638,11 +650,20 @@ impl Call {
                     .with(Effect::Count(Stat::Dispatched))
                     .with(Effect::Log(
                         Level::Info,
-                        format!("atmost: dispatching attempt {attempt_id} of `{}`", p.tool),
+                        format!(
+                            "atmost: dispatching attempt {attempt_id} (round {round}) of `{}`",
+                            p.tool
+                        ),
                     ))
                     .with(Effect::ResumeRequest);
                 self.state = State::Dispatched(Box::new(Dispatched {
-                    attempt_id,
+                    grant: DispatchGrant {
+                        attempt_id,
+                        round,
+                        capability,
+                    },
+                    permit_hash: p.permit_hash,
+                    path: p.path,
                     id: p.id,
                     tool: p.tool,
                     watch: Watch::AwaitingHeaders,
@@ -683,7 +704,7 @@ impl Call {
             Watch::BufferingJson { size: seen } => {
                 if size as u64 > max {
                     d.watch = Watch::NoReceipt(NoReceipt::TooLarge);
-                    BodyStep::Done(receipt_too_large(&d.attempt_id))
+                    BodyStep::Done(receipt_too_large(&d.grant.attempt_id))
                 } else if end_of_stream {
                     BodyStep::Read { len: size }
                 } else {
@@ -725,7 +746,7 @@ impl Call {
                 SseProgress::Found(r) => r,
                 SseProgress::TooLarge => {
                     d.watch = Watch::NoReceipt(NoReceipt::TooLarge);
-                    return receipt_too_large(&d.attempt_id);
+                    return receipt_too_large(&d.grant.attempt_id);
                 }
                 SseProgress::Pending => {
                     if !end_of_stream {
@@ -742,9 +763,11 @@ impl Call {
                     return Step::cont().with(Effect::SaveResume(
                         key,
                         Ticket {
-                            attempt_id: d.attempt_id.clone(),
+                            grant: d.grant.clone(),
                             id: d.id.clone(),
                             tool: d.tool.clone(),
+                            permit_hash: d.permit_hash.clone(),
+                            path: d.path.clone(),
                         },
                     ));
                 }
@@ -758,10 +781,7 @@ impl Call {
             ResultKind::InputRequired => (Outcome::InputRequired { receipt }, Stat::InputRequired),
             ResultKind::Task => (Outcome::Accepted { receipt }, Stat::Accepted),
         };
-        let report = OutcomeReport {
-            attempt_id: d.attempt_id.clone(),
-            outcome: outcome.clone(),
-        };
+        let report = d.grant.report(outcome.clone());
         d.watch = Watch::Reporting { outcome };
         let mut effects = vec![Effect::Count(stat)];
         effects.extend(resumed_stat);
@@ -841,7 +861,7 @@ impl Call {
                             Level::Info,
                             format!(
                                 "atmost: resumed stream of attempt {} ended without its answer; it stays in flight",
-                                d.attempt_id
+                                d.grant.attempt_id
                             ),
                         ));
                     }
@@ -854,7 +874,7 @@ impl Call {
                                 Level::Info,
                                 format!(
                                     "atmost: the server closed the resumable stream of attempt {} of `{}` before its answer; it stays in flight for the resumed GET stream (or the lease)",
-                                    d.attempt_id, d.tool
+                                    d.grant.attempt_id, d.tool
                                 ),
                             ));
                     }
@@ -868,14 +888,11 @@ impl Call {
                     Outcome::Uncertain { reason } => (Stat::Uncertain, format!("uncertain ({reason})")),
                 };
                 Step::cont()
-                    .with(Effect::Enqueue(OutcomeReport {
-                        attempt_id: d.attempt_id.clone(),
-                        outcome,
-                    }))
+                    .with(Effect::Enqueue(d.grant.report(outcome)))
                     .with(Effect::Count(stat))
                     .with(Effect::Log(
                         Level::Info,
-                        format!("atmost: attempt {} of `{}` is {text}", d.attempt_id, d.tool),
+                        format!("atmost: attempt {} of `{}` is {text}", d.grant.attempt_id, d.tool),
                     ))
             }
             _ => Step::cont(),

@@ -135,6 +135,8 @@ mod tests {
     fn report(i: u32) -> OutcomeReport {
         OutcomeReport {
             attempt_id: format!("a{i}"),
+            round: 1,
+            capability: format!("cap-{i}"),
             outcome: Outcome::Completed {
                 receipt: format!(r#"{{"jsonrpc":"2.0","id":{i},"result":{{}}}}"#),
             },

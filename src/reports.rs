@@ -122,6 +122,8 @@ mod tests {
     fn report(i: usize) -> OutcomeReport {
         OutcomeReport {
             attempt_id: format!("a{i}"),
+            round: 1,
+            capability: format!("cap-{i}"),
             outcome: Outcome::Uncertain { reason: "x".into() },
         }
     }

@@ -168,7 +168,7 @@ fn kind(o: &Outcome) -> &'static str {
 fn ledger_reply(status: &Status, body: &LedgerBody) -> (LedgerReply, bool) {
     let (bytes, dispatch) = match body {
         LedgerBody::Dispatch => (
-            json!({"decision":"dispatch","attempt_id":"att-1","permit_id":"p-1","lease_ms":1000})
+            json!({"decision":"dispatch","attempt_id":"att-1","permit_id":"p-1","lease_ms":1000,"round":1,"capability":"cap-1"})
                 .to_string()
                 .into_bytes(),
             true,
@@ -353,10 +353,17 @@ fn run(data: &[u8]) -> (bool, usize) {
                     content_length: *content_length,
                     end_of_stream: *end_of_stream,
                     session_id: session.clone(),
+                    path: "/mcp".into(),
                     resume: resume.then(|| Ticket {
-                        attempt_id: "att-r".into(),
+                        grant: atmost_protocol::DispatchGrant {
+                            attempt_id: "att-r".into(),
+                            round: 1,
+                            capability: "cap-r".into(),
+                        },
                         id: json!(7),
                         tool: "pay".into(),
+                        permit_hash: atmost_filter::resume::permit_hash(b"tok-123"),
+                        path: "/mcp".into(),
                     }),
                 };
                 let s = call.on_request_headers(head);

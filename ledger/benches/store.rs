@@ -71,11 +71,19 @@ async fn pair(store: &dyn Store, tok: &str, key: &str) {
         .authorize(&request(tok, key), LEASE_MS, now_ms())
         .await
         .unwrap();
-    let AuthorizeResponse::Dispatch { attempt_id, .. } = d.response else {
+    let AuthorizeResponse::Dispatch {
+        attempt_id,
+        round,
+        capability,
+        ..
+    } = d.response
+    else {
         panic!("not dispatched: {:?}", d.response)
     };
     let report = OutcomeReport {
         attempt_id,
+        round,
+        capability,
         outcome: Outcome::Completed {
             receipt: r#"{"jsonrpc":"2.0","id":1,"result":{"content":[],"isError":false}}"#.into(),
         },

@@ -5,7 +5,7 @@
 //! have their own pure transitions here too, so every store behaves the same.
 
 use atmost_protocol::{
-    AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, Outcome, OutcomeAck,
+    AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, Outcome, OutcomeAck, OutcomeReport,
 };
 use serde_json::Value;
 
@@ -49,6 +49,9 @@ pub struct DecideParams {
     pub lease_ms: u64,
     /// The id a new attempt gets if the call dispatches.
     pub new_attempt_id: String,
+    /// The capability a dispatch (of a new attempt or a continuation round) hands out;
+    /// only its hash is kept. Minted by the store from the operating system's CSPRNG.
+    pub new_capability: String,
 }
 
 /// What the store must write, in the same transaction as the read.
@@ -214,11 +217,17 @@ pub fn decide(req: &AuthorizeRequest, snap: &Snapshot, params: &DecideParams) ->
                 next.state = AttemptState::InFlight;
                 next.updated_at_ms = now;
                 next.lease_expires_at_ms = now.saturating_add(lease_ms);
+                // A new round with a new capability: reports about the earlier round (late,
+                // retried or forged) can no longer move the attempt.
+                next.round = existing.round.saturating_add(1);
+                next.capability_hash = Some(token::sha256_hex(&params.new_capability));
                 return Decision {
                     response: AuthorizeResponse::Dispatch {
                         attempt_id: existing.id.clone(),
                         permit_id: permit.id.clone(),
                         lease_ms: params.lease_ms,
+                        round: next.round,
+                        capability: params.new_capability.clone(),
                     },
                     mutation: Mutation::Update(next),
                     notices: Vec::new(),
@@ -370,12 +379,16 @@ pub fn decide(req: &AuthorizeRequest, snap: &Snapshot, params: &DecideParams) ->
         replay_count: 0,
         pruned_at_ms: None,
         resolution: None,
+        round: 1,
+        capability_hash: Some(token::sha256_hex(&params.new_capability)),
     };
     Decision {
         response: AuthorizeResponse::Dispatch {
             attempt_id: attempt.id.clone(),
             permit_id: permit.id.clone(),
             lease_ms: params.lease_ms,
+            round: 1,
+            capability: params.new_capability.clone(),
         },
         mutation: Mutation::Reserve(attempt),
         notices,
@@ -393,16 +406,47 @@ pub fn outcome_state(outcome: &Outcome) -> AttemptState {
     }
 }
 
-/// Applies one outcome report. Only `in_flight` attempts move; the attempt to write, if any, is returned.
+/// The state a report of `outcome` for round `round` moves an `in_flight` attempt to. A
+/// round that never reached the upstream gives the slot back only if it was the first: a
+/// continuation that never left returns the attempt to where that round started,
+/// `awaiting_input`, because round 1 was sent.
+pub fn outcome_target(outcome: &Outcome, round: u32) -> AttemptState {
+    match outcome {
+        Outcome::Released { .. } if round > 1 => AttemptState::AwaitingInput,
+        other => outcome_state(other),
+    }
+}
+
+/// Whether the report proves it speaks for the attempt's current round: the round matches
+/// and the capability hashes to the stored one (compared in constant time). An attempt
+/// stored without a capability (written before rounds existed) accepts no report; its
+/// lease decides.
+pub fn report_authenticated(a: &Attempt, report: &OutcomeReport) -> bool {
+    match a.capability_hash.as_deref() {
+        Some(hash) => report.round == a.round && token::token_matches(&report.capability, hash),
+        None => false,
+    }
+}
+
+/// Applies one outcome report. Only a report that proves the attempt's current round moves
+/// it, and only from `in_flight`; the attempt to write, if any, is returned.
 pub fn apply_outcome(
     existing: Option<&Attempt>,
-    outcome: &Outcome,
+    report: &OutcomeReport,
     now: Millis,
 ) -> (OutcomeAck, Option<Attempt>) {
     let Some(a) = existing else {
         return (OutcomeAck::UnknownAttempt, None);
     };
-    let target = outcome_state(outcome);
+    if report.round < a.round && report.round >= 1 {
+        // A late or retried report of a round that is over: the attempt has moved on.
+        return (OutcomeAck::StaleRound, None);
+    }
+    if !report_authenticated(a, report) {
+        return (OutcomeAck::Refused, None);
+    }
+    let outcome = &report.outcome;
+    let target = outcome_target(outcome, report.round);
     if a.state != AttemptState::InFlight {
         let ack = if a.state == target {
             OutcomeAck::AlreadyRecorded
@@ -419,6 +463,12 @@ pub fn apply_outcome(
             next.receipt = Some(receipt.clone());
             next.finished_at_ms = Some(now);
         }
+        Outcome::Released { reason } if target == AttemptState::AwaitingInput => {
+            // The continuation never left: the client may send it again under the same key.
+            // The interim receipt of the earlier round stays; the lease is renewed.
+            next.reason = Some(reason.clone());
+            next.lease_expires_at_ms = now.saturating_add(dispatch_lease(a));
+        }
         Outcome::Released { reason } | Outcome::Uncertain { reason } => {
             next.reason = Some(reason.clone());
         }
@@ -426,11 +476,15 @@ pub fn apply_outcome(
             // The interim answer, kept for inspection (never replayed: the state does not
             // replay). The lease is renewed for as long as the dispatch lease was.
             next.receipt = Some(receipt.clone());
-            let lease = a.lease_expires_at_ms.saturating_sub(a.updated_at_ms).max(0);
-            next.lease_expires_at_ms = now.saturating_add(lease);
+            next.lease_expires_at_ms = now.saturating_add(dispatch_lease(a));
         }
     }
     (OutcomeAck::Applied, Some(next))
+}
+
+/// How long the current round's lease was when it was dispatched.
+fn dispatch_lease(a: &Attempt) -> Millis {
+    a.lease_expires_at_ms.saturating_sub(a.updated_at_ms).max(0)
 }
 
 /// What a person (or reconciler) found when checking the provider.

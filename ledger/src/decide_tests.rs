@@ -2,7 +2,9 @@
 
 use std::collections::BTreeMap;
 
-use atmost_protocol::{AuthorizeRequest, AuthorizeResponse, DenialCode, Outcome, OutcomeAck};
+use atmost_protocol::{
+    AuthorizeRequest, AuthorizeResponse, DenialCode, Outcome, OutcomeAck, OutcomeReport,
+};
 use serde_json::json;
 
 use crate::decide::*;
@@ -63,6 +65,20 @@ fn params() -> DecideParams {
     DecideParams {
         lease_ms: 60_000,
         new_attempt_id: "att_new".into(),
+        new_capability: CAP.into(),
+    }
+}
+
+/// The capability the attempts of these tests were dispatched with (round 1).
+const CAP: &str = "cap-of-round-1";
+
+/// A report from whoever the attempt's round 1 was dispatched to.
+fn rep(outcome: Outcome) -> OutcomeReport {
+    OutcomeReport {
+        attempt_id: "att_old".into(),
+        round: 1,
+        capability: CAP.into(),
+        outcome,
     }
 }
 
@@ -73,6 +89,7 @@ fn attempt(state: AttemptState, key: Option<&str>, fp: &str) -> Attempt {
         created_at_ms: NOW - 10_000,
         updated_at_ms: NOW - 5_000,
         lease_expires_at_ms: NOW + 50_000,
+        capability_hash: Some(token::sha256_hex(CAP)),
         ..Attempt::example("att_old", PID, "pay", state, 5)
     }
 }
@@ -104,7 +121,9 @@ fn new_key_dispatches_and_reserves() {
         AuthorizeResponse::Dispatch {
             attempt_id: "att_new".into(),
             permit_id: PID.into(),
-            lease_ms: 60_000
+            lease_ms: 60_000,
+            round: 1,
+            capability: CAP.into(),
         }
     );
     let Mutation::Reserve(a) = d.mutation else {
@@ -549,9 +568,9 @@ fn outcomes_only_move_in_flight() {
     let a = attempt(AttemptState::InFlight, Some("k"), "fp");
     let (ack, next) = apply_outcome(
         Some(&a),
-        &Outcome::Completed {
+        &rep(Outcome::Completed {
             receipt: "R".into(),
-        },
+        }),
         NOW,
     );
     assert_eq!(ack, OutcomeAck::Applied);
@@ -562,18 +581,18 @@ fn outcomes_only_move_in_flight() {
 
     let (ack, next) = apply_outcome(
         Some(&a),
-        &Outcome::Released {
+        &rep(Outcome::Released {
             reason: "refused".into(),
-        },
+        }),
         NOW,
     );
     assert_eq!(ack, OutcomeAck::Applied);
     assert_eq!(next.unwrap().state, AttemptState::Released);
     let (ack, next) = apply_outcome(
         Some(&a),
-        &Outcome::Uncertain {
+        &rep(Outcome::Uncertain {
             reason: "reset".into(),
-        },
+        }),
         NOW,
     );
     assert_eq!(ack, OutcomeAck::Applied);
@@ -583,9 +602,9 @@ fn outcomes_only_move_in_flight() {
     assert_eq!(
         apply_outcome(
             Some(&done),
-            &Outcome::Completed {
+            &rep(Outcome::Completed {
                 receipt: "R2".into()
-            },
+            }),
             NOW
         ),
         (OutcomeAck::AlreadyRecorded, None)
@@ -594,19 +613,23 @@ fn outcomes_only_move_in_flight() {
     assert_eq!(
         apply_outcome(
             Some(&unc),
-            &Outcome::Completed {
+            &rep(Outcome::Completed {
                 receipt: "R".into()
-            },
+            }),
             NOW
         ),
         (OutcomeAck::Conflict, None)
     );
     assert_eq!(
-        apply_outcome(Some(&unc), &Outcome::Released { reason: "x".into() }, NOW),
+        apply_outcome(
+            Some(&unc),
+            &rep(Outcome::Released { reason: "x".into() }),
+            NOW
+        ),
         (OutcomeAck::Conflict, None)
     );
     assert_eq!(
-        apply_outcome(None, &Outcome::Released { reason: "x".into() }, NOW),
+        apply_outcome(None, &rep(Outcome::Released { reason: "x".into() }), NOW),
         (OutcomeAck::UnknownAttempt, None)
     );
 }
@@ -724,13 +747,19 @@ fn awaiting_input_continuation_dispatches_again_under_the_same_attempt() {
     let mut p = permit();
     p.policy.max_calls.insert("pay".into(), 1);
     s.permit = Some(p);
-    let d = decide(&continuation(Some("k"), "fp"), &s, &params());
+    let round_2 = DecideParams {
+        new_capability: "cap-of-round-2".into(),
+        ..params()
+    };
+    let d = decide(&continuation(Some("k"), "fp"), &s, &round_2);
     assert_eq!(
         d.response,
         AuthorizeResponse::Dispatch {
             attempt_id: "att_old".into(),
             permit_id: PID.into(),
-            lease_ms: 60_000
+            lease_ms: 60_000,
+            round: 2,
+            capability: "cap-of-round-2".into(),
         }
     );
     let Mutation::Update(next) = d.mutation else {
@@ -744,6 +773,108 @@ fn awaiting_input_continuation_dispatches_again_under_the_same_attempt() {
     assert_eq!(next.cost, 7, "no new budget");
     assert_eq!(next.lease_expires_at_ms, NOW + 60_000);
     assert_eq!(next.updated_at_ms, NOW);
+    assert_eq!(next.round, 2);
+    assert_eq!(
+        next.capability_hash,
+        Some(token::sha256_hex("cap-of-round-2")),
+        "only the new round's capability is kept, hashed"
+    );
+}
+
+/// The attempt after its continuation was dispatched: round 2, in flight.
+fn in_round_2() -> Attempt {
+    Attempt {
+        round: 2,
+        capability_hash: Some(token::sha256_hex("cap-2")),
+        ..attempt(AttemptState::InFlight, Some("k"), "fp")
+    }
+}
+
+fn rep_round(round: u32, capability: &str, outcome: Outcome) -> OutcomeReport {
+    OutcomeReport {
+        round,
+        capability: capability.into(),
+        ..rep(outcome)
+    }
+}
+
+#[test]
+fn a_late_report_of_an_earlier_round_changes_nothing() {
+    let a = in_round_2();
+    for outcome in [
+        Outcome::InputRequired {
+            receipt: "ASK".into(),
+        },
+        Outcome::Released {
+            reason: "never_sent".into(),
+        },
+        Outcome::Completed {
+            receipt: "R".into(),
+        },
+    ] {
+        // Even with round 1's real capability: that round is over.
+        assert_eq!(
+            apply_outcome(Some(&a), &rep_round(1, CAP, outcome), NOW),
+            (OutcomeAck::StaleRound, None)
+        );
+    }
+}
+
+#[test]
+fn a_report_without_the_rounds_capability_is_refused() {
+    let a = in_round_2();
+    let released = || Outcome::Released {
+        reason: "never_sent".into(),
+    };
+    for (round, capability) in [(2, "guess"), (2, ""), (2, CAP), (3, "cap-2"), (0, "cap-2")] {
+        assert_eq!(
+            apply_outcome(Some(&a), &rep_round(round, capability, released()), NOW),
+            (OutcomeAck::Refused, None),
+            "round {round} capability {capability:?}"
+        );
+    }
+    // An attempt stored before rounds existed has no capability: nothing moves it.
+    let legacy = Attempt {
+        capability_hash: None,
+        ..attempt(AttemptState::InFlight, Some("k"), "fp")
+    };
+    assert_eq!(
+        apply_outcome(Some(&legacy), &rep(released()), NOW),
+        (OutcomeAck::Refused, None)
+    );
+    // The right one applies.
+    let (ack, next) = apply_outcome(Some(&a), &rep_round(2, "cap-2", released()), NOW);
+    assert_eq!(ack, OutcomeAck::Applied);
+    assert!(next.is_some());
+}
+
+#[test]
+fn a_continuation_that_never_left_waits_for_input_again_and_is_never_released() {
+    let a = in_round_2();
+    let never_sent = Outcome::Released {
+        reason: "never_delivered: response_flags=0x20(UF)".into(),
+    };
+    let (ack, next) = apply_outcome(Some(&a), &rep_round(2, "cap-2", never_sent.clone()), NOW);
+    assert_eq!(ack, OutcomeAck::Applied);
+    let next = next.unwrap_or_else(|| panic!("no update"));
+    assert_eq!(next.state, AttemptState::AwaitingInput);
+    assert!(next.state.holds_slot() && next.state.reserves_budget());
+    assert_eq!(next.lease_expires_at_ms, NOW + 55_000, "lease renewed");
+    // The same report again is already recorded; it never turns into a release.
+    assert_eq!(
+        apply_outcome(Some(&next), &rep_round(2, "cap-2", never_sent), NOW),
+        (OutcomeAck::AlreadyRecorded, None)
+    );
+    // Round 1 that never left gives the slot back, as before.
+    let first = attempt(AttemptState::InFlight, Some("k"), "fp");
+    let (_, next) = apply_outcome(
+        Some(&first),
+        &rep(Outcome::Released {
+            reason: "never_sent".into(),
+        }),
+        NOW,
+    );
+    assert_eq!(next.map(|a| a.state), Some(AttemptState::Released));
 }
 
 #[test]
@@ -829,9 +960,9 @@ fn input_required_and_accepted_outcomes() {
     let inflight = attempt(AttemptState::InFlight, Some("k"), "fp");
     let (ack, next) = apply_outcome(
         Some(&inflight),
-        &Outcome::InputRequired {
+        &rep(Outcome::InputRequired {
             receipt: "ASK".into(),
-        },
+        }),
         NOW,
     );
     assert_eq!(ack, OutcomeAck::Applied);
@@ -843,26 +974,26 @@ fn input_required_and_accepted_outcomes() {
     // A repeated report is already recorded; a late one on a continued attempt conflicts nothing away.
     let (ack, none) = apply_outcome(
         Some(&next),
-        &Outcome::InputRequired {
+        &rep(Outcome::InputRequired {
             receipt: "ASK".into(),
-        },
+        }),
         NOW,
     );
     assert_eq!((ack, none), (OutcomeAck::AlreadyRecorded, None));
     let (ack, none) = apply_outcome(
         Some(&next),
-        &Outcome::Completed {
+        &rep(Outcome::Completed {
             receipt: "R".into(),
-        },
+        }),
         NOW,
     );
     assert_eq!((ack, none), (OutcomeAck::Conflict, None));
 
     let (ack, next) = apply_outcome(
         Some(&inflight),
-        &Outcome::Accepted {
+        &rep(Outcome::Accepted {
             receipt: "HANDLE".into(),
-        },
+        }),
         NOW,
     );
     assert_eq!(ack, OutcomeAck::Applied);

@@ -229,6 +229,9 @@ async fn full_flow_over_http() {
     assert_eq!(d["decision"], "dispatch", "{d}");
     assert_eq!(d["lease_ms"], 60_000);
     let attempt = d["attempt_id"].as_str().unwrap().to_string();
+    assert_eq!(d["round"], 1);
+    let capability = d["capability"].as_str().unwrap().to_string();
+    assert_eq!(capability.len(), 64, "256 bits, hex");
 
     // h2c prior knowledge, as Envoy speaks it.
     let h2 = reqwest::Client::builder()
@@ -256,18 +259,29 @@ async fn full_flow_over_http() {
             "/v1/outcomes",
             Some(SVC),
             json!({"reports": [
-                {"attempt_id": attempt, "outcome": "completed", "receipt": receipt},
-                {"attempt_id": attempt, "outcome": "completed", "receipt": receipt},
-                {"attempt_id": attempt, "outcome": "released", "reason": "x"},
-                {"attempt_id": "att_unknown", "outcome": "uncertain", "reason": "x"}
+                // The service token alone: a forged release is refused before anything else.
+                {"attempt_id": attempt, "round": 1, "capability": "0".repeat(64), "outcome": "released", "reason": "x"},
+                {"attempt_id": attempt, "round": 1, "capability": capability, "outcome": "completed", "receipt": receipt},
+                {"attempt_id": attempt, "round": 1, "capability": capability, "outcome": "completed", "receipt": receipt},
+                {"attempt_id": attempt, "round": 1, "capability": capability, "outcome": "released", "reason": "x"},
+                {"attempt_id": "att_unknown", "round": 1, "capability": capability, "outcome": "uncertain", "reason": "x"}
             ]}),
         )
         .await;
     assert_eq!(st, 200);
     assert_eq!(
         v,
-        json!({"acks": ["applied", "already_recorded", "conflict", "unknown_attempt"]})
+        json!({"acks": ["refused", "applied", "already_recorded", "conflict", "unknown_attempt"]})
     );
+    // A report without round and capability is not a report.
+    let (st, _) = s
+        .post(
+            "/v1/outcomes",
+            Some(SVC),
+            json!({"reports": [{"attempt_id": attempt, "outcome": "released", "reason": "x"}]}),
+        )
+        .await;
+    assert_eq!(st, 400);
     let (_, v) = s
         .post("/v1/authorize", Some(SVC), authz(&tok, "k1", "fp1"))
         .await;
@@ -387,6 +401,10 @@ async fn full_flow_over_http() {
     assert!(text
         .contains(r#"atmost_authorize_total{code="permit_max_calls_exceeded",decision="deny"} 1"#));
     assert!(text.contains(r#"atmost_outcomes_total{ack="applied",kind="completed"} 1"#));
+    assert!(
+        text.contains(r#"atmost_outcome_reports_refused_total{kind="released"} 1"#),
+        "{text}"
+    );
     assert!(text.contains("atmost_leases_expired_total 1"));
     assert!(text.contains("atmost_sweeps_total 1"));
     let oversold = ["exactly", "once"].join(" ");

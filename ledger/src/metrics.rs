@@ -14,6 +14,9 @@ pub struct Metrics {
     pub authorize_seconds: Histogram,
     /// Outcome reports by kind (completed, released, uncertain) and ack.
     pub outcomes: IntCounterVec,
+    /// Reports without the capability of the attempt's current round (forged, or from a
+    /// party the round was not dispatched to), by reported kind.
+    pub outcomes_refused: IntCounterVec,
     /// Duplicate-guard hits by mode (log, enforce).
     pub duplicates: IntCounterVec,
     /// Admin resolutions by result (executed, not_executed).
@@ -58,6 +61,11 @@ impl Metrics {
             "atmost_outcomes_total",
             "Outcome reports by kind and how they were taken.",
             &["kind", "ack"],
+        )?;
+        let outcomes_refused = counter_vec(
+            "atmost_outcome_reports_refused_total",
+            "Outcome reports refused because they did not carry the capability of the attempt's current round.",
+            &["kind"],
         )?;
         let duplicates = counter_vec(
             "atmost_duplicate_suspected_total",
@@ -113,6 +121,7 @@ impl Metrics {
             authorize,
             authorize_seconds,
             outcomes,
+            outcomes_refused,
             duplicates,
             resolutions,
             unauthorized,

@@ -283,6 +283,11 @@ pub struct Attempt {
     /// Set when the receipt was pruned past retention: the row stays as a tombstone.
     pub pruned_at_ms: Option<Millis>,
     pub resolution: Option<Resolution>,
+    /// Which dispatch of the attempt is current: 1 for the call, one more per continuation.
+    pub round: u32,
+    /// SHA-256 (hex) of the current round's capability; only a report carrying that
+    /// capability moves the attempt. `None` for attempts stored before rounds existed.
+    pub capability_hash: Option<String>,
 }
 
 #[cfg(test)]
@@ -306,6 +311,8 @@ impl Attempt {
             replay_count: 0,
             pruned_at_ms: None,
             resolution: None,
+            round: 1,
+            capability_hash: None,
         }
     }
 }

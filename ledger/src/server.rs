@@ -281,6 +281,8 @@ fn ack_str(a: OutcomeAck) -> &'static str {
         OutcomeAck::AlreadyRecorded => "already_recorded",
         OutcomeAck::Conflict => "conflict",
         OutcomeAck::UnknownAttempt => "unknown_attempt",
+        OutcomeAck::StaleRound => "stale_round",
+        OutcomeAck::Refused => "refused",
     }
 }
 
@@ -325,6 +327,20 @@ async fn outcomes(
             OutcomeAck::UnknownAttempt => {
                 warn!(attempt_id = %report.attempt_id, reported = kind, "outcome for unknown attempt")
             }
+            OutcomeAck::Refused => {
+                state
+                    .metrics
+                    .outcomes_refused
+                    .with_label_values(&[kind])
+                    .inc();
+                // The capability is a secret: never logged.
+                warn!(attempt_id = %report.attempt_id, reported = kind, round = report.round,
+                    "outcome refused: no capability for the attempt's current round; state kept")
+            }
+            OutcomeAck::StaleRound => info!(
+                attempt_id = %report.attempt_id, reported = kind, round = report.round,
+                "outcome for an earlier round of the attempt; state kept"
+            ),
             _ => {
                 info!(attempt_id = %report.attempt_id, outcome = kind, reason, ack = ack_str(result.ack), "outcome")
             }

@@ -40,6 +40,11 @@ pub fn new_attempt_id() -> Result<String, LedgerError> {
     ))
 }
 
+/// A fresh capability for one dispatch round: 256 random bits, hex. Stored only hashed.
+pub fn new_capability() -> Result<String, LedgerError> {
+    random_hex(32)
+}
+
 /// A fresh secret token for a permit.
 pub fn new_token(permit_id: &str) -> Result<String, LedgerError> {
     Ok(format!("{TOKEN_PREFIX}{permit_id}_{}", random_hex(32)?))

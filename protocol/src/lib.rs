@@ -5,7 +5,9 @@
 //! - `POST /v1/authorize`: [`AuthorizeRequest`] → [`AuthorizeResponse`]
 //! - `POST /v1/outcomes`: [`OutcomesRequest`] → [`OutcomesResponse`]
 //!
-//! Both paths require `authorization: Bearer <service token>`.
+//! Both paths require `authorization: Bearer <service token>`. A report also needs the
+//! round's capability from the Dispatch answer: the service token alone (which an agent
+//! sharing the sidecar's loopback can read) cannot move an attempt.
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -52,6 +54,13 @@ pub enum AuthorizeResponse {
         permit_id: String,
         /// How long the ledger waits for an outcome before the attempt turns `uncertain`.
         lease_ms: u64,
+        /// Which dispatch of the attempt this is: 1 for the call itself, one more for each
+        /// `input_required` continuation. Every report about it names this round.
+        round: u32,
+        /// A fresh secret for this round alone. The ledger keeps only its SHA-256 and
+        /// accepts a report about the round only with it, so a holder of the service token
+        /// cannot speak for a dispatch it did not receive. It never leaves the Envoy process.
+        capability: String,
     },
     /// The same key and fingerprint completed before: answer with this receipt.
     Replay {
@@ -189,12 +198,36 @@ pub enum Outcome {
     Accepted { receipt: String },
 }
 
-/// One outcome for one attempt.
+/// One outcome for one round of one attempt.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OutcomeReport {
     pub attempt_id: String,
+    /// The round the [`AuthorizeResponse::Dispatch`] answer named.
+    pub round: u32,
+    /// The capability that answer carried.
+    pub capability: String,
     #[serde(flatten)]
     pub outcome: Outcome,
+}
+
+/// What the filter must keep of a Dispatch answer to report on it later.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DispatchGrant {
+    pub attempt_id: String,
+    pub round: u32,
+    pub capability: String,
+}
+
+impl DispatchGrant {
+    /// A report about this round.
+    pub fn report(&self, outcome: Outcome) -> OutcomeReport {
+        OutcomeReport {
+            attempt_id: self.attempt_id.clone(),
+            round: self.round,
+            capability: self.capability.clone(),
+            outcome,
+        }
+    }
 }
 
 /// Body of `POST /v1/outcomes`: one or more reports, applied one by one.
@@ -215,6 +248,11 @@ pub enum OutcomeAck {
     Conflict,
     /// No attempt has that id.
     UnknownAttempt,
+    /// The report is about an earlier round than the attempt's current one; nothing changed.
+    StaleRound,
+    /// The report's capability does not prove the round (or the round was never
+    /// dispatched); nothing changed, and the refusal is counted.
+    Refused,
 }
 
 /// Answer of `POST /v1/outcomes`, one ack per report in order.
@@ -269,6 +307,8 @@ mod tests {
     fn outcome_report_flattens_the_outcome() {
         let report = OutcomeReport {
             attempt_id: "a1".into(),
+            round: 2,
+            capability: "c".into(),
             outcome: Outcome::Uncertain {
                 reason: "upstream_reset".into(),
             },
@@ -277,6 +317,8 @@ mod tests {
         assert_eq!(json["outcome"], "uncertain");
         assert_eq!(json["reason"], "upstream_reset");
         assert_eq!(json["attempt_id"], "a1");
+        assert_eq!(json["round"], 2);
+        assert_eq!(json["capability"], "c");
         for (outcome, tag) in [
             (
                 Outcome::InputRequired {

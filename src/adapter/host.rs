@@ -55,11 +55,18 @@ pub fn set_header(map: MapType, name: &str, value: &str) {
     }
 }
 
-/// A value of Envoy's shared data (shared by the VMs of every worker with this vm_id).
-pub fn get_shared(key: &str) -> Option<Vec<u8>> {
-    match hostcalls::get_shared_data(key) {
-        Ok((Some(v), _)) => Some(v),
-        _ => None,
+/// Takes a value of shared data that `accept` turns into something: empties the key with a
+/// compare-and-swap on the version it read, so of several workers' VMs racing for the same
+/// value exactly one gets it. A value `accept` refuses is left in place.
+pub fn take_shared<T>(key: &str, accept: impl FnOnce(&[u8]) -> Option<T>) -> Option<T> {
+    let (value, cas) = match hostcalls::get_shared_data(key) {
+        Ok((Some(v), cas)) => (v, cas),
+        _ => return None,
+    };
+    let taken = accept(&value)?;
+    match hostcalls::set_shared_data(key, Some(&[]), cas) {
+        Ok(()) => Some(taken),
+        Err(_) => None,
     }
 }
 

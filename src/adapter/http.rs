@@ -143,6 +143,8 @@ impl Http {
                 head.idempotency_key.push(value);
             } else if name == ":method" {
                 head.method = String::from_utf8_lossy(&value).into_owned();
+            } else if name == ":path" {
+                head.path = String::from_utf8_lossy(&value).into_owned();
             } else if name == "mcp-method" || name == "mcp-name" {
                 let slot = if name == "mcp-method" {
                     &mut head.mirrored.method
@@ -170,8 +172,10 @@ impl Http {
         if head.method.eq_ignore_ascii_case("GET") {
             if let Some(last) = last_event_id {
                 let key = crate::resume::key(head.session_id.as_deref(), &last);
-                head.resume =
-                    host::get_shared(&key).and_then(|b| crate::resume::Ticket::from_bytes(&b));
+                head.resume = host::take_shared(&key, |bytes| {
+                    crate::resume::Ticket::from_bytes(bytes)
+                        .filter(|t| t.admits(&head.permit, &head.path))
+                });
             }
         }
         head

@@ -23,6 +23,7 @@ fn post(permit: &[&str], key: &[&str]) -> RequestHead {
         method: "POST".into(),
         permit: permit.iter().map(|p| p.as_bytes().to_vec()).collect(),
         idempotency_key: key.iter().map(|k| k.as_bytes().to_vec()).collect(),
+        path: "/mcp".into(),
         ..RequestHead::default()
     }
 }
@@ -113,6 +114,17 @@ fn dispatch() -> AuthorizeResponse {
         attempt_id: "att_1".into(),
         permit_id: "pmt_1".into(),
         lease_ms: 30_000,
+        round: 1,
+        capability: "cap-1".into(),
+    }
+}
+
+/// What the filter keeps of [`dispatch`]: every report names its round and capability.
+fn grant() -> DispatchGrant {
+    DispatchGrant {
+        attempt_id: "att_1".into(),
+        round: 1,
+        capability: "cap-1".into(),
     }
 }
 
@@ -380,7 +392,7 @@ fn dispatch_sets_the_upstream_key_and_resumes() {
             Effect::Count(Stat::Dispatched),
             Effect::Log(
                 Level::Info,
-                "atmost: dispatching attempt att_1 of `pay_invoice`".into()
+                "atmost: dispatching attempt att_1 (round 1) of `pay_invoice`".into()
             ),
             Effect::ResumeRequest,
         ]
@@ -507,12 +519,9 @@ fn json_response_is_held_and_reported_before_release() {
         serde_json::from_slice(&c.body).unwrap_or(OutcomesRequest { reports: vec![] });
     assert_eq!(
         req.reports,
-        vec![OutcomeReport {
-            attempt_id: "att_1".into(),
-            outcome: Outcome::Completed {
-                receipt: RECEIPT.into()
-            }
-        }]
+        vec![grant().report(Outcome::Completed {
+            receipt: RECEIPT.into()
+        })]
     );
     assert_eq!(call.state_name(), "reporting");
     // Acknowledged: resume, nothing left for on_log.
@@ -541,12 +550,9 @@ fn failed_completion_report_is_queued_and_response_resumed() {
     assert_eq!(s.effects.last(), Some(&Effect::ResumeResponse));
     assert_eq!(
         enqueued(&s),
-        vec![OutcomeReport {
-            attempt_id: "att_1".into(),
-            outcome: Outcome::Completed {
-                receipt: RECEIPT.into()
-            }
-        }]
+        vec![grant().report(Outcome::Completed {
+            receipt: RECEIPT.into()
+        })]
     );
     assert_eq!(call.on_log(LogProps::default()), Step::cont());
 
@@ -574,12 +580,9 @@ fn client_gone_while_reporting_queues_completed() {
     });
     assert_eq!(
         enqueued(&s),
-        vec![OutcomeReport {
-            attempt_id: "att_1".into(),
-            outcome: Outcome::Completed {
-                receipt: RECEIPT.into()
-            }
-        }]
+        vec![grant().report(Outcome::Completed {
+            receipt: RECEIPT.into()
+        })]
     );
 }
 
@@ -635,12 +638,9 @@ fn batched_completion_is_handed_to_the_root_and_held() {
         s.effects,
         vec![
             Effect::Count(Stat::Completed),
-            Effect::Complete(OutcomeReport {
-                attempt_id: "att_1".into(),
-                outcome: Outcome::Completed {
-                    receipt: RECEIPT.into()
-                }
-            })
+            Effect::Complete(grant().report(Outcome::Completed {
+                receipt: RECEIPT.into()
+            }))
         ]
     );
     assert!(call.is_reporting());
@@ -665,12 +665,9 @@ fn batched_completion_client_gone_queues_from_on_log() {
     let s = call.on_log(LogProps::default());
     assert_eq!(
         enqueued(&s),
-        vec![OutcomeReport {
-            attempt_id: "att_1".into(),
-            outcome: Outcome::Completed {
-                receipt: RECEIPT.into()
-            }
-        }]
+        vec![grant().report(Outcome::Completed {
+            receipt: RECEIPT.into()
+        })]
     );
 }
 
@@ -971,9 +968,11 @@ fn resumable_stream_closed_early_stays_in_flight_and_the_resumed_get_brings_the_
     read(call.on_response_body(0, true));
     let s = call.on_response_body_data(b"", true);
     let ticket = Ticket {
-        attempt_id: "att_1".into(),
+        grant: grant(),
         id: json!(7),
         tool: "pay_invoice".into(),
+        permit_hash: resume::permit_hash(b"tok"),
+        path: "/mcp".into(),
     };
     assert_eq!(s.flow, Flow::Continue);
     assert_eq!(

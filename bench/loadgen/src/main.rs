@@ -362,20 +362,27 @@ async fn ledger(args: &[String]) -> Res<Value> {
                     "arguments": {"text": key},
                 });
                 let body = serde_json::to_vec(&auth).unwrap_or_default();
-                let attempt = match post(&mut send, &authority, "/v1/authorize", &token, body).await {
+                let grant = match post(&mut send, &authority, "/v1/authorize", &token, body).await {
                     Ok((200, b)) => serde_json::from_slice::<Value>(&b).ok().and_then(|v| {
-                        (v["decision"] == "dispatch")
-                            .then(|| v["attempt_id"].as_str().map(str::to_string))
-                            .flatten()
+                        if v["decision"] != "dispatch" {
+                            return None;
+                        }
+                        Some((
+                            v["attempt_id"].as_str()?.to_string(),
+                            u32::try_from(v["round"].as_u64()?).ok()?,
+                            v["capability"].as_str()?.to_string(),
+                        ))
                     }),
                     _ => None,
                 };
-                let Some(attempt_id) = attempt else {
+                let Some((attempt_id, round, capability)) = grant else {
                     tally.errors += 1;
                     continue;
                 };
                 let report = OutcomeReport {
                     attempt_id,
+                    round,
+                    capability,
                     outcome: Outcome::Completed {
                         receipt: format!(
                             r#"{{"jsonrpc":"2.0","id":{i},"result":{{"content":[{{"type":"text","text":"ok"}}],"isError":false}}}}"#

@@ -25,8 +25,7 @@ use hyper_util::server::conn::auto;
 use serde_json::Value;
 use tokio::net::TcpListener;
 
-const CALLOUT_BODY: &str =
-    r#"{"decision":"dispatch","attempt_id":"bench","permit_id":"bench","lease_ms":120000}"#;
+const CALLOUT_BODY: &str = r#"{"decision":"dispatch","attempt_id":"bench","permit_id":"bench","lease_ms":120000,"round":1,"capability":"bench"}"#;
 
 fn json(status: StatusCode, body: Vec<u8>) -> Response<Full<Bytes>> {
     let mut resp = Response::new(Full::new(Bytes::from(body)));

@@ -4,12 +4,13 @@
 //! check below then runs against it. The SQLite instantiation sits at the bottom of
 //! `store/sqlite.rs`'s tests; a PostgreSQL store adds one more `conformance_suite!` call.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use async_trait::async_trait;
 use atmost_protocol::{
-    AuthorizeRequest, AuthorizeResponse, DenialCode, Outcome, OutcomeAck, OutcomeReport,
+    AuthorizeRequest, AuthorizeResponse, DenialCode, DispatchGrant, Outcome, OutcomeAck,
+    OutcomeReport,
 };
 use serde_json::{json, Value};
 
@@ -45,7 +46,7 @@ macro_rules! conformance_suite {
             race_duplicate_guard, race_budget, sweeper_expires_leases_to_uncertain, retention_tombstones_and_uncertain_kept,
             resolution, durability_across_reopen, permit_admin, input_required_continuations,
             accepted_task_handles, race_continuations, counters_match_recount_after_random_operations,
-            state_counts_and_pruning_per_permit_retention);
+            state_counts_and_pruning_per_permit_retention, rounds_and_capabilities);
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
         $(
@@ -100,11 +101,51 @@ pub fn req(tok: &str, tool: &str, key: Option<&str>, fp: &str, args: Value) -> A
     }
 }
 
-async fn auth(store: &dyn Store, r: &AuthorizeRequest, now: i64) -> AuthorizeResponse {
-    store.authorize(r, LEASE_MS, now).await.unwrap().response
+pub async fn auth(store: &dyn Store, r: &AuthorizeRequest, now: i64) -> AuthorizeResponse {
+    let response = store.authorize(r, LEASE_MS, now).await.unwrap().response;
+    remember(&response);
+    response
 }
 
-fn dispatched(r: &AuthorizeResponse) -> String {
+/// The round and capability of every Dispatch answer these tests saw, by attempt id: the
+/// reports they send speak for the latest round, as the filter's would.
+fn grants() -> &'static Mutex<HashMap<String, DispatchGrant>> {
+    static GRANTS: OnceLock<Mutex<HashMap<String, DispatchGrant>>> = OnceLock::new();
+    GRANTS.get_or_init(Mutex::default)
+}
+
+/// Keeps the grant of a Dispatch answer (anything else is ignored).
+pub fn remember(r: &AuthorizeResponse) {
+    if let AuthorizeResponse::Dispatch {
+        attempt_id,
+        round,
+        capability,
+        ..
+    } = r
+    {
+        let grant = DispatchGrant {
+            attempt_id: attempt_id.clone(),
+            round: *round,
+            capability: capability.clone(),
+        };
+        grants().lock().unwrap().insert(attempt_id.clone(), grant);
+    }
+}
+
+/// A report about the latest dispatched round of attempt `id`, with its capability (a made-up
+/// round 1 without one for an id never dispatched).
+pub fn report_of(id: &str, outcome: Outcome) -> OutcomeReport {
+    let grant = grants().lock().unwrap().get(id).cloned();
+    let grant = grant.unwrap_or(DispatchGrant {
+        attempt_id: id.into(),
+        round: 1,
+        capability: String::new(),
+    });
+    grant.report(outcome)
+}
+
+pub fn dispatched(r: &AuthorizeResponse) -> String {
+    remember(r);
     match r {
         AuthorizeResponse::Dispatch { attempt_id, .. } => attempt_id.clone(),
         other => panic!("expected dispatch, got {other:?}"),
@@ -127,13 +168,7 @@ fn denial_data(r: &AuthorizeResponse) -> serde_json::Map<String, Value> {
 
 async fn report(store: &dyn Store, id: &str, outcome: Outcome, now: i64) -> OutcomeAck {
     store
-        .record_outcome(
-            &OutcomeReport {
-                attempt_id: id.into(),
-                outcome,
-            },
-            now,
-        )
+        .record_outcome(&report_of(id, outcome), now)
         .await
         .unwrap()
         .ack
@@ -537,10 +572,7 @@ pub async fn outcome_batch(h: &dyn Harness) {
         (b.as_str(), completed("late")),
     ]
     .into_iter()
-    .map(|(id, outcome)| OutcomeReport {
-        attempt_id: id.into(),
-        outcome,
-    })
+    .map(|(id, outcome)| report_of(id, outcome))
     .collect::<Vec<_>>();
     let acks: Vec<OutcomeAck> = s
         .record_outcomes(&batch, T0 + 5)
@@ -1230,6 +1262,7 @@ pub async fn counters_match_recount_after_random_operations(h: &dyn Harness) {
                 let mut r = req(tok, tool, key, &format!("{tool}-{k}"), json!({"n": k}));
                 r.continuation = next(4) == 0;
                 let d = s.authorize(&r, LEASE_MS, now).await.unwrap();
+                remember(&d.response);
                 if let AuthorizeResponse::Dispatch { attempt_id, .. } = d.response {
                     attempts.push(attempt_id);
                 }
@@ -1249,13 +1282,15 @@ pub async fn counters_match_recount_after_random_operations(h: &dyn Harness) {
             }
             7 if !attempts.is_empty() => {
                 let batch: Vec<OutcomeReport> = (0..1 + next(4))
-                    .map(|_| OutcomeReport {
-                        attempt_id: attempts[next(attempts.len() as u64) as usize].clone(),
-                        outcome: if next(2) == 0 {
-                            completed("{}")
-                        } else {
-                            released()
-                        },
+                    .map(|_| {
+                        report_of(
+                            &attempts[next(attempts.len() as u64) as usize],
+                            if next(2) == 0 {
+                                completed("{}")
+                            } else {
+                                released()
+                            },
+                        )
                     })
                     .collect();
                 let acks = s.record_outcomes(&batch, now).await.unwrap();
@@ -1303,4 +1338,100 @@ pub async fn counters_match_recount_after_random_operations(h: &dyn Harness) {
             detail.attempts_by_state
         );
     }
+}
+
+/// Each dispatch of an attempt is a round with its own capability: only a report that names
+/// the current round and carries its capability moves the attempt; a continuation that never
+/// left goes back to `awaiting_input`, never `released`; all of it survives a reopen.
+pub async fn rounds_and_capabilities(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.max_calls.insert("pay".into(), 1);
+    pol.budget = Some(100);
+    pol.cost.insert("pay".into(), CostRule::Fixed(30));
+    let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
+    let first = req(&tok, "pay", Some("k1"), "A", json!({}));
+    let r1 = auth(&*s, &first, T0).await;
+    let a = dispatched(&r1);
+    assert!(matches!(r1, AuthorizeResponse::Dispatch { round: 1, .. }));
+    let round_1_report = |o| report_of(&a, o);
+    let late_release = round_1_report(released());
+    let late_ask = round_1_report(input_required("ASK again"));
+    assert_eq!(
+        s.record_outcome(&round_1_report(input_required("ASK")), T0 + 1)
+            .await
+            .unwrap()
+            .ack,
+        OutcomeAck::Applied
+    );
+    let r2 = auth(&*s, &continued(first.clone()), T0 + 2).await;
+    assert_eq!(dispatched(&r2), a);
+    let AuthorizeResponse::Dispatch {
+        round: 2,
+        capability: cap2,
+        ..
+    } = &r2
+    else {
+        panic!("expected round 2, got {r2:?}")
+    };
+    assert_ne!(
+        cap2, &late_release.capability,
+        "a fresh capability per round"
+    );
+    // Late reports of round 1 change nothing, whatever they say.
+    for late in [&late_release, &late_ask] {
+        assert_eq!(
+            s.record_outcome(late, T0 + 3).await.unwrap().ack,
+            OutcomeAck::StaleRound
+        );
+    }
+    // The service token without the capability: refused.
+    let mut forged = report_of(&a, released());
+    forged.capability = "f".repeat(64);
+    assert_eq!(
+        s.record_outcome(&forged, T0 + 3).await.unwrap().ack,
+        OutcomeAck::Refused
+    );
+    assert_eq!(state_of(&*s, &a).await, AttemptState::InFlight);
+    // Round 2 never left: back to waiting for input, the slot and budget still held.
+    assert_eq!(
+        report(&*s, &a, released(), T0 + 4).await,
+        OutcomeAck::Applied
+    );
+    assert_eq!(state_of(&*s, &a).await, AttemptState::AwaitingInput);
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
+    let d = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    assert_eq!((d.budget.reserved, d.budget.spent), (30, 0));
+    // The key is not free again: the first request is still in progress, a new key is capped.
+    assert_eq!(
+        denied(&auth(&*s, &first, T0 + 5).await),
+        DenialCode::IdempotencyInProgress
+    );
+    assert_eq!(
+        denied(&auth(&*s, &req(&tok, "pay", Some("k2"), "B", json!({})), T0 + 5).await),
+        DenialCode::PermitMaxCallsExceeded
+    );
+    // Round 3 completes; the round and its capability survive a reopen.
+    let r3 = auth(&*s, &continued(first.clone()), T0 + 6).await;
+    assert!(matches!(r3, AuthorizeResponse::Dispatch { round: 3, .. }));
+    dispatched(&r3);
+    let done = report_of(&a, completed("R"));
+    assert_eq!(
+        s.record_outcome(&done, T0 + 7).await.unwrap().ack,
+        OutcomeAck::Applied
+    );
+    drop(s);
+    let s = h.reopen().await;
+    let att = s.get_attempt(&a, T0).await.unwrap().unwrap();
+    assert_eq!((att.state, att.round), (AttemptState::Completed, 3));
+    assert_eq!(
+        s.record_outcome(&done, T0 + 8).await.unwrap().ack,
+        OutcomeAck::AlreadyRecorded
+    );
+    let mut forged = done.clone();
+    forged.capability = "0".repeat(64);
+    assert_eq!(
+        s.record_outcome(&forged, T0 + 8).await.unwrap().ack,
+        OutcomeAck::Refused
+    );
 }

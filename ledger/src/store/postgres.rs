@@ -162,11 +162,24 @@ CREATE INDEX attempts_prunable ON attempts((COALESCE(finished_at, updated_at)))
     WHERE pruned_at IS NULL AND state IN ('completed','resolved_executed','accepted');
 "#,
     ),
+    (
+        4,
+        "dispatch rounds: each attempt's current round and its capability's hash",
+        // As in SQLite's version 4: older attempts keep round 1 and no capability, so no
+        // report moves them; their lease turns them uncertain (fail closed).
+        r#"
+ALTER TABLE attempts ADD COLUMN round INTEGER NOT NULL DEFAULT 1;
+ALTER TABLE attempts ADD COLUMN capability_hash TEXT;
+"#,
+    ),
 ];
+
+/// How many columns [`ATTEMPT_COLS`] selects: queries append their own columns after them.
+const ATTEMPT_NCOLS: usize = 21;
 
 const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerprint, a.cost, a.state, a.created_at, \
      a.updated_at, a.lease_expires_at, a.finished_at, a.receipt, a.reason, a.replay_count, a.pruned_at, \
-     a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note";
+     a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note, a.round, a.capability_hash";
 
 const PERMIT_COLS: &str = "id, token_hash, label, created_at, expires_at, revoked_at, policy";
 
@@ -364,6 +377,9 @@ fn read_attempt(row: &Row) -> Result<Attempt, LedgerError> {
         replay_count: to_u64(row.try_get(13).map_err(g)?),
         pruned_at_ms: row.try_get(14).map_err(g)?,
         resolution,
+        round: u32::try_from(row.try_get::<_, i32>(19).map_err(g)?)
+            .map_err(|_| LedgerError::Corrupt("attempt round below 0".into()))?,
+        capability_hash: row.try_get(20).map_err(g)?,
     })
 }
 
@@ -473,6 +489,15 @@ async fn lock_permit_of_attempt<C: GenericClient>(
     Ok(())
 }
 
+/// The attempts' rounds as PostgreSQL's INTEGER (a round past `i32::MAX` cannot happen: each
+/// takes a client round trip; it would be stored as the largest value).
+fn rounds(attempts: &[Attempt]) -> Vec<i32> {
+    attempts
+        .iter()
+        .map(|a| i32::try_from(a.round).unwrap_or(i32::MAX))
+        .collect()
+}
+
 /// Inserts attempts and points their keys at them in ONE statement (one round trip under the
 /// lock, however many). No two of them may have the same key.
 async fn insert_attempts<C: GenericClient>(c: &C, attempts: &[Attempt]) -> Result<(), LedgerError> {
@@ -494,10 +519,10 @@ async fn insert_attempts<C: GenericClient>(c: &C, attempts: &[Attempt]) -> Resul
     exec(
         c,
         "WITH ins AS (INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, \
-         updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at) \
+         updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, round, capability_hash) \
          SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::TEXT[], $5::TEXT[], $6::BIGINT[], \
          $7::TEXT[], $8::BIGINT[], $9::BIGINT[], $10::BIGINT[], $11::BIGINT[], $12::TEXT[], $13::TEXT[], \
-         $14::BIGINT[], $15::BIGINT[]) RETURNING id, permit_id, key_hash) \
+         $14::BIGINT[], $15::BIGINT[], $16::INTEGER[], $17::TEXT[]) RETURNING id, permit_id, key_hash) \
          INSERT INTO idempotency_keys (permit_id, key_hash, attempt_id) \
          SELECT permit_id, key_hash, id FROM ins WHERE key_hash IS NOT NULL \
          ON CONFLICT (permit_id, key_hash) DO UPDATE SET attempt_id = excluded.attempt_id",
@@ -517,6 +542,8 @@ async fn insert_attempts<C: GenericClient>(c: &C, attempts: &[Attempt]) -> Resul
             &opt(|a| a.reason.as_deref()),
             &replays,
             &opt_num(|a| a.pruned_at_ms),
+            &rounds(attempts),
+            &opt(|a| a.capability_hash.as_deref()),
         ],
     )
     .await?;
@@ -541,11 +568,13 @@ async fn update_attempts<C: GenericClient>(c: &C, attempts: &[Attempt]) -> Resul
         "UPDATE attempts a SET state = u.state, updated_at = u.updated_at, lease_expires_at = u.lease_expires_at, \
          finished_at = u.finished_at, receipt = u.receipt, reason = u.reason, replay_count = u.replay_count, \
          pruned_at = u.pruned_at, resolved_executed = u.resolved_executed, resolved_by = u.resolved_by, \
-         resolved_at = u.resolved_at, resolution_note = u.resolution_note \
+         resolved_at = u.resolved_at, resolution_note = u.resolution_note, round = u.round, \
+         capability_hash = u.capability_hash \
          FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[], $4::BIGINT[], $5::BIGINT[], $6::TEXT[], $7::TEXT[], \
-         $8::BIGINT[], $9::BIGINT[], $10::BOOLEAN[], $11::TEXT[], $12::BIGINT[], $13::TEXT[]) \
+         $8::BIGINT[], $9::BIGINT[], $10::BOOLEAN[], $11::TEXT[], $12::BIGINT[], $13::TEXT[], $14::INTEGER[], \
+         $15::TEXT[]) \
          AS u(id, state, updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, \
-         resolved_executed, resolved_by, resolved_at, resolution_note) \
+         resolved_executed, resolved_by, resolved_at, resolution_note, round, capability_hash) \
          WHERE a.id = u.id",
         &[
             &attempts.iter().map(|a| a.id.as_str()).collect::<Vec<_>>(),
@@ -561,6 +590,8 @@ async fn update_attempts<C: GenericClient>(c: &C, attempts: &[Attempt]) -> Resul
             &attempts.iter().map(|a| res(a).map(|r| r.by.as_str())).collect::<Vec<_>>(),
             &attempts.iter().map(|a| res(a).map(|r| r.at_ms)).collect::<Vec<_>>(),
             &attempts.iter().map(|a| res(a).and_then(|r| r.note.as_deref())).collect::<Vec<_>>(),
+            &rounds(attempts),
+            &attempts.iter().map(|a| a.capability_hash.as_deref()).collect::<Vec<_>>(),
         ],
     )
     .await?;
@@ -935,8 +966,8 @@ async fn read_batch<C: GenericClient>(
     let mut reads = BatchReads::default();
     for row in keys.map_err(pg_err)? {
         let (permit, kh): (String, String) = (
-            row.try_get(19).map_err(pg_err)?,
-            row.try_get(20).map_err(pg_err)?,
+            row.try_get(ATTEMPT_NCOLS).map_err(pg_err)?,
+            row.try_get(ATTEMPT_NCOLS + 1).map_err(pg_err)?,
         );
         reads.by_key.insert((permit, kh), read_attempt(&row)?);
     }
@@ -950,7 +981,7 @@ async fn read_batch<C: GenericClient>(
         );
     }
     for row in dups.map_err(pg_err)? {
-        let i: i64 = row.try_get(19).map_err(pg_err)?;
+        let i: i64 = row.try_get(ATTEMPT_NCOLS).map_err(pg_err)?;
         // ORDINALITY counts from 1.
         let job = usize::try_from(i)
             .ok()
@@ -1145,8 +1176,7 @@ async fn outcome_worker(pool: Pool, op_timeout: Duration, queue: OutcomeQueue) {
             let mut changed = std::collections::BTreeSet::new();
             for job in &jobs {
                 let existing = current.get(&job.report.attempt_id).cloned();
-                let (ack, next) =
-                    decide::apply_outcome(existing.as_ref(), &job.report.outcome, job.now);
+                let (ack, next) = decide::apply_outcome(existing.as_ref(), &job.report, job.now);
                 if let (Some(old), Some(a)) = (existing.as_ref(), next) {
                     // Refused before anything is sent: this report only.
                     if let Err(e) = storable(&a) {
@@ -1489,6 +1519,7 @@ impl Store for PgStore {
         let params = DecideParams {
             lease_ms,
             new_attempt_id: token::new_attempt_id()?,
+            new_capability: token::new_capability()?,
         };
         if token::permit_id_of(&req.permit_token).is_none() {
             // No permit is named: nothing to read or write.
@@ -2293,7 +2324,7 @@ mod tests {
         for i in 0..3 {
             let key = format!("k{i}");
             let r = conformance::req(&tok, "pay", Some(&key), &key, json!({}));
-            match s.authorize(&r, LEASE_MS, T0).await.unwrap().response {
+            match conformance::auth(&*s, &r, T0).await {
                 AuthorizeResponse::Dispatch { attempt_id, .. } => ids.push(attempt_id),
                 other => panic!("{other:?}"),
             }
@@ -2312,10 +2343,7 @@ mod tests {
         for batch in batches {
             let reports: Vec<OutcomeReport> = batch
                 .into_iter()
-                .map(|(i, outcome)| OutcomeReport {
-                    attempt_id: ids[i].clone(),
-                    outcome,
-                })
+                .map(|(i, outcome)| conformance::report_of(&ids[i], outcome))
                 .collect();
             let s = s.clone();
             calls.push(tokio::spawn(async move {

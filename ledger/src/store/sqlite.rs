@@ -114,8 +114,17 @@ CREATE INDEX IF NOT EXISTS attempts_prunable ON attempts(COALESCE(finished_at, u
     WHERE pruned_at IS NULL AND state IN ('completed','resolved_executed','accepted');
 "#;
 
+/// Version 4: dispatch rounds. Each attempt keeps its current round and the SHA-256 of that
+/// round's capability; a report must name the round and carry the capability. Attempts
+/// written before have round 1 and no capability, so no report moves them: their lease
+/// turns them `uncertain` (fail closed), and an operator resolves them.
+const MIGRATION_4: &str = r#"
+ALTER TABLE attempts ADD COLUMN round INTEGER NOT NULL DEFAULT 1;
+ALTER TABLE attempts ADD COLUMN capability_hash TEXT;
+"#;
+
 /// The schema version this ledger writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 
 /// Brings the file to [`SCHEMA_VERSION`] in one `BEGIN IMMEDIATE` transaction (so processes
 /// opening the same file together migrate it once).
@@ -133,6 +142,9 @@ fn migrate(conn: &mut Connection) -> Result<(), LedgerError> {
     }
     if version < 3 {
         tx.execute_batch(MIGRATION_3)?;
+    }
+    if version < 4 {
+        tx.execute_batch(MIGRATION_4)?;
     }
     if version < SCHEMA_VERSION {
         tx.execute_batch(&format!("PRAGMA user_version = {SCHEMA_VERSION}"))?;
@@ -154,7 +166,7 @@ fn migrate(conn: &mut Connection) -> Result<(), LedgerError> {
 
 const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerprint, a.cost, a.state, a.created_at, \
      a.updated_at, a.lease_expires_at, a.finished_at, a.receipt, a.reason, a.replay_count, a.pruned_at, \
-     a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note";
+     a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note, a.round, a.capability_hash";
 
 const PERMIT_COLS: &str = "id, token_hash, label, created_at, expires_at, revoked_at, policy";
 
@@ -256,6 +268,8 @@ fn read_attempt(row: &Row<'_>) -> rusqlite::Result<(Attempt, String)> {
             replay_count: to_u64(row.get(13)?),
             pruned_at_ms: row.get(14)?,
             resolution,
+            round: row.get(19)?,
+            capability_hash: row.get(20)?,
         },
         state,
     ))
@@ -301,8 +315,8 @@ fn query_attempts(
 fn insert_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerError> {
     tx.prepare_cached(
         "INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, updated_at, \
-         lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+         lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, round, capability_hash) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
     )?
     .execute(params![
         a.id,
@@ -320,6 +334,8 @@ fn insert_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerError> {
         a.reason,
         to_i64(a.replay_count)?,
         a.pruned_at_ms,
+        a.round,
+        a.capability_hash,
     ])?;
     if let Some(kh) = a.key_hash.as_ref() {
         tx.prepare_cached(
@@ -344,7 +360,7 @@ fn update_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerError> {
     tx.prepare_cached(
         "UPDATE attempts SET state = ?2, updated_at = ?3, lease_expires_at = ?4, finished_at = ?5, receipt = ?6, \
          reason = ?7, replay_count = ?8, pruned_at = ?9, resolved_executed = ?10, resolved_by = ?11, \
-         resolved_at = ?12, resolution_note = ?13 WHERE id = ?1",
+         resolved_at = ?12, resolution_note = ?13, round = ?14, capability_hash = ?15 WHERE id = ?1",
     )?
     .execute(params![
         a.id,
@@ -360,6 +376,8 @@ fn update_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerError> {
         rby,
         rat,
         rnote,
+        a.round,
+        a.capability_hash,
     ])?;
     Ok(())
 }
@@ -528,7 +546,7 @@ fn apply_report(
     now: Millis,
 ) -> Result<OutcomeResult, LedgerError> {
     let existing = load_attempt(tx, &report.attempt_id)?;
-    let (ack, next) = decide::apply_outcome(existing.as_ref(), &report.outcome, now);
+    let (ack, next) = decide::apply_outcome(existing.as_ref(), report, now);
     if let (Some(old), Some(a)) = (existing.as_ref(), next.as_ref()) {
         write_attempt(tx, Some(old), a)?;
     }
@@ -948,6 +966,7 @@ impl Store for SqliteStore {
         let params = DecideParams {
             lease_ms,
             new_attempt_id: token::new_attempt_id()?,
+            new_capability: token::new_capability()?,
         };
         self.write(move |tx: &GroupTx<'_>| {
             let key_hash = decide::key_hash(&req);
