@@ -3,9 +3,9 @@ the rollout needs: a fail-closed filter per agent pod, the ledger's cluster, Sec
 credentials, a NetworkPolicy that admits only sidecars and admins, and no retries.
 
 Istio kinds are checked against the openAPIV3Schema of the Istio CRDs in
-<repo root>/../shared/schemas/istio-crds.gen.yaml, in strict mode (an unknown field is an error,
-as with `kubectl apply --validate=strict`). Core kinds are checked with kubernetes-validate's
-strict schemas for K8S_VERSION.
+tests/e2e/schemas/istio-crds.yaml (their source: the README beside it), in strict mode (an unknown
+field is an error, as with `kubectl apply --validate=strict`). Core kinds are checked with
+kubernetes-validate's strict schemas for K8S_VERSION.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import yaml
 from tests.support.stack import ROOT, WASM, validate_envoy_config
 
 ISTIO_DIR = ROOT / "envoy" / "istio"
-ISTIO_CRDS = ROOT.parent / "shared" / "schemas" / "istio-crds.gen.yaml"
+ISTIO_CRDS = ROOT / "tests" / "e2e" / "schemas" / "istio-crds.yaml"
 EQUIVALENT_ENVOY = ISTIO_DIR / "equivalent-envoy.yaml"
 K8S_VERSION = "1.37"  # the newest Kubernetes whose schemas kubernetes-validate 1.37.0 ships
 
@@ -131,7 +131,6 @@ OBJECT_META = {
 @lru_cache(maxsize=1)
 def istio_schemas() -> dict[tuple[str, str], dict]:
     """(apiVersion, kind) -> JSON Schema, for every served version of every Istio CRD."""
-    assert ISTIO_CRDS.exists(), f"Istio CRD schemas not found at {ISTIO_CRDS} (shared/ beside the repository)"
     schemas = {}
     for crd in yaml.safe_load_all(ISTIO_CRDS.read_text()):
         if not crd or crd.get("kind") != "CustomResourceDefinition":

@@ -2038,15 +2038,14 @@ mod tests {
     struct PgHarness {
         url: String,
         schema: String,
-        first: Arc<dyn Store>,
+        first: Arc<PgStore>,
     }
 
     impl PgHarness {
         async fn new() -> Self {
             let url = database_url();
             let schema = new_schema();
-            let first: Arc<dyn Store> =
-                Arc::new(PgStore::connect(&opts(&url, &schema)).await.unwrap());
+            let first = Arc::new(PgStore::connect(&opts(&url, &schema)).await.unwrap());
             PgHarness { url, schema, first }
         }
 
@@ -2102,6 +2101,35 @@ mod tests {
         raw
     }
 
+    /// Decisions waiting for the next group (`None`: no decision worker runs).
+    fn queued_decisions(s: &PgStore) -> Option<usize> {
+        s.decisions.lock().unwrap().as_ref().map(Vec::len)
+    }
+
+    /// Outcome reports waiting for the next group (`None`: no outcome worker runs).
+    fn queued_outcomes(s: &PgStore) -> Option<usize> {
+        s.outcomes.lock().unwrap().as_ref().map(Vec::len)
+    }
+
+    /// Waits until the queue holds `want` jobs. A spawned call may first run at any time, in
+    /// any order with the others, so the grouping tests order their calls on the queue by
+    /// waiting for each to arrive there, not by waiting for a while. A call answered
+    /// meanwhile (it failed, or never queued) fails the test instead of letting it hang.
+    async fn until_queued<T>(
+        queued: impl Fn() -> Option<usize>,
+        want: usize,
+        calls: &[&tokio::task::JoinHandle<T>],
+    ) {
+        while queued() != Some(want) {
+            assert!(
+                calls.iter().all(|c| !c.is_finished()),
+                "a call was answered while {want} were expected in the queue (queued: {:?})",
+                queued()
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
     /// Decisions queued while the permit's lock is held elsewhere are decided together, in
     /// one transaction: each must see what the earlier ones of its group decided (a slot
     /// taken, a fingerprint in flight, a key reserved), though none of it is committed yet.
@@ -2110,7 +2138,7 @@ mod tests {
         use crate::model::GuardMode;
         use atmost_protocol::{AuthorizeResponse, DenialCode};
         let h = PgHarness::new().await;
-        let s = h.store().await;
+        let s = h.first.clone();
         let mut pol = conformance::policy();
         pol.duplicate_guard = GuardMode::Enforce;
         pol.max_calls.insert("pay".into(), 3);
@@ -2128,7 +2156,7 @@ mod tests {
             "fp-0",
             json!({}),
         ));
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        until_queued(|| queued_decisions(&s), 0, &[&first]).await;
         // ... so these queue behind it and form the next group.
         let mut calls = Vec::new();
         for i in 0..8 {
@@ -2159,7 +2187,8 @@ mod tests {
                 call(conformance::req(&tok, "y", Some("same"), &fp, json!({}))),
             ));
         }
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        let waiting: Vec<_> = calls.iter().map(|(_, c)| c).chain([&first]).collect();
+        until_queued(|| queued_decisions(&s), calls.len(), &waiting).await;
         raw.batch_execute("COMMIT").await.unwrap();
         assert!(matches!(
             first.await.unwrap(),
@@ -2249,7 +2278,7 @@ mod tests {
         use crate::model::GuardMode;
         use atmost_protocol::AuthorizeResponse;
         let h = PgHarness::new().await;
-        let s = h.store().await;
+        let s = h.first.clone();
         let mut pol = conformance::policy();
         pol.duplicate_guard = GuardMode::Enforce;
         pol.max_calls.insert("pay".into(), 2);
@@ -2267,18 +2296,23 @@ mod tests {
         };
         // Waits for the lock alone; the rest queue behind it as one group.
         let first = call(&ta, "k0", "same");
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        until_queued(|| queued_decisions(&s), 0, &[&first]).await;
         // Permit b's key k0 and its call with fingerprint "same" under another key are other
         // calls than permit a's (already committed); each permit has two slots and budget
-        // for two calls (4 each, of 10).
-        let calls = vec![
-            call(&ta, "k1", "fp-a1"),
-            call(&tb, "k0", "fp-b0"),
-            call(&tb, "kb", "same"),
-            call(&ta, "k2", "fp-a2"),
-            call(&tb, "k3", "fp-b3"),
-        ];
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // for two calls (4 each, of 10). They join the queue in this order: each is spawned
+        // once the one before it is there, so the group decides them in this order.
+        let mut calls = Vec::new();
+        for (tok, key, fp) in [
+            (&ta, "k1", "fp-a1"),
+            (&tb, "k0", "fp-b0"),
+            (&tb, "kb", "same"),
+            (&ta, "k2", "fp-a2"),
+            (&tb, "k3", "fp-b3"),
+        ] {
+            calls.push(call(tok, key, fp));
+            let waiting: Vec<_> = calls.iter().chain([&first]).collect();
+            until_queued(|| queued_decisions(&s), calls.len(), &waiting).await;
+        }
         raw.batch_execute("COMMIT").await.unwrap();
         assert!(matches!(
             first.await.unwrap(),
@@ -2317,7 +2351,7 @@ mod tests {
         use crate::model::AttemptState;
         use atmost_protocol::{AuthorizeResponse, Outcome, OutcomeAck, OutcomeReport};
         let h = PgHarness::new().await;
-        let s = h.store().await;
+        let s = h.first.clone();
         let (p, tok) =
             conformance::make_permit(&*s, conformance::policy(), T0 + conformance::HOUR).await;
         let mut ids = Vec::new();
@@ -2340,17 +2374,24 @@ mod tests {
             vec![(1, done("late")), (2, done("R2"))],
         ];
         let mut calls = Vec::new();
-        for batch in batches {
+        // In this order: the first waits for the lock alone, in its worker's first group;
+        // each later batch is sent once the one before it is in the queue.
+        let mut want_queued = 0;
+        for (n, batch) in batches.into_iter().enumerate() {
             let reports: Vec<OutcomeReport> = batch
                 .into_iter()
                 .map(|(i, outcome)| conformance::report_of(&ids[i], outcome))
                 .collect();
             let s = s.clone();
+            let sent = reports.len();
             calls.push(tokio::spawn(async move {
                 s.record_outcomes(&reports, T0 + 1).await.unwrap()
             }));
-            // In this order: the first waits for the lock alone, the others queue behind it.
-            tokio::time::sleep(Duration::from_millis(150)).await;
+            if n > 0 {
+                want_queued += sent;
+            }
+            let waiting: Vec<_> = calls.iter().collect();
+            until_queued(|| queued_outcomes(&h.first), want_queued, &waiting).await;
         }
         raw.batch_execute("COMMIT").await.unwrap();
         let mut acks = Vec::new();
