@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
+import subprocess
 import uuid
 from dataclasses import dataclass, field
 
 import httpx
 import pytest
 
-from tests.support.stack import Envoy, ExampleServer, GoUpstream, TsServer, go_upstream_binary
+from tests.support.stack import ROOT, Envoy, ExampleServer, GoUpstream, TsServer, go_upstream_binary
 
 # Versions before 2026-07-28 do not mirror the method into headers, so the body alone says
 # what the message is: the case a parser differential exploits.
@@ -232,3 +234,18 @@ def test_well_formed_calls_still_pass_to_every_upstream(upstreams, ledger, kind)
             assert upstream.executions("pay_invoice") == before + 1, extra
     assert _calls_decided(ledger, permit).get("pay_invoice") == len(allowed), \
         ledger.cli_json("permit", "show", permit["id"])
+
+
+def test_the_folding_table_agrees_with_go():
+    """The filter's table (src/fold_table.rs, from Unicode's CaseFolding.txt) against Go's
+    unicode.SimpleFold orbits, rune by rune over all of Unicode. Where they differ the table
+    may only know characters Go's Unicode version has not assigned yet."""
+    table = (ROOT / "src" / "fold_table.rs").read_text()
+    pairs = re.findall(r"\(0x([0-9A-F]+), 0x([0-9A-F]+)\)", table)
+    assert len(pairs) > 1000, "the table looks truncated"
+    result = subprocess.run([str(go_upstream_binary()), "-fold-check"], input="\n".join(f"{a} {b}" for a, b in pairs),
+                            capture_output=True, text=True, timeout=120, check=True)
+    report = json.loads(result.stdout)
+    assert report["table_size"] == len(pairs)
+    unexplained = [m for m in report["mismatches"] if not m["newer_unicode"]]
+    assert not unexplained, f"Go {report['unicode_version']}: {unexplained[:20]}"
