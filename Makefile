@@ -13,7 +13,18 @@ CARGO ?= cargo
 
 all: wasm ledger-release
 
-setup: rust-setup venv oci-tools
+setup: rust-setup venv oci-tools go-tools
+
+# Go (Debian's golang-go) builds tests/support/go_upstream, an encoding/json upstream for the
+# parser-differential tests; standard library only, so it builds offline.
+.PHONY: go-tools fold-table
+go-tools:
+	@command -v go >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq golang-go; }
+
+## Regenerates src/fold_table.rs (simple case folding) from Debian's unicode-data CaseFolding.txt.
+fold-table:
+	@test -f /usr/share/unicode/CaseFolding.txt || { apt-get update -qq && apt-get install -y -qq unicode-data; }
+	$(PYTHON) scripts/gen_casefold.py /usr/share/unicode/CaseFolding.txt > src/fold_table.rs
 
 # skopeo (Debian) reads and copies OCI images: it checks what `make oci` builds.
 oci-tools:

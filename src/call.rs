@@ -18,6 +18,7 @@
 //!   └─ on_log without an acknowledged report ──▶ queue completed / released / uncertain
 //! ```
 
+use crate::body_encoding;
 use crate::config::{CompletionReports, Config, UpstreamKey};
 use crate::denial;
 use crate::fingerprint::fingerprint;
@@ -55,6 +56,10 @@ pub struct RequestHead {
     pub mirrored: Mirrored,
     /// `content-length`, when announced.
     pub content_length: Option<u64>,
+    /// Every value of `Content-Type`.
+    pub content_type: Vec<Vec<u8>>,
+    /// Every value of `Content-Encoding`.
+    pub content_encoding: Vec<Vec<u8>>,
     pub end_of_stream: bool,
     /// `Mcp-Session-Id`.
     pub session_id: Option<String>,
@@ -362,6 +367,15 @@ impl Call {
         if !head.method.eq_ignore_ascii_case("POST") || head.end_of_stream {
             self.state = State::Passing;
             return Step::cont().with_opt(strip);
+        }
+        if let Err(refusal) = body_encoding::check(&head.content_type, &head.content_encoding) {
+            self.state = State::Answered;
+            return bad_request(LocalReply::rpc_error(
+                400,
+                None,
+                rpc_code::INVALID_REQUEST,
+                refusal.message(),
+            ));
         }
         if head
             .content_length

@@ -10,11 +10,14 @@
 //! The promise is *at most N dispatches per tool under one permit* and *one dispatch per
 //! idempotency key*; the remote side effect itself is not guaranteed to happen only once.
 
+pub mod body_encoding;
 pub mod call;
 pub mod completions;
 pub mod config;
 pub mod denial;
 pub mod fingerprint;
+pub mod fold;
+mod fold_table;
 pub mod idempotency;
 pub mod ledger;
 pub mod mcp;

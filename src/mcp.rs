@@ -2,6 +2,7 @@
 //! `tools/call` the parts atmost needs. Refusals are JSON-RPC errors as local replies.
 
 use crate::reply::{rpc_code, LocalReply};
+use crate::strict_json;
 use serde_json::{Map, Value};
 
 /// `params._meta` key that may carry the idempotency key.
@@ -79,11 +80,15 @@ fn is_tools_call(v: &Value) -> bool {
 
 /// Reads a request body. `Err` is the local reply refusing it (HTTP 400).
 pub fn parse(body: &[u8], mirrored: &Mirrored) -> Result<Message, Box<LocalReply>> {
-    let value: Value = crate::strict_json::from_slice(body).map_err(|e| {
-        let message = if e.to_string().starts_with("duplicate key") {
-            "Parse error: an object names the same key twice"
-        } else {
+    let value: Value = strict_json::from_slice(body).map_err(|e| {
+        let text = e.to_string();
+        let message = if !text.starts_with(strict_json::DUPLICATE_KEY) {
             "Parse error"
+        } else if text.contains(strict_json::FOLDED) {
+            // Named apart from an exact repeat: a client that meant two keys learns why.
+            "Parse error: an object names the same key twice (keys that differ only in letter case, under Unicode simple case folding, are one key to some servers)"
+        } else {
+            "Parse error: an object names the same key twice"
         };
         bad(400, None, rpc_code::PARSE_ERROR, message)
     })?;

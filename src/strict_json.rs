@@ -1,13 +1,19 @@
 //! JSON as the filter must read it: like `serde_json::Value`, but an object that names a
 //! key twice is refused. Parsers disagree on duplicates (most keep the last, some the
 //! first), so a body with `"name":"echo","name":"pay_invoice"` could be governed as one
-//! tool and executed as another.
+//! tool and executed as another. Keys equal under Unicode simple case folding are the same
+//! key here too (see [`crate::fold`]): Go's `encoding/json` matches them to one field.
 
 use serde::de::{Deserialize, Deserializer, Error, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Number, Value};
 use std::fmt;
 
-/// Parses `bytes`; a duplicate key anywhere is an error naming it.
+/// Start of the error text of a key named twice, exactly or under case folding.
+pub const DUPLICATE_KEY: &str = "duplicate key";
+/// In the error text when the keys differ but fold together.
+pub const FOLDED: &str = "under case folding";
+
+/// Parses `bytes`; a duplicate key anywhere, exact or under case folding, is an error.
 pub fn from_slice(bytes: &[u8]) -> Result<Value, serde_json::Error> {
     serde_json::from_slice::<Strict>(bytes).map(|s| s.0)
 }
@@ -72,9 +78,14 @@ impl<'de> Visitor<'de> for StrictVisitor {
         while let Some(key) = map.next_key::<String>()? {
             let Strict(value) = map.next_value()?;
             if obj.contains_key(&key) {
-                return Err(A::Error::custom(format!("duplicate key `{key}`")));
+                return Err(A::Error::custom(format!("{DUPLICATE_KEY} `{key}`")));
             }
             obj.insert(key, value);
+        }
+        if let Some((a, b)) = crate::fold::collision(obj.keys().map(String::as_str)) {
+            return Err(A::Error::custom(format!(
+                "{DUPLICATE_KEY} `{a}` and `{b}` {FOLDED}"
+            )));
         }
         Ok(Value::Object(obj))
     }
@@ -108,6 +119,27 @@ mod tests {
             from_slice(br#"{"a":{"x":1},"b":{"x":1}}"#).unwrap(),
             json!({"a":{"x":1},"b":{"x":1}})
         );
+    }
+
+    #[test]
+    fn refuses_keys_equal_under_case_folding_at_any_depth() {
+        for text in [
+            r#"{"method":"tools/list","Method":"tools/call"}"#,
+            r#"{"params":{"name":"echo","NAME":"pay"}}"#,
+            r#"{"params":{"arguments":{"amount":1},"argument\u017f":{"amount":9}}}"#,
+            "{\"a\":[{\"kind\":1,\"\u{212A}ind\":2}]}",
+            r#"[{"ok":1},{"_meta":{},"_META":{}}]"#,
+        ] {
+            let err = from_slice(text.as_bytes()).unwrap_err().to_string();
+            assert!(
+                err.starts_with(DUPLICATE_KEY) && err.contains(FOLDED),
+                "{text}: {err}"
+            );
+        }
+        // Sibling objects may each use either spelling; only one object's keys compete.
+        assert!(from_slice(br#"{"a":{"Name":1},"b":{"name":1},"A2":{"name":{"NAME":1}}}"#).is_ok());
+        // Dotless i is not i under simple folding, so these are two keys to Go too.
+        assert!(from_slice("{\"id\":1,\"\u{131}d\":2}".as_bytes()).is_ok());
     }
 
     #[test]

@@ -351,6 +351,10 @@ fn run(data: &[u8]) -> (bool, usize) {
                     idempotency_key: keys.clone(),
                     mirrored: mirrored.clone(),
                     content_length: *content_length,
+                    // Fixed, so the committed seeds keep their meaning; the charset and
+                    // encoding checks have their own unit tests.
+                    content_type: vec![b"application/json".to_vec()],
+                    content_encoding: Vec::new(),
                     end_of_stream: *end_of_stream,
                     session_id: session.clone(),
                     path: "/mcp".into(),

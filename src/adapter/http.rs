@@ -163,6 +163,10 @@ impl Http {
                 head.session_id = Some(String::from_utf8_lossy(&value).trim().to_string());
             } else if name == "last-event-id" && last_event_id.is_none() {
                 last_event_id = Some(String::from_utf8_lossy(&value).trim().to_string());
+            } else if name == "content-type" {
+                head.content_type.push(value);
+            } else if name == "content-encoding" {
+                head.content_encoding.push(value);
             } else if name == "content-length" {
                 head.content_length = std::str::from_utf8(&value)
                     .ok()

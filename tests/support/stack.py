@@ -170,7 +170,7 @@ class Ledger(Process):
 
 class ExampleServer(Process):
     def __init__(self, log_dir: Path, port: int | None = None, json_response: bool = True, name: str = "mcp-server",
-                 event_store: bool = False):
+                 event_store: bool = False, stateless: bool = False):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [str(VENV_BIN / "python"), str(EXAMPLE_SERVER), "--port", str(self.port)]
@@ -178,6 +178,8 @@ class ExampleServer(Process):
             argv.append("--json-response")
         if event_store:
             argv.append("--event-store")
+        if stateless:
+            argv.append("--stateless")
         super().__init__(name, argv, log_dir)
 
     def start(self) -> None:
@@ -219,6 +221,46 @@ class TsServer(Process):
 
     def executions(self, tool: str = "pay_invoice") -> int:
         return json.loads(http_get(self.url + "/_example/state")[1])["executions"].get(tool, 0)
+
+    def reset(self) -> None:
+        http_post_json(self.url + "/_example/reset", {})
+
+
+GO_UPSTREAM_SRC = ROOT / "tests" / "support" / "go_upstream" / "main.go"
+GO_BUILD_DIR = ROOT / "target" / "go"
+
+
+def go_upstream_binary() -> Path:
+    """Builds tests/support/go_upstream (standard library only, so offline) with the `go` from
+    Debian's golang-go (`make go-tools`); caches stay under target/."""
+    out = GO_BUILD_DIR / "go_upstream"
+    env = {**os.environ, "GOCACHE": str(GO_BUILD_DIR / "cache"), "GOPATH": str(GO_BUILD_DIR / "path"),
+           "GOPROXY": "off", "GOTOOLCHAIN": "local", "GO111MODULE": "on"}
+    subprocess.run(["go", "build", "-o", str(out), str(GO_UPSTREAM_SRC)], check=True, env=env, cwd=ROOT,
+                   timeout=300, capture_output=True)
+    return out
+
+
+class GoUpstream(Process):
+    """tests/support/go_upstream: decodes bodies with Go's encoding/json and records every
+    message it would execute."""
+
+    def __init__(self, log_dir: Path, binary: Path, name: str = "go-upstream"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(name, [str(binary), "-port", str(self.port)], log_dir)
+
+    def start(self) -> None:
+        super().start()
+        wait_until(lambda: self.alive() and http_get(self.url + "/_example/log")[0] == 200, 30,
+                   f"Go upstream on {self.url}")
+
+    def log(self) -> dict:
+        """`entries` (every message run) and `requests` (every POST to /mcp)."""
+        return json.loads(http_get(self.url + "/_example/log")[1])
+
+    def entries(self) -> list[dict]:
+        return self.log()["entries"]
 
     def reset(self) -> None:
         http_post_json(self.url + "/_example/reset", {})

@@ -15,6 +15,8 @@ const args = process.argv.slice(2);
 const port = Number(args[args.indexOf('--port') + 1] || 8100);
 const jsonResponse = args.includes('--json-response');
 const executions = {};
+// Every POST to /mcp, read or not: a test can tell that nothing reached this server.
+let requests = 0;
 const count = (tool) => (executions[tool] = (executions[tool] || 0) + 1);
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
@@ -73,10 +75,11 @@ http.createServer(async (req, res) => {
   try {
     if (req.url === '/_example/state' && req.method === 'GET') {
       res.writeHead(200, { 'content-type': 'application/json' });
-      return res.end(JSON.stringify({ executions }));
+      return res.end(JSON.stringify({ executions, requests }));
     }
     if (req.url === '/_example/reset' && req.method === 'POST') {
       for (const k of Object.keys(executions)) delete executions[k];
+      requests = 0;
       res.writeHead(200, { 'content-type': 'application/json' });
       return res.end('{"ok":true}');
     }
@@ -88,6 +91,7 @@ http.createServer(async (req, res) => {
       res.writeHead(405, { allow: 'POST' });
       return res.end();
     }
+    requests += 1;
     const raw = await readBody(req);
     let body;
     try {
