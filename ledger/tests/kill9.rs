@@ -89,7 +89,8 @@ mod kill9 {
             port,
             "/v1/outcomes",
             SVC,
-            json!({"reports": [{"attempt_id": attempt, "outcome": "completed", "receipt": "RECEIPT"}]}),
+            json!({"reports": [{"attempt_id": attempt, "round": a["round"], "capability": a["capability"],
+                "outcome": "completed", "receipt": "RECEIPT"}]}),
         );
         assert_eq!(acks, json!({"acks": ["applied"]}));
         assert_eq!(ask(port, "flying")["decision"], "dispatch");
