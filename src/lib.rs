@@ -14,6 +14,7 @@ pub mod call;
 pub mod completions;
 pub mod config;
 pub mod denial;
+pub mod effects;
 pub mod fingerprint;
 pub mod idempotency;
 pub mod ledger;

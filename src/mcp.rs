@@ -6,6 +6,9 @@ use serde_json::{Map, Value};
 
 /// `params._meta` key that may carry the idempotency key.
 pub const META_KEY: &str = "dev.atmost/idempotency-key";
+/// `params` member that may carry the idempotency key: the form proposed for MCP itself
+/// (SEP-3182), a string beside `name` and `arguments`.
+pub const PARAMS_KEY: &str = "idempotencyKey";
 
 /// Message of the refusal of a batch that holds a `tools/call`.
 pub const BATCH_REFUSED: &str =
@@ -35,6 +38,9 @@ pub enum Message {
     /// Anything that is not a single `tools/call` request (initialize, lists,
     /// notifications, responses to the server, batches without `tools/call`): it passes.
     Other,
+    /// Like [`Message::Other`], but some message in the body carries an idempotency key in
+    /// `params._meta` or `params.idempotencyKey`: it passes with that key rewritten.
+    KeyedOther,
     /// One `tools/call` request.
     ToolCall(ToolCall),
 }
@@ -50,12 +56,14 @@ pub struct ToolCall {
     pub arguments: Map<String, Value>,
     /// `params._meta["dev.atmost/idempotency-key"]`.
     pub meta_key: MetaKey,
+    /// `params.idempotencyKey`.
+    pub params_key: MetaKey,
     /// MCP 2026-07-28 multi-round-trip: `params` carries `inputResponses` or
     /// `requestState`, so this is the retry of a call that answered `input_required`.
     pub continuation: bool,
 }
 
-/// The `_meta` idempotency key as found in the body.
+/// An idempotency key field (`_meta` or `params.idempotencyKey`) as found in the body.
 #[derive(Debug, Clone, PartialEq)]
 pub enum MetaKey {
     Absent,
@@ -77,6 +85,34 @@ fn is_tools_call(v: &Value) -> bool {
     v.get("method").and_then(Value::as_str) == Some("tools/call")
 }
 
+fn key_field(v: Option<&Value>) -> MetaKey {
+    match v {
+        None => MetaKey::Absent,
+        Some(Value::String(k)) => MetaKey::Present(k.clone()),
+        Some(_) => MetaKey::NotAString,
+    }
+}
+
+/// Whether a message's `params` hold an idempotency key field, of any type.
+fn carries_key(params: Option<&Value>) -> bool {
+    let Some(params) = params.and_then(Value::as_object) else {
+        return false;
+    };
+    params.contains_key(PARAMS_KEY)
+        || params
+            .get("_meta")
+            .and_then(Value::as_object)
+            .is_some_and(|m| m.contains_key(META_KEY))
+}
+
+fn other(keyed: bool) -> Message {
+    if keyed {
+        Message::KeyedOther
+    } else {
+        Message::Other
+    }
+}
+
 /// Reads a request body. `Err` is the local reply refusing it (HTTP 400).
 pub fn parse(body: &[u8], mirrored: &Mirrored) -> Result<Message, Box<LocalReply>> {
     let value: Value = crate::strict_json::from_slice(body).map_err(|e| {
@@ -92,7 +128,7 @@ pub fn parse(body: &[u8], mirrored: &Mirrored) -> Result<Message, Box<LocalReply
             if items.iter().any(is_tools_call) {
                 Err(bad(400, None, rpc_code::INVALID_REQUEST, BATCH_REFUSED))
             } else {
-                Ok(Message::Other)
+                Ok(other(items.iter().any(|m| carries_key(m.get("params")))))
             }
         }
         Value::Object(obj) => parse_object(obj, mirrored),
@@ -162,7 +198,7 @@ fn parse_object(
         }
     }
     if method != "tools/call" {
-        return Ok(Message::Other);
+        return Ok(other(carries_key(obj.get("params"))));
     }
     let id = match obj.get("id") {
         Some(id) if id.is_string() || id.is_number() => id.clone(),
@@ -232,20 +268,15 @@ fn parse_object(
             "HeaderMismatch: MCP 2026-07-28 requires the Mcp-Method and Mcp-Name headers on tools/call",
         ));
     }
-    let meta_key = match meta {
-        Some(meta) => match meta.get(META_KEY) {
-            None => MetaKey::Absent,
-            Some(Value::String(k)) => MetaKey::Present(k.clone()),
-            Some(_) => MetaKey::NotAString,
-        },
-        None => MetaKey::Absent,
-    };
+    let meta_key = key_field(meta.and_then(|m| m.get(META_KEY)));
+    let params_key = key_field(params.get(PARAMS_KEY));
     let continuation = params.contains_key("inputResponses") || params.contains_key("requestState");
     Ok(Message::ToolCall(ToolCall {
         id,
         name,
         arguments,
         meta_key,
+        params_key,
         continuation,
     }))
 }
