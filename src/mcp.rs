@@ -408,6 +408,48 @@ mod tests {
     }
 
     #[test]
+    fn params_idempotency_key_is_read() {
+        let c = call(
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"pay","idempotencyKey":"k9","arguments":{"idempotencyKey":"decoy"}}}"#,
+        );
+        assert_eq!(c.params_key, MetaKey::Present("k9".into()));
+        assert_eq!(c.meta_key, MetaKey::Absent);
+        assert_eq!(
+            Value::Object(c.arguments),
+            json!({"idempotencyKey":"decoy"})
+        );
+        let c = call(
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"pay","idempotencyKey":null}}"#,
+        );
+        assert_eq!(c.params_key, MetaKey::NotAString);
+        let c = call(r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"pay"}}"#);
+        assert_eq!(c.params_key, MetaKey::Absent);
+    }
+
+    #[test]
+    fn other_messages_carrying_a_key_are_told_apart() {
+        for body in [
+            r#"{"jsonrpc":"2.0","method":"tools/list","id":1,"params":{"_meta":{"dev.atmost/idempotency-key":"k"}}}"#,
+            r#"{"jsonrpc":"2.0","method":"notifications/x","params":{"idempotencyKey":5}}"#,
+            r#"[{"jsonrpc":"2.0","method":"tools/list","id":1},{"jsonrpc":"2.0","method":"x","params":{"idempotencyKey":"k"}}]"#,
+        ] {
+            assert_eq!(
+                parse(body.as_bytes(), &Mirrored::default()),
+                Ok(Message::KeyedOther),
+                "{body}"
+            );
+        }
+        // Keys elsewhere than params (or its _meta) are not idempotency keys.
+        passes(
+            r#"{"jsonrpc":"2.0","method":"tools/list","id":1,"params":{"cursor":{"idempotencyKey":"k"}}}"#,
+        );
+        passes(r#"{"jsonrpc":"2.0","id":9,"result":{"idempotencyKey":"k"}}"#);
+        passes(
+            r#"{"jsonrpc":"2.0","method":"tools/list","id":1,"params":[{"idempotencyKey":"k"}]}"#,
+        );
+    }
+
+    #[test]
     fn mirrored_headers_must_match() {
         let body = r#"{"jsonrpc":"2.0","method":"tools/call","id":3,"params":{"name":"pay"}}"#;
         let ok = Mirrored {

@@ -302,6 +302,41 @@ mod tests {
     }
 
     #[test]
+    fn finds_every_key_form_of_a_message_or_a_batch() {
+        let body = r#"{"params":{"idempotencyKey":"p1","arguments":{"idempotencyKey":"decoy"},"_meta":{"dev.atmost/idempotency-key":"m1"}}}"#;
+        let spans = find_all(body.as_bytes());
+        assert_eq!(spans.len(), 2);
+        let out = rewrite_all(body.as_bytes(), &spans, |raw| {
+            Some(format!(
+                "d-{}",
+                String::from_utf8_lossy(raw).trim_matches('"')
+            ))
+        });
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            body.replace("\"p1\"", "\"d-p1\"")
+                .replace("\"m1\"", "\"d-m1\"")
+        );
+        let removed: Value =
+            serde_json::from_slice(&rewrite_all(body.as_bytes(), &spans, |_| None)).expect("JSON");
+        assert_eq!(
+            removed,
+            json!({"params":{"arguments":{"idempotencyKey":"decoy"},"_meta":{}}})
+        );
+        let batch = r#"[ {"params":{"idempotencyKey":"a"}} , 3, {"id":1}, {"params":{"_meta":{"dev.atmost/idempotency-key":"b","x":[1]}}} ]"#;
+        let spans = find_all(batch.as_bytes());
+        assert_eq!(spans.len(), 2);
+        let removed: Value =
+            serde_json::from_slice(&rewrite_all(batch.as_bytes(), &spans, |_| None)).expect("JSON");
+        assert_eq!(
+            removed,
+            json!([{"params":{}}, 3, {"id":1}, {"params":{"_meta":{"x":[1]}}}])
+        );
+        assert!(find_all(br#"{"params":{"name":"x"}}"#).is_empty());
+        assert!(find_all(br#""params""#).is_empty());
+    }
+
+    #[test]
     fn escaped_key_names_and_values_are_found() {
         let body = r#"{"params":{"_meta":{"dev.atmost\/idempotency-key":"a\"b\\"}}}"#;
         assert_eq!(
