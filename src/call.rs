@@ -289,20 +289,24 @@ fn gateway_unavailable() -> Denial {
 fn rewrite_refused() -> Denial {
     Denial::new(
         DenialCode::GatewayUnavailable,
-        "atmost could not rewrite the request's idempotency key for its upstream; the call was not sent",
+        "atmost could not rewrite the request for its upstream (idempotency key or permit header); it was not sent",
     )
 }
 
 /// The effects replacing the body's idempotency key members: `value` gets each member's raw
 /// JSON value and returns its upstream form, or `None` to remove it.
-fn body_edit(edit: &MetaKeyEdit, value: impl FnMut(&[u8]) -> Option<String>) -> Vec<Effect> {
-    let body = meta_key::rewrite_all(&edit.body, &edit.spans, value);
+fn body_edit(
+    original: &[u8],
+    spans: &[meta_key::MemberSpan],
+    had_content_length: bool,
+    value: impl FnMut(&[u8]) -> Option<String>,
+) -> Vec<Effect> {
+    let body = meta_key::rewrite_all(original, spans, value);
     let mut effects = Vec::with_capacity(2);
-    let length = edit
-        .had_content_length
+    let length = had_content_length
         .then(|| Effect::SetRequestHeader("content-length".into(), body.len().to_string()));
     effects.push(Effect::ReplaceRequestBody {
-        original_len: edit.body.len(),
+        original_len: original.len(),
         body,
     });
     effects.extend(length);
@@ -445,12 +449,8 @@ impl Call {
         if let Some(body) = body.filter(|_| *mode != UpstreamKey::Raw) {
             let spans = meta_key::find_all(body);
             if !spans.is_empty() {
-                let edit = MetaKeyEdit {
-                    body: body.to_vec(),
-                    spans,
-                    had_content_length: head.content_length.is_some(),
-                };
-                step.effects.extend(body_edit(&edit, |raw| {
+                let length = head.content_length.is_some();
+                step.effects.extend(body_edit(body, &spans, length, |raw| {
                     let key = idempotency::valid_body_key(raw);
                     upstream_key::upstream_value(mode, UNGOVERNED_PERMIT_ID, key.as_deref())
                 }));
@@ -561,15 +561,7 @@ impl Call {
         let call = match mcp::parse(body, &head.mirrored) {
             Err(reply) => return bad_request(*reply),
             Ok(Message::Other) => return self.pass(&head, None, Value::Null, None),
-            Ok(Message::KeyedOther) => {
-                // The id only serves a refusal; a batch or a notification has none to give.
-                let id = serde_json::from_slice::<Value>(body)
-                    .ok()
-                    .and_then(|v| v.get("id").cloned())
-                    .filter(|id| id.is_string() || id.is_number())
-                    .unwrap_or(Value::Null);
-                return self.pass(&head, Some(body), id, None);
-            }
+            Ok(Message::KeyedOther(id)) => return self.pass(&head, Some(body), id, None),
             Ok(Message::ToolCall(call)) => call,
         };
         if !self.config.governed_tools.contains(&call.name) {
@@ -795,8 +787,12 @@ impl Call {
                 // comes before the resume, which the adapter skips if one is refused.
                 let mut step = Step::cont();
                 if let Some(edit) = p.meta_key_edit {
-                    step.effects
-                        .extend(body_edit(&edit, |_| upstream_value.clone()));
+                    step.effects.extend(body_edit(
+                        &edit.body,
+                        &edit.spans,
+                        edit.had_content_length,
+                        |_| upstream_value.clone(),
+                    ));
                 }
                 let step = step
                     .with(key_effect)

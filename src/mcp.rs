@@ -39,8 +39,9 @@ pub enum Message {
     /// notifications, responses to the server, batches without `tools/call`): it passes.
     Other,
     /// Like [`Message::Other`], but some message in the body carries an idempotency key in
-    /// `params._meta` or `params.idempotencyKey`: it passes with that key rewritten.
-    KeyedOther,
+    /// `params._meta` or `params.idempotencyKey`: it passes with that key rewritten. Holds
+    /// the request's id (`null` for a notification or a batch), should a refusal be needed.
+    KeyedOther(Value),
     /// One `tools/call` request.
     ToolCall(ToolCall),
 }
@@ -105,9 +106,9 @@ fn carries_key(params: Option<&Value>) -> bool {
             .is_some_and(|m| m.contains_key(META_KEY))
 }
 
-fn other(keyed: bool) -> Message {
+fn other(keyed: bool, id: Option<&Value>) -> Message {
     if keyed {
-        Message::KeyedOther
+        Message::KeyedOther(id.cloned().unwrap_or(Value::Null))
     } else {
         Message::Other
     }
@@ -128,7 +129,10 @@ pub fn parse(body: &[u8], mirrored: &Mirrored) -> Result<Message, Box<LocalReply
             if items.iter().any(is_tools_call) {
                 Err(bad(400, None, rpc_code::INVALID_REQUEST, BATCH_REFUSED))
             } else {
-                Ok(other(items.iter().any(|m| carries_key(m.get("params")))))
+                Ok(other(
+                    items.iter().any(|m| carries_key(m.get("params"))),
+                    None,
+                ))
             }
         }
         Value::Object(obj) => parse_object(obj, mirrored),
@@ -198,7 +202,7 @@ fn parse_object(
         }
     }
     if method != "tools/call" {
-        return Ok(other(carries_key(obj.get("params"))));
+        return Ok(other(carries_key(obj.get("params")), reply_id(&obj)));
     }
     let id = match obj.get("id") {
         Some(id) if id.is_string() || id.is_number() => id.clone(),
@@ -428,14 +432,23 @@ mod tests {
 
     #[test]
     fn other_messages_carrying_a_key_are_told_apart() {
-        for body in [
-            r#"{"jsonrpc":"2.0","method":"tools/list","id":1,"params":{"_meta":{"dev.atmost/idempotency-key":"k"}}}"#,
-            r#"{"jsonrpc":"2.0","method":"notifications/x","params":{"idempotencyKey":5}}"#,
-            r#"[{"jsonrpc":"2.0","method":"tools/list","id":1},{"jsonrpc":"2.0","method":"x","params":{"idempotencyKey":"k"}}]"#,
+        for (body, id) in [
+            (
+                r#"{"jsonrpc":"2.0","method":"tools/list","id":1,"params":{"_meta":{"dev.atmost/idempotency-key":"k"}}}"#,
+                json!(1),
+            ),
+            (
+                r#"{"jsonrpc":"2.0","method":"notifications/x","params":{"idempotencyKey":5}}"#,
+                Value::Null,
+            ),
+            (
+                r#"[{"jsonrpc":"2.0","method":"tools/list","id":1},{"jsonrpc":"2.0","method":"x","params":{"idempotencyKey":"k"}}]"#,
+                Value::Null,
+            ),
         ] {
             assert_eq!(
                 parse(body.as_bytes(), &Mirrored::default()),
-                Ok(Message::KeyedOther),
+                Ok(Message::KeyedOther(id.clone())),
                 "{body}"
             );
         }
