@@ -9,10 +9,12 @@
 //!   ▼
 //! ReadingBody ──too large / unreadable / batch with tools/call──────▶ Answered (local reply)
 //!   │ ──not tools/call / ungoverned tool────────────────────────────▶ Passing
+//!   │     (carrying a key: Forwarding, the key rewritten for upstream)
 //!   │ ──no permit / bad key─────────────────────────────────────────▶ Answered (denial)
 //!   ▼ governed tools/call: ONE authorize callout
 //! Authorizing ──deny / replay / ledger unavailable──────────────────▶ Answered
-//!   │ dispatch: resume the request upstream
+//!   │ dispatch: rewrite the key, then resume the request upstream
+//!   │ ──the host refused a rewrite (on_rewrite_failed): deny, report `released`──▶ Answered
 //!   ▼
 //! Dispatched(response watch) ──receipt found──▶ report `completed`, hold the chunk ──▶ Settled
 //!   └─ on_log without an acknowledged report ──▶ queue completed / released / uncertain
@@ -33,6 +35,7 @@ use crate::reply::{rpc_code, LocalReply};
 use crate::resume::{self, Ticket};
 use crate::stats::Stat;
 use crate::upstream_key;
+use crate::upstream_key::UNGOVERNED_PERMIT_ID;
 use atmost_protocol::{
     AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, DispatchGrant, Outcome, OutcomeAck,
     OutcomeReport, OutcomesRequest,
@@ -109,6 +112,11 @@ pub enum Effect {
     RemoveRequestHeader(String),
     SetRequestHeader(String, String),
     /// Replace the buffered request body (`original_len` bytes) with `body`.
+    ///
+    /// The three request edits (`RemoveRequestHeader`, `SetRequestHeader`,
+    /// `ReplaceRequestBody`) must all take effect before the request may go on: when the
+    /// host refuses one, the adapter carries out nothing more of the step (no
+    /// `ResumeRequest`, no `Continue`) and calls [`Call::on_rewrite_failed`] instead.
     ReplaceRequestBody {
         original_len: usize,
         body: Vec<u8>,
@@ -182,15 +190,15 @@ struct Pending {
     path: String,
     key: Option<String>,
     session_id: Option<String>,
-    /// The raw body and where its `_meta` idempotency key sits, kept only when that key
-    /// must be rewritten before upstream (`upstream_key.mode` other than `raw`).
+    /// The raw body and where its body idempotency keys sit, kept only when they must be
+    /// rewritten before upstream (`upstream_key.mode` other than `raw`).
     meta_key_edit: Option<MetaKeyEdit>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 struct MetaKeyEdit {
     body: Vec<u8>,
-    span: meta_key::MemberSpan,
+    spans: Vec<meta_key::MemberSpan>,
     /// The request announced a `content-length`, which must follow the new size.
     had_content_length: bool,
 }
@@ -235,6 +243,10 @@ enum State {
     Start,
     /// Not governed: passes untouched (permit header already removed).
     Passing,
+    /// Not governed, passing with its idempotency key rewritten for upstream. Holds the
+    /// JSON-RPC id (`null` if none) and, for a `tools/call`, the tool: what a refusal
+    /// answers if the host refuses the rewrite.
+    Forwarding(Value, Option<String>),
     ReadingBody(Box<RequestHead>),
     Authorizing(Pending),
     Dispatched(Box<Dispatched>),
@@ -289,6 +301,34 @@ fn gateway_unavailable() -> Denial {
     )
 }
 
+/// The denial when the host refused to rewrite the request: nothing went upstream.
+fn rewrite_refused() -> Denial {
+    Denial::new(
+        DenialCode::GatewayUnavailable,
+        "atmost could not rewrite the request for its upstream (idempotency key or permit header); it was not sent",
+    )
+}
+
+/// The effects replacing the body's idempotency key members: `value` gets each member's raw
+/// JSON value and returns its upstream form, or `None` to remove it.
+fn body_edit(
+    original: &[u8],
+    spans: &[meta_key::MemberSpan],
+    had_content_length: bool,
+    value: impl FnMut(&[u8]) -> Option<String>,
+) -> Vec<Effect> {
+    let body = meta_key::rewrite_all(original, spans, value);
+    let mut effects = Vec::with_capacity(2);
+    let length = had_content_length
+        .then(|| Effect::SetRequestHeader("content-length".into(), body.len().to_string()));
+    effects.push(Effect::ReplaceRequestBody {
+        original_len: original.len(),
+        body,
+    });
+    effects.extend(length);
+    effects
+}
+
 fn content_kind(content_type: Option<&str>) -> Option<bool> {
     let media = content_type?
         .split(';')
@@ -319,7 +359,7 @@ impl Call {
     pub fn state_name(&self) -> &'static str {
         match &self.state {
             State::Start => "start",
-            State::Passing => "passing",
+            State::Passing | State::Forwarding(..) => "passing",
             State::ReadingBody(_) => "reading_body",
             State::Authorizing(_) => "authorizing",
             State::Answered => "answered",
@@ -344,7 +384,8 @@ impl Call {
             .then(|| Effect::RemoveRequestHeader(self.config.permit_header.clone()));
         if head.method.eq_ignore_ascii_case("GET") {
             if let Some(t) = head.resume {
-                let step = Step::cont().with_opt(strip).with(Effect::Log(
+                let key = self.passing_key_header(&head.idempotency_key);
+                let step = Step::cont().with_opt(strip).with_opt(key).with(Effect::Log(
                     Level::Info,
                     format!(
                         "atmost: GET resumes the stream of attempt {} (round {}) of `{}`; watching it for the answer",
@@ -365,8 +406,16 @@ impl Call {
             }
         }
         if !head.method.eq_ignore_ascii_case("POST") || head.end_of_stream {
-            self.state = State::Passing;
-            return Step::cont().with_opt(strip);
+            return match self.passing_key_header(&head.idempotency_key) {
+                Some(key) => {
+                    self.state = State::Forwarding(Value::Null, None);
+                    Step::cont().with_opt(strip).with(key)
+                }
+                None => {
+                    self.state = State::Passing;
+                    Step::cont().with_opt(strip)
+                }
+            };
         }
         if let Err(refusal) = body_encoding::check(&head.content_type, &head.content_encoding) {
             self.state = State::Answered;
@@ -386,6 +435,111 @@ impl Call {
         }
         self.state = State::ReadingBody(Box::new(head));
         Step::pause().with_opt(strip)
+    }
+
+    /// What traffic that passes without a ledger answer does with an `Idempotency-Key`
+    /// header: nothing in `raw` mode; otherwise its upstream form, or removed when it is
+    /// not one key atmost would accept (it is never forwarded raw).
+    fn passing_key_header(&self, values: &[Vec<u8>]) -> Option<Effect> {
+        if values.is_empty() || self.config.upstream_key == UpstreamKey::Raw {
+            return None;
+        }
+        let key = match values {
+            [one] => idempotency::parse_header_value(one).ok(),
+            _ => None,
+        };
+        Some(
+            match upstream_key::upstream_value(
+                &self.config.upstream_key,
+                UNGOVERNED_PERMIT_ID,
+                key.as_deref(),
+            ) {
+                Some(v) => Effect::SetRequestHeader(IDEMPOTENCY_HEADER.into(), v),
+                None => Effect::RemoveRequestHeader(IDEMPOTENCY_HEADER.into()),
+            },
+        )
+    }
+
+    /// Lets a parsed message pass that needs no ledger answer (not a `tools/call`, or an
+    /// ungoverned one), with every idempotency key it carries in its upstream form. `body`
+    /// is given only when the parse found a key field in it, so other traffic is not
+    /// scanned again.
+    fn pass(
+        &mut self,
+        head: &RequestHead,
+        body: Option<&[u8]>,
+        id: Value,
+        tool: Option<String>,
+    ) -> Step {
+        let mode = &self.config.upstream_key;
+        let mut step = Step::cont();
+        if let Some(body) = body.filter(|_| *mode != UpstreamKey::Raw) {
+            let spans = meta_key::find_all(body);
+            if !spans.is_empty() {
+                let length = head.content_length.is_some();
+                step.effects.extend(body_edit(body, &spans, length, |raw| {
+                    let key = idempotency::valid_body_key(raw);
+                    upstream_key::upstream_value(mode, UNGOVERNED_PERMIT_ID, key.as_deref())
+                }));
+            }
+        }
+        step = step.with_opt(self.passing_key_header(&head.idempotency_key));
+        self.state = if step.effects.is_empty() {
+            State::Passing
+        } else {
+            State::Forwarding(id, tool)
+        };
+        step
+    }
+
+    /// The host refused one of the request edits of the last step (a header or the body):
+    /// the request must not go on, since it would carry the raw key, or a body that no
+    /// longer matches its `content-length`. A dispatched call never left, so the ledger is
+    /// told to release its attempt.
+    pub fn on_rewrite_failed(&mut self) -> Step {
+        let cfg = Rc::clone(&self.config);
+        let refused = rewrite_refused();
+        let log = |what: String| {
+            Effect::Log(
+                Level::Error,
+                format!("atmost: could not rewrite the request {what}; refused, not sent"),
+            )
+        };
+        match std::mem::replace(&mut self.state, State::Answered) {
+            State::Answered => Step::pause(),
+            State::Dispatched(d) if !d.resumed && matches!(d.watch, Watch::AwaitingHeaders) => {
+                deny_step(&cfg, &refused, &d.id, &d.tool)
+                    .with(Effect::Enqueue(d.grant.report(Outcome::Released {
+                        reason: "never_sent: request_rewrite_failed".into(),
+                    })))
+                    .with(Effect::Count(Stat::Released))
+                    .with(log(format!(
+                        "of attempt {} (round {}) of `{}`; reported never sent",
+                        d.grant.attempt_id, d.grant.round, d.tool
+                    )))
+            }
+            State::Dispatched(d) => deny_step(&cfg, &refused, &d.id, &d.tool).with(log(format!(
+                "resuming the stream of attempt {} of `{}`",
+                d.grant.attempt_id, d.tool
+            ))),
+            State::Forwarding(id, Some(tool)) => {
+                deny_step(&cfg, &refused, &id, &tool).with(log(format!("for `{tool}`")))
+            }
+            State::Authorizing(p) => {
+                deny_step(&cfg, &refused, &p.id, &p.tool).with(log(format!("for `{}`", p.tool)))
+            }
+            State::Forwarding(id, None) => bad_request(LocalReply::rpc_error(
+                503,
+                Some(&id),
+                rpc_code::INTERNAL_ERROR,
+                &refused.message,
+            ))
+            .with(log(String::new())),
+            State::Start | State::Passing | State::ReadingBody(_) => bad_request(
+                LocalReply::rpc_error(503, None, rpc_code::INTERNAL_ERROR, &refused.message),
+            )
+            .with(log(String::new())),
+        }
     }
 
     pub fn on_request_body(&mut self, size: usize, end_of_stream: bool) -> BodyStep {
@@ -430,15 +584,16 @@ impl Call {
         };
         let call = match mcp::parse(body, &head.mirrored) {
             Err(reply) => return bad_request(*reply),
-            Ok(Message::Other) => {
-                self.state = State::Passing;
-                return Step::cont();
-            }
+            Ok(Message::Other) => return self.pass(&head, None, Value::Null, None),
+            Ok(Message::KeyedOther(id)) => return self.pass(&head, Some(body), id, None),
             Ok(Message::ToolCall(call)) => call,
         };
         if !self.config.governed_tools.contains(&call.name) {
-            self.state = State::Passing;
-            return Step::cont();
+            let keyed = !matches!(
+                (&call.meta_key, &call.params_key),
+                (MetaKey::Absent, MetaKey::Absent)
+            );
+            return self.pass(&head, keyed.then_some(body), call.id, Some(call.name));
         }
         let permit = match head.permit.as_slice() {
             [] => Err(format!(
@@ -467,10 +622,11 @@ impl Call {
             }
         };
         let permit_hash = resume::permit_hash(permit_token.as_bytes());
-        let key = match idempotency::resolve(&head.idempotency_key, &call.meta_key) {
-            Ok(k) => k,
-            Err(d) => return deny_step(&self.config, &d, &call.id, &call.name),
-        };
+        let key =
+            match idempotency::resolve(&head.idempotency_key, &call.meta_key, &call.params_key) {
+                Ok(k) => k,
+                Err(d) => return deny_step(&self.config, &d, &call.id, &call.name),
+            };
         let fp = match fingerprint(&call.name, &call.arguments) {
             Ok(fp) => fp,
             Err(_) => {
@@ -495,13 +651,18 @@ impl Call {
             Ok(b) => b,
             Err(_) => return deny_step(&self.config, &gateway_unavailable(), &call.id, &call.name),
         };
-        let meta_key_edit = match (&call.meta_key, &self.config.upstream_key) {
-            (_, UpstreamKey::Raw) | (MetaKey::Absent | MetaKey::NotAString, _) => None,
-            (MetaKey::Present(_), _) => meta_key::find(body_bytes).map(|span| MetaKeyEdit {
-                body: body_bytes.to_vec(),
-                span,
-                had_content_length: head.content_length.is_some(),
-            }),
+        let in_body = matches!(call.meta_key, MetaKey::Present(_))
+            || matches!(call.params_key, MetaKey::Present(_));
+        let meta_key_edit = match &self.config.upstream_key {
+            UpstreamKey::Raw => None,
+            _ if !in_body => None,
+            _ => Some(meta_key::find_all(body_bytes))
+                .filter(|spans| !spans.is_empty())
+                .map(|spans| MetaKeyEdit {
+                    body: body_bytes.to_vec(),
+                    spans,
+                    had_content_length: head.content_length.is_some(),
+                }),
         };
         self.state = State::Authorizing(Pending {
             permit_hash,
@@ -645,22 +806,19 @@ impl Call {
                     Some(v) => Effect::SetRequestHeader(IDEMPOTENCY_HEADER.into(), v.clone()),
                     None => Effect::RemoveRequestHeader(IDEMPOTENCY_HEADER.into()),
                 };
-                let mut step = Step::cont().with(key_effect);
-                // The `_meta` copy of the key gets the same treatment as the header.
+                // The body copies of the key get the same treatment as the header. Every edit
+                // comes before the resume, which the adapter skips if one is refused.
+                let mut step = Step::cont();
                 if let Some(edit) = p.meta_key_edit {
-                    let body = meta_key::rewrite(&edit.body, edit.span, upstream_value.as_deref());
-                    if edit.had_content_length {
-                        step = step.with(Effect::SetRequestHeader(
-                            "content-length".into(),
-                            body.len().to_string(),
-                        ));
-                    }
-                    step = step.with(Effect::ReplaceRequestBody {
-                        original_len: edit.body.len(),
-                        body,
-                    });
+                    step.effects.extend(body_edit(
+                        &edit.body,
+                        &edit.spans,
+                        edit.had_content_length,
+                        |_| upstream_value.clone(),
+                    ));
                 }
                 let step = step
+                    .with(key_effect)
                     .with(Effect::Count(Stat::Dispatched))
                     .with(Effect::Log(
                         Level::Info,

@@ -1,6 +1,7 @@
 //! The idempotency key of a call: from the `Idempotency-Key` header (an RFC 8941
-//! sf-string, or a bare token) or from `params._meta["dev.atmost/idempotency-key"]`.
-//! Never from the JSON-RPC `id`. Error messages never echo the key.
+//! sf-string, or a bare token), from `params._meta["dev.atmost/idempotency-key"]`, or from
+//! `params.idempotencyKey` (the form proposed for MCP itself). Never from the JSON-RPC
+//! `id`. Error messages never echo the key.
 
 use crate::mcp::MetaKey;
 use atmost_protocol::{Denial, DenialCode};
@@ -76,9 +77,14 @@ pub fn parse_header_value(raw: &[u8]) -> Result<String, Denial> {
     Ok(out)
 }
 
-/// The call's key: `Ok(None)` when the client sent none. Both sources present and
-/// different, a header sent twice, or an invalid key → `invalid_idempotency_key`.
-pub fn resolve(header_values: &[Vec<u8>], meta: &MetaKey) -> Result<Option<String>, Denial> {
+/// The call's key, from every source the client used: `Ok(None)` when it sent none. Two
+/// sources that disagree, a header sent twice, or an invalid key →
+/// `invalid_idempotency_key`.
+pub fn resolve(
+    header_values: &[Vec<u8>],
+    meta: &MetaKey,
+    params: &MetaKey,
+) -> Result<Option<String>, Denial> {
     let from_header = match header_values {
         [] => None,
         [one] => Some(parse_header_value(one)?),
@@ -88,25 +94,43 @@ pub fn resolve(header_values: &[Vec<u8>], meta: &MetaKey) -> Result<Option<Strin
             ))
         }
     };
-    let from_meta = match meta {
-        MetaKey::Absent => None,
-        MetaKey::NotAString => {
-            return Err(invalid(
-                "params._meta[\"dev.atmost/idempotency-key\"] must be a string",
-            ))
+    let from_meta = body_key(meta, META_SOURCE)?;
+    let from_params = body_key(params, PARAMS_SOURCE)?;
+    let mut key: Option<String> = None;
+    for k in [from_header, from_meta, from_params].into_iter().flatten() {
+        match &key {
+            Some(first) if *first != k => {
+                return Err(invalid(
+                    "the idempotency key sources (Idempotency-Key header, params._meta[\"dev.atmost/idempotency-key\"], params.idempotencyKey) disagree; send one key",
+                ))
+            }
+            Some(_) => {}
+            None => key = Some(k),
         }
-        MetaKey::Present(k) => {
-            check(k, "params._meta[\"dev.atmost/idempotency-key\"]")?;
-            Some(k.clone())
-        }
-    };
-    match (from_header, from_meta) {
-        (Some(h), Some(m)) if h != m => Err(invalid(
-            "the Idempotency-Key header and params._meta[\"dev.atmost/idempotency-key\"] disagree; send one key",
-        )),
-        (Some(h), _) => Ok(Some(h)),
-        (None, m) => Ok(m),
     }
+    Ok(key)
+}
+
+const META_SOURCE: &str = "params._meta[\"dev.atmost/idempotency-key\"]";
+const PARAMS_SOURCE: &str = "params.idempotencyKey";
+
+fn body_key(field: &MetaKey, source: &str) -> Result<Option<String>, Denial> {
+    match field {
+        MetaKey::Absent => Ok(None),
+        MetaKey::NotAString => Err(invalid(&format!("{source} must be a string"))),
+        MetaKey::Present(k) => {
+            check(k, source)?;
+            Ok(Some(k.clone()))
+        }
+    }
+}
+
+/// The key a body field holds, if it is one atmost would accept (the `hmac` derivation of
+/// traffic that is not governed takes only such keys; anything else is dropped).
+pub fn valid_body_key(raw_json: &[u8]) -> Option<String> {
+    let key: String = serde_json::from_slice(raw_json).ok()?;
+    check(&key, PARAMS_SOURCE).ok()?;
+    Some(key)
 }
 
 #[cfg(test)]
@@ -155,33 +179,62 @@ mod tests {
 
     #[test]
     fn sources_and_conflicts() {
+        use MetaKey::{Absent, NotAString, Present};
         let hv = |s: &str| vec![s.as_bytes().to_vec()];
-        assert_eq!(resolve(&[], &MetaKey::Absent).ok(), Some(None));
+        let p = |s: &str| Present(s.into());
+        let key = |h: &[Vec<u8>], m: &MetaKey, q: &MetaKey| resolve(h, m, q).ok();
+        assert_eq!(key(&[], &Absent, &Absent), Some(None));
         assert_eq!(
-            resolve(&hv("\"k1\""), &MetaKey::Absent).ok(),
+            key(&hv("\"k1\""), &Absent, &Absent),
             Some(Some("k1".into()))
         );
-        assert_eq!(
-            resolve(&[], &MetaKey::Present("k2".into())).ok(),
-            Some(Some("k2".into()))
-        );
-        assert_eq!(
-            resolve(&hv("k3"), &MetaKey::Present("k3".into())).ok(),
-            Some(Some("k3".into()))
-        );
-        let conflict = resolve(&hv("k3"), &MetaKey::Present("k4".into()));
-        let d = conflict.err();
-        assert_eq!(
-            d.as_ref().map(|d| d.code),
-            Some(DenialCode::InvalidIdempotencyKey)
-        );
-        let msg = d.map(|d| d.message).unwrap_or_default();
-        assert!(msg.contains("disagree"));
-        assert!(!msg.contains("k3") && !msg.contains("k4"));
-        assert!(resolve(&[], &MetaKey::NotAString).is_err());
-        assert!(resolve(&[], &MetaKey::Present(String::new())).is_err());
-        assert!(resolve(&[], &MetaKey::Present("caf\u{e9}".into())).is_err());
-        assert!(resolve(&[b"a".to_vec(), b"a".to_vec()], &MetaKey::Absent).is_err());
+        assert_eq!(key(&[], &p("k2"), &Absent), Some(Some("k2".into())));
+        assert_eq!(key(&[], &Absent, &p("k5")), Some(Some("k5".into())));
+        assert_eq!(key(&hv("k3"), &p("k3"), &Absent), Some(Some("k3".into())));
+        assert_eq!(key(&hv("k3"), &p("k3"), &p("k3")), Some(Some("k3".into())));
+        assert_eq!(key(&[], &p("k6"), &p("k6")), Some(Some("k6".into())));
+        // Any two sources that disagree: denied, without echoing either key.
+        for (h, m, q) in [
+            (hv("k3"), p("k4"), Absent),
+            (hv("k3"), Absent, p("k4")),
+            (vec![], p("k3"), p("k4")),
+            (hv("k3"), p("k3"), p("k4")),
+            (hv("k4"), p("k3"), p("k3")),
+        ] {
+            let d = resolve(&h, &m, &q).err();
+            assert_eq!(
+                d.as_ref().map(|d| d.code),
+                Some(DenialCode::InvalidIdempotencyKey),
+                "{h:?} {m:?} {q:?}"
+            );
+            let msg = d.map(|d| d.message).unwrap_or_default();
+            assert!(msg.contains("disagree"));
+            assert!(!msg.contains("k3") && !msg.contains("k4"));
+        }
+        for bad in [NotAString, p(""), p("caf\u{e9}"), p(&"k".repeat(256))] {
+            assert!(resolve(&[], &bad, &Absent).is_err(), "{bad:?}");
+            assert!(resolve(&[], &Absent, &bad).is_err(), "{bad:?}");
+        }
+        let msg = resolve(&[], &Absent, &NotAString)
+            .err()
+            .map(|d| d.message)
+            .unwrap_or_default();
+        assert!(msg.contains("params.idempotencyKey"), "{msg}");
+        assert!(resolve(&[b"a".to_vec(), b"a".to_vec()], &Absent, &Absent).is_err());
+    }
+
+    #[test]
+    fn body_keys_accepted_for_derivation() {
+        assert_eq!(valid_body_key(br#""k-1""#).as_deref(), Some("k-1"));
+        assert_eq!(valid_body_key(br#""a\"b""#).as_deref(), Some("a\"b"));
+        for bad in [&br#""""#[..], b"5", b"{}", b"null", br#""caf\u00e9""#] {
+            assert_eq!(
+                valid_body_key(bad),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
     }
 
     #[test]

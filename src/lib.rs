@@ -15,6 +15,7 @@ pub mod call;
 pub mod completions;
 pub mod config;
 pub mod denial;
+pub mod effects;
 pub mod fingerprint;
 pub mod fold;
 mod fold_table;

@@ -7,6 +7,9 @@ use serde_json::{Map, Value};
 
 /// `params._meta` key that may carry the idempotency key.
 pub const META_KEY: &str = "dev.atmost/idempotency-key";
+/// `params` member that may carry the idempotency key: the form proposed for MCP itself
+/// (SEP-3182), a string beside `name` and `arguments`.
+pub const PARAMS_KEY: &str = "idempotencyKey";
 
 /// Message of the refusal of a batch that holds a `tools/call`.
 pub const BATCH_REFUSED: &str =
@@ -36,6 +39,10 @@ pub enum Message {
     /// Anything that is not a single `tools/call` request (initialize, lists,
     /// notifications, responses to the server, batches without `tools/call`): it passes.
     Other,
+    /// Like [`Message::Other`], but some message in the body carries an idempotency key in
+    /// `params._meta` or `params.idempotencyKey`: it passes with that key rewritten. Holds
+    /// the request's id (`null` for a notification or a batch), should a refusal be needed.
+    KeyedOther(Value),
     /// One `tools/call` request.
     ToolCall(ToolCall),
 }
@@ -51,12 +58,14 @@ pub struct ToolCall {
     pub arguments: Map<String, Value>,
     /// `params._meta["dev.atmost/idempotency-key"]`.
     pub meta_key: MetaKey,
+    /// `params.idempotencyKey`.
+    pub params_key: MetaKey,
     /// MCP 2026-07-28 multi-round-trip: `params` carries `inputResponses` or
     /// `requestState`, so this is the retry of a call that answered `input_required`.
     pub continuation: bool,
 }
 
-/// The `_meta` idempotency key as found in the body.
+/// An idempotency key field (`_meta` or `params.idempotencyKey`) as found in the body.
 #[derive(Debug, Clone, PartialEq)]
 pub enum MetaKey {
     Absent,
@@ -78,6 +87,34 @@ fn is_tools_call(v: &Value) -> bool {
     v.get("method").and_then(Value::as_str) == Some("tools/call")
 }
 
+fn key_field(v: Option<&Value>) -> MetaKey {
+    match v {
+        None => MetaKey::Absent,
+        Some(Value::String(k)) => MetaKey::Present(k.clone()),
+        Some(_) => MetaKey::NotAString,
+    }
+}
+
+/// Whether a message's `params` hold an idempotency key field, of any type.
+fn carries_key(params: Option<&Value>) -> bool {
+    let Some(params) = params.and_then(Value::as_object) else {
+        return false;
+    };
+    params.contains_key(PARAMS_KEY)
+        || params
+            .get("_meta")
+            .and_then(Value::as_object)
+            .is_some_and(|m| m.contains_key(META_KEY))
+}
+
+fn other(keyed: bool, id: Option<&Value>) -> Message {
+    if keyed {
+        Message::KeyedOther(id.cloned().unwrap_or(Value::Null))
+    } else {
+        Message::Other
+    }
+}
+
 /// Reads a request body. `Err` is the local reply refusing it (HTTP 400).
 pub fn parse(body: &[u8], mirrored: &Mirrored) -> Result<Message, Box<LocalReply>> {
     let value: Value = strict_json::from_slice(body).map_err(|e| {
@@ -97,7 +134,10 @@ pub fn parse(body: &[u8], mirrored: &Mirrored) -> Result<Message, Box<LocalReply
             if items.iter().any(is_tools_call) {
                 Err(bad(400, None, rpc_code::INVALID_REQUEST, BATCH_REFUSED))
             } else {
-                Ok(Message::Other)
+                Ok(other(
+                    items.iter().any(|m| carries_key(m.get("params"))),
+                    None,
+                ))
             }
         }
         Value::Object(obj) => parse_object(obj, mirrored),
@@ -167,7 +207,7 @@ fn parse_object(
         }
     }
     if method != "tools/call" {
-        return Ok(Message::Other);
+        return Ok(other(carries_key(obj.get("params")), reply_id(&obj)));
     }
     let id = match obj.get("id") {
         Some(id) if id.is_string() || id.is_number() => id.clone(),
@@ -237,20 +277,15 @@ fn parse_object(
             "HeaderMismatch: MCP 2026-07-28 requires the Mcp-Method and Mcp-Name headers on tools/call",
         ));
     }
-    let meta_key = match meta {
-        Some(meta) => match meta.get(META_KEY) {
-            None => MetaKey::Absent,
-            Some(Value::String(k)) => MetaKey::Present(k.clone()),
-            Some(_) => MetaKey::NotAString,
-        },
-        None => MetaKey::Absent,
-    };
+    let meta_key = key_field(meta.and_then(|m| m.get(META_KEY)));
+    let params_key = key_field(params.get(PARAMS_KEY));
     let continuation = params.contains_key("inputResponses") || params.contains_key("requestState");
     Ok(Message::ToolCall(ToolCall {
         id,
         name,
         arguments,
         meta_key,
+        params_key,
         continuation,
     }))
 }
@@ -379,6 +414,57 @@ mod tests {
             r#"{"jsonrpc":"2.0","method":"tools/call","id":0,"params":{"name":"pay","_meta":{"dev.atmost/idempotency-key":5}}}"#,
         );
         assert_eq!(c.meta_key, MetaKey::NotAString);
+    }
+
+    #[test]
+    fn params_idempotency_key_is_read() {
+        let c = call(
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"pay","idempotencyKey":"k9","arguments":{"idempotencyKey":"decoy"}}}"#,
+        );
+        assert_eq!(c.params_key, MetaKey::Present("k9".into()));
+        assert_eq!(c.meta_key, MetaKey::Absent);
+        assert_eq!(
+            Value::Object(c.arguments),
+            json!({"idempotencyKey":"decoy"})
+        );
+        let c = call(
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"pay","idempotencyKey":null}}"#,
+        );
+        assert_eq!(c.params_key, MetaKey::NotAString);
+        let c = call(r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"pay"}}"#);
+        assert_eq!(c.params_key, MetaKey::Absent);
+    }
+
+    #[test]
+    fn other_messages_carrying_a_key_are_told_apart() {
+        for (body, id) in [
+            (
+                r#"{"jsonrpc":"2.0","method":"tools/list","id":1,"params":{"_meta":{"dev.atmost/idempotency-key":"k"}}}"#,
+                json!(1),
+            ),
+            (
+                r#"{"jsonrpc":"2.0","method":"notifications/x","params":{"idempotencyKey":5}}"#,
+                Value::Null,
+            ),
+            (
+                r#"[{"jsonrpc":"2.0","method":"tools/list","id":1},{"jsonrpc":"2.0","method":"x","params":{"idempotencyKey":"k"}}]"#,
+                Value::Null,
+            ),
+        ] {
+            assert_eq!(
+                parse(body.as_bytes(), &Mirrored::default()),
+                Ok(Message::KeyedOther(id.clone())),
+                "{body}"
+            );
+        }
+        // Keys elsewhere than params (or its _meta) are not idempotency keys.
+        passes(
+            r#"{"jsonrpc":"2.0","method":"tools/list","id":1,"params":{"cursor":{"idempotencyKey":"k"}}}"#,
+        );
+        passes(r#"{"jsonrpc":"2.0","id":9,"result":{"idempotencyKey":"k"}}"#);
+        passes(
+            r#"{"jsonrpc":"2.0","method":"tools/list","id":1,"params":[{"idempotencyKey":"k"}]}"#,
+        );
     }
 
     #[test]

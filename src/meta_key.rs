@@ -1,9 +1,10 @@
-//! The idempotency key a client put in `params._meta["dev.atmost/idempotency-key"]` must not
-//! reach the upstream raw when `upstream_key.mode` is `hmac` or `off`: the header is
-//! replaced, and so is this member of the body. Every other byte is forwarded as sent, so
-//! the edit works on the raw text rather than re-serialising the message.
+//! The idempotency key a client put in `params._meta["dev.atmost/idempotency-key"]` or in
+//! `params.idempotencyKey` must not reach the upstream raw when `upstream_key.mode` is `hmac`
+//! or `off`: the header is replaced, and so are these members of the body. Every other byte
+//! is forwarded as sent, so the edit works on the raw text rather than re-serialising the
+//! message.
 
-use crate::mcp::META_KEY;
+use crate::mcp::{META_KEY, PARAMS_KEY};
 
 /// Where the member sits in the raw body, as byte offsets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,6 +27,70 @@ pub fn find(body: &[u8]) -> Option<MemberSpan> {
     let meta = s.member_of_object("_meta")?;
     let mut s = Scanner { b: body, i: meta };
     s.find_member(META_KEY)
+}
+
+/// Every idempotency key member of a body that already parsed as JSON (without duplicate
+/// keys): `params._meta["dev.atmost/idempotency-key"]` and `params.idempotencyKey` of the
+/// message, or of each message of a batch. In no particular order.
+pub fn find_all(body: &[u8]) -> Vec<MemberSpan> {
+    let mut spans = Vec::new();
+    let mut s = Scanner { b: body, i: 0 };
+    s.ws();
+    match s.peek() {
+        Some(b'{') => spans_of_message(body, s.i, &mut spans),
+        Some(b'[') => {
+            s.i += 1;
+            loop {
+                s.ws();
+                match s.peek() {
+                    Some(b',') => s.i += 1,
+                    Some(b'{') => {
+                        spans_of_message(body, s.i, &mut spans);
+                        if s.skip_value().is_none() {
+                            break;
+                        }
+                    }
+                    Some(b']') | None => break,
+                    Some(_) => {
+                        if s.skip_value().is_none() {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        _ => {}
+    }
+    spans
+}
+
+fn spans_of_message(body: &[u8], at: usize, out: &mut Vec<MemberSpan>) {
+    let Some(params) = (Scanner { b: body, i: at }).member_of_object("params") else {
+        return;
+    };
+    if let Some(meta) = (Scanner { b: body, i: params }).member_of_object("_meta") {
+        out.extend((Scanner { b: body, i: meta }).find_member(META_KEY));
+    }
+    out.extend((Scanner { b: body, i: params }).find_member(PARAMS_KEY));
+}
+
+/// The body with each member in `spans` edited: `replacement` gets the member's raw value
+/// (JSON text) and returns the string to put there, or `None` to remove the member.
+pub fn rewrite_all(
+    body: &[u8],
+    spans: &[MemberSpan],
+    mut replacement: impl FnMut(&[u8]) -> Option<String>,
+) -> Vec<u8> {
+    let mut ordered = spans.to_vec();
+    // From the last member back, so the offsets of those before stay valid; members never
+    // overlap, nor do the commas a removal takes with it.
+    ordered.sort_by_key(|s| std::cmp::Reverse(s.key_start));
+    let mut out = body.to_vec();
+    for span in ordered {
+        let value = replacement(&body[span.value_start..span.value_end]);
+        out = rewrite(&out, span, value.as_deref());
+    }
+    out
 }
 
 /// The body with the member's value replaced by the JSON string `replacement`, or with the
@@ -234,6 +299,41 @@ mod tests {
         ] {
             assert_eq!(edit(body, None)["params"]["_meta"], meta, "{body}");
         }
+    }
+
+    #[test]
+    fn finds_every_key_form_of_a_message_or_a_batch() {
+        let body = r#"{"params":{"idempotencyKey":"p1","arguments":{"idempotencyKey":"decoy"},"_meta":{"dev.atmost/idempotency-key":"m1"}}}"#;
+        let spans = find_all(body.as_bytes());
+        assert_eq!(spans.len(), 2);
+        let out = rewrite_all(body.as_bytes(), &spans, |raw| {
+            Some(format!(
+                "d-{}",
+                String::from_utf8_lossy(raw).trim_matches('"')
+            ))
+        });
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            body.replace("\"p1\"", "\"d-p1\"")
+                .replace("\"m1\"", "\"d-m1\"")
+        );
+        let removed: Value =
+            serde_json::from_slice(&rewrite_all(body.as_bytes(), &spans, |_| None)).expect("JSON");
+        assert_eq!(
+            removed,
+            json!({"params":{"arguments":{"idempotencyKey":"decoy"},"_meta":{}}})
+        );
+        let batch = r#"[ {"params":{"idempotencyKey":"a"}} , 3, {"id":1}, {"params":{"_meta":{"dev.atmost/idempotency-key":"b","x":[1]}}} ]"#;
+        let spans = find_all(batch.as_bytes());
+        assert_eq!(spans.len(), 2);
+        let removed: Value =
+            serde_json::from_slice(&rewrite_all(batch.as_bytes(), &spans, |_| None)).expect("JSON");
+        assert_eq!(
+            removed,
+            json!([{"params":{}}, 3, {"id":1}, {"params":{"_meta":{"x":[1]}}}])
+        );
+        assert!(find_all(br#"{"params":{"name":"x"}}"#).is_empty());
+        assert!(find_all(br#""params""#).is_empty());
     }
 
     #[test]

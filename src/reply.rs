@@ -19,6 +19,8 @@ pub mod rpc_code {
     pub const INVALID_REQUEST: i64 = -32600;
     /// `tools/call` whose `params` are malformed.
     pub const INVALID_PARAMS: i64 = -32602;
+    /// The filter could not carry out its own edits of a request (it was not sent).
+    pub const INTERNAL_ERROR: i64 = -32603;
     /// MCP 2026-07-28: mirrored `Mcp-Method` / `Mcp-Name` header disagrees with the body.
     pub const HEADER_MISMATCH: i64 = -32020;
 }

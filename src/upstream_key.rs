@@ -51,6 +51,14 @@ impl fmt::Debug for UpstreamSecret {
     }
 }
 
+/// The permit id in the `hmac` derivation of traffic that passes without a ledger answer
+/// (messages other than `tools/call`, ungoverned tools). The filter cannot verify a permit
+/// token there, and the id a token spells is the client's claim: using it would let one
+/// agent mint the upstream key of another permit's governed calls. The empty id is a
+/// domain of its own instead: every permit id is non-empty, so `":" + key` never equals a
+/// governed call's `permit_id + ":" + key`.
+pub const UNGOVERNED_PERMIT_ID: &str = "";
+
 /// The header value to send upstream, or `None` to remove the header.
 pub fn upstream_value(mode: &UpstreamKey, permit_id: &str, key: Option<&str>) -> Option<String> {
     let key = key?;

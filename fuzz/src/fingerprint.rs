@@ -269,7 +269,9 @@ pub fn check(data: &[u8]) {
                     )
                 }
                 // A nesting depth the arguments alone did not reach can be refused.
-                Ok(Message::Other) => panic!("a tools/call body was read as another message"),
+                Ok(Message::Other | Message::KeyedOther(_)) => {
+                    panic!("a tools/call body was read as another message")
+                }
                 Err(_) => {}
             }
         }

@@ -9,7 +9,8 @@
 //!   (`Message::Other`) under any header combination: a header cannot take a call out of
 //!   governance; with matching mirrored headers it reads the same, with a mismatching or
 //!   duplicated `Mcp-Method` / `Mcp-Name` it is refused `HeaderMismatch` (-32020);
-//! - the parsed call is what the body says (`params.name`, `params.arguments`, `id`);
+//! - the parsed call is what the body says (`params.name`, `params.arguments`, `id`, and
+//!   the key fields `params._meta["dev.atmost/idempotency-key"]` and `params.idempotencyKey`);
 //! - the call's fingerprint can be computed;
 //! - `idempotency::parse_header_value` accepts only 1..=255 printable ASCII bytes, and a
 //!   quoted form of an accepted key decodes to the same key.
@@ -93,6 +94,12 @@ fn check_call(body: &[u8], call: &ToolCall) {
         (MetaKey::NotAString, Some(x)) => assert!(!x.is_string()),
         (m, x) => panic!("meta key {m:?} but body has {x:?}"),
     }
+    match (&call.params_key, v["params"].get(mcp::PARAMS_KEY)) {
+        (MetaKey::Absent, None) => {}
+        (MetaKey::Present(k), Some(Value::String(s))) => assert_eq!(k, s),
+        (MetaKey::NotAString, Some(x)) => assert!(!x.is_string()),
+        (m, x) => panic!("params key {m:?} but body has {x:?}"),
+    }
     if let Err(e) = fingerprint(&call.name, &call.arguments) {
         panic!("parsed arguments cannot be fingerprinted: {e}");
     }
@@ -161,7 +168,7 @@ pub fn check(data: &[u8]) {
         if let Some(c) = &call {
             match &r {
                 Ok(Message::ToolCall(c2)) => assert_eq!(c2, c, "headers {m:?} changed the call"),
-                Ok(Message::Other) => {
+                Ok(Message::Other | Message::KeyedOther(_)) => {
                     panic!("headers {m:?} took a tools/call out of governance")
                 }
                 Err(_) => {}

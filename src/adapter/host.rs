@@ -37,22 +37,28 @@ pub fn buffer(kind: BufferType, len: usize) -> Vec<u8> {
     }
 }
 
-pub fn remove_header(map: MapType, name: &str) {
+/// `None` when the host refused: the caller must not let the request go on unedited.
+pub fn remove_header(map: MapType, name: &str) -> Option<()> {
     if hostcalls::remove_map_value(map, name).is_err() {
         log(
             Level::Error,
             &format!("atmost: could not remove header `{name}`"),
         );
+        return None;
     }
+    Some(())
 }
 
-pub fn set_header(map: MapType, name: &str, value: &str) {
+/// `None` when the host refused: the caller must not let the request go on unedited.
+pub fn set_header(map: MapType, name: &str, value: &str) -> Option<()> {
     if hostcalls::set_map_value(map, name, Some(value)).is_err() {
         log(
             Level::Error,
             &format!("atmost: could not set header `{name}`"),
         );
+        return None;
     }
+    Some(())
 }
 
 /// Takes a value of shared data that `accept` turns into something: empties the key with a

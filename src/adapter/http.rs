@@ -3,7 +3,8 @@
 use super::host;
 use super::root::Shared;
 use crate::call::{BodyStep, Call, Effect, Flow, Level, LogProps, RequestHead, ResponseHead, Step};
-use crate::ledger;
+use crate::effects::{self, Refused};
+use crate::ledger::{self, Callout};
 use crate::stats::Stat;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
@@ -39,92 +40,14 @@ impl Http {
     }
 
     fn apply(&mut self, step: Step) -> Action {
-        for effect in step.effects {
-            self.effect(effect);
-        }
-        if let Some(callout) = step.callout {
-            let cfg = &self.shared.config.ledger;
-            let headers = ledger::headers(cfg, callout.endpoint);
-            if host::dispatch(&cfg.cluster, &headers, &callout.body, cfg.timeout_ms).is_none() {
-                let next = self.call.on_callout_failed();
-                return self.apply(next);
-            }
-        }
-        match step.flow {
+        let mut exec = Exec {
+            shared: &self.shared,
+            context_id: self.context_id,
+            in_batch: &mut self.in_batch,
+        };
+        match effects::apply(&mut self.call, step, &mut exec) {
             Flow::Continue => Action::Continue,
             Flow::Pause => Action::Pause,
-        }
-    }
-
-    fn effect(&mut self, effect: Effect) {
-        match effect {
-            Effect::RemoveRequestHeader(name) => {
-                host::remove_header(MapType::HttpRequestHeaders, &name)
-            }
-            Effect::SetRequestHeader(name, value) => {
-                host::set_header(MapType::HttpRequestHeaders, &name, &value)
-            }
-            Effect::ReplaceRequestBody { original_len, body } => {
-                if hostcalls::set_buffer(BufferType::HttpRequestBody, 0, original_len, &body)
-                    .is_err()
-                {
-                    host::log(Level::Error, "atmost: could not rewrite the request body");
-                }
-            }
-            Effect::LocalReply(reply) => {
-                let headers: Vec<(&str, &str)> = reply
-                    .headers
-                    .iter()
-                    .map(|(k, v)| (k.as_str(), v.as_str()))
-                    .collect();
-                if hostcalls::send_http_response(reply.status, headers, Some(&reply.body)).is_err()
-                {
-                    host::log(Level::Error, "atmost: could not send a local reply");
-                }
-            }
-            Effect::ResumeRequest => {
-                if hostcalls::resume_http_request().is_err() {
-                    host::log(Level::Error, "atmost: could not resume the request");
-                }
-            }
-            Effect::ResumeResponse => {
-                if hostcalls::resume_http_response().is_err() {
-                    host::log(Level::Error, "atmost: could not resume the response");
-                }
-            }
-            Effect::Enqueue(report) => {
-                let dropped = self.shared.queue.borrow_mut().push(report);
-                if let Some(old) = dropped {
-                    self.shared.metrics.inc(Stat::ReportDropped);
-                    host::log(
-                        Level::Error,
-                        &format!(
-                            "atmost: report queue full; dropped the report of attempt {} (the ledger's lease sweeper will mark it uncertain)",
-                            old.attempt_id
-                        ),
-                    );
-                }
-            }
-            Effect::Complete(report) => {
-                self.in_batch = true;
-                let ring = self
-                    .shared
-                    .completions
-                    .borrow_mut()
-                    .push(self.context_id, report);
-                if ring {
-                    let rang = self.shared.doorbell.is_some_and(|q| {
-                        hostcalls::enqueue_shared_queue(q, Some(b"!".as_slice())).is_ok()
-                    });
-                    if !rang {
-                        // The root's tick sends it instead.
-                        self.shared.completions.borrow_mut().answered_doorbell();
-                    }
-                }
-            }
-            Effect::SaveResume(key, ticket) => host::set_shared(&key, &ticket.to_bytes()),
-            Effect::Count(stat) => self.shared.metrics.inc(stat),
-            Effect::Log(level, message) => host::log(level, &message),
         }
     }
 
@@ -183,6 +106,96 @@ impl Http {
             }
         }
         head
+    }
+}
+
+/// What carries out the machine's effects for one HTTP context.
+struct Exec<'a> {
+    shared: &'a Shared,
+    context_id: u32,
+    /// See [`Http::in_batch`].
+    in_batch: &'a mut bool,
+}
+
+impl effects::Host for Exec<'_> {
+    fn effect(&mut self, effect: Effect) -> Result<(), Refused> {
+        match effect {
+            Effect::RemoveRequestHeader(name) => {
+                return host::remove_header(MapType::HttpRequestHeaders, &name).ok_or(Refused)
+            }
+            Effect::SetRequestHeader(name, value) => {
+                return host::set_header(MapType::HttpRequestHeaders, &name, &value).ok_or(Refused)
+            }
+            Effect::ReplaceRequestBody { original_len, body } => {
+                if hostcalls::set_buffer(BufferType::HttpRequestBody, 0, original_len, &body)
+                    .is_err()
+                {
+                    host::log(Level::Error, "atmost: could not rewrite the request body");
+                    return Err(Refused);
+                }
+            }
+            Effect::LocalReply(reply) => {
+                let headers: Vec<(&str, &str)> = reply
+                    .headers
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_str()))
+                    .collect();
+                if hostcalls::send_http_response(reply.status, headers, Some(&reply.body)).is_err()
+                {
+                    host::log(Level::Error, "atmost: could not send a local reply");
+                }
+            }
+            Effect::ResumeRequest => {
+                if hostcalls::resume_http_request().is_err() {
+                    host::log(Level::Error, "atmost: could not resume the request");
+                }
+            }
+            Effect::ResumeResponse => {
+                if hostcalls::resume_http_response().is_err() {
+                    host::log(Level::Error, "atmost: could not resume the response");
+                }
+            }
+            Effect::Enqueue(report) => {
+                let dropped = self.shared.queue.borrow_mut().push(report);
+                if let Some(old) = dropped {
+                    self.shared.metrics.inc(Stat::ReportDropped);
+                    host::log(
+                        Level::Error,
+                        &format!(
+                            "atmost: report queue full; dropped the report of attempt {} (the ledger's lease sweeper will mark it uncertain)",
+                            old.attempt_id
+                        ),
+                    );
+                }
+            }
+            Effect::Complete(report) => {
+                *self.in_batch = true;
+                let ring = self
+                    .shared
+                    .completions
+                    .borrow_mut()
+                    .push(self.context_id, report);
+                if ring {
+                    let rang = self.shared.doorbell.is_some_and(|q| {
+                        hostcalls::enqueue_shared_queue(q, Some(b"!".as_slice())).is_ok()
+                    });
+                    if !rang {
+                        // The root's tick sends it instead.
+                        self.shared.completions.borrow_mut().answered_doorbell();
+                    }
+                }
+            }
+            Effect::SaveResume(key, ticket) => host::set_shared(&key, &ticket.to_bytes()),
+            Effect::Count(stat) => self.shared.metrics.inc(stat),
+            Effect::Log(level, message) => host::log(level, &message),
+        }
+        Ok(())
+    }
+
+    fn dispatch(&mut self, callout: &Callout) -> bool {
+        let cfg = &self.shared.config.ledger;
+        let headers = ledger::headers(cfg, callout.endpoint);
+        host::dispatch(&cfg.cluster, &headers, &callout.body, cfg.timeout_ms).is_some()
     }
 }
 

@@ -1129,3 +1129,309 @@ fn sse_stream_without_event_ids_ending_early_is_uncertain() {
     });
     assert!(matches!(enqueued(&s)[0].outcome, Outcome::Uncertain { .. }));
 }
+
+fn body_edit_of(s: &Step) -> Option<String> {
+    s.effects.iter().find_map(|e| match e {
+        Effect::ReplaceRequestBody { body, .. } => Some(String::from_utf8_lossy(body).into_owned()),
+        _ => None,
+    })
+}
+
+fn derived(c: &Config, permit_id: &str, key: &str) -> String {
+    crate::upstream_key::upstream_value(&c.upstream_key, permit_id, Some(key)).unwrap_or_default()
+}
+
+const PARAMS_PAY: &str = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"idempotencyKey":"raw-p","name":"pay_invoice","arguments":{"invoice":"INV-1","amount":1250},"_meta":{"dev.atmost/idempotency-key":"raw-p"}}}"#;
+
+#[test]
+fn params_idempotency_key_is_the_key_and_is_rewritten_like_meta() {
+    let c = cfg();
+    let mut call = Call::new(Rc::clone(&c));
+    let s = send(&mut call, post(&["tok"], &[]), PARAMS_PAY);
+    let asked = authorize_body(&s);
+    assert_eq!(asked.idempotency_key.as_deref(), Some("raw-p"));
+    // The key is not part of what the call does: same fingerprint as the call without it.
+    let mut plain = Call::new(Rc::clone(&c));
+    let plain_fp = authorize_body(&send(&mut plain, post(&["tok"], &[]), PAY)).fingerprint;
+    assert_eq!(asked.fingerprint, plain_fp);
+    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    let want = derived(&c, "pmt_1", "raw-p");
+    assert_eq!(
+        body_edit_of(&s),
+        Some(PARAMS_PAY.replace("\"raw-p\"", &format!("\"{want}\"")))
+    );
+    assert!(s
+        .effects
+        .contains(&Effect::SetRequestHeader("idempotency-key".into(), want)));
+    // Every edit comes before the resume.
+    assert_eq!(s.effects.last(), Some(&Effect::ResumeRequest));
+    // `off`: both members removed, nothing else changes.
+    let mut call = Call::new(cfg_with(json!({"upstream_key": {"mode": "off"}})));
+    send(&mut call, post(&["tok"], &[]), PARAMS_PAY);
+    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    assert_eq!(
+        body_edit_of(&s),
+        Some(
+            PARAMS_PAY
+                .replace(r#""idempotencyKey":"raw-p","#, "")
+                .replace(
+                    r#","_meta":{"dev.atmost/idempotency-key":"raw-p"}"#,
+                    r#","_meta":{}"#
+                )
+        )
+    );
+}
+
+#[test]
+fn params_idempotency_key_disagreeing_with_another_source_is_denied() {
+    let only_params = PARAMS_PAY.replace(r#","_meta":{"dev.atmost/idempotency-key":"raw-p"}"#, "");
+    let meta_differs = PARAMS_PAY.replace(r#"key":"raw-p"}"#, r#"key":"other"}"#);
+    let not_a_string = only_params.replace(r#""raw-p""#, "5");
+    for (head, body) in [
+        (post(&["tok"], &["\"other\""]), only_params.as_str()),
+        (post(&["tok"], &[]), meta_differs.as_str()),
+        (post(&["tok"], &["raw-p"]), meta_differs.as_str()),
+        (post(&["tok"], &[]), not_a_string.as_str()),
+    ] {
+        let mut call = Call::new(cfg());
+        let s = send(&mut call, head, body);
+        assert!(s.callout.is_none(), "{body}");
+        assert_eq!(
+            counts(&s),
+            vec![
+                Stat::Denied,
+                Stat::DeniedCode(DenialCode::InvalidIdempotencyKey)
+            ],
+            "{body}"
+        );
+        assert_eq!(call.state_name(), "answered");
+    }
+    // Header and params agreeing is one key.
+    let mut call = Call::new(cfg());
+    let s = send(&mut call, post(&["tok"], &["\"raw-p\""]), &only_params);
+    assert_eq!(authorize_body(&s).idempotency_key.as_deref(), Some("raw-p"));
+}
+
+#[test]
+fn a_refused_rewrite_of_a_dispatched_call_denies_it_and_releases_the_attempt() {
+    let mut call = Call::new(cfg());
+    send(&mut call, post(&["tok"], &["\"raw-p\""]), PARAMS_PAY);
+    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    assert!(body_edit_of(&s).is_some());
+    // The host refused the body (or a header) write: the adapter calls this instead of
+    // carrying out the rest of the step.
+    let s = call.on_rewrite_failed();
+    assert_eq!(s.flow, Flow::Pause);
+    assert!(!s.effects.contains(&Effect::ResumeRequest));
+    assert!(s.callout.is_none());
+    let reply = local_reply(&s).body_json().unwrap_or_default();
+    assert_eq!(reply["id"], 7);
+    assert_eq!(
+        reply["result"]["structuredContent"]["error"]["code"],
+        "gateway_unavailable"
+    );
+    assert!(!reply.to_string().contains("raw-p"));
+    assert_eq!(
+        enqueued(&s),
+        vec![grant().report(Outcome::Released {
+            reason: "never_sent: request_rewrite_failed".into()
+        })]
+    );
+    assert!(counts(&s).contains(&Stat::Released));
+    assert_eq!(call.state_name(), "answered");
+    // Nothing more happens for this request: no second report, no resume.
+    assert_eq!(call.on_rewrite_failed(), Step::pause());
+    assert_eq!(
+        call.on_log(LogProps {
+            attempts: Some(0),
+            flags: Some(0)
+        }),
+        Step::cont()
+    );
+}
+
+#[test]
+fn a_refused_rewrite_of_traffic_that_is_not_governed_refuses_it() {
+    let c = cfg_with(json!({"governed_tools": ["pay_invoice"]}));
+    let search = PARAMS_PAY.replace("pay_invoice", "search");
+    let mut call = Call::new(Rc::clone(&c));
+    let s = send(&mut call, post(&[], &["\"raw-p\""]), &search);
+    assert!(body_edit_of(&s).is_some());
+    let s = call.on_rewrite_failed();
+    assert_eq!(s.flow, Flow::Pause);
+    assert!(enqueued(&s).is_empty());
+    let reply = local_reply(&s).body_json().unwrap_or_default();
+    assert_eq!(reply["id"], 7);
+    assert_eq!(
+        reply["result"]["structuredContent"]["error"]["code"],
+        "gateway_unavailable"
+    );
+    assert_eq!(call.state_name(), "answered");
+    // Not a tools/call: a JSON-RPC error with the request's id.
+    let mut call = Call::new(Rc::clone(&c));
+    send(
+        &mut call,
+        post(&[], &[]),
+        r#"{"jsonrpc":"2.0","id":"l1","method":"tools/list","params":{"idempotencyKey":"raw-p"}}"#,
+    );
+    let r = local_reply(&call.on_rewrite_failed()).clone();
+    assert_eq!(r.status, 503);
+    let v = r.body_json().unwrap_or_default();
+    assert_eq!(
+        (v["id"].clone(), v["error"]["code"].clone()),
+        (json!("l1"), json!(-32603))
+    );
+    // A bodiless request whose header could not be rewritten, or whose permit could not be
+    // stripped.
+    for head in [
+        RequestHead {
+            method: "DELETE".into(),
+            idempotency_key: vec![b"raw-p".to_vec()],
+            ..RequestHead::default()
+        },
+        RequestHead {
+            method: "GET".into(),
+            permit: vec![b"tok".to_vec()],
+            ..RequestHead::default()
+        },
+    ] {
+        let mut call = Call::new(Rc::clone(&c));
+        assert_eq!(call.on_request_headers(head).flow, Flow::Continue);
+        let s = call.on_rewrite_failed();
+        assert_eq!((s.flow, local_reply(&s).status), (Flow::Pause, 503));
+        assert_eq!(call.state_name(), "answered");
+    }
+}
+
+#[test]
+fn ungoverned_calls_forward_every_key_form_only_in_the_upstream_form() {
+    let patch = |mode: Value| json!({"governed_tools": ["pay_invoice"], "upstream_key": mode});
+    let hmac = cfg_with(patch(json!({"secret": "0123456789abcdef0123"})));
+    let search = PARAMS_PAY.replace("pay_invoice", "search");
+    let head = || RequestHead {
+        content_length: Some(search.len() as u64),
+        ..post(&["tok"], &["\"raw-p\""])
+    };
+    let mut call = Call::new(Rc::clone(&hmac));
+    let s = send(&mut call, head(), &search);
+    assert_eq!(s.flow, Flow::Continue);
+    assert!(s.callout.is_none());
+    // No ledger answer, no verified permit: the derivation uses the empty permit id.
+    let want = derived(&hmac, "", "raw-p");
+    assert_ne!(want, derived(&hmac, "pmt_1", "raw-p"));
+    let body = search.replace("\"raw-p\"", &format!("\"{want}\""));
+    assert_eq!(
+        s.effects,
+        vec![
+            Effect::ReplaceRequestBody {
+                original_len: search.len(),
+                body: body.clone().into_bytes(),
+            },
+            Effect::SetRequestHeader("content-length".into(), body.len().to_string()),
+            Effect::SetRequestHeader("idempotency-key".into(), want),
+        ]
+    );
+    assert_eq!(call.state_name(), "passing");
+    assert_eq!(call.on_log(LogProps::default()), Step::cont());
+    // off: removed everywhere.
+    let mut call = Call::new(cfg_with(patch(json!({"mode": "off"}))));
+    let s = send(&mut call, head(), &search);
+    let body = body_edit_of(&s).unwrap_or_default();
+    assert!(
+        !body.contains("raw-p") && !body.contains("idempotencyKey"),
+        "{body}"
+    );
+    assert!(s
+        .effects
+        .contains(&Effect::RemoveRequestHeader("idempotency-key".into())));
+    // raw: the request goes as sent.
+    let mut call = Call::new(cfg_with(patch(json!({"mode": "raw"}))));
+    assert_eq!(send(&mut call, head(), &search), Step::cont());
+}
+
+#[test]
+fn every_message_carrying_a_key_forwards_it_only_in_the_upstream_form() {
+    let c = cfg();
+    let want = |k: &str| derived(&c, "", k);
+    for body in [
+        r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"_meta":{"dev.atmost/idempotency-key":"raw-a"}}}"#,
+        r#"{"jsonrpc":"2.0","method":"notifications/progress","params":{"idempotencyKey":"raw-a","progress":1}}"#,
+        r#"[{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"idempotencyKey":"raw-a"}},{"jsonrpc":"2.0","method":"x","params":{"_meta":{"dev.atmost/idempotency-key":"raw-b"}}}]"#,
+    ] {
+        let mut call = Call::new(Rc::clone(&c));
+        let s = send(&mut call, post(&[], &[]), body);
+        assert_eq!(s.flow, Flow::Continue, "{body}");
+        let sent = body
+            .replace("\"raw-a\"", &format!("\"{}\"", want("raw-a")))
+            .replace("\"raw-b\"", &format!("\"{}\"", want("raw-b")));
+        assert_eq!(body_edit_of(&s), Some(sent), "{body}");
+        assert_eq!(call.state_name(), "passing");
+    }
+    // A key field atmost would not accept is dropped, never forwarded raw.
+    let mut call = Call::new(Rc::clone(&c));
+    let s = send(
+        &mut call,
+        post(&[], &[]),
+        r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"idempotencyKey":{"raw":"x"},"cursor":"c"}}"#,
+    );
+    assert_eq!(
+        body_edit_of(&s).as_deref(),
+        Some(r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"cursor":"c"}}"#)
+    );
+    // Only the header: no body edit.
+    let mut call = Call::new(Rc::clone(&c));
+    let s = send(
+        &mut call,
+        post(&[], &["raw-h"]),
+        r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#,
+    );
+    assert_eq!(
+        s.effects,
+        vec![Effect::SetRequestHeader(
+            "idempotency-key".into(),
+            want("raw-h")
+        )]
+    );
+    // No key anywhere: passes with nothing to do.
+    let mut call = Call::new(Rc::clone(&c));
+    let s = send(
+        &mut call,
+        post(&[], &[]),
+        r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"_meta":{"k":"raw"}}}"#,
+    );
+    assert_eq!(s, Step::cont());
+}
+
+#[test]
+fn bodiless_requests_forward_the_key_header_only_in_the_upstream_form() {
+    let c = cfg();
+    let head = |method: &str, keys: &[&str]| RequestHead {
+        method: method.into(),
+        idempotency_key: keys.iter().map(|k| k.as_bytes().to_vec()).collect(),
+        ..RequestHead::default()
+    };
+    for method in ["GET", "DELETE"] {
+        let s = Call::new(Rc::clone(&c)).on_request_headers(head(method, &["\"raw-g\""]));
+        assert_eq!(s.flow, Flow::Continue);
+        assert_eq!(
+            s.effects,
+            vec![Effect::SetRequestHeader(
+                "idempotency-key".into(),
+                derived(&c, "", "raw-g")
+            )]
+        );
+    }
+    // A header atmost cannot read as one key is removed rather than forwarded.
+    for keys in [&["a", "b"][..], &["\"unterminated"][..]] {
+        let s = Call::new(Rc::clone(&c)).on_request_headers(head("DELETE", keys));
+        assert_eq!(
+            s.effects,
+            vec![Effect::RemoveRequestHeader("idempotency-key".into())]
+        );
+    }
+    let raw = cfg_with(json!({"upstream_key": {"mode": "raw"}}));
+    assert_eq!(
+        Call::new(raw).on_request_headers(head("GET", &["\"raw-g\""])),
+        Step::cont()
+    );
+}

@@ -1,0 +1,176 @@
+//! Carrying out a [`Step`] in order, the part of the adapter's work that decides anything:
+//! a request edit the host refuses stops the step there. Nothing after it runs (above all
+//! no `ResumeRequest`, nor the step's `Continue`, nor its callout); the machine answers
+//! [`Call::on_rewrite_failed`] and that step is carried out instead. The adapter
+//! implements [`Host`] with proxy-wasm hostcalls; tests implement it with a recorder.
+
+use crate::call::{Call, Effect, Flow, Step};
+use crate::ledger::Callout;
+
+/// The host refused a request edit (header or body write).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refused;
+
+pub trait Host {
+    /// Carries out one effect. Only the request edits (`RemoveRequestHeader`,
+    /// `SetRequestHeader`, `ReplaceRequestBody`) may answer [`Refused`]; any other failure
+    /// is the host's to log.
+    fn effect(&mut self, effect: Effect) -> Result<(), Refused>;
+    /// Dispatches a ledger callout; `false` when the host would not.
+    fn dispatch(&mut self, callout: &Callout) -> bool;
+}
+
+/// Carries out `step` and whatever the machine answers to a refused edit or a callout
+/// that could not be dispatched; returns what to give back to Envoy.
+pub fn apply(call: &mut Call, step: Step, host: &mut impl Host) -> Flow {
+    for effect in step.effects {
+        if host.effect(effect).is_err() {
+            // The machine is `Answered` after this: its step holds no edit, so this ends.
+            let next = call.on_rewrite_failed();
+            return apply(call, next, host);
+        }
+    }
+    if let Some(callout) = step.callout {
+        if !host.dispatch(&callout) {
+            let next = call.on_callout_failed();
+            return apply(call, next, host);
+        }
+    }
+    step.flow
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::call::RequestHead;
+    use crate::config::tests::{config_from, minimal};
+    use crate::ledger::LedgerReply;
+    use atmost_protocol::{AuthorizeResponse, Outcome};
+    use std::rc::Rc;
+
+    /// Records what it was asked to do; refuses the first effect `refuse` matches.
+    struct Recorder {
+        done: Vec<Effect>,
+        refuse: fn(&Effect) -> bool,
+        refused: bool,
+    }
+
+    impl Host for Recorder {
+        fn effect(&mut self, effect: Effect) -> Result<(), Refused> {
+            if !self.refused && (self.refuse)(&effect) {
+                self.refused = true;
+                return Err(Refused);
+            }
+            self.done.push(effect);
+            Ok(())
+        }
+        fn dispatch(&mut self, _callout: &Callout) -> bool {
+            true
+        }
+    }
+
+    const BODY: &str = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"pay","idempotencyKey":"raw-k"}}"#;
+
+    /// A governed call up to the ledger's `dispatch` answer; returns the call and that step.
+    fn dispatching() -> (Call, Step) {
+        let mut call = Call::new(Rc::new(config_from(&minimal())));
+        call.on_request_headers(RequestHead {
+            method: "POST".into(),
+            permit: vec![b"tok".to_vec()],
+            idempotency_key: vec![b"raw-k".to_vec()],
+            content_length: Some(BODY.len() as u64),
+            ..RequestHead::default()
+        });
+        call.on_request_body(BODY.len(), true);
+        let s = call.on_request_body_data(BODY.as_bytes());
+        assert!(s.callout.is_some());
+        let answer = AuthorizeResponse::Dispatch {
+            attempt_id: "att_1".into(),
+            permit_id: "pmt_1".into(),
+            lease_ms: 1000,
+            round: 1,
+            capability: "cap-1".into(),
+        };
+        let step = call.on_ledger_reply(&LedgerReply {
+            status: Some(200),
+            body: serde_json::to_vec(&answer).unwrap_or_default(),
+        });
+        (call, step)
+    }
+
+    fn run(refuse: fn(&Effect) -> bool) -> (Flow, Vec<Effect>) {
+        let (mut call, step) = dispatching();
+        let mut host = Recorder {
+            done: Vec::new(),
+            refuse,
+            refused: false,
+        };
+        let flow = apply(&mut call, step, &mut host);
+        (flow, host.done)
+    }
+
+    fn released(done: &[Effect]) -> bool {
+        done.iter().any(|e| {
+            matches!(e, Effect::Enqueue(r) if r.attempt_id == "att_1"
+                && matches!(&r.outcome, Outcome::Released { reason } if reason == "never_sent: request_rewrite_failed"))
+        })
+    }
+
+    #[test]
+    fn all_edits_done_then_resume() {
+        let (flow, done) = run(|_| false);
+        assert_eq!(flow, Flow::Continue);
+        let resume = done.iter().position(|e| *e == Effect::ResumeRequest);
+        let last_edit = done.iter().rposition(|e| {
+            matches!(
+                e,
+                Effect::ReplaceRequestBody { .. }
+                    | Effect::SetRequestHeader(..)
+                    | Effect::RemoveRequestHeader(_)
+            )
+        });
+        assert!(
+            matches!((last_edit, resume), (Some(e), Some(r)) if e < r),
+            "{done:?}"
+        );
+        assert!(!released(&done));
+    }
+
+    #[test]
+    fn a_refused_edit_never_resumes_and_releases_the_attempt() {
+        let refusals: [fn(&Effect) -> bool; 3] = [
+            |e| matches!(e, Effect::ReplaceRequestBody { .. }),
+            |e| matches!(e, Effect::SetRequestHeader(n, _) if n == "content-length"),
+            |e| matches!(e, Effect::SetRequestHeader(n, _) if n == "idempotency-key"),
+        ];
+        for refuse in refusals {
+            let (flow, done) = run(refuse);
+            assert_eq!(flow, Flow::Pause);
+            assert!(!done.contains(&Effect::ResumeRequest), "{done:?}");
+            assert!(!done.contains(&Effect::Count(crate::stats::Stat::Dispatched)));
+            assert!(
+                done.iter().any(|e| matches!(e, Effect::LocalReply(r)
+                    if String::from_utf8_lossy(&r.body).contains("gateway_unavailable"))),
+                "{done:?}"
+            );
+            assert!(released(&done), "{done:?}");
+        }
+    }
+
+    #[test]
+    fn a_refused_edit_of_passing_traffic_stops_it() {
+        let mut call = Call::new(Rc::new(config_from(&minimal())));
+        let step = call.on_request_headers(RequestHead {
+            method: "DELETE".into(),
+            idempotency_key: vec![b"raw-k".to_vec()],
+            ..RequestHead::default()
+        });
+        let mut host = Recorder {
+            done: Vec::new(),
+            refuse: |e| matches!(e, Effect::SetRequestHeader(..)),
+            refused: false,
+        };
+        assert_eq!(apply(&mut call, step, &mut host), Flow::Pause);
+        assert!(matches!(host.done.as_slice(), [Effect::LocalReply(r), ..] if r.status == 503));
+    }
+}
