@@ -208,6 +208,37 @@ impl<'a> Obj<'a> {
         }
     }
 
+    /// A secret given either in place (`key`) or by the name of an environment variable of
+    /// the VM (`key` + `_env`), which Envoy fills from its own environment when the name is
+    /// listed in `vm_config.environment_variables.host_env_keys`. The second form keeps the
+    /// secret out of what Envoy's admin `/config_dump` shows.
+    fn secret(
+        &self,
+        key: &str,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<String, ConfigError> {
+        let env_key = format!("{key}_env");
+        match (self.map.contains_key(key), self.map.contains_key(&env_key)) {
+            (true, true) => Err(err(
+                &self.field_path(key),
+                format!("is given twice: set `{key}` or `{env_key}`, not both"),
+            )),
+            (false, true) => {
+                let name = self.required_string(&env_key)?;
+                match env(&name) {
+                    Some(v) if !v.is_empty() => Ok(v),
+                    _ => Err(err(
+                        &self.field_path(&env_key),
+                        format!(
+                            "names the environment variable `{name}`, which is unset or empty in the Wasm VM (list it in vm_config.environment_variables.host_env_keys and set it in Envoy's environment)"
+                        ),
+                    )),
+                }
+            }
+            _ => self.required_string(key),
+        }
+    }
+
     fn integer(&self, key: &str, default: u64, min: u64, max: u64) -> Result<u64, ConfigError> {
         let n = match self.map.get(key) {
             None => return Ok(default),
@@ -268,8 +299,17 @@ fn printable_ascii(s: &str) -> bool {
 }
 
 impl Config {
-    /// Parses and checks the plugin configuration bytes.
+    /// Parses and checks the plugin configuration bytes; `*_env` secrets are read from the
+    /// process environment (inside Envoy: the VM's WASI environment).
     pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
+        Config::parse_with_env(bytes, &|name| std::env::var(name).ok())
+    }
+
+    /// [`Config::parse`] with the environment given, so parsing stays a pure function.
+    pub fn parse_with_env(
+        bytes: &[u8],
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
         if bytes.iter().all(|b| b.is_ascii_whitespace()) {
             return Err(err(
                 "",
@@ -306,7 +346,13 @@ impl Config {
             path: "ledger",
             map: ledger_map,
         };
-        ledger.refuse_unknown(&["cluster", "authority", "timeout_ms", "service_token"])?;
+        ledger.refuse_unknown(&[
+            "cluster",
+            "authority",
+            "timeout_ms",
+            "service_token",
+            "service_token_env",
+        ])?;
         let cluster = ledger.required_string("cluster")?;
         let authority = ledger
             .string("authority")?
@@ -318,7 +364,7 @@ impl Config {
             ));
         }
         let timeout_ms = ledger.integer("timeout_ms", DEFAULT_TIMEOUT_MS, 1, 60_000)?;
-        let service_token = ledger.required_string("service_token")?;
+        let service_token = ledger.secret("service_token", env)?;
         if !printable_ascii(&service_token) {
             return Err(err(
                 "ledger.service_token",
@@ -376,11 +422,11 @@ impl Config {
                     path: "upstream_key",
                     map: m,
                 };
-                uk.refuse_unknown(&["mode", "secret"])?;
+                uk.refuse_unknown(&["mode", "secret", "secret_env"])?;
                 let mode = uk.string("mode")?.unwrap_or_else(|| "hmac".to_string());
                 match mode.as_str() {
                     "hmac" => {
-                        let secret = uk.required_string("secret")?;
+                        let secret = uk.secret("secret", env)?;
                         if secret.len() < MIN_SECRET_BYTES {
                             return Err(err(
                                 "upstream_key.secret",
@@ -392,7 +438,9 @@ impl Config {
                         })?;
                         UpstreamKey::Hmac { secret }
                     }
-                    "raw" | "off" if uk.map.contains_key("secret") => {
+                    "raw" | "off"
+                        if uk.map.contains_key("secret") || uk.map.contains_key("secret_env") =>
+                    {
                         return Err(err(
                             "upstream_key.secret",
                             format!("is only used with mode `hmac`, not `{mode}`: remove it"),
@@ -495,6 +543,75 @@ pub(crate) mod tests {
         assert_eq!(c.max_receipt_bytes, 1_048_576);
         assert_eq!(c.report_interval_ms, 200);
         assert_eq!(c.completion_reports, CompletionReports::Batched);
+    }
+
+    #[test]
+    fn secrets_can_come_from_the_vms_environment() {
+        let env = |name: &str| match name {
+            "ATMOST_SERVICE_TOKEN" => Some("svc-from-env".to_string()),
+            "ATMOST_UPSTREAM_KEY_SECRET" => Some("0123456789abcdef-from-env".to_string()),
+            "EMPTY" => Some(String::new()),
+            _ => None,
+        };
+        let parse = |v: &Value| Config::parse_with_env(v.to_string().as_bytes(), &env);
+        let from_env = json!({
+            "ledger": {"cluster": "c", "service_token_env": "ATMOST_SERVICE_TOKEN"},
+            "upstream_key": {"secret_env": "ATMOST_UPSTREAM_KEY_SECRET"}
+        });
+        let c = parse(&from_env).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.ledger.service_token, "svc-from-env");
+        assert_eq!(
+            c.upstream_key,
+            UpstreamKey::Hmac {
+                secret: UpstreamSecret::new("0123456789abcdef-from-env".into()).unwrap()
+            }
+        );
+        let refused = |v: Value| match parse(&v) {
+            Ok(_) => panic!("accepted {v}"),
+            Err(e) => (e.field.clone(), e.to_string()),
+        };
+        let (field, text) = refused(json!({
+            "ledger": {"cluster": "c", "service_token_env": "UNSET"},
+            "upstream_key": {"mode": "off"}
+        }));
+        assert_eq!(field, "ledger.service_token_env");
+        assert!(
+            text.contains("UNSET") && text.contains("host_env_keys"),
+            "{text}"
+        );
+        assert_eq!(
+            refused(json!({
+                "ledger": {"cluster": "c", "service_token_env": "EMPTY"},
+                "upstream_key": {"mode": "off"}
+            }))
+            .0,
+            "ledger.service_token_env"
+        );
+        assert_eq!(
+            refused(json!({
+                "ledger": {"cluster": "c", "service_token": "t", "service_token_env": "ATMOST_SERVICE_TOKEN"},
+                "upstream_key": {"mode": "off"}
+            }))
+            .0,
+            "ledger.service_token"
+        );
+        assert_eq!(
+            refused(json!({
+                "ledger": {"cluster": "c", "service_token": "t"},
+                "upstream_key": {"mode": "raw", "secret_env": "ATMOST_UPSTREAM_KEY_SECRET"}
+            }))
+            .0,
+            "upstream_key.secret"
+        );
+        // The length rule holds for a secret from the environment too.
+        let short = |name: &str| (name == "SHORT").then(|| "short".to_string());
+        let r = Config::parse_with_env(
+            json!({"ledger": {"cluster": "c", "service_token": "t"}, "upstream_key": {"secret_env": "SHORT"}})
+                .to_string()
+                .as_bytes(),
+            &short,
+        );
+        assert_eq!(r.err().map(|e| e.field), Some("upstream_key.secret".into()));
     }
 
     #[test]

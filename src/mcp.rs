@@ -1,6 +1,7 @@
 //! Reading an MCP request body: what kind of JSON-RPC message it is, and for a
 //! `tools/call` the parts atmost needs. Refusals are JSON-RPC errors as local replies.
 
+use crate::fold;
 use crate::reply::{rpc_code, LocalReply};
 use crate::strict_json;
 use serde_json::{Map, Value};
@@ -115,6 +116,68 @@ fn other(keyed: bool, id: Option<&Value>) -> Message {
     }
 }
 
+/// The member names the gateway reads, where it reads them: of a JSON-RPC message, of its
+/// `params`, and of `params._meta`.
+const MESSAGE_MEMBERS: [&str; 6] = ["jsonrpc", "id", "method", "params", "result", "error"];
+const PARAMS_MEMBERS: [&str; 7] = [
+    "name",
+    "arguments",
+    "_meta",
+    "inputResponses",
+    "requestState",
+    PARAMS_KEY,
+    "task",
+];
+const META_MEMBERS: [&str; 2] = [META_KEY, PROTOCOL_VERSION_META];
+
+/// A key of `obj` that is not one of `names` but equal to one of them under case folding.
+fn case_variant<'a>(
+    obj: &'a Map<String, Value>,
+    names: &[&'static str],
+) -> Option<(&'a str, &'static str)> {
+    obj.keys().find_map(|k| {
+        names
+            .iter()
+            .find(|n| k != *n && fold::eq_fold(k, n))
+            .map(|n| (k.as_str(), *n))
+    })
+}
+
+/// A key that a case-insensitive decoder (Go's `encoding/json`) reads as a member the
+/// gateway reads, though the gateway, matching exactly, does not: `{"Method":"tools/call"}`
+/// alone would pass the gateway as a response and run upstream as a call. Refused wherever
+/// the gateway looks: in the message, its `params` and their `_meta`.
+fn misspelled_member(message: &Value) -> Option<(&str, &'static str)> {
+    let obj = message.as_object()?;
+    case_variant(obj, &MESSAGE_MEMBERS).or_else(|| {
+        let params = obj.get("params").and_then(Value::as_object)?;
+        case_variant(params, &PARAMS_MEMBERS).or_else(|| {
+            let meta = params.get("_meta").and_then(Value::as_object)?;
+            case_variant(meta, &META_MEMBERS)
+        })
+    })
+}
+
+fn refuse_misspelled_members(value: &Value) -> Result<(), Box<LocalReply>> {
+    let messages: &[Value] = match value {
+        Value::Array(items) => items,
+        other => std::slice::from_ref(other),
+    };
+    for m in messages {
+        if let Some((found, member)) = misspelled_member(m) {
+            return Err(bad(
+                400,
+                m.as_object().and_then(reply_id),
+                rpc_code::INVALID_REQUEST,
+                &format!(
+                    "Invalid Request: the key {found:?} differs from the member {member:?} only in letter case (under Unicode simple case folding); some servers read it as {member:?}"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Reads a request body. `Err` is the local reply refusing it (HTTP 400).
 pub fn parse(body: &[u8], mirrored: &Mirrored) -> Result<Message, Box<LocalReply>> {
     let value: Value = strict_json::from_slice(body).map_err(|e| {
@@ -129,6 +192,7 @@ pub fn parse(body: &[u8], mirrored: &Mirrored) -> Result<Message, Box<LocalReply
         };
         bad(400, None, rpc_code::PARSE_ERROR, message)
     })?;
+    refuse_misspelled_members(&value)?;
     match value {
         Value::Array(items) => {
             if items.iter().any(is_tools_call) {
@@ -370,6 +434,34 @@ mod tests {
             assert_eq!(v["error"]["code"], -32602, "{body}");
             assert_eq!(v["id"], 4, "{body}");
         }
+    }
+
+    #[test]
+    fn a_member_spelled_in_another_case_is_refused_even_alone() {
+        for body in [
+            // Passes as a response to an exact reader; a Go server runs a tools/call.
+            r#"{"jsonrpc":"2.0","id":1,"result":{},"Method":"tools/call","params":{"name":"pay","arguments":{}}}"#,
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","Params":{"name":"pay"}}"#,
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo","ARGUMENTS":{"amount":9}}}"#,
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"NAME":"pay"}}"#,
+            "{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"tools/call\",\"params\":{\"name\":\"pay\",\"argument\\u017f\":{}}}",
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"pay","_meta":{"DEV.atmost/idempotency-key":"k"}}}"#,
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"pay","IdempotencyKey":"k"}}"#,
+            r#"[{"jsonrpc":"2.0","method":"tools/list","id":1},{"jsonrpc":"2.0","id":2,"METHOD":"tools/call"}]"#,
+        ] {
+            let (status, v) = refused(body);
+            assert_eq!((status, v["error"]["code"].clone()), (400, json!(-32600)), "{body}");
+            assert!(
+                v["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("letter case")),
+                "{v}"
+            );
+        }
+        // Argument names are the tool's own: the gateway reads none of them by name.
+        call(
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"pay","arguments":{"Method":1,"NAME":2}}}"#,
+        );
     }
 
     #[test]

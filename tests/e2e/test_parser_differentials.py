@@ -81,6 +81,15 @@ CORPUS = [
     Case("idempotency-key/Kelvin-sign key in _meta",
          _call(PAY + ',"_meta":{"dev.atmost/idempotency-key":"k-a","dev.atmost/idempotency-\u212aey":"k-b"}'),
          meta_key=True),
+    # A lone member in another case: no twin to collide with, but the gateway (matching
+    # exactly) and a Go upstream (folding) still read different messages.
+    Case("lone Method beside result", b'{"jsonrpc":"2.0","id":1,"result":{},"Method":"tools/call","params":{'
+         + PAY.encode() + b"}}", code=-32600),
+    Case("lone METHOD in a batch", b'[{"jsonrpc":"2.0","id":1,"METHOD":"tools/call","params":{'
+         + PAY.encode() + b"}}]", code=-32600),
+    Case("lone ARGUMENTS", _call('"name":"pay_invoice","ARGUMENTS":{"invoice":"inv-1","amount":99999}'),
+         code=-32600),
+    Case("lone Name", _call('"Name":"pay_invoice","arguments":{"invoice":"inv-1","amount":1}'), code=-32600),
     # Another charset: in UTF-7, `+AG0-ethod` is `method`.
     Case("charset=utf-7", b'{"jsonrpc":"2.0","id":1,"method":"tools/list","+AG0-ethod":"tools/call","params":{'
          + PAY.encode() + b"}}", {"content-type": "application/json; charset=utf-7"}, code=-32600),
@@ -204,6 +213,8 @@ def test_the_go_upstream_executes_what_the_corpus_aims_at(upstreams):
         "name/Name": ("tools/call", "pay_invoice", 1),
         "arguments/argumentſ (escaped U+017F)": ("tools/call", "pay_invoice", 99999),
         "amount/Amount": ("tools/call", "pay_invoice", 99999),
+        "lone Method beside result": ("tools/call", "pay_invoice", 1),
+        "lone ARGUMENTS": ("tools/call", "pay_invoice", 99999),
         "charset=utf-7": ("tools/list", None, None),
     }
     by_name = {c.name: c for c in CORPUS}

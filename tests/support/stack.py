@@ -314,9 +314,14 @@ def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger
 
 class Envoy(Process):
     def __init__(self, log_dir: Path, upstream_port: int, ledger_ports: list[int], plugin_overrides: dict | None = None,
-                 concurrency: int = 2, name: str = "envoy", port: int | None = None, plain: bool = False):
+                 concurrency: int = 2, name: str = "envoy", port: int | None = None, plain: bool = False,
+                 wait_for_ledger: bool = True):
         self.port = port or free_port()
         self.admin_port = free_port()
+        # Envoy reports ready before its first health check of a ledger has passed; on a busy
+        # machine that check can time out, and with no healthy ledger every callout fails
+        # (gateway_unavailable). A test that means to start without a ledger says so.
+        self.ledger_hosts = [] if plain or not wait_for_ledger else [f"127.0.0.1:{p}" for p in ledger_ports]
         self.url = f"http://127.0.0.1:{self.port}/mcp"
         self.admin_url = f"http://127.0.0.1:{self.admin_port}"
         config = sidecar_config(self.port, self.admin_port, upstream_port, ledger_ports, plugin_overrides, plain=plain)
@@ -329,11 +334,17 @@ class Envoy(Process):
     def start(self) -> None:
         super().start()
         wait_until(lambda: self._ready(), 30, f"envoy on {self.url} (log: {self.log_path})")
+        if self.ledger_hosts:
+            wait_until(self.ledgers_healthy, 30, f"every ledger healthy in {self.name}")
 
     def _ready(self) -> bool:
         if not self.alive():
             raise ProcessExited(f"envoy exited:\n{self.log_text()[-3000:]}")
         return http_get(self.admin_url + "/ready")[0] == 200
+
+    def ledgers_healthy(self) -> bool:
+        clusters = http_get(self.admin_url + "/clusters")[1].decode()
+        return all(f"atmost_ledger::{host}::health_flags::healthy" in clusters for host in self.ledger_hosts)
 
     def stats(self) -> dict[str, int]:
         text = http_get(self.admin_url + "/stats?usedonly")[1].decode()
