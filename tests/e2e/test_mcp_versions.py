@@ -462,6 +462,58 @@ async def test_post_stream_closed_early_is_answered_on_the_resumed_get_and_recor
     assert server.executions("pause_stream") == 1
 
 
+def test_a_resume_ticket_is_the_calls_own_and_is_taken_once(stacks, ledger, sse_gateway):
+    """The ticket a POST stream closed early leaves is taken only by a GET under the call's own
+    permit, and only once: another permit's GET (or one without a permit) in the same session
+    cannot attach a receipt to the attempt."""
+    gateway, _plain, server = stacks["sse"]
+    server.configure(pause_ms=300)
+    permit = ledger.create_permit("--max-calls", "pause_stream=1")
+    other = ledger.create_permit()
+    stat = "wasmcustom.atmost_resumed_receipt"
+    http, session = _legacy_session(gateway.url, "2025-11-25", {"atmost-permit": permit["token"]})
+
+    def resume(token: str | None) -> str:
+        headers = {k: v for k, v in session.items() if k != "atmost-permit"}
+        headers.update({"accept": "text/event-stream", "last-event-id": last})
+        if token is not None:
+            headers["atmost-permit"] = token
+        seen = []
+        with http.stream("GET", gateway.url, headers=headers) as g:
+            assert g.status_code == 200
+            for line in g.iter_lines():
+                seen.append(line)
+                if line.startswith("data:") and '"result"' in line:
+                    break
+        return "\n".join(seen)
+
+    def state() -> str:
+        [attempt] = _attempts(ledger, permit["id"])
+        return attempt["state"]
+
+    try:
+        r = _legacy_call(http, gateway.url, session, "pause_stream", {"text": "once"}, new_key())
+        ids = [line[3:].strip() for line in r.text.splitlines() if line.startswith("id:")]
+        assert ids and '"result"' not in r.text, r.text
+        last = ids[-1]
+        before = sse_gateway.stat(stat)
+        # The server answers any resumed stream of its session; the gateway records nothing.
+        for stranger in (other["token"], None):
+            assert '"resumed: once"' in resume(stranger)
+            assert state() == "in_flight"
+            assert sse_gateway.stat(stat) == before
+        # The call's own permit takes the ticket: the answer becomes the receipt.
+        assert '"resumed: once"' in resume(permit["token"])
+        wait_until(lambda: state() == "completed", 10, "the attempt completed from the resumed stream")
+        assert sse_gateway.stat(stat) == before + 1
+        # The ticket is gone: a second resume is not watched.
+        assert '"resumed: once"' in resume(permit["token"])
+        assert sse_gateway.stat(stat) == before + 1
+    finally:
+        http.close()
+    assert server.executions("pause_stream") == 1
+
+
 # -- receipt cap ---------------------------------------------------------------------------
 
 

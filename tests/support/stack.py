@@ -23,7 +23,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 ENVOY_CONFIG = ROOT / "envoy" / "atmost-sidecar.yaml"
-WASM = ROOT / "target" / "wasm32-wasip1" / "release" / "atmost_filter.wasm"
+# ATMOST_WASM: another build of the filter, e.g. to run these tests against an older release.
+WASM = Path(os.environ.get("ATMOST_WASM") or ROOT / "target" / "wasm32-wasip1" / "release" / "atmost_filter.wasm")
 EXAMPLE_SERVER = ROOT / "examples" / "mcp_server.py"
 
 
