@@ -136,6 +136,8 @@ def test_env_sourced_secrets_work_end_to_end_and_never_show_on_the_admin_port(lo
         [call] = [r for r in server.state()["requests"] if r.get("tool") == "echo"]
         expected = hmac.new(upstream_secret.encode(), f"{permit['id']}:{key}".encode(), hashlib.sha256).hexdigest()
         assert call["headers"]["idempotency-key"] == expected
+        # At the log level the harness runs (info, wasm:debug) neither value is logged.
+        assert secret_ledger.service_token not in envoy.log_text() and upstream_secret not in envoy.log_text()
 
         reads = admin_text(envoy)
         dump = reads["/config_dump"]

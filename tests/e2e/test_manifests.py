@@ -507,3 +507,41 @@ def test_ledger_credentials_and_store_come_from_a_secret():
     for path in MANIFESTS:
         parsed = json.dumps(load(path))
         assert "postgres://" not in parsed, f"{path}: a store URL belongs in the Secret"
+
+
+# ---------------------------------------------------------------- how the secrets reach the sidecar (README)
+
+README = ROOT / "README.md"
+
+
+def readme_section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else len(text)]
+
+
+def test_readme_istio_proxy_entry_feeds_the_variables_the_manifests_name():
+    """The README's `istio-proxy` container entry is a valid container (strict Kubernetes schema,
+    inside a Deployment of the agent), sets exactly the variables the WasmPlugin and EnvoyFilter
+    name, each from a key of the Secret the rollout steps create."""
+    section = readme_section("What an agent in the pod can read and do")
+    [block] = [b for b in re.findall(r"```yaml\n(.*?)```", section, re.S) if "istio-proxy" in b]
+    [container] = yaml.safe_load(block)
+    assert container["name"] == "istio-proxy" and container["image"] == "auto"
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "billing-agent", "namespace": "agents"},
+                  "spec": {"selector": {"matchLabels": {AGENT_LABEL: "billing-agent"}}, "template": {
+                      "metadata": {"labels": {AGENT_LABEL: "billing-agent"}},
+                      "spec": {"containers": [{"name": "agent", "image": "registry.example.com/agent:1"}, container]}}}}
+    assert kubernetes_errors(deployment) == []
+    assert [e["name"] for e in container["env"]] == SECRET_ENV
+    objs = objects()
+    assert host_env_keys_of(objs["WasmPlugin"]["spec"]) == SECRET_ENV
+    ext, _ = envoyfilter_parts(objs)
+    assert ext["patch"]["value"]["typed_config"]["config"]["vm_config"]["environment_variables"]["host_env_keys"] == SECRET_ENV
+    steps = readme_section("Adding atmost to an existing Istio mesh")
+    for env in container["env"]:
+        ref = env["valueFrom"]["secretKeyRef"]
+        assert "value" not in env and not ref.get("optional", False)
+        assert f"create secret generic {ref['name']}" in steps
+        assert f"--from-literal={ref['key']}=" in steps
