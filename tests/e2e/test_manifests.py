@@ -529,7 +529,8 @@ def test_readme_istio_proxy_entry_feeds_the_variables_the_manifests_name():
     [block] = [b for b in re.findall(r"```yaml\n(.*?)```", section, re.S) if "istio-proxy" in b]
     [container] = yaml.safe_load(block)
     assert container["name"] == "istio-proxy" and container["image"] == "auto"
-    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "billing-agent", "namespace": "agents"},
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment",
+                  "metadata": {"name": "billing-agent", "namespace": "agents"},
                   "spec": {"selector": {"matchLabels": {AGENT_LABEL: "billing-agent"}}, "template": {
                       "metadata": {"labels": {AGENT_LABEL: "billing-agent"}},
                       "spec": {"containers": [{"name": "agent", "image": "registry.example.com/agent:1"}, container]}}}}
@@ -538,7 +539,8 @@ def test_readme_istio_proxy_entry_feeds_the_variables_the_manifests_name():
     objs = objects()
     assert host_env_keys_of(objs["WasmPlugin"]["spec"]) == SECRET_ENV
     ext, _ = envoyfilter_parts(objs)
-    assert ext["patch"]["value"]["typed_config"]["config"]["vm_config"]["environment_variables"]["host_env_keys"] == SECRET_ENV
+    vm_config = ext["patch"]["value"]["typed_config"]["config"]["vm_config"]
+    assert vm_config["environment_variables"]["host_env_keys"] == SECRET_ENV
     steps = readme_section("Adding atmost to an existing Istio mesh")
     for env in container["env"]:
         ref = env["valueFrom"]["secretKeyRef"]
