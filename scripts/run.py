@@ -1,7 +1,9 @@
 """`make run`: the ledger, an MCP server, and Envoy with atmost on 127.0.0.1:10000/mcp.
 
 UPSTREAM=host:port fronts another MCP server instead of the example one. Ctrl-C stops all.
-Demo credentials come from ATMOST_SERVICE_TOKEN / ATMOST_ADMIN_TOKEN when set.
+Demo credentials come from ATMOST_SERVICE_TOKEN / ATMOST_ADMIN_TOKEN /
+ATMOST_UPSTREAM_KEY_SECRET when set. Envoy runs the shipped configuration's form: the filter
+reads the service token and the upstream key secret from Envoy's environment.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.support.stack import ROOT, Envoy, ExampleServer, Ledger, Process, sidecar_config  # noqa: E402
+from tests.support.stack import DEMO_SECRETS, ROOT, Envoy, ExampleServer, Ledger, Process, sidecar_config  # noqa: E402
 
 LISTEN_PORT = 10000
 ADMIN_PORT = 9901
@@ -63,14 +65,15 @@ def main() -> int:
             started.append(server)
             upstream = ("127.0.0.1", EXAMPLE_PORT)
 
-        config = sidecar_config(LISTEN_PORT, ADMIN_PORT, upstream[1], [LEDGER_PORT],
-                                plugin_overrides={"ledger": {"service_token": service_token}})
+        config = sidecar_config(LISTEN_PORT, ADMIN_PORT, upstream[1], [LEDGER_PORT], secrets_from_env=True)
         cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "mcp_upstream")
         cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
             "address"] = upstream[0]
         if not upstream[0].replace(".", "").isdigit():
             cluster["type"] = "STRICT_DNS"
-        envoy = Envoy(log_dir, upstream[1], [LEDGER_PORT], port=LISTEN_PORT)
+        upstream_secret = os.environ.get("ATMOST_UPSTREAM_KEY_SECRET", DEMO_SECRETS["ATMOST_UPSTREAM_KEY_SECRET"])
+        envoy = Envoy(log_dir, upstream[1], [LEDGER_PORT], port=LISTEN_PORT,
+                      env={"ATMOST_SERVICE_TOKEN": service_token, "ATMOST_UPSTREAM_KEY_SECRET": upstream_secret})
         envoy.admin_port = ADMIN_PORT
         envoy.admin_url = f"http://127.0.0.1:{ADMIN_PORT}"
         envoy.config_path.write_text(yaml.safe_dump(config))

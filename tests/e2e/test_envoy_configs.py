@@ -1,13 +1,57 @@
-"""Every Envoy config the project ships passes `envoy --mode validate` with the built filter."""
+"""Every Envoy config the project ships passes `envoy --mode validate` with the built filter, and
+keeps the filter's secrets out of what Envoy's admin interface shows.
 
+The shipped configs name the secrets by environment variable (`ledger.service_token_env`,
+`upstream_key.secret_env`) and list the variables in `vm_config.environment_variables.host_env_keys`:
+Envoy copies them from its own environment into the Wasm VM. A container sharing the pod's
+loopback can read the admin port (`/config_dump` and the rest); these tests start real Envoy
+with a shipped-style config and look at what that port gives away, with the in-place form as
+the control that shows the check can fail.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import socket
+import uuid
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.support.stack import ROOT, WASM, validate_envoy_config
+from tests.e2e.conftest import new_key
+from tests.support.mcp_raw import RawMcp, result_text
+from tests.support.stack import ROOT, WASM, Envoy, Ledger, ProcessExited, http_get, validate_envoy_config
 
 SHIPPED = sorted(p for p in (ROOT / "envoy").rglob("*.yaml") if yaml.safe_load(p.read_text()).get("static_resources"))
+
+TOKEN_VAR, SECRET_VAR = "ATMOST_SERVICE_TOKEN", "ATMOST_UPSTREAM_KEY_SECRET"
+# Values for validation only: `envoy --mode validate` runs the filter's on_configure, which reads them.
+VALIDATION_ENV = {TOKEN_VAR: "validation-service-token", SECRET_VAR: "validation-upstream-key-secret"}
+# What a container on the pod's loopback can GET from the admin port (Envoy 1.40).
+ADMIN_READS = ["/config_dump", "/config_dump?include_eds", "/stats", "/stats?usedonly", "/stats/prometheus",
+               "/clusters", "/clusters?format=json", "/listeners", "/server_info", "/runtime", "/certs", "/memory",
+               "/init_dump", "/hot_restart_version"]
+
+
+def atmost_filters(config: dict) -> list[dict]:
+    """The Wasm filter `config`s (PluginConfig) of every listener of an Envoy config."""
+    out = []
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for network_filter in chain["filters"]:
+                for http_filter in network_filter["typed_config"].get("http_filters", []):
+                    typed = http_filter.get("typed_config", {})
+                    if typed.get("@type") == "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm":
+                        out.append(typed["config"])
+    return out
+
+
+def blank(*names: str) -> dict:
+    """An environment overlay that empties `names` (the filter treats empty as unset)."""
+    return {n: "" for n in names}
 
 
 def test_there_are_shipped_configs():
@@ -17,7 +61,7 @@ def test_there_are_shipped_configs():
 @pytest.mark.parametrize("config", SHIPPED, ids=lambda p: str(p.relative_to(ROOT)))
 def test_shipped_config_validates(config: Path, tmp_path):
     assert WASM.exists(), "build the filter first (make wasm)"
-    result = validate_envoy_config(config)
+    result = validate_envoy_config(config, env=VALIDATION_ENV)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
 
@@ -28,3 +72,114 @@ def test_shipped_config_has_no_retries_and_fails_closed(config: Path):
     assert "FAIL_OPEN" not in text and "fail_open: true" not in text
     assert "failure_policy: FAIL_CLOSED" in text
     assert "allow_on_headers_stop_iteration: true" in text
+
+
+@pytest.mark.parametrize("config", SHIPPED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_shipped_config_names_its_secrets_and_holds_none(config: Path):
+    filters = atmost_filters(yaml.safe_load(config.read_text()))
+    assert filters, "no atmost filter in a shipped config"
+    for wasm in filters:
+        assert wasm["vm_config"]["environment_variables"] == {"host_env_keys": [TOKEN_VAR, SECRET_VAR]}
+        plugin = json.loads(wasm["configuration"]["value"])
+        assert plugin["ledger"]["service_token_env"] == TOKEN_VAR and "service_token" not in plugin["ledger"]
+        assert plugin["upstream_key"]["secret_env"] == SECRET_VAR and "secret" not in plugin["upstream_key"]
+
+
+@pytest.mark.parametrize("config", SHIPPED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_shipped_config_without_its_variables_is_refused_naming_the_field(config: Path):
+    for missing, field in ((TOKEN_VAR, "ledger.service_token_env"), (SECRET_VAR, "upstream_key.secret_env")):
+        result = validate_envoy_config(config, env={**VALIDATION_ENV, **blank(missing)})
+        assert result.returncode != 0, f"Envoy accepted {config.name} with {missing} unset"
+        lines = [line for line in (result.stdout + result.stderr).splitlines()
+                 if "atmost: bad plugin configuration" in line]
+        assert len(lines) == 1 and f"field `{field}`" in lines[0] and missing in lines[0], lines
+
+
+# ---------------------------------------------------------------- a real Envoy, read from its admin port
+
+
+@pytest.fixture(scope="module")
+def secret_ledger(log_dir, data_root):
+    """A ledger whose service token is unique, so finding it anywhere means it leaked."""
+    ledger = Ledger(log_dir, data_root / "ledger-secrets", service_token=f"svc-token-{uuid.uuid4().hex}",
+                    name="ledger-secrets")
+    ledger.start()
+    yield ledger
+    ledger.stop()
+
+
+def admin_text(envoy: Envoy) -> dict[str, str]:
+    out = {}
+    for path in ADMIN_READS:
+        status, body = http_get(envoy.admin_url + path)
+        assert status == 200, (path, status)
+        out[path] = body.decode(errors="replace")
+    return out
+
+
+def test_env_sourced_secrets_work_end_to_end_and_never_show_on_the_admin_port(log_dir, secret_ledger, server):
+    upstream_secret = f"upstream-secret-{uuid.uuid4().hex}"
+    envoy = Envoy(log_dir, server.port, [secret_ledger.port], name="envoy-env-secrets", secrets_from_env=True,
+                  env={TOKEN_VAR: secret_ledger.service_token, SECRET_VAR: upstream_secret})
+    envoy.start()
+    try:
+        # The ledger accepted the env-sourced token (the call was dispatched) and the upstream got
+        # the key derived with the env-sourced secret.
+        permit = secret_ledger.create_permit()
+        key = new_key()
+        client = RawMcp(envoy.url)
+        try:
+            response = client.call("echo", {"text": "from-env"}, permit["token"], key)
+        finally:
+            client.close()
+        assert result_text(response) == "from-env", response.text
+        [call] = [r for r in server.state()["requests"] if r.get("tool") == "echo"]
+        expected = hmac.new(upstream_secret.encode(), f"{permit['id']}:{key}".encode(), hashlib.sha256).hexdigest()
+        assert call["headers"]["idempotency-key"] == expected
+        # At the log level the harness runs (info, wasm:debug) neither value is logged.
+        assert secret_ledger.service_token not in envoy.log_text() and upstream_secret not in envoy.log_text()
+
+        reads = admin_text(envoy)
+        dump = reads["/config_dump"]
+        # The dump does show the plugin config and the variables' names...
+        assert "service_token_env" in dump and "secret_env" in dump
+        assert TOKEN_VAR in dump and SECRET_VAR in dump and "host_env_keys" in dump
+        # ...and no value, on any read endpoint.
+        for path, text in reads.items():
+            assert secret_ledger.service_token not in text, f"service token in {path}"
+            assert upstream_secret not in text, f"upstream secret in {path}"
+    finally:
+        envoy.stop()
+
+
+def test_control_in_place_secrets_do_show_in_config_dump(log_dir, secret_ledger, server):
+    """The same check on the in-place form (still accepted) finds both values: it can fail."""
+    upstream_secret = f"upstream-secret-{uuid.uuid4().hex}"
+    envoy = Envoy(log_dir, server.port, [secret_ledger.port], name="envoy-inplace-secrets", plugin_overrides={
+        "ledger": {"service_token": secret_ledger.service_token},
+        "upstream_key": {"mode": "hmac", "secret": upstream_secret}})
+    envoy.start()
+    try:
+        dump = http_get(envoy.admin_url + "/config_dump")[1].decode()
+        assert secret_ledger.service_token in dump
+        assert upstream_secret in dump
+        assert "service_token_env" not in dump
+    finally:
+        envoy.stop()
+
+
+def test_unset_variable_means_no_gateway_at_all(log_dir, secret_ledger, server):
+    """FAIL_CLOSED: with the token's variable unset the filter refuses its configuration, Envoy
+    refuses to start, and no call reaches the tool."""
+    executions = server.executions("echo")
+    envoy = Envoy(log_dir, server.port, [secret_ledger.port], name="envoy-env-unset", secrets_from_env=True,
+                  env={SECRET_VAR: f"upstream-secret-{uuid.uuid4().hex}"})
+    envoy.env.pop(TOKEN_VAR, None)
+    with pytest.raises(ProcessExited):
+        envoy.start()
+    assert envoy.proc is not None and envoy.proc.wait(timeout=10) != 0
+    refused = [line for line in envoy.log_text().splitlines() if "atmost: bad plugin configuration" in line]
+    assert len(refused) == 1 and "field `ledger.service_token_env`" in refused[0], refused
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", envoy.port), timeout=2).close()
+    assert server.executions("echo") == executions

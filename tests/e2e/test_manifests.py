@@ -1,6 +1,7 @@
 """The Kubernetes / Istio manifests under envoy/istio/ validate against their schemas and say what
 the rollout needs: a fail-closed filter per agent pod, the ledger's cluster, Secret-held
-credentials, a NetworkPolicy that admits only sidecars and admins, and no retries.
+credentials (the filter's own taken from the sidecar's environment, never written into a
+manifest), a NetworkPolicy that admits only sidecars and admins, and no retries.
 
 Istio kinds are checked against the openAPIV3Schema of the Istio CRDs in
 tests/e2e/schemas/istio-crds.yaml (their source: the README beside it), in strict mode (an unknown
@@ -28,18 +29,22 @@ ISTIO_CRDS = ROOT / "tests" / "e2e" / "schemas" / "istio-crds.yaml"
 EQUIVALENT_ENVOY = ISTIO_DIR / "equivalent-envoy.yaml"
 K8S_VERSION = "1.37"  # the newest Kubernetes whose schemas kubernetes-validate 1.37.0 ships
 
-# Deploy-time values (rendered with envsubst in a real rollout); the tests render these.
+# Deploy-time values (rendered with envsubst in a real rollout); the tests render these. No
+# secret is among them: the filter's secrets come from the sidecar's environment.
 PLACEHOLDERS = {
     "ATMOST_FILTER_IMAGE": "registry.example.com/atmost/atmost-filter",
     "ATMOST_FILTER_DIGEST": "3f" * 32,
-    "ATMOST_SERVICE_TOKEN": "rendered-service-token-0123456789",
-    "ATMOST_UPSTREAM_KEY_SECRET": "rendered-upstream-key-secret-0123456789",
 }
+# The sidecar's environment variables the filter's secrets come from, in this order.
+SECRET_ENV = ["ATMOST_SERVICE_TOKEN", "ATMOST_UPSTREAM_KEY_SECRET"]
+# `envoy --mode validate` runs the filter's on_configure, which reads them.
+VALIDATION_ENV = {"ATMOST_SERVICE_TOKEN": "validation-service-token",
+                  "ATMOST_UPSTREAM_KEY_SECRET": "validation-upstream-key-secret"}
 PLACEHOLDER_RE = re.compile(r"\$\{([A-Za-z0-9_]+)\}")
 
 PLUGIN_KEYS = {"ledger", "permit_header", "governed_tools", "key_required_tools", "upstream_key", "denial_format",
                "max_body_bytes", "max_receipt_bytes", "report_interval_ms"}
-LEDGER_KEYS = {"cluster", "authority", "timeout_ms", "service_token"}
+LEDGER_KEYS = {"cluster", "authority", "timeout_ms", "service_token_env"}
 AGENT_LABEL = "atmost.dev/agent"
 
 
@@ -249,6 +254,14 @@ def test_istio_validator_rejects_broken_copies():
     both_selectors["spec"]["targetRefs"] = [{"kind": "Service", "name": "x"}]
     assert "only one of targetRefs or selector can be set" in istio_errors(both_selectors)
 
+    host_with_value = copy.deepcopy(wasm_plugin)
+    host_with_value["spec"]["vmConfig"]["env"][0]["value"] = "a literal secret"
+    assert "value may only be set when valueFrom is INLINE" in istio_errors(host_with_value)
+
+    unknown_source = copy.deepcopy(wasm_plugin)
+    unknown_source["spec"]["vmConfig"]["env"][0]["valueFrom"] = "SECRET"
+    assert any("SECRET" in e for e in istio_errors(unknown_source))
+
     envoy_filter = copy.deepcopy(objs["EnvoyFilter"])
     envoy_filter["spec"]["configPatches"][1]["match"]["listner"] = envoy_filter["spec"]["configPatches"][1]["match"].pop("listener")
     assert any("listner" in e for e in istio_errors(envoy_filter))
@@ -292,14 +305,50 @@ def test_wasmplugin_is_per_agent_fail_closed_and_complete():
     config = spec["pluginConfig"]
     assert set(config) == PLUGIN_KEYS
     assert set(config["ledger"]) == LEDGER_KEYS
-    assert set(config["upstream_key"]) == {"mode", "secret"}
+    assert set(config["upstream_key"]) == {"mode", "secret_env"}
     host, port = ledger_cluster(objs)
     assert config["ledger"]["cluster"] == f"outbound|{port}||{host}"
     assert config["ledger"]["authority"] == host
-    # Secrets are rendered at deploy time, never committed.
-    raw = (ISTIO_DIR / "agent-wasmplugin" / "wasmplugin.yaml").read_text()
-    assert "service_token: ${ATMOST_SERVICE_TOKEN}" in raw
-    assert "secret: ${ATMOST_UPSTREAM_KEY_SECRET}" in raw
+    # Secrets come from the sidecar's environment: pluginConfig names the variables, and
+    # vmConfig.env lists them with valueFrom HOST (istiod turns that into host_env_keys).
+    assert [config["ledger"]["service_token_env"], config["upstream_key"]["secret_env"]] == SECRET_ENV
+    assert spec["vmConfig"] == {"env": [{"name": name, "valueFrom": "HOST"} for name in SECRET_ENV]}
+
+
+def host_env_keys_of(wasm_plugin_spec: dict) -> list[str]:
+    """What istiod makes of a WasmPlugin's vmConfig.env for the VM's host_env_keys: the names whose
+    valueFrom is HOST, in order (Istio source, pilot/pkg/model/extensions.go, buildVMConfig)."""
+    return [e["name"] for e in wasm_plugin_spec.get("vmConfig", {}).get("env", []) if e.get("valueFrom") == "HOST"]
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(ISTIO_DIR)))
+def test_no_agent_manifest_carries_a_filter_secret(path: Path):
+    """Neither a value nor a deploy-time placeholder for one: the filter's secrets are not
+    rendered into Istio objects (whoever may `get` those, or read /config_dump, would read them)."""
+    text = path.read_text()
+    for name in SECRET_ENV:
+        assert f"${{{name}}}" not in text and f"$({name})" not in text, f"{path}: {name} rendered in"
+    for plugin in plugin_configs(load(path)):
+        assert "service_token" not in plugin.get("ledger", {}), f"{path}: in-place service_token"
+        assert "secret" not in plugin.get("upstream_key", {}), f"{path}: in-place upstream_key.secret"
+
+
+def plugin_configs(doc: dict) -> list[dict]:
+    """The filter's plugin configuration(s) an Istio object carries."""
+    if doc["kind"] == "WasmPlugin":
+        return [doc["spec"]["pluginConfig"]]
+    if doc["kind"] == "EnvoyFilter":
+        return [json.loads(p["patch"]["value"]["typed_config"]["config"]["configuration"]["value"])
+                for p in doc["spec"]["configPatches"] if p["applyTo"] == "EXTENSION_CONFIG"]
+    return []
+
+
+def test_secret_checks_see_the_plugin_configs():
+    """The check above would find an in-place secret in both the WasmPlugin and the EnvoyFilter."""
+    objs = objects()
+    assert len(plugin_configs(objs["WasmPlugin"])) == 1 and len(plugin_configs(objs["EnvoyFilter"])) == 1
+    for kind in ("WasmPlugin", "EnvoyFilter"):
+        assert all("service_token_env" in p["ledger"] for p in plugin_configs(objs[kind]))
 
 
 def envoyfilter_parts(objs) -> tuple[dict, dict]:
@@ -326,6 +375,8 @@ def test_envoyfilter_delivers_the_same_filter_with_stop_iteration():
     assert remote["http_uri"]["uri"] == wasm_plugin["url"]
     assert remote["sha256"] == wasm_plugin["sha256"]
     assert json.loads(config["configuration"]["value"]) == wasm_plugin["pluginConfig"]
+    # The same variables, as istiod would list them for the WasmPlugin.
+    assert config["vm_config"]["environment_variables"] == {"host_env_keys": host_env_keys_of(wasm_plugin)}
 
     assert http["match"]["context"] == "SIDECAR_OUTBOUND"
     assert http["match"]["listener"]["portNumber"] in {p["number"] for m in wasm_plugin["match"] for p in m["ports"]}
@@ -348,8 +399,11 @@ def test_envoyfilter_wasm_config_passes_envoy_validate(tmp_path):
     hcm["http_filters"][index] = {"name": "atmost", "typed_config": wasm}
     path = tmp_path / "envoyfilter-as-envoy.yaml"
     path.write_text(yaml.safe_dump(config))
-    result = validate_envoy_config(path)
+    result = validate_envoy_config(path, env=VALIDATION_ENV)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    # The filter's on_configure did read the variables: without them the same config is refused.
+    result = validate_envoy_config(path, env={**VALIDATION_ENV, "ATMOST_SERVICE_TOKEN": ""})
+    assert result.returncode != 0 and "field `ledger.service_token_env`" in result.stdout + result.stderr
 
 
 def test_equivalent_envoy_config_mirrors_the_manifests():
@@ -362,12 +416,10 @@ def test_equivalent_envoy_config_mirrors_the_manifests():
     for key in ("name", "root_id", "allow_on_headers_stop_iteration", "failure_policy"):
         assert wasm[key] == mesh[key]
     assert wasm["vm_config"]["code"]["local"]["filename"] == "target/wasm32-wasip1/release/atmost_filter.wasm"
+    assert wasm["vm_config"]["environment_variables"] == mesh["vm_config"]["environment_variables"]
 
     plugin = json.loads(wasm["configuration"]["value"])
-    expected = copy.deepcopy(objs["WasmPlugin"]["spec"]["pluginConfig"])
-    for p in (plugin, expected):
-        p["ledger"].pop("service_token")
-        p["upstream_key"].pop("secret")
+    expected = objs["WasmPlugin"]["spec"]["pluginConfig"]
     assert plugin == expected
     clusters = {c["name"] for c in config["static_resources"]["clusters"]}
     assert expected["ledger"]["cluster"] in clusters
@@ -455,3 +507,43 @@ def test_ledger_credentials_and_store_come_from_a_secret():
     for path in MANIFESTS:
         parsed = json.dumps(load(path))
         assert "postgres://" not in parsed, f"{path}: a store URL belongs in the Secret"
+
+
+# ---------------------------------------------------------------- how the secrets reach the sidecar (README)
+
+README = ROOT / "README.md"
+
+
+def readme_section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else len(text)]
+
+
+def test_readme_istio_proxy_entry_feeds_the_variables_the_manifests_name():
+    """The README's `istio-proxy` container entry is a valid container (strict Kubernetes schema,
+    inside a Deployment of the agent), sets exactly the variables the WasmPlugin and EnvoyFilter
+    name, each from a key of the Secret the rollout steps create."""
+    section = readme_section("What an agent in the pod can read and do")
+    [block] = [b for b in re.findall(r"```yaml\n(.*?)```", section, re.S) if "istio-proxy" in b]
+    [container] = yaml.safe_load(block)
+    assert container["name"] == "istio-proxy" and container["image"] == "auto"
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment",
+                  "metadata": {"name": "billing-agent", "namespace": "agents"},
+                  "spec": {"selector": {"matchLabels": {AGENT_LABEL: "billing-agent"}}, "template": {
+                      "metadata": {"labels": {AGENT_LABEL: "billing-agent"}},
+                      "spec": {"containers": [{"name": "agent", "image": "registry.example.com/agent:1"}, container]}}}}
+    assert kubernetes_errors(deployment) == []
+    assert [e["name"] for e in container["env"]] == SECRET_ENV
+    objs = objects()
+    assert host_env_keys_of(objs["WasmPlugin"]["spec"]) == SECRET_ENV
+    ext, _ = envoyfilter_parts(objs)
+    vm_config = ext["patch"]["value"]["typed_config"]["config"]["vm_config"]
+    assert vm_config["environment_variables"]["host_env_keys"] == SECRET_ENV
+    steps = readme_section("Adding atmost to an existing Istio mesh")
+    for env in container["env"]:
+        ref = env["valueFrom"]["secretKeyRef"]
+        assert "value" not in env and not ref.get("optional", False)
+        assert f"create secret generic {ref['name']}" in steps
+        assert f"--from-literal={ref['key']}=" in steps

@@ -26,6 +26,11 @@ ENVOY_CONFIG = ROOT / "envoy" / "atmost-sidecar.yaml"
 # ATMOST_WASM: another build of the filter, e.g. to run these tests against an older release.
 WASM = Path(os.environ.get("ATMOST_WASM") or ROOT / "target" / "wasm32-wasip1" / "release" / "atmost_filter.wasm")
 EXAMPLE_SERVER = ROOT / "examples" / "mcp_server.py"
+# The shipped sidecar names its secrets by environment variable; these are the demo's values
+# (the ones its header comment shows).
+DEMO_SECRETS = {"ATMOST_SERVICE_TOKEN": "demo-service-token", "ATMOST_UPSTREAM_KEY_SECRET": "demo-upstream-key-secret"}
+# (object in the plugin JSON, field): the secrets that may be given in place or as `<field>_env`.
+SECRET_FIELDS = (("ledger", "service_token"), ("upstream_key", "secret"))
 
 
 def ledger_binary() -> Path:
@@ -277,11 +282,18 @@ def ts_client(url: str, token: str | None = None, key: str | None = None) -> dic
 
 
 def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger_ports: list[int],
-                   plugin_overrides: dict | None = None, wasm: Path = WASM, plain: bool = False) -> dict:
+                   plugin_overrides: dict | None = None, wasm: Path = WASM, plain: bool = False,
+                   secrets_from_env: bool = False) -> dict:
     """The shipped sidecar config with this run's ports, the absolute wasm path and plugin overrides.
 
     `plain=True` is the same proxy without the atmost filter: the baseline an MCP client must not
     be able to tell apart from the gateway for well-behaved traffic.
+
+    The shipped config takes its secrets from Envoy's environment (`service_token_env`,
+    `upstream_key.secret_env`). By default they are written in place with DEMO_SECRETS, so the
+    config runs without them in Envoy's environment; `secrets_from_env=True` keeps the shipped
+    form, and Envoy then needs the variables (`Envoy(env=...)`). An override of a secret in
+    either form replaces the other form.
     """
     config = yaml.safe_load(ENVOY_CONFIG.read_text())
     config = copy.deepcopy(config)
@@ -295,9 +307,20 @@ def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger
     plugin = wasm_filter["typed_config"]["config"]
     plugin["vm_config"]["code"]["local"]["filename"] = str(wasm)
     plugin_json = json.loads(plugin["configuration"]["value"])
+    if not secrets_from_env:
+        for obj, field in SECRET_FIELDS:
+            section = plugin_json.get(obj, {})
+            if f"{field}_env" in section:
+                section[field] = DEMO_SECRETS[section.pop(f"{field}_env")]
     for key, value in (plugin_overrides or {}).items():
         if isinstance(value, dict) and isinstance(plugin_json.get(key), dict):
-            plugin_json[key] = {**plugin_json[key], **value}
+            merged = {**plugin_json[key], **value}
+            for obj, field in SECRET_FIELDS:
+                if obj == key and field in value:
+                    merged.pop(f"{field}_env", None)
+                elif obj == key and f"{field}_env" in value:
+                    merged.pop(field, None)
+            plugin_json[key] = merged
         else:
             plugin_json[key] = value
     plugin["configuration"]["value"] = json.dumps(plugin_json)
@@ -316,7 +339,9 @@ def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger
 class Envoy(Process):
     def __init__(self, log_dir: Path, upstream_port: int, ledger_ports: list[int], plugin_overrides: dict | None = None,
                  concurrency: int = 2, name: str = "envoy", port: int | None = None, plain: bool = False,
-                 wait_for_ledger: bool = True):
+                 wait_for_ledger: bool = True, secrets_from_env: bool = False, env: dict | None = None):
+        """`secrets_from_env` keeps the shipped config's env-sourced secrets (see sidecar_config);
+        `env` is added to Envoy's environment (where those secrets then come from)."""
         self.port = port or free_port()
         self.admin_port = free_port()
         # Envoy reports ready before its first health check of a ledger has passed; on a busy
@@ -325,12 +350,13 @@ class Envoy(Process):
         self.ledger_hosts = [] if plain or not wait_for_ledger else [f"127.0.0.1:{p}" for p in ledger_ports]
         self.url = f"http://127.0.0.1:{self.port}/mcp"
         self.admin_url = f"http://127.0.0.1:{self.admin_port}"
-        config = sidecar_config(self.port, self.admin_port, upstream_port, ledger_ports, plugin_overrides, plain=plain)
+        config = sidecar_config(self.port, self.admin_port, upstream_port, ledger_ports, plugin_overrides, plain=plain,
+                                secrets_from_env=secrets_from_env)
         self.config_path = Path(tempfile.mkdtemp(prefix="atmost-envoy-")) / "envoy.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         argv = [str(VENV_BIN / "envoy"), "-c", str(self.config_path), "--concurrency", str(concurrency),
                 "--use-dynamic-base-id", "-l", "info", "--component-log-level", "wasm:debug"]
-        super().__init__(name, argv, log_dir)
+        super().__init__(name, argv, log_dir, env=env)
 
     def start(self) -> None:
         super().start()
@@ -360,7 +386,8 @@ class Envoy(Process):
         return self.stats().get(name, 0)
 
 
-def validate_envoy_config(path: Path) -> subprocess.CompletedProcess:
-    """`envoy --mode validate` on one config file."""
+def validate_envoy_config(path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`envoy --mode validate` on one config file (which loads the filter and runs its
+    on_configure); `env` is added to Envoy's environment, e.g. the secrets a config names."""
     return subprocess.run([str(VENV_BIN / "envoy"), "--mode", "validate", "-c", str(path), "--use-dynamic-base-id"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, **(env or {})})
