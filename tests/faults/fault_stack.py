@@ -82,7 +82,7 @@ class FaultStack:
         self.ledger_proxy.start()
         if ledger:
             self.ledger.start()
-        self.envoy.start()
+        self.envoy.start(wait_for_ledger=ledger)
         if ledger:
             self.warm()
         return self

@@ -358,10 +358,10 @@ class Envoy(Process):
                 "--use-dynamic-base-id", "-l", "info", "--component-log-level", "wasm:debug"]
         super().__init__(name, argv, log_dir, env=env)
 
-    def start(self) -> None:
+    def start(self, wait_for_ledger: bool = True) -> None:
         super().start()
         wait_until(lambda: self._ready(), 30, f"envoy on {self.url} (log: {self.log_path})")
-        if self.ledger_hosts:
+        if self.ledger_hosts and wait_for_ledger:
             wait_until(self.ledgers_healthy, 30, f"every ledger healthy in {self.name}")
 
     def _ready(self) -> bool:
