@@ -9,7 +9,7 @@
 use std::hint::black_box;
 use std::rc::Rc;
 
-use atmost_filter::config::Config;
+use atmost_config::Config;
 use atmost_filter::fingerprint::fingerprint;
 use atmost_filter::mcp::{self, Mirrored};
 use criterion::{criterion_group, criterion_main, Criterion};

@@ -21,7 +21,6 @@
 //! ```
 
 use crate::body_encoding;
-use crate::config::{CompletionReports, Config, UpstreamKey};
 use crate::denial;
 use crate::fingerprint::fingerprint;
 use crate::idempotency;
@@ -36,6 +35,7 @@ use crate::resume::{self, Ticket};
 use crate::stats::Stat;
 use crate::upstream_key;
 use crate::upstream_key::UNGOVERNED_PERMIT_ID;
+use atmost_config::{CompletionReports, Config, UpstreamKey};
 use atmost_protocol::{
     AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, DispatchGrant, Outcome, OutcomeAck,
     OutcomeReport, OutcomesRequest,

@@ -8,8 +8,8 @@
 //! - `error`: a JSON-RPC error object `{"code": <application code>, "message",
 //!   "data": {"code": "<code>", ...data}}`, application codes outside -32768..-32000.
 
-use crate::config::DenialFormat;
 use crate::reply::LocalReply;
+use atmost_config::DenialFormat;
 use atmost_protocol::Denial;
 use serde_json::{json, Map, Value};
 

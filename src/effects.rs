@@ -43,8 +43,8 @@ pub fn apply(call: &mut Call, step: Step, host: &mut impl Host) -> Flow {
 mod tests {
     use super::*;
     use crate::call::RequestHead;
-    use crate::config::tests::{config_from, minimal};
     use crate::ledger::LedgerReply;
+    use crate::test_config::{config_from, minimal};
     use atmost_protocol::{AuthorizeResponse, Outcome};
     use std::rc::Rc;
 

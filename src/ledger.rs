@@ -2,7 +2,7 @@
 //! callout arrives with zero headers; that, a non-200 `:status`, or a body that is not the
 //! expected JSON are all failures (the authorize caller then fails closed).
 
-use crate::config::LedgerConfig;
+use atmost_config::LedgerConfig;
 use atmost_protocol::{AuthorizeResponse, OutcomeAck, OutcomesRequest, OutcomesResponse};
 
 /// Which ledger endpoint a callout goes to.

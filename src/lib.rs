@@ -13,7 +13,6 @@
 pub mod body_encoding;
 pub mod call;
 pub mod completions;
-pub mod config;
 pub mod denial;
 pub mod effects;
 pub mod fingerprint;
@@ -33,6 +32,9 @@ pub mod sse;
 pub mod stats;
 pub mod strict_json;
 pub mod upstream_key;
+
+#[cfg(test)]
+mod test_config;
 
 #[cfg(target_arch = "wasm32")]
 mod adapter;

@@ -8,48 +8,8 @@
 //!
 //! A call without a key never carries an `Idempotency-Key` upstream.
 
-use crate::config::UpstreamKey;
 use crate::fingerprint::hex;
-use hmac::{Hmac, KeyInit, Mac};
-use sha2::Sha256;
-use std::fmt;
-
-/// The `hmac` mode's secret, keyed once when the configuration is read: the HMAC key
-/// schedule (two SHA-256 blocks) is not redone for every call. Never shown in `Debug`.
-#[derive(Clone)]
-pub struct UpstreamSecret {
-    secret: String,
-    keyed: Hmac<Sha256>,
-}
-
-impl UpstreamSecret {
-    /// `None` only if the HMAC refuses the key (it takes any length).
-    pub fn new(secret: String) -> Option<UpstreamSecret> {
-        let keyed = <Hmac<Sha256> as KeyInit>::new_from_slice(secret.as_bytes()).ok()?;
-        Some(UpstreamSecret { secret, keyed })
-    }
-
-    /// The secret's length in bytes (the configuration requires a minimum).
-    pub fn len(&self) -> usize {
-        self.secret.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.secret.is_empty()
-    }
-}
-
-impl PartialEq for UpstreamSecret {
-    fn eq(&self, other: &Self) -> bool {
-        self.secret == other.secret
-    }
-}
-
-impl fmt::Debug for UpstreamSecret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("UpstreamSecret(redacted)")
-    }
-}
+use atmost_config::UpstreamKey;
 
 /// The permit id in the `hmac` derivation of traffic that passes without a ledger answer
 /// (messages other than `tools/call`, ungoverned tools). The filter cannot verify a permit
@@ -65,31 +25,24 @@ pub fn upstream_value(mode: &UpstreamKey, permit_id: &str, key: Option<&str>) ->
     match mode {
         UpstreamKey::Off => None,
         UpstreamKey::Raw => Some(key.to_string()),
-        UpstreamKey::Hmac { secret } => {
-            let mut mac = secret.keyed.clone();
-            mac.update(permit_id.as_bytes());
-            mac.update(b":");
-            mac.update(key.as_bytes());
-            Some(hex(&mac.finalize().into_bytes()))
-        }
+        UpstreamKey::Hmac { secret } => Some(hex(&secret.mac(&[
+            permit_id.as_bytes(),
+            b":",
+            key.as_bytes(),
+        ]))),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use atmost_config::UpstreamSecret;
 
     #[test]
     fn modes() {
-        let secret = UpstreamSecret::new("0123456789abcdef0123".into());
         let hmac = UpstreamKey::Hmac {
-            secret: secret.clone().unwrap(),
+            secret: UpstreamSecret::new("0123456789abcdef0123".into()).unwrap(),
         };
-        assert_eq!(
-            format!("{:?}", secret),
-            "Some(UpstreamSecret(redacted))",
-            "the secret is never printed"
-        );
         // Independently: python3 -c 'import hmac,hashlib;print(hmac.new(b"0123456789abcdef0123",
         //   b"pmt_1:task-4417-pay", hashlib.sha256).hexdigest())'
         assert_eq!(

@@ -17,10 +17,10 @@
 //!   receipt-bearing report (`completed`, …) is never followed by `released`.
 
 use arbitrary::{Arbitrary, Unstructured};
+use atmost_config::{Config, UpstreamKey};
 use atmost_filter::call::{
     BodyStep, Call, Effect, Flow, LogProps, RequestHead, ResponseHead, Step, IDEMPOTENCY_HEADER,
 };
-use atmost_filter::config::{Config, UpstreamKey};
 use atmost_filter::ledger::{Endpoint, LedgerReply};
 use atmost_filter::mcp::{self, Message, Mirrored};
 use atmost_filter::resume::Ticket;

@@ -4,7 +4,7 @@
 //! documented bound (ranges, header name rules, secret length, non-empty governed tools);
 //! a refusal's message never echoes `ledger.service_token` or `upstream_key.secret`.
 
-use atmost_filter::config::{Config, ToolSet, UpstreamKey, MAX_MAX_BYTES, MIN_SECRET_BYTES};
+use atmost_config::{Config, ToolSet, UpstreamKey, MAX_MAX_BYTES, MIN_SECRET_BYTES};
 use serde_json::Value;
 
 /// Checks an accepted configuration against the documented rules.

@@ -9,11 +9,11 @@
 
 use crate::plugin_config::{assert_no_secret_echo, assert_valid};
 use arbitrary::{Arbitrary, Unstructured};
-use atmost_filter::config::{
+use atmost_config::UpstreamSecret;
+use atmost_config::{
     Config, DenialFormat, ToolSet, UpstreamKey, DEFAULT_AUTHORITY, DEFAULT_MAX_BYTES,
     DEFAULT_PERMIT_HEADER, DEFAULT_REPORT_INTERVAL_MS, DEFAULT_TIMEOUT_MS, MAX_MAX_BYTES,
 };
-use atmost_filter::upstream_key::UpstreamSecret;
 use serde_json::{json, Map, Value};
 
 #[derive(Arbitrary, Debug)]
@@ -201,7 +201,7 @@ pub fn check(data: &[u8]) {
     }
 
     let expected = Config {
-        ledger: atmost_filter::config::LedgerConfig {
+        ledger: atmost_config::LedgerConfig {
             cluster,
             authority: authority.unwrap_or_else(|| DEFAULT_AUTHORITY.to_string()),
             timeout_ms: timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS),
@@ -223,7 +223,7 @@ pub fn check(data: &[u8]) {
         max_body_bytes: max_body.unwrap_or(DEFAULT_MAX_BYTES),
         max_receipt_bytes: max_receipt.unwrap_or(DEFAULT_MAX_BYTES),
         report_interval_ms: report.unwrap_or(DEFAULT_REPORT_INTERVAL_MS),
-        completion_reports: atmost_filter::config::CompletionReports::Batched,
+        completion_reports: atmost_config::CompletionReports::Batched,
     };
 
     // One mutation, and the field the refusal must name.

@@ -4,7 +4,7 @@
 use std::io::Read;
 use std::path::Path;
 
-use atmost_filter::config::{Config, ToolSet};
+use atmost_config::{Config, ToolSet};
 
 /// What a check found: `Ok` with a one-line summary, or the filter's own error line.
 pub fn check_bytes(bytes: &[u8]) -> Result<String, String> {

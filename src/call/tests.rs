@@ -1,7 +1,7 @@
 //! Event → action table for the per-request state machine.
 
 use super::*;
-use crate::config::tests::{config_from, minimal};
+use crate::test_config::{config_from, minimal};
 use serde_json::json;
 
 fn cfg() -> Rc<Config> {

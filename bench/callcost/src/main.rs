@@ -9,7 +9,7 @@
 use std::process::ExitCode;
 use std::rc::Rc;
 
-use atmost_filter::config::Config;
+use atmost_config::Config;
 
 mod one_call;
 use one_call::{one_call, CONFIG};

@@ -1,12 +1,15 @@
-//! The plugin configuration: the JSON in the Wasm filter's `configuration`.
+//! The plugin configuration: the JSON in the Wasm filter's `configuration`. A crate of its
+//! own so the ledger's `atmost config check` runs the filter's parser without the filter.
 //!
 //! Parsing and checking happen in one pass over the JSON so that every error names the
 //! field it is about (`ledger.timeout_ms`, `upstream_key.secret`, …). Unknown fields are
 //! refused, so a typo is an error and not a silently ignored setting. Error messages never
 //! echo a field's value (some are secrets).
 
-use crate::upstream_key::UpstreamSecret;
+mod upstream_secret;
+
 use serde_json::{Map, Value};
+pub use upstream_secret::UpstreamSecret;
 
 /// Default `permit_header`.
 pub const DEFAULT_PERMIT_HEADER: &str = "atmost-permit";
@@ -495,18 +498,18 @@ impl Config {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
     use serde_json::json;
 
-    pub(crate) fn minimal() -> Value {
+    fn minimal() -> Value {
         json!({
             "ledger": {"cluster": "atmost_ledger", "service_token": "svc-token"},
             "upstream_key": {"secret": "0123456789abcdef0123"}
         })
     }
 
-    pub(crate) fn config_from(v: &Value) -> Config {
+    fn config_from(v: &Value) -> Config {
         match Config::parse(v.to_string().as_bytes()) {
             Ok(c) => c,
             Err(e) => panic!("{e}"),
