@@ -28,6 +28,7 @@ use crate::ledger::{Callout, Endpoint, LedgerReply};
 use crate::mcp::{self, Message, MetaKey, Mirrored};
 use crate::meta_key;
 use crate::outcome::{self, NoReceipt};
+use crate::permit;
 use crate::receipt::{self, ResultKind, SseCapture, SseProgress};
 use crate::replay;
 use crate::reply::{rpc_code, LocalReply};
@@ -595,29 +596,11 @@ impl Call {
             );
             return self.pass(&head, keyed.then_some(body), call.id, Some(call.name));
         }
-        let permit = match head.permit.as_slice() {
-            [] => Err(format!(
-                "no permit: send the permit token in the `{}` header",
-                self.config.permit_header
-            )),
-            [one] => match std::str::from_utf8(one).map(str::trim) {
-                Ok(t) if !t.is_empty() && t.bytes().all(|b| (0x21..=0x7e).contains(&b)) => {
-                    Ok(t.to_string())
-                }
-                _ => Err(format!(
-                    "the `{}` header is empty or not a token",
-                    self.config.permit_header
-                )),
-            },
-            _ => Err(format!(
-                "the `{}` header was sent more than once",
-                self.config.permit_header
-            )),
-        };
+        let permit = permit::token(&head.permit, &self.config.permit_header);
         let permit_token = match permit {
             Ok(t) => t,
-            Err(msg) => {
-                let d = Denial::new(DenialCode::PermitInvalid, msg);
+            Err(e) => {
+                let d = Denial::new(DenialCode::PermitInvalid, e.to_string());
                 return deny_step(&self.config, &d, &call.id, &call.name);
             }
         };

@@ -12,6 +12,7 @@
 //! [`crate::reports::ReportQueue`] (as a failed per-call report does) and their responses
 //! are resumed too.
 
+use crate::ledger::LedgerError;
 use atmost_protocol::{OutcomeAck, OutcomeReport, OutcomesRequest};
 use std::collections::{HashSet, VecDeque};
 
@@ -28,7 +29,7 @@ pub struct Finished {
     /// Delivered reports the ledger did not apply (conflict, unknown attempt), by attempt id.
     pub not_applied: Vec<(String, OutcomeAck)>,
     /// Why the batch failed, if it did.
-    pub failure: Option<String>,
+    pub failure: Option<LedgerError>,
 }
 
 /// The VM's list of completion reports waiting for the ledger.
@@ -99,7 +100,7 @@ impl Completions {
 
     /// The ledger's answer for the batch that is out (`Err` = not delivered: zero headers,
     /// non-200, unreadable or incomplete answer, or the callout could not be dispatched).
-    pub fn finish_batch(&mut self, acks: Result<Vec<OutcomeAck>, String>) -> Finished {
+    pub fn finish_batch(&mut self, acks: Result<Vec<OutcomeAck>, LedgerError>) -> Finished {
         let batch = std::mem::take(&mut self.in_flight);
         let mut done = Finished {
             resume: Vec::with_capacity(batch.len()),
@@ -212,7 +213,7 @@ mod tests {
         c.push(1, report(1));
         c.push(2, report(2));
         c.next_batch();
-        let done = c.finish_batch(Err("ledger unavailable".into()));
+        let done = c.finish_batch(Err(LedgerError::Unreachable));
         assert_eq!(done.resume, vec![1, 2]);
         assert_eq!(
             done.requeue
@@ -221,7 +222,7 @@ mod tests {
                 .collect::<Vec<_>>(),
             vec!["a1", "a2"]
         );
-        assert_eq!(done.failure.as_deref(), Some("ledger unavailable"));
+        assert_eq!(done.failure, Some(LedgerError::Unreachable));
         assert!(!c.is_waiting(1) && !c.is_waiting(2));
         assert!(c.next_batch().is_none(), "requeued reports leave this list");
     }
@@ -253,7 +254,7 @@ mod tests {
     fn finishing_with_nothing_out_is_harmless() {
         let mut c = Completions::new();
         c.push(9, report(9));
-        let done = c.finish_batch(Err("stale".into()));
+        let done = c.finish_batch(Err(LedgerError::NoAnswer));
         assert!(done.resume.is_empty() && done.requeue.is_empty());
         assert!(c.is_waiting(9), "pending report untouched");
         assert_eq!(c.pending_len(), 1);

@@ -6,6 +6,7 @@
 use serde::Serialize;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
+use std::fmt;
 
 /// Lowercase hex of bytes.
 pub fn hex(bytes: &[u8]) -> String {
@@ -25,13 +26,29 @@ struct Hashed<'a> {
     arguments: &'a Map<String, Value>,
 }
 
+/// Arguments JCS cannot write (the serializer's own reason kept for logs and fuzzing).
+#[derive(Debug)]
+pub struct NotCanonical(serde_json::Error);
+
+impl fmt::Display for NotCanonical {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "arguments cannot be canonicalised (RFC 8785): {}",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for NotCanonical {}
+
 /// The canonical JSON text that is hashed.
-pub fn canonical(tool: &str, arguments: &Map<String, Value>) -> Result<String, String> {
-    serde_jcs::to_string(&Hashed { tool, arguments }).map_err(|e| e.to_string())
+pub fn canonical(tool: &str, arguments: &Map<String, Value>) -> Result<String, NotCanonical> {
+    serde_jcs::to_string(&Hashed { tool, arguments }).map_err(NotCanonical)
 }
 
 /// The fingerprint of a call.
-pub fn fingerprint(tool: &str, arguments: &Map<String, Value>) -> Result<String, String> {
+pub fn fingerprint(tool: &str, arguments: &Map<String, Value>) -> Result<String, NotCanonical> {
     let text = canonical(tool, arguments)?;
     Ok(hex(&Sha256::digest(text.as_bytes())))
 }

@@ -4,6 +4,7 @@
 
 use atmost_config::LedgerConfig;
 use atmost_protocol::{AuthorizeResponse, OutcomeAck, OutcomesRequest, OutcomesResponse};
+use std::fmt;
 
 /// Which ledger endpoint a callout goes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +53,45 @@ pub fn headers(cfg: &LedgerConfig, endpoint: Endpoint) -> Vec<(String, String)> 
     ]
 }
 
+/// Why a callout brought back no usable answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LedgerError {
+    /// Zero headers or no `:status`: dispatch refused, reset, timed out.
+    Unreachable,
+    /// Answered, but not HTTP 200.
+    Status(u32),
+    /// HTTP 200 with a body that is not the endpoint's answer.
+    Unreadable(Endpoint),
+    /// An outcomes answer with a different number of acks than reports sent.
+    AckCount { acked: usize, sent: usize },
+    /// The host refused to dispatch the callout.
+    NotDispatched,
+    /// The callout was given up on after its answer never came.
+    NoAnswer,
+}
+
+impl fmt::Display for LedgerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LedgerError::Unreachable => f.write_str("ledger unreachable or timed out"),
+            LedgerError::Status(s) => write!(f, "ledger answered HTTP {s}"),
+            LedgerError::Unreadable(Endpoint::Authorize) => {
+                f.write_str("ledger answer to authorize is not an AuthorizeResponse")
+            }
+            LedgerError::Unreadable(Endpoint::Outcomes) => {
+                f.write_str("ledger answer to outcomes is not an OutcomesResponse")
+            }
+            LedgerError::AckCount { acked, sent } => {
+                write!(f, "ledger acknowledged {acked} of {sent} reports")
+            }
+            LedgerError::NotDispatched => f.write_str("dispatch failed"),
+            LedgerError::NoAnswer => f.write_str("no answer"),
+        }
+    }
+}
+
+impl std::error::Error for LedgerError {}
+
 /// What came back from a callout, as the adapter read it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LedgerReply {
@@ -69,29 +109,29 @@ impl LedgerReply {
         }
     }
 
-    fn ok_body(&self) -> Result<&[u8], String> {
+    fn ok_body(&self) -> Result<&[u8], LedgerError> {
         match self.status {
-            None => Err("ledger unreachable or timed out".into()),
+            None => Err(LedgerError::Unreachable),
             Some(200) => Ok(&self.body),
-            Some(s) => Err(format!("ledger answered HTTP {s}")),
+            Some(s) => Err(LedgerError::Status(s)),
         }
     }
 
     /// Reads an authorize answer.
-    pub fn authorize(&self) -> Result<AuthorizeResponse, String> {
+    pub fn authorize(&self) -> Result<AuthorizeResponse, LedgerError> {
         serde_json::from_slice(self.ok_body()?)
-            .map_err(|_| "ledger answer to authorize is not an AuthorizeResponse".to_string())
+            .map_err(|_| LedgerError::Unreadable(Endpoint::Authorize))
     }
 
     /// Reads an outcomes answer for `sent` reports.
-    pub fn outcomes(&self, sent: usize) -> Result<Vec<OutcomeAck>, String> {
+    pub fn outcomes(&self, sent: usize) -> Result<Vec<OutcomeAck>, LedgerError> {
         let resp: OutcomesResponse = serde_json::from_slice(self.ok_body()?)
-            .map_err(|_| "ledger answer to outcomes is not an OutcomesResponse".to_string())?;
+            .map_err(|_| LedgerError::Unreadable(Endpoint::Outcomes))?;
         if resp.acks.len() != sent {
-            return Err(format!(
-                "ledger acknowledged {} of {sent} reports",
-                resp.acks.len()
-            ));
+            return Err(LedgerError::AckCount {
+                acked: resp.acks.len(),
+                sent,
+            });
         }
         Ok(resp.acks)
     }
@@ -133,19 +173,26 @@ mod tests {
             body: serde_json::to_vec(&deny).unwrap_or_default(),
         };
         assert_eq!(ok.authorize(), Ok(deny));
-        assert!(LedgerReply::failed().authorize().is_err());
-        assert!(LedgerReply {
-            status: Some(503),
-            body: ok.body.clone()
-        }
-        .authorize()
-        .is_err());
-        assert!(LedgerReply {
-            status: Some(200),
-            body: b"{}".to_vec()
-        }
-        .authorize()
-        .is_err());
+        assert_eq!(
+            LedgerReply::failed().authorize(),
+            Err(LedgerError::Unreachable)
+        );
+        assert_eq!(
+            LedgerReply {
+                status: Some(503),
+                body: ok.body.clone()
+            }
+            .authorize(),
+            Err(LedgerError::Status(503))
+        );
+        assert_eq!(
+            LedgerReply {
+                status: Some(200),
+                body: b"{}".to_vec()
+            }
+            .authorize(),
+            Err(LedgerError::Unreadable(Endpoint::Authorize))
+        );
         let acks = LedgerReply {
             status: Some(200),
             body: br#"{"acks":["applied","already_recorded"]}"#.to_vec(),
@@ -154,7 +201,14 @@ mod tests {
             acks.outcomes(2),
             Ok(vec![OutcomeAck::Applied, OutcomeAck::AlreadyRecorded])
         );
-        assert!(acks.outcomes(3).is_err());
+        assert_eq!(
+            acks.outcomes(3),
+            Err(LedgerError::AckCount { acked: 2, sent: 3 })
+        );
+        assert_eq!(
+            LedgerError::AckCount { acked: 2, sent: 3 }.to_string(),
+            "ledger acknowledged 2 of 3 reports"
+        );
         assert_eq!(parse_status(b"200"), Some(200));
         assert_eq!(parse_status(b"x"), None);
     }

@@ -23,6 +23,7 @@ pub mod ledger;
 pub mod mcp;
 pub mod meta_key;
 pub mod outcome;
+pub mod permit;
 pub mod receipt;
 pub mod replay;
 pub mod reply;

@@ -8,6 +8,7 @@
 //! (logged and counted); the ledger's lease sweeper then turns that attempt `uncertain`,
 //! never `released`.
 
+use crate::ledger::LedgerError;
 use atmost_protocol::{OutcomeAck, OutcomeReport, OutcomesRequest};
 use std::collections::VecDeque;
 
@@ -89,7 +90,7 @@ impl ReportQueue {
     }
 
     /// The ledger's answer for the batch that is out (`Err` = not delivered).
-    pub fn finish_batch(&mut self, acks: Result<Vec<OutcomeAck>, String>) -> BatchResult {
+    pub fn finish_batch(&mut self, acks: Result<Vec<OutcomeAck>, LedgerError>) -> BatchResult {
         let batch = std::mem::take(&mut self.in_flight);
         match acks {
             Ok(acks) => BatchResult::Delivered {
@@ -139,7 +140,7 @@ mod tests {
         assert_eq!(b, Some(100));
         assert!(q.next_batch().is_none(), "one batch out at a time");
         assert_eq!(
-            q.finish_batch(Err("down".into())),
+            q.finish_batch(Err(LedgerError::Unreachable)),
             BatchResult::Requeued { count: 100 }
         );
         // Order is kept after a failure.

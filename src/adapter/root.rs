@@ -103,7 +103,7 @@ impl Root {
             None => {
                 self.queue
                     .borrow_mut()
-                    .finish_batch(Err("dispatch failed".into()));
+                    .finish_batch(Err(ledger::LedgerError::NotDispatched));
                 shared.metrics.inc(Stat::ReportBatchFailed);
             }
         }
@@ -136,7 +136,7 @@ impl Root {
                     let done = self
                         .completions
                         .borrow_mut()
-                        .finish_batch(Err("dispatch failed".into()));
+                        .finish_batch(Err(ledger::LedgerError::NotDispatched));
                     self.finish_completions(&shared, done);
                 }
             }
@@ -320,7 +320,7 @@ impl RootContext for Root {
                 let done = self
                     .completions
                     .borrow_mut()
-                    .finish_batch(Err("no answer".into()));
+                    .finish_batch(Err(ledger::LedgerError::NoAnswer));
                 if let Some(shared) = self.shared.clone() {
                     self.finish_completions(&shared, done);
                 }
@@ -336,7 +336,7 @@ impl RootContext for Root {
             self.batch_token = None;
             self.queue
                 .borrow_mut()
-                .finish_batch(Err("no answer".into()));
+                .finish_batch(Err(ledger::LedgerError::NoAnswer));
             host::log(
                 Level::Warn,
                 "atmost: a batch of outcome reports got no answer; requeued",
