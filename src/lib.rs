@@ -27,6 +27,7 @@ pub mod permit;
 pub mod receipt;
 pub mod replay;
 pub mod reply;
+pub mod reporter;
 pub mod reports;
 pub mod resume;
 pub mod sse;

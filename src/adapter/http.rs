@@ -1,11 +1,10 @@
 //! One HTTP request: reads what Envoy offers, feeds [`Call`], carries out its effects.
 
 use super::host;
-use super::root::Shared;
+use super::shared::Shared;
 use crate::call::{BodyStep, Call, Effect, Flow, Level, LogProps, RequestHead, ResponseHead, Step};
 use crate::effects::{self, Refused};
 use crate::ledger::{self, Callout};
-use crate::stats::Stat;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
@@ -33,7 +32,7 @@ impl Http {
     /// Tells the machine when the root has finished the batch carrying this context's
     /// report (the root resumed the response; a failed report is in the root's queue).
     fn sync_batch(&mut self) {
-        if self.in_batch && !self.shared.completions.borrow().is_waiting(self.context_id) {
+        if self.in_batch && !self.shared.reporter.borrow().is_waiting(self.context_id) {
             self.in_batch = false;
             self.call.on_completion_settled();
         }
@@ -156,32 +155,25 @@ impl effects::Host for Exec<'_> {
                 }
             }
             Effect::Enqueue(report) => {
-                let dropped = self.shared.queue.borrow_mut().push(report);
-                if let Some(old) = dropped {
-                    self.shared.metrics.inc(Stat::ReportDropped);
-                    host::log(
-                        Level::Error,
-                        &format!(
-                            "atmost: report queue full; dropped the report of attempt {} (the ledger's lease sweeper will mark it uncertain)",
-                            old.attempt_id
-                        ),
-                    );
+                let effects = self.shared.reporter.borrow_mut().enqueue(report);
+                for effect in effects {
+                    self.shared.root_effect(effect);
                 }
             }
             Effect::Complete(report) => {
                 *self.in_batch = true;
                 let ring = self
                     .shared
-                    .completions
+                    .reporter
                     .borrow_mut()
-                    .push(self.context_id, report);
+                    .complete(self.context_id, report);
                 if ring {
                     let rang = self.shared.doorbell.is_some_and(|q| {
                         hostcalls::enqueue_shared_queue(q, Some(b"!".as_slice())).is_ok()
                     });
                     if !rang {
                         // The root's tick sends it instead.
-                        self.shared.completions.borrow_mut().answered_doorbell();
+                        self.shared.reporter.borrow_mut().doorbell_failed();
                     }
                 }
             }

@@ -2,12 +2,14 @@
 //! [`crate::call::Call`] and carries out the effects it returns. No decisions live here.
 //!
 //! Root context id: `atmost` (the `root_id` in Envoy's plugin config). One VM is
-//! single-threaded: the root context and its HTTP contexts share the report queue, the
-//! batch of completion reports ([`crate::completions`]) and the metric ids through `Rc`.
+//! single-threaded: the root context and its HTTP contexts share the
+//! [`crate::reporter::Reporter`] (report queue, batch of completion reports) and the
+//! metric ids through `Rc`.
 
 mod host;
 mod http;
 mod root;
+mod shared;
 
 use proxy_wasm::types::LogLevel;
 

@@ -1,0 +1,384 @@
+use super::*;
+use crate::ledger::Endpoint;
+use atmost_protocol::{Outcome, OutcomesRequest};
+
+fn report(i: u32) -> OutcomeReport {
+    OutcomeReport {
+        attempt_id: format!("a{i}"),
+        round: 1,
+        capability: format!("cap-{i}"),
+        outcome: Outcome::Uncertain { reason: "x".into() },
+    }
+}
+
+/// Ledger timeout 1000 ms, tick 200 ms: a callout is lost after 31 ticks.
+fn configured() -> Reporter {
+    let mut r = Reporter::new();
+    r.configure(1000, 200);
+    r
+}
+
+const LIMIT: u64 = (1000 + 5000) / 200 + 1;
+
+fn attempts(callout: &Callout) -> Vec<String> {
+    assert_eq!(callout.endpoint, Endpoint::Outcomes);
+    let req: OutcomesRequest = serde_json::from_slice(&callout.body).unwrap();
+    req.reports.into_iter().map(|r| r.attempt_id).collect()
+}
+
+fn acks(n: usize) -> LedgerReply {
+    LedgerReply {
+        status: Some(200),
+        body: format!(r#"{{"acks":[{}]}}"#, vec![r#""applied""#; n].join(",")).into_bytes(),
+    }
+}
+
+fn counts(tasks: &Tasks) -> Vec<Stat> {
+    tasks
+        .effects
+        .iter()
+        .filter_map(|e| match e {
+            RootEffect::Count(s) => Some(*s),
+            _ => None,
+        })
+        .collect()
+}
+
+fn resumed(tasks: &Tasks) -> Vec<u32> {
+    tasks
+        .effects
+        .iter()
+        .filter_map(|e| match e {
+            RootEffect::Resume(c) => Some(*c),
+            _ => None,
+        })
+        .collect()
+}
+
+fn logs(tasks: &Tasks) -> Vec<String> {
+    tasks
+        .effects
+        .iter()
+        .filter_map(|e| match e {
+            RootEffect::Log(_, m) => Some(m.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn nothing_is_sent_before_configuration() {
+    let mut r = Reporter::new();
+    assert!(r.enqueue(report(1)).is_empty());
+    assert!(r.complete(7, report(2)));
+    assert_eq!(r.on_tick(), Tasks::default());
+    assert_eq!(r.on_doorbell(), Tasks::default());
+    r.configure(1000, 200);
+    let t = r.on_tick();
+    let sent: Vec<Batch> = t.sends.iter().map(|(b, _)| *b).collect();
+    assert_eq!(sent, vec![Batch::Completions, Batch::Reports]);
+}
+
+#[test]
+fn tick_sends_the_queue_one_batch_at_a_time() {
+    let mut r = configured();
+    assert_eq!(r.on_tick(), Tasks::default(), "nothing queued");
+    r.enqueue(report(1));
+    r.enqueue(report(2));
+    let t = r.on_tick();
+    assert_eq!(t.sends.len(), 1);
+    assert_eq!(t.sends[0].0, Batch::Reports);
+    assert_eq!(attempts(&t.sends[0].1), vec!["a1", "a2"]);
+    r.on_dispatched(Batch::Reports, 11);
+    r.enqueue(report(3));
+    assert!(r.on_tick().sends.is_empty(), "one batch out at a time");
+    assert_eq!(
+        r.on_callout_reply(99, &acks(2)),
+        Tasks::default(),
+        "not ours"
+    );
+    let t = r.on_callout_reply(11, &acks(2));
+    assert_eq!(counts(&t), vec![Stat::ReportBatchSent]);
+    assert!(t.sends.is_empty(), "the next batch waits for the tick");
+    assert_eq!(r.queued(), 1);
+    let t = r.on_tick();
+    assert_eq!(attempts(&t.sends[0].1), vec!["a3"]);
+}
+
+#[test]
+fn failed_report_batch_stays_queued() {
+    let mut r = configured();
+    r.enqueue(report(1));
+    r.on_tick();
+    r.on_dispatched(Batch::Reports, 5);
+    let t = r.on_callout_reply(5, &LedgerReply::failed());
+    assert_eq!(counts(&t), vec![Stat::ReportBatchFailed]);
+    assert_eq!(
+        logs(&t),
+        vec!["atmost: sending 1 outcome reports failed; they stay queued"]
+    );
+    assert_eq!(r.queued(), 1);
+    let t = r.on_tick();
+    assert_eq!(attempts(&t.sends[0].1), vec!["a1"]);
+}
+
+#[test]
+fn not_applied_reports_are_logged() {
+    let mut r = configured();
+    r.enqueue(report(1));
+    r.on_tick();
+    r.on_dispatched(Batch::Reports, 5);
+    let reply = LedgerReply {
+        status: Some(200),
+        body: br#"{"acks":["conflict"]}"#.to_vec(),
+    };
+    let t = r.on_callout_reply(5, &reply);
+    assert_eq!(counts(&t), vec![Stat::ReportBatchSent]);
+    assert_eq!(
+        logs(&t),
+        vec!["atmost: ledger did not apply the report for attempt a1: Conflict"]
+    );
+    assert_eq!(r.queued(), 0);
+}
+
+#[test]
+fn a_lost_report_batch_is_requeued_after_the_limit() {
+    let mut r = configured();
+    r.enqueue(report(1));
+    r.on_tick();
+    r.on_dispatched(Batch::Reports, 5);
+    for _ in 0..LIMIT {
+        assert_eq!(r.on_tick(), Tasks::default());
+    }
+    let t = r.on_tick();
+    assert_eq!(
+        logs(&t),
+        vec!["atmost: a batch of outcome reports got no answer; requeued"]
+    );
+    assert_eq!(t.sends.len(), 1, "sent again on the same tick");
+    assert_eq!(attempts(&t.sends[0].1), vec!["a1"]);
+    // The late answer to the lost callout is not taken for the new one.
+    r.on_dispatched(Batch::Reports, 6);
+    assert_eq!(r.on_callout_reply(5, &acks(1)), Tasks::default());
+    assert_eq!(
+        counts(&r.on_callout_reply(6, &acks(1))),
+        vec![Stat::ReportBatchSent]
+    );
+}
+
+#[test]
+fn report_batch_not_dispatched_waits_for_the_next_tick() {
+    let mut r = configured();
+    r.enqueue(report(1));
+    r.on_tick();
+    let t = r.on_dispatch_failed(Batch::Reports);
+    assert_eq!(counts(&t), vec![Stat::ReportBatchFailed]);
+    assert!(t.sends.is_empty());
+    assert_eq!(r.queued(), 1);
+    assert_eq!(r.on_tick().sends.len(), 1);
+}
+
+#[test]
+fn full_queue_drops_the_oldest_and_says_so() {
+    let mut r = Reporter::with_queue(ReportQueue::with_limit(1));
+    assert!(r.enqueue(report(1)).is_empty());
+    let e = r.enqueue(report(2));
+    assert_eq!(e[0], RootEffect::Count(Stat::ReportDropped));
+    assert!(matches!(&e[1], RootEffect::Log(Level::Error, m) if m.contains("attempt a1")));
+}
+
+#[test]
+fn doorbell_sends_completions_and_the_answer_resumes_and_sends_the_next() {
+    let mut r = configured();
+    assert!(r.complete(1, report(1)), "the first report rings");
+    assert!(!r.complete(2, report(2)), "a doorbell is on its way");
+    let t = r.on_doorbell();
+    assert_eq!(t.sends.len(), 1);
+    assert_eq!(t.sends[0].0, Batch::Completions);
+    assert_eq!(attempts(&t.sends[0].1), vec!["a1", "a2"]);
+    r.on_dispatched(Batch::Completions, 3);
+    assert!(!r.complete(3, report(3)), "no ring while a batch is out");
+    assert!(r.is_waiting(1) && r.is_waiting(3));
+    let t = r.on_callout_reply(3, &acks(2));
+    assert_eq!(counts(&t), vec![Stat::ReportBatchSent]);
+    assert_eq!(resumed(&t), vec![1, 2]);
+    assert!(!r.is_waiting(1) && !r.is_waiting(2));
+    assert_eq!(t.sends.len(), 1, "what waited goes out at once");
+    assert_eq!(attempts(&t.sends[0].1), vec!["a3"]);
+}
+
+#[test]
+fn failed_completion_batch_requeues_its_reports_then_resumes() {
+    let mut r = configured();
+    r.complete(1, report(1));
+    r.complete(2, report(2));
+    r.on_doorbell();
+    r.on_dispatched(Batch::Completions, 3);
+    let t = r.on_callout_reply(
+        3,
+        &LedgerReply {
+            status: Some(503),
+            body: Vec::new(),
+        },
+    );
+    assert_eq!(
+        counts(&t),
+        vec![
+            Stat::ReportBatchFailed,
+            Stat::ReportDeferred,
+            Stat::ReportDeferred
+        ]
+    );
+    assert_eq!(
+        logs(&t),
+        vec!["atmost: batch of 2 completed reports failed (ledger answered HTTP 503); queued for retry"]
+    );
+    assert_eq!(resumed(&t), vec![1, 2]);
+    assert!(
+        matches!(t.effects.last(), Some(RootEffect::Resume(2))),
+        "resumed last"
+    );
+    assert_eq!(r.queued(), 2, "in the after-the-fact queue");
+    let t = r.on_tick();
+    assert_eq!(t.sends[0].0, Batch::Reports);
+    assert_eq!(attempts(&t.sends[0].1), vec!["a1", "a2"]);
+}
+
+#[test]
+fn a_lost_completion_batch_is_given_up_and_its_responses_resumed() {
+    let mut r = configured();
+    r.complete(1, report(1));
+    r.on_doorbell();
+    r.on_dispatched(Batch::Completions, 3);
+    for _ in 0..LIMIT {
+        assert!(resumed(&r.on_tick()).is_empty());
+    }
+    let t = r.on_tick();
+    assert_eq!(resumed(&t), vec![1]);
+    assert!(logs(&t)[0].contains("(no answer)"), "{:?}", logs(&t));
+    assert_eq!(
+        t.sends[0].0,
+        Batch::Reports,
+        "the report goes the after-the-fact way"
+    );
+    assert_eq!(
+        r.on_callout_reply(3, &acks(1)),
+        Tasks::default(),
+        "late answer"
+    );
+}
+
+#[test]
+fn the_tick_sends_completions_a_doorbell_could_not_announce() {
+    let mut r = configured();
+    assert!(r.complete(1, report(1)));
+    r.doorbell_failed();
+    let t = r.on_tick();
+    assert_eq!(t.sends.len(), 1);
+    assert_eq!(t.sends[0].0, Batch::Completions);
+    // Answered: the next report rings again.
+    r.on_dispatched(Batch::Completions, 4);
+    r.on_callout_reply(4, &acks(1));
+    assert!(r.complete(2, report(2)));
+}
+
+/// Records effects; refuses the first `refuse` dispatches.
+struct Recorder {
+    effects: Vec<RootEffect>,
+    dispatched: Vec<Vec<String>>,
+    refuse: usize,
+    next_token: u32,
+}
+
+impl Recorder {
+    fn refusing(refuse: usize) -> Recorder {
+        Recorder {
+            effects: Vec::new(),
+            dispatched: Vec::new(),
+            refuse,
+            next_token: 100,
+        }
+    }
+}
+
+impl RootHost for Recorder {
+    fn effect(&mut self, effect: RootEffect) {
+        self.effects.push(effect);
+    }
+
+    fn dispatch(&mut self, callout: &Callout) -> Option<u32> {
+        if self.refuse > 0 {
+            self.refuse -= 1;
+            return None;
+        }
+        self.dispatched.push(attempts(callout));
+        self.next_token += 1;
+        Some(self.next_token)
+    }
+}
+
+#[test]
+fn apply_hands_tokens_back_so_answers_are_recognised() {
+    let r = RefCell::new(configured());
+    r.borrow_mut().enqueue(report(1));
+    let mut host = Recorder::refusing(0);
+    let t = r.borrow_mut().on_tick();
+    apply(&r, t, &mut host);
+    assert_eq!(host.dispatched, vec![vec!["a1".to_string()]]);
+    let t = r.borrow_mut().on_callout_reply(101, &acks(1));
+    assert_eq!(counts(&t), vec![Stat::ReportBatchSent]);
+}
+
+#[test]
+fn apply_finishes_undispatchable_completion_batches_until_none_wait() {
+    let r = RefCell::new(configured());
+    for i in 0..250 {
+        r.borrow_mut().complete(i, report(i));
+    }
+    let mut host = Recorder::refusing(usize::MAX);
+    let t = r.borrow_mut().on_doorbell();
+    apply(&r, t, &mut host);
+    let resumed: Vec<u32> = host
+        .effects
+        .iter()
+        .filter_map(|e| match e {
+            RootEffect::Resume(c) => Some(*c),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        resumed,
+        (0..250).collect::<Vec<u32>>(),
+        "every held response goes on"
+    );
+    let failed = host
+        .effects
+        .iter()
+        .filter(|e| **e == RootEffect::Count(Stat::ReportBatchFailed))
+        .count();
+    assert_eq!(failed, 3, "three batches of at most 100");
+    assert_eq!(r.borrow().queued(), 250);
+    assert!(!r.borrow().is_waiting(0));
+    // Dispatch works again: the tick sends the queue.
+    let mut host = Recorder::refusing(0);
+    let t = r.borrow_mut().on_tick();
+    apply(&r, t, &mut host);
+    assert_eq!(host.dispatched.len(), 1);
+    assert_eq!(host.dispatched[0].len(), 100);
+}
+
+#[test]
+fn apply_after_one_refused_completion_dispatch_sends_the_rest() {
+    let r = RefCell::new(configured());
+    for i in 0..150 {
+        r.borrow_mut().complete(i, report(i));
+    }
+    let mut host = Recorder::refusing(1);
+    let t = r.borrow_mut().on_doorbell();
+    apply(&r, t, &mut host);
+    assert_eq!(host.dispatched.len(), 1);
+    assert_eq!(host.dispatched[0].len(), 50);
+    assert!(r.borrow().is_waiting(120) && !r.borrow().is_waiting(10));
+    let t = r.borrow_mut().on_callout_reply(101, &acks(50));
+    assert_eq!(resumed(&t), (100..150).collect::<Vec<u32>>());
+}
