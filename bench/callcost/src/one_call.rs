@@ -4,8 +4,8 @@
 use std::hint::black_box;
 use std::rc::Rc;
 
-use atmost_filter::call::{BodyStep, Call, RequestHead, ResponseHead};
 use atmost_config::Config;
+use atmost_filter::call::{BodyStep, Call, RequestHead, ResponseHead};
 use atmost_filter::ledger::LedgerReply;
 
 /// A call with its key in `_meta` and three arguments.
