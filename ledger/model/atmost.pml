@@ -53,7 +53,7 @@
 #define N          1
 #define KEYS       2
 #ifndef MAXA
-#define MAXA       4
+#define MAXA       3
 #endif
 #define ROWS       4          /* array sizes; MAXA <= ROWS bounds how many are used */
 #define MAXR       3
@@ -62,7 +62,7 @@
 #define CALLS      3          /* gateway calls in all, shared by the filters */
 #endif
 #ifndef ATT_STEPS
-#define ATT_STEPS  3
+#define ATT_STEPS  2
 #endif
 #define BAG        3
 #ifndef DUPS
