@@ -8,19 +8,19 @@
  *                       picks released (never reached the upstream) or uncertain (sent,
  *                       outcome unknown); completed / input_required when the response was
  *                       captured.
- *   post / the bag      src/reports.rs `ReportQueue`, src/completions.rs and the root
+ *   pend (reports)      src/reports.rs `ReportQueue`, src/completions.rs and the root
  *                       context's tick (src/adapter/root.rs): reports wait, are retried
  *                       (so a batch whose answer was lost arrives twice), are dropped past
  *                       the queue's limit or with the VM; the ledger takes them in any order.
  *   Replica (x 2)       two ledger processes over ONE store (ledger/src/store/): every
  *                       decision is one transaction (SQLite BEGIN IMMEDIATE, PostgreSQL
- *                       SELECT ... FOR UPDATE of the permit row), here one atomic step.
+ *                       SELECT ... FOR UPDATE of the permit row), here one d_step.
  *     decide            ledger/src/decide.rs `decide` (authorize) plus the reservation.
  *     apply_report      ledger/src/decide.rs `apply_outcome` with the round and capability
  *                       rules.
- *   Sweeper             ledger/src/decide.rs `expire_lease` (any lease may run out at any
- *                       moment: time is abstracted away).
- *   Admin               ledger/src/decide.rs `resolve` (admin API / reconciler).
+ *     EXPIRE            ledger/src/decide.rs `expire_lease`, the sweeper (any lease may run
+ *                       out at any moment: time is abstracted away).
+ *     RESOLVE           ledger/src/decide.rs `resolve` (admin API / reconciler).
  *   Upstream            the MCP server. It records executions: this is what "executed" means.
  *   Attacker            the agent turned against its owner: it holds the permit token and
  *                       the filter's service token, so it calls authorize directly and posts
@@ -44,9 +44,9 @@
  *                           another (two replicas can both pass a cap of 1).
  *
  * Bounds (exhaustive within them): one permit, one governed tool, cap N = 1, two keys,
- * at most MAXA attempts and MAXR rounds per attempt, FILTERS concurrent gateway requests
- * of CALLS calls each, ATT_STEPS attacker actions, a report bag of BAG entries with DUPS
- * duplicate deliveries. Fingerprints always match (a mismatch is a plain denial), budget
+ * at most MAXA attempts and MAXR rounds per attempt, CALLS gateway calls made by FILTERS
+ * concurrent filters, ATT_STEPS attacker actions that change the store, DUPS duplicate
+ * report deliveries. Fingerprints always match (a mismatch is a plain denial), budget
  * and expiry are left out (they only deny more), completed and accepted are one state.
  */
 
@@ -64,7 +64,6 @@
 #ifndef ATT_STEPS
 #define ATT_STEPS  2
 #endif
-#define BAG        3
 #ifndef DUPS
 #define DUPS       1
 #endif
