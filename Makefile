@@ -9,7 +9,7 @@ WASM := target/wasm32-wasip1/release/atmost_filter.wasm
 CARGO ?= cargo
 
 .PHONY: oci-tools
-.PHONY: all run test test-unit test-e2e test-faults lint fmt ts-deps wasm ledger ledger-release setup rust-setup venv clean oci
+.PHONY: all run test model-check test-unit test-e2e test-faults lint fmt ts-deps wasm ledger ledger-release setup rust-setup venv clean oci
 
 all: wasm ledger-release
 
@@ -93,8 +93,12 @@ test-unit:
 test-e2e: setup ts-deps wasm ledger
 	ATMOST_BIN=target/debug/atmost $(WITH_PG) $(VPY) -m pytest tests/e2e -q -p no:cacheprovider --timeout 300
 
+## The protocol model (ledger/model/atmost.pml): spin must verify it and refute each mutant.
+model-check:
+	ledger/model/check.sh
+
 # One PostgreSQL for both suites (a throwaway one is started once and stopped at the end).
-test: setup lint
+test: setup lint model-check
 	$(WITH_PG) $(MAKE) --no-print-directory test-unit test-e2e
 
 ## The fault suite: real processes under kill -9, a slow or silent ledger, upstream resets and timeouts,
