@@ -114,7 +114,9 @@ pub fn closed_cleanly(attempts: Option<u64>, flags: Option<u64>) -> bool {
     attempts.is_some_and(|n| n >= 1) && flags == Some(0)
 }
 
-/// The outcome of a dispatched call whose completion was not acknowledged.
+/// The outcome of a dispatched call whose completion was not acknowledged. Modelled in
+/// `ledger/model/atmost.pml` (`Filter`: released only when the round never reached the
+/// upstream).
 pub fn classify(
     receipt: Option<&str>,
     no_receipt: NoReceipt,

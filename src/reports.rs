@@ -28,7 +28,8 @@ pub enum BatchResult {
     Requeued { count: usize },
 }
 
-/// The queue.
+/// The queue. Modelled in `ledger/model/atmost.pml` (`pend`: reports delayed, repeated or
+/// lost).
 #[derive(Debug, Default)]
 pub struct ReportQueue {
     pending: VecDeque<OutcomeReport>,

@@ -134,6 +134,9 @@ pub fn resolve_cost(rule: &CostRule, arguments: &Value) -> Result<u64, String> {
 }
 
 /// THE authorize decision. See DESIGN.md's decision table.
+///
+/// Modelled in `ledger/model/atmost.pml` (`decide`): spin checks the cap, one execution per
+/// key and no release after a send under every interleaving of two replicas.
 pub fn decide(req: &AuthorizeRequest, snap: &Snapshot, params: &DecideParams) -> Decision {
     let now = snap.now_ms;
 
@@ -430,6 +433,10 @@ pub fn report_authenticated(a: &Attempt, report: &OutcomeReport) -> bool {
 
 /// Applies one outcome report. Only a report that proves the attempt's current round moves
 /// it, and only from `in_flight`; the attempt to write, if any, is returned.
+///
+/// Modelled in `ledger/model/atmost.pml` (`apply_report`): without the round check, an agent
+/// holding a later round's capability claims round 1 and releases a sent attempt (the
+/// `NO_ROUND_CHECK` mutant's counterexample).
 pub fn apply_outcome(
     existing: Option<&Attempt>,
     report: &OutcomeReport,
@@ -498,7 +505,8 @@ pub struct ResolveInput {
     pub by: String,
 }
 
-/// Settles an `uncertain` attempt. Nothing else can be resolved.
+/// Settles an `uncertain` attempt. Nothing else can be resolved. Modelled in
+/// `ledger/model/atmost.pml` (`RESOLVE`).
 pub fn resolve(a: &Attempt, input: &ResolveInput, now: Millis) -> Result<Attempt, ResolveError> {
     if a.state != AttemptState::Uncertain {
         return Err(ResolveError::NotUncertain(a.state));
@@ -523,7 +531,7 @@ pub fn resolve(a: &Attempt, input: &ResolveInput, now: Millis) -> Result<Attempt
 }
 
 /// The sweeper: an `in_flight` or `awaiting_input` attempt past its lease becomes
-/// `uncertain` (never `released`).
+/// `uncertain` (never `released`). Modelled in `ledger/model/atmost.pml` (`EXPIRE`).
 pub fn expire_lease(a: &Attempt, now: Millis) -> Option<Attempt> {
     if !a.state.leased() || now < a.lease_expires_at_ms {
         return None;

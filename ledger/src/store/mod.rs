@@ -76,7 +76,8 @@ pub trait Store: Send + Sync {
     /// Revokes a permit; revoking twice keeps the first time. `None` if unknown.
     async fn revoke_permit(&self, id: &str, now: Millis) -> Result<Option<Permit>, LedgerError>;
 
-    /// Check and reserve in one atomic step.
+    /// Check and reserve in one atomic step. `ledger/model/atmost.pml`'s `NO_ATOMIC_RESERVE`
+    /// mutant shows why: as two steps, two replicas both pass a cap of 1.
     async fn authorize(
         &self,
         req: &AuthorizeRequest,
