@@ -5,7 +5,7 @@ every log the fault suite wrote (and the newest end-to-end run's logs, when pres
 - the admin and the filter credentials are separate, and must differ;
 - the permit header never reaches the upstream; under the default config neither does the
   client's raw idempotency key;
-- no permit token, idempotency key or receipt body appears in any log.
+- no permit token, idempotency key, receipt body or round capability appears in any log.
 
 Constant-time comparison is a code property, not tested by timing: `ledger/src/token.rs`
 (`token_matches`, `secrets_equal`) compares with `subtle::ConstantTimeEq`.
@@ -153,6 +153,10 @@ def test_no_token_key_or_receipt_body_in_any_log(log_dir):
         for s in exact:
             if s in text:
                 leaks.append(f"{f.name}: {s[:16]}…")
+        # A round's capability travels only in the ledger's answers and the filter's reports;
+        # a log that shows either body shows it.
+        if '"capability":"' in text or '"capability": "' in text:
+            leaks.append(f"{f.name}: a round's capability")
         for rx in [TOKEN_RE, *KEY_RES, *RECEIPT_RES]:
             m = rx.search(text)
             if m:
