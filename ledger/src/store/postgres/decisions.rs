@@ -6,6 +6,7 @@ use std::time::Duration;
 use atmost_protocol::AuthorizeRequest;
 use deadpool_postgres::{GenericClient, Pool};
 
+use super::column_err;
 use super::rows::{
     attempts_by_keys_sql, prepared, query, read_attempt, read_permit, ATTEMPT_COLS, ATTEMPT_NCOLS,
     PERMIT_COLS,
@@ -74,8 +75,8 @@ pub(super) async fn decision_worker(
             for row in query(&tx, &sql, &[&ids]).await? {
                 let p = read_permit(&row)?;
                 let budget: (i64, i64) = (
-                    row.try_get(7).map_err(pg_err)?,
-                    row.try_get(8).map_err(pg_err)?,
+                    row.try_get(7).map_err(column_err)?,
+                    row.try_get(8).map_err(column_err)?,
                 );
                 permits.insert(p.id.clone(), (p, budget));
             }
@@ -235,22 +236,22 @@ pub(super) async fn read_batch<C: GenericClient>(
     let mut reads = BatchReads::default();
     for row in keys.map_err(pg_err)? {
         let (permit, kh): (String, String) = (
-            row.try_get(ATTEMPT_NCOLS).map_err(pg_err)?,
-            row.try_get(ATTEMPT_NCOLS + 1).map_err(pg_err)?,
+            row.try_get(ATTEMPT_NCOLS).map_err(column_err)?,
+            row.try_get(ATTEMPT_NCOLS + 1).map_err(column_err)?,
         );
         reads.by_key.insert((permit, kh), read_attempt(&row)?);
     }
     for row in slots.map_err(pg_err)? {
         reads.slots.insert(
             (
-                row.try_get(0).map_err(pg_err)?,
-                row.try_get(1).map_err(pg_err)?,
+                row.try_get(0).map_err(column_err)?,
+                row.try_get(1).map_err(column_err)?,
             ),
-            row.try_get(2).map_err(pg_err)?,
+            row.try_get(2).map_err(column_err)?,
         );
     }
     for row in dups.map_err(pg_err)? {
-        let i: i64 = row.try_get(ATTEMPT_NCOLS).map_err(pg_err)?;
+        let i: i64 = row.try_get(ATTEMPT_NCOLS).map_err(column_err)?;
         // ORDINALITY counts from 1.
         let job = usize::try_from(i)
             .ok()
@@ -350,7 +351,7 @@ pub(super) async fn decide_group<C: GenericClient>(
                 Mutation::Update(a) => match snap.existing.as_ref().filter(|e| e.id == a.id) {
                     Some(old) => storable(a).map(|()| Some((Some(old), a))),
                     None => {
-                        return Err(LedgerError::Store(
+                        return Err(LedgerError::Invariant(
                             "an update names an attempt that was not read".into(),
                         ))
                     }

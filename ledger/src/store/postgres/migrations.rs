@@ -2,6 +2,7 @@
 
 use deadpool_postgres::GenericClient;
 
+use super::column_err;
 use super::{pg_err, PgStore};
 use crate::error::LedgerError;
 
@@ -152,7 +153,7 @@ impl PgStore {
                 .iter()
                 .map(|r| r.try_get(0))
                 .collect::<Result<_, _>>()
-                .map_err(pg_err)?;
+                .map_err(column_err)?;
             for (version, description, sql) in MIGRATIONS {
                 if applied.contains(version) {
                     continue;

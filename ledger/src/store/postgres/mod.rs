@@ -16,7 +16,7 @@
 //!
 //! A pool bounds connections; connecting, waiting for a pooled connection and every
 //! statement have timeouts (server side `statement_timeout`, client side a deadline on the
-//! whole operation), so a hung or unreachable database turns into a [`LedgerError::Store`]
+//! whole operation), so a hung or unreachable database turns into a [`LedgerError::Unavailable`]
 //! (HTTP 503, the filter denies `gateway_unavailable`), never a hang and never a decision
 //! that was not committed. `idle_in_transaction_session_timeout` frees a row lock held by a
 //! replica that stopped mid-transaction.
@@ -107,19 +107,44 @@ impl std::fmt::Debug for PgStore {
     }
 }
 
+/// SQLSTATE classes and codes of a database that cannot serve now but may soon: connection
+/// exceptions (08), insufficient resources (53: disk full, out of memory, too many
+/// connections), operator intervention (57: shutdown, restart, statement timeout), system
+/// errors (58), a read-only transaction (25006: a standby or a failover in progress), a lock
+/// timeout (55P03), and a serialization failure or deadlock (40001, 40P01).
+fn transient_sqlstate(code: &str) -> bool {
+    matches!(code.get(..2), Some("08" | "53" | "57" | "58"))
+        || matches!(code, "25006" | "55P03" | "40001" | "40P01")
+}
+
+/// A driver error as the ledger's: an outage is [`LedgerError::Unavailable`]; an error the
+/// database raised for any other reason (a constraint, a missing table, bad SQL) is a bug.
 fn pg_err(e: tokio_postgres::Error) -> LedgerError {
     match e.as_db_error() {
         Some(db) => {
-            LedgerError::Store(format!("postgres: {} ({})", db.message(), db.code().code()))
+            let code = db.code().code();
+            let message = format!("postgres: {} ({code})", db.message());
+            if transient_sqlstate(code) {
+                LedgerError::Unavailable(message)
+            } else {
+                LedgerError::Invariant(message)
+            }
         }
-        None => LedgerError::Store(format!("postgres: {e}")),
+        // Without a server error: the connection failed, closed or timed out.
+        None => LedgerError::Unavailable(format!("postgres: {e}")),
     }
+}
+
+/// A column that cannot be read as the type the ledger wrote there.
+fn column_err(e: tokio_postgres::Error) -> LedgerError {
+    LedgerError::Corrupt(format!("postgres: {e}"))
 }
 
 fn pool_err(e: deadpool_postgres::PoolError) -> LedgerError {
     match e {
         deadpool_postgres::PoolError::Backend(e) => pg_err(e),
-        other => LedgerError::Store(format!("postgres pool: {other}")),
+        // Timed out waiting for a connection, or the pool is closed: an outage.
+        other => LedgerError::Unavailable(format!("postgres pool: {other}")),
     }
 }
 
@@ -140,7 +165,7 @@ async fn group_answer<T>(
     match tokio::time::timeout(deadline, answer).await {
         Ok(Ok(r)) => r,
         Ok(Err(_)) => Err(LedgerError::Join(dropped.into())),
-        Err(_) => Err(LedgerError::Store(format!(
+        Err(_) => Err(LedgerError::Unavailable(format!(
             "postgres did not answer within {} ms",
             deadline.as_millis()
         ))),
@@ -162,12 +187,12 @@ fn answer_group<T>(
         }
         Ok(Err(e)) => {
             for reply in replies {
-                let _ = reply.send(Err(LedgerError::Store(e.to_string())));
+                let _ = reply.send(Err(e.clone()));
             }
         }
         Err(_) => {
             for reply in replies {
-                let _ = reply.send(Err(LedgerError::Store(format!(
+                let _ = reply.send(Err(LedgerError::Unavailable(format!(
                     "postgres did not answer within {} ms",
                     op_timeout.as_millis()
                 ))));
@@ -211,7 +236,7 @@ impl PgStore {
             .create_timeout(Some(opts.connect_timeout))
             .recycle_timeout(Some(opts.connect_timeout))
             .build()
-            .map_err(|e| LedgerError::Store(format!("postgres pool: {e}")))?;
+            .map_err(|e| LedgerError::Invariant(format!("postgres pool: {e}")))?;
         let store = PgStore {
             pool,
             decisions: Arc::default(),
@@ -249,7 +274,7 @@ impl PgStore {
         };
         match tokio::time::timeout(self.op_timeout, work).await {
             Ok(r) => r,
-            Err(_) => Err(E::from(LedgerError::Store(format!(
+            Err(_) => Err(E::from(LedgerError::Unavailable(format!(
                 "postgres did not answer within {} ms",
                 self.op_timeout.as_millis()
             )))),
@@ -337,9 +362,9 @@ impl Store for PgStore {
             )
             .await?;
             for r in &rows {
-                let tool: String = r.try_get(0).map_err(pg_err)?;
-                let state: String = r.try_get(1).map_err(pg_err)?;
-                let n: i64 = r.try_get(2).map_err(pg_err)?;
+                let tool: String = r.try_get(0).map_err(column_err)?;
+                let state: String = r.try_get(1).map_err(column_err)?;
+                let n: i64 = r.try_get(2).map_err(column_err)?;
                 let state: AttemptState = state.parse().map_err(LedgerError::Corrupt)?;
                 let n = to_u64(n);
                 *attempts_by_state.entry(state).or_insert(0) += n;
@@ -447,7 +472,7 @@ impl Store for PgStore {
             .await?;
         results
             .pop()
-            .ok_or_else(|| LedgerError::Store("the outcome report was dropped".into()))
+            .ok_or_else(|| LedgerError::Invariant("the outcome report was dropped".into()))
     }
 
     /// The batch's reports join the queue together and in order (see [`outcome_worker`]), so
@@ -528,8 +553,8 @@ impl Store for PgStore {
             let Some(row) = rows.first() else {
                 return Ok(None);
             };
-            let reserved: i64 = row.try_get(0).map_err(pg_err)?;
-            let spent: i64 = row.try_get(1).map_err(pg_err)?;
+            let reserved: i64 = row.try_get(0).map_err(column_err)?;
+            let spent: i64 = row.try_get(1).map_err(column_err)?;
             let mut slots_held = BTreeMap::new();
             for r in &query(
                 &tx,
@@ -538,8 +563,8 @@ impl Store for PgStore {
             )
             .await?
             {
-                let tool: String = r.try_get(0).map_err(pg_err)?;
-                let n: i64 = r.try_get(1).map_err(pg_err)?;
+                let tool: String = r.try_get(0).map_err(column_err)?;
+                let n: i64 = r.try_get(1).map_err(column_err)?;
                 slots_held.insert(tool, n);
             }
             tx.commit().await.map_err(pg_err)?;
@@ -610,7 +635,7 @@ impl Store for PgStore {
                 .first()
                 .map(|r| r.try_get(0))
                 .transpose()
-                .map_err(pg_err)?
+                .map_err(column_err)?
                 .flatten();
             let before = now.saturating_sub(shortest.unwrap_or(0).max(0));
             let sql = format!(
@@ -629,7 +654,7 @@ impl Store for PgStore {
             .iter()
             .map(|r| r.try_get(0))
             .collect::<Result<_, _>>()
-            .map_err(pg_err)?;
+            .map_err(column_err)?;
             for permit_id in permits {
                 let tx = c.transaction().await.map_err(pg_err)?;
                 let locked = query(
@@ -641,7 +666,7 @@ impl Store for PgStore {
                 let Some(row) = locked.first() else {
                     continue;
                 };
-                let retention: i64 = row.try_get(0).map_err(pg_err)?;
+                let retention: i64 = row.try_get(0).map_err(column_err)?;
                 let mut moves = CounterMoves::default();
                 let sql = format!(
                     "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.state IN {} \
@@ -688,8 +713,8 @@ impl Store for PgStore {
             let mut out: BTreeMap<AttemptState, u64> =
                 AttemptState::ALL.iter().map(|s| (*s, 0)).collect();
             for r in &rows {
-                let s: String = r.try_get(0).map_err(pg_err)?;
-                let n: i64 = r.try_get(1).map_err(pg_err)?;
+                let s: String = r.try_get(0).map_err(column_err)?;
+                let n: i64 = r.try_get(1).map_err(column_err)?;
                 let s: AttemptState = s.parse().map_err(LedgerError::Corrupt)?;
                 out.insert(s, to_u64(n));
             }

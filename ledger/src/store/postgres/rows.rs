@@ -4,6 +4,7 @@ use deadpool_postgres::GenericClient;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
+use super::column_err;
 use super::{pg_err, to_u64, StateSets};
 use crate::error::LedgerError;
 use crate::model::{Attempt, BudgetTotals, Permit, Policy, Resolution};
@@ -19,21 +20,21 @@ pub(super) const PERMIT_COLS: &str =
     "id, token_hash, label, created_at, expires_at, revoked_at, policy";
 
 pub(super) fn read_permit(row: &Row) -> Result<Permit, LedgerError> {
-    let policy_json: String = row.try_get(6).map_err(pg_err)?;
+    let policy_json: String = row.try_get(6).map_err(column_err)?;
     let policy: Policy = serde_json::from_str(&policy_json)?;
     Ok(Permit {
-        id: row.try_get(0).map_err(pg_err)?,
-        token_hash: row.try_get(1).map_err(pg_err)?,
-        label: row.try_get(2).map_err(pg_err)?,
-        created_at_ms: row.try_get(3).map_err(pg_err)?,
-        expires_at_ms: row.try_get(4).map_err(pg_err)?,
-        revoked_at_ms: row.try_get(5).map_err(pg_err)?,
+        id: row.try_get(0).map_err(column_err)?,
+        token_hash: row.try_get(1).map_err(column_err)?,
+        label: row.try_get(2).map_err(column_err)?,
+        created_at_ms: row.try_get(3).map_err(column_err)?,
+        expires_at_ms: row.try_get(4).map_err(column_err)?,
+        revoked_at_ms: row.try_get(5).map_err(column_err)?,
         policy,
     })
 }
 
 pub(super) fn read_attempt(row: &Row) -> Result<Attempt, LedgerError> {
-    let g = |e| pg_err(e);
+    let g = column_err;
     let state: String = row.try_get(6).map_err(g)?;
     let resolved_executed: Option<bool> = row.try_get(15).map_err(g)?;
     let resolved_by: Option<String> = row.try_get(16).map_err(g)?;
@@ -204,9 +205,9 @@ pub(super) async fn budget_totals<C: GenericClient>(
     .await?;
     let row = rows
         .first()
-        .ok_or_else(|| LedgerError::Store("budget query returned no row".into()))?;
+        .ok_or_else(|| LedgerError::Invariant("budget query returned no row".into()))?;
     Ok(BudgetTotals {
-        reserved: to_u64(row.try_get(0).map_err(pg_err)?),
-        spent: to_u64(row.try_get(1).map_err(pg_err)?),
+        reserved: to_u64(row.try_get(0).map_err(column_err)?),
+        spent: to_u64(row.try_get(1).map_err(column_err)?),
     })
 }

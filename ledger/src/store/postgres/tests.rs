@@ -600,7 +600,10 @@ async fn unreachable_database_fails_at_start() {
     o.statement_timeout = Duration::from_millis(500);
     let started = Instant::now();
     let err = PgStore::connect(&o).await.unwrap_err();
-    assert!(matches!(err, crate::error::LedgerError::Store(_)), "{err}");
+    assert!(
+        matches!(err, crate::error::LedgerError::Unavailable(_)),
+        "{err}"
+    );
     assert!(started.elapsed() < Duration::from_secs(5));
 }
 
@@ -725,7 +728,10 @@ async fn hung_database_fails_closed_within_the_deadline_and_recovers() {
     let started = Instant::now();
     let r = conformance::req(&tok, "pay", Some("k1"), "A", json!({}));
     let err = s.authorize(&r, LEASE_MS, T0).await.unwrap_err();
-    assert!(matches!(err, crate::error::LedgerError::Store(_)), "{err}");
+    assert!(
+        matches!(err, crate::error::LedgerError::Unavailable(_)),
+        "{err}"
+    );
     assert!(s.ping(T0).await.is_err(), "readiness follows the database");
     assert!(
         started.elapsed() < Duration::from_secs(6),
@@ -768,4 +774,16 @@ async fn hung_database_fails_closed_within_the_deadline_and_recovers() {
     // Whatever the stalled attempt left, the cap of one holds: one slot at most.
     let d = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
     assert_eq!(d.usage["pay"].calls_made, 1, "{:?}", decision.response);
+}
+
+#[test]
+fn outage_sqlstates_are_transient_and_others_are_not() {
+    for outage in [
+        "08006", "53100", "53300", "57P01", "57014", "25006", "55P03", "40001",
+    ] {
+        assert!(super::transient_sqlstate(outage), "{outage}");
+    }
+    for bug in ["23505", "42P01", "42601", "22003", "XX000"] {
+        assert!(!super::transient_sqlstate(bug), "{bug}");
+    }
 }

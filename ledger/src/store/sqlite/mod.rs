@@ -71,14 +71,44 @@ fn to_u64(n: i64) -> u64 {
 }
 
 fn sql_err(e: rusqlite::Error) -> LedgerError {
-    LedgerError::Store(e.to_string())
+    LedgerError::from(e)
+}
+
+/// The SQLite boundary: a driver error as the ledger's. The file busy or locked past the busy
+/// timeout, the disk full or read-only, an I/O error, no memory, or a file that cannot be
+/// opened is an outage ([`LedgerError::Unavailable`]): the same call may succeed once the disk
+/// does. A damaged file is [`LedgerError::Corrupt`]; anything else (a constraint, a type or
+/// column mismatch, misuse) is a bug ([`LedgerError::Invariant`]).
+impl From<rusqlite::Error> for LedgerError {
+    fn from(e: rusqlite::Error) -> Self {
+        use rusqlite::ErrorCode;
+        let message = format!("sqlite: {e}");
+        match e.sqlite_error_code() {
+            Some(
+                ErrorCode::DatabaseBusy
+                | ErrorCode::DatabaseLocked
+                | ErrorCode::DiskFull
+                | ErrorCode::ReadOnly
+                | ErrorCode::SystemIoFailure
+                | ErrorCode::OutOfMemory
+                | ErrorCode::CannotOpen
+                | ErrorCode::PermissionDenied
+                | ErrorCode::FileLockingProtocolFailed
+                | ErrorCode::OperationInterrupted,
+            ) => LedgerError::Unavailable(message),
+            Some(ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase) => {
+                LedgerError::Corrupt(message)
+            }
+            _ => LedgerError::Invariant(message),
+        }
+    }
 }
 
 impl SqliteStore {
     /// Opens (creating if needed) the store under `data_dir`.
     pub fn open_dir(data_dir: &Path) -> Result<Self, LedgerError> {
         std::fs::create_dir_all(data_dir).map_err(|e| {
-            LedgerError::Store(format!(
+            LedgerError::Unavailable(format!(
                 "cannot create data dir {}: {e}",
                 data_dir.display()
             ))
@@ -97,7 +127,9 @@ impl SqliteStore {
         std::thread::Builder::new()
             .name("atmost-sqlite-writer".into())
             .spawn(move || writer(conn, queue))
-            .map_err(|e| LedgerError::Store(format!("cannot start the sqlite writer: {e}")))?;
+            .map_err(|e| {
+                LedgerError::Unavailable(format!("cannot start the sqlite writer: {e}"))
+            })?;
         Ok(SqliteStore {
             jobs,
             reader: Arc::new(Mutex::new(reader)),
@@ -124,7 +156,7 @@ impl SqliteStore {
             reply,
         });
         if self.jobs.send(op).is_err() {
-            return Err(E::from(LedgerError::Store(
+            return Err(E::from(LedgerError::Unavailable(
                 "the sqlite writer has stopped".into(),
             )));
         }
@@ -161,7 +193,7 @@ fn open_conn(path: &Path) -> Result<Connection, LedgerError> {
     conn.busy_timeout(Duration::from_secs(10))?;
     let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
     if !mode.eq_ignore_ascii_case("wal") {
-        return Err(LedgerError::Store(format!(
+        return Err(LedgerError::Unavailable(format!(
             "journal_mode is {mode}, WAL required"
         )));
     }
@@ -309,7 +341,7 @@ impl Store for SqliteStore {
                         .as_ref()
                         .filter(|e| e.id == a.id)
                         .ok_or_else(|| {
-                            LedgerError::Store(
+                            LedgerError::Invariant(
                                 "an update names an attempt that was not read".into(),
                             )
                         })?;

@@ -230,3 +230,31 @@ async fn migration_backfills_counters_from_existing_rows() {
     let s = SqliteStore::open_file(&path).unwrap();
     assert_eq!(s.permit_counters("p1").await.unwrap().unwrap(), c);
 }
+
+#[test]
+fn an_outage_is_transient_and_a_broken_constraint_is_not() {
+    let failure = |code| {
+        crate::error::LedgerError::from(rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(code),
+            None,
+        ))
+    };
+    for outage in [
+        rusqlite::ffi::SQLITE_FULL,
+        rusqlite::ffi::SQLITE_READONLY,
+        rusqlite::ffi::SQLITE_BUSY,
+        rusqlite::ffi::SQLITE_IOERR,
+        rusqlite::ffi::SQLITE_CANTOPEN,
+    ] {
+        assert!(failure(outage).is_transient(), "{}", failure(outage));
+    }
+    for bug in [
+        rusqlite::ffi::SQLITE_CONSTRAINT,
+        rusqlite::ffi::SQLITE_CORRUPT,
+    ] {
+        assert!(!failure(bug).is_transient(), "{}", failure(bug));
+    }
+    assert!(
+        !crate::error::LedgerError::from(rusqlite::Error::InvalidColumnIndex(99)).is_transient()
+    );
+}

@@ -58,7 +58,7 @@ pub(super) trait Op: Send {
     /// Runs the work; `true` if it succeeded (its savepoint is kept).
     fn run(&mut self, tx: &GroupTx<'_>) -> bool;
     /// Answers the caller once the group transaction is over.
-    fn finish(self: Box<Self>, commit: Result<(), String>);
+    fn finish(self: Box<Self>, commit: Result<(), LedgerError>);
 }
 
 pub(super) struct Pending<R, E, F> {
@@ -83,13 +83,13 @@ where
         ok
     }
 
-    fn finish(self: Box<Self>, commit: Result<(), String>) {
+    fn finish(self: Box<Self>, commit: Result<(), LedgerError>) {
         let answer = match (self.result, commit) {
             // A failed operation was rolled back to its savepoint: its own error stands.
             (Some(Err(e)), _) => Err(e),
             (Some(Ok(r)), Ok(())) => Ok(r),
-            (Some(Ok(_)), Err(e)) | (None, Err(e)) => Err(E::from(LedgerError::Store(e))),
-            (None, Ok(())) => Err(E::from(LedgerError::Store(
+            (Some(Ok(_)), Err(e)) | (None, Err(e)) => Err(E::from(e)),
+            (None, Ok(())) => Err(E::from(LedgerError::Invariant(
                 "the operation was not run".into(),
             ))),
         };
@@ -122,7 +122,7 @@ pub(super) fn exec_cached(conn: &Connection, sql: &str) -> rusqlite::Result<usiz
     conn.prepare_cached(sql)?.execute([])
 }
 
-pub(super) fn fail_all(conn: &Connection, group: Vec<Box<dyn Op>>, error: String) {
+pub(super) fn fail_all(conn: &Connection, group: Vec<Box<dyn Op>>, error: LedgerError) {
     if !conn.is_autocommit() {
         let _ = conn.execute_batch("ROLLBACK");
     }
@@ -133,12 +133,12 @@ pub(super) fn fail_all(conn: &Connection, group: Vec<Box<dyn Op>>, error: String
 
 pub(super) fn run_group(conn: &Connection, mut group: Vec<Box<dyn Op>>) {
     if let Err(e) = exec_cached(conn, "BEGIN IMMEDIATE") {
-        return fail_all(conn, group, e.to_string());
+        return fail_all(conn, group, LedgerError::from(e));
     }
     let mut moves = CounterMoves::default();
     for op in group.iter_mut() {
         if let Err(e) = exec_cached(conn, "SAVEPOINT op") {
-            return fail_all(conn, group, e.to_string());
+            return fail_all(conn, group, LedgerError::from(e));
         }
         let tx = GroupTx {
             conn,
@@ -153,7 +153,7 @@ pub(super) fn run_group(conn: &Connection, mut group: Vec<Box<dyn Op>>) {
             return fail_all(
                 conn,
                 group,
-                "the store rolled the transaction back".to_string(),
+                LedgerError::Unavailable("the store rolled the transaction back".to_string()),
             );
         }
         let end = if ok {
@@ -164,11 +164,11 @@ pub(super) fn run_group(conn: &Connection, mut group: Vec<Box<dyn Op>>) {
             exec_cached(conn, "ROLLBACK TO op").and_then(|_| exec_cached(conn, "RELEASE op"))
         };
         if let Err(e) = end {
-            return fail_all(conn, group, e.to_string());
+            return fail_all(conn, group, LedgerError::from(e));
         }
     }
     if let Err(e) = write_counters(conn, &moves) {
-        return fail_all(conn, group, e.to_string());
+        return fail_all(conn, group, e);
     }
     match exec_cached(conn, "COMMIT") {
         Ok(_) => {
@@ -176,6 +176,6 @@ pub(super) fn run_group(conn: &Connection, mut group: Vec<Box<dyn Op>>) {
                 op.finish(Ok(()));
             }
         }
-        Err(e) => fail_all(conn, group, e.to_string()),
+        Err(e) => fail_all(conn, group, LedgerError::from(e)),
     }
 }
