@@ -1,6 +1,10 @@
 //! The PostgreSQL store: several ledger replicas on one database, with the embedded store's
 //! guarantees.
 //!
+//! This file is longer than the others because it is the [`Store`] implementation, one method
+//! per operation, each a short transaction over the helpers of the sibling modules
+//! (migrations, options, TLS, rows, writes, errors and the decision and outcome workers).
+//!
 //! # Why READ COMMITTED with one row lock is enough
 //!
 //! Every transaction that reads or changes a permit's attempts, usage or keys (authorize,
@@ -26,6 +30,7 @@
 //! [`crate::decide`], so a new state needs no change here.
 
 mod decisions;
+mod errors;
 mod migrations;
 mod options;
 mod outcomes;
@@ -52,6 +57,7 @@ use crate::error::{LedgerError, ResolveError};
 use crate::model::{Attempt, AttemptState, Permit, PermitDetail, ToolUsage};
 use crate::token;
 use decisions::{decision_worker, AuthJob, DecisionQueue};
+use errors::{column_err, pg_err, pool_err};
 use options::{pg_config, valid_schema_name};
 use outcomes::{outcome_worker, OutcomeJob, OutcomeQueue};
 use rows::{
@@ -104,47 +110,6 @@ impl std::fmt::Debug for PgStore {
         f.debug_struct("PgStore")
             .field("database", &self.description)
             .finish()
-    }
-}
-
-/// SQLSTATE classes and codes of a database that cannot serve now but may soon: connection
-/// exceptions (08), insufficient resources (53: disk full, out of memory, too many
-/// connections), operator intervention (57: shutdown, restart, statement timeout), system
-/// errors (58), a read-only transaction (25006: a standby or a failover in progress), a lock
-/// timeout (55P03), and a serialization failure or deadlock (40001, 40P01).
-fn transient_sqlstate(code: &str) -> bool {
-    matches!(code.get(..2), Some("08" | "53" | "57" | "58"))
-        || matches!(code, "25006" | "55P03" | "40001" | "40P01")
-}
-
-/// A driver error as the ledger's: an outage is [`LedgerError::Unavailable`]; an error the
-/// database raised for any other reason (a constraint, a missing table, bad SQL) is a bug.
-fn pg_err(e: tokio_postgres::Error) -> LedgerError {
-    match e.as_db_error() {
-        Some(db) => {
-            let code = db.code().code();
-            let message = format!("postgres: {} ({code})", db.message());
-            if transient_sqlstate(code) {
-                LedgerError::Unavailable(message)
-            } else {
-                LedgerError::Invariant(message)
-            }
-        }
-        // Without a server error: the connection failed, closed or timed out.
-        None => LedgerError::Unavailable(format!("postgres: {e}")),
-    }
-}
-
-/// A column that cannot be read as the type the ledger wrote there.
-fn column_err(e: tokio_postgres::Error) -> LedgerError {
-    LedgerError::Corrupt(format!("postgres: {e}"))
-}
-
-fn pool_err(e: deadpool_postgres::PoolError) -> LedgerError {
-    match e {
-        deadpool_postgres::PoolError::Backend(e) => pg_err(e),
-        // Timed out waiting for a connection, or the pool is closed: an outage.
-        other => LedgerError::Unavailable(format!("postgres pool: {other}")),
     }
 }
 

@@ -781,9 +781,9 @@ fn outage_sqlstates_are_transient_and_others_are_not() {
     for outage in [
         "08006", "53100", "53300", "57P01", "57014", "25006", "55P03", "40001",
     ] {
-        assert!(super::transient_sqlstate(outage), "{outage}");
+        assert!(super::errors::transient_sqlstate(outage), "{outage}");
     }
     for bug in ["23505", "42P01", "42601", "22003", "XX000"] {
-        assert!(!super::transient_sqlstate(bug), "{bug}");
+        assert!(!super::errors::transient_sqlstate(bug), "{bug}");
     }
 }
