@@ -1,24 +1,38 @@
 //! Typed errors of the ledger.
+//!
+//! A store error says which kind of failure it is, because the answer differs: an outage is
+//! transient (the caller is told to come back, and nothing is dispatched meanwhile), a broken
+//! invariant is a bug to fix. Each store maps its driver's errors at its own boundary, so this
+//! type names no driver.
 
 use thiserror::Error;
 
-#[derive(Debug, Error)]
+#[derive(Debug, Clone, Error)]
 pub enum LedgerError {
-    #[error("store error: {0}")]
-    Store(String),
+    /// The store cannot answer or commit now: unreachable, connection lost, timed out, busy or
+    /// locked, read-only, disk full, pool exhausted, restarting. Transient.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// A store task ended without an answer (its worker or thread is gone).
     #[error("store task failed: {0}")]
     Join(String),
     #[error("random source failed: {0}")]
     Random(String),
+    /// A stored row cannot be read back as what was written.
     #[error("stored data is corrupt: {0}")]
     Corrupt(String),
+    /// A state the ledger's own rules never produce, or a statement that should not fail: a bug.
+    #[error("broken invariant: {0}")]
+    Invariant(String),
     #[error("{0}")]
     Invalid(String),
 }
 
-impl From<rusqlite::Error> for LedgerError {
-    fn from(e: rusqlite::Error) -> Self {
-        LedgerError::Store(e.to_string())
+impl LedgerError {
+    /// True when the same operation may succeed later without anything being fixed (HTTP 503
+    /// `store_unavailable`); false for a bug or bad data (HTTP 500 `internal`).
+    pub fn is_transient(&self) -> bool {
+        matches!(self, LedgerError::Unavailable(_) | LedgerError::Join(_))
     }
 }
 

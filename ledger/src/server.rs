@@ -85,18 +85,18 @@ fn not_found(what: &str) -> Response {
     error_response(StatusCode::NOT_FOUND, what, None)
 }
 
-/// A store failure. The store could not answer or commit (down, timed out, failing over):
-/// 503 `store_unavailable`, which the filter turns into `gateway_unavailable`, so nothing is
-/// dispatched on a decision that was not committed. Anything else: 500.
+/// A store failure. A transient one (the store is down, timed out, read-only, full or failing
+/// over: [`LedgerError::is_transient`]) answers 503 `store_unavailable`, which the filter turns
+/// into `gateway_unavailable`, so nothing is dispatched on a decision that was not committed.
+/// Anything else is a bug or bad data, not an outage: 500 `internal`, logged as such.
 fn internal(state: &AppState, op: &str, e: &LedgerError) -> Response {
     state.metrics.store_errors.with_label_values(&[op]).inc();
-    error!(op, error = %e, "store operation failed");
-    match e {
-        LedgerError::Store(_) | LedgerError::Join(_) => {
-            error_response(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", None)
-        }
-        _ => error_response(StatusCode::INTERNAL_SERVER_ERROR, "internal", None),
+    if e.is_transient() {
+        error!(op, error = %e, "store unavailable");
+        return error_response(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", None);
     }
+    error!(op, error = %e, bug = true, "store operation failed on a broken invariant");
+    error_response(StatusCode::INTERNAL_SERVER_ERROR, "internal", None)
 }
 
 fn json_rejection(r: JsonRejection) -> Response {
@@ -300,7 +300,8 @@ async fn outcomes(
     let results = match state.store.record_outcomes(&req.reports, now).await {
         Ok(r) if r.len() == req.reports.len() => r,
         Ok(_) => {
-            let e = LedgerError::Store("the store answered a different number of reports".into());
+            let e =
+                LedgerError::Invariant("the store answered a different number of reports".into());
             return internal(&state, "outcome", &e);
         }
         Err(e) => return internal(&state, "outcome", &e),

@@ -1,0 +1,179 @@
+//! The admin commands (`permit …`, `attempts …`): each one request, its answer printed.
+
+use std::collections::BTreeMap;
+
+use super::args::{AttemptsCommand, PermitCommand};
+use super::client::{urlencode, Client};
+use super::print::{opt, print_attempt, print_attempt_row, print_json, print_permit};
+use super::CliError;
+use crate::api::{
+    AttemptListResponse, AttemptResponse, CreatePermitRequest, CreatePermitResponse,
+    PermitListResponse, PermitResponse, PermitShowResponse,
+};
+use crate::decide::ResolveInput;
+
+pub(super) fn run_permit(c: &Client, json: bool, cmd: PermitCommand) -> Result<(), CliError> {
+    match cmd {
+        PermitCommand::Create(a) => {
+            let req = CreatePermitRequest {
+                label: a.label,
+                expires: a.expires,
+                tools: if a.tools.is_empty() {
+                    None
+                } else {
+                    Some(a.tools)
+                },
+                max_calls: a.max_calls.into_iter().collect::<BTreeMap<_, _>>(),
+                max_calls_default: a.max_calls_default,
+                budget: a.budget,
+                cost: a.cost.into_iter().collect::<BTreeMap<_, _>>(),
+                cost_default: a.cost_default,
+                duplicate_guard: a.duplicate_guard,
+                retention: a.retention,
+            };
+            let (resp, raw): (CreatePermitResponse, _) =
+                c.post(crate::api::ADMIN_PERMITS_PATH, &req)?;
+            if json {
+                return print_json(&raw);
+            }
+            print_permit(&resp.permit);
+            println!();
+            println!("token (shown once; store it now, the ledger keeps only its hash):");
+            println!("{}", resp.token);
+        }
+        PermitCommand::Show { id } => {
+            let (resp, raw): (PermitShowResponse, _) =
+                c.get(&format!("/admin/v1/permits/{}", urlencode(&id)), &[])?;
+            if json {
+                return print_json(&raw);
+            }
+            print_permit(&resp.permit);
+            println!();
+            println!("usage per tool:");
+            if resp.usage.is_empty() {
+                println!("  (no calls)");
+            }
+            for (tool, u) in &resp.usage {
+                println!(
+                    "  {tool:<30} calls_made {:<6} limit {}",
+                    u.calls_made,
+                    opt(u.limit, "none")
+                );
+            }
+            let b = &resp.budget;
+            println!(
+                "budget: budget {}  spent {}  reserved {}  left {}",
+                opt(b.budget, "none"),
+                b.spent,
+                b.reserved,
+                opt(b.left, "unlimited")
+            );
+            let counts: Vec<String> = resp
+                .attempts
+                .iter()
+                .map(|(s, n)| format!("{s}={n}"))
+                .collect();
+            println!("attempts: {}", counts.join(" "));
+        }
+        PermitCommand::List => {
+            let (resp, raw): (PermitListResponse, _) =
+                c.get(crate::api::ADMIN_PERMITS_PATH, &[])?;
+            if json {
+                return print_json(&raw);
+            }
+            println!("{:<28} {:<8} {:<26} LABEL", "ID", "STATUS", "EXPIRES");
+            for p in &resp.permits {
+                println!(
+                    "{:<28} {:<8} {:<26} {}",
+                    p.id, p.status, p.expires_at, p.label
+                );
+            }
+        }
+        PermitCommand::Revoke { id } => {
+            let (resp, raw): (PermitResponse, _) = c.post(
+                &format!("/admin/v1/permits/{}/revoke", urlencode(&id)),
+                &serde_json::json!({}),
+            )?;
+            if json {
+                return print_json(&raw);
+            }
+            println!(
+                "permit {} revoked at {}",
+                resp.permit.id,
+                resp.permit.revoked_at.unwrap_or_default()
+            );
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn run_attempts(c: &Client, json: bool, cmd: AttemptsCommand) -> Result<(), CliError> {
+    match cmd {
+        AttemptsCommand::List {
+            state,
+            permit,
+            limit,
+        } => {
+            let mut q = Vec::new();
+            if let Some(s) = state {
+                q.push(("state", s.as_str().to_string()));
+            }
+            if let Some(p) = permit {
+                q.push(("permit", p));
+            }
+            if let Some(l) = limit {
+                q.push(("limit", l.to_string()));
+            }
+            let (resp, raw): (AttemptListResponse, _) =
+                c.get(crate::api::ADMIN_ATTEMPTS_PATH, &q)?;
+            if json {
+                return print_json(&raw);
+            }
+            println!(
+                "{:<37} {:<28} {:<22} {:<24} {:>6} CREATED",
+                "ID", "PERMIT", "STATE", "TOOL", "COST"
+            );
+            for a in &resp.attempts {
+                print_attempt_row(a);
+            }
+        }
+        AttemptsCommand::Show { id } => {
+            let (resp, raw): (AttemptResponse, _) =
+                c.get(&format!("/admin/v1/attempts/{}", urlencode(&id)), &[])?;
+            if json {
+                return print_json(&raw);
+            }
+            print_attempt(&resp.attempt);
+        }
+        AttemptsCommand::Resolve(a) => {
+            let receipt = match a.receipt.as_ref() {
+                None => None,
+                Some(p) if p.as_os_str() == "-" => {
+                    let mut s = String::new();
+                    std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)?;
+                    Some(s)
+                }
+                Some(p) => Some(std::fs::read_to_string(p)?),
+            };
+            let by =
+                a.by.or_else(|| std::env::var("USER").ok().filter(|u| !u.is_empty()))
+                    .unwrap_or_else(|| "cli".to_string());
+            let input = ResolveInput {
+                executed: a.executed,
+                receipt,
+                note: a.note,
+                by,
+            };
+            let (resp, raw): (AttemptResponse, _) = c.post(
+                &format!("/admin/v1/attempts/{}/resolve", urlencode(&a.id)),
+                &input,
+            )?;
+            if json {
+                return print_json(&raw);
+            }
+            println!("attempt {} is now {}", resp.attempt.id, resp.attempt.state);
+            print_attempt(&resp.attempt);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,237 @@
+//! The command line as clap parses it: commands, flags and their value parsers.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::model::{AttemptState, CostRule, GuardMode};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "atmost",
+    version,
+    about = "atmost ledger and admin CLI: at most N dispatches per tool under one permit, one dispatch per idempotency key"
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum LogFormat {
+    Json,
+    Text,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the ledger server.
+    Ledger(LedgerArgs),
+    /// Create, show, list and revoke permits (admin API).
+    Permit {
+        #[command(subcommand)]
+        command: PermitCommand,
+    },
+    /// List and resolve attempts (admin API).
+    Attempts {
+        #[command(subcommand)]
+        command: AttemptsCommand,
+    },
+    /// Check the filter's plugin configuration offline.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Check a plugin configuration (JSON; `-` reads standard input) with the filter's own
+    /// parser: prints `ok: …` and exits 0, or prints the line Envoy would log and exits 2.
+    Check { file: std::path::PathBuf },
+}
+
+#[derive(Debug, Args)]
+pub struct LedgerArgs {
+    /// Log format (level via RUST_LOG, default info).
+    #[arg(long, value_enum, env = "ATMOST_LOG_FORMAT", default_value = "json")]
+    pub log_format: LogFormat,
+    /// Address to listen on (HTTP/1.1 and h2c).
+    #[arg(long, env = "ATMOST_LISTEN", default_value = "127.0.0.1:8081")]
+    pub listen: SocketAddr,
+    /// Directory of the embedded store's database file (`--store sqlite`).
+    #[arg(long, env = "ATMOST_DATA_DIR", default_value = "./atmost-data")]
+    pub data_dir: PathBuf,
+    /// Where state lives: `sqlite` (default: one file under --data-dir, one ledger process) or a
+    /// PostgreSQL URL `postgres://user:pass@host:5432/db?sslmode=require` (several replicas).
+    #[arg(
+        long,
+        env = "ATMOST_STORE",
+        hide_env_values = true,
+        default_value = "sqlite"
+    )]
+    pub store: String,
+    /// PostgreSQL: most connections this replica opens.
+    #[arg(long, env = "ATMOST_PG_POOL_SIZE", default_value_t = 16)]
+    pub pg_pool_size: usize,
+    /// PostgreSQL: timeout of connecting and of waiting for a pooled connection.
+    #[arg(long, env = "ATMOST_PG_CONNECT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub pg_connect_timeout: Duration,
+    /// PostgreSQL: timeout of one statement (lock waits included), set on the server; a whole
+    /// store operation is given the connect timeout plus twice this.
+    #[arg(long, env = "ATMOST_PG_STATEMENT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub pg_statement_timeout: Duration,
+    /// PostgreSQL: schema of the ledger's tables (created if missing; default: the server's
+    /// search_path, normally `public`).
+    #[arg(long, env = "ATMOST_PG_SCHEMA")]
+    pub pg_schema: Option<String>,
+    /// PostgreSQL: PEM file of the CA certificates to trust with `sslmode=require` (default:
+    /// the system's roots).
+    #[arg(long, env = "ATMOST_PG_CA_FILE")]
+    pub pg_ca_file: Option<PathBuf>,
+    /// Bearer token the filter presents on /v1/authorize and /v1/outcomes.
+    #[arg(long, env = "ATMOST_SERVICE_TOKEN", hide_env_values = true)]
+    pub service_token: String,
+    /// How long an in_flight attempt waits for its outcome before it turns uncertain. Keep it
+    /// longer than the filter's `ledger.timeout_ms` plus the MCP route's timeout (120 s in the
+    /// shipped Envoy config), or a call still running when its lease ends is recorded
+    /// uncertain even if its answer then arrives.
+    #[arg(long, env = "ATMOST_LEASE", default_value = "300s", value_parser = humantime::parse_duration)]
+    pub lease: Duration,
+    /// How often the sweeper runs.
+    #[arg(long, env = "ATMOST_SWEEP_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration)]
+    pub sweep_interval: Duration,
+}
+
+#[derive(Debug, Args)]
+pub struct ClientArgs {
+    /// Base URL of the ledger.
+    #[arg(
+        long,
+        global = true,
+        env = "ATMOST_LEDGER_URL",
+        default_value = "http://127.0.0.1:8081"
+    )]
+    pub ledger: String,
+    /// Admin bearer token: the admin CLI sends it; `atmost ledger` requires it (it must differ
+    /// from the service token).
+    #[arg(
+        long,
+        global = true,
+        env = "ATMOST_ADMIN_TOKEN",
+        hide_env_values = true
+    )]
+    pub admin_token: Option<String>,
+    /// Print the API's JSON instead of text.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PermitCommand {
+    /// Create a permit and print its token (shown once).
+    Create(CreateArgs),
+    /// Show a permit with usage per tool, budget and attempt counts.
+    Show { id: String },
+    /// List permits.
+    List,
+    /// Revoke a permit: every later call under it is denied permit_invalid.
+    Revoke { id: String },
+}
+
+pub(super) fn parse_tool_n(s: &str) -> Result<(String, u64), String> {
+    let (tool, n) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected TOOL=N, got {s:?}"))?;
+    let n = n
+        .trim()
+        .parse::<u64>()
+        .map_err(|_| format!("expected a non-negative integer in {s:?}"))?;
+    Ok((tool.trim().to_string(), n))
+}
+
+pub(super) fn parse_tool_cost(s: &str) -> Result<(String, CostRule), String> {
+    let (tool, rule) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected TOOL=N or TOOL=/json/pointer, got {s:?}"))?;
+    Ok((tool.trim().to_string(), rule.trim().parse()?))
+}
+
+#[derive(Debug, Args)]
+pub struct CreateArgs {
+    /// Human label of the permit.
+    #[arg(long)]
+    pub label: String,
+    /// Expiry: a duration from now (24h, 30m) or an RFC 3339 time.
+    #[arg(long)]
+    pub expires: String,
+    /// Allowed tools, comma separated, or '*' for all (default '*').
+    #[arg(long, value_delimiter = ',')]
+    pub tools: Vec<String>,
+    /// Cap for one tool: TOOL=N (repeatable).
+    #[arg(long = "max-calls", value_parser = parse_tool_n)]
+    pub max_calls: Vec<(String, u64)>,
+    /// Cap for tools without their own --max-calls.
+    #[arg(long)]
+    pub max_calls_default: Option<u64>,
+    /// Budget in integer minor units (no budget limit when omitted).
+    #[arg(long)]
+    pub budget: Option<u64>,
+    /// Cost of one tool's call: TOOL=N or TOOL=/json/pointer into the arguments (repeatable).
+    #[arg(long = "cost", value_parser = parse_tool_cost)]
+    pub cost: Vec<(String, CostRule)>,
+    /// Cost of tools without their own --cost (default 0).
+    #[arg(long)]
+    pub cost_default: Option<u64>,
+    /// Same arguments under a new key: off, log (default) or enforce.
+    #[arg(long, value_parser = |s: &str| s.parse::<GuardMode>())]
+    pub duplicate_guard: Option<GuardMode>,
+    /// How long completed receipts stay replayable (default 7d).
+    #[arg(long)]
+    pub retention: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AttemptsCommand {
+    /// List attempts, newest first.
+    List {
+        /// Only this state (in_flight, completed, released, uncertain, resolved_executed, resolved_not_executed).
+        #[arg(long, value_parser = |s: &str| s.parse::<AttemptState>())]
+        state: Option<AttemptState>,
+        /// Only this permit.
+        #[arg(long)]
+        permit: Option<String>,
+        /// At most this many.
+        #[arg(long)]
+        limit: Option<u32>,
+    },
+    /// Show one attempt.
+    Show { id: String },
+    /// Resolve an uncertain attempt after checking the provider.
+    Resolve(ResolveArgs),
+}
+
+#[derive(Debug, Args)]
+#[command(group = clap::ArgGroup::new("result").required(true).args(["executed", "not_executed"]))]
+pub struct ResolveArgs {
+    pub id: String,
+    /// The provider did run the call: it keeps its slot and spends its budget.
+    #[arg(long)]
+    pub executed: bool,
+    /// The provider did not run the call: slot and budget come back.
+    #[arg(long)]
+    pub not_executed: bool,
+    /// File holding the provider's JSON-RPC response, replayed for the same key ('-' for stdin).
+    #[arg(long, conflicts_with = "not_executed")]
+    pub receipt: Option<PathBuf>,
+    /// Why: what was checked, where.
+    #[arg(long)]
+    pub note: Option<String>,
+    /// Who resolved it (default $USER, else "cli").
+    #[arg(long)]
+    pub by: Option<String>,
+}

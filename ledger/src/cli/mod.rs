@@ -1,0 +1,81 @@
+//! Command line of the `atmost` binary: the ledger server and the admin client.
+
+mod admin;
+mod args;
+mod client;
+mod print;
+mod serve;
+
+pub use args::{
+    AttemptsCommand, Cli, ClientArgs, Command, ConfigCommand, CreateArgs, LedgerArgs, LogFormat,
+    PermitCommand, ResolveArgs,
+};
+pub use client::Client;
+
+use thiserror::Error;
+
+use admin::{run_attempts, run_permit};
+use serve::run_ledger;
+
+use crate::error::LedgerError;
+
+#[derive(Debug, Error)]
+pub enum CliError {
+    #[error("{0}")]
+    Usage(String),
+    #[error("cannot reach the ledger: {0}")]
+    Http(String),
+    #[error("ledger answered {status}: {error}{}", message.as_deref().map(|m| format!(" ({m})")).unwrap_or_default())]
+    Api {
+        status: u16,
+        error: String,
+        message: Option<String>,
+    },
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+    /// A refused plugin configuration: the filter's own error line.
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Runs the parsed command line.
+pub fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Ledger(args) => {
+            let admin_token = cli.client.admin_token.clone().unwrap_or_default();
+            run_ledger(args, admin_token)
+        }
+        Command::Permit { command } => {
+            run_permit(&Client::new(&cli.client)?, cli.client.json, command)
+        }
+        Command::Attempts { command } => {
+            run_attempts(&Client::new(&cli.client)?, cli.client.json, command)
+        }
+        Command::Config {
+            command: ConfigCommand::Check { file },
+        } => match crate::config_check::check_file(&file) {
+            Ok(summary) => {
+                println!("{summary}");
+                Ok(())
+            }
+            Err(line) => Err(CliError::Config(line)),
+        },
+    }
+}
+
+fn init_logs(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,122 @@
+//! How the admin commands print permits and attempts for people (`--json` prints the API's JSON).
+
+use std::time::Duration;
+
+use super::CliError;
+use crate::api::{AttemptView, PermitView};
+use crate::error::LedgerError;
+use crate::model::CostRule;
+
+pub(super) fn print_json(v: &serde_json::Value) -> Result<(), CliError> {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(v).map_err(LedgerError::from)?
+    );
+    Ok(())
+}
+
+pub(super) fn opt<T: std::fmt::Display>(v: Option<T>, none: &str) -> String {
+    v.map(|x| x.to_string()).unwrap_or_else(|| none.to_string())
+}
+
+pub(super) fn print_permit(p: &PermitView) {
+    println!("permit     {}", p.id);
+    println!("label      {}", p.label);
+    println!("status     {}", p.status);
+    println!("created    {}", p.created_at);
+    println!("expires    {}", p.expires_at);
+    if let Some(r) = &p.revoked_at {
+        println!("revoked    {r}");
+    }
+    println!("tools      {}", p.tools.join(","));
+    let caps: Vec<String> = p
+        .max_calls
+        .iter()
+        .map(|(t, n)| format!("{t}={n}"))
+        .collect();
+    println!(
+        "max calls  {} (default {})",
+        if caps.is_empty() {
+            "-".to_string()
+        } else {
+            caps.join(" ")
+        },
+        opt(p.max_calls_default, "none")
+    );
+    println!("budget     {}", opt(p.budget, "no limit"));
+    let costs: Vec<String> = p
+        .cost
+        .iter()
+        .map(|(t, c)| match c {
+            CostRule::Fixed(n) => format!("{t}={n}"),
+            CostRule::Pointer(ptr) => format!("{t}={ptr}"),
+        })
+        .collect();
+    println!(
+        "cost       {} (default {})",
+        if costs.is_empty() {
+            "-".to_string()
+        } else {
+            costs.join(" ")
+        },
+        p.cost_default
+    );
+    println!("dup guard  {}", p.duplicate_guard.as_str());
+    println!(
+        "retention  {}",
+        humantime::format_duration(Duration::from_secs(p.retention_secs))
+    );
+}
+
+pub(super) fn print_attempt_row(a: &AttemptView) {
+    println!(
+        "{:<37} {:<28} {:<22} {:<24} {:>6} {}",
+        a.id,
+        a.permit_id,
+        a.state.as_str(),
+        a.tool,
+        a.cost,
+        a.created_at
+    );
+}
+
+pub(super) fn print_attempt(a: &AttemptView) {
+    println!("attempt    {}", a.id);
+    println!("permit     {}", a.permit_id);
+    println!("tool       {}", a.tool);
+    println!("state      {}", a.state);
+    println!("cost       {}", a.cost);
+    println!("created    {}", a.created_at);
+    println!("updated    {}", a.updated_at);
+    println!("lease      {}", a.lease_expires_at);
+    if let Some(r) = &a.reason {
+        println!("reason     {r}");
+    }
+    println!(
+        "receipt    {}",
+        if a.has_receipt {
+            "stored"
+        } else if a.pruned_at.is_some() {
+            "pruned"
+        } else {
+            "none"
+        }
+    );
+    println!("replays    {}", a.replay_count);
+    if let Some(r) = &a.resolution {
+        println!(
+            "resolved   {} by {} at {}{}",
+            if r.executed {
+                "executed"
+            } else {
+                "not executed"
+            },
+            r.by,
+            r.at,
+            r.note
+                .as_deref()
+                .map(|n| format!(" — {n}"))
+                .unwrap_or_default()
+        );
+    }
+}

@@ -1,0 +1,118 @@
+//! `atmost ledger`: opens the store and serves the API until a signal stops it.
+
+use std::sync::Arc;
+
+use super::args::LedgerArgs;
+use super::{init_logs, CliError};
+use crate::clock::SystemClock;
+use crate::metrics::Metrics;
+use crate::server::{self, AppState, ServerConfig};
+use crate::store::postgres::{self, PgOptions, PgStore};
+use crate::store::sqlite::SqliteStore;
+use crate::store::Store;
+
+pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), CliError> {
+    if args.service_token.trim().is_empty() || admin_token.trim().is_empty() {
+        return Err(CliError::Usage(
+            "--service-token (ATMOST_SERVICE_TOKEN) and --admin-token (ATMOST_ADMIN_TOKEN) are required"
+                .into(),
+        ));
+    }
+    if args.service_token == admin_token {
+        return Err(CliError::Usage(
+            "--admin-token must differ from --service-token".into(),
+        ));
+    }
+    if args.lease.is_zero() {
+        return Err(CliError::Usage("--lease must be positive".into()));
+    }
+    init_logs(args.log_format);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let store = rt.block_on(open_store(&args))?;
+    let state = Arc::new(AppState {
+        store,
+        clock: Arc::new(SystemClock),
+        config: ServerConfig {
+            service_token: args.service_token,
+            admin_token,
+            lease: args.lease,
+        },
+        metrics: Arc::new(Metrics::new()?),
+    });
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(args.listen).await?;
+        tracing::info!(listen = %args.listen, lease_ms = state.config.lease.as_millis() as u64, "ledger listening");
+        let sweeper = server::spawn_sweeper(state.clone(), args.sweep_interval);
+        let app = server::router(state);
+        // Callouts are small request/response pairs on long-lived connections: without
+        // TCP_NODELAY, Nagle's algorithm holds a reply back until the previous one is acked.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::warn!(error = %e, "could not set TCP_NODELAY on an accepted connection");
+            }
+        });
+        let served = axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await;
+        sweeper.abort();
+        tracing::info!("ledger stopped");
+        served
+    })?;
+    Ok(())
+}
+
+/// Opens the store `--store` names: the embedded SQLite file, or PostgreSQL (migrations run
+/// here, before the ledger listens).
+pub(super) async fn open_store(args: &LedgerArgs) -> Result<Arc<dyn Store>, CliError> {
+    let spec = args.store.trim();
+    if spec.is_empty() || spec == "sqlite" {
+        let store = SqliteStore::open_dir(&args.data_dir)?;
+        tracing::info!(store = "sqlite", path = %store.path().display(), "store opened");
+        return Ok(Arc::new(store));
+    }
+    if !postgres::is_postgres_url(spec) {
+        return Err(CliError::Usage(format!(
+            "--store must be `sqlite` or a postgres:// / postgresql:// URL, not {}",
+            postgres::redact_url(spec)
+        )));
+    }
+    if args.pg_connect_timeout.is_zero() || args.pg_statement_timeout.is_zero() {
+        return Err(CliError::Usage(
+            "--pg-connect-timeout and --pg-statement-timeout must be positive".into(),
+        ));
+    }
+    let opts = PgOptions {
+        url: spec.to_string(),
+        pool_size: args.pg_pool_size,
+        connect_timeout: args.pg_connect_timeout,
+        statement_timeout: args.pg_statement_timeout,
+        schema: args.pg_schema.clone().filter(|s| !s.is_empty()),
+        ca_file: args.pg_ca_file.clone(),
+    };
+    let store = PgStore::connect(&opts).await?;
+    tracing::info!(store = "postgres", database = %store.description(), pool_size = opts.pool_size,
+        "store opened, migrations applied");
+    Ok(Arc::new(store))
+}
+
+pub(super) async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,396 @@
+//! The decision worker: queued authorize calls decided in groups, one transaction each.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use atmost_protocol::AuthorizeRequest;
+use deadpool_postgres::{GenericClient, Pool};
+
+use super::column_err;
+use super::rows::{
+    attempts_by_keys_sql, prepared, query, read_attempt, read_permit, ATTEMPT_COLS, ATTEMPT_NCOLS,
+    PERMIT_COLS,
+};
+use super::writes::{insert_attempts, storable, update_attempts, write_counters};
+use super::{answer_group, pg_err, pool_err, to_u64, StateSets};
+use crate::clock::Millis;
+use crate::decide::{self, DecideParams, Decision, Mutation, Snapshot};
+use crate::error::LedgerError;
+use crate::model::{Attempt, BudgetTotals, GuardMode, Permit, ToolUsage};
+use crate::store::counters::CounterMoves;
+use crate::token;
+
+pub(super) struct AuthJob {
+    pub(super) req: AuthorizeRequest,
+    pub(super) params: DecideParams,
+    pub(super) now: Millis,
+    pub(super) reply: tokio::sync::oneshot::Sender<Result<Decision, LedgerError>>,
+}
+
+/// Queued decisions; `Some` while the decision worker runs.
+pub(super) type DecisionQueue = Arc<std::sync::Mutex<Option<Vec<AuthJob>>>>;
+
+/// Most decisions one group transaction takes.
+pub(super) const MAX_GROUP: usize = 256;
+
+/// Takes the queued decisions, of every permit, in groups until none is left. A group is one
+/// transaction: it locks the rows of the permits its calls name, in id order (as the outcome
+/// transactions do, so no two transactions wait on each other in a cycle), decides them all
+/// and commits once. Many agents, one permit each, then share one commit per group instead
+/// of paying one per permit.
+pub(super) async fn decision_worker(
+    pool: Pool,
+    states: StateSets,
+    op_timeout: Duration,
+    queue: DecisionQueue,
+) {
+    loop {
+        let jobs: Vec<AuthJob> = {
+            let mut q = queue.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(waiting) = q.as_mut() else {
+                return;
+            };
+            if waiting.is_empty() {
+                *q = None;
+                return;
+            }
+            let n = waiting.len().min(MAX_GROUP);
+            waiting.drain(..n).collect()
+        };
+        let work = async {
+            let mut conn = pool.get().await.map_err(pool_err)?;
+            let tx = conn.transaction().await.map_err(pg_err)?;
+            let mut ids: Vec<&str> = jobs
+                .iter()
+                .filter_map(|j| token::permit_id_of(&j.req.permit_token))
+                .collect();
+            ids.sort_unstable();
+            ids.dedup();
+            // The locks every decision on these permits serializes on (module docs). The
+            // budget totals come with them: nothing else writes them while the locks are held.
+            let sql = format!(
+                "SELECT {PERMIT_COLS}, reserved, spent FROM permits WHERE id = ANY($1) ORDER BY id FOR UPDATE"
+            );
+            let mut permits = std::collections::HashMap::new();
+            for row in query(&tx, &sql, &[&ids]).await? {
+                let p = read_permit(&row)?;
+                let budget: (i64, i64) = (
+                    row.try_get(7).map_err(column_err)?,
+                    row.try_get(8).map_err(column_err)?,
+                );
+                permits.insert(p.id.clone(), (p, budget));
+            }
+            let mut moves = CounterMoves::default();
+            let decisions = decide_group(&tx, &states, &permits, &jobs, &mut moves).await?;
+            // No answer leaves before the commit did: a group that cannot commit is an error.
+            tx.commit().await.map_err(pg_err)?;
+            Ok(decisions)
+        };
+        let outcome = tokio::time::timeout(op_timeout, work).await;
+        answer_group(jobs.into_iter().map(|j| j.reply), outcome, op_timeout);
+    }
+}
+
+/// The locked permits of a group, by id, with their stored budget totals (reserved, spent).
+pub(super) type LockedPermits = std::collections::HashMap<String, (Permit, (i64, i64))>;
+
+/// The permit a job names, if it is locked (it exists), and whether the job's token
+/// authenticates for it.
+pub(super) fn permit_of<'a>(
+    permits: &'a LockedPermits,
+    job: &AuthJob,
+) -> (Option<&'a Permit>, bool) {
+    let permit = token::permit_id_of(&job.req.permit_token)
+        .and_then(|id| permits.get(id))
+        .map(|(p, _)| p);
+    (
+        permit,
+        decide::authenticate(&job.req.permit_token, permit).is_some(),
+    )
+}
+
+/// What one batch of a group read: the attempts its keys name, the slots of its tools and
+/// each job's duplicate candidate.
+#[derive(Default)]
+pub(super) struct BatchReads {
+    /// (permit, key hash) → the attempt.
+    by_key: std::collections::HashMap<(String, String), Attempt>,
+    /// (permit, tool) → slots held.
+    slots: std::collections::HashMap<(String, String), i64>,
+    /// Index of the job among the batch's authenticated jobs → the newest attempt its
+    /// duplicate guard would match.
+    duplicates: std::collections::HashMap<usize, Attempt>,
+}
+
+/// Splits a group into batches in which no job's reads can be changed by an earlier job of
+/// the same batch: a job whose key or fingerprint an earlier job of the batch already has
+/// under the same permit starts a new batch (that earlier job may write the very attempt it
+/// would read). Counters are the exception, handled by [`CounterMoves`]. Returns the
+/// batches' end indexes.
+pub(super) fn batch_ends(jobs: &[AuthJob]) -> Vec<usize> {
+    let mut ends = Vec::new();
+    let mut keys = std::collections::HashSet::new();
+    let mut prints = std::collections::HashSet::new();
+    for (i, job) in jobs.iter().enumerate() {
+        let permit = token::permit_id_of(&job.req.permit_token).unwrap_or_default();
+        let key = job.req.idempotency_key.as_deref().map(|k| (permit, k));
+        let print = (permit, job.req.fingerprint.as_str());
+        let clash = key.is_some_and(|k| keys.contains(&k)) || prints.contains(&print);
+        if clash {
+            ends.push(i);
+            keys.clear();
+            prints.clear();
+        }
+        if let Some(k) = key {
+            keys.insert(k);
+        }
+        prints.insert(print);
+    }
+    ends.push(jobs.len());
+    ends
+}
+
+/// One authenticated job of a batch, with its permit and key hash.
+pub(super) struct Authed<'a> {
+    job: &'a AuthJob,
+    permit: &'a Permit,
+    key_hash: Option<String>,
+}
+
+/// Reads everything a batch's decisions need, whatever their permits, in one round trip: the
+/// three statements are sent together (pipelined), after the permits' locks are held.
+pub(super) async fn read_batch<C: GenericClient>(
+    tx: &C,
+    states: &StateSets,
+    authed: &[Authed<'_>],
+) -> Result<BatchReads, LedgerError> {
+    let (mut key_permits, mut key_hashes) = (Vec::new(), Vec::new());
+    let mut tools: Vec<(&str, &str)> = Vec::new();
+    let (mut dup_permits, mut fps, mut kh_of, mut since, mut dup_of) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (i, a) in authed.iter().enumerate() {
+        let policy = &a.permit.policy;
+        if let Some(kh) = a.key_hash.as_deref() {
+            key_permits.push(a.permit.id.as_str());
+            key_hashes.push(kh);
+        }
+        if policy.limit_for(&a.job.req.tool).is_some() {
+            tools.push((a.permit.id.as_str(), a.job.req.tool.as_str()));
+        }
+        if policy.duplicate_guard != GuardMode::Off {
+            dup_permits.push(a.permit.id.as_str());
+            fps.push(a.job.req.fingerprint.as_str());
+            kh_of.push(a.key_hash.as_deref());
+            since.push(a.job.now.saturating_sub(policy.retention_ms));
+            dup_of.push(i);
+        }
+    }
+    tools.sort_unstable();
+    tools.dedup();
+    let (tool_permits, tool_names): (Vec<&str>, Vec<&str>) = tools.into_iter().unzip();
+    let st_keys = prepared(tx, &attempts_by_keys_sql()).await?;
+    let st_slots = prepared(
+        tx,
+        "SELECT u.p, u.t, s.slots_held FROM unnest($1::TEXT[], $2::TEXT[]) AS u(p, t) CROSS JOIN LATERAL \
+         (SELECT slots_held FROM permit_tool_usage x WHERE x.permit_id = u.p AND x.tool = u.t LIMIT 1) s",
+    )
+    .await?;
+    // One index lookup per job (the same one the single-job query made), numbered by the
+    // job's position in the arrays.
+    let st_dup = prepared(
+        tx,
+        &format!(
+            "SELECT {ATTEMPT_COLS}, j.i FROM unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::BIGINT[]) WITH ORDINALITY \
+             AS j(p, fp, kh, since, i) CROSS JOIN LATERAL (SELECT * FROM attempts d WHERE d.permit_id = j.p \
+             AND d.fingerprint = j.fp AND NOT (d.state = ANY($5)) AND d.created_at >= j.since \
+             AND (j.kh IS NULL OR d.key_hash IS NULL OR d.key_hash <> j.kh) \
+             ORDER BY d.created_at DESC LIMIT 1) a"
+        ),
+    )
+    .await?;
+    let (keys, slots, dups) = tokio::join!(
+        biased;
+        async {
+            if key_hashes.is_empty() {
+                return Ok(Vec::new());
+            }
+            tx.query(&st_keys, &[&key_permits, &key_hashes]).await
+        },
+        async {
+            if tool_permits.is_empty() {
+                return Ok(Vec::new());
+            }
+            tx.query(&st_slots, &[&tool_permits, &tool_names]).await
+        },
+        async {
+            if fps.is_empty() {
+                return Ok(Vec::new());
+            }
+            tx.query(
+                &st_dup,
+                &[&dup_permits, &fps, &kh_of, &since, &states.gave_back],
+            )
+            .await
+        }
+    );
+    let mut reads = BatchReads::default();
+    for row in keys.map_err(pg_err)? {
+        let (permit, kh): (String, String) = (
+            row.try_get(ATTEMPT_NCOLS).map_err(column_err)?,
+            row.try_get(ATTEMPT_NCOLS + 1).map_err(column_err)?,
+        );
+        reads.by_key.insert((permit, kh), read_attempt(&row)?);
+    }
+    for row in slots.map_err(pg_err)? {
+        reads.slots.insert(
+            (
+                row.try_get(0).map_err(column_err)?,
+                row.try_get(1).map_err(column_err)?,
+            ),
+            row.try_get(2).map_err(column_err)?,
+        );
+    }
+    for row in dups.map_err(pg_err)? {
+        let i: i64 = row.try_get(ATTEMPT_NCOLS).map_err(column_err)?;
+        // ORDINALITY counts from 1.
+        let job = usize::try_from(i)
+            .ok()
+            .and_then(|i| i.checked_sub(1))
+            .and_then(|i| dup_of.get(i).copied());
+        if let Some(job) = job {
+            reads.duplicates.insert(job, read_attempt(&row)?);
+        }
+    }
+    Ok(reads)
+}
+
+/// Decides a group's jobs in order, inside the transaction that holds their permits' row
+/// locks. Each batch (see [`batch_ends`]) is read in one round trip, decided in memory
+/// (counters as stored plus the group's moves so far) and written in one more, the last one
+/// together with the group's counters. An `Invalid` error is one job's, raised before its
+/// writes were sent (its moves are not counted); any other error breaks the transaction and
+/// fails the group.
+pub(super) async fn decide_group<C: GenericClient>(
+    tx: &C,
+    states: &StateSets,
+    permits: &LockedPermits,
+    jobs: &[AuthJob],
+    moves: &mut CounterMoves,
+) -> Result<Vec<Result<Decision, LedgerError>>, LedgerError> {
+    let mut decisions = Vec::with_capacity(jobs.len());
+    let mut start = 0;
+    for end in batch_ends(jobs) {
+        let batch = &jobs[start..end];
+        start = end;
+        // Nothing else is read for a token that does not authenticate. Each job's permit, and
+        // its position among the authenticated jobs (the duplicate reads are numbered by it).
+        let mut authed: Vec<Authed<'_>> = Vec::new();
+        let mut checked: Vec<(Option<&Permit>, Option<usize>)> = Vec::with_capacity(batch.len());
+        for job in batch {
+            let (permit, ok) = permit_of(permits, job);
+            let pos = match permit {
+                Some(permit) if ok => {
+                    authed.push(Authed {
+                        job,
+                        permit,
+                        key_hash: decide::key_hash(&job.req),
+                    });
+                    Some(authed.len() - 1)
+                }
+                _ => None,
+            };
+            checked.push((permit, pos));
+        }
+        let reads = if authed.is_empty() {
+            BatchReads::default()
+        } else {
+            read_batch(tx, states, &authed).await?
+        };
+        let mut inserts: Vec<Attempt> = Vec::new();
+        let mut updates: Vec<Attempt> = Vec::new();
+        for (job, (permit, pos)) in batch.iter().zip(checked) {
+            let mut snap = Snapshot {
+                now_ms: job.now,
+                permit: permit.cloned(),
+                ..Snapshot::default()
+            };
+            if let (Some(p), Some(pos)) = (permit, pos) {
+                if let Some(kh) = authed[pos].key_hash.as_deref() {
+                    snap.existing = reads.by_key.get(&(p.id.clone(), kh.to_string())).cloned();
+                }
+                let need = decide::reads_needed(&job.req, p, snap.existing.as_ref());
+                if need.usage {
+                    let stored = reads
+                        .slots
+                        .get(&(p.id.clone(), job.req.tool.clone()))
+                        .copied()
+                        .unwrap_or(0);
+                    // The group's earlier decisions' slots are not written yet.
+                    snap.usage = ToolUsage {
+                        calls_made: to_u64(
+                            stored.saturating_add(moves.slots(&p.id, &job.req.tool)),
+                        ),
+                    };
+                }
+                if need.budget {
+                    let stored = permits.get(&p.id).map(|(_, b)| *b).unwrap_or_default();
+                    let pending = moves.budget(&p.id);
+                    snap.budget = BudgetTotals {
+                        reserved: to_u64(stored.0.saturating_add(pending.0)),
+                        spent: to_u64(stored.1.saturating_add(pending.1)),
+                    };
+                }
+                if need.duplicate {
+                    snap.recent_duplicate = reads.duplicates.get(&pos).cloned();
+                }
+            }
+            let decision = decide::decide(&job.req, &snap, &job.params);
+            let write = match &decision.mutation {
+                Mutation::None => Ok(None),
+                Mutation::Reserve(a) => storable(a).map(|()| Some((None, a))),
+                Mutation::Update(a) => match snap.existing.as_ref().filter(|e| e.id == a.id) {
+                    Some(old) => storable(a).map(|()| Some((Some(old), a))),
+                    None => {
+                        return Err(LedgerError::Invariant(
+                            "an update names an attempt that was not read".into(),
+                        ))
+                    }
+                },
+            };
+            match write {
+                Ok(None) => {}
+                Ok(Some((old, a))) => {
+                    moves.record(old, a);
+                    if old.is_none() {
+                        inserts.push(a.clone());
+                    } else {
+                        updates.push(a.clone());
+                    }
+                }
+                Err(e) => {
+                    decisions.push(Err(e));
+                    continue;
+                }
+            }
+            decisions.push(Ok(decision));
+        }
+        // The last batch's writes go out with the group's counters: one round trip.
+        let last = end == jobs.len();
+        let (inserted, updated, counters) = tokio::join!(
+            biased;
+            insert_attempts(tx, &inserts),
+            update_attempts(tx, &updates),
+            async {
+                if last {
+                    write_counters(tx, moves).await
+                } else {
+                    Ok(())
+                }
+            }
+        );
+        inserted?;
+        updated?;
+        counters?;
+    }
+    Ok(decisions)
+}

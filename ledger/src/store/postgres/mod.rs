@@ -1,0 +1,693 @@
+//! The PostgreSQL store: several ledger replicas on one database, with the embedded store's
+//! guarantees.
+//!
+//! This file is longer than the others because it is the [`Store`] implementation, one method
+//! per operation, each a short transaction over the helpers of the sibling modules
+//! (migrations, options, TLS, rows, writes, errors and the decision and outcome workers).
+//!
+//! # Why READ COMMITTED with one row lock is enough
+//!
+//! Every transaction that reads or changes a permit's attempts, usage or keys (authorize,
+//! outcome reports, resolutions, the sweeper) first takes `SELECT … FOR UPDATE` on that
+//! permit's row. So all of them are serialized per permit, across connections and replicas.
+//! Under READ COMMITTED each later statement of the transaction takes a fresh snapshot, which
+//! therefore contains every commit of every transaction that held the lock before: the
+//! snapshot the decision is made on is current, and the reservation written after it commits
+//! before the next holder reads. Check and reserve are one atomic step, as with SQLite's
+//! `BEGIN IMMEDIATE`; only the lock's scope is one permit instead of the whole file.
+//!
+//! # Failing closed
+//!
+//! A pool bounds connections; connecting, waiting for a pooled connection and every
+//! statement have timeouts (server side `statement_timeout`, client side a deadline on the
+//! whole operation), so a hung or unreachable database turns into a [`LedgerError::Unavailable`]
+//! (HTTP 503, the filter denies `gateway_unavailable`), never a hang and never a decision
+//! that was not committed. `idle_in_transaction_session_timeout` frees a row lock held by a
+//! replica that stopped mid-transaction.
+//!
+//! States are stored as TEXT via [`AttemptState::as_str`]; which states hold a slot, reserve
+//! or spend budget, expire or get pruned is asked of the model and of the pure transitions in
+//! [`crate::decide`], so a new state needs no change here.
+
+mod decisions;
+mod errors;
+mod migrations;
+mod options;
+mod outcomes;
+mod rows;
+mod tls;
+mod writes;
+
+pub use options::{is_postgres_url, redact_url, PgOptions};
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use atmost_protocol::{AuthorizeRequest, OutcomeReport};
+use deadpool_postgres::{GenericClient, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::config::SslMode;
+
+use super::counters::CounterMoves;
+use super::{AttemptFilter, OutcomeResult, PermitCounters, Store, SweepReport};
+use crate::clock::Millis;
+use crate::decide::{self, DecideParams, Decision, ResolveInput, Snapshot};
+use crate::error::{LedgerError, ResolveError};
+use crate::model::{Attempt, AttemptState, Permit, PermitDetail, ToolUsage};
+use crate::token;
+use decisions::{decision_worker, AuthJob, DecisionQueue};
+use errors::{column_err, pg_err, pool_err};
+use options::{pg_config, valid_schema_name};
+use outcomes::{outcome_worker, OutcomeJob, OutcomeQueue};
+use rows::{
+    budget_totals, exec, load_attempt, lock_permit_of_attempt, query, query_attempts, read_permit,
+    ATTEMPT_COLS, PERMIT_COLS,
+};
+use tls::RustlsMakeTls;
+use writes::{write_attempt, write_counters};
+
+/// State lists the SQL needs (bound as `TEXT[]` parameters), from the model's rules, so that
+/// a state added there needs no change here. The pure transitions in `decide` still have the
+/// last word on every row.
+#[derive(Debug, Clone)]
+struct StateSets {
+    reserved: Vec<String>,
+    spent: Vec<String>,
+    gave_back: Vec<String>,
+}
+
+impl StateSets {
+    fn new() -> Self {
+        let names = |pred: &dyn Fn(AttemptState) -> bool| -> Vec<String> {
+            AttemptState::ALL
+                .into_iter()
+                .filter(|s| pred(*s))
+                .map(|s| s.as_str().to_string())
+                .collect()
+        };
+        StateSets {
+            reserved: names(&|s| s.reserves_budget()),
+            spent: names(&|s| s.spends_budget()),
+            gave_back: names(&|s| s.gave_back()),
+        }
+    }
+}
+
+pub struct PgStore {
+    pool: Pool,
+    /// Decisions waiting for their permit's next group transaction.
+    decisions: DecisionQueue,
+    /// Outcome reports waiting for the next group transaction.
+    outcomes: OutcomeQueue,
+    states: StateSets,
+    op_timeout: Duration,
+    description: String,
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgStore")
+            .field("database", &self.description)
+            .finish()
+    }
+}
+
+fn to_i64(n: u64) -> Result<i64, LedgerError> {
+    i64::try_from(n).map_err(|_| LedgerError::Invalid(format!("{n} is too large to store")))
+}
+
+fn to_u64(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
+/// Waits for a queued operation's answer from its group worker, at most `deadline`.
+async fn group_answer<T>(
+    answer: tokio::sync::oneshot::Receiver<Result<T, LedgerError>>,
+    deadline: Duration,
+    dropped: &str,
+) -> Result<T, LedgerError> {
+    match tokio::time::timeout(deadline, answer).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => Err(LedgerError::Join(dropped.into())),
+        Err(_) => Err(LedgerError::Unavailable(format!(
+            "postgres did not answer within {} ms",
+            deadline.as_millis()
+        ))),
+    }
+}
+
+/// Answers every member of a group once its transaction committed, failed, or ran out of
+/// time: one result each on success, the group's error for all otherwise.
+fn answer_group<T>(
+    replies: impl Iterator<Item = tokio::sync::oneshot::Sender<Result<T, LedgerError>>>,
+    outcome: Result<Result<Vec<Result<T, LedgerError>>, LedgerError>, tokio::time::error::Elapsed>,
+    op_timeout: Duration,
+) {
+    match outcome {
+        Ok(Ok(results)) => {
+            for (reply, r) in replies.zip(results) {
+                let _ = reply.send(r);
+            }
+        }
+        Ok(Err(e)) => {
+            for reply in replies {
+                let _ = reply.send(Err(e.clone()));
+            }
+        }
+        Err(_) => {
+            for reply in replies {
+                let _ = reply.send(Err(LedgerError::Unavailable(format!(
+                    "postgres did not answer within {} ms",
+                    op_timeout.as_millis()
+                ))));
+            }
+        }
+    }
+}
+
+impl PgStore {
+    /// Connects, runs the migrations (under an advisory lock) and returns the store.
+    pub async fn connect(opts: &PgOptions) -> Result<Self, LedgerError> {
+        if opts.pool_size == 0 {
+            return Err(LedgerError::Invalid(
+                "the pool size must be at least 1".into(),
+            ));
+        }
+        if let Some(s) = opts.schema.as_deref() {
+            if !valid_schema_name(s) {
+                return Err(LedgerError::Invalid(format!(
+                    "schema {s:?}: use lowercase letters, digits and '_', starting with a letter or '_'"
+                )));
+            }
+        }
+        let config = pg_config(opts)?;
+        let tls = if config.get_ssl_mode() == SslMode::Disable {
+            RustlsMakeTls::disabled()
+        } else {
+            RustlsMakeTls::new(opts.ca_file.as_deref())?
+        };
+        let manager = Manager::from_config(
+            config,
+            tls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(opts.pool_size)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(opts.connect_timeout))
+            .create_timeout(Some(opts.connect_timeout))
+            .recycle_timeout(Some(opts.connect_timeout))
+            .build()
+            .map_err(|e| LedgerError::Invariant(format!("postgres pool: {e}")))?;
+        let store = PgStore {
+            pool,
+            decisions: Arc::default(),
+            outcomes: Arc::default(),
+            states: StateSets::new(),
+            op_timeout: opts.connect_timeout + opts.statement_timeout * 2,
+            description: format!(
+                "{}{}",
+                redact_url(&opts.url),
+                opts.schema
+                    .as_deref()
+                    .map(|s| format!(" schema {s}"))
+                    .unwrap_or_default()
+            ),
+        };
+        store.migrate(opts.schema.as_deref()).await?;
+        Ok(store)
+    }
+
+    /// The database (password redacted) and schema, for logs.
+    pub fn description(&self) -> &str {
+        &self.description
+    }
+
+    /// Runs `f` on a pooled connection under the operation deadline: a database that does not
+    /// answer becomes an error, never a hang.
+    async fn timed<R, E, F>(&self, f: F) -> Result<R, E>
+    where
+        E: From<LedgerError>,
+        F: AsyncFnOnce(&mut deadpool_postgres::Object) -> Result<R, E>,
+    {
+        let work = async {
+            let mut conn = self.pool.get().await.map_err(pool_err)?;
+            f(&mut conn).await
+        };
+        match tokio::time::timeout(self.op_timeout, work).await {
+            Ok(r) => r,
+            Err(_) => Err(E::from(LedgerError::Unavailable(format!(
+                "postgres did not answer within {} ms",
+                self.op_timeout.as_millis()
+            )))),
+        }
+    }
+}
+
+#[async_trait]
+impl Store for PgStore {
+    async fn ping(&self, _now: Millis) -> Result<(), LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            query(&*c, "SELECT 1 FROM atmost_migrations LIMIT 1", &[]).await?;
+            Ok::<_, LedgerError>(())
+        })
+        .await
+    }
+
+    async fn create_permit(&self, p: &Permit, _now: Millis) -> Result<(), LedgerError> {
+        let policy =
+            serde_json::to_string(&p.policy).map_err(|e| LedgerError::Invalid(e.to_string()))?;
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            exec(
+                &*c,
+                "INSERT INTO permits (id, token_hash, label, created_at, expires_at, revoked_at, retention_ms, policy) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+                &[
+                    &p.id,
+                    &p.token_hash,
+                    &p.label,
+                    &p.created_at_ms,
+                    &p.expires_at_ms,
+                    &p.revoked_at_ms,
+                    &p.policy.retention_ms,
+                    &policy,
+                ],
+            )
+            .await?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn list_permits(&self, _now: Millis) -> Result<Vec<Permit>, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let sql = format!("SELECT {PERMIT_COLS} FROM permits ORDER BY created_at, id");
+            query(&*c, &sql, &[])
+                .await?
+                .iter()
+                .map(read_permit)
+                .collect()
+        })
+        .await
+    }
+
+    async fn permit_detail(
+        &self,
+        id: &str,
+        _now: Millis,
+    ) -> Result<Option<PermitDetail>, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            // One consistent snapshot for the permit, its counts and its budget.
+            let tx = c
+                .build_transaction()
+                .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+                .read_only(true)
+                .start()
+                .await
+                .map_err(pg_err)?;
+            let sql = format!("SELECT {PERMIT_COLS} FROM permits WHERE id = $1");
+            let Some(permit) = query(&tx, &sql, &[&id]).await?.first().map(read_permit).transpose()?
+            else {
+                return Ok(None);
+            };
+            let mut usage: BTreeMap<String, ToolUsage> = permit
+                .policy
+                .max_calls
+                .keys()
+                .map(|t| (t.clone(), ToolUsage::default()))
+                .collect();
+            let mut attempts_by_state = BTreeMap::new();
+            let rows = query(
+                &tx,
+                "SELECT tool, state, COUNT(*) FROM attempts WHERE permit_id = $1 GROUP BY tool, state",
+                &[&id],
+            )
+            .await?;
+            for r in &rows {
+                let tool: String = r.try_get(0).map_err(column_err)?;
+                let state: String = r.try_get(1).map_err(column_err)?;
+                let n: i64 = r.try_get(2).map_err(column_err)?;
+                let state: AttemptState = state.parse().map_err(LedgerError::Corrupt)?;
+                let n = to_u64(n);
+                *attempts_by_state.entry(state).or_insert(0) += n;
+                let u = usage.entry(tool).or_default();
+                if state.holds_slot() {
+                    u.calls_made += n;
+                }
+            }
+            let budget = budget_totals(&tx, &self.states, id).await?;
+            tx.commit().await.map_err(pg_err)?;
+            Ok(Some(PermitDetail {
+                permit,
+                usage,
+                budget,
+                attempts_by_state,
+            }))
+        })
+        .await
+    }
+
+    async fn revoke_permit(&self, id: &str, now: Millis) -> Result<Option<Permit>, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let tx = c.transaction().await.map_err(pg_err)?;
+            exec(
+                &tx,
+                "UPDATE permits SET revoked_at = $2 WHERE id = $1 AND revoked_at IS NULL",
+                &[&id, &now],
+            )
+            .await?;
+            let sql = format!("SELECT {PERMIT_COLS} FROM permits WHERE id = $1");
+            let p = query(&tx, &sql, &[&id])
+                .await?
+                .first()
+                .map(read_permit)
+                .transpose()?;
+            tx.commit().await.map_err(pg_err)?;
+            Ok(p)
+        })
+        .await
+    }
+
+    /// Decisions on one permit are queued and taken in groups: one transaction, one row lock
+    /// and one commit for the whole group, the decisions made one after another inside it
+    /// (each sees the writes of the ones before). No answer leaves before the group committed.
+    async fn authorize(
+        &self,
+        req: &AuthorizeRequest,
+        lease_ms: u64,
+        now: Millis,
+    ) -> Result<Decision, LedgerError> {
+        let params = DecideParams {
+            lease_ms,
+            new_attempt_id: token::new_attempt_id()?,
+            new_capability: token::new_capability()?,
+        };
+        if token::permit_id_of(&req.permit_token).is_none() {
+            // No permit is named: nothing to read or write.
+            let snap = Snapshot {
+                now_ms: now,
+                ..Snapshot::default()
+            };
+            return Ok(decide::decide(req, &snap, &params));
+        }
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let job = AuthJob {
+            req: req.clone(),
+            params,
+            now,
+            reply,
+        };
+        let start_worker = {
+            let mut q = self.decisions.lock().unwrap_or_else(|p| p.into_inner());
+            match q.as_mut() {
+                Some(waiting) => {
+                    waiting.push(job);
+                    false
+                }
+                None => {
+                    *q = Some(vec![job]);
+                    true
+                }
+            }
+        };
+        if start_worker {
+            tokio::spawn(decision_worker(
+                self.pool.clone(),
+                self.states.clone(),
+                self.op_timeout,
+                Arc::clone(&self.decisions),
+            ));
+        }
+        // A queued decision waits for the group before it too: at most two deadlines.
+        group_answer(answer, self.op_timeout * 2, "the decision was dropped").await
+    }
+
+    /// Reports are queued and applied in groups (see [`outcome_worker`]): one transaction and
+    /// one commit per group; no answer leaves before its group committed.
+    async fn record_outcome(
+        &self,
+        report: &OutcomeReport,
+        now: Millis,
+    ) -> Result<OutcomeResult, LedgerError> {
+        let mut results = self
+            .record_outcomes(std::slice::from_ref(report), now)
+            .await?;
+        results
+            .pop()
+            .ok_or_else(|| LedgerError::Invariant("the outcome report was dropped".into()))
+    }
+
+    /// The batch's reports join the queue together and in order (see [`outcome_worker`]), so
+    /// batches sent at the same time share one transaction and one commit. If any report
+    /// fails, the call fails: none of them is known to be recorded (retrying is safe: a
+    /// report already applied is acknowledged again).
+    async fn record_outcomes(
+        &self,
+        reports: &[OutcomeReport],
+        now: Millis,
+    ) -> Result<Vec<OutcomeResult>, LedgerError> {
+        if reports.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut answers = Vec::with_capacity(reports.len());
+        let jobs: Vec<OutcomeJob> = reports
+            .iter()
+            .map(|report| {
+                let (reply, answer) = tokio::sync::oneshot::channel();
+                answers.push(answer);
+                OutcomeJob {
+                    report: report.clone(),
+                    now,
+                    reply,
+                }
+            })
+            .collect();
+        let start_worker = {
+            let mut q = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
+            match q.as_mut() {
+                Some(waiting) => {
+                    waiting.extend(jobs);
+                    false
+                }
+                None => {
+                    *q = Some(jobs);
+                    true
+                }
+            }
+        };
+        if start_worker {
+            tokio::spawn(outcome_worker(
+                self.pool.clone(),
+                self.op_timeout,
+                Arc::clone(&self.outcomes),
+            ));
+        }
+        let mut out = Vec::with_capacity(answers.len());
+        for answer in answers {
+            // A queued report waits for the group before it too: at most two deadlines.
+            out.push(
+                group_answer(
+                    answer,
+                    self.op_timeout * 2,
+                    "the outcome report was dropped",
+                )
+                .await?,
+            );
+        }
+        Ok(out)
+    }
+
+    async fn permit_counters(&self, id: &str) -> Result<Option<PermitCounters>, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let tx = c
+                .build_transaction()
+                .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+                .read_only(true)
+                .start()
+                .await
+                .map_err(pg_err)?;
+            let rows = query(
+                &tx,
+                "SELECT reserved, spent FROM permits WHERE id = $1",
+                &[&id],
+            )
+            .await?;
+            let Some(row) = rows.first() else {
+                return Ok(None);
+            };
+            let reserved: i64 = row.try_get(0).map_err(column_err)?;
+            let spent: i64 = row.try_get(1).map_err(column_err)?;
+            let mut slots_held = BTreeMap::new();
+            for r in &query(
+                &tx,
+                "SELECT tool, slots_held FROM permit_tool_usage WHERE permit_id = $1",
+                &[&id],
+            )
+            .await?
+            {
+                let tool: String = r.try_get(0).map_err(column_err)?;
+                let n: i64 = r.try_get(1).map_err(column_err)?;
+                slots_held.insert(tool, n);
+            }
+            tx.commit().await.map_err(pg_err)?;
+            Ok(Some(PermitCounters {
+                slots_held,
+                reserved,
+                spent,
+            }))
+        })
+        .await
+    }
+
+    async fn get_attempt(&self, id: &str, _now: Millis) -> Result<Option<Attempt>, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| load_attempt(&*c, id).await)
+            .await
+    }
+
+    async fn list_attempts(
+        &self,
+        filter: &AttemptFilter,
+        _now: Millis,
+    ) -> Result<Vec<Attempt>, LedgerError> {
+        let state = filter.state.map(|s| s.as_str().to_string());
+        let permit = filter.permit_id.clone();
+        let limit = i64::from(filter.limit.unwrap_or(1000));
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let sql = format!(
+                "SELECT {ATTEMPT_COLS} FROM attempts a WHERE ($1::TEXT IS NULL OR a.state = $1::TEXT) \
+                 AND ($2::TEXT IS NULL OR a.permit_id = $2::TEXT) ORDER BY a.created_at DESC, a.id LIMIT $3"
+            );
+            query_attempts(&*c, &sql, &[&state, &permit, &limit]).await
+        })
+        .await
+    }
+
+    async fn resolve_attempt(
+        &self,
+        id: &str,
+        input: &ResolveInput,
+        now: Millis,
+    ) -> Result<Attempt, ResolveError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let tx = c.transaction().await.map_err(pg_err)?;
+            lock_permit_of_attempt(&tx, id).await?;
+            let Some(existing) = load_attempt(&tx, id).await? else {
+                return Err(ResolveError::UnknownAttempt);
+            };
+            let next = decide::resolve(&existing, input, now)?;
+            let mut moves = CounterMoves::default();
+            write_attempt(&tx, &existing, &next, &mut moves).await?;
+            write_counters(&tx, &moves).await?;
+            tx.commit().await.map_err(pg_err)?;
+            Ok(next)
+        })
+        .await
+    }
+
+    /// Safe with every replica sweeping at once: each permit is swept in its own transaction
+    /// under its row lock, and each row is re-read under that lock and passed through the pure
+    /// transition again, so a row another replica already moved is left alone (and not counted).
+    async fn sweep(&self, now: Millis) -> Result<SweepReport, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let mut report = SweepReport::default();
+            // Nothing finished after `now - shortest retention` can be due, so the prunable
+            // index is read up to there only (the same bound as in the SQLite store).
+            let shortest: Option<i64> = query(&*c, "SELECT MIN(retention_ms) FROM permits", &[])
+                .await?
+                .first()
+                .map(|r| r.try_get(0))
+                .transpose()
+                .map_err(column_err)?
+                .flatten();
+            let before = now.saturating_sub(shortest.unwrap_or(0).max(0));
+            let sql = format!(
+                "SELECT permit_id FROM attempts WHERE state IN {leased} AND lease_expires_at <= $1 \
+                 UNION \
+                 SELECT a.permit_id FROM attempts a JOIN permits p ON p.id = a.permit_id \
+                 WHERE a.pruned_at IS NULL AND a.state IN {replays} \
+                 AND COALESCE(a.finished_at, a.updated_at) <= $2 \
+                 AND COALESCE(a.finished_at, a.updated_at) + p.retention_ms <= $1 \
+                 ORDER BY 1",
+                leased = AttemptState::sql_list(AttemptState::leased),
+                replays = AttemptState::sql_list(AttemptState::replays),
+            );
+            let permits: Vec<String> = query(&*c, &sql, &[&now, &before])
+            .await?
+            .iter()
+            .map(|r| r.try_get(0))
+            .collect::<Result<_, _>>()
+            .map_err(column_err)?;
+            for permit_id in permits {
+                let tx = c.transaction().await.map_err(pg_err)?;
+                let locked = query(
+                    &tx,
+                    "SELECT retention_ms FROM permits WHERE id = $1 FOR UPDATE",
+                    &[&permit_id],
+                )
+                .await?;
+                let Some(row) = locked.first() else {
+                    continue;
+                };
+                let retention: i64 = row.try_get(0).map_err(column_err)?;
+                let mut moves = CounterMoves::default();
+                let sql = format!(
+                    "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.state IN {} \
+                     AND a.lease_expires_at <= $2 AND a.permit_id = $1",
+                    AttemptState::sql_list(AttemptState::leased)
+                );
+                for a in query_attempts(&tx, &sql, &[&permit_id, &now]).await? {
+                    if let Some(next) = decide::expire_lease(&a, now) {
+                        write_attempt(&tx, &a, &next, &mut moves).await?;
+                        report.leases_expired += 1;
+                    }
+                }
+                let sql = format!(
+                    "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.pruned_at IS NULL AND a.state IN {} \
+                     AND COALESCE(a.finished_at, a.updated_at) <= $2 AND a.permit_id = $1",
+                    AttemptState::sql_list(AttemptState::replays)
+                );
+                let due = now.saturating_sub(retention);
+                for a in query_attempts(&tx, &sql, &[&permit_id, &due]).await? {
+                    if let Some(next) = decide::prune(&a, retention, now) {
+                        write_attempt(&tx, &a, &next, &mut moves).await?;
+                        report.receipts_pruned += 1;
+                    }
+                }
+                write_counters(&tx, &moves).await?;
+                tx.commit().await.map_err(pg_err)?;
+            }
+            Ok(report)
+        })
+        .await
+    }
+
+    async fn attempt_counts(
+        &self,
+        _now: Millis,
+    ) -> Result<BTreeMap<AttemptState, u64>, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let rows = query(
+                &*c,
+                "SELECT state, SUM(n)::BIGINT FROM permit_state_counts GROUP BY state",
+                &[],
+            )
+            .await?;
+            let mut out: BTreeMap<AttemptState, u64> =
+                AttemptState::ALL.iter().map(|s| (*s, 0)).collect();
+            for r in &rows {
+                let s: String = r.try_get(0).map_err(column_err)?;
+                let n: i64 = r.try_get(1).map_err(column_err)?;
+                let s: AttemptState = s.parse().map_err(LedgerError::Corrupt)?;
+                out.insert(s, to_u64(n));
+            }
+            Ok(out)
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests;

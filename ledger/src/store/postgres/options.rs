@@ -1,0 +1,121 @@
+//! How to reach the database: the store options, the URL helpers and the connection config.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tokio_postgres::config::SslMode;
+
+use crate::error::LedgerError;
+
+/// How to reach the database and how long to wait for it.
+#[derive(Clone)]
+pub struct PgOptions {
+    /// `postgres://…` or `postgresql://…` (libpq URL; `sslmode=require` turns TLS on).
+    pub url: String,
+    /// Most connections this replica opens.
+    pub pool_size: usize,
+    /// Connecting (TCP, TLS, authentication) and waiting for a pooled connection.
+    pub connect_timeout: Duration,
+    /// One statement, server side; the whole operation gets `connect_timeout` + 2× this.
+    pub statement_timeout: Duration,
+    /// Schema for the tables (created if missing); `None`: the server's `search_path`.
+    pub schema: Option<String>,
+    /// PEM file of CA certificates to trust for TLS instead of the system's roots.
+    pub ca_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for PgOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgOptions")
+            .field("url", &redact_url(&self.url))
+            .field("pool_size", &self.pool_size)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("statement_timeout", &self.statement_timeout)
+            .field("schema", &self.schema)
+            .field("ca_file", &self.ca_file)
+            .finish()
+    }
+}
+
+impl PgOptions {
+    pub fn new(url: impl Into<String>) -> Self {
+        PgOptions {
+            url: url.into(),
+            pool_size: 16,
+            connect_timeout: Duration::from_secs(5),
+            statement_timeout: Duration::from_secs(5),
+            schema: None,
+            ca_file: None,
+        }
+    }
+}
+
+/// True for a `--store` value that names PostgreSQL.
+pub fn is_postgres_url(s: &str) -> bool {
+    s.starts_with("postgres://") || s.starts_with("postgresql://")
+}
+
+/// The URL without its password, for logs.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "<unparsable url>".into();
+    };
+    let (authority, tail) = match rest.find(['/', '?']) {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{scheme}://{user}:***@{host}{tail}")
+        }
+        None => url.to_string(),
+    }
+    .split("password=")
+    .next()
+    .unwrap_or("")
+    .to_string()
+}
+
+pub(super) fn valid_schema_name(s: &str) -> bool {
+    let mut chars = s.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_lowercase() || c == '_')
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        && s.len() <= 63
+}
+
+/// The connection config: the URL plus timeouts, keepalives and the session settings.
+pub(super) fn pg_config(opts: &PgOptions) -> Result<tokio_postgres::Config, LedgerError> {
+    // tokio-postgres knows disable/prefer/require; this store always verifies the server's
+    // certificate and host name, so libpq's stricter modes mean the same here.
+    let url = opts
+        .url
+        .replace("sslmode=verify-full", "sslmode=require")
+        .replace("sslmode=verify-ca", "sslmode=require");
+    let mut config: tokio_postgres::Config = url.parse().map_err(|e| {
+        LedgerError::Invalid(format!("bad PostgreSQL URL {}: {e}", redact_url(&opts.url)))
+    })?;
+    // libpq's default `prefer` would try TLS and fall back silently: here TLS is on only when
+    // asked for (`sslmode=require`), and then it is verified.
+    if config.get_ssl_mode() == SslMode::Prefer {
+        config.ssl_mode(SslMode::Disable);
+    }
+    if config.get_application_name().is_none() {
+        config.application_name("atmost-ledger");
+    }
+    config.connect_timeout(opts.connect_timeout);
+    config.keepalives(true);
+    config.keepalives_idle(Duration::from_secs(10));
+    let stmt_ms = opts.statement_timeout.as_millis().max(1);
+    let idle_tx_ms = (stmt_ms * 2).max(1000);
+    let mut options = config.get_options().unwrap_or("").to_string();
+    options.push_str(&format!(
+        " -c statement_timeout={stmt_ms} -c lock_timeout={stmt_ms} \
+         -c idle_in_transaction_session_timeout={idle_tx_ms} -c default_transaction_isolation=read\\ committed"
+    ));
+    if let Some(s) = opts.schema.as_deref() {
+        options.push_str(&format!(" -c search_path={s}"));
+    }
+    config.options(options.trim());
+    Ok(config)
+}

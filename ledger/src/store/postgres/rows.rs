@@ -1,0 +1,213 @@
+//! Rows: the column lists, their mapping to the model, and the statements that read and lock them.
+
+use deadpool_postgres::GenericClient;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::Row;
+
+use super::column_err;
+use super::{pg_err, to_u64, StateSets};
+use crate::error::LedgerError;
+use crate::model::{Attempt, BudgetTotals, Permit, Policy, Resolution};
+
+/// How many columns [`ATTEMPT_COLS`] selects: queries append their own columns after them.
+pub(super) const ATTEMPT_NCOLS: usize = 21;
+
+pub(super) const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerprint, a.cost, a.state, a.created_at, \
+     a.updated_at, a.lease_expires_at, a.finished_at, a.receipt, a.reason, a.replay_count, a.pruned_at, \
+     a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note, a.round, a.capability_hash";
+
+pub(super) const PERMIT_COLS: &str =
+    "id, token_hash, label, created_at, expires_at, revoked_at, policy";
+
+pub(super) fn read_permit(row: &Row) -> Result<Permit, LedgerError> {
+    let policy_json: String = row.try_get(6).map_err(column_err)?;
+    let policy: Policy = serde_json::from_str(&policy_json)?;
+    Ok(Permit {
+        id: row.try_get(0).map_err(column_err)?,
+        token_hash: row.try_get(1).map_err(column_err)?,
+        label: row.try_get(2).map_err(column_err)?,
+        created_at_ms: row.try_get(3).map_err(column_err)?,
+        expires_at_ms: row.try_get(4).map_err(column_err)?,
+        revoked_at_ms: row.try_get(5).map_err(column_err)?,
+        policy,
+    })
+}
+
+pub(super) fn read_attempt(row: &Row) -> Result<Attempt, LedgerError> {
+    let g = column_err;
+    let state: String = row.try_get(6).map_err(g)?;
+    let resolved_executed: Option<bool> = row.try_get(15).map_err(g)?;
+    let resolved_by: Option<String> = row.try_get(16).map_err(g)?;
+    let resolved_at: Option<i64> = row.try_get(17).map_err(g)?;
+    let note: Option<String> = row.try_get(18).map_err(g)?;
+    let resolution = match (resolved_executed, resolved_by, resolved_at) {
+        (Some(executed), Some(by), Some(at_ms)) => Some(Resolution {
+            executed,
+            by,
+            at_ms,
+            note,
+        }),
+        _ => None,
+    };
+    Ok(Attempt {
+        id: row.try_get(0).map_err(g)?,
+        permit_id: row.try_get(1).map_err(g)?,
+        tool: row.try_get(2).map_err(g)?,
+        key_hash: row.try_get(3).map_err(g)?,
+        fingerprint: row.try_get(4).map_err(g)?,
+        cost: to_u64(row.try_get(5).map_err(g)?),
+        state: state.parse().map_err(LedgerError::Corrupt)?,
+        created_at_ms: row.try_get(7).map_err(g)?,
+        updated_at_ms: row.try_get(8).map_err(g)?,
+        lease_expires_at_ms: row.try_get(9).map_err(g)?,
+        finished_at_ms: row.try_get(10).map_err(g)?,
+        receipt: row.try_get(11).map_err(g)?,
+        reason: row.try_get(12).map_err(g)?,
+        replay_count: to_u64(row.try_get(13).map_err(g)?),
+        pruned_at_ms: row.try_get(14).map_err(g)?,
+        resolution,
+        round: u32::try_from(row.try_get::<_, i32>(19).map_err(g)?)
+            .map_err(|_| LedgerError::Corrupt("attempt round below 0".into()))?,
+        capability_hash: row.try_get(20).map_err(g)?,
+    })
+}
+
+/// Runs one query through the connection's statement cache (one round trip once prepared).
+pub(super) async fn query<C: GenericClient>(
+    c: &C,
+    sql: &str,
+    args: &[&(dyn ToSql + Sync)],
+) -> Result<Vec<Row>, LedgerError> {
+    let st = c.prepare_cached(sql).await.map_err(pg_err)?;
+    c.query(&st, args).await.map_err(pg_err)
+}
+
+/// A statement from the connection's cache, prepared on first use.
+pub(super) async fn prepared<C: GenericClient>(
+    c: &C,
+    sql: &str,
+) -> Result<tokio_postgres::Statement, LedgerError> {
+    c.prepare_cached(sql).await.map_err(pg_err)
+}
+
+/// Locks the permits of the attempts whose ids are `$1`, in id order.
+///
+/// This and the other lookups of a list of ids or keys look each one up on its own (a LATERAL
+/// subquery with `LIMIT 1` is never turned into a join), one unique-index probe each. With
+/// `= ANY($1)` the planner chose by statistics that lag a fast-growing table (or, before the
+/// first ANALYZE, by a default guess that one permit holds 0.5 % of the keys): it read every
+/// key of the permit and filtered, or the whole attempts table. In a 10-second run on one
+/// permit, PostgreSQL's own counters showed 9 million attempt rows read by sequential scans
+/// and 4 million index entries read for 13,000 key lookups.
+pub(super) const LOCK_PERMITS_OF_ATTEMPTS: &str = "SELECT p.id FROM permits p WHERE p.id IN \
+     (SELECT a.permit_id FROM unnest($1::TEXT[]) AS u(id) \
+      CROSS JOIN LATERAL (SELECT permit_id FROM attempts x WHERE x.id = u.id LIMIT 1) a) \
+     ORDER BY p.id FOR UPDATE";
+
+/// The attempts whose ids are `$1` (see [`LOCK_PERMITS_OF_ATTEMPTS`] for the form).
+pub(super) fn load_attempts_sql() -> String {
+    format!(
+        "SELECT {ATTEMPT_COLS} FROM unnest($1::TEXT[]) AS u(id) \
+         CROSS JOIN LATERAL (SELECT * FROM attempts x WHERE x.id = u.id LIMIT 1) a"
+    )
+}
+
+/// The attempts that the keys `$2` of the permits `$1` (pairwise) name, each row ending with
+/// its permit and key (see [`LOCK_PERMITS_OF_ATTEMPTS`] for the form).
+pub(super) fn attempts_by_keys_sql() -> String {
+    format!(
+        "SELECT {ATTEMPT_COLS}, u.p, u.kh FROM unnest($1::TEXT[], $2::TEXT[]) AS u(p, kh) CROSS JOIN LATERAL \
+         (SELECT x.* FROM idempotency_keys k JOIN attempts x ON x.id = k.attempt_id \
+          WHERE k.permit_id = u.p AND k.key_hash = u.kh LIMIT 1) a"
+    )
+}
+
+/// Takes the row locks of the permits of these attempts (in id order) and then reads the
+/// attempts, pipelined: both statements are prepared first, so they are sent in this order and
+/// the server runs the read (with a fresh READ COMMITTED snapshot) only after the locks are held.
+pub(super) async fn lock_then_load<C: GenericClient>(
+    c: &C,
+    ids: &[&str],
+) -> Result<Vec<Attempt>, LedgerError> {
+    let lock = prepared(c, LOCK_PERMITS_OF_ATTEMPTS).await?;
+    let load = prepared(c, &load_attempts_sql()).await?;
+    let args: [&(dyn ToSql + Sync); 1] = [&ids];
+    let (locked, loaded) = tokio::join!(biased; c.query(&lock, &args), c.query(&load, &args));
+    locked.map_err(pg_err)?;
+    loaded.map_err(pg_err)?.iter().map(read_attempt).collect()
+}
+
+/// Runs one statement through the connection's statement cache.
+pub(super) async fn exec<C: GenericClient>(
+    c: &C,
+    sql: &str,
+    args: &[&(dyn ToSql + Sync)],
+) -> Result<u64, LedgerError> {
+    let st = c.prepare_cached(sql).await.map_err(pg_err)?;
+    c.execute(&st, args).await.map_err(pg_err)
+}
+
+pub(super) async fn query_attempts<C: GenericClient>(
+    c: &C,
+    sql: &str,
+    args: &[&(dyn ToSql + Sync)],
+) -> Result<Vec<Attempt>, LedgerError> {
+    query(c, sql, args)
+        .await?
+        .iter()
+        .map(read_attempt)
+        .collect()
+}
+
+pub(super) async fn load_attempt<C: GenericClient>(
+    c: &C,
+    id: &str,
+) -> Result<Option<Attempt>, LedgerError> {
+    let sql = format!("SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.id = $1");
+    Ok(query_attempts(c, &sql, &[&id]).await?.into_iter().next())
+}
+
+/// Takes the row lock of the permit an attempt belongs to (see the module docs).
+pub(super) async fn lock_permit_of_attempt<C: GenericClient>(
+    c: &C,
+    attempt_id: &str,
+) -> Result<(), LedgerError> {
+    query(
+        c,
+        "SELECT p.id FROM permits p JOIN attempts a ON a.permit_id = p.id WHERE a.id = $1 FOR UPDATE OF p",
+        &[&attempt_id],
+    )
+    .await?;
+    Ok(())
+}
+
+/// The attempts' rounds as PostgreSQL's INTEGER (a round past `i32::MAX` cannot happen: each
+/// takes a client round trip; it would be stored as the largest value).
+pub(super) fn rounds(attempts: &[Attempt]) -> Vec<i32> {
+    attempts
+        .iter()
+        .map(|a| i32::try_from(a.round).unwrap_or(i32::MAX))
+        .collect()
+}
+
+pub(super) async fn budget_totals<C: GenericClient>(
+    c: &C,
+    states: &StateSets,
+    permit_id: &str,
+) -> Result<BudgetTotals, LedgerError> {
+    let rows = query(
+        c,
+        "SELECT COALESCE(SUM(cost) FILTER (WHERE state = ANY($2)), 0)::BIGINT, \
+                COALESCE(SUM(cost) FILTER (WHERE state = ANY($3)), 0)::BIGINT \
+         FROM attempts WHERE permit_id = $1",
+        &[&permit_id, &states.reserved, &states.spent],
+    )
+    .await?;
+    let row = rows
+        .first()
+        .ok_or_else(|| LedgerError::Invariant("budget query returned no row".into()))?;
+    Ok(BudgetTotals {
+        reserved: to_u64(row.try_get(0).map_err(column_err)?),
+        spent: to_u64(row.try_get(1).map_err(column_err)?),
+    })
+}

@@ -1,0 +1,789 @@
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use serde_json::json;
+
+use super::migrations::MIGRATIONS;
+use super::options::pg_config;
+use super::rows::{attempts_by_keys_sql, load_attempts_sql, LOCK_PERMITS_OF_ATTEMPTS};
+use super::tls::RustlsMakeTls;
+use super::{PgOptions, PgStore};
+use crate::store::conformance::{self, Harness, LEASE_MS, T0};
+use crate::store::Store;
+use crate::token;
+
+/// The server the PostgreSQL tests use. They never skip: without it they fail.
+pub fn database_url() -> String {
+    match std::env::var("DATABASE_URL") {
+        Ok(u) if !u.trim().is_empty() => u,
+        _ => panic!(
+            "DATABASE_URL is not set. The PostgreSQL store tests need a server and never skip: \
+             `make test` finds or starts one (scripts/with-postgres); by hand, e.g. \
+             DATABASE_URL=postgres://postgres@127.0.0.1:5432/test cargo test -p atmost-ledger"
+        ),
+    }
+}
+
+fn opts(url: &str, schema: &str) -> PgOptions {
+    PgOptions {
+        pool_size: 8,
+        connect_timeout: Duration::from_secs(10),
+        statement_timeout: Duration::from_secs(15),
+        schema: Some(schema.to_string()),
+        ..PgOptions::new(url)
+    }
+}
+
+fn new_schema() -> String {
+    format!("atmost_test_{}", token::random_hex(6).unwrap())
+}
+
+/// A plain client on the database (no schema), for set-up and clean-up.
+async fn raw_client(url: &str) -> tokio_postgres::Client {
+    let config = pg_config(&PgOptions::new(url)).unwrap();
+    let tls = if config.get_ssl_mode() == tokio_postgres::config::SslMode::Disable {
+        RustlsMakeTls::disabled()
+    } else {
+        RustlsMakeTls::new(None).unwrap()
+    };
+    let (client, conn) = config
+        .connect(tls)
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to DATABASE_URL: {e}"));
+    tokio::spawn(conn);
+    client
+}
+
+/// Drops a test schema, from any context (also from `Drop` inside a runtime).
+fn drop_schema(url: String, schema: String) {
+    let _ = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let c = raw_client(&url).await;
+            let _ = c
+                .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+                .await;
+        });
+    })
+    .join();
+}
+
+/// One fresh schema per test: `store` and `second_handle` are two pools on it (like two
+/// replicas), `reopen` a new pool; the schema is dropped at the end.
+struct PgHarness {
+    url: String,
+    schema: String,
+    first: Arc<PgStore>,
+}
+
+impl PgHarness {
+    async fn new() -> Self {
+        let url = database_url();
+        let schema = new_schema();
+        let first = Arc::new(PgStore::connect(&opts(&url, &schema)).await.unwrap());
+        PgHarness { url, schema, first }
+    }
+
+    async fn handle(&self) -> Arc<dyn Store> {
+        Arc::new(
+            PgStore::connect(&opts(&self.url, &self.schema))
+                .await
+                .unwrap(),
+        )
+    }
+}
+
+impl Drop for PgHarness {
+    fn drop(&mut self) {
+        drop_schema(self.url.clone(), self.schema.clone());
+    }
+}
+
+#[async_trait]
+impl Harness for PgHarness {
+    async fn store(&self) -> Arc<dyn Store> {
+        self.first.clone()
+    }
+    async fn second_handle(&self) -> Arc<dyn Store> {
+        self.handle().await
+    }
+    async fn reopen(&self) -> Arc<dyn Store> {
+        self.handle().await
+    }
+}
+
+crate::conformance_suite!(PgHarness::new().await);
+
+/// "dispatch", or the denial's code.
+fn answer_name(r: atmost_protocol::AuthorizeResponse) -> String {
+    match r {
+        atmost_protocol::AuthorizeResponse::Dispatch { .. } => "dispatch".to_string(),
+        atmost_protocol::AuthorizeResponse::Deny(d) => format!("{:?}", d.code),
+        other => format!("{other:?}"),
+    }
+}
+
+/// A client holding the permit's row lock in an open transaction (`COMMIT` releases it),
+/// so what the store queues meanwhile forms one group.
+async fn hold_permit_lock(h: &PgHarness, permit_id: &str) -> tokio_postgres::Client {
+    let raw = raw_client(&h.url).await;
+    raw.batch_execute(&format!(
+        "BEGIN; SELECT 1 FROM {}.permits WHERE id = '{permit_id}' FOR UPDATE",
+        h.schema
+    ))
+    .await
+    .unwrap();
+    raw
+}
+
+/// Decisions waiting for the next group (`None`: no decision worker runs).
+fn queued_decisions(s: &PgStore) -> Option<usize> {
+    s.decisions.lock().unwrap().as_ref().map(Vec::len)
+}
+
+/// Outcome reports waiting for the next group (`None`: no outcome worker runs).
+fn queued_outcomes(s: &PgStore) -> Option<usize> {
+    s.outcomes.lock().unwrap().as_ref().map(Vec::len)
+}
+
+/// Waits until the queue holds `want` jobs. A spawned call may first run at any time, in
+/// any order with the others, so the grouping tests order their calls on the queue by
+/// waiting for each to arrive there, not by waiting for a while. A call answered
+/// meanwhile (it failed, or never queued) fails the test instead of letting it hang.
+async fn until_queued<T>(
+    queued: impl Fn() -> Option<usize>,
+    want: usize,
+    calls: &[&tokio::task::JoinHandle<T>],
+) {
+    while queued() != Some(want) {
+        assert!(
+            calls.iter().all(|c| !c.is_finished()),
+            "a call was answered while {want} were expected in the queue (queued: {:?})",
+            queued()
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Decisions queued while the permit's lock is held elsewhere are decided together, in
+/// one transaction: each must see what the earlier ones of its group decided (a slot
+/// taken, a fingerprint in flight, a key reserved), though none of it is committed yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_group_of_queued_decisions_sees_its_own_earlier_decisions() {
+    use crate::model::GuardMode;
+    use atmost_protocol::{AuthorizeResponse, DenialCode};
+    let h = PgHarness::new().await;
+    let s = h.first.clone();
+    let mut pol = conformance::policy();
+    pol.duplicate_guard = GuardMode::Enforce;
+    pol.max_calls.insert("pay".into(), 3);
+    let (p, tok) = conformance::make_permit(&*s, pol, T0 + conformance::HOUR).await;
+    let raw = hold_permit_lock(&h, &p.id).await;
+    let call = |r: atmost_protocol::AuthorizeRequest| {
+        let s = s.clone();
+        tokio::spawn(async move { s.authorize(&r, LEASE_MS, T0).await.unwrap().response })
+    };
+    // The first call is its worker's first group alone, waiting for the lock ...
+    let first = call(conformance::req(
+        &tok,
+        "other",
+        Some("k0"),
+        "fp-0",
+        json!({}),
+    ));
+    until_queued(|| queued_decisions(&s), 0, &[&first]).await;
+    // ... so these queue behind it and form the next group.
+    let mut calls = Vec::new();
+    for i in 0..8 {
+        let key = format!("d{i}");
+        calls.push((
+            "dup",
+            call(conformance::req(
+                &tok,
+                "x",
+                Some(&key),
+                "one-print",
+                json!({}),
+            )),
+        ));
+    }
+    for i in 0..8 {
+        let (key, fp) = (format!("c{i}"), format!("fp-c{i}"));
+        calls.push((
+            "cap",
+            call(conformance::req(&tok, "pay", Some(&key), &fp, json!({}))),
+        ));
+    }
+    // One key with other arguments each time (so only the key ties them together).
+    for i in 0..4 {
+        let fp = format!("fp-k{i}");
+        calls.push((
+            "key",
+            call(conformance::req(&tok, "y", Some("same"), &fp, json!({}))),
+        ));
+    }
+    let waiting: Vec<_> = calls.iter().map(|(_, c)| c).chain([&first]).collect();
+    until_queued(|| queued_decisions(&s), calls.len(), &waiting).await;
+    raw.batch_execute("COMMIT").await.unwrap();
+    assert!(matches!(
+        first.await.unwrap(),
+        AuthorizeResponse::Dispatch { .. }
+    ));
+    let mut got = std::collections::BTreeMap::<(&str, String), usize>::new();
+    for (kind, c) in calls {
+        let outcome = answer_name(c.await.unwrap());
+        *got.entry((kind, outcome)).or_default() += 1;
+    }
+    let want: std::collections::BTreeMap<(&str, String), usize> = [
+        (("dup", "dispatch".to_string()), 1),
+        (
+            (
+                "dup",
+                format!("{:?}", DenialCode::DuplicateRequestSuspected),
+            ),
+            7,
+        ),
+        (("cap", "dispatch".to_string()), 3),
+        (
+            ("cap", format!("{:?}", DenialCode::PermitMaxCallsExceeded)),
+            5,
+        ),
+        (("key", "dispatch".to_string()), 1),
+        (
+            ("key", format!("{:?}", DenialCode::IdempotencyKeyConflict)),
+            3,
+        ),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(got, want);
+    let counters = s.permit_counters(&p.id).await.unwrap().unwrap();
+    assert_eq!(counters.slots_held.get("pay"), Some(&3));
+}
+
+/// Version 3's partial indexes carry the model's state lists, and the sweeper's queries
+/// (as generic plans, the way prepared statements end up) are answered from them.
+#[tokio::test]
+async fn sweeper_queries_read_the_partial_indexes() {
+    use crate::model::AttemptState;
+    let (_, _, v3) = MIGRATIONS.iter().find(|m| m.0 == 3).unwrap();
+    let leased = AttemptState::sql_list(AttemptState::leased);
+    let replays = AttemptState::sql_list(AttemptState::replays);
+    assert!(v3.contains(&format!("WHERE state IN {leased};")), "{v3}");
+    assert!(
+        v3.contains(&format!("WHERE pruned_at IS NULL AND state IN {replays};")),
+        "{v3}"
+    );
+    let h = PgHarness::new().await;
+    let c = raw_client(&h.url).await;
+    c.batch_execute(&format!(
+        "SET search_path = {}; SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off",
+        h.schema
+    ))
+    .await
+    .unwrap();
+    let queries = [
+        ("attempts_leased", format!(
+            "SELECT a.id FROM attempts a WHERE a.state IN {leased} AND a.lease_expires_at <= $2 AND a.permit_id = $1"
+        )),
+        ("attempts_prunable", format!(
+            "SELECT a.id FROM attempts a WHERE a.pruned_at IS NULL AND a.state IN {replays} \
+             AND COALESCE(a.finished_at, a.updated_at) <= $2 AND a.permit_id = $1"
+        )),
+    ];
+    for (n, (index, sql)) in queries.iter().enumerate() {
+        c.batch_execute(&format!("PREPARE q{n}(text, bigint) AS {sql}"))
+            .await
+            .unwrap();
+        let plan: Vec<String> = c
+            .query(&format!("EXPLAIN EXECUTE q{n}('p', 0)"), &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert!(plan.iter().any(|l| l.contains(index)), "{index}: {plan:?}");
+    }
+}
+
+/// One group holds the calls of several permits: keys, fingerprints, slots and budgets
+/// stay each permit's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_group_of_several_permits_keeps_each_permits_own_keys_and_counters() {
+    use crate::model::GuardMode;
+    use atmost_protocol::AuthorizeResponse;
+    let h = PgHarness::new().await;
+    let s = h.first.clone();
+    let mut pol = conformance::policy();
+    pol.duplicate_guard = GuardMode::Enforce;
+    pol.max_calls.insert("pay".into(), 2);
+    pol.budget = Some(10);
+    pol.cost_default = 4;
+    let (pa, ta) = conformance::make_permit(&*s, pol.clone(), T0 + conformance::HOUR).await;
+    let (pb, tb) = conformance::make_permit(&*s, pol, T0 + conformance::HOUR).await;
+    let raw = hold_permit_lock(&h, &pa.id).await;
+    let call = |tok: &str, key: &str, fp: &str| {
+        let (s, r) = (
+            s.clone(),
+            conformance::req(tok, "pay", Some(key), fp, json!({})),
+        );
+        tokio::spawn(async move { s.authorize(&r, LEASE_MS, T0).await.unwrap().response })
+    };
+    // Waits for the lock alone; the rest queue behind it as one group.
+    let first = call(&ta, "k0", "same");
+    until_queued(|| queued_decisions(&s), 0, &[&first]).await;
+    // Permit b's key k0 and its call with fingerprint "same" under another key are other
+    // calls than permit a's (already committed); each permit has two slots and budget
+    // for two calls (4 each, of 10). They join the queue in this order: each is spawned
+    // once the one before it is there, so the group decides them in this order.
+    let mut calls = Vec::new();
+    for (tok, key, fp) in [
+        (&ta, "k1", "fp-a1"),
+        (&tb, "k0", "fp-b0"),
+        (&tb, "kb", "same"),
+        (&ta, "k2", "fp-a2"),
+        (&tb, "k3", "fp-b3"),
+    ] {
+        calls.push(call(tok, key, fp));
+        let waiting: Vec<_> = calls.iter().chain([&first]).collect();
+        until_queued(|| queued_decisions(&s), calls.len(), &waiting).await;
+    }
+    raw.batch_execute("COMMIT").await.unwrap();
+    assert!(matches!(
+        first.await.unwrap(),
+        AuthorizeResponse::Dispatch { .. }
+    ));
+    let mut got = Vec::new();
+    for c in calls {
+        got.push(answer_name(c.await.unwrap()));
+    }
+    // a: the first call and k1, then no slot for k2; b: k0 and kb, then none for k3.
+    assert_eq!(
+        got,
+        [
+            "dispatch",
+            "dispatch",
+            "dispatch",
+            "PermitMaxCallsExceeded",
+            "PermitMaxCallsExceeded"
+        ]
+    );
+    for p in [&pa, &pb] {
+        let c = s.permit_counters(&p.id).await.unwrap().unwrap();
+        assert_eq!(
+            (c.slots_held.get("pay"), c.reserved),
+            (Some(&2), 8),
+            "{}",
+            p.id
+        );
+    }
+}
+
+/// Outcome batches sent while the permit's lock is held elsewhere are applied together,
+/// in the order they arrived, each answered for its own reports.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn outcome_batches_queued_together_are_applied_in_order() {
+    use crate::model::AttemptState;
+    use atmost_protocol::{AuthorizeResponse, Outcome, OutcomeAck, OutcomeReport};
+    let h = PgHarness::new().await;
+    let s = h.first.clone();
+    let (p, tok) =
+        conformance::make_permit(&*s, conformance::policy(), T0 + conformance::HOUR).await;
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let key = format!("k{i}");
+        let r = conformance::req(&tok, "pay", Some(&key), &key, json!({}));
+        match conformance::auth(&*s, &r, T0).await {
+            AuthorizeResponse::Dispatch { attempt_id, .. } => ids.push(attempt_id),
+            other => panic!("{other:?}"),
+        }
+    }
+    let raw = hold_permit_lock(&h, &p.id).await;
+    let done = |r: &str| Outcome::Completed { receipt: r.into() };
+    let gone = || Outcome::Released {
+        reason: "connection_refused".into(),
+    };
+    let batches = vec![
+        vec![(0, done("R0")), (1, gone())],
+        vec![(2, done("R2")), (0, gone())],
+        vec![(1, done("late")), (2, done("R2"))],
+    ];
+    let mut calls = Vec::new();
+    // In this order: the first waits for the lock alone, in its worker's first group;
+    // each later batch is sent once the one before it is in the queue.
+    let mut want_queued = 0;
+    for (n, batch) in batches.into_iter().enumerate() {
+        let reports: Vec<OutcomeReport> = batch
+            .into_iter()
+            .map(|(i, outcome)| conformance::report_of(&ids[i], outcome))
+            .collect();
+        let s = s.clone();
+        let sent = reports.len();
+        calls.push(tokio::spawn(async move {
+            s.record_outcomes(&reports, T0 + 1).await.unwrap()
+        }));
+        if n > 0 {
+            want_queued += sent;
+        }
+        let waiting: Vec<_> = calls.iter().collect();
+        until_queued(|| queued_outcomes(&h.first), want_queued, &waiting).await;
+    }
+    raw.batch_execute("COMMIT").await.unwrap();
+    let mut acks = Vec::new();
+    for c in calls {
+        acks.push(
+            c.await
+                .unwrap()
+                .into_iter()
+                .map(|r| r.ack)
+                .collect::<Vec<_>>(),
+        );
+    }
+    assert_eq!(
+        acks,
+        vec![
+            vec![OutcomeAck::Applied, OutcomeAck::Applied],
+            vec![OutcomeAck::Applied, OutcomeAck::Conflict],
+            vec![OutcomeAck::Conflict, OutcomeAck::AlreadyRecorded],
+        ]
+    );
+    let counts = s.attempt_counts(T0).await.unwrap();
+    assert_eq!(counts.get(&AttemptState::Completed), Some(&2));
+    assert_eq!(counts.get(&AttemptState::Released), Some(&1));
+    assert_eq!(counts.get(&AttemptState::InFlight).copied().unwrap_or(0), 0);
+    let c = s.permit_counters(&p.id).await.unwrap().unwrap();
+    assert_eq!(c.slots_held.get("pay"), Some(&2));
+}
+
+/// The lookups of a list of ids or keys probe the unique index once per element, also
+/// when the statistics know nothing of the permit (never analyzed: PostgreSQL then guesses
+/// that one permit holds 0.5 % of the keys, when it holds all of them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn list_lookups_probe_the_index_per_element_whatever_the_statistics() {
+    let h = PgHarness::new().await;
+    let c = raw_client(&h.url).await;
+    c.batch_execute(&format!(
+        "SET search_path = {s}; \
+         ALTER TABLE attempts SET (autovacuum_enabled = false); \
+         ALTER TABLE idempotency_keys SET (autovacuum_enabled = false); \
+         INSERT INTO permits (id, token_hash, label, created_at, expires_at, retention_ms, policy) \
+             VALUES ('p', 'h', 'l', 0, 1, 1, '{{}}'); \
+         INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, \
+             updated_at, lease_expires_at) \
+             SELECT 'a' || g, 'p', 't', 'k' || g, 'f' || g, 0, 'completed', g, g, g \
+             FROM generate_series(1, 20000) g; \
+         INSERT INTO idempotency_keys (permit_id, key_hash, attempt_id) \
+             SELECT 'p', 'k' || g, 'a' || g FROM generate_series(1, 20000) g; \
+         SET plan_cache_mode = force_custom_plan",
+        s = h.schema
+    ))
+    .await
+    .unwrap();
+    let list: Vec<String> = (1..=64).map(|i| format!("'k{i}'")).collect();
+    let ids: Vec<String> = (1..=64).map(|i| format!("'a{i}'")).collect();
+    let statements = [
+        (
+            "keys",
+            attempts_by_keys_sql()
+                .replace(
+                    "$1::TEXT[]",
+                    &format!("ARRAY[{}]", vec!["'p'"; 64].join(",")),
+                )
+                .replace("$2::TEXT[]", &format!("ARRAY[{}]", list.join(","))),
+        ),
+        (
+            "lock",
+            LOCK_PERMITS_OF_ATTEMPTS.replace("$1::TEXT[]", &format!("ARRAY[{}]", ids.join(","))),
+        ),
+        (
+            "load",
+            load_attempts_sql().replace("$1::TEXT[]", &format!("ARRAY[{}]", ids.join(","))),
+        ),
+    ];
+    for (name, sql) in statements {
+        let plan: Vec<String> = c
+            .query(&format!("EXPLAIN {sql}"), &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let text = plan.join("\n");
+        assert!(!text.contains("Seq Scan on attempts"), "{name}: {text}");
+        assert!(
+            !text.contains("Seq Scan on idempotency_keys"),
+            "{name}: {text}"
+        );
+        assert!(!text.contains("Filter: (key_hash"), "{name}: {text}");
+        assert!(text.contains("Nested Loop"), "{name}: {text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn migrations_are_versioned_idempotent_and_safe_when_replicas_start_together() {
+    let url = database_url();
+    let schema = new_schema();
+    let _cleanup = Cleanup(url.clone(), schema.clone());
+    let starts: Vec<_> = (0..4)
+        .map(|_| {
+            let o = opts(&url, &schema);
+            tokio::spawn(async move { PgStore::connect(&o).await.map(|_| ()) })
+        })
+        .collect();
+    for s in starts {
+        s.await.unwrap().unwrap();
+    }
+    PgStore::connect(&opts(&url, &schema)).await.unwrap();
+    let c = raw_client(&url).await;
+    let rows = c
+        .query(
+            &format!("SELECT version FROM {schema}.atmost_migrations ORDER BY version"),
+            &[],
+        )
+        .await
+        .unwrap();
+    let versions: Vec<i32> = rows.iter().map(|r| r.get(0)).collect();
+    let known: Vec<i32> = MIGRATIONS.iter().map(|m| m.0).collect();
+    assert_eq!(versions, known);
+}
+
+struct Cleanup(String, String);
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        drop_schema(self.0.clone(), self.1.clone());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replicas_sweeping_at_once_move_each_attempt_once() {
+    let h = PgHarness::new().await;
+    let s = h.store().await;
+    let (_p, tok) = conformance::make_permit(&*s, conformance::policy(), T0 + 3_600_000).await;
+    for i in 0..20 {
+        let r = conformance::req(
+            &tok,
+            "pay",
+            Some(&format!("k{i}")),
+            &format!("f{i}"),
+            json!({}),
+        );
+        s.authorize(&r, LEASE_MS, T0).await.unwrap();
+    }
+    let replicas = vec![s.clone(), h.handle().await, h.handle().await];
+    let later = T0 + i64::try_from(LEASE_MS).unwrap();
+    let sweeps: Vec<_> = replicas
+        .into_iter()
+        .map(|r| tokio::spawn(async move { r.sweep(later).await.unwrap() }))
+        .collect();
+    let mut expired = 0;
+    for sw in sweeps {
+        expired += sw.await.unwrap().leases_expired;
+    }
+    assert_eq!(expired, 20);
+    let counts = s.attempt_counts(T0).await.unwrap();
+    assert_eq!(counts[&crate::model::AttemptState::Uncertain], 20);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unreachable_database_fails_at_start() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let mut o = PgOptions::new(format!("postgres://atmost@127.0.0.1:{port}/none"));
+    o.connect_timeout = Duration::from_millis(500);
+    o.statement_timeout = Duration::from_millis(500);
+    let started = Instant::now();
+    let err = PgStore::connect(&o).await.unwrap_err();
+    assert!(
+        matches!(err, crate::error::LedgerError::Unavailable(_)),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+/// Serves the ledger's routes on `store`; returns the base URL.
+async fn serve(store: Arc<PgStore>) -> String {
+    let state = Arc::new(crate::server::AppState {
+        store,
+        clock: Arc::new(crate::clock::SystemClock),
+        config: crate::server::ServerConfig {
+            service_token: "svc".into(),
+            admin_token: "adm".into(),
+            lease: Duration::from_secs(60),
+        },
+        metrics: Arc::new(crate::metrics::Metrics::new().unwrap()),
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = crate::server::router(state);
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    format!("http://{addr}")
+}
+
+/// A TCP relay to the database that can stall every byte, like a database that hangs or a
+/// network partition during a failover.
+struct Relay {
+    port: u16,
+    stalled: Arc<AtomicBool>,
+}
+
+impl Relay {
+    async fn start(target: (String, u16)) -> Relay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let stalled = Arc::new(AtomicBool::new(false));
+        let st = stalled.clone();
+        tokio::spawn(async move {
+            while let Ok((down, _)) = listener.accept().await {
+                let Ok(up) = tokio::net::TcpStream::connect((target.0.as_str(), target.1)).await
+                else {
+                    continue;
+                };
+                let (dr, dw) = down.into_split();
+                let (ur, uw) = up.into_split();
+                tokio::spawn(pump(dr, uw, st.clone()));
+                tokio::spawn(pump(ur, dw, st.clone()));
+            }
+        });
+        Relay { port, stalled }
+    }
+}
+
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    stalled: Arc<AtomicBool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        while stalled.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Transient database failures fail closed: an error within the deadline (the server
+/// answers 503 → `gateway_unavailable`), never a hang and never a dispatch; readiness
+/// (`ping`) follows the database; the store recovers when the database does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn hung_database_fails_closed_within_the_deadline_and_recovers() {
+    let url = database_url();
+    let config: tokio_postgres::Config = url.parse().unwrap();
+    let host = match config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        _ => "127.0.0.1".to_string(),
+    };
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let relay = Relay::start((host.clone(), port)).await;
+    let schema = new_schema();
+    let _cleanup = Cleanup(url.clone(), schema.clone());
+    // The same URL with the relay's address.
+    let relayed = url.replacen(
+        &format!("{host}:{port}"),
+        &format!("127.0.0.1:{}", relay.port),
+        1,
+    );
+    assert_ne!(
+        relayed, url,
+        "DATABASE_URL must name host:port for this test"
+    );
+    let mut o = opts(&relayed, &schema);
+    o.pool_size = 2;
+    o.connect_timeout = Duration::from_millis(700);
+    o.statement_timeout = Duration::from_millis(700);
+    let s = Arc::new(PgStore::connect(&o).await.unwrap());
+    let mut pol = conformance::policy();
+    pol.max_calls.insert("pay".into(), 1);
+    let (p, tok) = conformance::make_permit(&*s, pol, T0 + 3_600_000).await;
+    s.ping(T0).await.unwrap();
+    let base = serve(s.clone()).await;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::new();
+    assert_eq!(
+        http.get(format!("{base}/readyz"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+
+    relay.stalled.store(true, Ordering::SeqCst);
+    let started = Instant::now();
+    let r = conformance::req(&tok, "pay", Some("k1"), "A", json!({}));
+    let err = s.authorize(&r, LEASE_MS, T0).await.unwrap_err();
+    assert!(
+        matches!(err, crate::error::LedgerError::Unavailable(_)),
+        "{err}"
+    );
+    assert!(s.ping(T0).await.is_err(), "readiness follows the database");
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
+        "bounded by the deadline: {:?}",
+        started.elapsed()
+    );
+    // Through the server: 503, which the filter turns into gateway_unavailable.
+    let resp = http
+        .post(format!("{base}{}", atmost_protocol::AUTHORIZE_PATH))
+        .bearer_auth("svc")
+        .json(&r)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 503);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["error"], "store_unavailable");
+    assert_eq!(
+        http.get(format!("{base}/readyz"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        503
+    );
+
+    relay.stalled.store(false, Ordering::SeqCst);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let decision = loop {
+        match s.authorize(&r, LEASE_MS, T0).await {
+            Ok(d) => break d,
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("the store did not recover: {e}"),
+        }
+    };
+    s.ping(T0).await.unwrap();
+    // Whatever the stalled attempt left, the cap of one holds: one slot at most.
+    let d = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    assert_eq!(d.usage["pay"].calls_made, 1, "{:?}", decision.response);
+}
+
+#[test]
+fn outage_sqlstates_are_transient_and_others_are_not() {
+    for outage in [
+        "08006", "53100", "53300", "57P01", "57014", "25006", "55P03", "40001",
+    ] {
+        assert!(super::errors::transient_sqlstate(outage), "{outage}");
+    }
+    for bug in ["23505", "42P01", "42601", "22003", "XX000"] {
+        assert!(!super::errors::transient_sqlstate(bug), "{bug}");
+    }
+}

@@ -1,0 +1,213 @@
+//! Writes of attempts and of the counters that move with them, one statement per kind.
+
+use deadpool_postgres::GenericClient;
+
+use super::rows::{exec, rounds};
+use super::to_i64;
+use crate::clock::Millis;
+use crate::error::LedgerError;
+use crate::model::{Attempt, Resolution};
+use crate::store::counters::CounterMoves;
+
+/// Inserts attempts and points their keys at them in ONE statement (one round trip under the
+/// lock, however many). No two of them may have the same key.
+pub(super) async fn insert_attempts<C: GenericClient>(
+    c: &C,
+    attempts: &[Attempt],
+) -> Result<(), LedgerError> {
+    if attempts.is_empty() {
+        return Ok(());
+    }
+    let mut costs = Vec::with_capacity(attempts.len());
+    let mut replays = Vec::with_capacity(attempts.len());
+    for a in attempts {
+        costs.push(to_i64(a.cost)?);
+        replays.push(to_i64(a.replay_count)?);
+    }
+    let col = |f: fn(&Attempt) -> &str| attempts.iter().map(f).collect::<Vec<&str>>();
+    let opt =
+        |f: fn(&Attempt) -> Option<&str>| attempts.iter().map(f).collect::<Vec<Option<&str>>>();
+    let num = |f: fn(&Attempt) -> Millis| attempts.iter().map(f).collect::<Vec<Millis>>();
+    let opt_num =
+        |f: fn(&Attempt) -> Option<Millis>| attempts.iter().map(f).collect::<Vec<Option<Millis>>>();
+    exec(
+        c,
+        "WITH ins AS (INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, \
+         updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, round, capability_hash) \
+         SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::TEXT[], $5::TEXT[], $6::BIGINT[], \
+         $7::TEXT[], $8::BIGINT[], $9::BIGINT[], $10::BIGINT[], $11::BIGINT[], $12::TEXT[], $13::TEXT[], \
+         $14::BIGINT[], $15::BIGINT[], $16::INTEGER[], $17::TEXT[]) RETURNING id, permit_id, key_hash) \
+         INSERT INTO idempotency_keys (permit_id, key_hash, attempt_id) \
+         SELECT permit_id, key_hash, id FROM ins WHERE key_hash IS NOT NULL \
+         ON CONFLICT (permit_id, key_hash) DO UPDATE SET attempt_id = excluded.attempt_id",
+        &[
+            &col(|a| &a.id),
+            &col(|a| &a.permit_id),
+            &col(|a| &a.tool),
+            &opt(|a| a.key_hash.as_deref()),
+            &col(|a| &a.fingerprint),
+            &costs,
+            &col(|a| a.state.as_str()),
+            &num(|a| a.created_at_ms),
+            &num(|a| a.updated_at_ms),
+            &num(|a| a.lease_expires_at_ms),
+            &opt_num(|a| a.finished_at_ms),
+            &opt(|a| a.receipt.as_deref()),
+            &opt(|a| a.reason.as_deref()),
+            &replays,
+            &opt_num(|a| a.pruned_at_ms),
+            &rounds(attempts),
+            &opt(|a| a.capability_hash.as_deref()),
+        ],
+    )
+    .await?;
+    Ok(())
+}
+
+/// Writes the new versions of attempts in ONE statement (one round trip, however many). No
+/// two of them may be the same attempt (only one of the two would be written).
+pub(super) async fn update_attempts<C: GenericClient>(
+    c: &C,
+    attempts: &[Attempt],
+) -> Result<(), LedgerError> {
+    if attempts.is_empty() {
+        return Ok(());
+    }
+    let mut replays = Vec::with_capacity(attempts.len());
+    for a in attempts {
+        replays.push(to_i64(a.replay_count)?);
+    }
+    fn res(a: &Attempt) -> Option<&Resolution> {
+        a.resolution.as_ref()
+    }
+    exec(
+        c,
+        "UPDATE attempts a SET state = u.state, updated_at = u.updated_at, lease_expires_at = u.lease_expires_at, \
+         finished_at = u.finished_at, receipt = u.receipt, reason = u.reason, replay_count = u.replay_count, \
+         pruned_at = u.pruned_at, resolved_executed = u.resolved_executed, resolved_by = u.resolved_by, \
+         resolved_at = u.resolved_at, resolution_note = u.resolution_note, round = u.round, \
+         capability_hash = u.capability_hash \
+         FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[], $4::BIGINT[], $5::BIGINT[], $6::TEXT[], $7::TEXT[], \
+         $8::BIGINT[], $9::BIGINT[], $10::BOOLEAN[], $11::TEXT[], $12::BIGINT[], $13::TEXT[], $14::INTEGER[], \
+         $15::TEXT[]) \
+         AS u(id, state, updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, \
+         resolved_executed, resolved_by, resolved_at, resolution_note, round, capability_hash) \
+         WHERE a.id = u.id",
+        &[
+            &attempts.iter().map(|a| a.id.as_str()).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| a.state.as_str()).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| a.updated_at_ms).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| a.lease_expires_at_ms).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| a.finished_at_ms).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| a.receipt.as_deref()).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| a.reason.as_deref()).collect::<Vec<_>>(),
+            &replays,
+            &attempts.iter().map(|a| a.pruned_at_ms).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| res(a).map(|r| r.executed)).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| res(a).map(|r| r.by.as_str())).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| res(a).map(|r| r.at_ms)).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| res(a).and_then(|r| r.note.as_deref())).collect::<Vec<_>>(),
+            &rounds(attempts),
+            &attempts.iter().map(|a| a.capability_hash.as_deref()).collect::<Vec<_>>(),
+        ],
+    )
+    .await?;
+    Ok(())
+}
+
+/// Writes the counter moves a transaction summed ([`CounterMoves`]), in the caller's
+/// transaction (which holds the row locks of the permits involved), just before it commits:
+/// each counter row once, however many attempts moved it. The statements are sent together
+/// (pipelined; the server runs them in order).
+pub(super) async fn write_counters<C: GenericClient>(
+    c: &C,
+    moves: &CounterMoves,
+) -> Result<(), LedgerError> {
+    let (mut sp, mut st, mut sn) = (Vec::new(), Vec::new(), Vec::new());
+    for (p, t, n) in moves.slot_rows() {
+        sp.push(p);
+        st.push(t);
+        sn.push(n);
+    }
+    let (mut bp, mut br, mut bs) = (Vec::new(), Vec::new(), Vec::new());
+    for (p, r, s) in moves.budget_rows() {
+        bp.push(p);
+        br.push(r);
+        bs.push(s);
+    }
+    let (mut cp, mut cs, mut cn) = (Vec::new(), Vec::new(), Vec::new());
+    for (p, s, n) in moves.state_rows() {
+        cp.push(p);
+        cs.push(s.as_str());
+        cn.push(n);
+    }
+    let (slots, budget, states) = tokio::join!(
+        biased;
+        add_to_rows(
+            c,
+            "INSERT INTO permit_tool_usage (permit_id, tool, slots_held) \
+             SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[]) \
+             ON CONFLICT (permit_id, tool) DO UPDATE SET slots_held = permit_tool_usage.slots_held + excluded.slots_held",
+            (&sp, &st, &sn),
+        ),
+        async {
+            if bp.is_empty() {
+                return Ok(0);
+            }
+            exec(
+                c,
+                "UPDATE permits p SET reserved = p.reserved + m.r, spent = p.spent + m.s \
+                 FROM unnest($1::TEXT[], $2::BIGINT[], $3::BIGINT[]) AS m(id, r, s) WHERE p.id = m.id",
+                &[&bp, &br, &bs],
+            )
+            .await
+        },
+        add_to_rows(
+            c,
+            "INSERT INTO permit_state_counts (permit_id, state, n) \
+             SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[]) \
+             ON CONFLICT (permit_id, state) DO UPDATE SET n = permit_state_counts.n + excluded.n",
+            (&cp, &cs, &cn),
+        )
+    );
+    slots?;
+    budget?;
+    states?;
+    Ok(())
+}
+
+/// Adds to counter rows keyed by two texts (created at the amount when missing); nothing is
+/// sent when there is nothing to add.
+pub(super) async fn add_to_rows<C: GenericClient>(
+    c: &C,
+    upsert: &str,
+    (first, second, amounts): (&Vec<&str>, &Vec<&str>, &Vec<i64>),
+) -> Result<u64, LedgerError> {
+    if first.is_empty() {
+        return Ok(0);
+    }
+    exec(c, upsert, &[first, second, amounts]).await
+}
+
+/// Writes a new version of an attempt in the caller's transaction (which holds the permit's
+/// row lock) and adds what it moves to `moves`, which the transaction writes with
+/// [`write_counters`] before it commits.
+pub(super) async fn write_attempt<C: GenericClient>(
+    c: &C,
+    old: &Attempt,
+    new: &Attempt,
+    moves: &mut CounterMoves,
+) -> Result<(), LedgerError> {
+    // Checked before anything is sent, so a value that cannot be stored leaves no half write.
+    storable(new)?;
+    update_attempts(c, std::slice::from_ref(new)).await?;
+    moves.record(Some(old), new);
+    Ok(())
+}
+
+/// A value the attempts table cannot hold is refused before anything is sent.
+pub(super) fn storable(a: &Attempt) -> Result<(), LedgerError> {
+    to_i64(a.cost)?;
+    to_i64(a.replay_count)?;
+    Ok(())
+}

@@ -1,0 +1,143 @@
+//! The schema and its versioned migrations (`PRAGMA user_version`).
+
+use rusqlite::{Connection, TransactionBehavior};
+
+use super::sql_err;
+use crate::error::LedgerError;
+
+pub(super) const SCHEMA: &str = r#"
+CREATE TABLE IF NOT EXISTS permits (
+    id           TEXT PRIMARY KEY,
+    token_hash   TEXT NOT NULL,
+    label        TEXT NOT NULL,
+    created_at   INTEGER NOT NULL,
+    expires_at   INTEGER NOT NULL,
+    revoked_at   INTEGER,
+    retention_ms INTEGER NOT NULL,
+    policy       TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS attempts (
+    id                TEXT PRIMARY KEY,
+    permit_id         TEXT NOT NULL REFERENCES permits(id),
+    tool              TEXT NOT NULL,
+    key_hash          TEXT,
+    fingerprint       TEXT NOT NULL,
+    cost              INTEGER NOT NULL,
+    state             TEXT NOT NULL,
+    created_at        INTEGER NOT NULL,
+    updated_at        INTEGER NOT NULL,
+    lease_expires_at  INTEGER NOT NULL,
+    finished_at       INTEGER,
+    receipt           TEXT,
+    reason            TEXT,
+    replay_count      INTEGER NOT NULL DEFAULT 0,
+    pruned_at         INTEGER,
+    resolved_executed INTEGER,
+    resolved_by       TEXT,
+    resolved_at       INTEGER,
+    resolution_note   TEXT
+);
+CREATE INDEX IF NOT EXISTS attempts_by_permit_tool_state ON attempts(permit_id, tool, state);
+CREATE INDEX IF NOT EXISTS attempts_by_permit_fingerprint ON attempts(permit_id, fingerprint, created_at);
+CREATE INDEX IF NOT EXISTS attempts_by_state_lease ON attempts(state, lease_expires_at);
+CREATE TABLE IF NOT EXISTS idempotency_keys (
+    permit_id  TEXT NOT NULL,
+    key_hash   TEXT NOT NULL,
+    attempt_id TEXT NOT NULL REFERENCES attempts(id),
+    PRIMARY KEY (permit_id, key_hash)
+);
+"#;
+
+/// Version 2: O(1) counters kept in the same transaction as every write that moves a slot or
+/// budget (see [`decide::counter_delta`]), backfilled from the attempts. The state lists are
+/// the model's rules as they were when this migration was written (a migration never changes).
+pub(super) const MIGRATION_2: &str = r#"
+CREATE TABLE IF NOT EXISTS permit_tool_usage (
+    permit_id  TEXT NOT NULL,
+    tool       TEXT NOT NULL,
+    slots_held INTEGER NOT NULL,
+    PRIMARY KEY (permit_id, tool)
+) WITHOUT ROWID;
+ALTER TABLE permits ADD COLUMN reserved INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE permits ADD COLUMN spent INTEGER NOT NULL DEFAULT 0;
+INSERT INTO permit_tool_usage (permit_id, tool, slots_held)
+    SELECT permit_id, tool, COUNT(*) FROM attempts
+    WHERE state IN ('in_flight','completed','uncertain','resolved_executed','awaiting_input','accepted')
+    GROUP BY permit_id, tool;
+UPDATE permits SET
+    reserved = COALESCE((SELECT SUM(cost) FROM attempts a WHERE a.permit_id = permits.id
+                         AND a.state IN ('in_flight','awaiting_input')), 0),
+    spent = COALESCE((SELECT SUM(cost) FROM attempts a WHERE a.permit_id = permits.id
+                      AND a.state IN ('completed','uncertain','resolved_executed','accepted')), 0);
+"#;
+
+/// Version 3: what used to be read by scanning every attempt is kept or indexed for what it
+/// is. Attempts per state are counted in a table kept in the writing transaction (the metrics
+/// read it every sweep). The lease sweeper and the receipt pruner read partial indexes that
+/// hold only their candidates, so their work follows the candidates, not the history. The
+/// two indexes over every attempt's state (changed by every report) are gone. The state lists
+/// are the model's `leased` and `replays` when this was written; the queries build the same
+/// lists, and a test keeps them equal.
+pub(super) const MIGRATION_3: &str = r#"
+CREATE TABLE IF NOT EXISTS attempt_state_counts (
+    state TEXT PRIMARY KEY,
+    n     INTEGER NOT NULL
+) WITHOUT ROWID;
+INSERT INTO attempt_state_counts (state, n) SELECT state, COUNT(*) FROM attempts GROUP BY state;
+DROP INDEX IF EXISTS attempts_by_permit_tool_state;
+DROP INDEX IF EXISTS attempts_by_state_lease;
+CREATE INDEX IF NOT EXISTS attempts_leased ON attempts(lease_expires_at)
+    WHERE state IN ('in_flight','awaiting_input');
+CREATE INDEX IF NOT EXISTS attempts_prunable ON attempts(COALESCE(finished_at, updated_at))
+    WHERE pruned_at IS NULL AND state IN ('completed','resolved_executed','accepted');
+"#;
+
+/// Version 4: dispatch rounds. Each attempt keeps its current round and the SHA-256 of that
+/// round's capability; a report must name the round and carry the capability. Attempts
+/// written before have round 1 and no capability, so no report moves them: their lease
+/// turns them `uncertain` (fail closed), and an operator resolves them.
+pub(super) const MIGRATION_4: &str = r#"
+ALTER TABLE attempts ADD COLUMN round INTEGER NOT NULL DEFAULT 1;
+ALTER TABLE attempts ADD COLUMN capability_hash TEXT;
+"#;
+
+/// The schema version this ledger writes (`PRAGMA user_version`).
+pub const SCHEMA_VERSION: i64 = 4;
+
+/// Brings the file to [`SCHEMA_VERSION`] in one `BEGIN IMMEDIATE` transaction (so processes
+/// opening the same file together migrate it once).
+pub(super) fn migrate(conn: &mut Connection) -> Result<(), LedgerError> {
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .map_err(sql_err)?;
+    let version: i64 = tx.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+    if version < 1 {
+        // Version 1 predates the version number: its tables may already exist.
+        tx.execute_batch(SCHEMA)?;
+    }
+    if version < 2 {
+        tx.execute_batch(MIGRATION_2)?;
+    }
+    if version < 3 {
+        tx.execute_batch(MIGRATION_3)?;
+    }
+    if version < 4 {
+        tx.execute_batch(MIGRATION_4)?;
+    }
+    if version < SCHEMA_VERSION {
+        tx.execute_batch(&format!("PRAGMA user_version = {SCHEMA_VERSION}"))?;
+        tracing::info!(
+            from = version,
+            to = SCHEMA_VERSION,
+            "sqlite schema migrated"
+        );
+    } else if version > SCHEMA_VERSION {
+        tracing::warn!(
+            database_version = version,
+            known = SCHEMA_VERSION,
+            "the database has a newer schema than this ledger knows"
+        );
+    }
+    tx.commit()?;
+    Ok(())
+}

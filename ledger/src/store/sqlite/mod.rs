@@ -1,0 +1,501 @@
+//! The embedded store: one SQLite file in WAL mode with `synchronous=FULL`, so a committed
+//! decision survives `kill -9` and power loss. Every decision runs in `BEGIN IMMEDIATE`,
+//! which takes SQLite's write lock before the first read: check and reserve are atomic,
+//! also across processes sharing the file.
+
+mod migrations;
+mod operations;
+mod rows;
+mod writer;
+mod writes;
+
+pub use migrations::SCHEMA_VERSION;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use atmost_protocol::{AuthorizeRequest, OutcomeReport};
+use rusqlite::config::DbConfig;
+use rusqlite::{params, Connection};
+
+use super::{AttemptFilter, OutcomeResult, PermitCounters, Store, SweepReport};
+use crate::clock::Millis;
+use crate::decide::{self, DecideParams, Decision, Mutation, ResolveInput};
+use crate::error::{LedgerError, ResolveError};
+use crate::model::{Attempt, AttemptState, Permit, PermitDetail, ToolUsage};
+use crate::token;
+use migrations::migrate;
+use operations::{apply_report, load_snapshot};
+use rows::{
+    budget_totals, finish_attempt, finish_permit, load_attempt, load_permit, query_attempts,
+    read_attempt, read_counters, read_permit, ATTEMPT_COLS, PERMIT_COLS,
+};
+use writer::{writer, GroupTx, Op, Pending};
+use writes::write_attempt;
+
+/// File name of the database inside the data directory.
+pub const DB_FILE: &str = "atmost.sqlite3";
+
+/// The state lists of the SQL below come from the model's rules (`holds_slot`,
+/// `reserves_budget`, …), so a state added there is counted here without edits. States are
+/// stored as text (`AttemptState::as_str`).
+fn states(pred: fn(AttemptState) -> bool) -> String {
+    AttemptState::sql_list(pred)
+}
+
+pub struct SqliteStore {
+    /// Operations for the writer thread, which owns the only writing connection.
+    jobs: std::sync::mpsc::Sender<Box<dyn Op>>,
+    /// A second connection for the admin API's reads (WAL lets it read beside the writer).
+    reader: Arc<Mutex<Connection>>,
+    path: PathBuf,
+}
+
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+fn to_i64(n: u64) -> Result<i64, LedgerError> {
+    i64::try_from(n).map_err(|_| LedgerError::Invalid(format!("{n} is too large to store")))
+}
+
+fn to_u64(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
+fn sql_err(e: rusqlite::Error) -> LedgerError {
+    LedgerError::from(e)
+}
+
+/// The SQLite boundary: a driver error as the ledger's. The file busy or locked past the busy
+/// timeout, the disk full or read-only, an I/O error, no memory, or a file that cannot be
+/// opened is an outage ([`LedgerError::Unavailable`]): the same call may succeed once the disk
+/// does. A damaged file is [`LedgerError::Corrupt`]; anything else (a constraint, a type or
+/// column mismatch, misuse) is a bug ([`LedgerError::Invariant`]).
+impl From<rusqlite::Error> for LedgerError {
+    fn from(e: rusqlite::Error) -> Self {
+        use rusqlite::ErrorCode;
+        let message = format!("sqlite: {e}");
+        match e.sqlite_error_code() {
+            Some(
+                ErrorCode::DatabaseBusy
+                | ErrorCode::DatabaseLocked
+                | ErrorCode::DiskFull
+                | ErrorCode::ReadOnly
+                | ErrorCode::SystemIoFailure
+                | ErrorCode::OutOfMemory
+                | ErrorCode::CannotOpen
+                | ErrorCode::PermissionDenied
+                | ErrorCode::FileLockingProtocolFailed
+                | ErrorCode::OperationInterrupted,
+            ) => LedgerError::Unavailable(message),
+            Some(ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase) => {
+                LedgerError::Corrupt(message)
+            }
+            _ => LedgerError::Invariant(message),
+        }
+    }
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the store under `data_dir`.
+    pub fn open_dir(data_dir: &Path) -> Result<Self, LedgerError> {
+        std::fs::create_dir_all(data_dir).map_err(|e| {
+            LedgerError::Unavailable(format!(
+                "cannot create data dir {}: {e}",
+                data_dir.display()
+            ))
+        })?;
+        Self::open_file(&data_dir.join(DB_FILE))
+    }
+
+    /// Opens (creating if needed) the database file at `path`: migrates it, starts the writer
+    /// thread on one connection and opens a second one for the admin API's reads.
+    pub fn open_file(path: &Path) -> Result<Self, LedgerError> {
+        let mut conn = open_conn(path)?;
+        migrate(&mut conn)?;
+        let reader = open_conn(path)?;
+        reader.execute_batch("PRAGMA query_only = ON;")?;
+        let (jobs, queue) = std::sync::mpsc::channel::<Box<dyn Op>>();
+        std::thread::Builder::new()
+            .name("atmost-sqlite-writer".into())
+            .spawn(move || writer(conn, queue))
+            .map_err(|e| {
+                LedgerError::Unavailable(format!("cannot start the sqlite writer: {e}"))
+            })?;
+        Ok(SqliteStore {
+            jobs,
+            reader: Arc::new(Mutex::new(reader)),
+            path: path.to_path_buf(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs `f` in the writer, inside the next group transaction and its own savepoint, and
+    /// answers only once that transaction committed (or failed).
+    async fn write<R, E, F>(&self, f: F) -> Result<R, E>
+    where
+        R: Send + 'static,
+        E: From<LedgerError> + Send + 'static,
+        F: FnOnce(&GroupTx<'_>) -> Result<R, E> + Send + 'static,
+    {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let op: Box<dyn Op> = Box::new(Pending {
+            work: Some(f),
+            result: None,
+            reply,
+        });
+        if self.jobs.send(op).is_err() {
+            return Err(E::from(LedgerError::Unavailable(
+                "the sqlite writer has stopped".into(),
+            )));
+        }
+        match answer.await {
+            Ok(r) => r,
+            Err(_) => Err(E::from(LedgerError::Join(
+                "the sqlite writer dropped an operation".into(),
+            ))),
+        }
+    }
+
+    /// Runs `f` on the read connection in the blocking pool.
+    async fn read<R, F>(&self, f: F) -> Result<R, LedgerError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut Connection) -> Result<R, LedgerError> + Send + 'static,
+    {
+        let conn = Arc::clone(&self.reader);
+        match tokio::task::spawn_blocking(move || {
+            let mut guard = conn.lock().unwrap_or_else(|p| p.into_inner());
+            f(&mut guard)
+        })
+        .await
+        {
+            Ok(r) => r,
+            Err(e) => Err(LedgerError::Join(e.to_string())),
+        }
+    }
+}
+
+/// One connection with the store's settings: WAL, `synchronous=FULL`, foreign keys.
+fn open_conn(path: &Path) -> Result<Connection, LedgerError> {
+    let conn = Connection::open(path)?;
+    conn.busy_timeout(Duration::from_secs(10))?;
+    let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(LedgerError::Unavailable(format!(
+            "journal_mode is {mode}, WAL required"
+        )));
+    }
+    conn.execute_batch("PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON;")?;
+    // Without the query planner stability guarantee, a cached statement whose plan could
+    // depend on a bound value (`?4 IS NULL`, the `created_at` range) is compiled again on
+    // every step: that was a third of the ledger's CPU under load. Plans here never need it.
+    conn.set_db_config(DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true)?;
+    conn.set_prepared_statement_cache_capacity(64);
+    Ok(conn)
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn ping(&self, _now: Millis) -> Result<(), LedgerError> {
+        // Through the writer: ready means decisions can be made.
+        self.write(|c: &GroupTx<'_>| {
+            c.prepare_cached("SELECT COUNT(*) FROM permits")?
+                .query_row([], |r| r.get::<_, i64>(0))?;
+            Ok::<_, LedgerError>(())
+        })
+        .await
+    }
+
+    async fn create_permit(&self, permit: &Permit, _now: Millis) -> Result<(), LedgerError> {
+        let p = permit.clone();
+        let policy =
+            serde_json::to_string(&p.policy).map_err(|e| LedgerError::Invalid(e.to_string()))?;
+        self.write(move |tx: &GroupTx<'_>| {
+            tx.prepare_cached(
+                "INSERT INTO permits (id, token_hash, label, created_at, expires_at, revoked_at, retention_ms, policy) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            )?
+            .execute(params![
+                    p.id,
+                    p.token_hash,
+                    p.label,
+                    p.created_at_ms,
+                    p.expires_at_ms,
+                    p.revoked_at_ms,
+                    p.policy.retention_ms,
+                    policy
+                ])?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn list_permits(&self, _now: Millis) -> Result<Vec<Permit>, LedgerError> {
+        self.read(|c| {
+            let mut stmt = c.prepare(&format!(
+                "SELECT {PERMIT_COLS} FROM permits ORDER BY created_at, id"
+            ))?;
+            let rows = stmt.query_map([], read_permit)?;
+            let mut out = Vec::new();
+            for r in rows {
+                out.push(finish_permit(r?)?);
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn permit_detail(
+        &self,
+        id: &str,
+        _now: Millis,
+    ) -> Result<Option<PermitDetail>, LedgerError> {
+        let id = id.to_string();
+        self.read(move |c| {
+            let tx = c.transaction().map_err(sql_err)?;
+            let Some(permit) = load_permit(&tx, &id)? else {
+                return Ok(None);
+            };
+            let mut usage: BTreeMap<String, ToolUsage> = permit
+                .policy
+                .max_calls
+                .keys()
+                .map(|t| (t.clone(), ToolUsage::default()))
+                .collect();
+            let mut attempts_by_state = BTreeMap::new();
+            {
+                let mut stmt =
+                    tx.prepare("SELECT tool, state, COUNT(*) FROM attempts WHERE permit_id = ?1 GROUP BY tool, state")?;
+                let rows = stmt.query_map(params![id], |r| {
+                    Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))
+                })?;
+                for r in rows {
+                    let (tool, state, n) = r?;
+                    let state: AttemptState = state.parse().map_err(LedgerError::Corrupt)?;
+                    let n = to_u64(n);
+                    *attempts_by_state.entry(state).or_insert(0) += n;
+                    let u = usage.entry(tool).or_default();
+                    if state.holds_slot() {
+                        u.calls_made += n;
+                    }
+                }
+            }
+            let budget = budget_totals(&tx, &id)?;
+            Ok(Some(PermitDetail {
+                permit,
+                usage,
+                budget,
+                attempts_by_state,
+            }))
+        })
+        .await
+    }
+
+    async fn revoke_permit(&self, id: &str, now: Millis) -> Result<Option<Permit>, LedgerError> {
+        let id = id.to_string();
+        self.write(move |tx: &GroupTx<'_>| {
+            tx.execute(
+                "UPDATE permits SET revoked_at = ?2 WHERE id = ?1 AND revoked_at IS NULL",
+                params![id, now],
+            )?;
+            let p = load_permit(tx, &id)?;
+            Ok(p)
+        })
+        .await
+    }
+
+    async fn authorize(
+        &self,
+        req: &AuthorizeRequest,
+        lease_ms: u64,
+        now: Millis,
+    ) -> Result<Decision, LedgerError> {
+        let req = req.clone();
+        let params = DecideParams {
+            lease_ms,
+            new_attempt_id: token::new_attempt_id()?,
+            new_capability: token::new_capability()?,
+        };
+        self.write(move |tx: &GroupTx<'_>| {
+            let key_hash = decide::key_hash(&req);
+            let snap = load_snapshot(tx, &req, key_hash.as_deref(), now)?;
+            let decision = decide::decide(&req, &snap, &params);
+            match &decision.mutation {
+                Mutation::None => {}
+                Mutation::Reserve(a) => write_attempt(tx, None, a)?,
+                Mutation::Update(a) => {
+                    let old = snap
+                        .existing
+                        .as_ref()
+                        .filter(|e| e.id == a.id)
+                        .ok_or_else(|| {
+                            LedgerError::Invariant(
+                                "an update names an attempt that was not read".into(),
+                            )
+                        })?;
+                    write_attempt(tx, Some(old), a)?
+                }
+            }
+            Ok(decision)
+        })
+        .await
+    }
+
+    async fn record_outcome(
+        &self,
+        report: &OutcomeReport,
+        now: Millis,
+    ) -> Result<OutcomeResult, LedgerError> {
+        let report = report.clone();
+        self.write(move |tx: &GroupTx<'_>| apply_report(tx, &report, now))
+            .await
+    }
+
+    async fn record_outcomes(
+        &self,
+        reports: &[OutcomeReport],
+        now: Millis,
+    ) -> Result<Vec<OutcomeResult>, LedgerError> {
+        let reports = reports.to_vec();
+        self.write(move |tx: &GroupTx<'_>| {
+            let mut out = Vec::with_capacity(reports.len());
+            for report in &reports {
+                out.push(apply_report(tx, report, now)?);
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn permit_counters(&self, id: &str) -> Result<Option<PermitCounters>, LedgerError> {
+        let id = id.to_string();
+        self.read(move |c| read_counters(c, &id)).await
+    }
+
+    async fn get_attempt(&self, id: &str, _now: Millis) -> Result<Option<Attempt>, LedgerError> {
+        let id = id.to_string();
+        self.read(move |c| load_attempt(c, &id)).await
+    }
+
+    async fn list_attempts(
+        &self,
+        filter: &AttemptFilter,
+        _now: Millis,
+    ) -> Result<Vec<Attempt>, LedgerError> {
+        let state = filter.state.map(|s| s.as_str().to_string());
+        let permit = filter.permit_id.clone();
+        let limit = i64::from(filter.limit.unwrap_or(1000));
+        self.read(move |c| {
+            let sql = format!(
+                "SELECT {ATTEMPT_COLS} FROM attempts a WHERE (?1 IS NULL OR a.state = ?1) \
+                 AND (?2 IS NULL OR a.permit_id = ?2) ORDER BY a.created_at DESC, a.id LIMIT ?3"
+            );
+            query_attempts(c, &sql, &[&state, &permit, &limit])
+        })
+        .await
+    }
+
+    async fn resolve_attempt(
+        &self,
+        id: &str,
+        input: &ResolveInput,
+        now: Millis,
+    ) -> Result<Attempt, ResolveError> {
+        let id = id.to_string();
+        let input = input.clone();
+        self.write(move |tx: &GroupTx<'_>| {
+            let Some(existing) = load_attempt(tx, &id)? else {
+                return Err(ResolveError::UnknownAttempt);
+            };
+            let next = decide::resolve(&existing, &input, now)?;
+            write_attempt(tx, Some(&existing), &next)?;
+            Ok(next)
+        })
+        .await
+    }
+
+    async fn sweep(&self, now: Millis) -> Result<SweepReport, LedgerError> {
+        self.write(move |tx: &GroupTx<'_>| {
+            let mut report = SweepReport::default();
+            let sql = format!(
+                "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.state IN {} AND a.lease_expires_at <= ?1",
+                states(AttemptState::leased)
+            );
+            for a in query_attempts(tx, &sql, &[&now])? {
+                if let Some(next) = decide::expire_lease(&a, now) {
+                    write_attempt(tx, Some(&a), &next)?;
+                    report.leases_expired += 1;
+                }
+            }
+            // Nothing finished after `now - shortest retention` can be due: the index range
+            // stops there, so a sweep reads the receipts that are due (and those of permits
+            // with longer retention finished in between), not every receipt kept.
+            let shortest: Option<i64> = tx
+                .prepare_cached("SELECT MIN(retention_ms) FROM permits")?
+                .query_row([], |r| r.get(0))?;
+            let Some(shortest) = shortest else {
+                return Ok(report);
+            };
+            let sql = format!(
+                "SELECT {ATTEMPT_COLS}, p.retention_ms FROM attempts a JOIN permits p ON p.id = a.permit_id \
+                 WHERE a.pruned_at IS NULL AND a.state IN {} \
+                 AND COALESCE(a.finished_at, a.updated_at) <= ?2 \
+                 AND COALESCE(a.finished_at, a.updated_at) + p.retention_ms <= ?1",
+                states(AttemptState::replays)
+            );
+            let candidates: Vec<(Attempt, i64)> = {
+                let mut stmt = tx.prepare_cached(&sql)?;
+                let before = now.saturating_sub(shortest.max(0));
+                let rows = stmt.query_map(params![now, before], |r| Ok((read_attempt(r)?, r.get::<_, i64>(19)?)))?;
+                let mut out = Vec::new();
+                for r in rows {
+                    let (a, retention) = r?;
+                    out.push((finish_attempt(a)?, retention));
+                }
+                out
+            };
+            for (a, retention) in candidates {
+                if let Some(next) = decide::prune(&a, retention, now) {
+                    write_attempt(tx, Some(&a), &next)?;
+                    report.receipts_pruned += 1;
+                }
+            }
+            Ok(report)
+        })
+        .await
+    }
+
+    async fn attempt_counts(
+        &self,
+        _now: Millis,
+    ) -> Result<BTreeMap<AttemptState, u64>, LedgerError> {
+        self.read(|c| {
+            let mut stmt = c.prepare_cached("SELECT state, n FROM attempt_state_counts")?;
+            let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?;
+            let mut out: BTreeMap<AttemptState, u64> =
+                AttemptState::ALL.iter().map(|s| (*s, 0)).collect();
+            for r in rows {
+                let (s, n) = r?;
+                let s: AttemptState = s.parse().map_err(LedgerError::Corrupt)?;
+                out.insert(s, to_u64(n));
+            }
+            Ok(out)
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests;

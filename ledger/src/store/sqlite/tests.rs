@@ -1,0 +1,260 @@
+use std::sync::Arc;
+
+use async_trait::async_trait;
+
+use super::SqliteStore;
+use crate::store::conformance::{self, Harness, T0};
+use crate::store::Store;
+
+struct SqliteHarness {
+    dir: tempfile::TempDir,
+    first: Arc<dyn Store>,
+}
+
+impl SqliteHarness {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let first: Arc<dyn Store> = Arc::new(SqliteStore::open_dir(dir.path()).unwrap());
+        SqliteHarness { dir, first }
+    }
+}
+
+#[async_trait]
+impl Harness for SqliteHarness {
+    async fn store(&self) -> Arc<dyn Store> {
+        self.first.clone()
+    }
+    async fn second_handle(&self) -> Arc<dyn Store> {
+        // A second connection on the same file, like a second process.
+        Arc::new(SqliteStore::open_dir(self.dir.path()).unwrap())
+    }
+    async fn reopen(&self) -> Arc<dyn Store> {
+        Arc::new(SqliteStore::open_dir(self.dir.path()).unwrap())
+    }
+}
+
+crate::conformance_suite!(SqliteHarness::new());
+
+#[tokio::test]
+async fn opens_in_wal_with_full_sync_and_stable_plans() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = SqliteStore::open_dir(dir.path()).unwrap();
+    // The writer's own connection is the one that must be FULL.
+    let (mode, sync, qpsg) = s
+        .write(|c: &super::GroupTx<'_>| {
+            let mode: String = c.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
+            let sync: i64 = c.query_row("PRAGMA synchronous", [], |r| r.get(0))?;
+            let qpsg = c.db_config(rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG)?;
+            Ok::<_, crate::error::LedgerError>((mode, sync, qpsg))
+        })
+        .await
+        .unwrap();
+    assert_eq!(mode, "wal");
+    assert_eq!(sync, 2, "synchronous=FULL");
+    assert!(
+        qpsg,
+        "cached statements must not be recompiled for each bound value"
+    );
+    assert!(dir.path().join(super::DB_FILE).exists());
+}
+
+/// A failing operation inside a group transaction rolls back only its own savepoint: the
+/// operations around it commit and are answered, its write is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failing_ops_counter_moves_go_with_its_savepoint() {
+    use crate::error::LedgerError;
+    use crate::model::{Attempt, AttemptState};
+    let dir = tempfile::tempdir().unwrap();
+    let s = Arc::new(SqliteStore::open_dir(dir.path()).unwrap());
+    let (p, _) = conformance::make_permit(&*s, conformance::policy(), T0 + 1).await;
+    let mut tasks = Vec::new();
+    for i in 0..100 {
+        let (s, permit_id) = (s.clone(), p.id.clone());
+        tasks.push(tokio::spawn(async move {
+            s.write(move |tx: &super::GroupTx<'_>| {
+                let a =
+                    Attempt::example(&format!("a{i}"), &permit_id, "t", AttemptState::InFlight, 1);
+                super::writes::write_attempt(tx, None, &a)?;
+                if i % 5 == 0 {
+                    return Err(LedgerError::Invalid(format!("op {i} fails")));
+                }
+                Ok(())
+            })
+            .await
+        }));
+    }
+    let mut kept = 0;
+    for t in tasks {
+        if t.await.unwrap().is_ok() {
+            kept += 1;
+        }
+    }
+    assert_eq!(kept, 80);
+    let c = s.permit_counters(&p.id).await.unwrap().unwrap();
+    assert_eq!(c.slots_held.get("t"), Some(&80));
+    let counts = s.attempt_counts(T0).await.unwrap();
+    assert_eq!(counts.get(&AttemptState::InFlight), Some(&80));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failing_op_rolls_back_only_its_savepoint() {
+    use crate::error::LedgerError;
+    let dir = tempfile::tempdir().unwrap();
+    let s = Arc::new(SqliteStore::open_dir(dir.path()).unwrap());
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            s.write(move |c: &super::GroupTx<'_>| {
+                c.execute(
+                    "INSERT INTO permits (id, token_hash, label, created_at, expires_at, retention_ms, policy) \
+                     VALUES (?1, 'h', 'l', 0, 1, 0, '{}')",
+                    rusqlite::params![format!("p{i}")],
+                )?;
+                if i % 7 == 0 {
+                    return Err(LedgerError::Invalid(format!("op {i} fails")));
+                }
+                Ok(i)
+            })
+            .await
+        }));
+    }
+    for (i, t) in tasks.into_iter().enumerate() {
+        let r = t.await.unwrap();
+        if i % 7 == 0 {
+            assert!(matches!(r, Err(LedgerError::Invalid(_))), "{i}: {r:?}");
+        } else {
+            assert_eq!(r.unwrap(), i);
+        }
+    }
+    let n: i64 = s
+        .read(|c| Ok(c.query_row("SELECT COUNT(*) FROM permits", [], |r| r.get(0))?))
+        .await
+        .unwrap();
+    assert_eq!(n, 200 - (0..200).filter(|i| i % 7 == 0).count() as i64);
+}
+
+/// The partial indexes' state lists are the model's, and the sweeper's two queries read
+/// those indexes (so a sweep reads its candidates, not the whole history).
+#[tokio::test]
+async fn sweeper_queries_read_the_partial_indexes() {
+    use crate::model::AttemptState;
+    assert!(super::migrations::MIGRATION_3.contains(&format!(
+        "WHERE state IN {};",
+        super::states(AttemptState::leased)
+    )));
+    assert!(super::migrations::MIGRATION_3.contains(&format!(
+        "WHERE pruned_at IS NULL AND state IN {};",
+        super::states(AttemptState::replays)
+    )));
+    let dir = tempfile::tempdir().unwrap();
+    let s = SqliteStore::open_dir(dir.path()).unwrap();
+    let plans = s
+        .write(|c: &super::GroupTx<'_>| {
+            let lease = format!(
+                "EXPLAIN QUERY PLAN SELECT {} FROM attempts a WHERE a.state IN {} AND a.lease_expires_at <= ?1",
+                super::rows::ATTEMPT_COLS,
+                super::states(AttemptState::leased)
+            );
+            let prune = format!(
+                "EXPLAIN QUERY PLAN SELECT {}, p.retention_ms FROM attempts a JOIN permits p ON p.id = a.permit_id \
+                 WHERE a.pruned_at IS NULL AND a.state IN {} \
+                 AND COALESCE(a.finished_at, a.updated_at) <= ?2 \
+                 AND COALESCE(a.finished_at, a.updated_at) + p.retention_ms <= ?1",
+                super::rows::ATTEMPT_COLS,
+                super::states(AttemptState::replays)
+            );
+            let mut out = Vec::new();
+            for sql in [lease, prune] {
+                let mut st = c.prepare(&sql)?;
+                let zeros = vec![0i64; st.parameter_count()];
+                let rows = st.query_map(rusqlite::params_from_iter(zeros), |r| {
+                    r.get::<_, String>(3)
+                })?;
+                out.push(rows.collect::<Result<Vec<_>, _>>()?.join("; "));
+            }
+            Ok::<_, crate::error::LedgerError>(out)
+        })
+        .await
+        .unwrap();
+    assert!(plans[0].contains("attempts_leased"), "{}", plans[0]);
+    assert!(plans[1].contains("attempts_prunable"), "{}", plans[1]);
+}
+
+/// An older file (tables without a schema version, attempts in every state) is migrated
+/// to the counters with the same numbers a recount gives.
+#[tokio::test]
+async fn migration_backfills_counters_from_existing_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(super::DB_FILE);
+    {
+        let c = rusqlite::Connection::open(&path).unwrap();
+        c.execute_batch(super::migrations::SCHEMA).unwrap();
+        c.execute(
+            "INSERT INTO permits (id, token_hash, label, created_at, expires_at, retention_ms, policy) \
+             VALUES ('p1', 'h', 'l', 0, 1, 0, '{\"tools\":[\"*\"],\"retention_ms\":0}')",
+            [],
+        )
+        .unwrap();
+        for (i, st) in crate::model::AttemptState::ALL.iter().enumerate() {
+            for tool in ["a", "b"] {
+                c.execute(
+                    "INSERT INTO attempts (id, permit_id, tool, fingerprint, cost, state, created_at, updated_at, lease_expires_at) \
+                     VALUES (?1, 'p1', ?2, 'f', ?3, ?4, 0, 0, 0)",
+                    rusqlite::params![format!("a{i}{tool}"), tool, 10 + i as i64, st.as_str()],
+                )
+                .unwrap();
+            }
+        }
+    }
+    let s = SqliteStore::open_file(&path).unwrap();
+    let d = s.permit_detail("p1", 0).await.unwrap().unwrap();
+    let c = s.permit_counters("p1").await.unwrap().unwrap();
+    assert_eq!(
+        c.slots_held.get("a").copied(),
+        Some(d.usage["a"].calls_made as i64)
+    );
+    assert_eq!(
+        c.slots_held.get("b").copied(),
+        Some(d.usage["b"].calls_made as i64)
+    );
+    assert_eq!(c.reserved, d.budget.reserved as i64);
+    assert_eq!(c.spent, d.budget.spent as i64);
+    assert!(c.reserved > 0 && c.spent > 0);
+    // Version 3 counted the attempts per state from the rows.
+    let counts = s.attempt_counts(0).await.unwrap();
+    assert!(counts.values().all(|n| *n == 2), "{counts:?}");
+    assert_eq!(counts.len(), crate::model::AttemptState::ALL.len());
+    drop(s);
+    // Opening again leaves a migrated file alone.
+    let s = SqliteStore::open_file(&path).unwrap();
+    assert_eq!(s.permit_counters("p1").await.unwrap().unwrap(), c);
+}
+
+#[test]
+fn an_outage_is_transient_and_a_broken_constraint_is_not() {
+    let failure = |code| {
+        crate::error::LedgerError::from(rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(code),
+            None,
+        ))
+    };
+    for outage in [
+        rusqlite::ffi::SQLITE_FULL,
+        rusqlite::ffi::SQLITE_READONLY,
+        rusqlite::ffi::SQLITE_BUSY,
+        rusqlite::ffi::SQLITE_IOERR,
+        rusqlite::ffi::SQLITE_CANTOPEN,
+    ] {
+        assert!(failure(outage).is_transient(), "{}", failure(outage));
+    }
+    for bug in [
+        rusqlite::ffi::SQLITE_CONSTRAINT,
+        rusqlite::ffi::SQLITE_CORRUPT,
+    ] {
+        assert!(!failure(bug).is_transient(), "{}", failure(bug));
+    }
+    assert!(
+        !crate::error::LedgerError::from(rusqlite::Error::InvalidColumnIndex(99)).is_transient()
+    );
+}
