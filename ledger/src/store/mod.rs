@@ -17,6 +17,7 @@ use crate::model::{Attempt, AttemptState, Permit, PermitDetail};
 
 pub mod counters;
 pub mod postgres;
+pub mod rows;
 pub mod sqlite;
 
 #[cfg(test)]

@@ -7,10 +7,7 @@ use atmost_protocol::AuthorizeRequest;
 use deadpool_postgres::{GenericClient, Pool};
 
 use super::column_err;
-use super::rows::{
-    attempts_by_keys_sql, prepared, query, read_attempt, read_permit, ATTEMPT_COLS, ATTEMPT_NCOLS,
-    PERMIT_COLS,
-};
+use super::rows::{attempts_by_keys_sql, prepared, query, read_attempt, read_permit, PERMIT_COLS};
 use super::writes::{insert_attempts, storable, update_attempts, write_counters};
 use super::{answer_group, pg_err, pool_err, to_u64, StateSets};
 use crate::clock::Millis;
@@ -18,6 +15,7 @@ use crate::decide::{self, DecideParams, Decision, Mutation, Snapshot};
 use crate::error::LedgerError;
 use crate::model::{Attempt, BudgetTotals, GuardMode, Permit, ToolUsage};
 use crate::store::counters::CounterMoves;
+use crate::store::rows::{ATTEMPT_COLS, ATTEMPT_NCOLS};
 use crate::token;
 
 pub(super) struct AuthJob {

@@ -55,6 +55,7 @@ use crate::clock::Millis;
 use crate::decide::{self, DecideParams, Decision, ResolveInput, Snapshot};
 use crate::error::{LedgerError, ResolveError};
 use crate::model::{Attempt, AttemptState, Permit, PermitDetail, ToolUsage};
+use crate::store::rows::ATTEMPT_COLS;
 use crate::token;
 use decisions::{decision_worker, AuthJob, DecisionQueue};
 use errors::{column_err, pg_err, pool_err};
@@ -62,7 +63,7 @@ use options::{pg_config, valid_schema_name};
 use outcomes::{outcome_worker, OutcomeJob, OutcomeQueue};
 use rows::{
     budget_totals, exec, load_attempt, lock_permit_of_attempt, query, query_attempts, read_permit,
-    ATTEMPT_COLS, PERMIT_COLS,
+    PERMIT_COLS,
 };
 use tls::RustlsMakeTls;
 use writes::{write_attempt, write_counters};

@@ -7,14 +7,8 @@ use tokio_postgres::Row;
 use super::column_err;
 use super::{pg_err, to_u64, StateSets};
 use crate::error::LedgerError;
-use crate::model::{Attempt, BudgetTotals, Permit, Policy, Resolution};
-
-/// How many columns [`ATTEMPT_COLS`] selects: queries append their own columns after them.
-pub(super) const ATTEMPT_NCOLS: usize = 21;
-
-pub(super) const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerprint, a.cost, a.state, a.created_at, \
-     a.updated_at, a.lease_expires_at, a.finished_at, a.receipt, a.reason, a.replay_count, a.pruned_at, \
-     a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note, a.round, a.capability_hash";
+use crate::model::{Attempt, BudgetTotals, Permit, Policy};
+use crate::store::rows::{AttemptRow, ATTEMPT_COLS};
 
 pub(super) const PERMIT_COLS: &str =
     "id, token_hash, label, created_at, expires_at, revoked_at, policy";
@@ -33,43 +27,35 @@ pub(super) fn read_permit(row: &Row) -> Result<Permit, LedgerError> {
     })
 }
 
-pub(super) fn read_attempt(row: &Row) -> Result<Attempt, LedgerError> {
-    let g = column_err;
-    let state: String = row.try_get(6).map_err(g)?;
-    let resolved_executed: Option<bool> = row.try_get(15).map_err(g)?;
-    let resolved_by: Option<String> = row.try_get(16).map_err(g)?;
-    let resolved_at: Option<i64> = row.try_get(17).map_err(g)?;
-    let note: Option<String> = row.try_get(18).map_err(g)?;
-    let resolution = match (resolved_executed, resolved_by, resolved_at) {
-        (Some(executed), Some(by), Some(at_ms)) => Some(Resolution {
-            executed,
-            by,
-            at_ms,
-            note,
-        }),
-        _ => None,
-    };
-    Ok(Attempt {
-        id: row.try_get(0).map_err(g)?,
-        permit_id: row.try_get(1).map_err(g)?,
-        tool: row.try_get(2).map_err(g)?,
-        key_hash: row.try_get(3).map_err(g)?,
-        fingerprint: row.try_get(4).map_err(g)?,
-        cost: to_u64(row.try_get(5).map_err(g)?),
-        state: state.parse().map_err(LedgerError::Corrupt)?,
-        created_at_ms: row.try_get(7).map_err(g)?,
-        updated_at_ms: row.try_get(8).map_err(g)?,
-        lease_expires_at_ms: row.try_get(9).map_err(g)?,
-        finished_at_ms: row.try_get(10).map_err(g)?,
-        receipt: row.try_get(11).map_err(g)?,
-        reason: row.try_get(12).map_err(g)?,
-        replay_count: to_u64(row.try_get(13).map_err(g)?),
-        pruned_at_ms: row.try_get(14).map_err(g)?,
-        resolution,
-        round: u32::try_from(row.try_get::<_, i32>(19).map_err(g)?)
-            .map_err(|_| LedgerError::Corrupt("attempt round below 0".into()))?,
-        capability_hash: row.try_get(20).map_err(g)?,
+/// The columns of [`ATTEMPT_COLS`] as PostgreSQL returns them (the round is an INTEGER).
+fn attempt_row(row: &Row) -> Result<AttemptRow, tokio_postgres::Error> {
+    Ok(AttemptRow {
+        id: row.try_get(0)?,
+        permit_id: row.try_get(1)?,
+        tool: row.try_get(2)?,
+        key_hash: row.try_get(3)?,
+        fingerprint: row.try_get(4)?,
+        cost: row.try_get(5)?,
+        state: row.try_get(6)?,
+        created_at: row.try_get(7)?,
+        updated_at: row.try_get(8)?,
+        lease_expires_at: row.try_get(9)?,
+        finished_at: row.try_get(10)?,
+        receipt: row.try_get(11)?,
+        reason: row.try_get(12)?,
+        replay_count: row.try_get(13)?,
+        pruned_at: row.try_get(14)?,
+        resolved_executed: row.try_get(15)?,
+        resolved_by: row.try_get(16)?,
+        resolved_at: row.try_get(17)?,
+        resolution_note: row.try_get(18)?,
+        round: i64::from(row.try_get::<_, i32>(19)?),
+        capability_hash: row.try_get(20)?,
     })
+}
+
+pub(super) fn read_attempt(row: &Row) -> Result<Attempt, LedgerError> {
+    Attempt::try_from(attempt_row(row).map_err(column_err)?)
 }
 
 /// Runs one query through the connection's statement cache (one round trip once prepared).

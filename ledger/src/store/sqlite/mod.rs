@@ -26,12 +26,13 @@ use crate::clock::Millis;
 use crate::decide::{self, DecideParams, Decision, Mutation, ResolveInput};
 use crate::error::{LedgerError, ResolveError};
 use crate::model::{Attempt, AttemptState, Permit, PermitDetail, ToolUsage};
+use crate::store::rows::{ATTEMPT_COLS, ATTEMPT_NCOLS};
 use crate::token;
 use migrations::migrate;
 use operations::{apply_report, load_snapshot};
 use rows::{
-    budget_totals, finish_attempt, finish_permit, load_attempt, load_permit, query_attempts,
-    read_attempt, read_counters, read_permit, ATTEMPT_COLS, PERMIT_COLS,
+    budget_totals, finish_permit, load_attempt, load_permit, query_attempts, read_attempt,
+    read_counters, read_permit, PERMIT_COLS,
 };
 use writer::{writer, GroupTx, Op, Pending};
 use writes::write_attempt;
@@ -458,11 +459,13 @@ impl Store for SqliteStore {
             let candidates: Vec<(Attempt, i64)> = {
                 let mut stmt = tx.prepare_cached(&sql)?;
                 let before = now.saturating_sub(shortest.max(0));
-                let rows = stmt.query_map(params![now, before], |r| Ok((read_attempt(r)?, r.get::<_, i64>(19)?)))?;
+                let rows = stmt.query_map(params![now, before], |r| {
+                    Ok((read_attempt(r)?, r.get::<_, i64>(ATTEMPT_NCOLS)?))
+                })?;
                 let mut out = Vec::new();
                 for r in rows {
                     let (a, retention) = r?;
-                    out.push((finish_attempt(a)?, retention));
+                    out.push((Attempt::try_from(a)?, retention));
                 }
                 out
             };

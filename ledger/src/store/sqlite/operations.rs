@@ -2,9 +2,7 @@
 
 use atmost_protocol::{AuthorizeRequest, OutcomeReport};
 
-use super::rows::{
-    budget_counters, load_attempt, load_permit, query_attempts, tool_usage, ATTEMPT_COLS,
-};
+use super::rows::{budget_counters, load_attempt, load_permit, query_attempts, tool_usage};
 use super::writer::GroupTx;
 use super::writes::write_attempt;
 use super::{states, to_u64};
@@ -12,6 +10,7 @@ use crate::clock::Millis;
 use crate::decide::{self, Snapshot};
 use crate::error::LedgerError;
 use crate::model::{AttemptState, BudgetTotals, ToolUsage};
+use crate::store::rows::ATTEMPT_COLS;
 use crate::store::OutcomeResult;
 use crate::token;
 

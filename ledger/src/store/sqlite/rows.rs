@@ -6,12 +6,9 @@ use rusqlite::{params, Connection, OptionalExtension, Row};
 
 use super::{states, to_u64};
 use crate::error::LedgerError;
-use crate::model::{Attempt, AttemptState, BudgetTotals, Permit, Policy, Resolution, ToolUsage};
+use crate::model::{Attempt, AttemptState, BudgetTotals, Permit, Policy, ToolUsage};
+use crate::store::rows::{AttemptRow, ATTEMPT_COLS};
 use crate::store::PermitCounters;
-
-pub(super) const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerprint, a.cost, a.state, a.created_at, \
-     a.updated_at, a.lease_expires_at, a.finished_at, a.receipt, a.reason, a.replay_count, a.pruned_at, \
-     a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note, a.round, a.capability_hash";
 
 pub(super) const PERMIT_COLS: &str =
     "id, token_hash, label, created_at, expires_at, revoked_at, policy";
@@ -46,49 +43,31 @@ pub(super) fn finish_permit((mut p, policy_json): (Permit, String)) -> Result<Pe
     Ok(p)
 }
 
-pub(super) fn read_attempt(row: &Row<'_>) -> rusqlite::Result<(Attempt, String)> {
-    let state: String = row.get(6)?;
-    let resolved_executed: Option<bool> = row.get(15)?;
-    let resolved_by: Option<String> = row.get(16)?;
-    let resolved_at: Option<i64> = row.get(17)?;
-    let note: Option<String> = row.get(18)?;
-    let resolution = match (resolved_executed, resolved_by, resolved_at) {
-        (Some(executed), Some(by), Some(at_ms)) => Some(Resolution {
-            executed,
-            by,
-            at_ms,
-            note,
-        }),
-        _ => None,
-    };
-    Ok((
-        Attempt {
-            id: row.get(0)?,
-            permit_id: row.get(1)?,
-            tool: row.get(2)?,
-            key_hash: row.get(3)?,
-            fingerprint: row.get(4)?,
-            cost: to_u64(row.get(5)?),
-            state: AttemptState::InFlight,
-            created_at_ms: row.get(7)?,
-            updated_at_ms: row.get(8)?,
-            lease_expires_at_ms: row.get(9)?,
-            finished_at_ms: row.get(10)?,
-            receipt: row.get(11)?,
-            reason: row.get(12)?,
-            replay_count: to_u64(row.get(13)?),
-            pruned_at_ms: row.get(14)?,
-            resolution,
-            round: row.get(19)?,
-            capability_hash: row.get(20)?,
-        },
-        state,
-    ))
-}
-
-pub(super) fn finish_attempt((mut a, state): (Attempt, String)) -> Result<Attempt, LedgerError> {
-    a.state = state.parse().map_err(LedgerError::Corrupt)?;
-    Ok(a)
+/// The columns of [`ATTEMPT_COLS`] as SQLite returns them.
+pub(super) fn read_attempt(row: &Row<'_>) -> rusqlite::Result<AttemptRow> {
+    Ok(AttemptRow {
+        id: row.get(0)?,
+        permit_id: row.get(1)?,
+        tool: row.get(2)?,
+        key_hash: row.get(3)?,
+        fingerprint: row.get(4)?,
+        cost: row.get(5)?,
+        state: row.get(6)?,
+        created_at: row.get(7)?,
+        updated_at: row.get(8)?,
+        lease_expires_at: row.get(9)?,
+        finished_at: row.get(10)?,
+        receipt: row.get(11)?,
+        reason: row.get(12)?,
+        replay_count: row.get(13)?,
+        pruned_at: row.get(14)?,
+        resolved_executed: row.get(15)?,
+        resolved_by: row.get(16)?,
+        resolved_at: row.get(17)?,
+        resolution_note: row.get(18)?,
+        round: row.get(19)?,
+        capability_hash: row.get(20)?,
+    })
 }
 
 pub(super) fn load_permit(conn: &Connection, id: &str) -> Result<Option<Permit>, LedgerError> {
@@ -105,7 +84,7 @@ pub(super) fn load_attempt(conn: &Connection, id: &str) -> Result<Option<Attempt
     conn.prepare_cached(&sql)?
         .query_row(params![id], read_attempt)
         .optional()?
-        .map(finish_attempt)
+        .map(Attempt::try_from)
         .transpose()
 }
 
@@ -118,7 +97,7 @@ pub(super) fn query_attempts(
     let rows = stmt.query_map(args, read_attempt)?;
     let mut out = Vec::new();
     for r in rows {
-        out.push(finish_attempt(r?)?);
+        out.push(Attempt::try_from(r?)?);
     }
     Ok(out)
 }

@@ -153,7 +153,7 @@ async fn sweeper_queries_read_the_partial_indexes() {
         .write(|c: &super::GroupTx<'_>| {
             let lease = format!(
                 "EXPLAIN QUERY PLAN SELECT {} FROM attempts a WHERE a.state IN {} AND a.lease_expires_at <= ?1",
-                super::rows::ATTEMPT_COLS,
+                crate::store::rows::ATTEMPT_COLS,
                 super::states(AttemptState::leased)
             );
             let prune = format!(
@@ -161,7 +161,7 @@ async fn sweeper_queries_read_the_partial_indexes() {
                  WHERE a.pruned_at IS NULL AND a.state IN {} \
                  AND COALESCE(a.finished_at, a.updated_at) <= ?2 \
                  AND COALESCE(a.finished_at, a.updated_at) + p.retention_ms <= ?1",
-                super::rows::ATTEMPT_COLS,
+                crate::store::rows::ATTEMPT_COLS,
                 super::states(AttemptState::replays)
             );
             let mut out = Vec::new();

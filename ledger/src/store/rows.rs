@@ -1,0 +1,170 @@
+//! The attempt columns every store selects, and their one mapping to the model.
+//!
+//! Each store's driver reads the columns of [`ATTEMPT_COLS`] into an [`AttemptRow`] (a getter
+//! per column, nothing else); what the values mean (the state's name, the resolution's three
+//! columns, the round's range) is checked here once, so the stores cannot read an attempt
+//! differently.
+
+use crate::error::LedgerError;
+use crate::model::{Attempt, Resolution};
+
+/// The attempt columns, in the order [`AttemptRow`] reads them, for a query whose attempts
+/// table is aliased `a`.
+pub const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerprint, a.cost, a.state, a.created_at, \
+     a.updated_at, a.lease_expires_at, a.finished_at, a.receipt, a.reason, a.replay_count, a.pruned_at, \
+     a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note, a.round, a.capability_hash";
+
+/// How many columns [`ATTEMPT_COLS`] selects: queries append their own columns after them.
+pub const ATTEMPT_NCOLS: usize = 21;
+
+/// One attempt row's column values as the driver read them, in [`ATTEMPT_COLS`] order, not yet
+/// checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttemptRow {
+    pub id: String,
+    pub permit_id: String,
+    pub tool: String,
+    pub key_hash: Option<String>,
+    pub fingerprint: String,
+    pub cost: i64,
+    pub state: String,
+    pub created_at: i64,
+    pub updated_at: i64,
+    pub lease_expires_at: i64,
+    pub finished_at: Option<i64>,
+    pub receipt: Option<String>,
+    pub reason: Option<String>,
+    pub replay_count: i64,
+    pub pruned_at: Option<i64>,
+    pub resolved_executed: Option<bool>,
+    pub resolved_by: Option<String>,
+    pub resolved_at: Option<i64>,
+    pub resolution_note: Option<String>,
+    pub round: i64,
+    pub capability_hash: Option<String>,
+}
+
+/// A counter or count column as the model's unsigned number; the stores never write a
+/// negative one, and one read back counts as none.
+fn unsigned(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
+impl TryFrom<AttemptRow> for Attempt {
+    type Error = LedgerError;
+
+    fn try_from(row: AttemptRow) -> Result<Self, Self::Error> {
+        // A resolution is stored in three columns written together; a row with any of them
+        // missing has none.
+        let resolution = match (row.resolved_executed, row.resolved_by, row.resolved_at) {
+            (Some(executed), Some(by), Some(at_ms)) => Some(Resolution {
+                executed,
+                by,
+                at_ms,
+                note: row.resolution_note,
+            }),
+            _ => None,
+        };
+        Ok(Attempt {
+            id: row.id,
+            permit_id: row.permit_id,
+            tool: row.tool,
+            key_hash: row.key_hash,
+            fingerprint: row.fingerprint,
+            cost: unsigned(row.cost),
+            state: row.state.parse().map_err(LedgerError::Corrupt)?,
+            created_at_ms: row.created_at,
+            updated_at_ms: row.updated_at,
+            lease_expires_at_ms: row.lease_expires_at,
+            finished_at_ms: row.finished_at,
+            receipt: row.receipt,
+            reason: row.reason,
+            replay_count: unsigned(row.replay_count),
+            pruned_at_ms: row.pruned_at,
+            resolution,
+            round: u32::try_from(row.round).map_err(|_| {
+                LedgerError::Corrupt(format!("attempt round {} out of range", row.round))
+            })?,
+            capability_hash: row.capability_hash,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::AttemptState;
+
+    fn row() -> AttemptRow {
+        AttemptRow {
+            id: "a1".into(),
+            permit_id: "p1".into(),
+            tool: "charge".into(),
+            key_hash: Some("kh".into()),
+            fingerprint: "fp".into(),
+            cost: 5,
+            state: "completed".into(),
+            created_at: 1,
+            updated_at: 2,
+            lease_expires_at: 3,
+            finished_at: Some(4),
+            receipt: Some("r".into()),
+            reason: None,
+            replay_count: 2,
+            pruned_at: None,
+            resolved_executed: None,
+            resolved_by: None,
+            resolved_at: None,
+            resolution_note: None,
+            round: 2,
+            capability_hash: Some("ch".into()),
+        }
+    }
+
+    #[test]
+    fn a_row_maps_column_by_column() {
+        let a = Attempt::try_from(row()).unwrap();
+        assert_eq!(a.state, AttemptState::Completed);
+        assert_eq!((a.cost, a.replay_count, a.round), (5, 2, 2));
+        assert_eq!(
+            (a.created_at_ms, a.updated_at_ms, a.lease_expires_at_ms),
+            (1, 2, 3)
+        );
+        assert_eq!(a.finished_at_ms, Some(4));
+        assert_eq!(a.capability_hash.as_deref(), Some("ch"));
+        assert_eq!(a.resolution, None);
+    }
+
+    #[test]
+    fn a_resolution_needs_all_three_columns() {
+        let mut r = row();
+        r.resolved_executed = Some(true);
+        r.resolved_by = Some("ops".into());
+        r.resolution_note = Some("checked".into());
+        assert_eq!(Attempt::try_from(r.clone()).unwrap().resolution, None);
+        r.resolved_at = Some(9);
+        let res = Attempt::try_from(r).unwrap().resolution.unwrap();
+        assert!(res.executed);
+        assert_eq!((res.by.as_str(), res.at_ms), ("ops", 9));
+        assert_eq!(res.note.as_deref(), Some("checked"));
+    }
+
+    #[test]
+    fn an_unknown_state_or_a_negative_round_is_corrupt() {
+        let mut r = row();
+        r.state = "lost".into();
+        assert!(matches!(Attempt::try_from(r), Err(LedgerError::Corrupt(_))));
+        let mut r = row();
+        r.round = -1;
+        assert!(matches!(Attempt::try_from(r), Err(LedgerError::Corrupt(_))));
+    }
+
+    #[test]
+    fn a_negative_count_reads_as_zero() {
+        let mut r = row();
+        r.cost = -3;
+        r.replay_count = -1;
+        let a = Attempt::try_from(r).unwrap();
+        assert_eq!((a.cost, a.replay_count), (0, 0));
+    }
+}
