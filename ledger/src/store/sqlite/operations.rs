@@ -2,67 +2,64 @@
 
 use atmost_protocol::{AuthorizeRequest, OutcomeReport};
 
-use super::rows::{budget_counters, load_attempt, load_permit, query_attempts, tool_usage};
+use super::rows::{budget_counters, load_attempt, load_permit, query_attempts, slots_held};
+use super::states;
 use super::writer::GroupTx;
 use super::writes::write_attempt;
-use super::{states, to_u64};
 use crate::clock::Millis;
 use crate::decide::{self, Snapshot};
 use crate::error::LedgerError;
-use crate::model::{AttemptState, BudgetTotals, ToolUsage};
+use crate::model::{Attempt, AttemptState, Permit};
 use crate::store::rows::ATTEMPT_COLS;
+use crate::store::snapshot::{self, DuplicateLookup, PermitRead, SnapshotReads};
 use crate::store::OutcomeResult;
 use crate::token;
 
+/// The snapshot of one authorize call, each read a query in the group transaction.
 pub(super) fn load_snapshot(
-    conn: &GroupTx<'_>,
+    tx: &GroupTx<'_>,
     req: &AuthorizeRequest,
     key_hash: Option<&str>,
     now: Millis,
 ) -> Result<Snapshot, LedgerError> {
-    let mut snap = Snapshot {
-        now_ms: now,
-        ..Snapshot::default()
+    let permit = match token::permit_id_of(&req.permit_token) {
+        Some(id) => load_permit(tx, id)?,
+        None => None,
     };
-    let Some(permit_id) = token::permit_id_of(&req.permit_token) else {
-        return Ok(snap);
-    };
-    let Some(permit) = load_permit(conn, permit_id)? else {
-        return Ok(snap);
-    };
-    // Nothing else is read for a token that does not authenticate.
-    if decide::authenticate(&req.permit_token, Some(&permit)).is_none() {
-        snap.permit = Some(permit);
-        return Ok(snap);
-    }
-    if let Some(kh) = key_hash {
+    let read = PermitRead::check(&req.permit_token, permit.as_ref());
+    snapshot::assemble(req, read, key_hash, now, &mut Queries(tx), tx)
+}
+
+/// The snapshot's reads as queries in the group transaction.
+struct Queries<'t, 'c>(&'t GroupTx<'c>);
+
+impl SnapshotReads for Queries<'_, '_> {
+    fn key_attempt(
+        &mut self,
+        permit: &Permit,
+        key_hash: &str,
+    ) -> Result<Option<Attempt>, LedgerError> {
         let sql = format!(
             "SELECT {ATTEMPT_COLS} FROM idempotency_keys k JOIN attempts a ON a.id = k.attempt_id \
              WHERE k.permit_id = ?1 AND k.key_hash = ?2"
         );
-        snap.existing = query_attempts(conn, &sql, &[&permit.id, &kh])?
+        Ok(query_attempts(self.0, &sql, &[&permit.id, &key_hash])?
             .into_iter()
-            .next();
+            .next())
     }
-    let reads = decide::reads_needed(req, &permit, snap.existing.as_ref());
-    // What is stored plus what the group moved and has not written yet.
-    let add = |n: u64, by: i64| to_u64(i64::try_from(n).unwrap_or(i64::MAX).saturating_add(by));
-    if reads.usage {
-        let stored = tool_usage(conn, &permit.id, &req.tool)?;
-        snap.usage = ToolUsage {
-            calls_made: add(stored.calls_made, conn.pending_slots(&permit.id, &req.tool)),
-        };
+
+    fn slots_held(&mut self, permit: &Permit, tool: &str) -> Result<i64, LedgerError> {
+        slots_held(self.0, &permit.id, tool)
     }
-    if reads.budget {
-        let stored = budget_counters(conn, &permit.id)?;
-        let (reserved, spent) = conn.pending_budget(&permit.id);
-        snap.budget = BudgetTotals {
-            reserved: add(stored.reserved, reserved),
-            spent: add(stored.spent, spent),
-        };
+
+    fn budget(&mut self, permit: &Permit) -> Result<(i64, i64), LedgerError> {
+        budget_counters(self.0, &permit.id)
     }
-    if reads.duplicate {
-        let since = now.saturating_sub(permit.policy.retention_ms);
+
+    fn recent_duplicate(
+        &mut self,
+        lookup: &DuplicateLookup<'_>,
+    ) -> Result<Option<Attempt>, LedgerError> {
         let sql = format!(
             "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.permit_id = ?1 AND a.fingerprint = ?2 \
              AND a.state NOT IN {} AND a.created_at >= ?3 \
@@ -70,16 +67,19 @@ pub(super) fn load_snapshot(
              ORDER BY a.created_at DESC LIMIT 1",
             states(AttemptState::gave_back)
         );
-        snap.recent_duplicate = query_attempts(
-            conn,
+        Ok(query_attempts(
+            self.0,
             &sql,
-            &[&permit.id, &req.fingerprint, &since, &key_hash],
+            &[
+                &lookup.permit_id,
+                &lookup.fingerprint,
+                &lookup.since,
+                &lookup.key_hash,
+            ],
         )?
         .into_iter()
-        .next();
+        .next())
     }
-    snap.permit = Some(permit);
-    Ok(snap)
 }
 
 /// Applies one outcome report in the caller's transaction.

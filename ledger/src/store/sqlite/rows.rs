@@ -6,7 +6,7 @@ use rusqlite::{params, Connection, OptionalExtension, Row};
 
 use super::{states, to_u64};
 use crate::error::LedgerError;
-use crate::model::{Attempt, AttemptState, BudgetTotals, Permit, Policy, ToolUsage};
+use crate::model::{Attempt, AttemptState, BudgetTotals, Permit, Policy};
 use crate::store::rows::{AttemptRow, ATTEMPT_COLS};
 use crate::store::PermitCounters;
 
@@ -102,37 +102,31 @@ pub(super) fn query_attempts(
     Ok(out)
 }
 
-/// Slots held for one tool, from the counter.
-pub(super) fn tool_usage(
+/// Slots held for one tool, as the counter stores them.
+pub(super) fn slots_held(
     conn: &Connection,
     permit_id: &str,
     tool: &str,
-) -> Result<ToolUsage, LedgerError> {
+) -> Result<i64, LedgerError> {
     let n: Option<i64> = conn
         .prepare_cached(
             "SELECT slots_held FROM permit_tool_usage WHERE permit_id = ?1 AND tool = ?2",
         )?
         .query_row(params![permit_id, tool], |r| r.get(0))
         .optional()?;
-    Ok(ToolUsage {
-        calls_made: to_u64(n.unwrap_or(0)),
-    })
+    Ok(n.unwrap_or(0))
 }
 
-/// Reserved and spent budget, from the counters.
+/// (reserved, spent) budget, as the counters store them.
 pub(super) fn budget_counters(
     conn: &Connection,
     permit_id: &str,
-) -> Result<BudgetTotals, LedgerError> {
-    let (reserved, spent): (i64, i64) = conn
+) -> Result<(i64, i64), LedgerError> {
+    Ok(conn
         .prepare_cached("SELECT reserved, spent FROM permits WHERE id = ?1")?
         .query_row(params![permit_id], |r| Ok((r.get(0)?, r.get(1)?)))
         .optional()?
-        .unwrap_or((0, 0));
-    Ok(BudgetTotals {
-        spent: to_u64(spent),
-        reserved: to_u64(reserved),
-    })
+        .unwrap_or((0, 0)))
 }
 
 /// Reserved and spent budget recounted from the attempts (`permit show`).

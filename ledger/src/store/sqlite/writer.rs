@@ -9,6 +9,7 @@ use super::writes::write_counters;
 use crate::error::LedgerError;
 use crate::model::Attempt;
 use crate::store::counters::CounterMoves;
+use crate::store::snapshot::PendingMoves;
 
 /// The group transaction one queued operation runs in: the connection (it derefs to it), the
 /// counter moves of the group's earlier operations (written once, before the commit) and its
@@ -32,16 +33,17 @@ impl GroupTx<'_> {
     pub(super) fn record_move(&self, old: Option<&Attempt>, new: &Attempt) {
         self.own.borrow_mut().record(old, new);
     }
+}
 
-    /// Slots of the permit's tool taken (or given back) in this group and not written yet.
-    pub(super) fn pending_slots(&self, permit_id: &str, tool: &str) -> i64 {
+/// The group's earlier operations' moves plus this one's, none written yet.
+impl PendingMoves for GroupTx<'_> {
+    fn slots(&self, permit_id: &str, tool: &str) -> i64 {
         self.earlier
             .slots(permit_id, tool)
             .saturating_add(self.own.borrow().slots(permit_id, tool))
     }
 
-    /// (reserved, spent) of the permit moved in this group and not written yet.
-    pub(super) fn pending_budget(&self, permit_id: &str) -> (i64, i64) {
+    fn budget(&self, permit_id: &str) -> (i64, i64) {
         let (a, b) = (
             self.earlier.budget(permit_id),
             self.own.borrow().budget(permit_id),
