@@ -9,13 +9,14 @@ use deadpool_postgres::{GenericClient, Pool};
 use super::column_err;
 use super::rows::{attempts_by_keys_sql, prepared, query, read_attempt, read_permit, PERMIT_COLS};
 use super::writes::{insert_attempts, storable, update_attempts, write_counters};
-use super::{answer_group, pg_err, pool_err, to_u64, StateSets};
+use super::{answer_group, pg_err, pool_err, StateSets};
 use crate::clock::Millis;
-use crate::decide::{self, DecideParams, Decision, Mutation, Snapshot};
+use crate::decide::{self, DecideParams, Decision, Mutation};
 use crate::error::LedgerError;
-use crate::model::{Attempt, BudgetTotals, GuardMode, Permit, ToolUsage};
+use crate::model::{Attempt, GuardMode, Permit};
 use crate::store::counters::CounterMoves;
 use crate::store::rows::{ATTEMPT_COLS, ATTEMPT_NCOLS};
+use crate::store::snapshot::{self, DuplicateLookup, PermitRead, SnapshotReads};
 use crate::token;
 
 pub(super) struct AuthJob {
@@ -94,17 +95,11 @@ pub(super) type LockedPermits = std::collections::HashMap<String, (Permit, (i64,
 
 /// The permit a job names, if it is locked (it exists), and whether the job's token
 /// authenticates for it.
-pub(super) fn permit_of<'a>(
-    permits: &'a LockedPermits,
-    job: &AuthJob,
-) -> (Option<&'a Permit>, bool) {
+pub(super) fn permit_of<'a>(permits: &'a LockedPermits, job: &AuthJob) -> PermitRead<'a> {
     let permit = token::permit_id_of(&job.req.permit_token)
         .and_then(|id| permits.get(id))
         .map(|(p, _)| p);
-    (
-        permit,
-        decide::authenticate(&job.req.permit_token, permit).is_some(),
-    )
+    PermitRead::check(&job.req.permit_token, permit)
 }
 
 /// What one batch of a group read: the attempts its keys name, the slots of its tools and
@@ -118,6 +113,56 @@ pub(super) struct BatchReads {
     /// Index of the job among the batch's authenticated jobs → the newest attempt its
     /// duplicate guard would match.
     duplicates: std::collections::HashMap<usize, Attempt>,
+}
+
+/// One job's snapshot reads, looked up among what its batch read and the locked permits.
+struct BatchLookups<'a> {
+    reads: &'a BatchReads,
+    permits: &'a LockedPermits,
+    /// The job's position among the batch's authenticated jobs.
+    pos: Option<usize>,
+}
+
+impl SnapshotReads for BatchLookups<'_> {
+    fn key_attempt(
+        &mut self,
+        permit: &Permit,
+        key_hash: &str,
+    ) -> Result<Option<Attempt>, LedgerError> {
+        Ok(self
+            .reads
+            .by_key
+            .get(&(permit.id.clone(), key_hash.to_string()))
+            .cloned())
+    }
+
+    fn slots_held(&mut self, permit: &Permit, tool: &str) -> Result<i64, LedgerError> {
+        Ok(self
+            .reads
+            .slots
+            .get(&(permit.id.clone(), tool.to_string()))
+            .copied()
+            .unwrap_or(0))
+    }
+
+    fn budget(&mut self, permit: &Permit) -> Result<(i64, i64), LedgerError> {
+        Ok(self
+            .permits
+            .get(&permit.id)
+            .map(|(_, b)| *b)
+            .unwrap_or_default())
+    }
+
+    fn recent_duplicate(
+        &mut self,
+        _: &DuplicateLookup<'_>,
+    ) -> Result<Option<Attempt>, LedgerError> {
+        // The batch read it by the job's position (see `read_batch`).
+        Ok(self
+            .pos
+            .and_then(|pos| self.reads.duplicates.get(&pos))
+            .cloned())
+    }
 }
 
 /// Splits a group into batches in which no job's reads can be changed by an earlier job of
@@ -176,10 +221,12 @@ pub(super) async fn read_batch<C: GenericClient>(
             tools.push((a.permit.id.as_str(), a.job.req.tool.as_str()));
         }
         if policy.duplicate_guard != GuardMode::Off {
-            dup_permits.push(a.permit.id.as_str());
-            fps.push(a.job.req.fingerprint.as_str());
-            kh_of.push(a.key_hash.as_deref());
-            since.push(a.job.now.saturating_sub(policy.retention_ms));
+            let lookup =
+                DuplicateLookup::of(&a.job.req, a.permit, a.key_hash.as_deref(), a.job.now);
+            dup_permits.push(lookup.permit_id);
+            fps.push(lookup.fingerprint);
+            kh_of.push(lookup.key_hash);
+            since.push(lookup.since);
             dup_of.push(i);
         }
     }
@@ -283,21 +330,18 @@ pub(super) async fn decide_group<C: GenericClient>(
         // Nothing else is read for a token that does not authenticate. Each job's permit, and
         // its position among the authenticated jobs (the duplicate reads are numbered by it).
         let mut authed: Vec<Authed<'_>> = Vec::new();
-        let mut checked: Vec<(Option<&Permit>, Option<usize>)> = Vec::with_capacity(batch.len());
+        let mut checked: Vec<(PermitRead<'_>, Option<usize>)> = Vec::with_capacity(batch.len());
         for job in batch {
-            let (permit, ok) = permit_of(permits, job);
-            let pos = match permit {
-                Some(permit) if ok => {
-                    authed.push(Authed {
-                        job,
-                        permit,
-                        key_hash: decide::key_hash(&job.req),
-                    });
-                    Some(authed.len() - 1)
-                }
-                _ => None,
-            };
-            checked.push((permit, pos));
+            let read = permit_of(permits, job);
+            let pos = read.authenticated().map(|permit| {
+                authed.push(Authed {
+                    job,
+                    permit,
+                    key_hash: decide::key_hash(&job.req),
+                });
+                authed.len() - 1
+            });
+            checked.push((read, pos));
         }
         let reads = if authed.is_empty() {
             BatchReads::default()
@@ -306,42 +350,18 @@ pub(super) async fn decide_group<C: GenericClient>(
         };
         let mut inserts: Vec<Attempt> = Vec::new();
         let mut updates: Vec<Attempt> = Vec::new();
-        for (job, (permit, pos)) in batch.iter().zip(checked) {
-            let mut snap = Snapshot {
-                now_ms: job.now,
-                permit: permit.cloned(),
-                ..Snapshot::default()
+        for (job, (read, pos)) in batch.iter().zip(checked) {
+            let key_hash = pos
+                .and_then(|i| authed.get(i))
+                .and_then(|a| a.key_hash.as_deref());
+            let mut lookups = BatchLookups {
+                reads: &reads,
+                permits,
+                pos,
             };
-            if let (Some(p), Some(pos)) = (permit, pos) {
-                if let Some(kh) = authed[pos].key_hash.as_deref() {
-                    snap.existing = reads.by_key.get(&(p.id.clone(), kh.to_string())).cloned();
-                }
-                let need = decide::reads_needed(&job.req, p, snap.existing.as_ref());
-                if need.usage {
-                    let stored = reads
-                        .slots
-                        .get(&(p.id.clone(), job.req.tool.clone()))
-                        .copied()
-                        .unwrap_or(0);
-                    // The group's earlier decisions' slots are not written yet.
-                    snap.usage = ToolUsage {
-                        calls_made: to_u64(
-                            stored.saturating_add(moves.slots(&p.id, &job.req.tool)),
-                        ),
-                    };
-                }
-                if need.budget {
-                    let stored = permits.get(&p.id).map(|(_, b)| *b).unwrap_or_default();
-                    let pending = moves.budget(&p.id);
-                    snap.budget = BudgetTotals {
-                        reserved: to_u64(stored.0.saturating_add(pending.0)),
-                        spent: to_u64(stored.1.saturating_add(pending.1)),
-                    };
-                }
-                if need.duplicate {
-                    snap.recent_duplicate = reads.duplicates.get(&pos).cloned();
-                }
-            }
+            // The group's earlier decisions' counter moves are not written yet.
+            let snap =
+                snapshot::assemble(&job.req, read, key_hash, job.now, &mut lookups, &*moves)?;
             let decision = decide::decide(&job.req, &snap, &job.params);
             let write = match &decision.mutation {
                 Mutation::None => Ok(None),
