@@ -1,6 +1,8 @@
-"""Real processes for end-to-end runs: the ledger, the example MCP server, Envoy with the filter.
+"""The demo gateway's processes: the ledger, the example MCP server, Envoy with the filter.
 
-Used by the pytest suites and by `make run`. Every address is loopback; every wait is bounded.
+`make run` (scripts/run.py) and `make bench` start them from here, and so do the end-to-end
+and fault suites (tests/support/stack.py adds what only they need). Every address is
+loopback; every wait is bounded.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 ENVOY_CONFIG = ROOT / "envoy" / "atmost-sidecar.yaml"
 # ATMOST_WASM: another build of the filter, e.g. to run these tests against an older release.
-WASM = Path(os.environ.get("ATMOST_WASM") or ROOT / "target" / "wasm32-wasip1" / "release" / "atmost_filter.wasm")
+# The module is built with its own size-optimized profile (`make wasm`: `--profile wasm`).
+WASM = Path(os.environ.get("ATMOST_WASM") or ROOT / "target" / "wasm32-wasip1" / "wasm" / "atmost_filter.wasm")
 EXAMPLE_SERVER = ROOT / "examples" / "mcp_server.py"
 # The shipped sidecar names its secrets by environment variable; these are the demo's values
 # (the ones its header comment shows).
@@ -206,84 +209,9 @@ class ExampleServer(Process):
         http_post_json(self.url + "/_example/config", settings)
 
 
-TS_DIR = ROOT / "tests" / "ts"
-
-
-class TsServer(Process):
-    """The TypeScript SDK example server (tests/ts/server.mjs), stateless Streamable HTTP."""
-
-    def __init__(self, log_dir: Path, json_response: bool, name: str = "mcp-server-ts"):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        argv = ["node", str(TS_DIR / "server.mjs"), "--port", str(self.port)]
-        if json_response:
-            argv.append("--json-response")
-        super().__init__(name, argv, log_dir, cwd=TS_DIR)
-
-    def start(self) -> None:
-        super().start()
-        wait_until(lambda: self.alive() and http_get(self.url + "/_example/state")[0] == 200, 30,
-                   f"TypeScript MCP server on {self.url}")
-
-    def executions(self, tool: str = "pay_invoice") -> int:
-        return json.loads(http_get(self.url + "/_example/state")[1])["executions"].get(tool, 0)
-
-    def reset(self) -> None:
-        http_post_json(self.url + "/_example/reset", {})
-
-
-GO_UPSTREAM_SRC = ROOT / "tests" / "support" / "go_upstream" / "main.go"
-GO_BUILD_DIR = ROOT / "target" / "go"
-
-
-def go_upstream_binary() -> Path:
-    """Builds tests/support/go_upstream (standard library only, so offline) with the `go` from
-    Debian's golang-go (`make go-tools`); caches stay under target/."""
-    out = GO_BUILD_DIR / "go_upstream"
-    env = {**os.environ, "GOCACHE": str(GO_BUILD_DIR / "cache"), "GOPATH": str(GO_BUILD_DIR / "path"),
-           "GOPROXY": "off", "GOTOOLCHAIN": "local", "GO111MODULE": "on"}
-    subprocess.run(["go", "build", "-o", str(out), str(GO_UPSTREAM_SRC)], check=True, env=env, cwd=ROOT,
-                   timeout=300, capture_output=True)
-    return out
-
-
-class GoUpstream(Process):
-    """tests/support/go_upstream: decodes bodies with Go's encoding/json and records every
-    message it would execute."""
-
-    def __init__(self, log_dir: Path, binary: Path, name: str = "go-upstream"):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        super().__init__(name, [str(binary), "-port", str(self.port)], log_dir)
-
-    def start(self) -> None:
-        super().start()
-        wait_until(lambda: self.alive() and http_get(self.url + "/_example/log")[0] == 200, 30,
-                   f"Go upstream on {self.url}")
-
-    def log(self) -> dict:
-        """`entries` (every message run) and `requests` (every POST to /mcp)."""
-        return json.loads(http_get(self.url + "/_example/log")[1])
-
-    def entries(self) -> list[dict]:
-        return self.log()["entries"]
-
-    def reset(self) -> None:
-        http_post_json(self.url + "/_example/reset", {})
-
-
-def ts_client(url: str, token: str | None = None, key: str | None = None) -> dict:
-    """Runs tests/ts/client.mjs (TypeScript SDK client) against `url`; returns its transcript."""
-    argv = ["node", str(TS_DIR / "client.mjs"), url, token or "", *([key] if key else [])]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=TS_DIR)
-    if result.returncode != 0:
-        raise RuntimeError(f"TypeScript client failed ({result.returncode}): {result.stderr[-3000:]}")
-    return json.loads(result.stdout)
-
-
 def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger_ports: list[int],
                    plugin_overrides: dict | None = None, wasm: Path = WASM, plain: bool = False,
-                   secrets_from_env: bool = False) -> dict:
+                   secrets_from_env: bool = False, upstream_host: str = "127.0.0.1") -> dict:
     """The shipped sidecar config with this run's ports, the absolute wasm path and plugin overrides.
 
     `plain=True` is the same proxy without the atmost filter: the baseline an MCP client must not
@@ -294,6 +222,9 @@ def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger
     config runs without them in Envoy's environment; `secrets_from_env=True` keeps the shipped
     form, and Envoy then needs the variables (`Envoy(env=...)`). An override of a secret in
     either form replaces the other form.
+
+    `upstream_host` may be a name (`UPSTREAM=mcp.internal:8000 make run`): the upstream cluster
+    then resolves it (STRICT_DNS).
     """
     config = yaml.safe_load(ENVOY_CONFIG.read_text())
     config = copy.deepcopy(config)
@@ -327,7 +258,11 @@ def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger
     for cluster in config["static_resources"]["clusters"]:
         endpoints = cluster["load_assignment"]["endpoints"][0]
         if cluster["name"] == "mcp_upstream":
-            endpoints["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["port_value"] = upstream_port
+            address = endpoints["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+            address["port_value"] = upstream_port
+            address["address"] = upstream_host
+            if not upstream_host.replace(".", "").isdigit():
+                cluster["type"] = "STRICT_DNS"
         elif cluster["name"] == "atmost_ledger":
             endpoints["lb_endpoints"] = [
                 {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
@@ -339,11 +274,12 @@ def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger
 class Envoy(Process):
     def __init__(self, log_dir: Path, upstream_port: int, ledger_ports: list[int], plugin_overrides: dict | None = None,
                  concurrency: int = 2, name: str = "envoy", port: int | None = None, plain: bool = False,
-                 wait_for_ledger: bool = True, secrets_from_env: bool = False, env: dict | None = None):
+                 wait_for_ledger: bool = True, secrets_from_env: bool = False, env: dict | None = None,
+                 admin_port: int | None = None, upstream_host: str = "127.0.0.1"):
         """`secrets_from_env` keeps the shipped config's env-sourced secrets (see sidecar_config);
         `env` is added to Envoy's environment (where those secrets then come from)."""
         self.port = port or free_port()
-        self.admin_port = free_port()
+        self.admin_port = admin_port or free_port()
         # Envoy reports ready before its first health check of a ledger has passed; on a busy
         # machine that check can time out, and with no healthy ledger every callout fails
         # (gateway_unavailable). A test that means to start without a ledger says so.
@@ -351,7 +287,7 @@ class Envoy(Process):
         self.url = f"http://127.0.0.1:{self.port}/mcp"
         self.admin_url = f"http://127.0.0.1:{self.admin_port}"
         config = sidecar_config(self.port, self.admin_port, upstream_port, ledger_ports, plugin_overrides, plain=plain,
-                                secrets_from_env=secrets_from_env)
+                                secrets_from_env=secrets_from_env, upstream_host=upstream_host)
         self.config_path = Path(tempfile.mkdtemp(prefix="atmost-envoy-")) / "envoy.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         argv = [str(VENV_BIN / "envoy"), "-c", str(self.config_path), "--concurrency", str(concurrency),
@@ -384,10 +320,3 @@ class Envoy(Process):
 
     def stat(self, name: str) -> int:
         return self.stats().get(name, 0)
-
-
-def validate_envoy_config(path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`envoy --mode validate` on one config file (which loads the filter and runs its
-    on_configure); `env` is added to Envoy's environment, e.g. the secrets a config names."""
-    return subprocess.run([str(VENV_BIN / "envoy"), "--mode", "validate", "-c", str(path), "--use-dynamic-base-id"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, **(env or {})})

@@ -1,0 +1,115 @@
+"""The suites' view of the stack: scripts/atmost_stack.py (what `make run` starts) plus what only
+the tests start, the TypeScript SDK server and client and the Go upstream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+from atmost_stack import (  # noqa: E402,F401  (re-exported: the suites import them from here)
+    DEMO_SECRETS,
+    ENVOY_CONFIG,
+    EXAMPLE_SERVER,
+    ROOT,
+    SECRET_FIELDS,
+    VENV_BIN,
+    WASM,
+    Envoy,
+    ExampleServer,
+    Ledger,
+    Process,
+    ProcessExited,
+    free_port,
+    http_get,
+    http_post_json,
+    ledger_binary,
+    sidecar_config,
+    wait_until,
+)
+
+TS_DIR = ROOT / "tests" / "ts"
+
+
+class TsServer(Process):
+    """The TypeScript SDK example server (tests/ts/server.mjs), stateless Streamable HTTP."""
+
+    def __init__(self, log_dir: Path, json_response: bool, name: str = "mcp-server-ts"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = ["node", str(TS_DIR / "server.mjs"), "--port", str(self.port)]
+        if json_response:
+            argv.append("--json-response")
+        super().__init__(name, argv, log_dir, cwd=TS_DIR)
+
+    def start(self) -> None:
+        super().start()
+        wait_until(lambda: self.alive() and http_get(self.url + "/_example/state")[0] == 200, 30,
+                   f"TypeScript MCP server on {self.url}")
+
+    def executions(self, tool: str = "pay_invoice") -> int:
+        return json.loads(http_get(self.url + "/_example/state")[1])["executions"].get(tool, 0)
+
+    def reset(self) -> None:
+        http_post_json(self.url + "/_example/reset", {})
+
+
+GO_UPSTREAM_SRC = ROOT / "tests" / "support" / "go_upstream" / "main.go"
+GO_BUILD_DIR = ROOT / "target" / "go"
+
+
+def go_upstream_binary() -> Path:
+    """Builds tests/support/go_upstream (standard library only, so offline) with the `go` from
+    Debian's golang-go (`make go-tools`); caches stay under target/."""
+    out = GO_BUILD_DIR / "go_upstream"
+    env = {**os.environ, "GOCACHE": str(GO_BUILD_DIR / "cache"), "GOPATH": str(GO_BUILD_DIR / "path"),
+           "GOPROXY": "off", "GOTOOLCHAIN": "local", "GO111MODULE": "on"}
+    subprocess.run(["go", "build", "-o", str(out), str(GO_UPSTREAM_SRC)], check=True, env=env, cwd=ROOT,
+                   timeout=300, capture_output=True)
+    return out
+
+
+class GoUpstream(Process):
+    """tests/support/go_upstream: decodes bodies with Go's encoding/json and records every
+    message it would execute."""
+
+    def __init__(self, log_dir: Path, binary: Path, name: str = "go-upstream"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(name, [str(binary), "-port", str(self.port)], log_dir)
+
+    def start(self) -> None:
+        super().start()
+        wait_until(lambda: self.alive() and http_get(self.url + "/_example/log")[0] == 200, 30,
+                   f"Go upstream on {self.url}")
+
+    def log(self) -> dict:
+        """`entries` (every message run) and `requests` (every POST to /mcp)."""
+        return json.loads(http_get(self.url + "/_example/log")[1])
+
+    def entries(self) -> list[dict]:
+        return self.log()["entries"]
+
+    def reset(self) -> None:
+        http_post_json(self.url + "/_example/reset", {})
+
+
+def ts_client(url: str, token: str | None = None, key: str | None = None) -> dict:
+    """Runs tests/ts/client.mjs (TypeScript SDK client) against `url`; returns its transcript."""
+    argv = ["node", str(TS_DIR / "client.mjs"), url, token or "", *([key] if key else [])]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=TS_DIR)
+    if result.returncode != 0:
+        raise RuntimeError(f"TypeScript client failed ({result.returncode}): {result.stderr[-3000:]}")
+    return json.loads(result.stdout)
+
+
+def validate_envoy_config(path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`envoy --mode validate` on one config file (which loads the filter and runs its
+    on_configure); `env` is added to Envoy's environment, e.g. the secrets a config names."""
+    return subprocess.run([str(VENV_BIN / "envoy"), "--mode", "validate", "-c", str(path), "--use-dynamic-base-id"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, **(env or {})})
