@@ -1,19 +1,24 @@
 # atmost: `make run` starts the demo gateway, `make test` runs every suite.
-# Both install what they need: the wasm32-wasip1 target and a project-local virtualenv.
+# Both install what they need: the wasm32-wasip1 target and a project-local virtualenv
+# (`make run` the packages of requirements.txt; the tests those of requirements-test.txt,
+# plus Debian's skopeo and golang-go).
 
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-WASM := target/wasm32-wasip1/release/atmost_filter.wasm
+WASM := target/wasm32-wasip1/wasm/atmost_filter.wasm
 CARGO ?= cargo
 
 .PHONY: oci-tools
-.PHONY: all run test model-check test-unit test-e2e test-faults lint fmt ts-deps wasm ledger ledger-release setup rust-setup venv clean oci
+.PHONY: all run test model-check test-unit test-e2e test-faults lint fmt ts-deps wasm ledger ledger-release setup setup-run rust-setup venv venv-test clean oci
 
 all: wasm ledger-release
 
-setup: rust-setup venv oci-tools go-tools
+# What `make run` (and `make bench`) needs; `setup` is what the suites need on top.
+setup-run: rust-setup venv
+
+setup: setup-run venv-test oci-tools go-tools
 
 # Go (Debian's golang-go) builds tests/support/go_upstream, an encoding/json upstream for the
 # parser-differential tests; standard library only, so it builds offline.
@@ -40,6 +45,13 @@ $(VENV)/.installed: requirements.txt
 	$(VPY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	touch $@
 
+venv-test: $(VENV)/.installed-test
+
+$(VENV)/.installed-test: requirements-test.txt requirements.txt
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
+	touch $@
+
 ## The TypeScript MCP SDK (exact versions in tests/ts/package-lock.json) for the interoperability tests.
 ts-deps: tests/ts/node_modules/.installed
 
@@ -47,8 +59,10 @@ tests/ts/node_modules/.installed: tests/ts/package.json tests/ts/package-lock.js
 	cd tests/ts && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
+# The module has its own profile (Cargo.toml: size-optimized); the release profile is the
+# ledger server's.
 wasm: rust-setup
-	$(CARGO) build --release --target wasm32-wasip1 -p atmost-filter
+	$(CARGO) build --profile wasm --target wasm32-wasip1 -p atmost-filter
 
 ## The filter as an OCI image for Istio (compat variant: one layer with plugin.wasm), reproducible:
 ## target/oci/atmost-filter/ (OCI layout), target/oci/atmost-filter.tar, target/oci/atmost-filter.digest.
@@ -64,7 +78,7 @@ ledger-release:
 	$(CARGO) build --release -p atmost-ledger
 
 ## The main job: ledger + example MCP server (or UPSTREAM=host:port) + Envoy on 127.0.0.1:10000/mcp.
-run: setup wasm ledger-release
+run: setup-run wasm ledger-release
 	ATMOST_BIN=target/release/atmost $(VPY) scripts/run.py
 
 lint:
@@ -117,7 +131,7 @@ clean:
 .PHONY: bench bench-tools
 OHA_VERSION := 1.16.0
 
-bench: setup wasm ledger-release bench-tools
+bench: setup-run wasm ledger-release bench-tools
 	$(WITH_PG) $(VPY) bench/run.py
 
 # wrk (Debian) for the ceilings; oha (crates.io, pinned) to cross-check the fixed-rate

@@ -58,8 +58,8 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "support"))
-import stack  # noqa: E402  (the e2e suites' process wrappers and sidecar_config)
+sys.path.insert(0, str(ROOT / "scripts"))
+import atmost_stack as stack  # noqa: E402  (`make run`'s process wrappers and sidecar_config)
 import yaml  # noqa: E402
 
 OUT = Path(os.environ.get("BENCH_OUT", ROOT / "target" / "bench"))

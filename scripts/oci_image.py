@@ -33,7 +33,7 @@ import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_WASM = ROOT / "target" / "wasm32-wasip1" / "release" / "atmost_filter.wasm"
+DEFAULT_WASM = ROOT / "target" / "wasm32-wasip1" / "wasm" / "atmost_filter.wasm"
 NAME = "atmost-filter"
 
 MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"

@@ -14,11 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.support.stack import DEMO_SECRETS, ROOT, Envoy, ExampleServer, Ledger, Process, sidecar_config  # noqa: E402
+from atmost_stack import DEMO_SECRETS, ROOT, Envoy, ExampleServer, Ledger, Process, ledger_binary  # noqa: E402
 
 LISTEN_PORT = 10000
 ADMIN_PORT = 9901
@@ -65,18 +63,10 @@ def main() -> int:
             started.append(server)
             upstream = ("127.0.0.1", EXAMPLE_PORT)
 
-        config = sidecar_config(LISTEN_PORT, ADMIN_PORT, upstream[1], [LEDGER_PORT], secrets_from_env=True)
-        cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "mcp_upstream")
-        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
-            "address"] = upstream[0]
-        if not upstream[0].replace(".", "").isdigit():
-            cluster["type"] = "STRICT_DNS"
         upstream_secret = os.environ.get("ATMOST_UPSTREAM_KEY_SECRET", DEMO_SECRETS["ATMOST_UPSTREAM_KEY_SECRET"])
-        envoy = Envoy(log_dir, upstream[1], [LEDGER_PORT], port=LISTEN_PORT,
+        envoy = Envoy(log_dir, upstream[1], [LEDGER_PORT], port=LISTEN_PORT, admin_port=ADMIN_PORT,
+                      upstream_host=upstream[0], secrets_from_env=True,
                       env={"ATMOST_SERVICE_TOKEN": service_token, "ATMOST_UPSTREAM_KEY_SECRET": upstream_secret})
-        envoy.admin_port = ADMIN_PORT
-        envoy.admin_url = f"http://127.0.0.1:{ADMIN_PORT}"
-        envoy.config_path.write_text(yaml.safe_dump(config))
         envoy.start()
         started.append(envoy)
 
@@ -89,6 +79,9 @@ def main() -> int:
         return 1
 
     token = permit["token"]
+    cli = ledger_binary()
+    if cli.is_relative_to(ROOT):
+        cli = cli.relative_to(ROOT)
     print(f"""
 atmost is running.
   MCP endpoint : http://127.0.0.1:{LISTEN_PORT}/mcp   (upstream {upstream[0]}:{upstream[1]})
@@ -108,7 +101,14 @@ Try it:
     -H 'atmost-permit: {token}' -H 'idempotency-key: "task-4417-pay"' \\
     -d '{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"pay_invoice","arguments":{{"invoice":"INV-4417","amount":250}},"_meta":{{"io.modelcontextprotocol/protocolVersion":"2026-07-28","io.modelcontextprotocol/clientCapabilities":{{}}}}}}}}'
 
-Run it twice: the second answer is the first receipt, marked replayed. Ctrl-C stops everything.
+Run it twice: the second answer is the first receipt, marked replayed.
+
+The admin CLI against this ledger (permits, attempts, reconciliation: README, "The ledger and its CLI"):
+  export ATMOST_LEDGER_URL={ledger.url} ATMOST_ADMIN_TOKEN={admin_token}
+  {cli} permit list
+  {cli} permit create --label my-agent --expires 1h --max-calls pay_invoice=1
+
+Ctrl-C stops everything.
 """, flush=True)
     while all(p.alive() for p in started):
         time.sleep(0.5)

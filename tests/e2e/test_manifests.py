@@ -415,7 +415,7 @@ def test_equivalent_envoy_config_mirrors_the_manifests():
     mesh = ext["patch"]["value"]["typed_config"]["config"]
     for key in ("name", "root_id", "allow_on_headers_stop_iteration", "failure_policy"):
         assert wasm[key] == mesh[key]
-    assert wasm["vm_config"]["code"]["local"]["filename"] == "target/wasm32-wasip1/release/atmost_filter.wasm"
+    assert wasm["vm_config"]["code"]["local"]["filename"] == "target/wasm32-wasip1/wasm/atmost_filter.wasm"
     assert wasm["vm_config"]["environment_variables"] == mesh["vm_config"]["environment_variables"]
 
     plugin = json.loads(wasm["configuration"]["value"])

@@ -1,0 +1,322 @@
+"""The demo gateway's processes: the ledger, the example MCP server, Envoy with the filter.
+
+`make run` (scripts/run.py) and `make bench` start them from here, and so do the end-to-end
+and fault suites (tests/support/stack.py adds what only they need). Every address is
+loopback; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+ENVOY_CONFIG = ROOT / "envoy" / "atmost-sidecar.yaml"
+# ATMOST_WASM: another build of the filter, e.g. to run these tests against an older release.
+# The module is built with its own size-optimized profile (`make wasm`: `--profile wasm`).
+WASM = Path(os.environ.get("ATMOST_WASM") or ROOT / "target" / "wasm32-wasip1" / "wasm" / "atmost_filter.wasm")
+EXAMPLE_SERVER = ROOT / "examples" / "mcp_server.py"
+# The shipped sidecar names its secrets by environment variable; these are the demo's values
+# (the ones its header comment shows).
+DEMO_SECRETS = {"ATMOST_SERVICE_TOKEN": "demo-service-token", "ATMOST_UPSTREAM_KEY_SECRET": "demo-upstream-key-secret"}
+# (object in the plugin JSON, field): the secrets that may be given in place or as `<field>_env`.
+SECRET_FIELDS = (("ledger", "service_token"), ("upstream_key", "secret"))
+
+
+def ledger_binary() -> Path:
+    """The `atmost` binary: ATMOST_BIN if set, else the freshest build in target/."""
+    if os.environ.get("ATMOST_BIN"):
+        return Path(os.environ["ATMOST_BIN"])
+    builds = [ROOT / "target" / p / "atmost" for p in ("release", "debug")]
+    existing = [b for b in builds if b.exists()]
+    if not existing:
+        raise RuntimeError("no atmost binary: run `cargo build -p atmost-ledger` first")
+    return max(existing, key=lambda b: b.stat().st_mtime)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ProcessExited(RuntimeError):
+    """A process being waited for has exited: waiting longer cannot help."""
+
+
+def wait_until(check, timeout: float, what: str, interval: float = 0.05):
+    """Polls `check` until it returns a truthy value; raises after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except ProcessExited:
+            raise
+        except Exception as e:  # noqa: BLE001 - any other failure means "not yet"
+            last_error = e
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def http_post_json(url: str, body: dict, timeout: float = 2.0) -> dict:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"content-type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class Process:
+    """A child process with its output in a log file, stopped for sure at the end."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict | None = None, cwd: Path = ROOT):
+        self.name = name
+        self.argv = argv
+        self.log_path = log_dir / f"{name}.log"
+        self.env = {**os.environ, **(env or {})}
+        self.cwd = cwd
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd, start_new_session=True
+        )
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+        if not self.alive():
+            return
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=timeout)
+
+    def kill9(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+
+class Ledger(Process):
+    def __init__(self, log_dir: Path, data_dir: Path, port: int | None = None, service_token: str = "test-service-token",
+                 admin_token: str = "test-admin-token", extra_args: list[str] | None = None, name: str = "ledger"):
+        self.port = port or free_port()
+        self.service_token = service_token
+        self.admin_token = admin_token
+        self.data_dir = data_dir
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [str(ledger_binary()), "ledger", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(data_dir)]
+        argv += extra_args or []
+        super().__init__(name, argv, log_dir, env={
+            "ATMOST_SERVICE_TOKEN": service_token,
+            "ATMOST_ADMIN_TOKEN": admin_token,
+            "RUST_LOG": os.environ.get("RUST_LOG", "info"),
+        })
+
+    def start(self) -> None:
+        super().start()
+        wait_until(lambda: self._ready(), 20, f"ledger on {self.url} (log: {self.log_path})")
+
+    def _ready(self) -> bool:
+        if not self.alive():
+            raise ProcessExited(f"ledger exited:\n{self.log_text()[-3000:]}")
+        return http_get(self.url + "/readyz")[0] == 200
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        """Runs the admin CLI against this ledger."""
+        argv = [str(ledger_binary()), "--ledger", self.url, *args]
+        env = {**os.environ, "ATMOST_ADMIN_TOKEN": self.admin_token}
+        result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=30)
+        if check and result.returncode != 0:
+            raise RuntimeError(f"atmost {' '.join(args)} failed ({result.returncode}): {result.stderr}")
+        return result
+
+    def cli_json(self, *args: str):
+        return json.loads(self.cli("--json", *args).stdout)
+
+    def create_permit(self, *args: str, label: str = "test") -> dict:
+        """Creates a permit; returns the CLI's JSON, which holds `id` and the one-time `token`."""
+        return self.cli_json("permit", "create", "--label", label, "--expires", "1h", *args)
+
+    def metrics(self) -> str:
+        return http_get(self.url + "/metrics")[1].decode()
+
+
+class ExampleServer(Process):
+    def __init__(self, log_dir: Path, port: int | None = None, json_response: bool = True, name: str = "mcp-server",
+                 event_store: bool = False, stateless: bool = False):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [str(VENV_BIN / "python"), str(EXAMPLE_SERVER), "--port", str(self.port)]
+        if json_response:
+            argv.append("--json-response")
+        if event_store:
+            argv.append("--event-store")
+        if stateless:
+            argv.append("--stateless")
+        super().__init__(name, argv, log_dir)
+
+    def start(self) -> None:
+        super().start()
+        wait_until(lambda: self.alive() and http_get(self.url + "/_example/state")[0] == 200, 30,
+                   f"example MCP server on {self.url}")
+
+    def state(self) -> dict:
+        return json.loads(http_get(self.url + "/_example/state")[1])
+
+    def executions(self, tool: str = "pay_invoice") -> int:
+        return self.state()["executions"].get(tool, 0)
+
+    def reset(self) -> None:
+        http_post_json(self.url + "/_example/reset", {})
+
+    def configure(self, **settings) -> None:
+        http_post_json(self.url + "/_example/config", settings)
+
+
+def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger_ports: list[int],
+                   plugin_overrides: dict | None = None, wasm: Path = WASM, plain: bool = False,
+                   secrets_from_env: bool = False, upstream_host: str = "127.0.0.1") -> dict:
+    """The shipped sidecar config with this run's ports, the absolute wasm path and plugin overrides.
+
+    `plain=True` is the same proxy without the atmost filter: the baseline an MCP client must not
+    be able to tell apart from the gateway for well-behaved traffic.
+
+    The shipped config takes its secrets from Envoy's environment (`service_token_env`,
+    `upstream_key.secret_env`). By default they are written in place with DEMO_SECRETS, so the
+    config runs without them in Envoy's environment; `secrets_from_env=True` keeps the shipped
+    form, and Envoy then needs the variables (`Envoy(env=...)`). An override of a secret in
+    either form replaces the other form.
+
+    `upstream_host` may be a name (`UPSTREAM=mcp.internal:8000 make run`): the upstream cluster
+    then resolves it (STRICT_DNS).
+    """
+    config = yaml.safe_load(ENVOY_CONFIG.read_text())
+    config = copy.deepcopy(config)
+    config["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    listener = config["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"]["port_value"] = listen_port
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    wasm_filter = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm")
+    if plain:
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f is not wasm_filter]
+    plugin = wasm_filter["typed_config"]["config"]
+    plugin["vm_config"]["code"]["local"]["filename"] = str(wasm)
+    plugin_json = json.loads(plugin["configuration"]["value"])
+    if not secrets_from_env:
+        for obj, field in SECRET_FIELDS:
+            section = plugin_json.get(obj, {})
+            if f"{field}_env" in section:
+                section[field] = DEMO_SECRETS[section.pop(f"{field}_env")]
+    for key, value in (plugin_overrides or {}).items():
+        if isinstance(value, dict) and isinstance(plugin_json.get(key), dict):
+            merged = {**plugin_json[key], **value}
+            for obj, field in SECRET_FIELDS:
+                if obj == key and field in value:
+                    merged.pop(f"{field}_env", None)
+                elif obj == key and f"{field}_env" in value:
+                    merged.pop(field, None)
+            plugin_json[key] = merged
+        else:
+            plugin_json[key] = value
+    plugin["configuration"]["value"] = json.dumps(plugin_json)
+    for cluster in config["static_resources"]["clusters"]:
+        endpoints = cluster["load_assignment"]["endpoints"][0]
+        if cluster["name"] == "mcp_upstream":
+            address = endpoints["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+            address["port_value"] = upstream_port
+            address["address"] = upstream_host
+            if not upstream_host.replace(".", "").isdigit():
+                cluster["type"] = "STRICT_DNS"
+        elif cluster["name"] == "atmost_ledger":
+            endpoints["lb_endpoints"] = [
+                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
+                for p in ledger_ports
+            ]
+    return config
+
+
+class Envoy(Process):
+    def __init__(self, log_dir: Path, upstream_port: int, ledger_ports: list[int], plugin_overrides: dict | None = None,
+                 concurrency: int = 2, name: str = "envoy", port: int | None = None, plain: bool = False,
+                 wait_for_ledger: bool = True, secrets_from_env: bool = False, env: dict | None = None,
+                 admin_port: int | None = None, upstream_host: str = "127.0.0.1"):
+        """`secrets_from_env` keeps the shipped config's env-sourced secrets (see sidecar_config);
+        `env` is added to Envoy's environment (where those secrets then come from)."""
+        self.port = port or free_port()
+        self.admin_port = admin_port or free_port()
+        # Envoy reports ready before its first health check of a ledger has passed; on a busy
+        # machine that check can time out, and with no healthy ledger every callout fails
+        # (gateway_unavailable). A test that means to start without a ledger says so.
+        self.ledger_hosts = [] if plain or not wait_for_ledger else [f"127.0.0.1:{p}" for p in ledger_ports]
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.admin_url = f"http://127.0.0.1:{self.admin_port}"
+        config = sidecar_config(self.port, self.admin_port, upstream_port, ledger_ports, plugin_overrides, plain=plain,
+                                secrets_from_env=secrets_from_env, upstream_host=upstream_host)
+        self.config_path = Path(tempfile.mkdtemp(prefix="atmost-envoy-")) / "envoy.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        argv = [str(VENV_BIN / "envoy"), "-c", str(self.config_path), "--concurrency", str(concurrency),
+                "--use-dynamic-base-id", "-l", "info", "--component-log-level", "wasm:debug"]
+        super().__init__(name, argv, log_dir, env=env)
+
+    def start(self, wait_for_ledger: bool = True) -> None:
+        super().start()
+        wait_until(lambda: self._ready(), 30, f"envoy on {self.url} (log: {self.log_path})")
+        if self.ledger_hosts and wait_for_ledger:
+            wait_until(self.ledgers_healthy, 30, f"every ledger healthy in {self.name}")
+
+    def _ready(self) -> bool:
+        if not self.alive():
+            raise ProcessExited(f"envoy exited:\n{self.log_text()[-3000:]}")
+        return http_get(self.admin_url + "/ready")[0] == 200
+
+    def ledgers_healthy(self) -> bool:
+        clusters = http_get(self.admin_url + "/clusters")[1].decode()
+        return all(f"atmost_ledger::{host}::health_flags::healthy" in clusters for host in self.ledger_hosts)
+
+    def stats(self) -> dict[str, int]:
+        text = http_get(self.admin_url + "/stats?usedonly")[1].decode()
+        out: dict[str, int] = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(": ")
+            if value.strip().lstrip("-").isdigit():
+                out[name] = int(value)
+        return out
+
+    def stat(self, name: str) -> int:
+        return self.stats().get(name, 0)
