@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """`make bench`: the gateway's cost next to plain Envoy, the ledger's throughput, and targets.
 
+One file on purpose: the setups, the runs and the report share one table of setups and one
+results record, and a reader checks the method against the numbers in one place.
+
 Every setup runs on this machine, in this run, against the same stub upstream
 (bench/stub, one thread), with Envoy pinned to one worker (`--concurrency 1`):
 

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::test_config::{config_from, minimal};
+use atmost_protocol::OutcomeReport;
 use serde_json::json;
 
 fn cfg() -> Rc<Config> {

@@ -1,0 +1,170 @@
+//! The ledger's answers to the machine's callouts: the authorize decision, and the
+//! acknowledgement of a completion report.
+
+use super::*;
+
+impl Call {
+    /// The callout of the last step could not even be dispatched.
+    pub fn on_callout_failed(&mut self) -> Step {
+        match &mut self.state {
+            State::Authorizing(p) => {
+                let (id, tool) = (p.id.clone(), p.tool.clone());
+                self.state = State::Answered;
+                deny_step(&self.config, &gateway_unavailable(), &id, &tool).with(Effect::Log(
+                    Level::Warn,
+                    "atmost: could not dispatch the authorize callout; call denied (gateway_unavailable)".into(),
+                ))
+            }
+            State::Dispatched(d) => match std::mem::replace(&mut d.watch, Watch::Settled) {
+                Watch::Reporting { outcome } => Step::cont()
+                    .with(Effect::Enqueue(d.grant.report(outcome)))
+                    .with(Effect::Count(Stat::ReportDeferred))
+                    .with(Effect::Log(
+                        Level::Warn,
+                        format!(
+                            "atmost: could not dispatch the completed report of attempt {}; queued",
+                            d.grant.attempt_id
+                        ),
+                    )),
+                other => {
+                    d.watch = other;
+                    Step::cont()
+                }
+            },
+            _ => Step::cont(),
+        }
+    }
+
+    /// The ledger answered (or failed to answer) the pending callout.
+    pub fn on_ledger_reply(&mut self, reply: &LedgerReply) -> Step {
+        match std::mem::replace(&mut self.state, State::Answered) {
+            State::Authorizing(p) => self.on_authorize_reply(p, reply),
+            State::Dispatched(mut d) => {
+                let step = match std::mem::replace(&mut d.watch, Watch::Settled) {
+                    Watch::Reporting { outcome } => {
+                        let mut step = Step::cont();
+                        match reply.outcomes(1) {
+                            Ok(acks) => match acks.first() {
+                                Some(OutcomeAck::Applied) | Some(OutcomeAck::AlreadyRecorded) => {}
+                                Some(a) => {
+                                    step = step.with(Effect::Log(
+                                        Level::Warn,
+                                        format!(
+                                            "atmost: ledger did not apply the completed report of attempt {}: {a:?}",
+                                            d.grant.attempt_id
+                                        ),
+                                    ));
+                                }
+                                None => {}
+                            },
+                            Err(e) => {
+                                step = step
+                                    .with(Effect::Enqueue(d.grant.report(outcome)))
+                                    .with(Effect::Count(Stat::ReportDeferred))
+                                    .with(Effect::Log(
+                                        Level::Warn,
+                                        format!(
+                                            "atmost: completed report of attempt {} failed ({e}); queued",
+                                            d.grant.attempt_id
+                                        ),
+                                    ));
+                            }
+                        }
+                        step.with(Effect::ResumeResponse)
+                    }
+                    other => {
+                        d.watch = other;
+                        Step::cont()
+                    }
+                };
+                self.state = State::Dispatched(d);
+                step
+            }
+            other => {
+                self.state = other;
+                Step::cont()
+            }
+        }
+    }
+
+    fn on_authorize_reply(&mut self, p: Pending, reply: &LedgerReply) -> Step {
+        let cfg = Rc::clone(&self.config);
+        match reply.authorize() {
+            Err(reason) => deny_step(&cfg, &gateway_unavailable(), &p.id, &p.tool).with(
+                Effect::Log(Level::Warn, format!("atmost: authorize failed: {reason}")),
+            ),
+            Ok(AuthorizeResponse::Deny(d)) => deny_step(&cfg, &d, &p.id, &p.tool),
+            Ok(AuthorizeResponse::Replay {
+                attempt_id,
+                receipt,
+            }) => match replay::render(&receipt, &p.id) {
+                Ok(reply) => Step::pause()
+                    .with(Effect::LocalReply(reply))
+                    .with(Effect::Count(Stat::Replayed))
+                    .with(Effect::Log(
+                        Level::Info,
+                        format!("atmost: replayed attempt {attempt_id} for `{}`", p.tool),
+                    )),
+                Err(_) => {
+                    deny_step(&cfg, &gateway_unavailable(), &p.id, &p.tool).with(Effect::Log(
+                        Level::Error,
+                        format!(
+                        "atmost: stored receipt of attempt {attempt_id} is not a JSON-RPC response"
+                    ),
+                    ))
+                }
+            },
+            Ok(AuthorizeResponse::Dispatch {
+                attempt_id,
+                permit_id,
+                round,
+                capability,
+                ..
+            }) => {
+                let upstream_value =
+                    upstream_key::upstream_value(&cfg.upstream_key, &permit_id, p.key.as_deref());
+                let key_effect = match &upstream_value {
+                    Some(v) => Effect::SetRequestHeader(IDEMPOTENCY_HEADER.into(), v.clone()),
+                    None => Effect::RemoveRequestHeader(IDEMPOTENCY_HEADER.into()),
+                };
+                // The body copies of the key get the same treatment as the header. Every edit
+                // comes before the resume, which the adapter skips if one is refused.
+                let mut step = Step::cont();
+                if let Some(edit) = p.meta_key_edit {
+                    step.effects.extend(body_edit(
+                        &edit.body,
+                        &edit.spans,
+                        edit.had_content_length,
+                        |_| upstream_value.clone(),
+                    ));
+                }
+                let step = step
+                    .with(key_effect)
+                    .with(Effect::Count(Stat::Dispatched))
+                    .with(Effect::Log(
+                        Level::Info,
+                        format!(
+                            "atmost: dispatching attempt {attempt_id} (round {round}) of `{}`",
+                            p.tool
+                        ),
+                    ))
+                    .with(Effect::ResumeRequest);
+                self.state = State::Dispatched(Box::new(Dispatched {
+                    grant: DispatchGrant {
+                        attempt_id,
+                        round,
+                        capability,
+                    },
+                    permit_hash: p.permit_hash,
+                    path: p.path,
+                    id: p.id,
+                    tool: p.tool,
+                    watch: Watch::AwaitingHeaders,
+                    session_id: p.session_id,
+                    resumed: false,
+                }));
+                step
+            }
+        }
+    }
+}

@@ -1,0 +1,148 @@
+//! The machine's vocabulary: what the adapter reads from Envoy for it, and the steps and
+//! effects it answers with.
+
+use crate::ledger::Callout;
+use crate::mcp::Mirrored;
+use crate::reply::LocalReply;
+use crate::resume::Ticket;
+use crate::stats::Stat;
+use atmost_protocol::OutcomeReport;
+
+/// Name of the idempotency header, as Envoy stores it.
+pub const IDEMPOTENCY_HEADER: &str = "idempotency-key";
+
+/// What the request headers told us.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RequestHead {
+    /// `:method`.
+    pub method: String,
+    /// Every value of the permit header.
+    pub permit: Vec<Vec<u8>>,
+    /// Every value of `Idempotency-Key`.
+    pub idempotency_key: Vec<Vec<u8>>,
+    /// `Mcp-Method`, `Mcp-Name`.
+    pub mirrored: Mirrored,
+    /// `content-length`, when announced.
+    pub content_length: Option<u64>,
+    /// Every value of `Content-Type`.
+    pub content_type: Vec<Vec<u8>>,
+    /// Every value of `Content-Encoding`.
+    pub content_encoding: Vec<Vec<u8>>,
+    pub end_of_stream: bool,
+    /// `Mcp-Session-Id`.
+    pub session_id: Option<String>,
+    /// `:path`.
+    pub path: String,
+    /// For a GET carrying `Last-Event-ID`: the ticket a POST stream closed early left under
+    /// `resume::key(session, last event id)`, as the adapter took it from shared data (only
+    /// after [`Ticket::admits`] this GET, and removing it there, so it is used once).
+    pub resume: Option<Ticket>,
+}
+
+/// What the response headers told us.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ResponseHead {
+    pub content_type: Option<String>,
+    pub end_of_stream: bool,
+}
+
+/// Envoy properties read in `on_log`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LogProps {
+    /// `upstream.request_attempt_count`.
+    pub attempts: Option<u64>,
+    /// `response.flags`.
+    pub flags: Option<u64>,
+}
+
+/// What to return to Envoy from the current callback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    Pause,
+}
+
+/// Log levels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+/// One side effect, carried out by the adapter in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Effect {
+    RemoveRequestHeader(String),
+    SetRequestHeader(String, String),
+    /// Replace the buffered request body (`original_len` bytes) with `body`.
+    ///
+    /// The three request edits (`RemoveRequestHeader`, `SetRequestHeader`,
+    /// `ReplaceRequestBody`) must all take effect before the request may go on: when the
+    /// host refuses one, the adapter carries out nothing more of the step (no
+    /// `ResumeRequest`, no `Continue`) and calls [`Call::on_rewrite_failed`] instead.
+    ReplaceRequestBody {
+        original_len: usize,
+        body: Vec<u8>,
+    },
+    /// `send_http_response`; the request ends here.
+    LocalReply(LocalReply),
+    /// `resume_http_request` (only from a callout callback).
+    ResumeRequest,
+    /// `resume_http_response` (only from a callout callback).
+    ResumeResponse,
+    /// Hand a report to the root context's queue.
+    Enqueue(OutcomeReport),
+    /// `completion_reports: batched`: hand this `completed` (or `input_required` /
+    /// `accepted`) report to the root's batch; the response stays held (the step's flow is
+    /// `Pause`) until the root resumes it. Tell the machine with
+    /// [`Call::on_completion_settled`] once the batch is done.
+    Complete(OutcomeReport),
+    /// Store a resume ticket in shared data under this key (see [`crate::resume`]).
+    SaveResume(String, Ticket),
+    Count(Stat),
+    Log(Level, String),
+}
+
+/// The machine's answer to one event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Step {
+    pub flow: Flow,
+    pub effects: Vec<Effect>,
+    /// Dispatched after the effects; if dispatching fails the adapter calls
+    /// [`Call::on_callout_failed`] and returns that step's flow instead.
+    pub callout: Option<Callout>,
+}
+
+impl Step {
+    pub(crate) fn new(flow: Flow) -> Step {
+        Step {
+            flow,
+            effects: Vec::new(),
+            callout: None,
+        }
+    }
+    pub(crate) fn cont() -> Step {
+        Step::new(Flow::Continue)
+    }
+    pub(crate) fn pause() -> Step {
+        Step::new(Flow::Pause)
+    }
+    pub(crate) fn with(mut self, e: Effect) -> Step {
+        self.effects.push(e);
+        self
+    }
+    pub(crate) fn with_opt(mut self, e: Option<Effect>) -> Step {
+        self.effects.extend(e);
+        self
+    }
+}
+
+/// A body callback's answer: either done, or "read `len` bytes of the buffered body and
+/// call the matching `*_data` method with them".
+#[derive(Debug, Clone, PartialEq)]
+pub enum BodyStep {
+    Done(Step),
+    Read { len: usize },
+}
