@@ -125,7 +125,7 @@ clean:
 	$(CARGO) clean
 	rm -rf $(VENV) .run
 
-## Benchmarks, not part of `make test` (method and numbers: README, "Performance"):
+## Benchmarks, not part of `make test` (method and numbers: docs/performance.md):
 ## B/N/S/C/D/Dr/E setups, the ledger alone, criterion micro-benchmarks, PASS/FAIL per target.
 ## Writes target/bench/results.md and results.json. PostgreSQL as for the tests (WITH_PG).
 .PHONY: bench bench-tools

@@ -103,7 +103,7 @@ Try it:
 
 Run it twice: the second answer is the first receipt, marked replayed.
 
-The admin CLI against this ledger (permits, attempts, reconciliation: README, "The ledger and its CLI"):
+The admin CLI against this ledger (permits, attempts, reconciliation: docs/ledger.md):
   export ATMOST_LEDGER_URL={ledger.url} ATMOST_ADMIN_TOKEN={admin_token}
   {cli} permit list
   {cli} permit create --label my-agent --expires 1h --max-calls pay_invoice=1

@@ -509,23 +509,23 @@ def test_ledger_credentials_and_store_come_from_a_secret():
         assert "postgres://" not in parsed, f"{path}: a store URL belongs in the Secret"
 
 
-# ---------------------------------------------------------------- how the secrets reach the sidecar (README)
+# ---------------------------------------------------------------- how the secrets reach the sidecar (docs/istio.md)
 
-README = ROOT / "README.md"
+ISTIO_DOC = ROOT / "docs" / "istio.md"
 
 
-def readme_section(title: str) -> str:
-    text = README.read_text()
+def istio_doc_section(title: str) -> str:
+    text = ISTIO_DOC.read_text()
     start = text.index(f"## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start:end if end != -1 else len(text)]
 
 
-def test_readme_istio_proxy_entry_feeds_the_variables_the_manifests_name():
-    """The README's `istio-proxy` container entry is a valid container (strict Kubernetes schema,
+def test_istio_doc_proxy_entry_feeds_the_variables_the_manifests_name():
+    """docs/istio.md's `istio-proxy` container entry is a valid container (strict Kubernetes schema,
     inside a Deployment of the agent), sets exactly the variables the WasmPlugin and EnvoyFilter
     name, each from a key of the Secret the rollout steps create."""
-    section = readme_section("What an agent in the pod can read and do")
+    section = istio_doc_section("What an agent in the pod can read and do")
     [block] = [b for b in re.findall(r"```yaml\n(.*?)```", section, re.S) if "istio-proxy" in b]
     [container] = yaml.safe_load(block)
     assert container["name"] == "istio-proxy" and container["image"] == "auto"
@@ -541,7 +541,7 @@ def test_readme_istio_proxy_entry_feeds_the_variables_the_manifests_name():
     ext, _ = envoyfilter_parts(objs)
     vm_config = ext["patch"]["value"]["typed_config"]["config"]["vm_config"]
     assert vm_config["environment_variables"]["host_env_keys"] == SECRET_ENV
-    steps = readme_section("Adding atmost to an existing Istio mesh")
+    steps = istio_doc_section("Adding atmost to an existing Istio mesh")
     for env in container["env"]:
         ref = env["valueFrom"]["secretKeyRef"]
         assert "value" not in env and not ref.get("optional", False)

@@ -1,5 +1,5 @@
 """The hostile-input catalogue: each entry is one test, and its answer is documented in the
-README ("Hostile input"). Every refused input must also never reach the upstream."""
+docs/faults-and-hostile-input.md ("Hostile input"). Every refused input must also never reach the upstream."""
 
 from __future__ import annotations
 
