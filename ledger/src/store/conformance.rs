@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use super::{AttemptFilter, Store};
 use crate::decide::{Notice, ResolveInput};
 use crate::error::ResolveError;
-use crate::model::{AttemptState, CostRule, GuardMode, Permit, Policy};
+use crate::model::{AttemptState, CostRule, GuardMode, Permit, PermitDetail, Policy};
 use crate::token;
 
 pub const T0: i64 = 1_800_000_000_000;
@@ -46,7 +46,10 @@ macro_rules! conformance_suite {
             race_duplicate_guard, race_budget, sweeper_expires_leases_to_uncertain, retention_tombstones_and_uncertain_kept,
             resolution, durability_across_reopen, permit_admin, input_required_continuations,
             accepted_task_handles, race_continuations, counters_match_recount_after_random_operations,
-            state_counts_and_pruning_per_permit_retention, rounds_and_capabilities);
+            state_counts_and_pruning_per_permit_retention, rounds_and_capabilities,
+            race_report_against_lease_expiry, race_conflicting_reports_from_two_handles,
+            race_resolution_against_late_report, race_revocation_against_authorization,
+            race_released_key_dispatched_again);
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
         $(
@@ -1217,6 +1220,29 @@ pub async fn race_continuations(h: &dyn Harness) {
     assert_eq!(count(&rs, Some(DenialCode::IdempotencyInProgress)), 15);
 }
 
+/// Asserts that the permit's stored O(1) counters (slots held per tool, reserved and spent
+/// budget) equal a recount from its attempts; returns the recount.
+pub async fn counters_match_recount(store: &dyn Store, permit_id: &str) -> PermitDetail {
+    let detail = store.permit_detail(permit_id, T0).await.unwrap().unwrap();
+    let counters = store.permit_counters(permit_id).await.unwrap().unwrap();
+    let recount: BTreeMap<String, i64> = detail
+        .usage
+        .iter()
+        .filter(|(_, u)| u.calls_made > 0)
+        .map(|(t, u)| (t.clone(), u.calls_made as i64))
+        .collect();
+    let stored: BTreeMap<String, i64> = counters
+        .slots_held
+        .iter()
+        .filter(|(_, n)| **n != 0)
+        .map(|(t, n)| (t.clone(), *n))
+        .collect();
+    assert_eq!(stored, recount, "slots held per tool");
+    assert_eq!(counters.reserved, detail.budget.reserved as i64, "reserved");
+    assert_eq!(counters.spent, detail.budget.spent as i64, "spent");
+    detail
+}
+
 /// The O(1) counters equal a recount from the attempts after a long random sequence of
 /// authorizations (new keys, reused keys, continuations), outcome reports (single and batched),
 /// resolutions and sweeps, on two permits.
@@ -1315,23 +1341,7 @@ pub async fn counters_match_recount_after_random_operations(h: &dyn Harness) {
         }
     }
     for p in [&p1, &p2] {
-        let detail = s.permit_detail(&p.id, now).await.unwrap().unwrap();
-        let counters = s.permit_counters(&p.id).await.unwrap().unwrap();
-        let recount: BTreeMap<String, i64> = detail
-            .usage
-            .iter()
-            .filter(|(_, u)| u.calls_made > 0)
-            .map(|(t, u)| (t.clone(), u.calls_made as i64))
-            .collect();
-        let stored: BTreeMap<String, i64> = counters
-            .slots_held
-            .iter()
-            .filter(|(_, n)| **n != 0)
-            .map(|(t, n)| (t.clone(), *n))
-            .collect();
-        assert_eq!(stored, recount, "slots held per tool");
-        assert_eq!(counters.reserved, detail.budget.reserved as i64, "reserved");
-        assert_eq!(counters.spent, detail.budget.spent as i64, "spent");
+        let detail = counters_match_recount(&*s, &p.id).await;
         assert!(
             detail.attempts_by_state.values().sum::<u64>() > 20,
             "the sequence did something: {:?}",
@@ -1434,4 +1444,335 @@ pub async fn rounds_and_capabilities(h: &dyn Harness) {
         s.record_outcome(&forged, T0 + 8).await.unwrap().ack,
         OutcomeAck::Refused
     );
+}
+
+/// How many times each two-sided race below runs, each time on fresh attempts.
+const RACE_ROUNDS: usize = 30;
+
+/// Two handles on the same data; `sides(i)` gives them in turn one order and the other, so
+/// each side of a race runs on either replica.
+struct Sides {
+    one: Arc<dyn Store>,
+    two: Arc<dyn Store>,
+}
+
+impl Sides {
+    async fn of(h: &dyn Harness) -> Sides {
+        Sides {
+            one: h.store().await,
+            two: h.second_handle().await,
+        }
+    }
+
+    fn sides(&self, i: usize) -> (Arc<dyn Store>, Arc<dyn Store>) {
+        if i % 2 == 0 {
+            (self.one.clone(), self.two.clone())
+        } else {
+            (self.two.clone(), self.one.clone())
+        }
+    }
+}
+
+/// Runs two operations at once: both wait on one barrier, then each goes its own way.
+async fn together<A, B>(
+    a: impl std::future::Future<Output = A> + Send + 'static,
+    b: impl std::future::Future<Output = B> + Send + 'static,
+) -> (A, B)
+where
+    A: Send + 'static,
+    B: Send + 'static,
+{
+    let barrier = Arc::new(tokio::sync::Barrier::new(2));
+    let (ba, bb) = (barrier.clone(), barrier);
+    let ta = tokio::spawn(async move {
+        ba.wait().await;
+        a.await
+    });
+    let tb = tokio::spawn(async move {
+        bb.wait().await;
+        b.await
+    });
+    (ta.await.unwrap(), tb.await.unwrap())
+}
+
+/// A permit with a budget and a cost, so every race moves slots and budget.
+async fn race_permit(store: &dyn Store) -> (Permit, String) {
+    let mut pol = policy();
+    pol.max_calls.insert("pay".into(), 1000);
+    pol.budget = Some(1_000_000);
+    pol.cost.insert("pay".into(), CostRule::Fixed(7));
+    make_permit(store, pol, T0 + 100 * HOUR).await
+}
+
+/// An outcome report against the sweeper's lease expiry: either the report is applied and the
+/// sweep finds nothing, or the sweep makes the attempt `uncertain` and the report is a
+/// conflict; never both.
+pub async fn race_report_against_lease_expiry(h: &dyn Harness) {
+    let hs = Sides::of(h).await;
+    let s = hs.one.clone();
+    let (p, tok) = race_permit(&*s).await;
+    let lease = i64::try_from(LEASE_MS).unwrap();
+    for i in 0..RACE_ROUNDS {
+        let r = req(
+            &tok,
+            "pay",
+            Some(&format!("k{i}")),
+            &format!("f{i}"),
+            json!({}),
+        );
+        let a = dispatched(&auth(&*s, &r, T0).await);
+        let (outcome, target) = if i % 4 < 2 {
+            (completed(&format!("R{i}")), AttemptState::Completed)
+        } else {
+            (released(), AttemptState::Released)
+        };
+        let rep = report_of(&a, outcome);
+        let (x, y) = hs.sides(i);
+        let (ack, swept) = together(
+            async move { x.record_outcome(&rep, T0 + lease).await.unwrap().ack },
+            async move { y.sweep(T0 + lease).await.unwrap().leases_expired },
+        )
+        .await;
+        let got = s.get_attempt(&a, T0).await.unwrap().unwrap();
+        match (ack, swept, got.state) {
+            (OutcomeAck::Applied, 0, state) if state == target => {}
+            (OutcomeAck::Conflict, 1, AttemptState::Uncertain) => {
+                assert_eq!(
+                    got.reason.as_deref(),
+                    Some(crate::decide::LEASE_EXPIRED_REASON)
+                );
+            }
+            other => panic!("round {i}: not a serialization of report and sweep: {other:?}"),
+        }
+        counters_match_recount(&*s, &p.id).await;
+    }
+}
+
+/// Two handles report different outcomes of the same round at once: exactly one is applied,
+/// the other is a conflict, and the attempt holds the applied one's state.
+pub async fn race_conflicting_reports_from_two_handles(h: &dyn Harness) {
+    let hs = Sides::of(h).await;
+    let s = hs.one.clone();
+    let (p, tok) = race_permit(&*s).await;
+    for i in 0..RACE_ROUNDS {
+        let r = req(
+            &tok,
+            "pay",
+            Some(&format!("k{i}")),
+            &format!("f{i}"),
+            json!({}),
+        );
+        let a = dispatched(&auth(&*s, &r, T0).await);
+        let (first, second) = match i % 3 {
+            0 => (completed(&format!("R{i}")), released()),
+            1 => (completed(&format!("R{i}")), uncertain()),
+            _ => (released(), uncertain()),
+        };
+        let (rx, ry) = (report_of(&a, first.clone()), report_of(&a, second.clone()));
+        let (x, y) = hs.sides(i);
+        let (ack_x, ack_y) = together(
+            async move { x.record_outcome(&rx, T0 + 1).await.unwrap().ack },
+            async move { y.record_outcome(&ry, T0 + 1).await.unwrap().ack },
+        )
+        .await;
+        let winner = match (ack_x, ack_y) {
+            (OutcomeAck::Applied, OutcomeAck::Conflict) => first,
+            (OutcomeAck::Conflict, OutcomeAck::Applied) => second,
+            other => panic!("round {i}: both or neither report applied: {other:?}"),
+        };
+        let got = s.get_attempt(&a, T0).await.unwrap().unwrap();
+        assert_eq!(
+            got.state,
+            crate::decide::outcome_state(&winner),
+            "round {i}"
+        );
+        let receipt = match &winner {
+            Outcome::Completed { receipt } => Some(receipt.clone()),
+            _ => None,
+        };
+        assert_eq!(got.receipt, receipt, "round {i}");
+        counters_match_recount(&*s, &p.id).await;
+    }
+}
+
+/// A resolution against a late report. On an `uncertain` attempt the resolution always wins
+/// and the late report is a conflict. On an `in_flight` attempt the report always applies;
+/// the resolution then succeeds only if the report made it `uncertain` first, and is refused
+/// `NotUncertain` otherwise.
+pub async fn race_resolution_against_late_report(h: &dyn Harness) {
+    let hs = Sides::of(h).await;
+    let s = hs.one.clone();
+    let (p, tok) = race_permit(&*s).await;
+    for i in 0..RACE_ROUNDS {
+        let r = req(
+            &tok,
+            "pay",
+            Some(&format!("k{i}")),
+            &format!("f{i}"),
+            json!({}),
+        );
+        let a = dispatched(&auth(&*s, &r, T0).await);
+        let executed = i % 2 == 0;
+        let resolved = if executed {
+            AttemptState::ResolvedExecuted
+        } else {
+            AttemptState::ResolvedNotExecuted
+        };
+        let variant = i % 3;
+        let late = match variant {
+            0 => {
+                assert_eq!(report(&*s, &a, uncertain(), T0).await, OutcomeAck::Applied);
+                report_of(&a, completed("late"))
+            }
+            1 => report_of(&a, uncertain()),
+            _ => report_of(&a, completed(&format!("R{i}"))),
+        };
+        let input = ResolveInput {
+            executed,
+            receipt: Some("checked".into()),
+            note: None,
+            by: "race".into(),
+        };
+        let (x, y) = hs.sides(i);
+        let id = a.clone();
+        let (resolution, ack) = together(
+            async move { x.resolve_attempt(&id, &input, T0 + 1).await },
+            async move { y.record_outcome(&late, T0 + 1).await.unwrap().ack },
+        )
+        .await;
+        let state = state_of(&*s, &a).await;
+        match (variant, &resolution, ack, state) {
+            (0, Ok(att), OutcomeAck::Conflict, st) if st == resolved && att.state == resolved => {}
+            (1, Ok(att), OutcomeAck::Applied, st) if st == resolved && att.state == resolved => {}
+            (
+                1,
+                Err(ResolveError::NotUncertain(AttemptState::InFlight)),
+                OutcomeAck::Applied,
+                AttemptState::Uncertain,
+            ) => {}
+            (
+                2,
+                Err(ResolveError::NotUncertain(AttemptState::InFlight | AttemptState::Completed)),
+                OutcomeAck::Applied,
+                AttemptState::Completed,
+            ) => {}
+            _ => panic!(
+                "round {i}: not a serialization of resolution and report: \
+                 {resolution:?}, {ack:?}, {state:?}"
+            ),
+        }
+        counters_match_recount(&*s, &p.id).await;
+    }
+}
+
+/// A revocation against an authorization: either the call dispatched before the revocation
+/// (its attempt exists) or it is denied `permit_invalid` and no attempt exists; afterwards
+/// every handle denies the permit.
+pub async fn race_revocation_against_authorization(h: &dyn Harness) {
+    let hs = Sides::of(h).await;
+    let s = hs.one.clone();
+    for i in 0..RACE_ROUNDS {
+        let (p, tok) = race_permit(&*s).await;
+        let r = req(&tok, "pay", Some("k"), "f", json!({}));
+        let (x, y) = hs.sides(i);
+        let (pid, ar) = (p.id.clone(), r.clone());
+        let (revoked, answer) = together(
+            async move { x.revoke_permit(&pid, T0 + 1).await.unwrap() },
+            async move { y.authorize(&ar, LEASE_MS, T0 + 1).await.unwrap().response },
+        )
+        .await;
+        assert_eq!(revoked.unwrap().revoked_at_ms, Some(T0 + 1), "round {i}");
+        let attempts = s
+            .list_attempts(
+                &AttemptFilter {
+                    permit_id: Some(p.id.clone()),
+                    ..AttemptFilter::default()
+                },
+                T0,
+            )
+            .await
+            .unwrap();
+        let ids: Vec<String> = attempts.iter().map(|a| a.id.clone()).collect();
+        match &answer {
+            AuthorizeResponse::Dispatch { attempt_id, .. } => {
+                assert_eq!(ids, vec![attempt_id.clone()], "round {i}");
+                assert_eq!(attempts[0].state, AttemptState::InFlight);
+            }
+            AuthorizeResponse::Deny(d) if d.code == DenialCode::PermitInvalid => {
+                assert!(ids.is_empty(), "round {i}: denied, yet {ids:?}");
+            }
+            other => panic!("round {i}: neither dispatched nor permit_invalid: {other:?}"),
+        }
+        for handle in [&hs.one, &hs.two] {
+            for key in ["k", "other"] {
+                let again = req(&tok, "pay", Some(key), "f", json!({}));
+                assert_eq!(
+                    denied(&auth(&**handle, &again, T0 + 2).await),
+                    DenialCode::PermitInvalid,
+                    "round {i}"
+                );
+            }
+        }
+        counters_match_recount(&*s, &p.id).await;
+    }
+}
+
+/// A released key dispatched again: concurrent authorizations of it from both handles
+/// dispatch once, as a new attempt that the key then names.
+pub async fn race_released_key_dispatched_again(h: &dyn Harness) {
+    let hs = Sides::of(h).await;
+    let s = hs.one.clone();
+    let (p, tok) = race_permit(&*s).await;
+    for i in 0..RACE_ROUNDS {
+        let r = req(
+            &tok,
+            "pay",
+            Some(&format!("k{i}")),
+            &format!("f{i}"),
+            json!({}),
+        );
+        let a = dispatched(&auth(&*s, &r, T0).await);
+        assert_eq!(report(&*s, &a, released(), T0).await, OutcomeAck::Applied);
+        let barrier = Arc::new(tokio::sync::Barrier::new(4));
+        let tasks: Vec<_> = (0..4)
+            .map(|j| {
+                let (x, _) = hs.sides(i + j);
+                let (b, r) = (barrier.clone(), r.clone());
+                tokio::spawn(async move {
+                    b.wait().await;
+                    x.authorize(&r, LEASE_MS, T0 + 1).await.unwrap().response
+                })
+            })
+            .collect();
+        let mut rs = Vec::new();
+        for t in tasks {
+            rs.push(t.await.unwrap());
+        }
+        assert_eq!(count(&rs, None), 1, "round {i}: {rs:?}");
+        assert_eq!(
+            count(&rs, Some(DenialCode::IdempotencyInProgress)),
+            3,
+            "round {i}: {rs:?}"
+        );
+        let again = rs
+            .iter()
+            .find(|r| matches!(r, AuthorizeResponse::Dispatch { .. }))
+            .map(dispatched)
+            .unwrap();
+        assert_ne!(again, a, "round {i}: a new attempt");
+        assert_eq!(state_of(&*s, &a).await, AttemptState::Released);
+        assert_eq!(
+            report(&*s, &again, completed(&format!("R{i}")), T0 + 2).await,
+            OutcomeAck::Applied
+        );
+        assert_eq!(
+            auth(&*hs.two, &r, T0 + 3).await,
+            AuthorizeResponse::Replay {
+                attempt_id: again,
+                receipt: format!("R{i}")
+            }
+        );
+        counters_match_recount(&*s, &p.id).await;
+        assert_eq!(calls_made(&*s, &p.id, "pay").await, i as u64 + 1);
+    }
 }
