@@ -1465,7 +1465,7 @@ impl Sides {
     }
 
     fn sides(&self, i: usize) -> (Arc<dyn Store>, Arc<dyn Store>) {
-        if i % 2 == 0 {
+        if i.is_multiple_of(2) {
             (self.one.clone(), self.two.clone())
         } else {
             (self.two.clone(), self.one.clone())
@@ -1612,7 +1612,7 @@ pub async fn race_resolution_against_late_report(h: &dyn Harness) {
             json!({}),
         );
         let a = dispatched(&auth(&*s, &r, T0).await);
-        let executed = i % 2 == 0;
+        let executed = i.is_multiple_of(2);
         let resolved = if executed {
             AttemptState::ResolvedExecuted
         } else {
