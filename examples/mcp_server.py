@@ -5,7 +5,8 @@ Built on the Python MCP SDK (`mcp` on PyPI). Tools:
   text says how many times it has really executed so far, as `executions=N`.
 - `echo(text: str)`: returns the text.
 - `slow_count(n: int, delay_ms: int)`: counts to n, sending a progress notification (when the
-  client asked for progress) and sleeping `delay_ms` before each step; returns `counted n`.
+  client asked for progress) and sleeping `delay_ms` before each step; returns `counted n`
+  (`executions["slow_count_finished"]` counts the calls that returned).
 - `approve_payment(invoice: str, amount: int)`: asks the user to approve before "paying": on
   MCP 2026-07-28 it answers `input_required` (an elicitation) and finishes on the client's
   continuation; on older versions it sends `elicitation/create` mid-call. `executions=N`
@@ -71,6 +72,8 @@ async def slow_count(n: int, delay_ms: int, ctx: Context) -> str:
     for i in range(1, n + 1):
         await asyncio.sleep(delay_ms / 1000)
         await ctx.report_progress(i, n, f"step {i}")
+    # Lets a client tell a progress notification sent mid-call from one held back to the end.
+    executions["slow_count_finished"] += 1
     return f"counted {n}"
 
 
