@@ -14,6 +14,16 @@ pub const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerp
      a.updated_at, a.lease_expires_at, a.finished_at, a.receipt, a.reason, a.replay_count, a.pruned_at, \
      a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note, a.round, a.capability_hash";
 
+/// A count or amount as both stores keep it (SQL's signed 64-bit integer); larger is refused.
+pub fn to_i64(n: u64) -> Result<i64, LedgerError> {
+    i64::try_from(n).map_err(|_| LedgerError::Invalid(format!("{n} is too large to store")))
+}
+
+/// A stored count or amount read back; a negative one (never written) reads as 0.
+pub fn to_u64(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
 /// How many columns [`ATTEMPT_COLS`] selects: queries append their own columns after them.
 pub const ATTEMPT_NCOLS: usize = 21;
 

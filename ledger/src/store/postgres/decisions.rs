@@ -7,6 +7,7 @@ use atmost_protocol::AuthorizeRequest;
 use deadpool_postgres::{GenericClient, Pool};
 
 use super::column_err;
+use super::group_queue::GroupQueue;
 use super::rows::{attempts_by_keys_sql, prepared, query, read_attempt, read_permit, PERMIT_COLS};
 use super::writes::{insert_attempts, storable, update_attempts, write_counters};
 use super::{answer_group, pg_err, pool_err, StateSets};
@@ -26,11 +27,8 @@ pub(super) struct AuthJob {
     pub(super) reply: tokio::sync::oneshot::Sender<Result<Decision, LedgerError>>,
 }
 
-/// Queued decisions; `Some` while the decision worker runs.
-pub(super) type DecisionQueue = Arc<std::sync::Mutex<Option<Vec<AuthJob>>>>;
-
-/// Most decisions one group transaction takes.
-pub(super) const MAX_GROUP: usize = 256;
+/// Queued decisions.
+pub(super) type DecisionQueue = Arc<GroupQueue<AuthJob>>;
 
 /// Takes the queued decisions, of every permit, in groups until none is left. A group is one
 /// transaction: it locks the rows of the permits its calls name, in id order (as the outcome
@@ -43,19 +41,7 @@ pub(super) async fn decision_worker(
     op_timeout: Duration,
     queue: DecisionQueue,
 ) {
-    loop {
-        let jobs: Vec<AuthJob> = {
-            let mut q = queue.lock().unwrap_or_else(|p| p.into_inner());
-            let Some(waiting) = q.as_mut() else {
-                return;
-            };
-            if waiting.is_empty() {
-                *q = None;
-                return;
-            }
-            let n = waiting.len().min(MAX_GROUP);
-            waiting.drain(..n).collect()
-        };
+    while let Some(jobs) = queue.next_group() {
         let work = async {
             let mut conn = pool.get().await.map_err(pool_err)?;
             let tx = conn.transaction().await.map_err(pg_err)?;

@@ -31,6 +31,7 @@
 
 mod decisions;
 mod errors;
+mod group_queue;
 mod migrations;
 mod options;
 mod outcomes;
@@ -114,13 +115,7 @@ impl std::fmt::Debug for PgStore {
     }
 }
 
-fn to_i64(n: u64) -> Result<i64, LedgerError> {
-    i64::try_from(n).map_err(|_| LedgerError::Invalid(format!("{n} is too large to store")))
-}
-
-fn to_u64(n: i64) -> u64 {
-    u64::try_from(n).unwrap_or(0)
-}
+use crate::store::rows::{to_i64, to_u64};
 
 /// Waits for a queued operation's answer from its group worker, at most `deadline`.
 async fn group_answer<T>(
@@ -401,20 +396,7 @@ impl Store for PgStore {
             now,
             reply,
         };
-        let start_worker = {
-            let mut q = self.decisions.lock().unwrap_or_else(|p| p.into_inner());
-            match q.as_mut() {
-                Some(waiting) => {
-                    waiting.push(job);
-                    false
-                }
-                None => {
-                    *q = Some(vec![job]);
-                    true
-                }
-            }
-        };
-        if start_worker {
+        if self.decisions.join([job]) {
             tokio::spawn(decision_worker(
                 self.pool.clone(),
                 self.states.clone(),
@@ -466,20 +448,7 @@ impl Store for PgStore {
                 }
             })
             .collect();
-        let start_worker = {
-            let mut q = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
-            match q.as_mut() {
-                Some(waiting) => {
-                    waiting.extend(jobs);
-                    false
-                }
-                None => {
-                    *q = Some(jobs);
-                    true
-                }
-            }
-        };
-        if start_worker {
+        if self.outcomes.join(jobs) {
             tokio::spawn(outcome_worker(
                 self.pool.clone(),
                 self.op_timeout,

@@ -7,7 +7,7 @@ use std::time::Duration;
 use atmost_protocol::OutcomeReport;
 use deadpool_postgres::{GenericClient, Pool};
 
-use super::decisions::MAX_GROUP;
+use super::group_queue::GroupQueue;
 use super::rows::lock_then_load;
 use super::writes::{storable, update_attempts, write_counters};
 use super::{answer_group, pg_err, pool_err};
@@ -26,26 +26,14 @@ pub(super) struct OutcomeJob {
 }
 
 /// Queued outcome reports; `Some` while a worker runs.
-pub(super) type OutcomeQueue = Arc<std::sync::Mutex<Option<Vec<OutcomeJob>>>>;
+pub(super) type OutcomeQueue = Arc<GroupQueue<OutcomeJob>>;
 
 /// Applies queued outcome reports in groups until none is left: each group is one transaction
 /// that locks the permits of its attempts in id order (so it never waits in a cycle with
 /// another transaction: every other one locks a single permit), applies the reports in order
 /// and commits once.
 pub(super) async fn outcome_worker(pool: Pool, op_timeout: Duration, queue: OutcomeQueue) {
-    loop {
-        let jobs: Vec<OutcomeJob> = {
-            let mut q = queue.lock().unwrap_or_else(|p| p.into_inner());
-            let Some(waiting) = q.as_mut() else {
-                return;
-            };
-            if waiting.is_empty() {
-                *q = None;
-                return;
-            }
-            let n = waiting.len().min(MAX_GROUP);
-            waiting.drain(..n).collect()
-        };
+    while let Some(jobs) = queue.next_group() {
         let work = async {
             let mut conn = pool.get().await.map_err(pool_err)?;
             let tx = conn.transaction().await.map_err(pg_err)?;

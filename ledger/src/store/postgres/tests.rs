@@ -143,12 +143,12 @@ async fn hold_permit_lock(h: &PgHarness, permit_id: &str) -> tokio_postgres::Cli
 
 /// Decisions waiting for the next group (`None`: no decision worker runs).
 fn queued_decisions(s: &PgStore) -> Option<usize> {
-    s.decisions.lock().unwrap().as_ref().map(Vec::len)
+    s.decisions.waiting()
 }
 
 /// Outcome reports waiting for the next group (`None`: no outcome worker runs).
 fn queued_outcomes(s: &PgStore) -> Option<usize> {
-    s.outcomes.lock().unwrap().as_ref().map(Vec::len)
+    s.outcomes.waiting()
 }
 
 /// Waits until the queue holds `want` jobs. A spawned call may first run at any time, in

@@ -63,13 +63,7 @@ impl std::fmt::Debug for SqliteStore {
     }
 }
 
-fn to_i64(n: u64) -> Result<i64, LedgerError> {
-    i64::try_from(n).map_err(|_| LedgerError::Invalid(format!("{n} is too large to store")))
-}
-
-fn to_u64(n: i64) -> u64 {
-    u64::try_from(n).unwrap_or(0)
-}
+use crate::store::rows::{to_i64, to_u64};
 
 fn sql_err(e: rusqlite::Error) -> LedgerError {
     LedgerError::from(e)
