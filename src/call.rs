@@ -32,7 +32,7 @@ use crate::permit;
 use crate::receipt::{self, ResultKind, SseCapture, SseProgress};
 use crate::replay;
 use crate::reply::{rpc_code, LocalReply};
-use crate::resume::{self, Ticket};
+use crate::resume::{self, CallPermit, Ticket};
 use crate::stats::Stat;
 use crate::upstream_key;
 use crate::upstream_key::UNGOVERNED_PERMIT_ID;
@@ -54,7 +54,7 @@ pub use step::*;
 struct Pending {
     id: Value,
     tool: String,
-    permit_hash: String,
+    permit: CallPermit,
     path: String,
     key: Option<String>,
     session_id: Option<String>,
@@ -92,9 +92,9 @@ enum Watch {
 struct Dispatched {
     /// The attempt, the round this request dispatched (or resumed) and its capability.
     grant: DispatchGrant,
-    /// SHA-256 of the permit token the call came with, so only a GET under the same permit
-    /// can resume its stream.
-    permit_hash: String,
+    /// The permit the call came with, so only a GET under the same permit can resume its
+    /// stream.
+    permit: CallPermit,
     /// `:path` of the request, which a resuming GET must repeat.
     path: String,
     id: Value,
@@ -262,7 +262,7 @@ impl Call {
                 ));
                 self.state = State::Dispatched(Box::new(Dispatched {
                     grant: t.grant,
-                    permit_hash: t.permit_hash,
+                    permit: CallPermit::Hash(t.permit_hash),
                     path: t.path,
                     id: t.id,
                     tool: t.tool,
@@ -471,7 +471,7 @@ impl Call {
                 return deny_step(&self.config, &d, &call.id, &call.name);
             }
         };
-        let permit_hash = resume::permit_hash(permit_token.as_bytes());
+        let permit = CallPermit::Token(permit_token.clone());
         let key =
             match idempotency::resolve(&head.idempotency_key, &call.meta_key, &call.params_key) {
                 Ok(k) => k,
@@ -515,7 +515,7 @@ impl Call {
                 }),
         };
         self.state = State::Authorizing(Pending {
-            permit_hash,
+            permit,
             path: head.path.clone(),
             id: call.id,
             tool: call.name,

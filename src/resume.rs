@@ -51,6 +51,25 @@ pub fn permit_hash(token: &[u8]) -> String {
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
 
+/// The permit a dispatched call came with, as a ticket will need it: the token as presented
+/// (hashed only when a ticket is saved, which few calls need, so the hash stays off the path
+/// of every call), or the hash a resumed stream's own ticket carried.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallPermit {
+    Token(String),
+    Hash(String),
+}
+
+impl CallPermit {
+    /// [`permit_hash`] of the permit.
+    pub fn hash(&self) -> String {
+        match self {
+            CallPermit::Token(token) => permit_hash(token.as_bytes()),
+            CallPermit::Hash(hash) => hash.clone(),
+        }
+    }
+}
+
 /// The shared-data key for a stream of `session` (empty without a session) that ended at
 /// event `last_event_id`.
 pub fn key(session: Option<&str>, last_event_id: &str) -> String {
@@ -129,6 +148,13 @@ mod tests {
             permit_hash: permit_hash(b"atmp_pmt_1_secret"),
             path: "/mcp".into(),
         }
+    }
+
+    #[test]
+    fn a_calls_permit_hashes_the_same_from_its_token_or_from_a_ticket() {
+        let token = CallPermit::Token("atmp_pmt_1_secret".into());
+        assert_eq!(token.hash(), permit_hash(b"atmp_pmt_1_secret"));
+        assert_eq!(CallPermit::Hash(token.hash()).hash(), token.hash());
     }
 
     #[test]

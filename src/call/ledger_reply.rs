@@ -155,7 +155,7 @@ impl Call {
                         round,
                         capability,
                     },
-                    permit_hash: p.permit_hash,
+                    permit: p.permit,
                     path: p.path,
                     id: p.id,
                     tool: p.tool,

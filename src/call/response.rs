@@ -95,7 +95,7 @@ impl Call {
                             grant: d.grant.clone(),
                             id: d.id.clone(),
                             tool: d.tool.clone(),
-                            permit_hash: d.permit_hash.clone(),
+                            permit_hash: d.permit.hash(),
                             path: d.path.clone(),
                         },
                     ));
