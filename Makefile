@@ -1,7 +1,8 @@
 # atmost: `make run` starts the demo gateway, `make test` runs every suite.
 # Both install what they need: the wasm32-wasip1 target and a project-local virtualenv
 # (`make run` the packages of requirements.txt; the tests those of requirements-test.txt,
-# plus Debian's skopeo and golang-go).
+# plus Debian's skopeo, umoci, kubernetes-client (kubectl), musl-tools and golang-go, and the
+# x86_64-unknown-linux-musl target for the ledger image).
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -10,7 +11,7 @@ VPY := $(VENV)/bin/python
 WASM := target/wasm32-wasip1/wasm/atmost_filter.wasm
 CARGO ?= cargo
 
-.PHONY: oci-tools
+.PHONY: oci-tools k8s-tools static-setup ledger-static
 .PHONY: all run test model-check test-unit test-e2e test-faults lint fmt ts-deps wasm ledger ledger-release setup setup-run rust-setup venv venv-test clean oci
 
 all: wasm ledger-release
@@ -18,7 +19,7 @@ all: wasm ledger-release
 # What `make run` (and `make bench`) needs; `setup` is what the suites need on top.
 setup-run: rust-setup venv
 
-setup: setup-run venv-test oci-tools go-tools
+setup: setup-run venv-test oci-tools k8s-tools static-setup go-tools
 
 # Go (Debian's golang-go) builds tests/support/go_upstream, an encoding/json upstream for the
 # parser-differential tests; standard library only, so it builds offline.
@@ -31,9 +32,23 @@ fold-table:
 	@test -f /usr/share/unicode/CaseFolding.txt || { apt-get update -qq && apt-get install -y -qq unicode-data; }
 	$(PYTHON) scripts/gen_casefold.py /usr/share/unicode/CaseFolding.txt > src/fold_table.rs
 
-# skopeo (Debian) reads and copies OCI images: it checks what `make oci` builds.
+# umoci (Debian) builds the OCI images, skopeo (Debian) reads and copies them: it checks what
+# `make oci` builds. The ledger image takes its CA certificates from Debian's ca-certificates.
 oci-tools:
 	@command -v skopeo >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq skopeo; }
+	@command -v umoci >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq umoci; }
+	@dpkg-query --show ca-certificates >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq ca-certificates; }
+
+# kubectl renders envoy/istio/ with its built-in kustomize (`kubectl kustomize`). Debian 12
+# packages it as kubernetes-client (kubectl 1.20); a kubectl already on PATH is used as it is.
+k8s-tools:
+	@command -v kubectl >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq kubernetes-client; }
+
+# The ledger image's binary is statically linked against musl; its C parts (SQLite, ring,
+# mimalloc) build with Debian's musl-gcc (musl-tools).
+static-setup:
+	@rustup target list --installed 2>/dev/null | grep -qx x86_64-unknown-linux-musl || rustup target add x86_64-unknown-linux-musl
+	@command -v musl-gcc >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq musl-tools; }
 
 rust-setup:
 	@rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
@@ -64,12 +79,23 @@ tests/ts/node_modules/.installed: tests/ts/package.json tests/ts/package-lock.js
 wasm: rust-setup
 	$(CARGO) build --profile wasm --target wasm32-wasip1 -p atmost-filter
 
-## The filter as an OCI image for Istio (compat variant: one layer with plugin.wasm), reproducible:
-## target/oci/atmost-filter/ (OCI layout), target/oci/atmost-filter.tar, target/oci/atmost-filter.digest.
-oci: wasm oci-tools
-	$(PYTHON) scripts/oci_image.py --wasm $(WASM) --out target/oci
-	@# A standard OCI tool must read the image and see the same manifest digest.
-	@test "$$(skopeo inspect --format '{{.Digest}}' oci:target/oci/atmost-filter)" = "$$(cat target/oci/atmost-filter.digest)"
+## The filter and the ledger as OCI images, built with umoci, reproducible (docs/istio.md): for NAME
+## atmost-filter (Istio's compat variant: one layer with plugin.wasm) and atmost-ledger (the
+## static `atmost`, CA certificates, user 65532): target/oci/NAME/ (OCI layout), NAME.tar, NAME.digest.
+STATIC_LEDGER := target/x86_64-unknown-linux-musl/release/atmost
+
+oci: wasm ledger-static oci-tools
+	$(PYTHON) scripts/oci_image.py --out target/oci filter --wasm $(WASM)
+	$(PYTHON) scripts/oci_image.py --out target/oci ledger --binary $(STATIC_LEDGER)
+	@# A standard OCI tool must read each image and see the same manifest digest.
+	@for name in atmost-filter atmost-ledger; do \
+		test "$$(skopeo inspect --format '{{.Digest}}' oci:target/oci/$$name)" = "$$(cat target/oci/$$name.digest)" || \
+			{ echo "oci: skopeo reads another digest for $$name" >&2; exit 1; }; \
+	done
+
+## The ledger for the image: release profile, x86_64-unknown-linux-musl, statically linked.
+ledger-static: static-setup
+	$(CARGO) build --release --target x86_64-unknown-linux-musl -p atmost-ledger
 
 ledger:
 	$(CARGO) build -p atmost-ledger
@@ -104,7 +130,7 @@ WITH_PG := scripts/with-postgres
 test-unit:
 	$(WITH_PG) $(CARGO) test --workspace
 
-test-e2e: setup ts-deps wasm ledger
+test-e2e: setup ts-deps wasm ledger oci
 	ATMOST_BIN=target/debug/atmost $(WITH_PG) $(VPY) -m pytest tests/e2e -q -p no:cacheprovider --timeout 300
 
 ## The protocol model (ledger/model/atmost.pml): spin must verify it and refute each mutant.

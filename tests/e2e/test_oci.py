@@ -1,4 +1,9 @@
-"""`make oci` packaging: an OCI image Istio can pull, built reproducibly (same digest twice)."""
+"""`make oci`: the filter and the ledger as OCI images, built by umoci (scripts/oci_image.py),
+reproducibly (the same inputs give the same digest), and read back with standard tools only
+(skopeo, umoci unpack). The ledger image is run the way a cluster runs it: its root unpacked
+and mounted read-only, the data directory a separate writable volume, user 65532, nothing of
+the build tree or the host's files in sight (a chroot in a mount namespace of its own).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ import gzip
 import hashlib
 import io
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -13,18 +20,28 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.stack import ROOT, WASM
+from tests.support.stack import ROOT, WASM, free_port, http_get, wait_until
 
 SCRIPT = ROOT / "scripts" / "oci_image.py"
-NAME = "atmost-filter"
+OCI_DIR = ROOT / "target" / "oci"
+LEDGER_BINARY = Path(os.environ.get("ATMOST_STATIC_BIN") or
+                     ROOT / "target" / "x86_64-unknown-linux-musl" / "release" / "atmost")
+FILTER, LEDGER = "atmost-filter", "atmost-ledger"
+TAG = "0.1.0"
+UID = 65532
 
 
-def build(wasm: Path, out: Path, epoch: str | None = None) -> str:
-    env = None if epoch is None else {"SOURCE_DATE_EPOCH": epoch, "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, str(SCRIPT), "--wasm", str(wasm), "--out", str(out)],
-                            capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+def build(image: str, source: Path, out: Path, epoch: str | None = None) -> str:
+    """Runs the packager for `image` ("filter" or "ledger") from `source`; returns the digest."""
+    flag = "--wasm" if image == "filter" else "--binary"
+    env = {"PATH": os.environ["PATH"]} if epoch is None else {"PATH": os.environ["PATH"], "SOURCE_DATE_EPOCH": epoch}
+    result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), image, flag, str(source)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr
-    return (out / f"{NAME}.digest").read_text().strip()
+    name = FILTER if image == "filter" else LEDGER
+    digest = (out / f"{name}.digest").read_text().strip()
+    assert digest in result.stdout, "the digest is printed"
+    return digest
 
 
 def blob(layout: Path, digest: str) -> bytes:
@@ -34,61 +51,104 @@ def blob(layout: Path, digest: str) -> bytes:
     return data
 
 
-@pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    assert WASM.exists(), "build the filter first (make wasm)"
-    first, second = tmp_path_factory.mktemp("oci-1"), tmp_path_factory.mktemp("oci-2")
-    return (build(WASM, first), first), (build(WASM, second), second)
-
-
-def test_building_twice_gives_the_same_digest_and_bytes(builds):
-    (digest_1, out_1), (digest_2, out_2) = builds
-    assert digest_1 == digest_2
-    assert digest_1.startswith("sha256:") and len(digest_1) == len("sha256:") + 64
-    assert (out_1 / f"{NAME}.tar").read_bytes() == (out_2 / f"{NAME}.tar").read_bytes()
-    files_1 = sorted(p.relative_to(out_1) for p in (out_1 / NAME).rglob("*") if p.is_file())
-    files_2 = sorted(p.relative_to(out_2) for p in (out_2 / NAME).rglob("*") if p.is_file())
-    assert files_1 == files_2
-    for rel in files_1:
-        assert (out_1 / rel).read_bytes() == (out_2 / rel).read_bytes(), rel
-
-
-def test_a_different_filter_gives_a_different_digest(builds, tmp_path):
-    (digest, _), _ = builds
-    other = tmp_path / "other.wasm"
-    other.write_bytes(WASM.read_bytes() + b"\0")
-    assert build(other, tmp_path / "out") != digest
-
-
-def test_layout_is_an_oci_image_with_one_layer_holding_exactly_plugin_wasm(builds):
-    (digest, out), _ = builds
-    layout = out / NAME
-    assert json.loads((layout / "oci-layout").read_text()) == {"imageLayoutVersion": "1.0.0"}
+def image_parts(layout: Path) -> tuple[dict, dict, dict, list[bytes]]:
+    """(index entry, manifest, config, uncompressed layers) of the layout's one image."""
     index = json.loads((layout / "index.json").read_text())
-    assert index["mediaType"] == "application/vnd.oci.image.index.v1+json"
+    assert index["schemaVersion"] == 2
     [entry] = index["manifests"]
-    assert entry["digest"] == digest
     assert entry["mediaType"] == "application/vnd.oci.image.manifest.v1+json"
-    assert entry["annotations"]["org.opencontainers.image.ref.name"]
-
-    manifest_bytes = blob(layout, digest)
+    manifest_bytes = blob(layout, entry["digest"])
     assert len(manifest_bytes) == entry["size"]
     manifest = json.loads(manifest_bytes)
     assert manifest["schemaVersion"] == 2
     assert manifest["config"]["mediaType"] == "application/vnd.oci.image.config.v1+json"
     config = json.loads(blob(layout, manifest["config"]["digest"]))
+    layers = []
+    for layer in manifest["layers"]:
+        assert layer["mediaType"] == "application/vnd.oci.image.layer.v1.tar+gzip"
+        compressed = blob(layout, layer["digest"])
+        assert len(compressed) == layer["size"]
+        layers.append(gzip.decompress(compressed))
+    assert config["rootfs"] == {"type": "layers",
+                                "diff_ids": ["sha256:" + hashlib.sha256(t).hexdigest() for t in layers]}
+    return entry, manifest, config, layers
+
+
+def same_tree(out_1: Path, out_2: Path) -> None:
+    files_1 = sorted(p.relative_to(out_1) for p in out_1.rglob("*") if p.is_file())
+    files_2 = sorted(p.relative_to(out_2) for p in out_2.rglob("*") if p.is_file())
+    assert files_1 == files_2 and files_1
+    for rel in files_1:
+        assert (out_1 / rel).read_bytes() == (out_2 / rel).read_bytes(), rel
+
+
+def skopeo_digest(reference: str) -> str:
+    result = subprocess.run(["skopeo", "inspect", "--format", "{{.Digest}}", reference],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+# ---------------------------------------------------------------- make oci
+
+
+def test_make_oci_builds_both_images_with_umoci():
+    result = subprocess.run(["make", "-n", "oci"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "scripts/oci_image.py --out target/oci filter" in result.stdout
+    assert "scripts/oci_image.py --out target/oci ledger" in result.stdout
+    assert "x86_64-unknown-linux-musl" in result.stdout
+    script = SCRIPT.read_text()
+    assert '"umoci", "raw", "add-layer"' in script and "tarfile" not in script and "gzip" not in script.split('"""')[2]
+
+
+@pytest.mark.parametrize("name", [FILTER, LEDGER])
+def test_make_oci_output_is_what_skopeo_reads(name):
+    """The digest `make oci` printed and wrote is the image's, for skopeo, from the layout and
+    from the archive."""
+    digest = (OCI_DIR / f"{name}.digest").read_text().strip()
+    assert skopeo_digest(f"oci:{OCI_DIR / name}:{TAG}") == digest
+    assert skopeo_digest(f"oci-archive:{OCI_DIR / (name + '.tar')}") == digest
+
+
+# ---------------------------------------------------------------- the filter image
+
+
+@pytest.fixture(scope="module")
+def filter_builds(tmp_path_factory):
+    assert WASM.exists(), "build the filter first (make wasm)"
+    first, second = tmp_path_factory.mktemp("oci-f1"), tmp_path_factory.mktemp("oci-f2")
+    return (build("filter", WASM, first), first), (build("filter", WASM, second), second)
+
+
+def test_filter_built_twice_gives_the_same_digest_and_bytes(filter_builds):
+    (digest_1, out_1), (digest_2, out_2) = filter_builds
+    assert digest_1 == digest_2
+    assert digest_1.startswith("sha256:") and len(digest_1) == len("sha256:") + 64
+    same_tree(out_1, out_2)
+    assert digest_1 == (OCI_DIR / f"{FILTER}.digest").read_text().strip(), "make oci built the same image"
+
+
+def test_a_different_filter_gives_a_different_digest(filter_builds, tmp_path):
+    (digest, _), _ = filter_builds
+    other = tmp_path / "other.wasm"
+    other.write_bytes(WASM.read_bytes() + b"\0")
+    assert build("filter", other, tmp_path / "out") != digest
+
+
+def test_filter_layout_is_an_oci_image_with_one_layer_holding_exactly_plugin_wasm(filter_builds):
+    (digest, out), _ = filter_builds
+    layout = out / FILTER
+    assert json.loads((layout / "oci-layout").read_text()) == {"imageLayoutVersion": "1.0.0"}
+    entry, manifest, config, layers = image_parts(layout)
+    assert entry["digest"] == digest
+    assert entry["annotations"]["org.opencontainers.image.ref.name"] == TAG
+    assert manifest["annotations"]["org.opencontainers.image.title"] == FILTER
+    assert (config["architecture"], config["os"]) == ("wasm", "wasip1")
 
     # Istio's compat variant: the (last and only) layer is tar+gzip and contains plugin.wasm.
-    [layer] = manifest["layers"]
-    assert layer["mediaType"] == "application/vnd.oci.image.layer.v1.tar+gzip"
-    compressed = blob(layout, layer["digest"])
-    assert len(compressed) == layer["size"]
-    assert compressed[:2] == b"\x1f\x8b" and compressed[3] & 0x08 == 0, "gzip without a file name"
-    assert compressed[4:8] == b"\0\0\0\0", "gzip mtime 0"
-    uncompressed = gzip.decompress(compressed)
-    assert config["rootfs"] == {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(uncompressed).hexdigest()]}
-
-    with tarfile.open(fileobj=io.BytesIO(uncompressed)) as tar:
+    [layer] = layers
+    with tarfile.open(fileobj=io.BytesIO(layer)) as tar:
         members = tar.getmembers()
         assert [m.name for m in members] == ["plugin.wasm"]
         [member] = members
@@ -98,44 +158,221 @@ def test_layout_is_an_oci_image_with_one_layer_holding_exactly_plugin_wasm(build
         assert tar.extractfile(member).read() == WASM.read_bytes()
 
 
-def test_archive_holds_the_same_layout(builds):
-    (_, out), _ = builds
-    with tarfile.open(out / f"{NAME}.tar") as tar:
+def test_filter_archive_holds_the_same_layout(filter_builds):
+    (_, out), _ = filter_builds
+    with tarfile.open(out / f"{FILTER}.tar") as tar:
         names = sorted(m.name for m in tar.getmembers())
-        assert names == sorted(str(p.relative_to(out / NAME)) for p in (out / NAME).rglob("*") if p.is_file())
+        assert names == sorted(str(p.relative_to(out / FILTER)) for p in (out / FILTER).rglob("*") if p.is_file())
         for name in names:
-            assert tar.extractfile(name).read() == (out / NAME / name).read_bytes()
+            assert tar.extractfile(name).read() == (out / FILTER / name).read_bytes()
 
 
 def test_source_date_epoch_sets_the_timestamps(tmp_path):
     assert WASM.exists(), "build the filter first (make wasm)"
-    build(WASM, tmp_path, epoch="1700000000")
-    with tarfile.open(tmp_path / f"{NAME}.tar") as tar:
+    build("filter", WASM, tmp_path, epoch="1700000000")
+    with tarfile.open(tmp_path / f"{FILTER}.tar") as tar:
+        assert {m.mtime for m in tar.getmembers()} == {1700000000}
+    _, _, config, [layer] = image_parts(tmp_path / FILTER)
+    assert config["created"] == "2023-11-14T22:13:20Z"
+    assert [h["created"] for h in config["history"]] == ["2023-11-14T22:13:20Z"]
+    with tarfile.open(fileobj=io.BytesIO(layer)) as tar:
         assert {m.mtime for m in tar.getmembers()} == {1700000000}
 
 
-def test_make_oci_runs_the_packager():
-    result = subprocess.run(["make", "-n", "oci"], capture_output=True, text=True, timeout=30, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    assert "scripts/oci_image.py" in result.stdout and "target/oci" in result.stdout
-
-
-def test_skopeo_reads_the_image_and_keeps_its_digest_on_copy(builds, tmp_path):
-    """A standard OCI tool (skopeo, from Debian) sees the digest we document, and copying
-    the image, as a push to a registry would, keeps it."""
-    (digest, out), _ = builds
-    layout = out / NAME
-    inspected = subprocess.run(["skopeo", "inspect", "--format", "{{.Digest}}", f"oci:{layout}"],
-                               capture_output=True, text=True, timeout=60)
-    assert inspected.returncode == 0, inspected.stderr
-    assert inspected.stdout.strip() == digest
+def test_skopeo_keeps_the_filter_digest_on_copy(filter_builds, tmp_path):
+    """Copying the image, as a push to a registry would, keeps the digest we document."""
+    (digest, out), _ = filter_builds
     copied = tmp_path / "copy"
-    result = subprocess.run(["skopeo", "copy", "--preserve-digests", f"oci:{layout}", f"oci:{copied}:0.1.0"],
+    result = subprocess.run(["skopeo", "copy", "--preserve-digests", f"oci:{out / FILTER}", f"oci:{copied}:{TAG}"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    again = subprocess.run(["skopeo", "inspect", "--format", "{{.Digest}}", f"oci:{copied}:0.1.0"],
-                           capture_output=True, text=True, timeout=60)
-    assert again.stdout.strip() == digest
-    archive = subprocess.run(["skopeo", "inspect", "--format", "{{.Digest}}", f"oci-archive:{out / (NAME + '.tar')}"],
-                             capture_output=True, text=True, timeout=60)
-    assert archive.returncode == 0 and archive.stdout.strip() == digest, archive.stderr
+    assert skopeo_digest(f"oci:{copied}:{TAG}") == digest
+
+
+# ---------------------------------------------------------------- the ledger image
+
+
+@pytest.fixture(scope="module")
+def ledger_builds(tmp_path_factory):
+    assert LEDGER_BINARY.exists(), f"{LEDGER_BINARY} missing: build it first (make ledger-static)"
+    first, second = tmp_path_factory.mktemp("oci-l1"), tmp_path_factory.mktemp("oci-l2")
+    return (build("ledger", LEDGER_BINARY, first), first), (build("ledger", LEDGER_BINARY, second), second)
+
+
+def test_ledger_built_twice_gives_the_same_digest_and_bytes(ledger_builds):
+    (digest_1, out_1), (digest_2, out_2) = ledger_builds
+    assert digest_1 == digest_2
+    same_tree(out_1, out_2)
+    assert digest_1 == (OCI_DIR / f"{LEDGER}.digest").read_text().strip(), "make oci built the same image"
+
+
+def package_ca_bundle() -> bytes:
+    """Debian's ca-certificates bundle as update-ca-certificates builds it from the package
+    alone: the package's certificates, in name order, each ending in a newline."""
+    listed = subprocess.run(["dpkg-query", "--listfiles", "ca-certificates"], capture_output=True, text=True,
+                            timeout=30, check=True).stdout.split()
+    certs = sorted(p for p in listed if p.startswith("/usr/share/ca-certificates/") and p.endswith(".crt"))
+    assert len(certs) > 100
+    return b"".join(data if data.endswith(b"\n") else data + b"\n" for data in (Path(c).read_bytes() for c in certs))
+
+
+def test_ledger_image_holds_the_binary_certificates_and_user_and_nothing_else(ledger_builds):
+    (digest, out), _ = ledger_builds
+    entry, manifest, config, [layer] = image_parts(out / LEDGER)
+    assert entry["digest"] == digest and entry["annotations"]["org.opencontainers.image.ref.name"] == TAG
+    assert manifest["annotations"]["org.opencontainers.image.title"] == LEDGER
+    assert (config["architecture"], config["os"]) == ("amd64", "linux")
+    runtime = config["config"]
+    assert runtime["User"] == f"{UID}:{UID}"
+    assert runtime["Entrypoint"] == ["/usr/local/bin/atmost"] and runtime["Cmd"] == ["ledger"]
+    assert list(runtime["Volumes"]) == ["/var/lib/atmost"]
+    assert "ATMOST_DATA_DIR=/var/lib/atmost" in runtime["Env"]
+
+    with tarfile.open(fileobj=io.BytesIO(layer)) as tar:
+        members = {m.name.rstrip("/"): m for m in tar.getmembers()}
+        # No shell, no package manager, no libraries: exactly these.
+        assert sorted(members) == ["etc", "etc/group", "etc/passwd", "etc/ssl", "etc/ssl/certs",
+                                   "etc/ssl/certs/ca-certificates.crt", "tmp", "usr", "usr/local", "usr/local/bin",
+                                   "usr/local/bin/atmost", "var", "var/lib", "var/lib/atmost"]
+        assert tar.extractfile("usr/local/bin/atmost").read() == LEDGER_BINARY.read_bytes()
+        assert members["usr/local/bin/atmost"].mode == 0o755
+        assert tar.extractfile("etc/ssl/certs/ca-certificates.crt").read() == package_ca_bundle()
+        passwd = tar.extractfile("etc/passwd").read().decode()
+        assert f"atmost:x:{UID}:{UID}:atmost:/var/lib/atmost:/sbin/nologin" in passwd.splitlines()
+        assert f"atmost:x:{UID}:" in tar.extractfile("etc/group").read().decode().splitlines()
+        data_dir = members["var/lib/atmost"]
+        assert data_dir.isdir() and (data_dir.uid, data_dir.gid, data_dir.mode) == (UID, UID, 0o700)
+        assert members["tmp"].mode == 0o1777
+        for name, member in members.items():
+            assert member.mtime == 0 and member.uname == member.gname == "", name
+            if name != "var/lib/atmost":
+                assert (member.uid, member.gid) == (0, 0), name
+
+
+def test_ledger_ca_bundle_is_the_packages_not_this_machines(ledger_builds):
+    """A CA added on the build machine (/usr/local/share/ca-certificates, in its
+    /etc/ssl/certs/ca-certificates.crt) never reaches the image."""
+    (_, out), _ = ledger_builds
+    _, _, _, [layer] = image_parts(out / LEDGER)
+    with tarfile.open(fileobj=io.BytesIO(layer)) as tar:
+        bundle = tar.extractfile("etc/ssl/certs/ca-certificates.crt").read()
+    for local in sorted(Path("/usr/local/share/ca-certificates").rglob("*.crt")):
+        assert local.read_bytes().strip() not in bundle, f"{local} leaked into the image"
+    assert bundle.count(b"-----BEGIN CERTIFICATE-----") > 100
+
+
+# ---------------------------------------------------------------- running the unpacked ledger image
+
+
+@pytest.fixture(scope="module")
+def unpacked(tmp_path_factory) -> tuple[Path, dict]:
+    """The ledger image `make oci` built, unpacked by umoci into a runtime bundle: (rootfs, the
+    bundle's config.json, which umoci derives from the image's configuration)."""
+    assert os.geteuid() == 0, "running the image as user 65532 in a chroot needs root (as `make test` has)"
+    bundle = tmp_path_factory.mktemp("bundle") / "ledger"
+    result = subprocess.run(["umoci", "unpack", "--rootless", "--image", f"{OCI_DIR / LEDGER}:{TAG}", str(bundle)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rootfs = bundle / "rootfs"
+    return rootfs, json.loads((bundle / "config.json").read_text())
+
+
+def image_process(spec: dict, args: list[str] | None = None, data_dir: Path | None = None) -> list[str]:
+    """The command that runs the image's process as a runtime would: in a mount namespace of its
+    own, the unpacked root bind-mounted read-only, `data_dir` mounted at the image's data
+    directory, then chroot into it as the image's user. Nothing outside the image is visible."""
+    user = spec["process"]["user"]
+    mount, chroot = shutil.which("mount"), shutil.which("chroot")
+    lines = ['r=$1; d=$2; shift 2', f'{mount} --bind "$r" "$r"', f'{mount} -o remount,bind,ro "$r"']
+    if data_dir is not None:
+        lines.append(f'{mount} --bind "$d" "$r/var/lib/atmost"')
+    lines.append(f'exec {chroot} --userspec={user["uid"]}:{user["gid"]} --groups={user["gid"]} "$r" "$@"')
+    argv = args if args is not None else spec["process"]["args"]
+    return [shutil.which("unshare"), "--mount", "--propagation", "private", "--", "/bin/sh", "-ec", "\n".join(lines),
+            "sh", spec["root"]["path"], str(data_dir or ""), *argv]
+
+
+def process_env(spec: dict, extra: dict[str, str]) -> dict[str, str]:
+    """The image's environment (from the bundle) and `extra`; nothing of the test's own."""
+    env = dict(e.split("=", 1) for e in spec["process"]["env"])
+    return {**env, **extra}
+
+
+@pytest.fixture
+def spec(unpacked) -> dict:
+    rootfs, config = unpacked
+    config = json.loads(json.dumps(config))
+    config["root"]["path"] = str(rootfs)
+    return config
+
+
+def test_bundle_runs_the_image_as_user_65532(spec):
+    assert spec["process"]["user"]["uid"] == UID and spec["process"]["user"]["gid"] == UID
+    assert spec["process"]["args"] == ["/usr/local/bin/atmost", "ledger"]
+    assert spec["process"]["cwd"] == "/var/lib/atmost"
+
+
+def test_unpacked_image_prints_its_version(spec):
+    entrypoint = spec["process"]["args"][0]
+    env = process_env(spec, {})
+    result = subprocess.run(image_process(spec, [entrypoint, "--version"]), capture_output=True, text=True,
+                            timeout=60, env=env, cwd="/")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"atmost {TAG}"
+
+
+def test_unpacked_image_has_no_shell(spec):
+    env = process_env(spec, {})
+    for shell in ("/bin/sh", "/bin/bash", "/usr/bin/sh", "/usr/bin/apt-get", "/usr/bin/dpkg"):
+        result = subprocess.run(image_process(spec, [shell, "-c", "true"]), capture_output=True, text=True,
+                                timeout=60, env=env, cwd="/")
+        assert result.returncode == 127 and "No such file or directory" in result.stderr, (shell, result)
+
+
+def test_unpacked_ledger_serves_on_sqlite_from_a_read_only_root(spec, tmp_path):
+    """`atmost ledger` as the image starts it (entrypoint, command, environment, user), with only
+    the tokens and a loopback listen address added: it opens its SQLite store in the data
+    volume, answers /readyz with 200, and its process runs as 65532 with the image as its root."""
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    os.chown(data, UID, UID)
+    port = free_port()
+    env = process_env(spec, {"ATMOST_LISTEN": f"127.0.0.1:{port}",
+                             "ATMOST_SERVICE_TOKEN": "image-test-service-token",
+                             "ATMOST_ADMIN_TOKEN": "image-test-admin-token", "ATMOST_LOG_FORMAT": "text"})
+    assert env["ATMOST_DATA_DIR"] == "/var/lib/atmost"
+    log = tmp_path / "ledger.log"
+    before = tree_listing(Path(spec["root"]["path"]))
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(image_process(spec, data_dir=data), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd="/", start_new_session=True)
+    try:
+        def ready():
+            if proc.poll() is not None:
+                raise AssertionError(f"ledger exited {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+            return http_get(f"http://127.0.0.1:{port}/readyz")[0] == 200
+
+        wait_until(ready, 30, f"the unpacked image's ledger on port {port}")
+        # The process: user and groups 65532 only, its root the unpacked image.
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines())
+        assert status["Uid"].split() == [str(UID)] * 4 and status["Gid"].split() == [str(UID)] * 4
+        assert status["Groups"].split() == [str(UID)]
+        assert os.readlink(f"/proc/{proc.pid}/root") == spec["root"]["path"]
+        assert Path(f"/proc/{proc.pid}/exe").resolve().name == "atmost"
+        # Its store is in the volume, owned by its user.
+        store = data / "atmost.sqlite3"
+        assert store.is_file() and store.stat().st_uid == UID
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+    # Nothing was written into the image's root.
+    assert tree_listing(Path(spec["root"]["path"])) == before
+
+
+def tree_listing(root: Path) -> list[tuple[str, int, int]]:
+    """(path, size, mtime in ns) of everything under `root`."""
+    return sorted((str(p.relative_to(root)), p.lstat().st_size, p.lstat().st_mtime_ns) for p in root.rglob("*"))
