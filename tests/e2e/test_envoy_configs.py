@@ -25,7 +25,15 @@ from tests.e2e.conftest import new_key
 from tests.support.mcp_raw import RawMcp, result_text
 from tests.support.stack import ROOT, WASM, Envoy, Ledger, ProcessExited, http_get, validate_envoy_config
 
-SHIPPED = sorted(p for p in (ROOT / "envoy").rglob("*.yaml") if yaml.safe_load(p.read_text()).get("static_resources"))
+
+
+def is_envoy_config(path: Path) -> bool:
+    """An Envoy bootstrap, not a Kubernetes object, a kustomization or a JSON patch (a list)."""
+    doc = yaml.safe_load(path.read_text())
+    return isinstance(doc, dict) and bool(doc.get("static_resources"))
+
+
+SHIPPED = sorted(p for p in (ROOT / "envoy").rglob("*.yaml") if is_envoy_config(p))
 
 TOKEN_VAR, SECRET_VAR = "ATMOST_SERVICE_TOKEN", "ATMOST_UPSTREAM_KEY_SECRET"
 # Values for validation only: `envoy --mode validate` runs the filter's on_configure, which reads them.

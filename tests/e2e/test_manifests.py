@@ -1,19 +1,35 @@
-"""The Kubernetes / Istio manifests under envoy/istio/ validate against their schemas and say what
-the rollout needs: a fail-closed filter per agent pod, the ledger's cluster, Secret-held
-credentials (the filter's own taken from the sidecar's environment, never written into a
-manifest), a NetworkPolicy that admits only sidecars and admins, and no retries.
+"""The Kubernetes / Istio manifests under envoy/istio/, rendered by `kubectl kustomize` the way an
+operator applies them, validate against their schemas and say what the rollout needs: a
+fail-closed filter per agent pod, pinned by digest to the image `make oci` built; the ledger on
+the chosen store, its image pinned by digest; Secret-held credentials (generated from a file
+that is not committed, or an existing Secret; the filter's own taken from the sidecar's
+environment), a NetworkPolicy that admits only sidecars and admins, and no retries.
+
+Every directory with a kustomization.yaml is rendered: the bases and every overlay. Rendering
+happens on a copy of envoy/istio/ in which the overlays got what the operator supplies
+(docs/istio.md): the digests `make oci` printed (target/oci/*.digest, written into the
+overlays the way the rollout steps do it) and a ledger.env for the generated Secret.
 
 Istio kinds are checked against the openAPIV3Schema of the Istio CRDs in
 tests/e2e/schemas/istio-crds.yaml (their source: the README beside it), in strict mode (an unknown
 field is an error, as with `kubectl apply --validate=strict`). Core kinds are checked with
-kubernetes-validate's strict schemas for K8S_VERSION.
+kubernetes-validate's strict schemas for K8S_VERSION. The Envoy config each EnvoyFilter inserts
+passes `envoy --mode validate` with the built filter.
+
+`kubectl` is the one on PATH (Debian's `kubernetes-client`, installed by `make setup` when none
+is); KUBECTL names another.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
+import os
 import re
+import secrets
+import shutil
+import subprocess
 from functools import lru_cache
 from pathlib import Path
 
@@ -25,54 +41,123 @@ import yaml
 from tests.support.stack import ROOT, WASM, validate_envoy_config
 
 ISTIO_DIR = ROOT / "envoy" / "istio"
+OVERLAYS_DIR = ISTIO_DIR / "overlays"
 ISTIO_CRDS = ROOT / "tests" / "e2e" / "schemas" / "istio-crds.yaml"
 EQUIVALENT_ENVOY = ISTIO_DIR / "equivalent-envoy.yaml"
+OCI_DIR = ROOT / "target" / "oci"
+ISTIO_DOC = ROOT / "docs" / "istio.md"
 K8S_VERSION = "1.37"  # the newest Kubernetes whose schemas kubernetes-validate 1.37.0 ships
+KUBECTL = os.environ.get("KUBECTL", "kubectl")
 
-# Deploy-time values (rendered with envsubst in a real rollout); the tests render these. No
-# secret is among them: the filter's secrets come from the sidecar's environment.
-PLACEHOLDERS = {
-    "ATMOST_FILTER_IMAGE": "registry.example.com/atmost/atmost-filter",
-    "ATMOST_FILTER_DIGEST": "3f" * 32,
-}
-# The sidecar's environment variables the filter's secrets come from, in this order.
+# Every kustomization, as a path relative to envoy/istio/ ("ledger", "overlays/ledger-sqlite", ...).
+KUSTOMIZATIONS = sorted(str(p.parent.relative_to(ISTIO_DIR)) for p in ISTIO_DIR.rglob("kustomization.yaml"))
+OVERLAYS = [k for k in KUSTOMIZATIONS if k.startswith("overlays/")]
+BASES = [k for k in KUSTOMIZATIONS if k not in OVERLAYS]
+# What an operator applies for one mesh: the ledger on PostgreSQL, the agents' namespace, one
+# agent with the EnvoyFilter form, the same agent with the WasmPlugin form (never both at once
+# in a real mesh; here they are compared).
+LEDGER_POSTGRES, LEDGER_SQLITE = "overlays/ledger-postgres", "overlays/ledger-sqlite"
+AGENT_NAMESPACE, AGENT_ENVOYFILTER, AGENT_WASMPLUGIN = "agent", "overlays/billing-agent", "overlays/billing-agent-wasmplugin"
+AGENT_NAME = "billing-agent"
+
+# The filter's secrets: the sidecar's environment variables they come from, in this order.
 SECRET_ENV = ["ATMOST_SERVICE_TOKEN", "ATMOST_UPSTREAM_KEY_SECRET"]
 # `envoy --mode validate` runs the filter's on_configure, which reads them.
 VALIDATION_ENV = {"ATMOST_SERVICE_TOKEN": "validation-service-token",
                   "ATMOST_UPSTREAM_KEY_SECRET": "validation-upstream-key-secret"}
-PLACEHOLDER_RE = re.compile(r"\$\{([A-Za-z0-9_]+)\}")
+# The ledger's Secret: its keys, and the environment variable each one feeds.
+LEDGER_SECRET_KEYS = {"service-token": "ATMOST_SERVICE_TOKEN", "admin-token": "ATMOST_ADMIN_TOKEN",
+                      "store-url": "ATMOST_STORE"}
 
 PLUGIN_KEYS = {"ledger", "permit_header", "governed_tools", "key_required_tools", "upstream_key", "denial_format",
                "max_body_bytes", "max_receipt_bytes", "report_interval_ms"}
 LEDGER_KEYS = {"cluster", "authority", "timeout_ms", "service_token_env"}
 AGENT_LABEL = "atmost.dev/agent"
+DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
+HEX_RE = re.compile(r"[0-9a-f]{64}")
 
 
-def is_envoy_config(path: Path) -> bool:
-    return bool(yaml.safe_load(path.read_text()).get("static_resources"))
+# ---------------------------------------------------------------- what `make oci` built
 
 
-MANIFESTS = sorted(p for p in ISTIO_DIR.rglob("*.yaml") if not is_envoy_config(p))
+def built_digest(name: str) -> str:
+    """The manifest digest `make oci` printed for image `name`, checked against what skopeo (a
+    standard OCI tool) reads from the image itself."""
+    digest_file = OCI_DIR / f"{name}.digest"
+    assert digest_file.is_file(), f"{digest_file} missing: run `make oci` first"
+    digest = digest_file.read_text().strip()
+    assert DIGEST_RE.fullmatch(digest), digest
+    inspected = subprocess.run(["skopeo", "inspect", "--format", "{{.Digest}}", f"oci:{OCI_DIR / name}"],
+                               capture_output=True, text=True, timeout=60)
+    assert inspected.returncode == 0, inspected.stderr
+    assert inspected.stdout.strip() == digest, f"{digest_file} does not name the image in {OCI_DIR / name}"
+    return digest
 
 
-def render(text: str) -> str:
-    return PLACEHOLDER_RE.sub(lambda m: PLACEHOLDERS[m.group(1)], text)
+@lru_cache(maxsize=1)
+def built() -> dict[str, str]:
+    return {"ledger": built_digest("atmost-ledger"), "filter": built_digest("atmost-filter")}
 
 
-def load(path: Path) -> dict:
-    docs = [d for d in yaml.safe_load_all(render(path.read_text())) if d is not None]
-    assert len(docs) == 1, f"{path}: one object per file (tests/e2e/test_envoy_configs.py loads each file as one document)"
-    return docs[0]
+@lru_cache(maxsize=1)
+def ledger_image_config() -> dict:
+    result = subprocess.run(["skopeo", "inspect", "--config", f"oci:{OCI_DIR / 'atmost-ledger'}"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["config"]
 
 
-def objects() -> dict[str, dict]:
-    """kind -> the (single) shipped object of that kind."""
+# ---------------------------------------------------------------- rendering
+
+
+def kustomize(directory: Path) -> list[dict]:
+    result = subprocess.run([KUBECTL, "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"kubectl kustomize {directory}: {result.stderr}"
+    return [d for d in yaml.safe_load_all(result.stdout) if d is not None]
+
+
+def set_digests(tree: Path, ledger_digest: str, filter_digest: str) -> None:
+    """What the rollout steps have the operator do after `make oci` (docs/istio.md, step 0): the
+    ledger's digest into the store overlays' `images:`, the filter's into every filter-image.yaml."""
+    for kustomization in (tree / "overlays").glob("ledger-*/kustomization.yaml"):
+        kustomization.write_text(DIGEST_RE.sub(ledger_digest, kustomization.read_text()))
+    for patch in (tree / "overlays").glob("*/filter-image.yaml"):
+        patch.write_text(HEX_RE.sub(filter_digest.split(":")[1], patch.read_text()))
+
+
+@pytest.fixture(scope="session")
+def ledger_env() -> dict[str, str]:
+    """The values of the ledger.env the operator writes for ../overlays/ledger-postgres/."""
+    return {"service-token": secrets.token_hex(32), "admin-token": secrets.token_hex(32),
+            "store-url": f"postgres://atmost:{secrets.token_hex(8)}@db.example.internal:5432/atmost?sslmode=verify-full"}
+
+
+@pytest.fixture(scope="session")
+def rendered(tmp_path_factory, ledger_env) -> dict[str, list[dict]]:
+    """kustomization (relative path) -> its rendered objects, with the operator's inputs in place."""
+    tree = tmp_path_factory.mktemp("kustomize") / "istio"
+    # Never a developer's own ledger.env: the test writes its own.
+    shutil.copytree(ISTIO_DIR, tree, ignore=shutil.ignore_patterns("ledger.env"))
+    set_digests(tree, built()["ledger"], built()["filter"])
+    (tree / LEDGER_POSTGRES / "ledger.env").write_text("".join(f"{k}={v}\n" for k, v in ledger_env.items()))
+    return {k: kustomize(tree / k) for k in KUSTOMIZATIONS}
+
+
+def by_kind(docs: list[dict]) -> dict[str, dict]:
+    """kind -> the single object of that kind."""
     out: dict[str, dict] = {}
-    for path in MANIFESTS:
-        doc = load(path)
+    for doc in docs:
         assert doc["kind"] not in out, f"two {doc['kind']} objects"
         out[doc["kind"]] = doc
     return out
+
+
+@pytest.fixture(scope="session")
+def objs(rendered) -> dict[str, dict]:
+    """kind -> object, for one mesh: the ledger on PostgreSQL, the agent namespace's
+    VirtualService, and one agent's EnvoyFilter and WasmPlugin."""
+    return by_kind([d for k in (LEDGER_POSTGRES, AGENT_NAMESPACE, AGENT_ENVOYFILTER, AGENT_WASMPLUGIN)
+                    for d in rendered[k]])
 
 
 # ---------------------------------------------------------------- Istio CRD schema validation
@@ -205,36 +290,57 @@ def errors_of(doc: dict) -> list[str]:
     return istio_errors(doc) if is_istio(doc) else kubernetes_errors(doc)
 
 
-# ---------------------------------------------------------------- every manifest validates
+# ---------------------------------------------------------------- every kustomization renders and validates
 
 
-def test_manifests_present():
-    kinds = {load(p)["kind"] for p in MANIFESTS}
-    assert kinds == {"Namespace", "ServiceAccount", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy",
-                     "ServiceEntry", "WasmPlugin", "EnvoyFilter", "VirtualService"}
+def test_kustomizations_present():
+    assert set(BASES) == {"ledger", "agent", "agent-envoyfilter", "agent-wasmplugin"}
+    assert set(OVERLAYS) == {LEDGER_POSTGRES, LEDGER_SQLITE, AGENT_ENVOYFILTER, AGENT_WASMPLUGIN}
 
 
-@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(ISTIO_DIR)))
-def test_manifest_validates(path: Path):
-    doc = load(path)
-    assert errors_of(doc) == []
+def test_overlays_render_what_a_rollout_needs(rendered):
+    kinds = {k: sorted(d["kind"] for d in docs) for k, docs in rendered.items()}
+    ledger = ["Deployment", "Namespace", "NetworkPolicy", "PodDisruptionBudget", "Service", "ServiceAccount",
+              "ServiceEntry"]
+    assert kinds[LEDGER_POSTGRES] == sorted(ledger + ["Secret"])
+    assert kinds[LEDGER_SQLITE] == sorted(ledger + ["PersistentVolumeClaim"])
+    assert kinds[AGENT_NAMESPACE] == ["VirtualService"]
+    assert kinds[AGENT_ENVOYFILTER] == ["EnvoyFilter"]
+    assert kinds[AGENT_WASMPLUGIN] == ["WasmPlugin"]
 
 
-@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(ISTIO_DIR)))
-def test_placeholders_are_known_and_documented(path: Path):
-    text = path.read_text()
-    used = set(PLACEHOLDER_RE.findall(text))
-    assert used <= set(PLACEHOLDERS), f"unknown deploy-time values: {used - set(PLACEHOLDERS)}"
-    comments = "\n".join(line for line in text.splitlines() if line.lstrip().startswith("#"))
-    for name in used:
-        assert f"${{{name}}}" in comments, f"{name} is used but not explained in the file's comments"
+def rendered_objects() -> list[tuple[str, int]]:
+    """(kustomization, index of an object in its rendering), for parametrizing: the counts
+    come from the files, a rendering that yields more or fewer fails test_objects_counted."""
+    return [(k, i) for k in KUSTOMIZATIONS for i in range(expected_count(k))]
+
+
+def expected_count(kustomization: str) -> int:
+    counts = {"ledger": 7, "agent": 1, "agent-envoyfilter": 1, "agent-wasmplugin": 1, LEDGER_POSTGRES: 8,
+              LEDGER_SQLITE: 8, AGENT_ENVOYFILTER: 1, AGENT_WASMPLUGIN: 1}
+    return counts[kustomization]
+
+
+def test_objects_counted(rendered):
+    assert {k: len(docs) for k, docs in rendered.items()} == {k: expected_count(k) for k in KUSTOMIZATIONS}
+
+
+@pytest.mark.parametrize("kustomization,index", rendered_objects(), ids=lambda v: str(v))
+def test_rendered_object_validates(rendered, kustomization, index):
+    doc = rendered[kustomization][index]
+    assert errors_of(doc) == [], f"{kustomization}: {doc['kind']} {doc['metadata'].get('name')}"
+
+
+def test_no_envsubst_placeholders_left():
+    """The manifests are plain Kustomize now: nothing is filled in by envsubst."""
+    for path in ISTIO_DIR.rglob("*.yaml"):
+        assert not re.search(r"\$\{[A-Za-z0-9_]+\}", path.read_text()), path
 
 
 # ---------------------------------------------------------------- the validators can fail
 
 
-def test_istio_validator_rejects_broken_copies():
-    objs = objects()
+def test_istio_validator_rejects_broken_copies(objs):
     wasm_plugin = objs["WasmPlugin"]
     assert istio_errors(wasm_plugin) == []
 
@@ -267,8 +373,7 @@ def test_istio_validator_rejects_broken_copies():
     assert any("listner" in e for e in istio_errors(envoy_filter))
 
 
-def test_kubernetes_validator_rejects_broken_copies():
-    objs = objects()
+def test_kubernetes_validator_rejects_broken_copies(objs, rendered):
     deployment = copy.deepcopy(objs["Deployment"])
     deployment["spec"]["replica"] = deployment["spec"].pop("replicas")
     assert any("replica" in e for e in kubernetes_errors(deployment))
@@ -281,6 +386,222 @@ def test_kubernetes_validator_rejects_broken_copies():
     pdb["spec"]["minAvailable"] = [1]
     assert kubernetes_errors(pdb)
 
+    secret = copy.deepcopy(objs["Secret"])
+    secret["dat"] = secret.pop("data")
+    assert any("dat" in e for e in kubernetes_errors(secret))
+
+    claim = copy.deepcopy(by_kind(rendered[LEDGER_SQLITE])["PersistentVolumeClaim"])
+    claim["spec"]["accessMode"] = claim["spec"].pop("accessModes")
+    assert kubernetes_errors(claim)
+
+
+def test_kustomize_refuses_a_patch_whose_base_moved(tmp_path):
+    """The SQLite overlay replaces env and volume entries by position; its `test` operations make
+    the render fail when the base's order changes, rather than overwrite another entry (here:
+    one more variable before ATMOST_STORE would put ATMOST_ADMIN_TOKEN where it was)."""
+    tree = tmp_path / "istio"
+    shutil.copytree(ISTIO_DIR, tree, ignore=shutil.ignore_patterns("ledger.env"))
+    deployment = tree / "ledger" / "deployment.yaml"
+    text = deployment.read_text()
+    anchor = "        - name: RUST_LOG\n          value: info\n"
+    assert text.count(anchor) == 1
+    deployment.write_text(text.replace(anchor, anchor + "        - name: ATMOST_PG_POOL_SIZE\n          value: \"8\"\n"))
+    assert kustomize(tree / "ledger")  # the base itself still renders
+    result = subprocess.run([KUBECTL, "kustomize", str(tree / LEDGER_SQLITE)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0 and "/spec/template/spec/containers/0/env/5/name" in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------- images by digest
+
+
+def ledger_container(docs: list[dict]) -> dict:
+    deployment = by_kind(docs)["Deployment"]
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+@pytest.mark.parametrize("kustomization", [LEDGER_POSTGRES, LEDGER_SQLITE])
+def test_ledger_overlays_pin_the_built_image_by_digest(rendered, kustomization):
+    image = ledger_container(rendered[kustomization])["image"]
+    name, _, digest = image.partition("@")
+    assert digest == built()["ledger"], f"{image} is not the image `make oci` built"
+    assert name == "registry.example.com/atmost/atmost-ledger" and ":" not in name, "by digest, no tag"
+
+
+def test_the_ledger_base_leaves_the_image_to_an_overlay(rendered):
+    assert ledger_container(rendered["ledger"])["image"] == "atmost-ledger"
+
+
+@pytest.mark.parametrize("kustomization", [AGENT_ENVOYFILTER, AGENT_WASMPLUGIN])
+def test_agent_overlays_pin_the_built_filter_by_digest(rendered, kustomization):
+    url, sha256 = filter_image(by_kind(rendered[kustomization]))
+    hex_digest = built()["filter"].split(":")[1]
+    assert url == f"oci://registry.example.com/atmost/atmost-filter@sha256:{hex_digest}"
+    assert sha256 == hex_digest
+
+
+def filter_image(kinds: dict[str, dict]) -> tuple[str, str]:
+    """(oci:// URL, hex sha256) of the filter image an agent's object refers to."""
+    if "WasmPlugin" in kinds:
+        spec = kinds["WasmPlugin"]["spec"]
+        return spec["url"], spec["sha256"]
+    ext, _ = envoyfilter_parts(kinds)
+    remote = ext["patch"]["value"]["typed_config"]["config"]["vm_config"]["code"]["remote"]
+    return remote["http_uri"]["uri"], remote["sha256"]
+
+
+@pytest.mark.parametrize("base", ["agent-envoyfilter", "agent-wasmplugin"])
+def test_agent_bases_carry_a_placeholder_no_pod_matches(rendered, base):
+    kinds = by_kind(rendered[base])
+    url, sha256 = filter_image(kinds)
+    assert sha256 == "0" * 64 and url.endswith("@sha256:" + "0" * 64)
+    assert selector_of(next(iter(kinds.values()))) == {AGENT_LABEL: "per-agent-overlay"}
+
+
+def test_deployment_runs_the_image_as_built(objs):
+    """The Deployment relies on the image's own entrypoint, user, data directory (a volume) and
+    listen address, and on nothing writable but that volume."""
+    config = ledger_image_config()
+    pod = objs["Deployment"]["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert "command" not in container and container["args"] == ["ledger"]
+    assert config["Entrypoint"] == ["/usr/local/bin/atmost"] and config["Cmd"] == ["ledger"]
+    assert config["User"] == f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    image_env = dict(e.split("=", 1) for e in config["Env"])
+    assert env["ATMOST_DATA_DIR"] == image_env["ATMOST_DATA_DIR"]
+    assert [m["mountPath"] for m in container["volumeMounts"]] == [env["ATMOST_DATA_DIR"]]
+    assert list(config["Volumes"]) == [env["ATMOST_DATA_DIR"]]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    port = int(env["ATMOST_LISTEN"].rsplit(":", 1)[1])
+    assert [p["containerPort"] for p in container["ports"]] == [port]
+    assert f"{port}/tcp" in config["ExposedPorts"]
+
+
+# ---------------------------------------------------------------- the per-agent selector
+
+
+def selector_of(doc: dict) -> dict:
+    if doc["kind"] == "WasmPlugin":
+        return doc["spec"]["selector"]["matchLabels"]
+    return doc["spec"]["workloadSelector"]["labels"]
+
+
+@pytest.mark.parametrize("kustomization", [AGENT_ENVOYFILTER, AGENT_WASMPLUGIN])
+def test_agent_overlay_selects_one_agents_pods(rendered, kustomization):
+    [doc] = rendered[kustomization]
+    assert selector_of(doc) == {AGENT_LABEL: AGENT_NAME}
+    # One object per agent: the name carries the agent, so overlays for two agents coexist.
+    assert doc["metadata"]["name"] == f"atmost-{AGENT_NAME}"
+    assert doc["metadata"]["namespace"] == "agents"
+
+
+# ---------------------------------------------------------------- the ledger's store
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container["env"]}
+
+
+def test_postgres_overlay_runs_replicas_on_one_store_from_a_generated_secret(rendered, ledger_env):
+    kinds = by_kind(rendered[LEDGER_POSTGRES])
+    deployment = kinds["Deployment"]["spec"]
+    assert deployment["replicas"] >= 2
+    assert 1 <= kinds["PodDisruptionBudget"]["spec"]["minAvailable"] < deployment["replicas"]
+    secret = kinds["Secret"]
+    assert secret["metadata"]["namespace"] == kinds["Deployment"]["metadata"]["namespace"]
+    # Generated from ledger.env, under a name that changes with its contents.
+    assert re.fullmatch(r"atmost-ledger-[a-z0-9]{10}", secret["metadata"]["name"])
+    assert {k: base64.b64decode(v).decode() for k, v in secret["data"].items()} == ledger_env
+    env = env_of(ledger_container(rendered[LEDGER_POSTGRES]))
+    for key, name in LEDGER_SECRET_KEYS.items():
+        assert env[name]["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": key}
+
+
+def test_sqlite_overlay_runs_one_replica_on_a_volume_with_an_existing_secret(rendered):
+    kinds = by_kind(rendered[LEDGER_SQLITE])
+    deployment = kinds["Deployment"]["spec"]
+    assert deployment["replicas"] == 1
+    assert deployment["strategy"] == {"type": "Recreate"}, "never two pods on one SQLite file"
+    assert "minAvailable" not in kinds["PodDisruptionBudget"]["spec"], "a single replica must not block drains"
+    container = ledger_container(rendered[LEDGER_SQLITE])
+    env = env_of(container)
+    assert env["ATMOST_STORE"] == {"name": "ATMOST_STORE", "value": "sqlite"}
+    claim = kinds["PersistentVolumeClaim"]
+    volumes = {v["name"]: v for v in deployment["template"]["spec"]["volumes"]}
+    [mount] = container["volumeMounts"]
+    assert volumes[mount["name"]]["persistentVolumeClaim"] == {"claimName": claim["metadata"]["name"]}
+    assert mount["mountPath"] == env["ATMOST_DATA_DIR"]["value"]
+    assert claim["metadata"]["namespace"] == kinds["Deployment"]["metadata"]["namespace"]
+    # No Secret in the rendering: the tokens come from the one the operator created.
+    for name in ("ATMOST_SERVICE_TOKEN", "ATMOST_ADMIN_TOKEN"):
+        assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "atmost-ledger"
+
+
+# ---------------------------------------------------------------- secrets are never literals
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_credentials_come_from_a_secret(rendered, kustomization):
+    for doc in rendered[kustomization]:
+        if doc["kind"] != "Deployment":
+            continue
+        env = env_of(doc["spec"]["template"]["spec"]["containers"][0])
+        for name in ("ATMOST_SERVICE_TOKEN", "ATMOST_ADMIN_TOKEN"):
+            assert "value" not in env[name], f"{name} must not be a literal"
+            ref = env[name]["valueFrom"]["secretKeyRef"]
+            assert ref["name"].startswith("atmost-ledger") and ref["key"] and not ref.get("optional", False)
+
+
+def test_no_committed_file_holds_a_secret():
+    """No store URL and no generator literal in any file under envoy/istio/ (ledger.env, where
+    the operator puts them, is ignored by git)."""
+    tracked = subprocess.run(["git", "ls-files", "envoy/istio"], capture_output=True, text=True, cwd=ROOT,
+                             timeout=30).stdout.split()
+    assert tracked
+    for rel in tracked:
+        text = (ROOT / rel).read_text()
+        assert not re.search(r"postgres(ql)?://[^\s/@]+:[^\s/@]+@", text), f"{rel}: a store URL with a password"
+        assert "literals:" not in text, f"{rel}: a secretGenerator literal"
+        assert not rel.endswith("ledger.env"), f"{rel}: committed secrets"
+    ignored = subprocess.run(["git", "check-ignore", "-q", f"envoy/istio/{LEDGER_POSTGRES}/ledger.env"],
+                             cwd=ROOT, timeout=30)
+    assert ignored.returncode == 0, "ledger.env must be ignored by git"
+
+
+def host_env_keys_of(wasm_plugin_spec: dict) -> list[str]:
+    """What istiod makes of a WasmPlugin's vmConfig.env for the VM's host_env_keys: the names whose
+    valueFrom is HOST, in order (Istio source, pilot/pkg/model/extensions.go, buildVMConfig)."""
+    return [e["name"] for e in wasm_plugin_spec.get("vmConfig", {}).get("env", []) if e.get("valueFrom") == "HOST"]
+
+
+def plugin_configs(doc: dict) -> list[dict]:
+    """The filter's plugin configuration(s) an Istio object carries."""
+    if doc["kind"] == "WasmPlugin":
+        return [doc["spec"]["pluginConfig"]]
+    if doc["kind"] == "EnvoyFilter":
+        return [json.loads(p["patch"]["value"]["typed_config"]["config"]["configuration"]["value"])
+                for p in doc["spec"]["configPatches"] if p["applyTo"] == "EXTENSION_CONFIG"]
+    return []
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_no_agent_object_carries_a_filter_secret(rendered, kustomization):
+    """Not in place either: the filter's secrets are not rendered into Istio objects (whoever may
+    `get` those, or read /config_dump, would read them)."""
+    for doc in rendered[kustomization]:
+        for plugin in plugin_configs(doc):
+            assert "service_token" not in plugin.get("ledger", {}), f"{kustomization}: in-place service_token"
+            assert "secret" not in plugin.get("upstream_key", {}), f"{kustomization}: in-place upstream_key.secret"
+
+
+def test_secret_checks_see_the_plugin_configs(objs):
+    """The check above would find an in-place secret in both the WasmPlugin and the EnvoyFilter."""
+    assert len(plugin_configs(objs["WasmPlugin"])) == 1 and len(plugin_configs(objs["EnvoyFilter"])) == 1
+    for kind in ("WasmPlugin", "EnvoyFilter"):
+        assert all("service_token_env" in p["ledger"] for p in plugin_configs(objs[kind]))
+
 
 # ---------------------------------------------------------------- what the rollout needs
 
@@ -290,8 +611,7 @@ def ledger_cluster(objs) -> tuple[str, int]:
     return entry["hosts"][0], entry["ports"][0]["number"]
 
 
-def test_wasmplugin_is_per_agent_fail_closed_and_complete():
-    objs = objects()
+def test_wasmplugin_is_per_agent_fail_closed_and_complete(objs):
     spec = objs["WasmPlugin"]["spec"]
     assert spec["failStrategy"] == "FAIL_CLOSE"
     assert spec["selector"]["matchLabels"].get(AGENT_LABEL), "the plugin must select one agent's pods"
@@ -315,42 +635,6 @@ def test_wasmplugin_is_per_agent_fail_closed_and_complete():
     assert spec["vmConfig"] == {"env": [{"name": name, "valueFrom": "HOST"} for name in SECRET_ENV]}
 
 
-def host_env_keys_of(wasm_plugin_spec: dict) -> list[str]:
-    """What istiod makes of a WasmPlugin's vmConfig.env for the VM's host_env_keys: the names whose
-    valueFrom is HOST, in order (Istio source, pilot/pkg/model/extensions.go, buildVMConfig)."""
-    return [e["name"] for e in wasm_plugin_spec.get("vmConfig", {}).get("env", []) if e.get("valueFrom") == "HOST"]
-
-
-@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(ISTIO_DIR)))
-def test_no_agent_manifest_carries_a_filter_secret(path: Path):
-    """Neither a value nor a deploy-time placeholder for one: the filter's secrets are not
-    rendered into Istio objects (whoever may `get` those, or read /config_dump, would read them)."""
-    text = path.read_text()
-    for name in SECRET_ENV:
-        assert f"${{{name}}}" not in text and f"$({name})" not in text, f"{path}: {name} rendered in"
-    for plugin in plugin_configs(load(path)):
-        assert "service_token" not in plugin.get("ledger", {}), f"{path}: in-place service_token"
-        assert "secret" not in plugin.get("upstream_key", {}), f"{path}: in-place upstream_key.secret"
-
-
-def plugin_configs(doc: dict) -> list[dict]:
-    """The filter's plugin configuration(s) an Istio object carries."""
-    if doc["kind"] == "WasmPlugin":
-        return [doc["spec"]["pluginConfig"]]
-    if doc["kind"] == "EnvoyFilter":
-        return [json.loads(p["patch"]["value"]["typed_config"]["config"]["configuration"]["value"])
-                for p in doc["spec"]["configPatches"] if p["applyTo"] == "EXTENSION_CONFIG"]
-    return []
-
-
-def test_secret_checks_see_the_plugin_configs():
-    """The check above would find an in-place secret in both the WasmPlugin and the EnvoyFilter."""
-    objs = objects()
-    assert len(plugin_configs(objs["WasmPlugin"])) == 1 and len(plugin_configs(objs["EnvoyFilter"])) == 1
-    for kind in ("WasmPlugin", "EnvoyFilter"):
-        assert all("service_token_env" in p["ledger"] for p in plugin_configs(objs[kind]))
-
-
 def envoyfilter_parts(objs) -> tuple[dict, dict]:
     patches = objs["EnvoyFilter"]["spec"]["configPatches"]
     ext = next(p for p in patches if p["applyTo"] == "EXTENSION_CONFIG")
@@ -358,8 +642,7 @@ def envoyfilter_parts(objs) -> tuple[dict, dict]:
     return ext, http
 
 
-def test_envoyfilter_delivers_the_same_filter_with_stop_iteration():
-    objs = objects()
+def test_envoyfilter_delivers_the_same_filter_with_stop_iteration(objs):
     wasm_plugin = objs["WasmPlugin"]["spec"]
     ext, http = envoyfilter_parts(objs)
     assert objs["EnvoyFilter"]["spec"]["workloadSelector"]["labels"] == wasm_plugin["selector"]["matchLabels"]
@@ -387,10 +670,16 @@ def test_envoyfilter_delivers_the_same_filter_with_stop_iteration():
     assert http["patch"]["value"]["config_discovery"]["type_urls"] == [wasm["@type"]]
 
 
-def test_envoyfilter_wasm_config_passes_envoy_validate(tmp_path):
-    """The EnvoyFilter's Wasm config, with its code made local, loads in real Envoy."""
+def envoyfilter_kustomizations() -> list[str]:
+    return [k for k in KUSTOMIZATIONS if "envoyfilter" in k or k == AGENT_ENVOYFILTER]
+
+
+@pytest.mark.parametrize("kustomization", envoyfilter_kustomizations())
+def test_envoyfilter_wasm_config_passes_envoy_validate(rendered, kustomization, tmp_path):
+    """The Wasm config the rendered EnvoyFilter inserts, with its code made local, loads in real
+    Envoy (the filter's on_configure included)."""
     assert WASM.exists(), "build the filter first (make wasm)"
-    ext, _ = envoyfilter_parts(objects())
+    ext, _ = envoyfilter_parts(by_kind(rendered[kustomization]))
     wasm = copy.deepcopy(ext["patch"]["value"]["typed_config"])
     wasm["config"]["vm_config"]["code"] = {"local": {"filename": str(WASM)}}
     config = yaml.safe_load(EQUIVALENT_ENVOY.read_text())
@@ -406,8 +695,7 @@ def test_envoyfilter_wasm_config_passes_envoy_validate(tmp_path):
     assert result.returncode != 0 and "field `ledger.service_token_env`" in result.stdout + result.stderr
 
 
-def test_equivalent_envoy_config_mirrors_the_manifests():
-    objs = objects()
+def test_equivalent_envoy_config_mirrors_the_manifests(objs):
     config = yaml.safe_load(EQUIVALENT_ENVOY.read_text())
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     wasm = next(f for f in hcm["http_filters"] if f["name"] == "atmost")["typed_config"]["config"]
@@ -430,11 +718,10 @@ def test_envoy_config_suite_picks_up_only_the_equivalent_config():
     from tests.e2e.test_envoy_configs import SHIPPED
 
     assert EQUIVALENT_ENVOY in SHIPPED
-    assert not set(MANIFESTS) & set(SHIPPED)
+    assert [p for p in SHIPPED if p.is_relative_to(ISTIO_DIR)] == [EQUIVALENT_ENVOY]
 
 
-def test_mcp_routes_have_no_retries():
-    objs = objects()
+def test_mcp_routes_have_no_retries(objs):
     vs = objs["VirtualService"]["spec"]
     ports = {p["number"] for m in objs["WasmPlugin"]["spec"]["match"] for p in m["ports"]}
     assert vs["http"], "routes expected"
@@ -443,10 +730,11 @@ def test_mcp_routes_have_no_retries():
         for destination in route["route"]:
             assert destination["destination"]["host"] in vs["hosts"]
             assert destination["destination"]["port"]["number"] in ports
+    # The agents' namespace: where the per-agent overlays put the filter.
+    assert objs["VirtualService"]["metadata"]["namespace"] == objs["EnvoyFilter"]["metadata"]["namespace"]
 
 
-def test_networkpolicy_admits_only_sidecars_and_admins():
-    objs = objects()
+def test_networkpolicy_admits_only_sidecars_and_admins(objs):
     policy = objs["NetworkPolicy"]["spec"]
     pod_labels = objs["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert policy["policyTypes"] == ["Ingress"]
@@ -467,15 +755,12 @@ def test_networkpolicy_admits_only_sidecars_and_admins():
     assert admins["from"] == [{"podSelector": {"matchLabels": {"atmost.dev/role": "ledger-admin"}}}]
 
 
-def test_ledger_deployment_service_and_pdb():
-    objs = objects()
+def test_ledger_deployment_service_and_pdb(objs):
     deployment = objs["Deployment"]["spec"]
     pod_labels = deployment["template"]["metadata"]["labels"]
-    assert deployment["replicas"] >= 2
 
     pdb = objs["PodDisruptionBudget"]["spec"]
     assert pdb["selector"]["matchLabels"].items() <= pod_labels.items()
-    assert 1 <= pdb["minAvailable"] < deployment["replicas"]
 
     service = objs["Service"]["spec"]
     assert service["clusterIP"] == "None", "headless Service"
@@ -496,22 +781,7 @@ def test_ledger_deployment_service_and_pdb():
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
 
 
-def test_ledger_credentials_and_store_come_from_a_secret():
-    objs = objects()
-    env = {e["name"]: e for e in objs["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]}
-    for name in ("ATMOST_SERVICE_TOKEN", "ATMOST_ADMIN_TOKEN", "ATMOST_STORE"):
-        assert "value" not in env[name], f"{name} must not be a literal"
-        ref = env[name]["valueFrom"]["secretKeyRef"]
-        assert ref["name"] == "atmost-ledger" and ref["key"]
-        assert not ref.get("optional", False)
-    for path in MANIFESTS:
-        parsed = json.dumps(load(path))
-        assert "postgres://" not in parsed, f"{path}: a store URL belongs in the Secret"
-
-
-# ---------------------------------------------------------------- how the secrets reach the sidecar (docs/istio.md)
-
-ISTIO_DOC = ROOT / "docs" / "istio.md"
+# ---------------------------------------------------------------- docs/istio.md
 
 
 def istio_doc_section(title: str) -> str:
@@ -521,7 +791,48 @@ def istio_doc_section(title: str) -> str:
     return text[start:end if end != -1 else len(text)]
 
 
-def test_istio_doc_proxy_entry_feeds_the_variables_the_manifests_name():
+def test_rollout_steps_render_and_apply_the_kustomizations():
+    """The rollout applies with `kubectl apply -k` and looks with `kubectl kustomize`, naming
+    kustomizations that exist; nothing is piped through envsubst any more."""
+    steps = istio_doc_section("Adding atmost to an existing Istio mesh")
+    applied = re.findall(r"kubectl apply -k (envoy/istio/\S+)", steps)
+    looked = re.findall(r"kubectl kustomize (envoy/istio/\S+)", steps)
+    assert applied and looked
+    for path in applied + looked:
+        assert path.removeprefix("envoy/istio/").rstrip("/") in KUSTOMIZATIONS, path
+    assert {AGENT_NAMESPACE, AGENT_ENVOYFILTER} <= {p.removeprefix("envoy/istio/").rstrip("/") for p in applied}
+    assert any(p.removeprefix("envoy/istio/").rstrip("/") in (LEDGER_POSTGRES, LEDGER_SQLITE) for p in applied)
+    assert "envsubst" not in ISTIO_DOC.read_text()
+    assert "kubectl apply -f envoy/istio" not in ISTIO_DOC.read_text()
+
+
+def test_rollout_steps_write_the_digests_where_the_test_puts_them(tmp_path):
+    """Step 0's commands put the digests `make oci` printed into the overlays, as set_digests does
+    here: run them on a copy and compare."""
+    steps = istio_doc_section("Adding atmost to an existing Istio mesh")
+    [block] = [b for b in re.findall(r"```sh\n(.*?)```", steps, re.S) if "sed -i" in b]
+    commands = [line for line in block.splitlines() if line.startswith("sed -i")]
+    assert len(commands) == 2, commands
+    by_docs, by_test = tmp_path / "docs", tmp_path / "test"
+    for tree in (by_docs, by_test):
+        (tree / "target" / "oci").mkdir(parents=True)
+        shutil.copytree(ISTIO_DIR, tree / "envoy" / "istio", ignore=shutil.ignore_patterns("ledger.env"))
+        for name in ("atmost-ledger", "atmost-filter"):
+            shutil.copy(OCI_DIR / f"{name}.digest", tree / "target" / "oci")
+    for command in commands:
+        result = subprocess.run(["bash", "-ec", command], cwd=by_docs, capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, result.stderr
+    set_digests(by_test / "envoy" / "istio", built()["ledger"], built()["filter"])
+    changed = 0
+    for path in (by_test / "envoy" / "istio").rglob("*"):
+        if path.is_file():
+            assert path.read_bytes() == (by_docs / path.relative_to(by_test)).read_bytes(), path
+            changed += path.read_bytes() != (ISTIO_DIR / path.relative_to(by_test / "envoy" / "istio")).read_bytes()
+    # Both store overlays and both agent overlays got the digests.
+    assert changed == 4
+
+
+def test_istio_doc_proxy_entry_feeds_the_variables_the_manifests_name(objs):
     """docs/istio.md's `istio-proxy` container entry is a valid container (strict Kubernetes schema,
     inside a Deployment of the agent), sets exactly the variables the WasmPlugin and EnvoyFilter
     name, each from a key of the Secret the rollout steps create."""
@@ -536,7 +847,6 @@ def test_istio_doc_proxy_entry_feeds_the_variables_the_manifests_name():
                       "spec": {"containers": [{"name": "agent", "image": "registry.example.com/agent:1"}, container]}}}}
     assert kubernetes_errors(deployment) == []
     assert [e["name"] for e in container["env"]] == SECRET_ENV
-    objs = objects()
     assert host_env_keys_of(objs["WasmPlugin"]["spec"]) == SECRET_ENV
     ext, _ = envoyfilter_parts(objs)
     vm_config = ext["patch"]["value"]["typed_config"]["config"]["vm_config"]
