@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.stack import ROOT, WASM, free_port, http_get, wait_until
+from tests.support.stack import ROOT, WASM, ProcessExited, free_port, http_get, wait_until
 
 SCRIPT = ROOT / "scripts" / "oci_image.py"
 OCI_DIR = ROOT / "target" / "oci"
@@ -349,7 +349,7 @@ def test_unpacked_ledger_serves_on_sqlite_from_a_read_only_root(spec, tmp_path):
     try:
         def ready():
             if proc.poll() is not None:
-                raise AssertionError(f"ledger exited {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+                raise ProcessExited(f"ledger exited {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
             return http_get(f"http://127.0.0.1:{port}/readyz")[0] == 200
 
         wait_until(ready, 30, f"the unpacked image's ledger on port {port}")
