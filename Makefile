@@ -1,8 +1,7 @@
 # atmost: `make run` starts the demo gateway, `make test` runs every suite.
 # Both install what they need: the wasm32-wasip1 target and a project-local virtualenv
 # (`make run` the packages of requirements.txt; the tests those of requirements-test.txt,
-# plus Debian's skopeo, umoci, kubernetes-client (kubectl), musl-tools and golang-go, and the
-# x86_64-unknown-linux-musl target for the ledger image).
+# plus Debian's skopeo, umoci, kubernetes-client (kubectl) and golang-go).
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -11,7 +10,7 @@ VPY := $(VENV)/bin/python
 WASM := target/wasm32-wasip1/wasm/atmost_filter.wasm
 CARGO ?= cargo
 
-.PHONY: oci-tools k8s-tools static-setup ledger-static
+.PHONY: oci-tools k8s-tools
 .PHONY: all run test model-check test-unit test-e2e test-faults lint fmt ts-deps wasm ledger ledger-release setup setup-run rust-setup venv venv-test clean oci
 
 all: wasm ledger-release
@@ -19,7 +18,7 @@ all: wasm ledger-release
 # What `make run` (and `make bench`) needs; `setup` is what the suites need on top.
 setup-run: rust-setup venv
 
-setup: setup-run venv-test oci-tools k8s-tools static-setup go-tools
+setup: setup-run venv-test oci-tools k8s-tools go-tools
 
 # Go (Debian's golang-go) builds tests/support/go_upstream, an encoding/json upstream for the
 # parser-differential tests; standard library only, so it builds offline.
@@ -43,12 +42,6 @@ oci-tools:
 # packages it as kubernetes-client (kubectl 1.20); a kubectl already on PATH is used as it is.
 k8s-tools:
 	@command -v kubectl >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq kubernetes-client; }
-
-# The ledger image's binary is statically linked against musl; its C parts (SQLite, ring,
-# mimalloc) build with Debian's musl-gcc (musl-tools).
-static-setup:
-	@rustup target list --installed 2>/dev/null | grep -qx x86_64-unknown-linux-musl || rustup target add x86_64-unknown-linux-musl
-	@command -v musl-gcc >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq musl-tools; }
 
 rust-setup:
 	@rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
@@ -80,22 +73,17 @@ wasm: rust-setup
 	$(CARGO) build --profile wasm --target wasm32-wasip1 -p atmost-filter
 
 ## The filter and the ledger as OCI images, built with umoci, reproducible (docs/istio.md): for NAME
-## atmost-filter (Istio's compat variant: one layer with plugin.wasm) and atmost-ledger (the
-## static `atmost`, CA certificates, user 65532): target/oci/NAME/ (OCI layout), NAME.tar, NAME.digest.
-STATIC_LEDGER := target/x86_64-unknown-linux-musl/release/atmost
-
-oci: wasm ledger-static oci-tools
+## atmost-filter (Istio's compat variant: one layer with plugin.wasm) and atmost-ledger (the release
+## `atmost` and exactly the libraries it loads, CA certificates, user 65532): target/oci/NAME/
+## (OCI layout), NAME.tar, NAME.digest.
+oci: wasm ledger-release oci-tools
 	$(PYTHON) scripts/oci_image.py --out target/oci filter --wasm $(WASM)
-	$(PYTHON) scripts/oci_image.py --out target/oci ledger --binary $(STATIC_LEDGER)
+	$(PYTHON) scripts/oci_image.py --out target/oci ledger --binary target/release/atmost
 	@# A standard OCI tool must read each image and see the same manifest digest.
 	@for name in atmost-filter atmost-ledger; do \
 		test "$$(skopeo inspect --format '{{.Digest}}' oci:target/oci/$$name)" = "$$(cat target/oci/$$name.digest)" || \
 			{ echo "oci: skopeo reads another digest for $$name" >&2; exit 1; }; \
 	done
-
-## The ledger for the image: release profile, x86_64-unknown-linux-musl, statically linked.
-ledger-static: static-setup
-	$(CARGO) build --release --target x86_64-unknown-linux-musl -p atmost-ledger
 
 ledger:
 	$(CARGO) build -p atmost-ledger

@@ -2,7 +2,7 @@
 """Builds atmost's two OCI images with umoci (Debian's `umoci`), reproducibly (`make oci`).
 
   scripts/oci_image.py filter --wasm target/wasm32-wasip1/wasm/atmost_filter.wasm
-  scripts/oci_image.py ledger --binary target/x86_64-unknown-linux-musl/release/atmost
+  scripts/oci_image.py ledger --binary target/release/atmost
 
 Each writes, under --out (default target/oci), for NAME atmost-filter or atmost-ledger:
 
@@ -14,9 +14,12 @@ Each writes, under --out (default target/oci), for NAME atmost-filter or atmost-
 
 The filter image is the Wasm image spec's "compat" variant: an ordinary OCI image whose single
 tar+gzip layer holds one file, `plugin.wasm` (istio-agent takes plugin.wasm from the image's
-last layer). The ledger image is one layer: the statically linked `atmost` binary, Debian's
-CA certificates for PostgreSQL TLS, passwd/group files naming the user 65532 it runs as, an
-empty data directory owned by that user (a volume) and /tmp; no shell, no package manager.
+last layer). The ledger image is one layer: the `atmost` binary (`make ledger-release`) and
+exactly the shared libraries it loads (as the system's dynamic loader resolves them, `ldd`:
+glibc's loader, libc, libm, libgcc_s, taken from this machine's Debian packages), Debian's CA
+certificates for PostgreSQL TLS, passwd/group files naming the user 65532 it runs as,
+nsswitch.conf, an empty data directory owned by that user (a volume) and /tmp; no shell, no
+package manager.
 
 Who does what: GNU tar writes each layer's tar from a staging directory with fixed metadata
 (names sorted, mtime SOURCE_DATE_EPOCH, numeric owners, no user or group names); umoci makes
@@ -40,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "target" / "oci"
 DEFAULT_WASM = ROOT / "target" / "wasm32-wasip1" / "wasm" / "atmost_filter.wasm"
-DEFAULT_BINARY = ROOT / "target" / "x86_64-unknown-linux-musl" / "release" / "atmost"
+DEFAULT_BINARY = ROOT / "target" / "release" / "atmost"
 
 # The ledger image's user (the Deployment's runAsUser) and where things go in it.
 LEDGER_UID = 65532
@@ -152,8 +155,39 @@ def ca_certificates() -> tuple[bytes, str]:
     return bundle, package_version
 
 
+def shared_libraries(binary: Path) -> list[str]:
+    """The absolute paths of the shared objects `binary` loads, its dynamic loader included, as
+    this machine's loader resolves them (`ldd`); empty for a statically linked binary."""
+    result = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"})
+    if "not a dynamic executable" in result.stdout + result.stderr or "statically linked" in result.stdout:
+        return []
+    if result.returncode != 0:
+        raise BuildError(f"ldd {binary}: {result.stderr.strip()}")
+    paths = []
+    for line in result.stdout.splitlines():
+        name, arrow, resolved = line.strip().partition("=>")
+        path = (resolved if arrow else name).split("(")[0].strip()
+        if arrow and not path.startswith("/"):
+            raise BuildError(f"{binary} needs {name.strip()}, which the loader does not find ({path})")
+        if path.startswith("/"):  # not linux-vdso.so.1, which the kernel maps
+            paths.append(path)
+    return sorted(paths)
+
+
+def owning_package(path: str) -> str:
+    """`package version` of the Debian package that installed `path`."""
+    try:
+        package = run(["dpkg-query", "--search", path]).split(":")[0]
+        package_version = run(["dpkg-query", "--show", "--showformat=${Version}", package])
+    except (BuildError, FileNotFoundError) as e:
+        raise BuildError(f"{path} belongs to no Debian package: {e}") from e
+    return f"{package} {package_version}"
+
+
 def build_ledger(binary: Path, out: Path, tag: str, epoch: int) -> dict:
     bundle, ca_version = ca_certificates()
+    libraries = shared_libraries(binary)
+    packages = sorted({owning_package(path) for path in libraries})
     with tempfile.TemporaryDirectory(prefix="oci-ledger-") as tmp:
         stage = Path(tmp) / "rootfs"
         files = {
@@ -162,7 +196,13 @@ def build_ledger(binary: Path, out: Path, tag: str, epoch: int) -> dict:
             "etc/passwd": (f"root:x:0:0:root:/root:/sbin/nologin\n"
                            f"atmost:x:{LEDGER_UID}:{LEDGER_UID}:atmost:/{LEDGER_DATA_DIR}:/sbin/nologin\n".encode(), 0o644),
             "etc/group": (f"root:x:0:\natmost:x:{LEDGER_UID}:\n".encode(), 0o644),
+            # Host names: /etc/hosts (which a container runtime provides) before DNS.
+            "etc/nsswitch.conf": (b"hosts: files dns\n", 0o644),
         }
+        # Each library at the path the loader found it under (the binary's interpreter at its
+        # PT_INTERP path), with the contents of the file that path leads to.
+        for path in libraries:
+            files[path.lstrip("/")] = (Path(path).read_bytes(), 0o755)
         for rel, (data, mode) in files.items():
             path = stage / rel
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -177,11 +217,12 @@ def build_ledger(binary: Path, out: Path, tag: str, epoch: int) -> dict:
         layer = Path(tmp) / "layer.tar"
         # Everything root's, except the data directory: the user's own (a volume mounted there
         # starts out as the image's directory in runtimes that copy it).
-        tar_layer(stage, layer, epoch, ["etc", "tmp", "usr", "var"], exclude=(LEDGER_DATA_DIR,))
+        top = sorted({rel.split("/")[0] for rel in files} | {"tmp", "var"})
+        tar_layer(stage, layer, epoch, top, exclude=(LEDGER_DATA_DIR,))
         tar_layer(stage, layer, epoch, [LEDGER_DATA_DIR], owner=LEDGER_UID, append=True)
         summary = make_image(
             "atmost-ledger", layer, out, tag, epoch,
-            f"atmost {tag} (static), {CA_PACKAGE} {ca_version}, user {LEDGER_UID}",
+            f"atmost {tag}, {', '.join(packages + [f'{CA_PACKAGE} {ca_version}'])}, user {LEDGER_UID}",
             ["--os", "linux", "--architecture", "amd64",
              "--config.user", f"{LEDGER_UID}:{LEDGER_UID}",
              "--config.entrypoint", f"/{LEDGER_BINARY}",
@@ -191,7 +232,7 @@ def build_ledger(binary: Path, out: Path, tag: str, epoch: int) -> dict:
              "--config.exposedports", "8081/tcp",
              "--config.volume", f"/{LEDGER_DATA_DIR}",
              "--config.workingdir", f"/{LEDGER_DATA_DIR}"])
-        summary["ca_certificates"] = ca_version
+        summary["packages"] = packages + [f"{CA_PACKAGE} {ca_version}"]
         return summary
 
 
@@ -205,12 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     filter_args.add_argument("--wasm", type=Path, default=DEFAULT_WASM, help="the filter (default: %(default)s)")
     ledger_args = images.add_parser("ledger", help="the ledger image (atmost-ledger)")
     ledger_args.add_argument("--binary", type=Path, default=DEFAULT_BINARY,
-                             help="the statically linked atmost binary (default: %(default)s)")
+                             help="the atmost binary (default: %(default)s)")
     args = parser.parse_args(argv)
 
     source = args.wasm if args.image == "filter" else args.binary
     if not source.is_file():
-        hint = "make wasm" if args.image == "filter" else "make ledger-static"
+        hint = "make wasm" if args.image == "filter" else "make ledger-release"
         print(f"oci: {source} not found; build it first ({hint})", file=sys.stderr)
         return 1
     epoch = int(os.environ.get("SOURCE_DATE_EPOCH", "0"))

@@ -7,15 +7,18 @@ the build tree or the host's files in sight (a chroot in a mount namespace of it
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -24,8 +27,7 @@ from tests.support.stack import ROOT, WASM, ProcessExited, free_port, http_get, 
 
 SCRIPT = ROOT / "scripts" / "oci_image.py"
 OCI_DIR = ROOT / "target" / "oci"
-LEDGER_BINARY = Path(os.environ.get("ATMOST_STATIC_BIN") or
-                     ROOT / "target" / "x86_64-unknown-linux-musl" / "release" / "atmost")
+LEDGER_BINARY = ROOT / "target" / "release" / "atmost"
 FILTER, LEDGER = "atmost-filter", "atmost-ledger"
 TAG = "0.1.0"
 UID = 65532
@@ -96,8 +98,7 @@ def test_make_oci_builds_both_images_with_umoci():
     result = subprocess.run(["make", "-n", "oci"], capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "scripts/oci_image.py --out target/oci filter" in result.stdout
-    assert "scripts/oci_image.py --out target/oci ledger" in result.stdout
-    assert "x86_64-unknown-linux-musl" in result.stdout
+    assert "scripts/oci_image.py --out target/oci ledger --binary target/release/atmost" in result.stdout
     script = SCRIPT.read_text()
     assert '"umoci", "raw", "add-layer"' in script and "tarfile" not in script and "gzip" not in script.split('"""')[2]
 
@@ -194,7 +195,7 @@ def test_skopeo_keeps_the_filter_digest_on_copy(filter_builds, tmp_path):
 
 @pytest.fixture(scope="module")
 def ledger_builds(tmp_path_factory):
-    assert LEDGER_BINARY.exists(), f"{LEDGER_BINARY} missing: build it first (make ledger-static)"
+    assert LEDGER_BINARY.exists(), f"{LEDGER_BINARY} missing: build it first (make ledger-release)"
     first, second = tmp_path_factory.mktemp("oci-l1"), tmp_path_factory.mktemp("oci-l2")
     return (build("ledger", LEDGER_BINARY, first), first), (build("ledger", LEDGER_BINARY, second), second)
 
@@ -216,7 +217,15 @@ def package_ca_bundle() -> bytes:
     return b"".join(data if data.endswith(b"\n") else data + b"\n" for data in (Path(c).read_bytes() for c in certs))
 
 
-def test_ledger_image_holds_the_binary_certificates_and_user_and_nothing_else(ledger_builds):
+def loaded_libraries(binary: Path) -> list[str]:
+    """What this machine's dynamic loader loads for `binary` (ldd), the loader included."""
+    result = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert "not found" not in result.stdout, result.stdout
+    return sorted(re.findall(r"(/\S+) \(0x[0-9a-f]+\)", result.stdout))
+
+
+def test_ledger_image_holds_the_binary_its_libraries_certificates_and_user_and_nothing_else(ledger_builds):
     (digest, out), _ = ledger_builds
     entry, manifest, config, [layer] = image_parts(out / LEDGER)
     assert entry["digest"] == digest and entry["annotations"]["org.opencontainers.image.ref.name"] == TAG
@@ -228,14 +237,22 @@ def test_ledger_image_holds_the_binary_certificates_and_user_and_nothing_else(le
     assert list(runtime["Volumes"]) == ["/var/lib/atmost"]
     assert "ATMOST_DATA_DIR=/var/lib/atmost" in runtime["Env"]
 
+    libraries = loaded_libraries(LEDGER_BINARY)
+    # glibc's loader, libc, libm, libgcc_s: nothing else is loaded (no NSS module, no libssl).
+    assert sorted(Path(p).name for p in libraries) == ["ld-linux-x86-64.so.2", "libc.so.6", "libgcc_s.so.1", "libm.so.6"]
     with tarfile.open(fileobj=io.BytesIO(layer)) as tar:
         members = {m.name.rstrip("/"): m for m in tar.getmembers()}
-        # No shell, no package manager, no libraries: exactly these.
-        assert sorted(members) == ["etc", "etc/group", "etc/passwd", "etc/ssl", "etc/ssl/certs",
-                                   "etc/ssl/certs/ca-certificates.crt", "tmp", "usr", "usr/local", "usr/local/bin",
-                                   "usr/local/bin/atmost", "var", "var/lib", "var/lib/atmost"]
+        files = {"etc/group", "etc/nsswitch.conf", "etc/passwd", "etc/ssl/certs/ca-certificates.crt",
+                 "usr/local/bin/atmost", *(p.lstrip("/") for p in libraries)}
+        directories = {str(parent) for f in files | {"var/lib/atmost"} for parent in Path(f).parents
+                       if str(parent) != "."}
+        # No shell, no package manager, no other file: exactly these.
+        assert set(members) == files | directories | {"tmp", "var/lib/atmost"}
+        assert {name for name, m in members.items() if m.isdir()} == directories | {"tmp", "var/lib/atmost"}
         assert tar.extractfile("usr/local/bin/atmost").read() == LEDGER_BINARY.read_bytes()
         assert members["usr/local/bin/atmost"].mode == 0o755
+        for library in libraries:
+            assert tar.extractfile(library.lstrip("/")).read() == Path(library).read_bytes(), library
         assert tar.extractfile("etc/ssl/certs/ca-certificates.crt").read() == package_ca_bundle()
         passwd = tar.extractfile("etc/passwd").read().decode()
         assert f"atmost:x:{UID}:{UID}:atmost:/var/lib/atmost:/sbin/nologin" in passwd.splitlines()
@@ -247,6 +264,12 @@ def test_ledger_image_holds_the_binary_certificates_and_user_and_nothing_else(le
             assert member.mtime == 0 and member.uname == member.gname == "", name
             if name != "var/lib/atmost":
                 assert (member.uid, member.gid) == (0, 0), name
+    # The packages those files come from, by version: what a rebuild must match.
+    packages = config["history"][0]["created_by"]
+    for package in ("libc6", "libgcc-s1", "ca-certificates"):
+        version = subprocess.run(["dpkg-query", "--show", "--showformat=${Version}", package], capture_output=True,
+                                 text=True, timeout=30, check=True).stdout
+        assert f"{package} {version}" in packages
 
 
 def test_ledger_ca_bundle_is_the_packages_not_this_machines(ledger_builds):
@@ -329,18 +352,18 @@ def test_unpacked_image_has_no_shell(spec):
         assert result.returncode == 127 and "No such file or directory" in result.stderr, (shell, result)
 
 
-def test_unpacked_ledger_serves_on_sqlite_from_a_read_only_root(spec, tmp_path):
+@contextlib.contextmanager
+def image_ledger(spec: dict, tmp_path: Path, env: dict[str, str] | None = None):
     """`atmost ledger` as the image starts it (entrypoint, command, environment, user), with only
-    the tokens and a loopback listen address added: it opens its SQLite store in the data
-    volume, answers /readyz with 200, and its process runs as 65532 with the image as its root."""
+    the tokens, a loopback listen address and `env` added, a fresh data volume; ready or failed.
+    Yields (process, port, data directory); checks afterwards that nothing was written to the root."""
     data = tmp_path / "data"
     data.mkdir(mode=0o700)
     os.chown(data, UID, UID)
     port = free_port()
-    env = process_env(spec, {"ATMOST_LISTEN": f"127.0.0.1:{port}",
-                             "ATMOST_SERVICE_TOKEN": "image-test-service-token",
-                             "ATMOST_ADMIN_TOKEN": "image-test-admin-token", "ATMOST_LOG_FORMAT": "text"})
-    assert env["ATMOST_DATA_DIR"] == "/var/lib/atmost"
+    env = process_env(spec, {"ATMOST_LISTEN": f"127.0.0.1:{port}", "ATMOST_SERVICE_TOKEN": "image-test-service-token",
+                             "ATMOST_ADMIN_TOKEN": "image-test-admin-token", "ATMOST_LOG_FORMAT": "text",
+                             **(env or {})})
     log = tmp_path / "ledger.log"
     before = tree_listing(Path(spec["root"]["path"]))
     with open(log, "wb") as out:
@@ -352,16 +375,8 @@ def test_unpacked_ledger_serves_on_sqlite_from_a_read_only_root(spec, tmp_path):
                 raise ProcessExited(f"ledger exited {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
             return http_get(f"http://127.0.0.1:{port}/readyz")[0] == 200
 
-        wait_until(ready, 30, f"the unpacked image's ledger on port {port}")
-        # The process: user and groups 65532 only, its root the unpacked image.
-        status = dict(line.split(":", 1) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines())
-        assert status["Uid"].split() == [str(UID)] * 4 and status["Gid"].split() == [str(UID)] * 4
-        assert status["Groups"].split() == [str(UID)]
-        assert os.readlink(f"/proc/{proc.pid}/root") == spec["root"]["path"]
-        assert Path(f"/proc/{proc.pid}/exe").resolve().name == "atmost"
-        # Its store is in the volume, owned by its user.
-        store = data / "atmost.sqlite3"
-        assert store.is_file() and store.stat().st_uid == UID
+        wait_until(ready, 30, f"the unpacked image's ledger on port {port} (log: {log})")
+        yield proc, port, data
     finally:
         proc.terminate()
         try:
@@ -371,6 +386,40 @@ def test_unpacked_ledger_serves_on_sqlite_from_a_read_only_root(spec, tmp_path):
             proc.wait(timeout=20)
     # Nothing was written into the image's root.
     assert tree_listing(Path(spec["root"]["path"])) == before
+
+
+def test_unpacked_ledger_serves_on_sqlite_from_a_read_only_root(spec, tmp_path):
+    """It opens its SQLite store in the data volume and answers /readyz with 200; the process runs
+    as 65532 with the unpacked image as its root."""
+    assert process_env(spec, {})["ATMOST_DATA_DIR"] == "/var/lib/atmost"
+    with image_ledger(spec, tmp_path) as (proc, port, data):
+        # The process: user and groups 65532 only, its root the unpacked image.
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines())
+        assert status["Uid"].split() == [str(UID)] * 4 and status["Gid"].split() == [str(UID)] * 4
+        assert status["Groups"].split() == [str(UID)]
+        assert os.readlink(f"/proc/{proc.pid}/root") == spec["root"]["path"]
+        assert Path(f"/proc/{proc.pid}/exe").resolve().name == "atmost"
+        # Its store is in the volume, owned by its user.
+        store = data / "atmost.sqlite3"
+        assert store.is_file() and store.stat().st_uid == UID
+
+
+def test_unpacked_ledger_serves_on_postgresql(spec, tmp_path):
+    """The same image on the PostgreSQL store (`make test`'s server, DATABASE_URL, loopback): it
+    creates its tables in a schema of its own and answers /readyz with 200; nothing in the volume."""
+    url = os.environ.get("DATABASE_URL", "").strip()
+    assert url, "DATABASE_URL is not set: `make test` provides it (scripts/with-postgres)"
+    schema = f"atmost_image_{uuid.uuid4().hex[:10]}"
+    try:
+        with image_ledger(spec, tmp_path, {"ATMOST_STORE": url, "ATMOST_PG_SCHEMA": schema}) as (_, port, data):
+            metrics = http_get(f"http://127.0.0.1:{port}/metrics")[1].decode()
+            assert "atmost_" in metrics
+            assert list(data.iterdir()) == []
+        tables = subprocess.run(["psql", url, "-Atc", f"SELECT count(*) FROM information_schema.tables "
+                                 f"WHERE table_schema = '{schema}'"], capture_output=True, text=True, timeout=30)
+        assert tables.returncode == 0 and int(tables.stdout) > 0, tables.stderr
+    finally:
+        subprocess.run(["psql", url, "-qc", f"DROP SCHEMA IF EXISTS {schema} CASCADE"], capture_output=True, timeout=30)
 
 
 def tree_listing(root: Path) -> list[tuple[str, int, int]]:
