@@ -8,6 +8,7 @@ the build tree or the host's files in sight (a chroot in a mount namespace of it
 from __future__ import annotations
 
 import contextlib
+import copy
 import gzip
 import hashlib
 import io
@@ -18,12 +19,14 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import urllib.parse
 import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.support.stack import ROOT, WASM, ProcessExited, free_port, http_get, wait_until
+from tests.support.tcp_proxy import PgTlsFront
 
 SCRIPT = ROOT / "scripts" / "oci_image.py"
 OCI_DIR = ROOT / "target" / "oci"
@@ -352,11 +355,10 @@ def test_unpacked_image_has_no_shell(spec):
         assert result.returncode == 127 and "No such file or directory" in result.stderr, (shell, result)
 
 
-@contextlib.contextmanager
-def image_ledger(spec: dict, tmp_path: Path, env: dict[str, str] | None = None):
-    """`atmost ledger` as the image starts it (entrypoint, command, environment, user), with only
-    the tokens, a loopback listen address and `env` added, a fresh data volume; ready or failed.
-    Yields (process, port, data directory); checks afterwards that nothing was written to the root."""
+def launch_image_ledger(spec: dict, tmp_path: Path, env: dict[str, str] | None = None):
+    """Starts `atmost ledger` as the image starts it (entrypoint, command, environment, user),
+    with only the tokens, a loopback listen address and `env` added, and a fresh data volume.
+    Returns (process, port, data directory, log file)."""
     data = tmp_path / "data"
     data.mkdir(mode=0o700)
     os.chown(data, UID, UID)
@@ -365,10 +367,27 @@ def image_ledger(spec: dict, tmp_path: Path, env: dict[str, str] | None = None):
                              "ATMOST_ADMIN_TOKEN": "image-test-admin-token", "ATMOST_LOG_FORMAT": "text",
                              **(env or {})})
     log = tmp_path / "ledger.log"
-    before = tree_listing(Path(spec["root"]["path"]))
     with open(log, "wb") as out:
         proc = subprocess.Popen(image_process(spec, data_dir=data), stdout=out, stderr=subprocess.STDOUT, env=env,
                                 cwd="/", start_new_session=True)
+    return proc, port, data, log
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=20)
+
+
+@contextlib.contextmanager
+def image_ledger(spec: dict, tmp_path: Path, env: dict[str, str] | None = None):
+    """The image's ledger (launch_image_ledger), once /readyz answers 200. Yields (process, port,
+    data directory); checks afterwards that nothing was written into the image's root."""
+    before = tree_listing(Path(spec["root"]["path"]))
+    proc, port, data, log = launch_image_ledger(spec, tmp_path, env)
     try:
         def ready():
             if proc.poll() is not None:
@@ -378,13 +397,7 @@ def image_ledger(spec: dict, tmp_path: Path, env: dict[str, str] | None = None):
         wait_until(ready, 30, f"the unpacked image's ledger on port {port} (log: {log})")
         yield proc, port, data
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=20)
-    # Nothing was written into the image's root.
+        stop(proc)
     assert tree_listing(Path(spec["root"]["path"])) == before
 
 
@@ -404,22 +417,83 @@ def test_unpacked_ledger_serves_on_sqlite_from_a_read_only_root(spec, tmp_path):
         assert store.is_file() and store.stat().st_uid == UID
 
 
-def test_unpacked_ledger_serves_on_postgresql(spec, tmp_path):
-    """The same image on the PostgreSQL store (`make test`'s server, DATABASE_URL, loopback): it
-    creates its tables in a schema of its own and answers /readyz with 200; nothing in the volume."""
+@pytest.fixture
+def database_url() -> str:
     url = os.environ.get("DATABASE_URL", "").strip()
     assert url, "DATABASE_URL is not set: `make test` provides it (scripts/with-postgres)"
+    return url
+
+
+@pytest.fixture
+def pg_schema(database_url):
     schema = f"atmost_image_{uuid.uuid4().hex[:10]}"
+    yield schema
+    subprocess.run(["psql", database_url, "-qc", f"DROP SCHEMA IF EXISTS {schema} CASCADE"], capture_output=True,
+                   timeout=30)
+
+
+def test_unpacked_ledger_serves_on_postgresql(spec, tmp_path, database_url, pg_schema):
+    """The same image on the PostgreSQL store (`make test`'s server, DATABASE_URL, loopback): it
+    creates its tables in a schema of its own and answers /readyz with 200; nothing in the volume."""
+    with image_ledger(spec, tmp_path, {"ATMOST_STORE": database_url, "ATMOST_PG_SCHEMA": pg_schema}) as (_, port, data):
+        assert "atmost_" in http_get(f"http://127.0.0.1:{port}/metrics")[1].decode()
+        assert list(data.iterdir()) == []
+    tables = subprocess.run(["psql", database_url, "-Atc", "SELECT count(*) FROM information_schema.tables "
+                             f"WHERE table_schema = '{pg_schema}'"], capture_output=True, text=True, timeout=30)
+    assert tables.returncode == 0 and int(tables.stdout) > 0, tables.stderr
+
+
+def make_certificate(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA of the test's own and a certificate for `localhost` it signed: (CA, cert, key)."""
+    ca_key, ca, key, csr, cert = (directory / n for n in ("ca.key", "ca.pem", "server.key", "server.csr", "server.pem"))
+    (directory / "san.cnf").write_text("subjectAltName=DNS:localhost\n")
+    for args in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1",
+                  "-subj", "/CN=atmost image test CA"],
+                 ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=localhost"],
+                 ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert, "-days", "1",
+                  "-extfile", directory / "san.cnf"]):
+        result = subprocess.run(["openssl", *map(str, args)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+    return ca, cert, key
+
+
+def test_unpacked_ledger_verifies_postgresql_tls_with_the_images_roots(spec, tmp_path, database_url, pg_schema):
+    """PostgreSQL over TLS (`sslmode=verify-full`, a server certificate for `localhost`), from
+    the unpacked image with no CA configured: the ledger checks the certificate against the
+    roots at the image's /etc/ssl/certs/ca-certificates.crt. Debian's roots do not include the
+    test's CA, so it refuses the server before the server sees a byte of the protocol; the same
+    unpacked image with that CA in the bundle's place connects and is ready."""
+    server = urllib.parse.urlsplit(database_url)
+    assert server.hostname in ("127.0.0.1", "localhost") and server.port, "a PostgreSQL server on loopback"
+    ca, cert, key = make_certificate(tmp_path)
+    front = PgTlsFront(server.port, str(cert), str(key)).start()
+    credentials = server.netloc.rsplit("@", 1)[0] + "@" if "@" in server.netloc else ""
+    store = (f"postgres://{credentials}localhost:{front.port}{server.path}"
+             "?sslmode=verify-full&hostaddr=127.0.0.1")
+    env = {"ATMOST_STORE": store, "ATMOST_PG_SCHEMA": pg_schema}
     try:
-        with image_ledger(spec, tmp_path, {"ATMOST_STORE": url, "ATMOST_PG_SCHEMA": schema}) as (_, port, data):
-            metrics = http_get(f"http://127.0.0.1:{port}/metrics")[1].decode()
-            assert "atmost_" in metrics
-            assert list(data.iterdir()) == []
-        tables = subprocess.run(["psql", url, "-Atc", f"SELECT count(*) FROM information_schema.tables "
-                                 f"WHERE table_schema = '{schema}'"], capture_output=True, text=True, timeout=30)
-        assert tables.returncode == 0 and int(tables.stdout) > 0, tables.stderr
+        (tmp_path / "refused").mkdir()
+        proc, _, _, log = launch_image_ledger(spec, tmp_path / "refused", env)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            stop(proc)
+        assert proc.returncode != 0
+        assert "UnknownIssuer" in log.read_text(errors="replace"), log.read_text(errors="replace")[-3000:]
+        assert front.handshakes == 0 and front.connection_count() >= 1
+
+        # The bundle's place, with the test's CA in it: a copy of the unpacked root.
+        trusting = copy.deepcopy(spec)
+        trusting["root"]["path"] = str(tmp_path / "rootfs")
+        shutil.copytree(spec["root"]["path"], trusting["root"]["path"], symlinks=True)
+        bundle = Path(trusting["root"]["path"]) / "etc/ssl/certs/ca-certificates.crt"
+        assert bundle.is_file(), "the image's bundle is where the ledger looks"
+        shutil.copyfile(ca, bundle)
+        (tmp_path / "trusted").mkdir()
+        with image_ledger(trusting, tmp_path / "trusted", env):
+            assert front.handshakes >= 1
     finally:
-        subprocess.run(["psql", url, "-qc", f"DROP SCHEMA IF EXISTS {schema} CASCADE"], capture_output=True, timeout=30)
+        front.stop()
 
 
 def tree_listing(root: Path) -> list[tuple[str, int, int]]:

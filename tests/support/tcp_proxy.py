@@ -4,11 +4,15 @@ Sits between Envoy and the MCP server. Modes:
 - `pass`: forwards both ways.
 - `cut_response`: forwards the request, lets the server answer, then closes the client
   side without passing the answer on: the tool ran, the response is lost.
+
+PgTlsFront puts PostgreSQL's TLS in front of a real PostgreSQL server.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
+import struct
 import threading
 
 
@@ -80,3 +84,35 @@ class TcpProxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+
+# PostgreSQL's SSLRequest: length 8, code 80877103; a server that speaks TLS answers "S".
+SSL_REQUEST = struct.pack("!ii", 8, 80877103)
+
+
+class PgTlsFront(TcpProxy):
+    """A PostgreSQL server with TLS, made of a real server without it: each connection must
+    begin with SSLRequest, is answered "S", completes a TLS handshake with `certfile`, and is
+    then relayed in plaintext to the server at the target. `handshakes` counts the completed
+    ones; a client that refuses the certificate never reaches the server."""
+
+    def __init__(self, target_port: int, certfile: str, keyfile: str, target_host: str = "127.0.0.1"):
+        super().__init__(target_port, target_host)
+        self._tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self._tls.load_cert_chain(certfile, keyfile)
+        self.handshakes = 0
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            client.settimeout(5)
+            if client.recv(len(SSL_REQUEST), socket.MSG_WAITALL) != SSL_REQUEST:
+                client.close()
+                return
+            client.sendall(b"S")
+            tls = self._tls.wrap_socket(client, server_side=True)
+        except (OSError, ssl.SSLError):
+            client.close()
+            return
+        with self._lock:
+            self.handshakes += 1
+        super()._serve(tls)
