@@ -310,8 +310,8 @@ def test_overlays_render_what_a_rollout_needs(rendered):
 
 
 def rendered_objects() -> list[tuple[str, int]]:
-    """(kustomization, index of an object in its rendering), for parametrizing: the counts
-    come from the files, a rendering that yields more or fewer fails test_objects_counted."""
+    """(kustomization, index of an object in its rendering), for parametrizing, by
+    expected_count; a rendering with more or fewer objects fails test_objects_counted."""
     return [(k, i) for k in KUSTOMIZATIONS for i in range(expected_count(k))]
 
 
