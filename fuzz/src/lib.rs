@@ -9,6 +9,7 @@
 pub mod call_state_machine;
 pub mod fingerprint;
 pub mod mcp_body;
+pub mod plain;
 pub mod plugin_config;
 pub mod plugin_config_structured;
 pub mod replay;

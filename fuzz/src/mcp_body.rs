@@ -14,7 +14,31 @@
 //! - the call's fingerprint can be computed;
 //! - `idempotency::parse_header_value` accepts only 1..=255 printable ASCII bytes, and a
 //!   quoted form of an accepted key decodes to the same key.
+//!
+//! And it compares the filter's reading with a plain `serde_json` reading ([`crate::plain`]),
+//! both ways, with no headers:
+//! - whatever `serde_json` reads as one well-formed `tools/call` (an object with
+//!   `"jsonrpc":"2.0"`, `"method"` exactly `"tools/call"`, a string or number `id`, a
+//!   `params` object with a string `name` and object or absent `arguments`) the filter
+//!   reads as that call, with the same id, name and arguments;
+//! - whatever the filter reads as a `tools/call` `serde_json` reads as the same call;
+//! - whatever the filter lets pass as another message (`Other`, `KeyedOther`) holds no
+//!   message whose `method` member, in any letter case, is `"tools/call"`.
+//!
+//! The same comparison runs on bodies one letter-case step away from the input (a member
+//! the gateway reads renamed, or twinned, in another letter case: [`plain::case_variants`]).
+//!
+//! The documented exceptions are refusals, never a pass: a body the filter refuses on
+//! purpose though `serde_json` reads it as a call must be refused with exactly the reason
+//! the plain reading shows, and every body showing one of them is refused:
+//! - an object names the same key twice (`serde_json` keeps the last): -32700;
+//! - two keys of one object are equal under Unicode simple case folding: -32700;
+//! - a member the gateway reads is spelled in another letter case (`"Method"`, `"Params"`,
+//!   `"ARGUMENTS"` in `params`, …): -32600;
+//! - `params._meta` names protocol version 2026-07-28 or later, whose calls must carry the
+//!   `Mcp-Method` and `Mcp-Name` headers, and none were sent: -32020.
 
+use crate::plain::{self, Repeat};
 use crate::util::assert_rpc_error;
 use atmost_filter::fingerprint::fingerprint;
 use atmost_filter::idempotency::{self, MAX_KEY_BYTES};
@@ -30,13 +54,22 @@ const KNOWN_CODES: [i64; 4] = [
 ];
 
 fn parse(body: &[u8], m: &Mirrored) -> Result<Message, i64> {
+    parse_with_message(body, m).map_err(|(code, _)| code)
+}
+
+/// Like [`parse`], keeping the refusal's message.
+fn parse_with_message(body: &[u8], m: &Mirrored) -> Result<Message, (i64, String)> {
     match mcp::parse(body, m) {
         Ok(msg) => Ok(msg),
         Err(reply) => {
             assert_eq!(reply.status, 400, "refusal is not HTTP 400: {reply:?}");
             let (_, code) = assert_rpc_error(&reply);
             assert!(KNOWN_CODES.contains(&code), "unknown code {code}");
-            Err(code)
+            let message = reply
+                .body_json()
+                .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+                .unwrap_or_default();
+            Err((code, message))
         }
     }
 }
@@ -134,8 +167,87 @@ fn check_idempotency_header(data: &[u8]) {
     }
 }
 
+/// The filter's reading (no headers) against the plain `serde_json` reading.
+fn compare_with_plain_reading(data: &[u8], filter: &Result<Message, (i64, String)>) {
+    let Some(v) = plain::read(data) else {
+        // What serde_json refuses the filter refuses too (it reads with serde_json).
+        assert!(
+            filter.is_err(),
+            "serde_json refuses the body, the filter read {filter:?}"
+        );
+        return;
+    };
+    let repeat = plain::repeated_key(data);
+    let misspelled = plain::misspelled_member(&v);
+    let plain_call = plain::as_call(&v);
+
+    // Every body showing a documented reason is refused for it, whatever else it holds.
+    match (&filter, repeat) {
+        (_, Repeat::None) => {}
+        (Err((rpc_code::PARSE_ERROR, m)), Repeat::Exact) if m.contains("same key twice") => {}
+        (Err((rpc_code::PARSE_ERROR, m)), Repeat::Folded) if m.contains("letter case") => {}
+        (r, rep) => panic!("an object repeats a key ({rep:?}); the filter answered {r:?}"),
+    }
+    if repeat == Repeat::None && misspelled {
+        match &filter {
+            Err((rpc_code::INVALID_REQUEST, m)) if m.contains("letter case") => {}
+            r => panic!("a member is spelled in another letter case; the filter answered {r:?}"),
+        }
+    }
+
+    match (filter, &plain_call) {
+        // Both read the same call.
+        (Ok(Message::ToolCall(c)), Some(p)) => {
+            assert_eq!(
+                (&c.id, &c.name, &c.arguments),
+                (&p.id, &p.name, &p.arguments),
+                "the filter and serde_json read different calls"
+            );
+        }
+        (Ok(Message::ToolCall(c)), None) => {
+            panic!("the filter reads a tools/call serde_json does not: {c:?}")
+        }
+        (Ok(m @ (Message::Other | Message::KeyedOther(_))), _) => {
+            assert!(
+                plain_call.is_none() && !plain::could_be_call(&v),
+                "the filter lets a tools/call pass as another message ({m:?})"
+            );
+        }
+        (Err(_), None) => {}
+        // A call serde_json reads is refused only for a documented reason.
+        (Err((code, message)), Some(p)) => {
+            let documented = match *code {
+                rpc_code::PARSE_ERROR => repeat != Repeat::None,
+                rpc_code::INVALID_REQUEST => misspelled,
+                rpc_code::HEADER_MISMATCH => requires_mirrored_headers(&v),
+                _ => false,
+            };
+            assert!(
+                documented,
+                "a tools/call serde_json reads ({p:?}) was refused without a documented reason: {code} {message}"
+            );
+        }
+    }
+}
+
+/// `params._meta` names a protocol version that mirrors method and name in headers.
+fn requires_mirrored_headers(v: &Value) -> bool {
+    v["params"]["_meta"][mcp::PROTOCOL_VERSION_META]
+        .as_str()
+        .is_some_and(|version| version >= MIRRORING_VERSION)
+}
+
 pub fn check(data: &[u8]) {
     check_idempotency_header(data);
+    compare_with_plain_reading(data, &parse_with_message(data, &Mirrored::default()));
+    if let Some(v) = plain::read(data) {
+        for variant in plain::case_variants(&v, 16) {
+            compare_with_plain_reading(
+                &variant,
+                &parse_with_message(&variant, &Mirrored::default()),
+            );
+        }
+    }
 
     let plain = parse(data, &Mirrored::default());
     assert_eq!(
