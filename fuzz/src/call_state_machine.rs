@@ -1,7 +1,22 @@
 //! `call_state_machine`: one request's state machine (`call::Call`, what runs per request
-//! in Envoy) driven by an arbitrary sequence of Envoy callbacks and ledger answers.
+//! in Envoy) driven by an arbitrary sequence of Envoy callbacks and ledger answers. Each
+//! step is carried out by the filter's own `effects::apply`, against a host that may
+//! refuse a request edit or fail to dispatch a callout, as Envoy may.
 //!
-//! Asserts, besides never panicking:
+//! The request side follows the order Envoy keeps (headers first and once, then the body in
+//! chunks until end of stream, then trailers if the request has them); the ledger's answers
+//! and the response come at any time after the headers, in any order; `on_log` ends it.
+//!
+//! The global property: a POST whose body a plain `serde_json` reading sees as a
+//! `tools/call` of a governed tool (or as anything a server could run as a `tools/call`
+//! without being one cleanly: see [`crate::plain`]) reaches the upstream only through one
+//! `ResumeRequest`, carried out in the callback of a ledger answer `dispatch` (HTTP 200) to
+//! that request's authorize callout, after its upstream key edit; before that every
+//! request callback returns `Pause`, whatever the callbacks and the host did. And a
+//! `dispatch` answer does resume the request, unless the host refused an edit, when the
+//! call is answered locally instead.
+//!
+//! Asserts besides, and besides never panicking:
 //! - after a local reply nothing else happens: no second reply, no resume, no callout;
 //! - `ResumeRequest` / `ResumeResponse` only come from a ledger answer (a callout
 //!   callback), `ResumeRequest` at most once and only after an authorize callout whose
@@ -16,12 +31,14 @@
 //! - at most one outcome report per dispatched attempt is handed to the root queue, and a
 //!   receipt-bearing report (`completed`, …) is never followed by `released`.
 
+use crate::plain;
 use arbitrary::{Arbitrary, Unstructured};
 use atmost_config::{Config, UpstreamKey};
 use atmost_filter::call::{
     BodyStep, Call, Effect, Flow, LogProps, RequestHead, ResponseHead, Step, IDEMPOTENCY_HEADER,
 };
-use atmost_filter::ledger::{Endpoint, LedgerReply};
+use atmost_filter::effects::{self, Refused};
+use atmost_filter::ledger::{Callout, Endpoint, LedgerReply};
 use atmost_filter::mcp::{self, Message, Mirrored};
 use atmost_filter::resume::Ticket;
 use atmost_protocol::{AuthorizeRequest, Outcome};
@@ -104,15 +121,18 @@ enum Ev {
         version: Option<String>,
         duplicated: bool,
         content_length: Option<u64>,
-        end_of_stream: bool,
+        /// The whole body the client sends (empty: the headers end the stream, unless
+        /// trailers follow).
+        body: Bytes,
+        /// Trailers follow the body.
+        trailers: bool,
         session: Option<String>,
         resume: bool,
     },
+    /// The next chunk of the body arrives: `take` more bytes.
     RequestBody {
-        size: u32,
-        end_of_stream: bool,
+        take: u16,
     },
-    RequestBodyData(Bytes),
     RequestTrailers,
     CalloutFailed,
     LedgerReply {
@@ -138,6 +158,90 @@ enum Ev {
     },
 }
 
+/// One callback, and how the host treats what the machine asks in it: `host % 8 == 1`
+/// refuses the first request edit (header or body write), `host % 8 == 2` fails to
+/// dispatch the callout; anything else does what is asked.
+#[derive(Arbitrary, Debug)]
+struct Event {
+    ev: Ev,
+    host: u8,
+}
+
+/// What the host carried out of one callback's step (through `effects::apply`).
+#[derive(Debug)]
+struct Done {
+    flow: Flow,
+    effects: Vec<Effect>,
+    callouts: Vec<Callout>,
+    /// A request edit was refused.
+    refused: bool,
+}
+
+struct FuzzHost {
+    refuse_edit: bool,
+    fail_dispatch: bool,
+    done: Done,
+}
+
+impl effects::Host for FuzzHost {
+    fn effect(&mut self, effect: Effect) -> Result<(), Refused> {
+        let edit = matches!(
+            effect,
+            Effect::RemoveRequestHeader(_)
+                | Effect::SetRequestHeader(..)
+                | Effect::ReplaceRequestBody { .. }
+        );
+        if edit && self.refuse_edit && !self.done.refused {
+            self.done.refused = true;
+            return Err(Refused);
+        }
+        self.done.effects.push(effect);
+        Ok(())
+    }
+
+    fn dispatch(&mut self, callout: &Callout) -> bool {
+        if self.fail_dispatch {
+            return false;
+        }
+        self.done.callouts.push(callout.clone());
+        true
+    }
+}
+
+/// Carries out `step` as the adapter does.
+fn carry_out(call: &mut Call, step: Step, host: u8) -> Done {
+    let mut h = FuzzHost {
+        refuse_edit: host % 8 == 1,
+        fail_dispatch: host % 8 == 2,
+        done: Done {
+            flow: Flow::Pause,
+            effects: Vec::new(),
+            callouts: Vec::new(),
+            refused: false,
+        },
+    };
+    let flow = effects::apply(call, step, &mut h);
+    Done { flow, ..h.done }
+}
+
+/// The request as the client sends it, and how far Envoy has delivered it.
+#[derive(Default)]
+struct Request {
+    /// The headers were delivered (Envoy calls `on_request_headers` once).
+    started: bool,
+    body: Vec<u8>,
+    trailers: bool,
+    /// Body bytes delivered so far.
+    arrived: usize,
+    /// Nothing more comes in the request direction.
+    finished: bool,
+    /// A plain reading sees a call that must not reach the upstream unchecked.
+    must_hold: bool,
+    /// Some of the request went upstream: a request callback returned `Continue`, or it
+    /// was resumed.
+    forwarded: bool,
+}
+
 #[derive(Default)]
 struct Watch {
     /// A local reply was sent.
@@ -153,6 +257,9 @@ struct Watch {
     reports: Vec<&'static str>,
     /// A report is out on an outcomes callout.
     outcomes_pending: bool,
+    request: Request,
+    /// `on_log` ran: the stream is over.
+    logged: bool,
 }
 
 fn kind(o: &Outcome) -> &'static str {
@@ -215,13 +322,13 @@ fn ledger_reply(status: &Status, body: &LedgerBody) -> (LedgerReply, bool) {
     )
 }
 
-fn observe(w: &mut Watch, cfg: &Config, step: &Step, from_ledger: bool) {
+fn observe(w: &mut Watch, cfg: &Config, done: &Done, from_ledger: bool) {
     if w.answered {
         assert!(
-            step.callout.is_none(),
-            "callout after a local reply: {step:?}"
+            done.callouts.is_empty(),
+            "callout after a local reply: {done:?}"
         );
-        for e in &step.effects {
+        for e in &done.effects {
             assert!(
                 !matches!(
                     e,
@@ -231,7 +338,7 @@ fn observe(w: &mut Watch, cfg: &Config, step: &Step, from_ledger: bool) {
             );
         }
     }
-    for e in &step.effects {
+    for e in &done.effects {
         match e {
             Effect::LocalReply(r) => {
                 w.answered = true;
@@ -256,7 +363,7 @@ fn observe(w: &mut Watch, cfg: &Config, step: &Step, from_ledger: bool) {
             _ => {}
         }
     }
-    if let Some(c) = &step.callout {
+    for c in &done.callouts {
         match c.endpoint {
             Endpoint::Authorize => {
                 w.authorize_callouts += 1;
@@ -287,9 +394,31 @@ fn observe(w: &mut Watch, cfg: &Config, step: &Step, from_ledger: bool) {
     }
 }
 
-fn body_step(w: &mut Watch, cfg: &Config, s: BodyStep) {
-    if let BodyStep::Done(step) = s {
-        observe(w, cfg, &step, false);
+/// The end of a request callback (headers, body, trailers): `Continue` lets the request
+/// (or the rest of it) go upstream, which a request that must be held may never do.
+fn request_callback(w: &mut Watch, done: &Done) {
+    if done.flow == Flow::Continue && !w.answered {
+        assert!(
+            !w.request.must_hold || w.request.forwarded,
+            "a governed POST went upstream through Continue from a request callback, not through a dispatch: {done:?}"
+        );
+        w.request.forwarded = true;
+    }
+}
+
+/// Whether a plain reading of `body` sent by `method` sees a call that must not reach the
+/// upstream unchecked: a well-formed `tools/call` of a governed tool, or a body a server
+/// could run as a `tools/call` that is not one well-formed call (the filter refuses those).
+fn must_hold(cfg: &Config, method: &str, body: &[u8]) -> bool {
+    if !method.eq_ignore_ascii_case("POST") {
+        return false;
+    }
+    let Some(v) = plain::read(body) else {
+        return false;
+    };
+    match plain::as_call(&v) {
+        Some(c) => cfg.governed_tools.contains(&c.name),
+        None => plain::could_be_call(&v),
     }
 }
 
@@ -303,6 +432,20 @@ pub fn reach(data: &[u8]) -> (bool, usize) {
     run(data)
 }
 
+/// The configuration and events an input decodes to (`cargo run --example explain -- FILE`
+/// prints them), for reading a crash.
+pub fn explain(data: &[u8]) -> String {
+    let mut u = Unstructured::new(data);
+    let Ok(ci) = u8::arbitrary(&mut u) else {
+        return "empty input".into();
+    };
+    let events = Vec::<Event>::arbitrary_take_rest(u).unwrap_or_default();
+    format!(
+        "config: {}\n{events:#?}",
+        CONFIGS[usize::from(ci) % CONFIGS.len()]
+    )
+}
+
 fn run(data: &[u8]) -> (bool, usize) {
     let mut u = Unstructured::new(data);
     let Ok(ci) = u8::arbitrary(&mut u) else {
@@ -312,7 +455,7 @@ fn run(data: &[u8]) -> (bool, usize) {
         Ok(c) => Rc::new(c),
         Err(e) => panic!("fuzz config refused: {e}"),
     };
-    let Ok(events) = Vec::<Ev>::arbitrary_take_rest(u) else {
+    let Ok(events) = Vec::<Event>::arbitrary_take_rest(u) else {
         return (false, 0);
     };
     let mut call = Call::new(Rc::clone(&cfg));
@@ -320,7 +463,15 @@ fn run(data: &[u8]) -> (bool, usize) {
     let mut mirrored = Mirrored::default();
     let mut dispatched_reports_start: Option<usize> = None;
 
-    for ev in events.iter().take(64) {
+    for Event { ev, host } in events.iter().take(64) {
+        let host = *host;
+        // Envoy calls nothing before the request headers, and nothing after `on_log`.
+        if !w.request.started && !matches!(ev, Ev::RequestHeaders { .. }) {
+            continue;
+        }
+        if w.logged {
+            break;
+        }
         match ev {
             Ev::RequestHeaders {
                 method,
@@ -331,19 +482,33 @@ fn run(data: &[u8]) -> (bool, usize) {
                 version,
                 duplicated,
                 content_length,
-                end_of_stream,
+                body,
+                trailers,
                 session,
                 resume,
             } => {
+                if w.request.started {
+                    continue;
+                }
                 mirrored = Mirrored {
                     method: mcp_method.clone(),
                     name: mcp_name.clone(),
                     protocol_version: version.clone(),
                     duplicated: *duplicated,
                 };
+                let method = ["POST", "GET", "DELETE", "post", ""][usize::from(*method) % 5];
+                let body = body.get(&BODIES).to_vec();
+                let end_of_stream = body.is_empty() && !*trailers;
+                w.request = Request {
+                    started: true,
+                    must_hold: must_hold(&cfg, method, &body),
+                    body,
+                    trailers: *trailers,
+                    finished: end_of_stream,
+                    ..Request::default()
+                };
                 let head = RequestHead {
-                    method: ["POST", "GET", "DELETE", "post", ""][usize::from(*method) % 5]
-                        .to_string(),
+                    method: method.to_string(),
                     permit: match permits {
                         Permit::Valid => vec![b"tok-123".to_vec()],
                         Permit::Raw(p) => p.clone(),
@@ -355,7 +520,7 @@ fn run(data: &[u8]) -> (bool, usize) {
                     // encoding checks have their own unit tests.
                     content_type: vec![b"application/json".to_vec()],
                     content_encoding: Vec::new(),
-                    end_of_stream: *end_of_stream,
+                    end_of_stream,
                     session_id: session.clone(),
                     path: "/mcp".into(),
                     resume: resume.then(|| Ticket {
@@ -371,69 +536,110 @@ fn run(data: &[u8]) -> (bool, usize) {
                     }),
                 };
                 let s = call.on_request_headers(head);
-                observe(&mut w, &cfg, &s, false);
+                let done = carry_out(&mut call, s, host);
+                observe(&mut w, &cfg, &done, false);
+                request_callback(&mut w, &done);
             }
-            Ev::RequestBody {
-                size,
-                end_of_stream,
-            } => {
-                let s = call.on_request_body(*size as usize, *end_of_stream);
-                body_step(&mut w, &cfg, s);
-            }
-            Ev::RequestBodyData(b) => {
-                let body = b.get(&BODIES);
-                let governed = match mcp::parse(body, &mirrored) {
-                    Ok(Message::ToolCall(c)) => {
-                        w.body_id = Some(c.id.clone());
-                        cfg.governed_tools.contains(&c.name)
-                    }
-                    _ => false,
-                };
-                let was_reading = call.state_name() == "reading_body";
-                let s = call.on_request_body_data(body);
-                if was_reading && governed {
-                    assert_eq!(
-                        s.flow,
-                        Flow::Pause,
-                        "a governed tools/call continued unchecked"
-                    );
-                    assert!(
-                        s.callout.is_some()
-                            || s.effects.iter().any(|e| matches!(e, Effect::LocalReply(_))),
-                        "a governed tools/call neither asked the ledger nor answered: {s:?}"
-                    );
+            Ev::RequestBody { take } => {
+                let r = &mut w.request;
+                if !r.started || r.finished || r.body.is_empty() || r.arrived == r.body.len() {
+                    continue;
                 }
-                observe(&mut w, &cfg, &s, false);
+                r.arrived = (r.arrived + usize::from(*take)).min(r.body.len());
+                let end_of_stream = r.arrived == r.body.len() && !r.trailers;
+                r.finished = end_of_stream;
+                let done = match call.on_request_body(r.arrived, end_of_stream) {
+                    BodyStep::Done(s) => carry_out(&mut call, s, host),
+                    BodyStep::Read { len } => {
+                        let body = r.body[..len.min(r.arrived)].to_vec();
+                        let governed = match mcp::parse(&body, &mirrored) {
+                            Ok(Message::ToolCall(c)) => {
+                                w.body_id = Some(c.id.clone());
+                                cfg.governed_tools.contains(&c.name)
+                            }
+                            _ => false,
+                        };
+                        let s = call.on_request_body_data(&body);
+                        if governed {
+                            assert_eq!(
+                                s.flow,
+                                Flow::Pause,
+                                "a governed tools/call continued unchecked"
+                            );
+                            assert!(
+                                s.callout.is_some()
+                                    || s.effects.iter().any(|e| matches!(e, Effect::LocalReply(_))),
+                                "a governed tools/call neither asked the ledger nor answered: {s:?}"
+                            );
+                        }
+                        carry_out(&mut call, s, host)
+                    }
+                };
+                observe(&mut w, &cfg, &done, false);
+                request_callback(&mut w, &done);
             }
             Ev::RequestTrailers => {
+                let r = &mut w.request;
+                if !r.started || r.finished || !r.trailers || r.arrived < r.body.len() {
+                    continue;
+                }
+                r.finished = true;
                 let s = call.on_request_trailers();
-                observe(&mut w, &cfg, &s, false);
+                let done = carry_out(&mut call, s, host);
+                observe(&mut w, &cfg, &done, false);
+                request_callback(&mut w, &done);
             }
             Ev::CalloutFailed => {
                 let s = call.on_callout_failed();
                 w.authorize_pending = false;
                 w.outcomes_pending = false;
-                observe(&mut w, &cfg, &s, false);
+                let done = carry_out(&mut call, s, host);
+                observe(&mut w, &cfg, &done, false);
             }
             Ev::LedgerReply { status, body } => {
                 let (reply, dispatch_ok) = ledger_reply(status, body);
                 let authorizing = w.authorize_pending && call.state_name() == "authorizing";
                 let s = call.on_ledger_reply(&reply);
-                let resumes = s.effects.iter().any(|e| matches!(e, Effect::ResumeRequest));
-                if resumes {
+                let done = carry_out(&mut call, s, host);
+                let resumes = done
+                    .effects
+                    .iter()
+                    .position(|e| matches!(e, Effect::ResumeRequest));
+                if let Some(at) = resumes {
                     assert!(
                         authorizing && dispatch_ok,
                         "resumed without a dispatch decision"
                     );
                     assert!(!w.resumed_request, "resumed twice");
+                    assert!(
+                        !w.request.forwarded,
+                        "resumed a request that had already gone upstream"
+                    );
+                    assert!(
+                        done.effects[..at].iter().any(|e| matches!(e,
+                            Effect::SetRequestHeader(n, _) | Effect::RemoveRequestHeader(n)
+                                if n == IDEMPOTENCY_HEADER)),
+                        "resumed before the upstream key was set: {done:?}"
+                    );
                     w.resumed_request = true;
+                    w.request.forwarded = true;
                     dispatched_reports_start = Some(w.reports.len());
+                } else if authorizing && dispatch_ok {
+                    // A dispatch answer resumes the request, or (a refused edit) answers it.
+                    assert!(
+                        done.refused
+                            && done
+                                .effects
+                                .iter()
+                                .any(|e| matches!(e, Effect::LocalReply(_))),
+                        "a dispatch answer neither resumed the request nor answered it: {done:?}"
+                    );
                 }
                 if authorizing {
                     w.authorize_pending = false;
                 }
                 w.outcomes_pending = false;
-                observe(&mut w, &cfg, &s, true);
+                observe(&mut w, &cfg, &done, true);
             }
             Ev::ResponseHeaders {
                 content_type,
@@ -450,32 +656,40 @@ fn run(data: &[u8]) -> (bool, usize) {
                     content_type: ct[usize::from(*content_type) % ct.len()].map(str::to_string),
                     end_of_stream: *end_of_stream,
                 });
-                observe(&mut w, &cfg, &s, false);
+                let done = carry_out(&mut call, s, host);
+                observe(&mut w, &cfg, &done, false);
             }
             Ev::ResponseBody {
                 size,
                 end_of_stream,
             } => {
-                let s = call.on_response_body(*size as usize, *end_of_stream);
-                body_step(&mut w, &cfg, s);
+                if let BodyStep::Done(s) = call.on_response_body(*size as usize, *end_of_stream) {
+                    let done = carry_out(&mut call, s, host);
+                    observe(&mut w, &cfg, &done, false);
+                }
             }
             Ev::ResponseTrailers => {
-                let s = call.on_response_trailers();
-                body_step(&mut w, &cfg, s);
+                if let BodyStep::Done(s) = call.on_response_trailers() {
+                    let done = carry_out(&mut call, s, host);
+                    observe(&mut w, &cfg, &done, false);
+                }
             }
             Ev::ResponseBodyData {
                 bytes,
                 end_of_stream,
             } => {
                 let s = call.on_response_body_data(bytes.get(&RESPONSES), *end_of_stream);
-                observe(&mut w, &cfg, &s, false);
+                let done = carry_out(&mut call, s, host);
+                observe(&mut w, &cfg, &done, false);
             }
             Ev::Log { attempts, flags } => {
+                w.logged = true;
                 let s = call.on_log(LogProps {
                     attempts: attempts.map(u64::from),
                     flags: *flags,
                 });
-                observe(&mut w, &cfg, &s, false);
+                let done = carry_out(&mut call, s, host);
+                observe(&mut w, &cfg, &done, false);
             }
         }
     }
