@@ -182,23 +182,29 @@ fuzz-build: fuzz-setup
 	cd fuzz && $(CARGO_FUZZ) build $(FUZZ_FLAGS)
 
 ## The committed seeds and regression inputs, as plain tests and through the instrumented targets.
-fuzz-regressions: fuzz-build
-	cd fuzz && $(CARGO) test
+## The fingerprint corpus is also compared with the Python rfc8785 package (venv-test has it).
+fuzz-regressions: fuzz-build venv-test
+	cd fuzz && ATMOST_PYTHON=$(abspath $(VPY)) $(CARGO) test
 	@set -e; for t in $(FUZZ_TARGETS); do \
 		mkdir -p fuzz/regressions/$$t; \
 		(cd fuzz && $(CARGO_FUZZ) run $(FUZZ_FLAGS) $$t corpus/$$t regressions/$$t -- -runs=0); \
 	done
 
-# One target for SECONDS_EACH seconds; crashes land in fuzz/artifacts/<target>/.
+# One target for SECONDS_EACH seconds; crashes land in fuzz/artifacts/<target>/. A target with
+# a libFuzzer dictionary (fuzz/dict/<target>.dict) runs with it.
 fuzz-run-%:
 	@mkdir -p fuzz/work/$*
 	cd fuzz && $(CARGO_FUZZ) run $(FUZZ_FLAGS) $* work/$* corpus/$* -- \
-		-max_total_time=$(SECONDS_EACH) -print_final_stats=1
+		-max_total_time=$(SECONDS_EACH) -print_final_stats=1 \
+		$(if $(wildcard fuzz/dict/$*.dict),-dict=dict/$*.dict)
 
 ## Every target for FUZZ_SECONDS each (default 300), one after another.
 fuzz: fuzz-regressions
 	@set -e; for t in $(FUZZ_TARGETS); do $(MAKE) --no-print-directory fuzz-run-$$t SECONDS_EACH=$(FUZZ_SECONDS); done
+	cd fuzz && ATMOST_PYTHON=$(abspath $(VPY)) $(CARGO) test --test rfc8785_reference
 
-## CI: the regressions, then every target briefly (FUZZ_CI_SECONDS each).
+## CI: the regressions, then every target briefly (FUZZ_CI_SECONDS each), then the grown
+## fingerprint corpus against the Python rfc8785 package.
 fuzz-ci: fuzz-regressions
 	@set -e; for t in $(FUZZ_TARGETS); do $(MAKE) --no-print-directory fuzz-run-$$t SECONDS_EACH=$(FUZZ_CI_SECONDS); done
+	cd fuzz && ATMOST_PYTHON=$(abspath $(VPY)) $(CARGO) test --test rfc8785_reference

@@ -1,5 +1,5 @@
-//! The filter's canonical text of every `fingerprint` corpus input (committed seeds and
-//! regressions) against the Python `rfc8785` package, an RFC 8785 implementation that shares
+//! The filter's canonical text of every `fingerprint` corpus input (committed seeds,
+//! regressions, and the corpus the fuzzer grew in `work/` when there is one) against the Python `rfc8785` package, an RFC 8785 implementation that shares
 //! nothing with the filter's: not the JSON reader, not the number formatting, not the
 //! language. Runs `tests/rfc8785_reference.py` with the project's virtualenv
 //! (`ATMOST_PYTHON`, else `../.venv/bin/python`; `make venv-test` installs the package).
@@ -16,7 +16,12 @@ const TOOL: &str = "fuzz_tool";
 fn inputs() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut out = Vec::new();
-    for dir in ["corpus/fingerprint", "regressions/fingerprint"] {
+    // work/ holds what `make fuzz` / `make fuzz-ci` grew (not committed), when present.
+    for dir in [
+        "corpus/fingerprint",
+        "regressions/fingerprint",
+        "work/fingerprint",
+    ] {
         if let Ok(rd) = std::fs::read_dir(root.join(dir)) {
             out.extend(
                 rd.filter_map(|e| e.ok().map(|e| e.path()))
