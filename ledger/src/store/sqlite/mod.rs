@@ -185,6 +185,15 @@ impl SqliteStore {
 /// One connection with the store's settings: WAL, `synchronous=FULL`, foreign keys.
 fn open_conn(path: &Path) -> Result<Connection, LedgerError> {
     let conn = Connection::open(path)?;
+    // A file the ledger may not write (a read-only file system or mount, no write
+    // permission) opens read-only without an error, and reads keep working: the ledger would
+    // come up ready and fail every decision. Refused here, with the cause.
+    if conn.is_readonly(rusqlite::MAIN_DB)? {
+        return Err(LedgerError::Unavailable(format!(
+            "the database file {} is read-only (read-only file system or no write permission)",
+            path.display()
+        )));
+    }
     conn.busy_timeout(Duration::from_secs(10))?;
     let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
     if !mode.eq_ignore_ascii_case("wal") {
