@@ -1,21 +1,34 @@
-"""Envoy reloads its listener (LDS from a watched file) or drains while a call waits on a
-slow ledger. The call in flight finishes on the old listener — decided once, dispatched at
-most once — and the new listener is governed from its first request."""
+"""Envoy reloads its listener (LDS from a watched file) or drains while a call waits on the
+ledger.
+
+The ledger is held (its proxy forwards nothing towards it), so the call's callout is
+pending; the reload or the drain is then observed complete in Envoy's admin stats while the
+callout is still pending and the ledger has not seen the request. Only then does the ledger
+get it. The call finishes where it started (the old filter chain, the draining listener),
+whose connection Envoy closes after the answer (a drain close), and it is decided once by
+the ledger and executed once by the upstream. The new listener is governed from its first
+request.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import threading
-import time
+import urllib.request
 
 import pytest
 import yaml
 
-from tests.faults.fault_stack import new_key
+from tests.faults.fault_stack import UPSTREAM_SECRET, new_key
+from tests.faults.history import Permit, key_hash, upstream_key
 from tests.faults.test_ledger_faults import LOAD_CODES
-from tests.support.stack import http_get, wait_until
+from tests.support.mcp_raw import RawMcp
+from tests.support.stack import wait_until
 
-SLOW_LEDGER = 1.2
+# The callout waits on the held ledger as long as the test needs, far below this.
+PATIENT_CALLOUT_MS = 30000
+DRAIN_CLOSE = "http.mcp.downstream_cx_drain_close"
 
 
 def to_lds(envoy, lds_dir) -> None:
@@ -26,6 +39,11 @@ def to_lds(envoy, lds_dir) -> None:
     config["dynamic_resources"] = {"lds_config": {
         "resource_api_version": "V3",
         "path_config_source": {"path": str(lds_dir / "lds.yaml"), "watched_directory": {"path": str(lds_dir)}}}}
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] == "atmost_ledger":
+            # While the ledger is held its health checks time out too: they must not take it
+            # out of the cluster meanwhile.
+            cluster["health_checks"][0]["unhealthy_threshold"] = 1000
     envoy.config_path.write_text(yaml.safe_dump(config))
     write_lds(lds_dir, listener)
     envoy.lds_listener = listener
@@ -38,17 +56,20 @@ def write_lds(lds_dir, listener) -> None:
     os.rename(tmp, lds_dir / "lds.yaml")
 
 
-def slow_call(s, p, key, args, results):
-    results.append(s.call(p, "pay", args, key, timeout=10))
+def authorizations(ledger) -> float:
+    """Every authorize the ledger answered (the sum of `atmost_authorize_total`)."""
+    return sum(float(v) for v in re.findall(r"^atmost_authorize_total\{[^}]*\} (\S+)$", ledger.metrics(), re.M))
 
 
 @pytest.fixture
 def lds_stack(fault_stack, tmp_path):
-    # A patient filter (5 s callout timeout), so the call is still waiting when the reload lands.
-    s = fault_stack(plugin={"ledger": {"service_token": "test-service-token", "timeout_ms": 5000}},
-                    route_timeout="10s")
+    s = fault_stack(plugin={"ledger": {"service_token": "test-service-token", "timeout_ms": PATIENT_CALLOUT_MS}},
+                    route_timeout="40s")
     s.envoy.stop()
     s.envoy = s.new_envoy(f"envoy-{s.name}-lds")
+    # A draining listener or filter chain closes each connection after its next response at
+    # once (not gradually over the drain time), so the drain shows in the stats.
+    s.envoy.argv += ["--drain-strategy", "immediate"]
     to_lds(s.envoy, tmp_path)
     s.envoy.start()
     s.warm()
@@ -56,56 +77,116 @@ def lds_stack(fault_stack, tmp_path):
     return s
 
 
-def test_listener_reload_during_a_callout(lds_stack):
+class HeldCall:
+    """One governed call made while the ledger is held; returns once its callout is pending."""
+
+    def __init__(self, s, permit: Permit, args: dict):
+        self.s, self.permit, self.args, self.key = s, permit, args, new_key()
+        self.results: list = []
+        self.authorized_before = authorizations(s.ledger)
+        held_before = s.ledger_proxy.held_count()
+        s.ledger_proxy.set_mode("hold")
+        self.thread = threading.Thread(target=self._call, daemon=True)
+        self.thread.start()
+        wait_until(lambda: s.ledger_proxy.held_count() > held_before
+                   and s.envoy.stat("cluster.atmost_ledger.upstream_rq_active") == 1, 10,
+                   "the call's callout to be pending at the held ledger")
+
+    def _call(self) -> None:
+        self.results.append(self.s.call(self.permit, "pay", self.args, self.key, timeout=45))
+
+    def assert_pending(self) -> None:
+        """The client has no answer, Envoy still waits on the callout, the ledger saw nothing."""
+        assert self.thread.is_alive() and not self.results, self.results
+        assert self.s.envoy.stat("cluster.atmost_ledger.upstream_rq_active") == 1
+        assert authorizations(self.s.ledger) == self.authorized_before
+
+    def release(self):
+        self.s.ledger_proxy.set_mode("pass")
+        self.thread.join(50)
+        assert not self.thread.is_alive(), "the held call never finished"
+        [r] = self.results
+        return r
+
+    def assert_decided_once(self, r) -> None:
+        """Decided once by the ledger, executed once by the upstream, answered with that execution."""
+        s = self.s
+        assert (r.outcome, r.replayed) == ("ok", False), r
+        assert authorizations(s.ledger) - self.authorized_before == 1
+        [row] = [a for a in s.attempts_of(self.permit) if a["key_hash"] == key_hash(self.key)]
+        assert row["state"] == "completed", row
+        forwarded = upstream_key(UPSTREAM_SECRET, self.permit.id, self.key)
+        [execution] = [e for e in s.upstream.snapshot() if e["upstream_key"] == forwarded]
+        assert execution["arguments"] == self.args
+        assert f"nonce={execution['nonce']}" in r.text
+
+
+def test_listener_reload_lands_while_a_callout_is_pending(lds_stack):
     s = lds_stack
     p = s.permit({"pay": 2})
-    assert s.call(s.permit(), "ship").outcome == "ok"
-    s.ledger_proxy.set_mode("delay", delay=SLOW_LEDGER)
-    key, args, results = new_key(), {"invoice": "reload", "amount": 2}, []
-    t = threading.Thread(target=slow_call, args=(s, p, key, args, results), daemon=True)
-    t.start()
-    time.sleep(0.3)
-    # A new version of the listener: another stat prefix → Envoy builds a new listener and drains the old.
-    before = s.envoy.stat("listener_manager.lds.update_success")
+    before = s.envoy.stats()
+    held = HeldCall(s, p, {"invoice": "reload", "amount": 2})
+    # A new version of the listener: another stat prefix, so a new filter chain takes new
+    # connections and the old one drains, still holding the call.
     listener = s.envoy.lds_listener
     listener["filter_chains"][0]["filters"][0]["typed_config"]["stat_prefix"] = "mcp_reloaded"
     write_lds(s.lds_dir, listener)
-    wait_until(lambda: s.envoy.stat("listener_manager.lds.update_success") > before, 10, "the LDS update")
-    t.join(15)
-    s.ledger_proxy.set_mode("pass")
-    [r] = results
-    assert r.outcome in ("ok", "unknown"), r
-    assert s.upstream.count("pay") <= 1
-    # The reloaded listener is governed: no permit → denied; with one → decided by the ledger.
-    no_permit = s.history.call(s.url, p.__class__(p.id, "", {}), "pay", {"x": 1}, new_key())
-    assert (no_permit.outcome, no_permit.code) in (("denied", "permit_invalid"),), no_permit
-    assert s.call(p, "pay", {"invoice": "after-reload", "amount": 1}).outcome in ("ok", "denied")
-    time.sleep(0.3)
+
+    def reloaded() -> bool:
+        stats = s.envoy.stats()
+        return (stats.get("listener_manager.lds.update_success", 0) > before["listener_manager.lds.update_success"]
+                and stats.get("listener_manager.total_filter_chains_draining", 0) == 1)
+
+    wait_until(reloaded, 10, "the reload to land: LDS updated, the old filter chain draining")
+    # The new listener is governed from its first request, while the old one holds the call.
+    no_permit = s.history.call(s.url, Permit(p.id, "", {}), "pay", {"x": 1}, new_key())
+    assert (no_permit.outcome, no_permit.code) == ("denied", "permit_invalid"), no_permit
+    assert s.envoy.stat("http.mcp_reloaded.downstream_rq_completed") == 1
+    held.assert_pending()
+
+    r = held.release()
+    # Answered on the old filter chain, which then closed the connection: its drain.
+    assert s.envoy.stat(DRAIN_CLOSE) == before.get(DRAIN_CLOSE, 0) + 1
+    held.assert_decided_once(r)
+    assert s.upstream.count("pay") == 1
+    after = s.call(p, "pay", {"invoice": "after-reload", "amount": 1})
+    assert after.outcome == "ok", after
+    assert s.upstream.count("pay") == 2
     s.probe_all()
     s.verify(allowed_codes=LOAD_CODES | {"permit_invalid"})
 
 
-def test_drain_listeners_during_a_callout(lds_stack):
+def test_drain_lands_while_a_callout_is_pending(lds_stack):
     s = lds_stack
     p = s.permit({"pay": 2})
-    assert s.call(s.permit(), "ship").outcome == "ok"
-    s.ledger_proxy.set_mode("delay", delay=SLOW_LEDGER)
-    key, args, results = new_key(), {"invoice": "drain", "amount": 2}, []
-    t = threading.Thread(target=slow_call, args=(s, p, key, args, results), daemon=True)
-    t.start()
-    time.sleep(0.3)
-    import urllib.request
+    drained_before = s.envoy.stat(DRAIN_CLOSE)
+    held = HeldCall(s, p, {"invoice": "drain", "amount": 2})
     req = urllib.request.Request(s.envoy.admin_url + "/drain_listeners?graceful", data=b"", method="POST")
     with urllib.request.urlopen(req, timeout=5) as resp:
         assert resp.status == 200
-    t.join(15)
-    s.ledger_proxy.set_mode("pass")
-    [r] = results
-    assert r.outcome in ("ok", "unknown"), r
-    assert s.upstream.count("pay") <= 1
-    # New calls after the drain: refused at the socket or answered — never sent unchecked.
-    late = s.call(p, "pay", {"invoice": "after-drain", "amount": 1}, timeout=3)
-    assert late.outcome in ("unknown", "ok", "denied"), late
-    assert http_get(s.envoy.admin_url + "/ready")[0] in (200, 503)
-    wait_until(lambda: not s.attempts_of(p, "in_flight"), 10, "in-flight attempts to settle")
+
+    def drain_in_effect() -> bool:
+        """A request that needs no ledger (tools/list) is answered, and its connection is
+        closed by the drain."""
+        client = RawMcp(s.url, timeout=5)
+        try:
+            listed = client.post({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}})
+        finally:
+            client.close()
+        return listed.status_code == 200 and s.envoy.stat(DRAIN_CLOSE) > drained_before
+
+    wait_until(drain_in_effect, 10, "the drain to land")
+    drained = s.envoy.stat(DRAIN_CLOSE)
+    held.assert_pending()
+
+    r = held.release()
+    # The call's own connection was closed by the drain after its answer.
+    assert s.envoy.stat(DRAIN_CLOSE) == drained + 1
+    held.assert_decided_once(r)
+    assert s.upstream.count("pay") == 1
+    # A graceful drain still takes new connections until the drain time ends: governed.
+    late = s.call(p, "pay", {"invoice": "after-drain", "amount": 1})
+    assert late.outcome == "ok", late
+    assert s.upstream.count("pay") == 2
+    s.probe_all()
     s.verify(allowed_codes=LOAD_CODES)

@@ -15,6 +15,9 @@ Modes:
   200 ms), then resets the caller's side (TCP RST); the target finishes what it started.
 - `reset_on_reply`: forwards requests; when the answer arrives, resets the caller's side
   instead of passing it on (the target acted, its answer is lost with a reset).
+- `hold`: holds every chunk towards the target until the mode changes (at most 60 s), then
+  forwards it: a request caught there has not reached the target, so it cannot have been
+  answered. `held` counts the chunks caught so far.
 - `blackhole`: accepts and reads, forwards nothing, answers nothing.
 - `refuse`: new connections are reset at once; existing ones are untouched (use `cut_all`).
 
@@ -28,7 +31,8 @@ import struct
 import threading
 import time
 
-MODES = ("pass", "delay", "delay_reply", "drop_reply", "reset_after_request", "reset_on_reply", "blackhole", "refuse")
+MODES = ("pass", "delay", "delay_reply", "drop_reply", "reset_after_request", "reset_on_reply", "hold", "blackhole",
+         "refuse")
 
 
 def _reset(sock: socket.socket) -> None:
@@ -69,6 +73,7 @@ class FaultProxy:
         self.connections = 0
         self.bytes_up = 0
         self.bytes_down = 0
+        self.held = 0
         self.events: list[tuple[float, str]] = []
         self._lock = threading.Lock()
         self._conns: list[_Conn] = []
@@ -167,6 +172,12 @@ class FaultProxy:
                     self._sleep(self.delay, conn)
                     if conn.closed.is_set():
                         break
+                if mode == "hold":
+                    with self._lock:
+                        self.held += 1
+                    self._hold(conn)
+                    if conn.closed.is_set():
+                        break
                 conn.upstream.sendall(data)
                 with self._lock:
                     self.bytes_up += len(data)
@@ -239,6 +250,16 @@ class FaultProxy:
                     conn.upstream.close()
                 except OSError:
                     pass
+
+    def held_count(self) -> int:
+        with self._lock:
+            return self.held
+
+    def _hold(self, conn: _Conn) -> None:
+        deadline = time.monotonic() + 60.0
+        while (self.mode == "hold" and time.monotonic() < deadline and not conn.closed.is_set()
+               and not self._stopped.is_set()):
+            time.sleep(0.01)
 
     def _sleep(self, seconds: float, conn: _Conn) -> None:
         deadline = time.monotonic() + min(max(seconds, 0.0), 60.0)
