@@ -18,6 +18,8 @@ Modes:
 - `hold`: holds every chunk towards the target until the mode changes (at most 60 s), then
   forwards it: a request caught there has not reached the target, so it cannot have been
   answered. `held` counts the chunks caught so far.
+- `hold_reply`: forwards requests, holds every chunk coming back until the mode changes (at
+  most 60 s), then forwards it: the target has acted, the caller has not heard back yet.
 - `blackhole`: accepts and reads, forwards nothing, answers nothing.
 - `refuse`: new connections are reset at once; existing ones are untouched (use `cut_all`).
 
@@ -31,8 +33,8 @@ import struct
 import threading
 import time
 
-MODES = ("pass", "delay", "delay_reply", "drop_reply", "reset_after_request", "reset_on_reply", "hold", "blackhole",
-         "refuse")
+MODES = ("pass", "delay", "delay_reply", "drop_reply", "reset_after_request", "reset_on_reply", "hold", "hold_reply",
+         "blackhole", "refuse")
 
 
 def _reset(sock: socket.socket) -> None:
@@ -175,7 +177,7 @@ class FaultProxy:
                 if mode == "hold":
                     with self._lock:
                         self.held += 1
-                    self._hold(conn)
+                    self._hold(conn, "hold")
                     if conn.closed.is_set():
                         break
                 conn.upstream.sendall(data)
@@ -228,6 +230,12 @@ class FaultProxy:
                     self._sleep(self.delay, conn)
                     if conn.closed.is_set():
                         continue
+                if mode == "hold_reply":
+                    with self._lock:
+                        self.held += 1
+                    self._hold(conn, "hold_reply")
+                    if conn.closed.is_set():
+                        continue
                 conn.client.sendall(data)
                 with self._lock:
                     self.bytes_down += len(data)
@@ -255,9 +263,9 @@ class FaultProxy:
         with self._lock:
             return self.held
 
-    def _hold(self, conn: _Conn) -> None:
+    def _hold(self, conn: _Conn, mode: str) -> None:
         deadline = time.monotonic() + 60.0
-        while (self.mode == "hold" and time.monotonic() < deadline and not conn.closed.is_set()
+        while (self.mode == mode and time.monotonic() < deadline and not conn.closed.is_set()
                and not self._stopped.is_set()):
             time.sleep(0.01)
 

@@ -11,8 +11,12 @@ recorded (the side effect has happened):
 - `answer` (default): answer after `delay` seconds;
 - `reset`: reset the connection (TCP RST) after `delay` seconds, without answering;
 - `close`: close the connection cleanly without answering.
+- `hold`: keep the answer back until `release(tool)` (at most 60 s), then answer: the tool is
+  still running for as long as the test needs, whatever the machine's speed.
 
-Every other request (any path, any method) is recorded in `requests` too; only loopback.
+Every other request (any path, any method) is recorded in `requests` too, and answered as an
+MCP server answers it: a GET of `/mcp` 405 (no server-to-client stream here), anything off
+`/mcp` 404. Only loopback.
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):  # noqa: N802
         self.server.owner._record_request(self, b"")
+        if not self.path.startswith("/mcp"):
+            self._send(404, {"error": "not found", "path": self.path})
+            return
         self._send(405, {"error": "no GET stream here"})
 
     def do_DELETE(self):  # noqa: N802
@@ -105,6 +112,8 @@ class _Handler(BaseHTTPRequestHandler):
         deadline = time.monotonic() + min(delay, 60.0)
         while time.monotonic() < deadline:
             time.sleep(0.01)
+        if action == "hold":
+            owner._held(tool).wait(60.0)
         if action == "reset":
             self.close_connection = True
             try:
@@ -144,6 +153,7 @@ class RecordingUpstream:
         self.executions: list[dict] = []
         self.requests: list[dict] = []
         self._behaviours: dict[str, tuple[float, str]] = {}
+        self._holds: dict[str, threading.Event] = {}
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
 
     def start(self) -> "RecordingUpstream":
@@ -151,18 +161,40 @@ class RecordingUpstream:
         return self
 
     def stop(self) -> None:
+        self.reset_behaviour()
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5)
 
     def behave(self, tool: str, delay: float = 0.0, action: str = "answer") -> None:
-        assert action in ("answer", "reset", "close")
+        assert action in ("answer", "reset", "close", "hold")
         with self._lock:
             self._behaviours[tool] = (delay, action)
+            if action == "hold":
+                self._holds[tool] = threading.Event()
+
+    def release(self, tool: str) -> None:
+        """Lets the calls of `tool` held so far answer."""
+        with self._lock:
+            hold = self._holds.get(tool)
+        if hold is not None:
+            hold.set()
 
     def reset_behaviour(self) -> None:
         with self._lock:
             self._behaviours.clear()
+            holds, self._holds = list(self._holds.values()), {}
+        for hold in holds:
+            hold.set()
+
+    def _held(self, tool) -> threading.Event:
+        with self._lock:
+            return self._holds.setdefault(tool, threading.Event())
+
+    def add_executions(self, entries: list[dict]) -> None:
+        """Executions another upstream of the same stack recorded, so one list holds them all."""
+        with self._lock:
+            self.executions.extend(entries)
 
     def _behaviour(self, tool) -> tuple[float, str]:
         with self._lock:

@@ -99,6 +99,33 @@ class GoUpstream(Process):
         http_post_json(self.url + "/_example/reset", {})
 
 
+H2_UPSTREAM = ROOT / "tests" / "support" / "h2_upstream.mjs"
+
+
+class H2Upstream(Process):
+    """tests/support/h2_upstream.mjs: an MCP upstream over HTTP/2 without TLS (h2c) that records
+    every tools/call it runs and resets the stream of each call to a tool in `reset`."""
+
+    def __init__(self, log_dir: Path, reset: tuple[str, ...] = (), name: str = "h2-upstream"):
+        self.port = free_port()
+        argv = ["node", str(H2_UPSTREAM), "--port", str(self.port)]
+        for tool in reset:
+            argv += ["--reset", tool]
+        self._log_from = 0
+        super().__init__(name, argv, log_dir)
+
+    def start(self) -> None:
+        self._log_from = len(self.log_text())
+        super().start()
+        wait_until(lambda: self.alive() and f'{{"listening":{self.port}}}' in self.log_text(), 30,
+                   f"HTTP/2 upstream on port {self.port}")
+
+    def executions(self) -> list[dict]:
+        """What it ran, in the recording upstream's form (n, nonce, tool, arguments, upstream_key)."""
+        lines = self.log_text()[self._log_from:].splitlines()
+        return [json.loads(line)["execution"] for line in lines if line.startswith('{"execution"')]
+
+
 def ts_client(url: str, token: str | None = None, key: str | None = None) -> dict:
     """Runs tests/ts/client.mjs (TypeScript SDK client) against `url`; returns its transcript."""
     argv = ["node", str(TS_DIR / "client.mjs"), url, token or "", *([key] if key else [])]
