@@ -15,12 +15,15 @@ refuses, are covered too: Envoy refuses the configuration, so nothing listens.
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 
+import pytest
 import yaml
 
 from tests.faults.history import Permit
 from tests.support.mcp_raw import RawMcp
-from tests.support.stack import VENV_BIN, Envoy, validate_envoy_config
+from tests.support.stack import Envoy, Process, sidecar_config, validate_envoy_config, wait_until
 
 
 def _leb(n: int) -> bytes:
@@ -125,21 +128,55 @@ def test_a_vm_that_fails_at_runtime_lets_nothing_through(fault_stack, tmp_path):
     assert s.upstream.count() == executed_before
 
 
+def plugin_of(config: dict) -> dict:
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm")["typed_config"]["config"]
+
+
+def validate(config: dict, path) -> subprocess.CompletedProcess:
+    path.write_text(yaml.safe_dump(config))
+    return validate_envoy_config(path)
+
+
 def test_a_module_that_does_not_load_or_configure_is_refused_by_envoy(tmp_path):
+    """`envoy --mode validate` on the shipped sidecar: accepted with the real module and its
+    configuration (the positive control), refused with a module that does not load and with a
+    configuration `on_configure` refuses, each with Envoy's and the filter's own words."""
+    good = validate(sidecar_config(10000, 9901, 8000, [8081]), tmp_path / "good.yaml")
+    assert good.returncode == 0 and "OK" in good.stdout, good.stderr[-3000:]
+
     bad = tmp_path / "garbage.wasm"
     bad.write_bytes(b"\x00asm\x01\x00\x00\x00this is not a module")
-    from tests.support.stack import sidecar_config
-    config = sidecar_config(10000, 9901, 8000, [8081], wasm=bad)
-    path = tmp_path / "bad-wasm.yaml"
-    path.write_text(yaml.safe_dump(config))
-    r = validate_envoy_config(path)
+    r = validate(sidecar_config(10000, 9901, 8000, [8081], wasm=bad), tmp_path / "bad-wasm.yaml")
     assert r.returncode != 0, "Envoy accepted a module that does not load"
+    for line in ("Failed to load Wasm code", "Plugin configured to fail closed failed to load",
+                 "Unable to create Wasm plugin atmost"):
+        assert line in r.stderr, (line, r.stderr[-3000:])
+
     config = sidecar_config(10000, 9901, 8000, [8081])
-    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    plugin = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm")["typed_config"]["config"]
-    plugin["configuration"]["value"] = json.dumps({"ledger": {"cluster": "atmost_ledger"}})  # no service_token
-    path = tmp_path / "bad-config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    r = validate_envoy_config(path)
+    plugin_of(config)["configuration"]["value"] = json.dumps({"ledger": {"cluster": "atmost_ledger"}})
+    r = validate(config, tmp_path / "bad-config.yaml")
     assert r.returncode != 0, "Envoy accepted a configuration on_configure refuses"
-    assert (VENV_BIN / "envoy").exists()
+    for line in ("atmost: bad plugin configuration: field `ledger.service_token`: is required",
+                 "Failed to configure base Wasm plugin", "Unable to create Wasm plugin atmost"):
+        assert line in r.stderr, (line, r.stderr[-3000:])
+
+
+def test_envoy_with_a_module_that_does_not_load_exits_and_listens_nowhere(fault_stack, tmp_path):
+    """Not only in validate mode: started for real, Envoy refuses the module and exits, and its
+    listener never takes a connection. The same stack with the real module serves (positive
+    control, the stack's own start)."""
+    s = fault_stack("vm-no-load")
+    assert s.call(s.permit(), "echo", {"text": "the real module serves"}).outcome == "ok"
+    bad = tmp_path / "garbage.wasm"
+    bad.write_bytes(b"\x00asm\x01\x00\x00\x00this is not a module")
+    s.envoy.stop()
+    s.envoy = envoy_with_wasm(s, bad, "envoy-vm-no-load")
+    Process.start(s.envoy)
+    wait_until(lambda: not s.envoy.alive(), 30, "Envoy to refuse the module and exit")
+    assert s.envoy.proc.returncode != 0
+    log = s.envoy.log_text()
+    assert "Failed to load Wasm code" in log and "Unable to create Wasm plugin atmost" in log, log[-3000:]
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", s.envoy.port), timeout=5).close()
+    s.verify()
