@@ -3,6 +3,7 @@ docs/faults-and-hostile-input.md ("Hostile input"). Every refused input must als
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 
@@ -142,15 +143,30 @@ def test_numbers_that_differ_only_in_form_share_a_fingerprint(hostile):
 
 
 def test_integers_beyond_double_precision(hostile):
-    """2^53+1 and 2^53 are the same number to RFC 8785 (IEEE doubles): same fingerprint."""
+    """RFC 8785 compares numbers as IEEE doubles: 2^53+1 and 2^53 are one number, so the same
+    key with either is the same call (replayed); 2^53+2 is another double, so it is a conflict.
+    The upstream runs the call once and gets the digits as they were sent."""
+    s = hostile
     key = new_key()
-    a = send(hostile, b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"pay","arguments":{"amount":9007199254740993}}}',
-             [("idempotency-key", f'"{key}"')])
-    assert a.status_code == 200
-    b = send(hostile, b'{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"pay","arguments":{"amount":9007199254740992}}}',
-             [("idempotency-key", f'"{key}"')])
-    # Documented: treated as the same call (replay), never a second execution.
-    assert b.headers.get("idempotent-replayed") == "true" or denial_code(b) == "idempotency_key_conflict", b.text[:300]
+    before = s.upstream.count()
+
+    def pay(amount: bytes, rid: int):
+        body = (b'{"jsonrpc":"2.0","id":' + str(rid).encode() + b',"method":"tools/call","params":{"name":"pay",'
+                b'"arguments":{"amount":' + amount + b"}}}")
+        return send(s, body, [("idempotency-key", f'"{key}"')])
+
+    first = pay(b"9007199254740993", 1)
+    assert first.status_code == 200 and denial_code(first) is None, first.text[:300]
+    assert first.headers.get("idempotent-replayed") is None
+    [run] = s.upstream.snapshot()[before:]
+    assert run["arguments"] == {"amount": 9007199254740993}
+    assert b'"amount":9007199254740993' in run["body"].encode()
+    same = pay(b"9007199254740992", 2)
+    assert same.headers.get("idempotent-replayed") == "true", same.text[:300]
+    assert same.json()["result"]["content"] == first.json()["result"]["content"]
+    other = pay(b"9007199254740994", 3)
+    assert denial_code(other) == "idempotency_key_conflict", other.text[:300]
+    assert s.upstream.count() == before + 1
 
 
 @pytest.mark.parametrize("label,key,via", [
@@ -171,6 +187,47 @@ def test_hostile_idempotency_keys(hostile, label, key, via):
         r = send(hostile, tool_call({"k": label}, meta={KEY_META: key}))
     assert r.status_code == 200 and denial_code(r) == "invalid_idempotency_key", (label, r.status_code, r.text[:300])
     nothing_reached_upstream(hostile, before)
+
+
+def post_with_raw_headers(s, body: dict, headers: list[tuple[str, bytes]]) -> tuple[int, dict]:
+    """POSTs with header values sent byte for byte (httpx refuses non-ASCII ones)."""
+    conn = http.client.HTTPConnection("127.0.0.1", s.envoy.port, timeout=10)
+    try:
+        conn.putrequest("POST", "/mcp", skip_accept_encoding=True)
+        data = json.dumps(body).encode()
+        for name, value in [("content-type", b"application/json"), ("accept", b"application/json, text/event-stream"),
+                            ("mcp-protocol-version", PROTOCOL_VERSION.encode()), ("mcp-method", b"tools/call"),
+                            ("mcp-name", b"pay"), ("atmost-permit", s.p.token.encode()),
+                            ("content-length", str(len(data)).encode()), *headers]:
+            conn.putheader(name, value)
+        conn.endheaders(data)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("label,value", [
+    ("utf8-quoted", '"clé-ü"'.encode()),
+    ("utf8-bare", "clé-ü".encode()),
+    ("obs-text-quoted", b'"cl\xe9"'),
+    ("obs-text-bare", b"cl\xe9"),
+])
+def test_non_ascii_key_in_the_header_is_refused(hostile, label, value):
+    """A key with non-ASCII bytes in the `Idempotency-Key` header, as UTF-8 or as a lone
+    obs-text byte (0x80-0xFF): `invalid_idempotency_key`, and nothing is sent."""
+    s = hostile
+    before, authorized = len(s.upstream.requests), ledger_authorizations(s)
+    status, body = post_with_raw_headers(s, tool_call({"k": label}), [("idempotency-key", value)])
+    error = ((body.get("result") or {}).get("structuredContent") or {}).get("error") or {}
+    assert (status, error.get("code")) == (200, "invalid_idempotency_key"), (label, status, body)
+    assert "printable ASCII" in error.get("message", ""), error
+    nothing_reached_upstream(s, before)
+    assert ledger_authorizations(s) == authorized
+
+
+def ledger_authorizations(s) -> float:
+    return sum(float(v) for v in re.findall(r"^atmost_authorize_total\{[^}]*\} (\S+)$", s.ledger.metrics(), re.M))
 
 
 def test_longest_valid_key_is_accepted(hostile):
@@ -261,7 +318,10 @@ ADMIN_PATHS = [
 
 
 def test_the_ledger_api_is_not_reachable_through_the_gateway(hostile):
-    """The gateway's routes lead to the MCP upstream only; the ledger cluster is the filter's callout target."""
+    """The gateway's routes lead to the MCP upstream only; the ledger cluster is the filter's
+    callout target. A POST to a ledger path is read by the filter, is no JSON-RPC message, and
+    is refused (400, -32600) before it reaches anything; a GET goes to the MCP upstream, which
+    has no such path (404). The ledger sees none of them."""
     s = hostile
     ledger_log_before = s.ledger.log_text()
     pattern = r"^atmost_(?:permits_created|unauthorized_requests|authorize_total|outcomes)\S* \S+"
@@ -274,11 +334,16 @@ def test_the_ledger_api_is_not_reachable_through_the_gateway(hostile):
                     headers = {"authorization": f"Bearer {auth}", "content-type": "application/json"}
                     if authority:
                         headers["host"] = authority
+                    before = len(s.upstream.requests)
                     r = c.request(method, base + path, headers=headers, content=json.dumps(body) if body else None)
-                    # POSTs are read by the filter (not JSON-RPC → 400 -32600); GETs reach the MCP upstream (404).
-                    assert r.status_code in (400, 404, 405), (method, path, r.status_code, r.text[:200])
-    upstream_paths = {q["path"] for q in s.upstream.requests}
-    assert "/admin/v1/permits" in upstream_paths and "/metrics" in upstream_paths
+                    reached = [(q["method"], q["path"]) for q in s.upstream.requests[before:]]
+                    if method == "POST":
+                        assert (r.status_code, rpc_error(r)) == (400, -32600), (path, r.status_code, r.text[:200])
+                        assert reached == [], (path, reached)
+                    else:
+                        assert r.status_code == 404, (path, r.status_code, r.text[:200])
+                        assert r.json() == {"error": "not found", "path": path}, r.text[:200]
+                        assert reached == [("GET", path)], (path, reached)
     metrics_after = re.findall(pattern, s.ledger.metrics(), re.M)
     assert metrics_after == metrics_before
     new_log = s.ledger.log_text()[len(ledger_log_before):]
