@@ -3,7 +3,6 @@
 import concurrent.futures
 import hashlib
 import hmac
-import time
 
 import httpx2
 import pytest
@@ -12,6 +11,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from tests.e2e.conftest import UPSTREAM_SECRET, new_key
 from tests.support.mcp_raw import KEY_META, denial, denial_code, result_text
+from tests.support.stack import wait_until
 
 
 def test_same_key_twice_executes_once_and_replays_the_first_result(client, server, permit):
@@ -78,7 +78,8 @@ def test_overlapping_same_key_calls_execute_once_and_the_other_is_in_progress(cl
     args = {"invoice": "inv-3", "amount": 7}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         first = pool.submit(client.call, "pay_invoice", args, permit["token"], key)
-        time.sleep(0.4)
+        # The second call comes while the first is running at the server.
+        wait_until(lambda: server.executions("pay_invoice") == 1, 10, "the first call to be running")
         second = pool.submit(client.call, "pay_invoice", args, permit["token"], key)
         answers = [first.result(timeout=30), second.result(timeout=30)]
     codes = [denial_code(a) for a in answers]

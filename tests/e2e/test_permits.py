@@ -1,7 +1,5 @@
 """Permits bound what an agent can spend: caps, budgets, expiry, scope, and the uncertain path."""
 
-import time
-
 import pytest
 
 from tests.e2e.conftest import new_key
@@ -104,7 +102,8 @@ def test_expired_revoked_and_out_of_scope_permits_are_denied(client, server, led
     key = new_key()
     assert "executions=1" in result_text(client.call("pay_invoice", {"invoice": "v", "amount": 1}, revoked["token"], key))
     ledger.cli("permit", "revoke", revoked["id"])
-    time.sleep(1.2)
+    wait_until(lambda: ledger.cli_json("permit", "show", expired["id"])["permit"]["status"] == "expired", 10,
+               "the one-second permit to expire")
     assert denial_code(client.call("pay_invoice", {"invoice": "e", "amount": 1}, expired["token"], new_key())) == "permit_expired"
     assert denial_code(client.call("pay_invoice", {"invoice": "s", "amount": 1}, scoped["token"], new_key())) == "permit_tool_not_allowed"
     assert denial_code(client.call("pay_invoice", {"invoice": "v", "amount": 1}, revoked["token"], new_key())) == "permit_invalid"

@@ -80,6 +80,10 @@ def total(counts: dict[str, int]) -> int:
     return sum(counts.values())
 
 
+def sweep_count(ledger) -> int:
+    return int(float(re.search(r"^atmost_sweeps_total (\S+)$", ledger.metrics(), re.M).group(1)))
+
+
 def attempts(ledger, permit_id: str, state: str) -> list[dict]:
     return ledger.cli_json("attempts", "list", "--permit", permit_id, "--state", state)["attempts"]
 
@@ -180,7 +184,13 @@ def test_retention_on_postgres_prunes_receipts_keeps_tombstones_and_uncertain(re
                    "the receipt to be pruned")
         expired = client.call("pay_invoice", done, permit["token"], "kept-briefly")
         assert denial_code(expired) == "idempotency_key_expired", expired.text
-        time.sleep(1.5)
+        # Uncertain attempts are never pruned: once the uncertain attempt's retention (1 s from
+        # when it became uncertain, at the latest now) is over, both replicas sweep again.
+        retention_over = time.time() + 1.0
+        wait_until(lambda: time.time() > retention_over, 5, "the uncertain attempt's retention to pass")
+        sweeps = [sweep_count(r) for r in replicas]
+        wait_until(lambda: all(sweep_count(r) >= n + 2 for r, n in zip(replicas, sweeps)), 15,
+                   "both replicas to sweep after the retention")
         still = denial(client.call("pay_invoice", {"invoice": "RET-2", "amount": 3}, permit["token"], "lost-answer"))
         assert (still["code"], still["attempt_id"]) == ("delivery_uncertain", unknown["id"])
         assert attempts(ledger, permit["id"], "uncertain")[0]["id"] == unknown["id"]
