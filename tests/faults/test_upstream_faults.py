@@ -12,11 +12,7 @@ the ledger's answer is held back until Envoy has seen the client go.
 
 from __future__ import annotations
 
-import http.client
-import itertools
-import json
 import re
-import socket
 import threading
 import time
 
@@ -26,12 +22,11 @@ import yaml
 from tests.faults.fault_stack import UPSTREAM_SECRET, new_key
 from tests.faults.history import CallRecord, upstream_key
 from tests.faults.test_ledger_faults import LOAD_CODES, first_ok
-from tests.support.mcp_raw import PROTOCOL_VERSION
+from tests.support.mcp_raw import OpenCall
 from tests.support.stack import H2Upstream, wait_until
 
 REPORTED = re.compile(
     r"^sent_outcome_unknown: upstream\.request_attempt_count=1 response_flags=0x[0-9a-f]+\(([A-Z,]+)\)$")
-_ids = itertools.count(5000)
 
 
 def reported_flags(row: dict) -> set[str]:
@@ -62,26 +57,15 @@ def uncertain_after_send(s, p, key, args, expect_executions: int | None = 1):
 
 
 class HangingUpClient:
-    """A tools/call on a connection of its own, which the client closes when the test says."""
+    """A tools/call whose client leaves when the test says; recorded as an unknown outcome."""
 
     def __init__(self, s, permit, tool: str, args: dict, key: str):
         self.s, self.permit, self.tool, self.args, self.key = s, permit, tool, args, key
-        body = json.dumps({"jsonrpc": "2.0", "id": next(_ids), "method": "tools/call", "params": {
-            "name": tool, "arguments": args,
-            "_meta": {"io.modelcontextprotocol/protocolVersion": PROTOCOL_VERSION,
-                      "io.modelcontextprotocol/clientCapabilities": {}}}})
-        headers = {"content-type": "application/json", "accept": "application/json, text/event-stream",
-                   "mcp-protocol-version": PROTOCOL_VERSION, "mcp-method": "tools/call", "mcp-name": tool,
-                   "atmost-permit": permit.token, "idempotency-key": f'"{key}"'}
-        self.conn = http.client.HTTPConnection("127.0.0.1", s.envoy.port, timeout=10)
         self.started = time.monotonic()
-        self.conn.request("POST", "/mcp", body=body, headers=headers)
+        self.call = OpenCall(s.url, tool, args, permit.token, key)
 
     def hang_up(self) -> None:
-        try:
-            self.conn.sock.shutdown(socket.SHUT_RDWR)
-        finally:
-            self.conn.close()
+        self.call.hang_up()
         self.s.history.add(CallRecord(
             permit_id=self.permit.id, key=self.key, tool=self.tool, arguments=self.args, phase="load",
             outcome="unknown", error="the client hung up", started=self.started, ended=time.monotonic()))

@@ -5,8 +5,11 @@ The SDK clients prove interoperability; this one lets a test see what went over 
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import json
+import socket
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -36,21 +39,47 @@ class RawMcp:
     def call(self, tool: str, arguments: dict, permit: str | None, key: str | None = None,
              key_via: str = "header", request_id=None, extra_headers: dict | None = None) -> httpx.Response:
         """Sends one tools/call; the key goes in the Idempotency-Key header or in params._meta."""
-        request_id = next(_ids) if request_id is None else request_id
-        meta = {
-            "io.modelcontextprotocol/protocolVersion": PROTOCOL_VERSION,
-            "io.modelcontextprotocol/clientCapabilities": {},
-        }
-        headers = {"mcp-method": "tools/call", "mcp-name": tool}
-        if permit is not None:
-            headers[self.permit_header] = permit
-        if key is not None and key_via == "header":
-            headers["idempotency-key"] = f'"{key}"'
-        if key is not None and key_via == "meta":
-            meta[KEY_META] = key
-        body = {"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
-                "params": {"name": tool, "arguments": arguments, "_meta": meta}}
+        body, headers = tool_call(tool, arguments, permit, key, key_via, request_id, self.permit_header)
         return self.post(body, {**headers, **(extra_headers or {})})
+
+
+def tool_call(tool: str, arguments: dict, permit: str | None, key: str | None = None, key_via: str = "header",
+              request_id=None, permit_header: str = "atmost-permit") -> tuple[dict, dict]:
+    """The body of one tools/call and its headers besides the base ones."""
+    request_id = next(_ids) if request_id is None else request_id
+    meta = {
+        "io.modelcontextprotocol/protocolVersion": PROTOCOL_VERSION,
+        "io.modelcontextprotocol/clientCapabilities": {},
+    }
+    headers = {"mcp-method": "tools/call", "mcp-name": tool}
+    if permit is not None:
+        headers[permit_header] = permit
+    if key is not None and key_via == "header":
+        headers["idempotency-key"] = f'"{key}"'
+    if key is not None and key_via == "meta":
+        meta[KEY_META] = key
+    body = {"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
+            "params": {"name": tool, "arguments": arguments, "_meta": meta}}
+    return body, headers
+
+
+class OpenCall:
+    """One tools/call sent on a connection of its own, left open without reading the answer
+    until `hang_up()`: a client that leaves mid-call, at the moment the test chooses."""
+
+    def __init__(self, url: str, tool: str, arguments: dict, permit: str | None, key: str | None = None):
+        body, headers = tool_call(tool, arguments, permit, key)
+        target = urlsplit(url)
+        self.conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+        self.conn.request("POST", target.path, body=json.dumps(body), headers={
+            "content-type": "application/json", "accept": "application/json, text/event-stream",
+            "mcp-protocol-version": PROTOCOL_VERSION, **headers})
+
+    def hang_up(self) -> None:
+        try:
+            self.conn.sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            self.conn.close()
 
 
 def result_text(response: httpx.Response) -> str:
