@@ -174,12 +174,8 @@ class FaultProxy:
                     self._sleep(self.delay, conn)
                     if conn.closed.is_set():
                         break
-                if mode == "hold":
-                    with self._lock:
-                        self.held += 1
-                    self._hold(conn, "hold")
-                    if conn.closed.is_set():
-                        break
+                if mode == "hold" and self._held_back(conn, "hold"):
+                    break
                 conn.upstream.sendall(data)
                 with self._lock:
                     self.bytes_up += len(data)
@@ -230,12 +226,8 @@ class FaultProxy:
                     self._sleep(self.delay, conn)
                     if conn.closed.is_set():
                         continue
-                if mode == "hold_reply":
-                    with self._lock:
-                        self.held += 1
-                    self._hold(conn, "hold_reply")
-                    if conn.closed.is_set():
-                        continue
+                if mode == "hold_reply" and self._held_back(conn, "hold_reply"):
+                    continue
                 conn.client.sendall(data)
                 with self._lock:
                     self.bytes_down += len(data)
@@ -263,11 +255,16 @@ class FaultProxy:
         with self._lock:
             return self.held
 
-    def _hold(self, conn: _Conn, mode: str) -> None:
+    def _held_back(self, conn: _Conn, mode: str) -> bool:
+        """Holds one chunk while the mode stays `mode` (at most 60 s); True if the connection
+        closed meanwhile."""
+        with self._lock:
+            self.held += 1
         deadline = time.monotonic() + 60.0
         while (self.mode == mode and time.monotonic() < deadline and not conn.closed.is_set()
                and not self._stopped.is_set()):
             time.sleep(0.01)
+        return conn.closed.is_set()
 
     def _sleep(self, seconds: float, conn: _Conn) -> None:
         deadline = time.monotonic() + min(max(seconds, 0.0), 60.0)
