@@ -5,7 +5,8 @@
 //! have their own pure transitions here too, so every store behaves the same.
 
 use atmost_protocol::{
-    AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, Outcome, OutcomeAck, OutcomeReport,
+    AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, LimitsRequest, LimitsResponse,
+    Outcome, OutcomeAck, OutcomeReport, PermitLimits,
 };
 use serde_json::Value;
 
@@ -137,9 +138,10 @@ pub fn resolve_cost(rule: &CostRule, arguments: &Value) -> Result<u64, String> {
 ///
 /// Modelled in `ledger/model/atmost.pml` (`decide`): spin checks the cap, one execution per
 /// key and no release after a send under every interleaving of two replicas.
+///
+/// Every answer under an authenticated permit carries the permit's [`PermitLimits`] for the
+/// tool, read from the snapshot's counters with the decision's own write counted.
 pub fn decide(req: &AuthorizeRequest, snap: &Snapshot, params: &DecideParams) -> Decision {
-    let now = snap.now_ms;
-
     // 1. Permit authentication comes first.
     let Some(permit) = authenticate(&req.permit_token, snap.permit.as_ref()) else {
         return Decision::deny(Denial::new(
@@ -147,6 +149,93 @@ pub fn decide(req: &AuthorizeRequest, snap: &Snapshot, params: &DecideParams) ->
             "the permit token is unknown or revoked",
         ));
     };
+    let mut decision = decide_under(permit, req, snap, params);
+    let moved = match &decision.mutation {
+        Mutation::None => CounterDelta::default(),
+        Mutation::Reserve(a) => counter_delta(None, a),
+        Mutation::Update(a) => counter_delta(snap.existing.as_ref(), a),
+    };
+    let limits = permit_limits(
+        permit,
+        &req.tool,
+        moved_count(snap.usage.calls_made, moved.slots),
+        BudgetTotals {
+            reserved: moved_count(snap.budget.reserved, moved.reserved),
+            spent: moved_count(snap.budget.spent, moved.spent),
+        },
+        snap.now_ms,
+    );
+    match &mut decision.response {
+        AuthorizeResponse::Dispatch { limits: l, .. }
+        | AuthorizeResponse::Replay { limits: l, .. } => *l = Some(limits),
+        AuthorizeResponse::Deny(d) => d.limits = Some(limits),
+    }
+    decision
+}
+
+fn moved_count(counted: u64, delta: i64) -> u64 {
+    u64::try_from(i128::from(counted) + i128::from(delta)).unwrap_or(0)
+}
+
+/// What `permit` still allows for `tool`, given the slots held for the tool and the budget
+/// totals: calls left under the tool's cap (0 outside the permit's scope or past its expiry,
+/// `None` without a cap), budget left (`None` without a budget) and the expiry.
+pub fn permit_limits(
+    permit: &Permit,
+    tool: &str,
+    calls_made: u64,
+    budget: BudgetTotals,
+    now: Millis,
+) -> PermitLimits {
+    let policy = &permit.policy;
+    let calls_left = if now >= permit.expires_at_ms || !policy.allows_tool(tool) {
+        Some(0)
+    } else {
+        policy
+            .limit_for(tool)
+            .map(|limit| limit.saturating_sub(calls_made))
+    };
+    PermitLimits {
+        calls_left,
+        budget_left: policy
+            .budget
+            .map(|b| b.saturating_sub(budget.spent.saturating_add(budget.reserved))),
+        expires_at: crate::clock::rfc3339(permit.expires_at_ms),
+    }
+}
+
+/// The answer of `POST /v1/limits`: the figures of each of `tools` under the permit the
+/// token authenticates (`permit` is the one its id names, if any), from the permit's stored
+/// counters (`slots` of a tool, the budget totals).
+pub fn limits_answer(
+    req: &LimitsRequest,
+    permit: Option<&Permit>,
+    slots: impl Fn(&str) -> u64,
+    budget: BudgetTotals,
+    now: Millis,
+) -> LimitsResponse {
+    let Some(permit) = authenticate(&req.permit_token, permit) else {
+        return LimitsResponse::Deny(Denial::new(
+            DenialCode::PermitInvalid,
+            "the permit token is unknown or revoked",
+        ));
+    };
+    let tools = req
+        .tools
+        .iter()
+        .map(|t| (t.clone(), permit_limits(permit, t, slots(t), budget, now)))
+        .collect();
+    LimitsResponse::Limits { tools }
+}
+
+/// [`decide`] once the token authenticated `permit`.
+fn decide_under(
+    permit: &Permit,
+    req: &AuthorizeRequest,
+    snap: &Snapshot,
+    params: &DecideParams,
+) -> Decision {
+    let now = snap.now_ms;
 
     if let Some(key) = req.idempotency_key.as_deref() {
         if !valid_key(key) {
@@ -181,6 +270,7 @@ pub fn decide(req: &AuthorizeRequest, snap: &Snapshot, params: &DecideParams) ->
                             response: AuthorizeResponse::Replay {
                                 attempt_id: existing.id.clone(),
                                 receipt: receipt.clone(),
+                                limits: None,
                             },
                             mutation: Mutation::Update(replayed),
                             notices: Vec::new(),
@@ -231,6 +321,7 @@ pub fn decide(req: &AuthorizeRequest, snap: &Snapshot, params: &DecideParams) ->
                         lease_ms: params.lease_ms,
                         round: next.round,
                         capability: params.new_capability.clone(),
+                        limits: None,
                     },
                     mutation: Mutation::Update(next),
                     notices: Vec::new(),
@@ -392,6 +483,7 @@ pub fn decide(req: &AuthorizeRequest, snap: &Snapshot, params: &DecideParams) ->
             lease_ms: params.lease_ms,
             round: 1,
             capability: params.new_capability.clone(),
+            limits: None,
         },
         mutation: Mutation::Reserve(attempt),
         notices,
@@ -606,10 +698,11 @@ pub fn counter_delta(old: Option<&Attempt>, new: &Attempt) -> CounterDelta {
     }
 }
 
-/// What an authorize decision needs read besides the permit and the key's attempt: nothing
-/// when the key's attempt decides alone (anything but a given-back attempt); else the tool's
-/// slots only under a cap, the budget totals only under a budget, and the duplicate guard's
-/// lookup only when the guard is on.
+/// What an authorize decision needs read besides the permit and the key's attempt: the
+/// tool's slots only under a cap (and in the permit's scope), the budget totals only under a
+/// budget, whatever decides (the answer's [`PermitLimits`] show them); and the duplicate
+/// guard's lookup only when the guard is on and the call is new (the key's attempt does not
+/// decide alone: there is none, or it was given back).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Reads {
     pub usage: bool,
@@ -618,13 +711,11 @@ pub struct Reads {
 }
 
 pub fn reads_needed(req: &AuthorizeRequest, permit: &Permit, existing: Option<&Attempt>) -> Reads {
-    if existing.is_some_and(|a| !a.state.gave_back()) {
-        return Reads::default();
-    }
     let policy = &permit.policy;
+    let new_call = !existing.is_some_and(|a| !a.state.gave_back());
     Reads {
-        usage: policy.limit_for(&req.tool).is_some(),
+        usage: policy.allows_tool(&req.tool) && policy.limit_for(&req.tool).is_some(),
         budget: policy.budget.is_some(),
-        duplicate: policy.duplicate_guard != GuardMode::Off,
+        duplicate: new_call && policy.duplicate_guard != GuardMode::Off,
     }
 }

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 
 use atmost_protocol::{
     AuthorizeRequest, AuthorizeResponse, DenialCode, Outcome, OutcomeAck, OutcomeReport,
+    PermitLimits,
 };
 use serde_json::json;
 
@@ -108,6 +109,15 @@ fn denial(d: &Decision) -> atmost_protocol::Denial {
     }
 }
 
+/// The figures of [`permit`] (no cap, no budget) in every answer under it.
+fn open_limits() -> Option<PermitLimits> {
+    Some(PermitLimits {
+        calls_left: None,
+        budget_left: None,
+        expires_at: crate::clock::rfc3339(NOW + HOUR),
+    })
+}
+
 fn is_dispatch(d: &Decision) -> bool {
     matches!(d.response, AuthorizeResponse::Dispatch { .. })
         && matches!(d.mutation, Mutation::Reserve(_))
@@ -124,6 +134,7 @@ fn new_key_dispatches_and_reserves() {
             lease_ms: 60_000,
             round: 1,
             capability: CAP.into(),
+            limits: open_limits(),
         }
     );
     let Mutation::Reserve(a) = d.mutation else {
@@ -204,7 +215,13 @@ fn completed_same_fingerprint_replays_without_slot_even_after_expiry() {
         d.response,
         AuthorizeResponse::Replay {
             attempt_id: "att_old".into(),
-            receipt: r#"{"jsonrpc":"2.0","id":1,"result":{}}"#.into()
+            receipt: r#"{"jsonrpc":"2.0","id":1,"result":{}}"#.into(),
+            // Expired: no new call can pass, though the replay does.
+            limits: Some(PermitLimits {
+                calls_left: Some(0),
+                budget_left: None,
+                expires_at: crate::clock::rfc3339(NOW - 1),
+            }),
         }
     );
     let Mutation::Update(a) = d.mutation else {
@@ -760,6 +777,11 @@ fn awaiting_input_continuation_dispatches_again_under_the_same_attempt() {
             lease_ms: 60_000,
             round: 2,
             capability: "cap-of-round-2".into(),
+            // The cap is reached by this very attempt, which takes no second slot.
+            limits: Some(PermitLimits {
+                calls_left: Some(0),
+                ..open_limits().unwrap()
+            }),
         }
     );
     let Mutation::Update(next) = d.mutation else {
@@ -946,7 +968,8 @@ fn accepted_task_handle_replays_like_a_receipt() {
         d.response,
         AuthorizeResponse::Replay {
             attempt_id: "att_old".into(),
-            receipt: "HANDLE".into()
+            receipt: "HANDLE".into(),
+            limits: open_limits(),
         }
     );
     assert_eq!(
@@ -1017,4 +1040,140 @@ fn sweeper_turns_abandoned_input_uncertain_and_prunes_accepted() {
     assert!(expire_lease(&acc, NOW + HOUR).is_none());
     let pruned = prune(&acc, 24 * HOUR, NOW).unwrap_or_else(|| panic!("not pruned"));
     assert_eq!(pruned.receipt, None);
+}
+
+/// A permit with a cap of 3 on `pay`, a budget of 100 and `pay` costing `/amount`.
+fn capped() -> Permit {
+    let mut p = permit();
+    p.policy.max_calls.insert("pay".into(), 3);
+    p.policy.budget = Some(100);
+    p.policy
+        .cost
+        .insert("pay".into(), CostRule::Pointer("/amount".into()));
+    p
+}
+
+/// `capped()` with one `pay` slot held, 10 spent and 5 reserved.
+fn capped_snap() -> Snapshot {
+    Snapshot {
+        usage: ToolUsage { calls_made: 1 },
+        budget: BudgetTotals {
+            spent: 10,
+            reserved: 5,
+        },
+        ..snap(capped())
+    }
+}
+
+fn limits_of(d: &Decision) -> Option<PermitLimits> {
+    match &d.response {
+        AuthorizeResponse::Dispatch { limits, .. } | AuthorizeResponse::Replay { limits, .. } => {
+            limits.clone()
+        }
+        AuthorizeResponse::Deny(x) => x.limits.clone(),
+    }
+}
+
+fn figures(calls_left: Option<u64>, budget_left: Option<u64>) -> Option<PermitLimits> {
+    Some(PermitLimits {
+        calls_left,
+        budget_left,
+        expires_at: crate::clock::rfc3339(NOW + HOUR),
+    })
+}
+
+#[test]
+fn a_dispatch_shows_what_is_left_after_its_own_reservation() {
+    // Cap 3, one held, this one takes a second; 100 - 10 spent - 5 reserved - 5 for this call.
+    let d = decide(&req(Some("k"), "fp"), &capped_snap(), &params());
+    assert!(is_dispatch(&d));
+    assert_eq!(limits_of(&d), figures(Some(1), Some(80)));
+}
+
+#[test]
+fn replays_and_denials_show_the_counters_as_they_stand() {
+    let mut s = capped_snap();
+    let mut done = attempt(AttemptState::Completed, Some("k"), "fp");
+    done.receipt = Some("R".into());
+    s.existing = Some(done);
+    let replay = decide(&req(Some("k"), "fp"), &s, &params());
+    assert!(matches!(replay.response, AuthorizeResponse::Replay { .. }));
+    assert_eq!(limits_of(&replay), figures(Some(2), Some(85)));
+    let conflict = decide(&req(Some("k"), "other"), &s, &params());
+    assert_eq!(code(&conflict), Some(DenialCode::IdempotencyKeyConflict));
+    assert_eq!(limits_of(&conflict), figures(Some(2), Some(85)));
+
+    let mut full = capped_snap();
+    full.usage.calls_made = 3;
+    let d = decide(&req(Some("k2"), "fp"), &full, &params());
+    assert_eq!(code(&d), Some(DenialCode::PermitMaxCallsExceeded));
+    assert_eq!(limits_of(&d), figures(Some(0), Some(85)));
+
+    let mut broke = capped_snap();
+    broke.budget.spent = 96;
+    let d = decide(&req(Some("k2"), "fp"), &broke, &params());
+    assert_eq!(code(&d), Some(DenialCode::PermitBudgetExceeded));
+    assert_eq!(limits_of(&d), figures(Some(2), Some(0)));
+}
+
+#[test]
+fn a_continuation_takes_nothing_new() {
+    let mut s = capped_snap();
+    s.existing = Some(attempt(AttemptState::AwaitingInput, Some("k"), "fp"));
+    let d = decide(&continuation(Some("k"), "fp"), &s, &params());
+    assert!(matches!(
+        d.response,
+        AuthorizeResponse::Dispatch { round: 2, .. }
+    ));
+    assert_eq!(limits_of(&d), figures(Some(2), Some(85)));
+}
+
+#[test]
+fn no_calls_are_left_outside_the_scope_or_past_expiry() {
+    let mut s = capped_snap();
+    s.permit = s.permit.map(|mut p| {
+        p.policy.tools = vec!["echo".into()];
+        p
+    });
+    let d = decide(&req(Some("k"), "fp"), &s, &params());
+    assert_eq!(code(&d), Some(DenialCode::PermitToolNotAllowed));
+    assert_eq!(limits_of(&d), figures(Some(0), Some(85)));
+
+    // Uncapped, but expired: nothing new can pass.
+    let mut late = snap(permit());
+    late.now_ms = NOW + HOUR;
+    let d = decide(&req(Some("k"), "fp"), &late, &params());
+    assert_eq!(code(&d), Some(DenialCode::PermitExpired));
+    assert_eq!(limits_of(&d), figures(Some(0), None));
+}
+
+#[test]
+fn an_unauthenticated_token_gets_no_figures() {
+    let mut s = capped_snap();
+    s.permit = s.permit.map(|mut p| {
+        p.revoked_at_ms = Some(NOW - 1);
+        p
+    });
+    let d = decide(&req(Some("k"), "fp"), &s, &params());
+    assert_eq!(code(&d), Some(DenialCode::PermitInvalid));
+    assert_eq!(limits_of(&d), None);
+}
+
+#[test]
+fn figures_are_read_whatever_decides() {
+    let p = capped();
+    for existing in [
+        None,
+        Some(attempt(AttemptState::Completed, Some("k"), "fp")),
+        Some(attempt(AttemptState::Uncertain, Some("k"), "fp")),
+    ] {
+        let need = reads_needed(&req(Some("k"), "fp"), &p, existing.as_ref());
+        assert!(need.usage && need.budget, "{existing:?}");
+        assert_eq!(need.duplicate, existing.is_none());
+    }
+    // Outside the scope, or without a cap, the slots are not read.
+    let mut other = capped();
+    other.policy.tools = vec!["echo".into()];
+    assert!(!reads_needed(&req(None, "fp"), &other, None).usage);
+    assert!(!reads_needed(&req(None, "fp"), &permit(), None).usage);
 }

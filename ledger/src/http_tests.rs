@@ -287,7 +287,8 @@ async fn full_flow_over_http() {
         .await;
     assert_eq!(
         v,
-        json!({"decision": "replay", "attempt_id": attempt, "receipt": receipt})
+        json!({"decision": "replay", "attempt_id": attempt, "receipt": receipt,
+               "limits": {"calls_left": 0, "budget_left": 97, "expires_at": v["limits"]["expires_at"]}})
     );
 
     // A search call that goes uncertain, then is resolved by a person.
@@ -409,4 +410,64 @@ async fn full_flow_over_http() {
     assert!(text.contains("atmost_sweeps_total 1"));
     let oversold = ["exactly", "once"].join(" ");
     assert!(!text.to_lowercase().contains(&oversold));
+}
+
+#[tokio::test]
+async fn limits_name_each_tool_asked_about_under_the_service_token() {
+    let s = start().await;
+    let (_id, tok) = s
+        .create_permit(
+            json!({"label": "l", "expires": "1h", "tools": ["pay", "echo"],
+                              "max_calls": {"pay": 2}, "budget": 100, "cost": {"pay": "/amount"}}),
+        )
+        .await;
+    let body = json!({"permit_token": tok, "tools": ["pay", "echo", "refund"]});
+    for bad in [None, Some(ADM)] {
+        assert_eq!(s.post("/v1/limits", bad, body.clone()).await.0, 401);
+    }
+    let (st, v) = s
+        .post("/v1/authorize", Some(SVC), authz(&tok, "k1", "f1"))
+        .await;
+    assert_eq!((st, v["decision"].as_str()), (200, Some("dispatch")), "{v}");
+    let expires = v["limits"]["expires_at"].clone();
+    assert_eq!(
+        v["limits"],
+        json!({"calls_left": 1, "budget_left": 97, "expires_at": expires})
+    );
+    let (st, v) = s.post("/v1/limits", Some(SVC), body).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(
+        v,
+        json!({"decision": "limits", "tools": {
+            "pay": {"calls_left": 1, "budget_left": 97, "expires_at": expires},
+            "echo": {"calls_left": null, "budget_left": 97, "expires_at": expires},
+            "refund": {"calls_left": 0, "budget_left": 97, "expires_at": expires}}})
+    );
+    let (st, v) = s
+        .post(
+            "/v1/limits",
+            Some(SVC),
+            json!({"permit_token": format!("{tok}x"), "tools": ["pay"]}),
+        )
+        .await;
+    assert_eq!((st, v["decision"].as_str()), (200, Some("deny")));
+    assert_eq!(v["code"], "permit_invalid");
+    assert!(v.get("limits").is_none() && v.get("tools").is_none(), "{v}");
+    let many: Vec<String> = (0..=atmost_protocol::MAX_LIMITS_TOOLS)
+        .map(|i| format!("t{i}"))
+        .collect();
+    let (st, v) = s
+        .post(
+            "/v1/limits",
+            Some(SVC),
+            json!({"permit_token": tok, "tools": many}),
+        )
+        .await;
+    assert_eq!(st, 400, "{v}");
+    assert_eq!(
+        s.post("/v1/limits", Some(SVC), json!({"tools": []}))
+            .await
+            .0,
+        400
+    );
 }

@@ -4,8 +4,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use atmost_protocol::{
-    AuthorizeRequest, AuthorizeResponse, Outcome, OutcomeAck, OutcomesRequest, OutcomesResponse,
-    AUTHORIZE_PATH, OUTCOMES_PATH,
+    AuthorizeRequest, AuthorizeResponse, LimitsRequest, LimitsResponse, Outcome, OutcomeAck,
+    OutcomesRequest, OutcomesResponse, AUTHORIZE_PATH, LIMITS_PATH, MAX_LIMITS_TOOLS,
+    OUTCOMES_PATH,
 };
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, Query, Request, State};
@@ -23,10 +24,10 @@ use crate::api::{
     PermitView,
 };
 use crate::clock::Clock;
-use crate::decide::{Notice, ResolveInput};
+use crate::decide::{self, Notice, ResolveInput};
 use crate::error::{LedgerError, ResolveError};
 use crate::metrics::Metrics;
-use crate::model::{AttemptState, GuardMode, Permit, Policy};
+use crate::model::{AttemptState, BudgetTotals, GuardMode, Permit, Policy};
 use crate::store::{AttemptFilter, Store};
 use crate::token;
 
@@ -136,6 +137,7 @@ pub fn router(state: Shared) -> Router {
     let service = Router::new()
         .route(AUTHORIZE_PATH, post(authorize))
         .route(OUTCOMES_PATH, post(outcomes))
+        .route(LIMITS_PATH, post(limits))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_service,
@@ -263,6 +265,64 @@ async fn authorize(
         }
     }
     (StatusCode::OK, Json(decision.response)).into_response()
+}
+
+/// `POST /v1/limits`: what the permit still allows for each tool a `tools/list` answer names.
+/// Read-only; the figures are the stored counters at the moment of the call.
+async fn limits(
+    State(state): State<Shared>,
+    body: Result<Json<LimitsRequest>, JsonRejection>,
+) -> Response {
+    let Json(req) = match body {
+        Ok(b) => b,
+        Err(r) => return json_rejection(r),
+    };
+    if req.tools.len() > MAX_LIMITS_TOOLS {
+        return bad_request(format!(
+            "at most {MAX_LIMITS_TOOLS} tools per request, not {}",
+            req.tools.len()
+        ));
+    }
+    let now = state.clock.now_ms();
+    let permit_id = token::permit_id_of(&req.permit_token);
+    let permit = match permit_id {
+        Some(id) => match state.store.get_permit(id).await {
+            Ok(p) => p,
+            Err(e) => return internal(&state, "limits", &e),
+        },
+        None => None,
+    };
+    let counters = match permit.as_ref() {
+        Some(p) if decide::authenticate(&req.permit_token, Some(p)).is_some() => {
+            match state.store.permit_counters(&p.id).await {
+                Ok(c) => c.unwrap_or_default(),
+                Err(e) => return internal(&state, "limits", &e),
+            }
+        }
+        _ => Default::default(),
+    };
+    let count = |n: i64| u64::try_from(n).unwrap_or(0);
+    let answer = decide::limits_answer(
+        &req,
+        permit.as_ref(),
+        |tool| count(counters.slots_held.get(tool).copied().unwrap_or(0)),
+        BudgetTotals {
+            reserved: count(counters.reserved),
+            spent: count(counters.spent),
+        },
+        now,
+    );
+    let decision = match &answer {
+        LimitsResponse::Limits { .. } => "limits",
+        LimitsResponse::Deny(_) => "deny",
+    };
+    info!(
+        permit_id = permit_id.unwrap_or("-"),
+        tools = req.tools.len(),
+        decision,
+        "limits"
+    );
+    (StatusCode::OK, Json(answer)).into_response()
 }
 
 fn outcome_kind(o: &Outcome) -> &'static str {

@@ -99,9 +99,11 @@ mod kill9 {
 
         let port = free_port();
         let mut child = start(port, dir.path());
+        let done = ask(port, "done");
         assert_eq!(
-            ask(port, "done"),
-            json!({"decision": "replay", "attempt_id": attempt, "receipt": "RECEIPT"})
+            done,
+            json!({"decision": "replay", "attempt_id": attempt, "receipt": "RECEIPT",
+                   "limits": {"calls_left": 0, "budget_left": null, "expires_at": done["limits"]["expires_at"]}})
         );
         assert_eq!(ask(port, "flying")["code"], "idempotency_in_progress");
         assert_eq!(ask(port, "third")["code"], "permit_max_calls_exceeded");

@@ -4,8 +4,9 @@
 //! Every body is JSON. Paths:
 //! - `POST /v1/authorize`: [`AuthorizeRequest`] → [`AuthorizeResponse`]
 //! - `POST /v1/outcomes`: [`OutcomesRequest`] → [`OutcomesResponse`]
+//! - `POST /v1/limits`: [`LimitsRequest`] → [`LimitsResponse`]
 //!
-//! Both paths require `authorization: Bearer <service token>`. A report also needs the
+//! Every path requires `authorization: Bearer <service token>`. A report also needs the
 //! round's capability from the Dispatch answer: the service token alone (which an agent
 //! sharing the sidecar's loopback can read) cannot move an attempt.
 
@@ -16,6 +17,10 @@ use serde_json::{Map, Value};
 pub const AUTHORIZE_PATH: &str = "/v1/authorize";
 /// Path of the outcome reports.
 pub const OUTCOMES_PATH: &str = "/v1/outcomes";
+/// Path of the per-tool figures of a permit (for `tools/list`).
+pub const LIMITS_PATH: &str = "/v1/limits";
+/// Most tools one [`LimitsRequest`] may name.
+pub const MAX_LIMITS_TOOLS: usize = 1000;
 
 /// The filter asks whether one `tools/call` may go upstream.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -61,12 +66,18 @@ pub enum AuthorizeResponse {
         /// accepts a report about the round only with it, so a holder of the service token
         /// cannot speak for a dispatch it did not receive. It never leaves the Envoy process.
         capability: String,
+        /// What the permit still allows for the tool, this dispatch counted.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        limits: Option<PermitLimits>,
     },
     /// The same key and fingerprint completed before: answer with this receipt.
     Replay {
         attempt_id: String,
         /// The upstream's JSON-RPC response, verbatim.
         receipt: String,
+        /// What the permit still allows for the tool (a replay takes nothing).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        limits: Option<PermitLimits>,
     },
     /// Refused; nothing may go upstream.
     Deny(Denial),
@@ -79,6 +90,10 @@ pub struct Denial {
     pub message: String,
     #[serde(default, skip_serializing_if = "Map::is_empty")]
     pub data: Map<String, Value>,
+    /// What the permit still allows for the tool; `None` when no permit was authenticated
+    /// (or the denial is the filter's own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits: Option<PermitLimits>,
 }
 
 impl Denial {
@@ -87,6 +102,7 @@ impl Denial {
             code,
             message: message.into(),
             data: Map::new(),
+            limits: None,
         }
     }
 
@@ -95,6 +111,42 @@ impl Denial {
         self.data.insert(field.to_string(), value.into());
         self
     }
+}
+
+/// What a permit still allows for one tool, as the agent sees it in
+/// `_meta["dev.atmost/permit"]` and in the `atmost-*` response headers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PermitLimits {
+    /// New calls of the tool the permit still allows: its cap minus the slots held; 0 when
+    /// the tool is outside the permit's scope or the permit has expired; `None` (JSON
+    /// `null`) when the tool has no cap.
+    pub calls_left: Option<u64>,
+    /// Budget left in minor units (budget minus spent and reserved); `None` (`null`) when
+    /// the permit has no budget.
+    pub budget_left: Option<u64>,
+    /// When the permit expires, RFC 3339 (UTC).
+    pub expires_at: String,
+}
+
+/// Body of `POST /v1/limits`: the figures of a permit for the tools a `tools/list` answer
+/// names (at most [`MAX_LIMITS_TOOLS`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LimitsRequest {
+    /// The secret permit token exactly as the agent presented it.
+    pub permit_token: String,
+    pub tools: Vec<String>,
+}
+
+/// The ledger's answer to a [`LimitsRequest`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "decision", rename_all = "snake_case")]
+pub enum LimitsResponse {
+    /// The token authenticates: the figures of each tool asked about.
+    Limits {
+        tools: std::collections::BTreeMap<String, PermitLimits>,
+    },
+    /// The token is unknown or revoked (`permit_invalid`).
+    Deny(Denial),
 }
 
 /// Every reason atmost refuses a call. The README's error table lists each one.
@@ -299,6 +351,7 @@ mod tests {
             serde_json::from_value(json).unwrap_or(AuthorizeResponse::Replay {
                 attempt_id: String::new(),
                 receipt: String::new(),
+                limits: None,
             });
         assert_eq!(back, deny);
     }
@@ -346,5 +399,75 @@ mod tests {
         assert_eq!(r.as_ref().map(|r| r.continuation), Some(false));
         let json = r.map(|r| serde_json::to_value(&r).unwrap_or_default());
         assert_eq!(json.as_ref().and_then(|j| j.get("continuation")), None);
+    }
+
+    fn limits() -> PermitLimits {
+        PermitLimits {
+            calls_left: Some(2),
+            budget_left: None,
+            expires_at: "2030-01-01T00:00:00Z".into(),
+        }
+    }
+
+    #[test]
+    fn limits_ride_beside_each_decision_and_show_unlimited_as_null() {
+        let dispatch = AuthorizeResponse::Dispatch {
+            attempt_id: "a".into(),
+            permit_id: "p".into(),
+            lease_ms: 1,
+            round: 1,
+            capability: "c".into(),
+            limits: Some(limits()),
+        };
+        let json = serde_json::to_value(&dispatch).unwrap_or_default();
+        assert_eq!(
+            json["limits"],
+            serde_json::json!({"calls_left": 2, "budget_left": null, "expires_at": "2030-01-01T00:00:00Z"})
+        );
+        let mut denial = Denial::new(DenialCode::PermitExpired, "m");
+        denial.limits = Some(limits());
+        let json = serde_json::to_value(AuthorizeResponse::Deny(denial)).unwrap_or_default();
+        assert_eq!(json["decision"], "deny");
+        assert_eq!(json["limits"]["calls_left"], 2);
+    }
+
+    #[test]
+    fn answers_without_limits_still_read_and_omit_the_field() {
+        // What a ledger without figures answers: read as `limits: None`.
+        let old = serde_json::json!({"decision": "replay", "attempt_id": "a", "receipt": "{}"});
+        let r: Option<AuthorizeResponse> = serde_json::from_value(old.clone()).ok();
+        assert_eq!(
+            r,
+            Some(AuthorizeResponse::Replay {
+                attempt_id: "a".into(),
+                receipt: "{}".into(),
+                limits: None
+            })
+        );
+        assert_eq!(
+            r.map(|r| serde_json::to_value(r).unwrap_or_default()),
+            Some(old)
+        );
+        let deny =
+            serde_json::json!({"decision": "deny", "code": "permit_invalid", "message": "m"});
+        let d: Option<AuthorizeResponse> = serde_json::from_value(deny).ok();
+        assert!(matches!(
+            d,
+            Some(AuthorizeResponse::Deny(Denial { limits: None, .. }))
+        ));
+    }
+
+    #[test]
+    fn limits_response_is_tagged_by_decision() {
+        let r = LimitsResponse::Limits {
+            tools: [("pay".to_string(), limits())].into_iter().collect(),
+        };
+        let json = serde_json::to_value(&r).unwrap_or_default();
+        assert_eq!(json["decision"], "limits");
+        assert_eq!(json["tools"]["pay"]["calls_left"], 2);
+        let deny = LimitsResponse::Deny(Denial::new(DenialCode::PermitInvalid, "m"));
+        let json = serde_json::to_value(&deny).unwrap_or_default();
+        assert_eq!(json["decision"], "deny");
+        assert_eq!(json["code"], "permit_invalid");
     }
 }

@@ -97,6 +97,7 @@ impl Call {
             Ok(AuthorizeResponse::Replay {
                 attempt_id,
                 receipt,
+                ..
             }) => match replay::render(&receipt, &p.id) {
                 Ok(reply) => Step::pause()
                     .with(Effect::LocalReply(reply))

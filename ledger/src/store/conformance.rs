@@ -9,12 +9,13 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use async_trait::async_trait;
 use atmost_protocol::{
-    AuthorizeRequest, AuthorizeResponse, DenialCode, DispatchGrant, Outcome, OutcomeAck,
+    AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, DispatchGrant, Outcome, OutcomeAck,
     OutcomeReport,
 };
 use serde_json::{json, Value};
 
 use super::{AttemptFilter, Store};
+use crate::clock;
 use crate::decide::{Notice, ResolveInput};
 use crate::error::ResolveError;
 use crate::model::{AttemptState, CostRule, GuardMode, Permit, PermitDetail, Policy};
@@ -49,7 +50,7 @@ macro_rules! conformance_suite {
             state_counts_and_pruning_per_permit_retention, rounds_and_capabilities,
             race_report_against_lease_expiry, race_conflicting_reports_from_two_handles,
             race_resolution_against_late_report, race_revocation_against_authorization,
-            race_released_key_dispatched_again);
+            race_released_key_dispatched_again, permit_limits_in_answers);
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
         $(
@@ -104,7 +105,24 @@ pub fn req(tok: &str, tool: &str, key: Option<&str>, fp: &str, args: Value) -> A
     }
 }
 
+/// The store's answer without its permit figures ([`permit_limits_in_answers`] checks those).
 pub async fn auth(store: &dyn Store, r: &AuthorizeRequest, now: i64) -> AuthorizeResponse {
+    let mut response = auth_with_limits(store, r, now).await;
+    match &mut response {
+        AuthorizeResponse::Dispatch { limits, .. } | AuthorizeResponse::Replay { limits, .. } => {
+            *limits = None
+        }
+        AuthorizeResponse::Deny(d) => d.limits = None,
+    }
+    response
+}
+
+/// The store's whole answer.
+pub async fn auth_with_limits(
+    store: &dyn Store,
+    r: &AuthorizeRequest,
+    now: i64,
+) -> AuthorizeResponse {
     let response = store.authorize(r, LEASE_MS, now).await.unwrap().response;
     remember(&response);
     response
@@ -240,7 +258,8 @@ pub async fn decision_table(h: &dyn Harness) {
             r,
             AuthorizeResponse::Replay {
                 attempt_id: a1.clone(),
-                receipt: "R1".into()
+                receipt: "R1".into(),
+                limits: None,
             }
         );
     }
@@ -884,7 +903,8 @@ pub async fn resolution(h: &dyn Harness) {
         auth(&*s, &req(&tok, "pay", Some("a"), "A", json!({})), T0 + 6).await,
         AuthorizeResponse::Replay {
             attempt_id: a.clone(),
-            receipt: "PROVIDER-RECEIPT".into()
+            receipt: "PROVIDER-RECEIPT".into(),
+            limits: None,
         }
     );
     assert!(matches!(
@@ -940,7 +960,8 @@ pub async fn durability_across_reopen(h: &dyn Harness) {
         auth(&*s, &req(&tok, "pay", Some("a"), "A", json!({})), T0).await,
         AuthorizeResponse::Replay {
             attempt_id: a,
-            receipt: "R".into()
+            receipt: "R".into(),
+            limits: None,
         }
     );
     assert_eq!(state_of(&*s, &b).await, AttemptState::InFlight);
@@ -969,6 +990,8 @@ pub async fn permit_admin(h: &dyn Harness) {
     assert_eq!(d.permit, p1);
     assert_eq!(d.usage.get("pay").map(|u| u.calls_made), Some(0));
     assert!(s.permit_detail("pmt_nope", T0).await.unwrap().is_none());
+    assert_eq!(s.get_permit(&p2.id).await.unwrap(), Some(p2.clone()));
+    assert!(s.get_permit("pmt_nope").await.unwrap().is_none());
     let r = s.revoke_permit(&p1.id, T0 + 1).await.unwrap().unwrap();
     assert_eq!(r.revoked_at_ms, Some(T0 + 1));
     let r = s.revoke_permit(&p1.id, T0 + 2).await.unwrap().unwrap();
@@ -1129,7 +1152,8 @@ pub async fn input_required_continuations(h: &dyn Harness) {
         auth(&*s, &continued(first.clone()), now + 5000).await,
         AuthorizeResponse::Replay {
             attempt_id: a.clone(),
-            receipt: "FINAL".into()
+            receipt: "FINAL".into(),
+            limits: None,
         }
     );
     let d = s.permit_detail(&p.id, now).await.unwrap().unwrap();
@@ -1184,7 +1208,8 @@ pub async fn accepted_task_handles(h: &dyn Harness) {
         auth(&*s, &r, now).await,
         AuthorizeResponse::Replay {
             attempt_id: a.clone(),
-            receipt: "HANDLE".into()
+            receipt: "HANDLE".into(),
+            limits: None,
         }
     );
     assert_eq!(calls_made(&*s, &p.id, "job").await, 1);
@@ -1769,10 +1794,70 @@ pub async fn race_released_key_dispatched_again(h: &dyn Harness) {
             auth(&*hs.two, &r, T0 + 3).await,
             AuthorizeResponse::Replay {
                 attempt_id: again,
-                receipt: format!("R{i}")
+                receipt: format!("R{i}"),
+                limits: None,
             }
         );
         counters_match_recount(&*s, &p.id).await;
         assert_eq!(calls_made(&*s, &p.id, "pay").await, i as u64 + 1);
     }
+}
+
+/// The figures of `r` as (calls left, budget left).
+fn figures(r: &AuthorizeResponse) -> (Option<u64>, Option<u64>) {
+    let limits = match r {
+        AuthorizeResponse::Dispatch { limits, .. } | AuthorizeResponse::Replay { limits, .. } => {
+            limits.as_ref()
+        }
+        AuthorizeResponse::Deny(d) => d.limits.as_ref(),
+    };
+    let l = limits.unwrap_or_else(|| panic!("no figures in {r:?}"));
+    assert_eq!(l.expires_at, clock::rfc3339(T0 + HOUR));
+    (l.calls_left, l.budget_left)
+}
+
+/// Every answer under an authenticated permit carries what the permit still allows for the
+/// tool, counted by the store as the decision left it: a dispatch after its own reservation,
+/// a replay or a denial as things stand; a release gives the figures back.
+pub async fn permit_limits_in_answers(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.max_calls.insert("pay".into(), 2);
+    pol.budget = Some(100);
+    pol.cost
+        .insert("pay".into(), CostRule::Pointer("/amount".into()));
+    let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
+    let call = |key: &'static str, amount: u64| {
+        req(&tok, "pay", Some(key), key, json!({"amount": amount}))
+    };
+    let first = auth_with_limits(&*s, &call("a", 30), T0).await;
+    assert_eq!(figures(&first), (Some(1), Some(70)));
+    let a = dispatched(&first);
+    assert_eq!(
+        figures(&auth_with_limits(&*s, &call("a", 30), T0).await),
+        (Some(1), Some(70)),
+        "in progress: nothing more taken"
+    );
+    report(&*s, &a, completed("R"), T0).await;
+    let replay = auth_with_limits(&*s, &call("a", 30), T0).await;
+    assert!(matches!(replay, AuthorizeResponse::Replay { .. }));
+    assert_eq!(figures(&replay), (Some(1), Some(70)));
+    let b = dispatched(&auth_with_limits(&*s, &call("b", 50), T0).await);
+    let capped = auth_with_limits(&*s, &call("c", 1), T0).await;
+    assert_eq!(denied(&capped), DenialCode::PermitMaxCallsExceeded);
+    assert_eq!(figures(&capped), (Some(0), Some(20)));
+    report(&*s, &b, released(), T0).await;
+    let echo = auth_with_limits(&*s, &req(&tok, "echo", None, "E", json!({})), T0).await;
+    assert_eq!(figures(&echo), (None, Some(70)), "no cap on echo");
+    let mut wrong = call("d", 1);
+    wrong.permit_token = format!("{tok}x");
+    assert_eq!(
+        auth_with_limits(&*s, &wrong, T0).await,
+        AuthorizeResponse::Deny(Denial::new(
+            DenialCode::PermitInvalid,
+            "the permit token is unknown or revoked"
+        ))
+    );
+    let counters = s.permit_counters(&p.id).await.unwrap().unwrap();
+    assert_eq!((counters.reserved, counters.spent), (0, 30));
 }

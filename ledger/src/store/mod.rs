@@ -75,6 +75,9 @@ pub trait Store: Send + Sync {
         now: Millis,
     ) -> Result<Option<PermitDetail>, LedgerError>;
 
+    /// The permit with this id, `None` if unknown.
+    async fn get_permit(&self, id: &str) -> Result<Option<Permit>, LedgerError>;
+
     /// Revokes a permit; revoking twice keeps the first time. `None` if unknown.
     async fn revoke_permit(&self, id: &str, now: Millis) -> Result<Option<Permit>, LedgerError>;
 

@@ -368,7 +368,9 @@ mod tests {
     }
 
     #[test]
-    fn a_key_whose_attempt_decides_alone_reads_nothing_else() {
+    fn a_key_whose_attempt_decides_alone_reads_the_counters_but_no_duplicate() {
+        // The answer carries the permit's figures, so the counters are read; the duplicate
+        // guard only looks at new calls.
         let p = permit();
         for state in [
             AttemptState::InFlight,
@@ -381,6 +383,7 @@ mod tests {
             let mut reads = Fake {
                 key_attempt: Some(attempt("old", state)),
                 slots: 3,
+                budget: (1, 2),
                 ..Fake::default()
             };
             let snap = assemble_with(
@@ -389,9 +392,12 @@ mod tests {
                 &mut reads,
                 &CounterMoves::default(),
             );
-            assert_eq!(reads.asked.len(), 1, "{state:?}: {:?}", reads.asked);
+            assert_eq!(reads.asked.len(), 3, "{state:?}: {:?}", reads.asked);
+            assert_eq!(&reads.asked[1..], ["slots pay", "budget"], "{state:?}");
             assert_eq!(snap.existing.map(|a| a.state), Some(state));
-            assert_eq!(snap.usage.calls_made, 0);
+            assert_eq!(snap.usage.calls_made, 3);
+            assert_eq!((snap.budget.reserved, snap.budget.spent), (1, 2));
+            assert!(snap.recent_duplicate.is_none());
         }
     }
 

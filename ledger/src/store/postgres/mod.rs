@@ -63,8 +63,8 @@ use errors::{column_err, pg_err, pool_err};
 use options::{pg_config, valid_schema_name};
 use outcomes::{outcome_worker, OutcomeJob, OutcomeQueue};
 use rows::{
-    budget_totals, exec, load_attempt, lock_permit_of_attempt, query, query_attempts, read_permit,
-    PERMIT_COLS,
+    budget_totals, exec, load_attempt, load_permit, lock_permit_of_attempt, query, query_attempts,
+    read_permit, PERMIT_COLS,
 };
 use tls::RustlsMakeTls;
 use writes::{write_attempt, write_counters};
@@ -304,9 +304,7 @@ impl Store for PgStore {
                 .start()
                 .await
                 .map_err(pg_err)?;
-            let sql = format!("SELECT {PERMIT_COLS} FROM permits WHERE id = $1");
-            let Some(permit) = query(&tx, &sql, &[&id]).await?.first().map(read_permit).transpose()?
-            else {
+            let Some(permit) = load_permit(&tx, id).await? else {
                 return Ok(None);
             };
             let mut usage: BTreeMap<String, ToolUsage> = permit
@@ -355,16 +353,16 @@ impl Store for PgStore {
                 &[&id, &now],
             )
             .await?;
-            let sql = format!("SELECT {PERMIT_COLS} FROM permits WHERE id = $1");
-            let p = query(&tx, &sql, &[&id])
-                .await?
-                .first()
-                .map(read_permit)
-                .transpose()?;
+            let p = load_permit(&tx, id).await?;
             tx.commit().await.map_err(pg_err)?;
             Ok(p)
         })
         .await
+    }
+
+    async fn get_permit(&self, id: &str) -> Result<Option<Permit>, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| load_permit(&*c, id).await)
+            .await
     }
 
     /// Decisions on one permit are queued and taken in groups: one transaction, one row lock

@@ -27,6 +27,19 @@ pub(super) fn read_permit(row: &Row) -> Result<Permit, LedgerError> {
     })
 }
 
+/// The permit with this id, if any.
+pub(super) async fn load_permit<C: GenericClient>(
+    c: &C,
+    id: &str,
+) -> Result<Option<Permit>, LedgerError> {
+    let sql = format!("SELECT {PERMIT_COLS} FROM permits WHERE id = $1");
+    query(c, &sql, &[&id])
+        .await?
+        .first()
+        .map(read_permit)
+        .transpose()
+}
+
 /// The columns of [`ATTEMPT_COLS`] as PostgreSQL returns them (the round is an INTEGER).
 fn attempt_row(row: &Row) -> Result<AttemptRow, tokio_postgres::Error> {
     Ok(AttemptRow {

@@ -383,6 +383,11 @@ impl Store for SqliteStore {
         .await
     }
 
+    async fn get_permit(&self, id: &str) -> Result<Option<Permit>, LedgerError> {
+        let id = id.to_string();
+        self.read(move |c| load_permit(c, &id)).await
+    }
+
     async fn permit_counters(&self, id: &str) -> Result<Option<PermitCounters>, LedgerError> {
         let id = id.to_string();
         self.read(move |c| read_counters(c, &id)).await
