@@ -206,26 +206,22 @@ pub fn permit_limits(
 
 /// The answer of `POST /v1/limits`: the figures of each of `tools` under the permit the
 /// token authenticates (`permit` is the one its id names, if any), from the permit's stored
-/// counters (`slots` of a tool, the budget totals).
+/// counters (`slots` of a tool, the budget totals). `None` when the token does not
+/// authenticate.
 pub fn limits_answer(
     req: &LimitsRequest,
     permit: Option<&Permit>,
     slots: impl Fn(&str) -> u64,
     budget: BudgetTotals,
     now: Millis,
-) -> LimitsResponse {
-    let Some(permit) = authenticate(&req.permit_token, permit) else {
-        return LimitsResponse::Deny(Denial::new(
-            DenialCode::PermitInvalid,
-            "the permit token is unknown or revoked",
-        ));
-    };
+) -> Option<LimitsResponse> {
+    let permit = authenticate(&req.permit_token, permit)?;
     let tools = req
         .tools
         .iter()
         .map(|t| (t.clone(), permit_limits(permit, t, slots(t), budget, now)))
         .collect();
-    LimitsResponse::Limits { tools }
+    Some(LimitsResponse { tools })
 }
 
 /// [`decide`] once the token authenticated `permit`.
@@ -712,7 +708,7 @@ pub struct Reads {
 
 pub fn reads_needed(req: &AuthorizeRequest, permit: &Permit, existing: Option<&Attempt>) -> Reads {
     let policy = &permit.policy;
-    let new_call = !existing.is_some_and(|a| !a.state.gave_back());
+    let new_call = existing.is_none_or(|a| a.state.gave_back());
     Reads {
         usage: policy.allows_tool(&req.tool) && policy.limit_for(&req.tool).is_some(),
         budget: policy.budget.is_some(),

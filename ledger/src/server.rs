@@ -4,9 +4,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use atmost_protocol::{
-    AuthorizeRequest, AuthorizeResponse, LimitsRequest, LimitsResponse, Outcome, OutcomeAck,
-    OutcomesRequest, OutcomesResponse, AUTHORIZE_PATH, LIMITS_PATH, MAX_LIMITS_TOOLS,
-    OUTCOMES_PATH,
+    AuthorizeRequest, AuthorizeResponse, LimitsRequest, Outcome, OutcomeAck, OutcomesRequest,
+    OutcomesResponse, AUTHORIZE_PATH, LIMITS_PATH, MAX_LIMITS_TOOLS, OUTCOMES_PATH,
 };
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, Query, Request, State};
@@ -268,7 +267,8 @@ async fn authorize(
 }
 
 /// `POST /v1/limits`: what the permit still allows for each tool a `tools/list` answer names.
-/// Read-only; the figures are the stored counters at the moment of the call.
+/// Read-only; the figures are the stored counters at the moment of the call. A token that
+/// does not authenticate is answered 403 `permit_invalid`.
 async fn limits(
     State(state): State<Shared>,
     body: Result<Json<LimitsRequest>, JsonRejection>,
@@ -312,17 +312,17 @@ async fn limits(
         },
         now,
     );
-    let decision = match &answer {
-        LimitsResponse::Limits { .. } => "limits",
-        LimitsResponse::Deny(_) => "deny",
-    };
-    info!(
-        permit_id = permit_id.unwrap_or("-"),
-        tools = req.tools.len(),
-        decision,
-        "limits"
-    );
-    (StatusCode::OK, Json(answer)).into_response()
+    let permit_id = permit_id.unwrap_or("-");
+    match answer {
+        Some(answer) => {
+            info!(permit_id, tools = req.tools.len(), "limits");
+            (StatusCode::OK, Json(answer)).into_response()
+        }
+        None => {
+            info!(permit_id, code = "permit_invalid", "limits refused");
+            error_response(StatusCode::FORBIDDEN, "permit_invalid", None)
+        }
+    }
 }
 
 fn outcome_kind(o: &Outcome) -> &'static str {

@@ -137,16 +137,12 @@ pub struct LimitsRequest {
     pub tools: Vec<String>,
 }
 
-/// The ledger's answer to a [`LimitsRequest`].
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "decision", rename_all = "snake_case")]
-pub enum LimitsResponse {
-    /// The token authenticates: the figures of each tool asked about.
-    Limits {
-        tools: std::collections::BTreeMap<String, PermitLimits>,
-    },
-    /// The token is unknown or revoked (`permit_invalid`).
-    Deny(Denial),
+/// The ledger's answer to a [`LimitsRequest`] whose token authenticates: the figures of each
+/// tool asked about. A token that does not authenticate (unknown, wrong secret, revoked) is
+/// answered HTTP 403 with `{"error": "permit_invalid"}` instead.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LimitsResponse {
+    pub tools: std::collections::BTreeMap<String, PermitLimits>,
 }
 
 /// Every reason atmost refuses a call. The README's error table lists each one.
@@ -458,16 +454,15 @@ mod tests {
     }
 
     #[test]
-    fn limits_response_is_tagged_by_decision() {
-        let r = LimitsResponse::Limits {
+    fn limits_response_names_each_tool() {
+        let r = LimitsResponse {
             tools: [("pay".to_string(), limits())].into_iter().collect(),
         };
         let json = serde_json::to_value(&r).unwrap_or_default();
-        assert_eq!(json["decision"], "limits");
-        assert_eq!(json["tools"]["pay"]["calls_left"], 2);
-        let deny = LimitsResponse::Deny(Denial::new(DenialCode::PermitInvalid, "m"));
-        let json = serde_json::to_value(&deny).unwrap_or_default();
-        assert_eq!(json["decision"], "deny");
-        assert_eq!(json["code"], "permit_invalid");
+        assert_eq!(
+            json,
+            serde_json::json!({"tools": {"pay": {"calls_left": 2, "budget_left": null,
+                                                 "expires_at": "2030-01-01T00:00:00Z"}}})
+        );
     }
 }
