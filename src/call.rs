@@ -18,18 +18,26 @@
 //!   ▼
 //! Dispatched(response watch) ──receipt found──▶ report `completed`, hold the chunk ──▶ Settled
 //!   └─ on_log without an acknowledged report ──▶ queue completed / released / uncertain
+//!
+//! ReadingBody ──tools/list with a permit, `tools_list_limits` on──▶ Listing(response watch)
+//!   ──answer found: ONE limits callout, the answer held──▶ figures written in ──▶ done
 //! ```
+//!
+//! Every answer to a governed call carries the permit's figures the ledger gave
+//! ([`crate::permit_meta`]): a local reply gets them as it is built, a dispatched call's
+//! upstream answer as an edit of its body (JSON or the SSE event), with the headers.
 
 use crate::body_encoding;
 use crate::denial;
 use crate::fingerprint::fingerprint;
 use crate::idempotency;
-use crate::ledger::{Callout, Endpoint, LedgerReply};
+use crate::ledger::{Callout, Endpoint, LedgerError, LedgerReply};
 use crate::mcp::{self, Message, MetaKey};
 use crate::meta_key;
 use crate::outcome::{self, NoReceipt};
 use crate::permit;
-use crate::receipt::{self, ResultKind, SseCapture, SseProgress};
+use crate::permit_meta::{self, TextAt};
+use crate::receipt::{self, Passed, ResultKind, SseCapture, SseProgress};
 use crate::replay;
 use crate::reply::{rpc_code, LocalReply};
 use crate::resume::{self, CallPermit, Ticket};
@@ -38,8 +46,8 @@ use crate::upstream_key;
 use crate::upstream_key::UNGOVERNED_PERMIT_ID;
 use atmost_config::{CompletionReports, Config, UpstreamKey};
 use atmost_protocol::{
-    AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, DispatchGrant, Outcome, OutcomeAck,
-    OutcomesRequest,
+    AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, DispatchGrant, LimitsRequest,
+    LimitsResponse, Outcome, OutcomeAck, OutcomesRequest, PermitLimits, MAX_LIMITS_TOOLS,
 };
 use serde_json::Value;
 use std::rc::Rc;
@@ -104,6 +112,33 @@ struct Dispatched {
     /// A GET resuming the stream of a call dispatched by an earlier POST: it can bring the
     /// receipt, but its own failure says nothing about the call.
     resumed: bool,
+    /// What the permit still allows, as the ledger's Dispatch answer said.
+    limits: Option<PermitLimits>,
+    /// The answer's body is to carry the figures: its `content-length` was removed.
+    edit_body: bool,
+}
+
+/// A `tools/list` whose answer may gain the permit's figures (`tools_list_limits`).
+#[derive(Debug, Clone)]
+struct Listing {
+    id: Value,
+    permit_token: String,
+    watch: ListWatch,
+}
+
+#[derive(Debug, Clone)]
+enum ListWatch {
+    AwaitingHeaders,
+    /// `application/json`: buffering the body.
+    BufferingJson {
+        size: usize,
+    },
+    /// `text/event-stream`: looking for the answer's event.
+    StreamingSse(Box<SseCapture>),
+    /// The limits callout is out; Envoy holds these bytes, where the answer's text is.
+    Asking(Box<(Vec<u8>, TextAt)>),
+    /// Nothing (more) to do.
+    Done,
 }
 
 #[derive(Debug, Clone)]
@@ -118,6 +153,8 @@ enum State {
     ReadingBody(Box<RequestHead>),
     Authorizing(Pending),
     Dispatched(Box<Dispatched>),
+    /// A `tools/list` passing, its answer watched for the permit's figures.
+    Listing(Box<Listing>),
     /// A local reply was sent.
     Answered,
 }
@@ -231,6 +268,10 @@ impl Call {
             State::ReadingBody(_) => "reading_body",
             State::Authorizing(_) => "authorizing",
             State::Answered => "answered",
+            State::Listing(l) => match l.watch {
+                ListWatch::Asking(_) => "listing_asking",
+                _ => "listing",
+            },
             State::Dispatched(d) => match d.watch {
                 Watch::AwaitingHeaders => "dispatched",
                 Watch::BufferingJson { .. } => "buffering_json",
@@ -269,6 +310,8 @@ impl Call {
                     watch: Watch::AwaitingHeaders,
                     session_id: head.session_id,
                     resumed: true,
+                    limits: t.limits,
+                    edit_body: false,
                 }));
                 return step;
             }
@@ -403,6 +446,13 @@ impl Call {
                 &refused.message,
             ))
             .with(log(String::new())),
+            State::Listing(l) => bad_request(LocalReply::rpc_error(
+                503,
+                Some(&l.id),
+                rpc_code::INTERNAL_ERROR,
+                &refused.message,
+            ))
+            .with(log(String::new())),
             State::Start | State::Passing | State::ReadingBody(_) => bad_request(
                 LocalReply::rpc_error(503, None, rpc_code::INTERNAL_ERROR, &refused.message),
             )
@@ -454,6 +504,22 @@ impl Call {
             Err(reply) => return bad_request(*reply),
             Ok(Message::Other) => return self.pass(&head, None, Value::Null, None),
             Ok(Message::KeyedOther(id)) => return self.pass(&head, Some(body), id, None),
+            Ok(Message::ToolsList { id, keyed }) => {
+                let step = self.pass(&head, keyed.then_some(body), id.clone(), None);
+                if self.config.tools_list_limits {
+                    // Without a readable permit there is nothing to ask: it passes unchanged.
+                    if let Ok(permit_token) =
+                        permit::token(&head.permit, &self.config.permit_header)
+                    {
+                        self.state = State::Listing(Box::new(Listing {
+                            id,
+                            permit_token,
+                            watch: ListWatch::AwaitingHeaders,
+                        }));
+                    }
+                }
+                return step;
+            }
             Ok(Message::ToolCall(call)) => call,
         };
         if !self.config.governed_tools.contains(&call.name) {

@@ -7,7 +7,11 @@
 //!   2026-07-28 requires (older clients ignore the field).
 //! - `error`: a JSON-RPC error object `{"code": <application code>, "message",
 //!   "data": {"code": "<code>", ...data}}`, application codes outside -32768..-32000.
+//!
+//! A denial the ledger made under an authenticated permit carries the permit's figures for
+//! the tool ([`crate::permit_meta`]): in `result._meta` or `error.data`, and in the headers.
 
+use crate::permit_meta;
 use crate::reply::LocalReply;
 use atmost_config::DenialFormat;
 use atmost_protocol::Denial;
@@ -31,7 +35,7 @@ fn flat_error(denial: &Denial) -> Map<String, Value> {
 
 /// The local reply for a denial of the request with JSON-RPC `id`.
 pub fn render(denial: &Denial, id: &Value, format: DenialFormat) -> LocalReply {
-    let body = match format {
+    let mut body = match format {
         DenialFormat::Result => {
             let structured = json!({"error": Value::Object(flat_error(denial))});
             json!({
@@ -65,7 +69,12 @@ pub fn render(denial: &Denial, id: &Value, format: DenialFormat) -> LocalReply {
             })
         }
     };
-    LocalReply::json(200, &body).with_header(DENIAL_HEADER, denial.code.as_str())
+    if let Some(limits) = &denial.limits {
+        permit_meta::insert(&mut body, limits);
+    }
+    LocalReply::json(200, &body)
+        .with_header(DENIAL_HEADER, denial.code.as_str())
+        .with_limits(denial.limits.as_ref())
 }
 
 #[cfg(test)]
@@ -150,5 +159,43 @@ mod tests {
                 assert!(r.body_json().is_some());
             }
         }
+    }
+
+    #[test]
+    fn the_permits_figures_ride_in_either_format() {
+        let mut d = cap_denial();
+        d.limits = Some(atmost_protocol::PermitLimits {
+            calls_left: Some(0),
+            budget_left: None,
+            expires_at: "2030-01-01T00:00:00.000Z".into(),
+        });
+        let figures =
+            json!({"calls_left": 0, "budget_left": null, "expires_at": "2030-01-01T00:00:00.000Z"});
+        let r = render(&d, &json!(1), DenialFormat::Result);
+        let v = r.body_json().unwrap_or(Value::Null);
+        assert_eq!(v["result"]["_meta"], json!({"dev.atmost/permit": figures}));
+        // The text a model reads is the structured error alone.
+        assert_eq!(
+            v["result"]["content"][0]["text"]
+                .as_str()
+                .map(|t| t.contains("dev.atmost")),
+            Some(false)
+        );
+        assert_eq!(r.header("atmost-calls-left"), Some("0"));
+        assert_eq!(r.header("atmost-budget-left"), Some("unlimited"));
+        let r = render(&d, &json!(1), DenialFormat::Error);
+        let v = r.body_json().unwrap_or(Value::Null);
+        assert_eq!(v["error"]["data"]["dev.atmost/permit"], figures);
+        assert_eq!(v["error"]["data"]["code"], "permit_max_calls_exceeded");
+        assert_eq!(
+            r.header("atmost-permit-expires"),
+            Some("2030-01-01T00:00:00.000Z")
+        );
+        // The filter's own denials have no figures, and no figure headers.
+        let r = render(&cap_denial(), &json!(1), DenialFormat::Result);
+        assert!(r.header("atmost-calls-left").is_none());
+        assert!(r
+            .body_json()
+            .is_some_and(|v| v["result"].get("_meta").is_none()));
     }
 }

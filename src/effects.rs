@@ -1,20 +1,23 @@
 //! Carrying out a [`Step`] in order, the part of the adapter's work that decides anything:
 //! a request edit the host refuses stops the step there. Nothing after it runs (above all
 //! no `ResumeRequest`, nor the step's `Continue`, nor its callout); the machine answers
-//! [`Call::on_rewrite_failed`] and that step is carried out instead. The adapter
-//! implements [`Host`] with proxy-wasm hostcalls; tests implement it with a recorder.
+//! [`Call::on_rewrite_failed`] and that step is carried out instead. A refused response
+//! edit does not stop the step: the machine hears it ([`Call::on_response_edit_refused`])
+//! and the answer goes on as the upstream sent it. The adapter implements [`Host`] with
+//! proxy-wasm hostcalls; tests implement it with a recorder.
 
 use crate::call::{Call, Effect, Flow, Step};
 use crate::ledger::Callout;
 
-/// The host refused a request edit (header or body write).
+/// The host refused a request or response edit (header or body write).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Refused;
 
 pub trait Host {
     /// Carries out one effect. Only the request edits (`RemoveRequestHeader`,
-    /// `SetRequestHeader`, `ReplaceRequestBody`) may answer [`Refused`]; any other failure
-    /// is the host's to log.
+    /// `SetRequestHeader`, `ReplaceRequestBody`) and the response edits
+    /// ([`Effect::edits_response`]) may answer [`Refused`]; any other failure is the host's
+    /// to log.
     fn effect(&mut self, effect: Effect) -> Result<(), Refused>;
     /// Dispatches a ledger callout; `false` when the host would not.
     fn dispatch(&mut self, callout: &Callout) -> bool;
@@ -24,7 +27,14 @@ pub trait Host {
 /// that could not be dispatched; returns what to give back to Envoy.
 pub fn apply(call: &mut Call, step: Step, host: &mut impl Host) -> Flow {
     for effect in step.effects {
+        let response_edit = effect.edits_response();
         if host.effect(effect).is_err() {
+            if response_edit {
+                for note in call.on_response_edit_refused().effects {
+                    let _ = host.effect(note);
+                }
+                continue;
+            }
             // The machine is `Answered` after this: its step holds no edit, so this ends.
             let next = call.on_rewrite_failed();
             return apply(call, next, host);
@@ -73,6 +83,10 @@ mod tests {
 
     /// A governed call up to the ledger's `dispatch` answer; returns the call and that step.
     fn dispatching() -> (Call, Step) {
+        dispatching_with(None)
+    }
+
+    fn dispatching_with(limits: Option<atmost_protocol::PermitLimits>) -> (Call, Step) {
         let mut call = Call::new(Rc::new(config_from(&minimal())));
         call.on_request_headers(RequestHead {
             method: "POST".into(),
@@ -90,6 +104,7 @@ mod tests {
             lease_ms: 1000,
             round: 1,
             capability: "cap-1".into(),
+            limits,
         };
         let step = call.on_ledger_reply(&LedgerReply {
             status: Some(200),
@@ -172,5 +187,42 @@ mod tests {
         };
         assert_eq!(apply(&mut call, step, &mut host), Flow::Pause);
         assert!(matches!(host.done.as_slice(), [Effect::LocalReply(r), ..] if r.status == 503));
+    }
+
+    #[test]
+    fn a_refused_response_edit_lets_the_answer_go_on_unedited() {
+        let limits = atmost_protocol::PermitLimits {
+            calls_left: Some(1),
+            budget_left: None,
+            expires_at: "2030-01-01T00:00:00.000Z".into(),
+        };
+        let (mut call, step) = dispatching_with(Some(limits));
+        let mut host = Recorder {
+            done: Vec::new(),
+            refuse: |e| matches!(e, Effect::RemoveResponseHeader(_)),
+            refused: false,
+        };
+        assert_eq!(apply(&mut call, step, &mut host), Flow::Continue);
+        let step = call.on_response_headers(crate::call::ResponseHead {
+            content_type: Some("application/json".into()),
+            end_of_stream: false,
+        });
+        // The figure headers are set; the length could not be removed.
+        assert_eq!(apply(&mut call, step, &mut host), Flow::Continue);
+        assert!(host
+            .done
+            .iter()
+            .any(|e| matches!(e, Effect::SetResponseHeader(n, _) if n == "atmost-calls-left")));
+        assert!(host.done.iter().any(
+            |e| matches!(e, Effect::Log(_, m) if m.contains("refused an edit of the response"))
+        ));
+        // So the body is not edited: it keeps the length the client was told.
+        let answer = br#"{"jsonrpc":"2.0","id":7,"result":{}}"#;
+        let step = call.on_response_body_data(answer, true);
+        assert!(!step
+            .effects
+            .iter()
+            .any(|e| matches!(e, Effect::ReplaceResponseBody { .. })));
+        assert_eq!(step.flow, Flow::Pause, "still reported before release");
     }
 }

@@ -3,7 +3,9 @@
 //! expected JSON are all failures (the authorize caller then fails closed).
 
 use atmost_config::LedgerConfig;
-use atmost_protocol::{AuthorizeResponse, OutcomeAck, OutcomesRequest, OutcomesResponse};
+use atmost_protocol::{
+    AuthorizeResponse, LimitsRequest, LimitsResponse, OutcomeAck, OutcomesRequest, OutcomesResponse,
+};
 use std::fmt;
 
 /// Which ledger endpoint a callout goes to.
@@ -11,6 +13,7 @@ use std::fmt;
 pub enum Endpoint {
     Authorize,
     Outcomes,
+    Limits,
 }
 
 impl Endpoint {
@@ -18,6 +21,7 @@ impl Endpoint {
         match self {
             Endpoint::Authorize => atmost_protocol::AUTHORIZE_PATH,
             Endpoint::Outcomes => atmost_protocol::OUTCOMES_PATH,
+            Endpoint::Limits => atmost_protocol::LIMITS_PATH,
         }
     }
 }
@@ -34,6 +38,14 @@ impl Callout {
     pub fn outcomes(request: &OutcomesRequest) -> Callout {
         Callout {
             endpoint: Endpoint::Outcomes,
+            body: serde_json::to_vec(request).unwrap_or_default(),
+        }
+    }
+
+    /// A `POST /v1/limits` carrying `request`.
+    pub fn limits(request: &LimitsRequest) -> Callout {
+        Callout {
+            endpoint: Endpoint::Limits,
             body: serde_json::to_vec(request).unwrap_or_default(),
         }
     }
@@ -81,6 +93,9 @@ impl fmt::Display for LedgerError {
             LedgerError::Unreadable(Endpoint::Outcomes) => {
                 f.write_str("ledger answer to outcomes is not an OutcomesResponse")
             }
+            LedgerError::Unreadable(Endpoint::Limits) => {
+                f.write_str("ledger answer to limits is not a LimitsResponse")
+            }
             LedgerError::AckCount { acked, sent } => {
                 write!(f, "ledger acknowledged {acked} of {sent} reports")
             }
@@ -121,6 +136,12 @@ impl LedgerReply {
     pub fn authorize(&self) -> Result<AuthorizeResponse, LedgerError> {
         serde_json::from_slice(self.ok_body()?)
             .map_err(|_| LedgerError::Unreadable(Endpoint::Authorize))
+    }
+
+    /// Reads a limits answer.
+    pub fn limits(&self) -> Result<LimitsResponse, LedgerError> {
+        serde_json::from_slice(self.ok_body()?)
+            .map_err(|_| LedgerError::Unreadable(Endpoint::Limits))
     }
 
     /// Reads an outcomes answer for `sent` reports.

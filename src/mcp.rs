@@ -46,6 +46,10 @@ pub enum Message {
     KeyedOther(Value),
     /// One `tools/call` request.
     ToolCall(ToolCall),
+    /// One `tools/list` request with a string or number id: it passes (its key rewritten
+    /// when `keyed`, as for [`Message::KeyedOther`]); its answer may gain the permit's
+    /// figures (`tools_list_limits`).
+    ToolsList { id: Value, keyed: bool },
 }
 
 /// The parts of a `tools/call` request atmost uses.
@@ -270,6 +274,14 @@ fn parse_object(
             ));
         }
     }
+    if method == "tools/list" {
+        if let Some(id) = reply_id(&obj) {
+            return Ok(Message::ToolsList {
+                id: id.clone(),
+                keyed: carries_key(obj.get("params")),
+            });
+        }
+    }
     if method != "tools/call" {
         return Ok(other(carries_key(obj.get("params")), reply_id(&obj)));
     }
@@ -468,12 +480,41 @@ mod tests {
     fn other_messages_pass() {
         passes(r#"{"jsonrpc":"2.0","method":"initialize","id":1,"params":{}}"#);
         passes(r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#);
-        passes(r#"{"jsonrpc":"2.0","method":"tools/list","id":"x"}"#);
         passes(r#"{"jsonrpc":"2.0","id":9,"result":{}}"#);
         passes(r#"{"jsonrpc":"2.0","id":9,"error":{"code":1,"message":"m"}}"#);
         passes(r#"[]"#);
         passes(
             r#"[{"jsonrpc":"2.0","method":"tools/list","id":1},{"jsonrpc":"2.0","method":"notifications/x"}]"#,
+        );
+    }
+
+    #[test]
+    fn a_tools_list_request_is_told_apart_with_its_id() {
+        let list = |body: &str| parse(body.as_bytes(), &Mirrored::default());
+        assert_eq!(
+            list(r#"{"jsonrpc":"2.0","method":"tools/list","id":"x"}"#),
+            Ok(Message::ToolsList {
+                id: json!("x"),
+                keyed: false
+            })
+        );
+        assert_eq!(
+            list(
+                r#"{"jsonrpc":"2.0","method":"tools/list","id":3,"params":{"_meta":{"dev.atmost/idempotency-key":"k"}}}"#
+            ),
+            Ok(Message::ToolsList {
+                id: json!(3),
+                keyed: true
+            })
+        );
+        // Without a usable id there is no answer to find: it passes like any message.
+        assert_eq!(
+            list(r#"{"jsonrpc":"2.0","method":"tools/list"}"#),
+            Ok(Message::Other)
+        );
+        assert_eq!(
+            list(r#"{"jsonrpc":"2.0","method":"tools/list","id":null}"#),
+            Ok(Message::Other)
         );
     }
 
@@ -531,7 +572,7 @@ mod tests {
     fn other_messages_carrying_a_key_are_told_apart() {
         for (body, id) in [
             (
-                r#"{"jsonrpc":"2.0","method":"tools/list","id":1,"params":{"_meta":{"dev.atmost/idempotency-key":"k"}}}"#,
+                r#"{"jsonrpc":"2.0","method":"resources/list","id":1,"params":{"_meta":{"dev.atmost/idempotency-key":"k"}}}"#,
                 json!(1),
             ),
             (
@@ -551,11 +592,11 @@ mod tests {
         }
         // Keys elsewhere than params (or its _meta) are not idempotency keys.
         passes(
-            r#"{"jsonrpc":"2.0","method":"tools/list","id":1,"params":{"cursor":{"idempotencyKey":"k"}}}"#,
+            r#"{"jsonrpc":"2.0","method":"resources/list","id":1,"params":{"cursor":{"idempotencyKey":"k"}}}"#,
         );
         passes(r#"{"jsonrpc":"2.0","id":9,"result":{"idempotencyKey":"k"}}"#);
         passes(
-            r#"{"jsonrpc":"2.0","method":"tools/list","id":1,"params":[{"idempotencyKey":"k"}]}"#,
+            r#"{"jsonrpc":"2.0","method":"resources/list","id":1,"params":[{"idempotencyKey":"k"}]}"#,
         );
     }
 

@@ -4,29 +4,25 @@
 //! is forwarded as sent, so the edit works on the raw text rather than re-serialising the
 //! message.
 
+use crate::json_text::{self, first_value, member};
 use crate::mcp::{META_KEY, PARAMS_KEY};
 
 /// Where the member sits in the raw body, as byte offsets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MemberSpan {
-    /// First byte of the member's key string.
-    pub key_start: usize,
-    /// First byte of its value.
-    pub value_start: usize,
-    /// One past the last byte of its value.
-    pub value_end: usize,
+pub type MemberSpan = json_text::Member;
+
+/// The offset of the value of member `name` of the object at `at`, if that value is an object.
+fn object_member(body: &[u8], at: usize, name: &str) -> Option<usize> {
+    member(body, at, name)
+        .filter(|m| m.value_opens(body) == Some(b'{'))
+        .map(|m| m.value_start)
 }
 
 /// Finds `params._meta["dev.atmost/idempotency-key"]` in a body that already parsed as JSON
 /// (without duplicate keys). `None` when it is not there.
 pub fn find(body: &[u8]) -> Option<MemberSpan> {
-    let mut s = Scanner { b: body, i: 0 };
-    s.ws();
-    let params = s.member_of_object("params")?;
-    let mut s = Scanner { b: body, i: params };
-    let meta = s.member_of_object("_meta")?;
-    let mut s = Scanner { b: body, i: meta };
-    s.find_member(META_KEY)
+    let params = object_member(body, first_value(body), "params")?;
+    let meta = object_member(body, params, "_meta")?;
+    member(body, meta, META_KEY)
 }
 
 /// Every idempotency key member of a body that already parsed as JSON (without duplicate
@@ -34,28 +30,13 @@ pub fn find(body: &[u8]) -> Option<MemberSpan> {
 /// message, or of each message of a batch. In no particular order.
 pub fn find_all(body: &[u8]) -> Vec<MemberSpan> {
     let mut spans = Vec::new();
-    let mut s = Scanner { b: body, i: 0 };
-    s.ws();
-    match s.peek() {
-        Some(b'{') => spans_of_message(body, s.i, &mut spans),
+    let at = first_value(body);
+    match body.get(at) {
+        Some(b'{') => spans_of_message(body, at, &mut spans),
         Some(b'[') => {
-            s.i += 1;
-            loop {
-                s.ws();
-                match s.peek() {
-                    Some(b',') => s.i += 1,
-                    Some(b'{') => {
-                        spans_of_message(body, s.i, &mut spans);
-                        if s.skip_value().is_none() {
-                            break;
-                        }
-                    }
-                    Some(b']') | None => break,
-                    Some(_) => {
-                        if s.skip_value().is_none() {
-                            break;
-                        }
-                    }
+            for (start, _) in json_text::elements(body, at).unwrap_or_default() {
+                if body.get(start) == Some(&b'{') {
+                    spans_of_message(body, start, &mut spans);
                 }
             }
         }
@@ -65,13 +46,13 @@ pub fn find_all(body: &[u8]) -> Vec<MemberSpan> {
 }
 
 fn spans_of_message(body: &[u8], at: usize, out: &mut Vec<MemberSpan>) {
-    let Some(params) = (Scanner { b: body, i: at }).member_of_object("params") else {
+    let Some(params) = object_member(body, at, "params") else {
         return;
     };
-    if let Some(meta) = (Scanner { b: body, i: params }).member_of_object("_meta") {
-        out.extend((Scanner { b: body, i: meta }).find_member(META_KEY));
+    if let Some(meta) = object_member(body, params, "_meta") {
+        out.extend(member(body, meta, META_KEY));
     }
-    out.extend((Scanner { b: body, i: params }).find_member(PARAMS_KEY));
+    out.extend(member(body, params, PARAMS_KEY));
 }
 
 /// The body with each member in `spans` edited: `replacement` gets the member's raw value
@@ -127,123 +108,6 @@ pub fn rewrite(body: &[u8], span: MemberSpan, replacement: Option<&str>) -> Vec<
         }
     }
     out
-}
-
-/// Whether the JSON string `quoted` (quotes included) spells `name`. Most keys hold no
-/// escape and are compared as bytes; an escaped one is decoded first.
-fn key_is(quoted: &[u8], name: &str) -> Option<bool> {
-    let inner = quoted.get(1..quoted.len().checked_sub(1)?)?;
-    if !inner.contains(&b'\\') {
-        return Some(inner == name.as_bytes());
-    }
-    let key: String = serde_json::from_slice(quoted).ok()?;
-    Some(key == name)
-}
-
-/// A forward-only walk over well-formed JSON text.
-struct Scanner<'a> {
-    b: &'a [u8],
-    i: usize,
-}
-
-impl Scanner<'_> {
-    fn peek(&self) -> Option<u8> {
-        self.b.get(self.i).copied()
-    }
-
-    fn ws(&mut self) {
-        while self.peek().is_some_and(|c| c.is_ascii_whitespace()) {
-            self.i += 1;
-        }
-    }
-
-    /// At an object: the offset of the value of member `name` if that value is an object.
-    fn member_of_object(&mut self, name: &str) -> Option<usize> {
-        let span = self.find_member(name)?;
-        (self.b.get(span.value_start) == Some(&b'{')).then_some(span.value_start)
-    }
-
-    /// At an object: the span of member `name`.
-    fn find_member(&mut self, name: &str) -> Option<MemberSpan> {
-        self.ws();
-        if self.peek()? != b'{' {
-            return None;
-        }
-        self.i += 1;
-        loop {
-            self.ws();
-            match self.peek()? {
-                b'}' => return None,
-                b',' => {
-                    self.i += 1;
-                    continue;
-                }
-                b'"' => {}
-                _ => return None,
-            }
-            let key_start = self.i;
-            self.skip_string()?;
-            let is_name = key_is(&self.b[key_start..self.i], name)?;
-            self.ws();
-            if self.peek()? != b':' {
-                return None;
-            }
-            self.i += 1;
-            self.ws();
-            let value_start = self.i;
-            self.skip_value()?;
-            if is_name {
-                return Some(MemberSpan {
-                    key_start,
-                    value_start,
-                    value_end: self.i,
-                });
-            }
-        }
-    }
-
-    fn skip_string(&mut self) -> Option<()> {
-        self.i += 1; // opening quote
-        loop {
-            match self.peek()? {
-                b'\\' => self.i += 2,
-                b'"' => {
-                    self.i += 1;
-                    return Some(());
-                }
-                _ => self.i += 1,
-            }
-        }
-    }
-
-    /// Skips one value without recursion: nesting depth is only counted.
-    fn skip_value(&mut self) -> Option<()> {
-        let mut depth = 0usize;
-        loop {
-            match self.peek()? {
-                b'"' => self.skip_string()?,
-                b'{' | b'[' => {
-                    depth += 1;
-                    self.i += 1;
-                }
-                b'}' | b']' => {
-                    if depth == 0 {
-                        return Some(());
-                    }
-                    depth -= 1;
-                    self.i += 1;
-                }
-                b',' if depth == 0 => return Some(()),
-                c if c.is_ascii_whitespace() && depth == 0 => return Some(()),
-                _ => self.i += 1,
-            }
-            if depth == 0 && matches!(self.b.get(self.i.wrapping_sub(1)), Some(b'"' | b'}' | b']'))
-            {
-                // A complete string, object or array at the top level of this value.
-                return Some(());
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -343,16 +207,6 @@ mod tests {
             edit(body, Some("d"))["params"]["_meta"]["dev.atmost/idempotency-key"],
             "d"
         );
-    }
-
-    #[test]
-    fn keys_compare_as_decoded_text() {
-        assert_eq!(key_is(br#""_meta""#, "_meta"), Some(true));
-        assert_eq!(key_is(br#""\u005fmeta""#, "_meta"), Some(true));
-        assert_eq!(key_is(br#""_met""#, "_meta"), Some(false));
-        assert_eq!(key_is(br#""_meta\n""#, "_meta"), Some(false));
-        assert_eq!(key_is(br#""""#, ""), Some(true));
-        assert_eq!(key_is(b"\"", "_meta"), None);
     }
 
     #[test]

@@ -1,8 +1,11 @@
 //! Answering a call from a stored receipt: the stored JSON-RPC response with its `id`
 //! replaced by the current request's id and `result._meta["dev.atmost/replayed"] = true`
-//! (an `error` response is left as it is), sent with `idempotent-replayed: true`.
+//! (an `error` response is left as it is), sent with `idempotent-replayed: true`, and the
+//! permit's figures as they stand ([`crate::permit_meta`]).
 
+use crate::permit_meta;
 use crate::reply::LocalReply;
+use atmost_protocol::PermitLimits;
 use serde_json::{Map, Value};
 
 /// `_meta` key marking a replayed result.
@@ -34,9 +37,20 @@ pub fn rewrite(receipt: &str, id: &Value) -> Result<Value, UnreadableReceipt> {
     Ok(Value::Object(obj))
 }
 
-/// The local reply for a replay: HTTP 200, JSON, `idempotent-replayed: true`.
-pub fn render(receipt: &str, id: &Value) -> Result<LocalReply, UnreadableReceipt> {
-    Ok(LocalReply::json(200, &rewrite(receipt, id)?).with_header(REPLAYED_HEADER, "true"))
+/// The local reply for a replay: HTTP 200, JSON, `idempotent-replayed: true`; with the
+/// permit's figures in the body and the headers when the ledger gave them.
+pub fn render(
+    receipt: &str,
+    id: &Value,
+    limits: Option<&PermitLimits>,
+) -> Result<LocalReply, UnreadableReceipt> {
+    let mut body = rewrite(receipt, id)?;
+    if let Some(limits) = limits {
+        permit_meta::insert(&mut body, limits);
+    }
+    Ok(LocalReply::json(200, &body)
+        .with_header(REPLAYED_HEADER, "true")
+        .with_limits(limits))
 }
 
 #[cfg(test)]
@@ -47,7 +61,7 @@ mod tests {
     #[test]
     fn replaces_id_and_marks_result() {
         let stored = r#"{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"paid"}],"_meta":{"x":1}}}"#;
-        let r = render(stored, &json!("new-7")).ok();
+        let r = render(stored, &json!("new-7"), None).ok();
         let r = r.as_ref();
         assert_eq!(r.map(|r| r.status), Some(200));
         assert_eq!(r.and_then(|r| r.header(REPLAYED_HEADER)), Some("true"));
@@ -85,7 +99,7 @@ mod tests {
     #[test]
     fn error_responses_keep_their_error() {
         let stored = r#"{"jsonrpc":"2.0","id":1,"error":{"code":-32602,"message":"bad"}}"#;
-        let r = render(stored, &json!(9)).ok();
+        let r = render(stored, &json!(9), None).ok();
         assert_eq!(
             r.as_ref().and_then(|r| r.header(REPLAYED_HEADER)),
             Some("true")
@@ -100,5 +114,38 @@ mod tests {
     fn unreadable_receipts_are_refused() {
         assert_eq!(rewrite("not json", &json!(1)), Err(UnreadableReceipt));
         assert_eq!(rewrite("[1]", &json!(1)), Err(UnreadableReceipt));
+    }
+
+    #[test]
+    fn the_permits_figures_ride_in_meta_and_headers() {
+        let limits = PermitLimits {
+            calls_left: Some(0),
+            budget_left: Some(250),
+            expires_at: "2030-01-01T00:00:00.000Z".into(),
+        };
+        let stored = r#"{"jsonrpc":"2.0","id":1,"result":{"content":[]}}"#;
+        let r = render(stored, &json!(3), Some(&limits)).ok();
+        let r = r.as_ref();
+        assert_eq!(
+            r.and_then(|r| r.body_json())
+                .map(|v| v["result"]["_meta"].clone()),
+            Some(json!({"dev.atmost/replayed": true, "dev.atmost/permit":
+                {"calls_left": 0, "budget_left": 250, "expires_at": "2030-01-01T00:00:00.000Z"}}))
+        );
+        assert_eq!(r.and_then(|r| r.header("atmost-calls-left")), Some("0"));
+        assert_eq!(r.and_then(|r| r.header("atmost-budget-left")), Some("250"));
+        assert_eq!(
+            r.and_then(|r| r.header("atmost-permit-expires")),
+            Some("2030-01-01T00:00:00.000Z")
+        );
+        // A stored error answer carries them in its data.
+        let stored = r#"{"jsonrpc":"2.0","id":1,"error":{"code":-32602,"message":"bad"}}"#;
+        let v = render(stored, &json!(3), Some(&limits))
+            .ok()
+            .and_then(|r| r.body_json());
+        assert_eq!(
+            v.map(|v| v["error"]["data"]["dev.atmost/permit"]["budget_left"].clone()),
+            Some(json!(250))
+        );
     }
 }

@@ -1,5 +1,7 @@
 //! Local replies: answers the filter sends itself, without going upstream.
 
+use crate::permit_meta;
+use atmost_protocol::PermitLimits;
 use serde_json::{json, Value};
 
 /// An HTTP response the filter sends in place of the upstream's (`send_http_response`).
@@ -47,6 +49,14 @@ impl LocalReply {
     /// Adds a header.
     pub fn with_header(mut self, name: &str, value: &str) -> LocalReply {
         self.headers.push((name.to_string(), value.to_string()));
+        self
+    }
+
+    /// Adds the headers carrying the permit's figures, when there are figures.
+    pub fn with_limits(mut self, limits: Option<&PermitLimits>) -> LocalReply {
+        for (name, value) in limits.map(permit_meta::headers).into_iter().flatten() {
+            self.headers.push((name.to_string(), value));
+        }
         self
     }
 

@@ -16,7 +16,7 @@
 //! for, so a receipt it brings is recorded only for that round: if the attempt has moved on,
 //! the ledger answers `stale_round` and nothing changes.
 
-use atmost_protocol::DispatchGrant;
+use atmost_protocol::{DispatchGrant, PermitLimits};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -35,6 +35,10 @@ pub struct Ticket {
     pub permit_hash: String,
     /// `:path` of the call.
     pub path: String,
+    /// The permit's figures from the call's dispatch, for the answer the resumed stream
+    /// carries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits: Option<PermitLimits>,
 }
 
 /// Lowercase hex SHA-256 of a permit token as presented: tickets in shared data name the
@@ -147,6 +151,11 @@ mod tests {
             tool: "pay".into(),
             permit_hash: permit_hash(b"atmp_pmt_1_secret"),
             path: "/mcp".into(),
+            limits: Some(PermitLimits {
+                calls_left: Some(1),
+                budget_left: None,
+                expires_at: "2030-01-01T00:00:00.000Z".into(),
+            }),
         }
     }
 

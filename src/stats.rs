@@ -44,6 +44,11 @@ pub enum Stat {
     /// A resumed GET stream (`Last-Event-ID`) carried the answer of a call whose POST stream
     /// closed early; it was reported.
     ResumedReceipt,
+    /// A `tools/list` answer gained the permit's figures (`tools_list_limits`).
+    ToolsListFigures,
+    /// A `tools/list` answer whose figures were asked for passed unchanged: the ledger did
+    /// not authenticate the permit, or could not be asked.
+    ToolsListUnchanged,
 }
 
 impl Stat {
@@ -67,6 +72,8 @@ impl Stat {
             Stat::Accepted,
             Stat::StreamAwaitingResume,
             Stat::ResumedReceipt,
+            Stat::ToolsListFigures,
+            Stat::ToolsListUnchanged,
         ];
         all.extend(DenialCode::ALL.iter().map(|c| Stat::DeniedCode(*c)));
         all
@@ -93,6 +100,8 @@ impl Stat {
             Stat::Accepted => "atmost_accepted".into(),
             Stat::StreamAwaitingResume => "atmost_stream_awaiting_resume".into(),
             Stat::ResumedReceipt => "atmost_resumed_receipt".into(),
+            Stat::ToolsListFigures => "atmost_tools_list_figures".into(),
+            Stat::ToolsListUnchanged => "atmost_tools_list_unchanged".into(),
         }
     }
 }
@@ -110,6 +119,6 @@ mod tests {
             assert!(seen.insert(n));
         }
         assert!(seen.contains("atmost_denied_permit_invalid"));
-        assert_eq!(seen.len(), 17 + DenialCode::ALL.len());
+        assert_eq!(seen.len(), 19 + DenialCode::ALL.len());
     }
 }

@@ -72,6 +72,13 @@ pub struct Config {
     /// until the ledger acknowledges (or, if it cannot be reached, the report is queued
     /// for retry and the answer released).
     pub completion_reports: CompletionReports,
+    /// `tools_list_limits` (boolean, default `false`): a `tools/list` answer passing through
+    /// for a request that carried a permit gains, under each governed tool's `_meta`, the
+    /// permit's figures for that tool (`_meta["dev.atmost/permit"]`: calls left, budget
+    /// left, expiry), asked of the ledger with one callout per answer. Without a permit, or
+    /// with one the ledger does not authenticate, or when the ledger cannot be asked, the
+    /// answer passes unchanged.
+    pub tools_list_limits: bool,
 }
 
 /// `ledger`: the callout target.
@@ -258,6 +265,14 @@ impl<'a> Obj<'a> {
         Ok(n)
     }
 
+    fn boolean(&self, key: &str, default: bool) -> Result<bool, ConfigError> {
+        match self.map.get(key) {
+            None => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(_) => Err(err(&self.field_path(key), "must be true or false")),
+        }
+    }
+
     fn object(&self, key: &str) -> Result<Option<&'a Map<String, Value>>, ConfigError> {
         match self.map.get(key) {
             None => Ok(None),
@@ -340,6 +355,7 @@ impl Config {
             "max_receipt_bytes",
             "report_interval_ms",
             "completion_reports",
+            "tools_list_limits",
         ])?;
 
         let ledger_map = top
@@ -476,6 +492,7 @@ impl Config {
             Some("per_call") => CompletionReports::PerCall,
             Some(_) => return Err(err("completion_reports", "must be `batched` or `per_call`")),
         };
+        let tools_list_limits = top.boolean("tools_list_limits", false)?;
 
         Ok(Config {
             ledger: LedgerConfig {
@@ -493,6 +510,7 @@ impl Config {
             max_receipt_bytes,
             report_interval_ms,
             completion_reports,
+            tools_list_limits,
         })
     }
 }
@@ -546,6 +564,20 @@ mod tests {
         assert_eq!(c.max_receipt_bytes, 1_048_576);
         assert_eq!(c.report_interval_ms, 200);
         assert_eq!(c.completion_reports, CompletionReports::Batched);
+        assert!(!c.tools_list_limits);
+    }
+
+    #[test]
+    fn tools_list_limits_is_a_boolean() {
+        let mut v = minimal();
+        v["tools_list_limits"] = json!(true);
+        assert!(config_from(&v).tools_list_limits);
+        v["tools_list_limits"] = json!(false);
+        assert!(!config_from(&v).tools_list_limits);
+        for bad in [json!("true"), json!(1), json!(null), json!({})] {
+            v["tools_list_limits"] = bad.clone();
+            assert_eq!(field_of(&v), "tools_list_limits", "{bad}");
+        }
     }
 
     #[test]

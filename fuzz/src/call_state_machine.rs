@@ -390,6 +390,15 @@ fn observe(w: &mut Watch, cfg: &Config, done: &Done, from_ledger: bool) {
                     Err(e) => panic!("outcomes callout body is not an OutcomesRequest: {e}"),
                 }
             }
+            Endpoint::Limits => {
+                match serde_json::from_slice::<atmost_protocol::LimitsRequest>(&c.body) {
+                    Ok(req) => {
+                        assert!(!req.permit_token.is_empty());
+                        assert!(!req.tools.is_empty());
+                    }
+                    Err(e) => panic!("limits callout body is not a LimitsRequest: {e}"),
+                }
+            }
         }
     }
 }
@@ -533,6 +542,7 @@ fn run(data: &[u8]) -> (bool, usize) {
                         tool: "pay".into(),
                         permit_hash: atmost_filter::resume::permit_hash(b"tok-123"),
                         path: "/mcp".into(),
+                        limits: None,
                     }),
                 };
                 let s = call.on_request_headers(head);

@@ -527,7 +527,7 @@ pub fn check(data: &[u8]) {
                     )
                 }
                 // A nesting depth the arguments alone did not reach can be refused.
-                Ok(Message::Other | Message::KeyedOther(_)) => {
+                Ok(Message::Other | Message::KeyedOther(_) | Message::ToolsList { .. }) => {
                     panic!("a tools/call body was read as another message")
                 }
                 Err(_) => {}

@@ -280,7 +280,7 @@ pub fn check(data: &[u8]) {
         if let Some(c) = &call {
             match &r {
                 Ok(Message::ToolCall(c2)) => assert_eq!(c2, c, "headers {m:?} changed the call"),
-                Ok(Message::Other | Message::KeyedOther(_)) => {
+                Ok(Message::Other | Message::KeyedOther(_) | Message::ToolsList { .. }) => {
                     panic!("headers {m:?} took a tools/call out of governance")
                 }
                 Err(_) => {}

@@ -223,6 +223,7 @@ pub fn check(data: &[u8]) {
         max_body_bytes: max_body.unwrap_or(DEFAULT_MAX_BYTES),
         max_receipt_bytes: max_receipt.unwrap_or(DEFAULT_MAX_BYTES),
         report_interval_ms: report.unwrap_or(DEFAULT_REPORT_INTERVAL_MS),
+        tools_list_limits: false,
         completion_reports: atmost_config::CompletionReports::Batched,
     };
 

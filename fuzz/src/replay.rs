@@ -49,7 +49,7 @@ fn check_rewrite(receipt: &str, id: &Value) {
             assert_eq!(&out[k], v, "{k} changed");
         }
     }
-    match replay::render(receipt, id) {
+    match replay::render(receipt, id, None) {
         Ok(r) => {
             assert_eq!(r.status, 200);
             assert_eq!(r.header(REPLAYED_HEADER), Some("true"));

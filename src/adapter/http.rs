@@ -133,6 +133,20 @@ impl effects::Host for Exec<'_> {
                     return Err(Refused);
                 }
             }
+            Effect::SetResponseHeader(name, value) => {
+                return host::set_header(MapType::HttpResponseHeaders, &name, &value).ok_or(Refused)
+            }
+            Effect::RemoveResponseHeader(name) => {
+                return host::remove_header(MapType::HttpResponseHeaders, &name).ok_or(Refused)
+            }
+            Effect::ReplaceResponseBody { original_len, body } => {
+                if hostcalls::set_buffer(BufferType::HttpResponseBody, 0, original_len, &body)
+                    .is_err()
+                {
+                    host::log(Level::Error, "atmost: could not rewrite the response body");
+                    return Err(Refused);
+                }
+            }
             Effect::LocalReply(reply) => {
                 let headers: Vec<(&str, &str)> = reply
                     .headers

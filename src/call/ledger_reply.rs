@@ -15,6 +15,17 @@ impl Call {
                     "atmost: could not dispatch the authorize callout; call denied (gateway_unavailable)".into(),
                 ))
             }
+            State::Listing(l) => {
+                if matches!(l.watch, ListWatch::Asking(_)) {
+                    l.watch = ListWatch::Done;
+                    // Still in the body callback: going on releases the held answer.
+                    return response::unchanged(
+                        Level::Warn,
+                        "could not dispatch the limits callout",
+                    );
+                }
+                Step::cont()
+            }
             State::Dispatched(d) => match std::mem::replace(&mut d.watch, Watch::Settled) {
                 Watch::Reporting { outcome } => Step::cont()
                     .with(Effect::Enqueue(d.grant.report(outcome)))
@@ -37,6 +48,9 @@ impl Call {
 
     /// The ledger answered (or failed to answer) the pending callout.
     pub fn on_ledger_reply(&mut self, reply: &LedgerReply) -> Step {
+        if matches!(self.state, State::Listing(_)) {
+            return self.on_limits_reply(reply);
+        }
         match std::mem::replace(&mut self.state, State::Answered) {
             State::Authorizing(p) => self.on_authorize_reply(p, reply),
             State::Dispatched(mut d) => {
@@ -97,8 +111,8 @@ impl Call {
             Ok(AuthorizeResponse::Replay {
                 attempt_id,
                 receipt,
-                ..
-            }) => match replay::render(&receipt, &p.id) {
+                limits,
+            }) => match replay::render(&receipt, &p.id, limits.as_ref()) {
                 Ok(reply) => Step::pause()
                     .with(Effect::LocalReply(reply))
                     .with(Effect::Count(Stat::Replayed))
@@ -120,6 +134,7 @@ impl Call {
                 permit_id,
                 round,
                 capability,
+                limits,
                 ..
             }) => {
                 let upstream_value =
@@ -163,6 +178,8 @@ impl Call {
                     watch: Watch::AwaitingHeaders,
                     session_id: p.session_id,
                     resumed: false,
+                    limits,
+                    edit_body: false,
                 }));
                 step
             }

@@ -6,26 +6,96 @@ use super::*;
 impl Call {
     pub fn on_response_headers(&mut self, head: ResponseHead) -> Step {
         let max = usize_of(self.config.max_receipt_bytes);
-        if let State::Dispatched(d) = &mut self.state {
-            if matches!(d.watch, Watch::AwaitingHeaders) {
-                d.watch = if head.end_of_stream {
-                    Watch::NoReceipt(NoReceipt::NotJsonRpc)
-                } else {
-                    match content_kind(head.content_type.as_deref()) {
-                        Some(true) => Watch::BufferingJson { size: 0 },
-                        Some(false) => {
-                            Watch::StreamingSse(Box::new(SseCapture::new(d.id.clone(), max)))
-                        }
-                        None => Watch::NoReceipt(NoReceipt::NotJsonRpc),
+        // JSON or SSE: the answer to find (and edit) is in the body.
+        let kind = match head.end_of_stream {
+            true => None,
+            false => content_kind(head.content_type.as_deref()),
+        };
+        let content_length = || Effect::RemoveResponseHeader("content-length".into());
+        match &mut self.state {
+            State::Dispatched(d) if matches!(d.watch, Watch::AwaitingHeaders) => {
+                d.watch = match kind {
+                    Some(true) => Watch::BufferingJson { size: 0 },
+                    Some(false) => {
+                        Watch::StreamingSse(Box::new(SseCapture::new(d.id.clone(), max)))
                     }
+                    None => Watch::NoReceipt(NoReceipt::NotJsonRpc),
                 };
+                let mut step = Step::cont();
+                if let Some(limits) = &d.limits {
+                    for (name, value) in permit_meta::headers(limits) {
+                        step = step.with(Effect::SetResponseHeader(name.into(), value));
+                    }
+                    if kind.is_some() {
+                        // The body will grow by the figures: its length is Envoy's to frame.
+                        d.edit_body = true;
+                        step = step.with(content_length());
+                    }
+                }
+                step
             }
+            State::Listing(l) if matches!(l.watch, ListWatch::AwaitingHeaders) => {
+                l.watch = match kind {
+                    Some(true) => ListWatch::BufferingJson { size: 0 },
+                    Some(false) => {
+                        ListWatch::StreamingSse(Box::new(SseCapture::new(l.id.clone(), max)))
+                    }
+                    None => ListWatch::Done,
+                };
+                Step::cont().with_opt(kind.map(|_| content_length()))
+            }
+            _ => Step::cont(),
         }
-        Step::cont()
+    }
+
+    /// The host refused a response edit (a header, or the body): the answer goes out as the
+    /// upstream sent it, without the figures in its body, and nothing more is edited (an
+    /// SSE stream holds nothing back any longer).
+    pub fn on_response_edit_refused(&mut self) -> Step {
+        let stop = |cap: &mut SseCapture| cap.stop_holding();
+        match &mut self.state {
+            State::Dispatched(d) => {
+                d.edit_body = false;
+                if let Watch::StreamingSse(cap) = &mut d.watch {
+                    stop(cap);
+                }
+            }
+            State::Listing(l) => {
+                if let ListWatch::StreamingSse(cap) = &mut l.watch {
+                    stop(cap);
+                }
+                if !matches!(l.watch, ListWatch::Asking(_)) {
+                    l.watch = ListWatch::Done;
+                }
+            }
+            _ => {}
+        }
+        Step::cont().with(Effect::Log(
+            Level::Warn,
+            "atmost: Envoy refused an edit of the response; it goes on without the permit's figures in its body".into(),
+        ))
     }
 
     pub fn on_response_body(&mut self, size: usize, end_of_stream: bool) -> BodyStep {
         let max = self.config.max_receipt_bytes;
+        if let State::Listing(l) = &mut self.state {
+            return match &mut l.watch {
+                ListWatch::BufferingJson { size: seen } => {
+                    if size as u64 > max {
+                        l.watch = ListWatch::Done;
+                        BodyStep::Done(Step::cont())
+                    } else if end_of_stream {
+                        BodyStep::Read { len: size }
+                    } else {
+                        *seen = size;
+                        BodyStep::Done(Step::pause())
+                    }
+                }
+                ListWatch::StreamingSse(_) => BodyStep::Read { len: size },
+                ListWatch::Asking(_) => BodyStep::Done(Step::pause()),
+                ListWatch::AwaitingHeaders | ListWatch::Done => BodyStep::Done(Step::cont()),
+            };
+        }
         let State::Dispatched(d) = &mut self.state else {
             return BodyStep::Done(Step::cont());
         };
@@ -54,53 +124,90 @@ impl Call {
                 Watch::Reporting { .. } => BodyStep::Done(Step::pause()),
                 _ => BodyStep::Done(Step::cont()),
             },
+            State::Listing(l) => match &l.watch {
+                ListWatch::BufferingJson { size } => BodyStep::Read { len: *size },
+                ListWatch::Asking(_) => BodyStep::Done(Step::pause()),
+                _ => BodyStep::Done(Step::cont()),
+            },
             _ => BodyStep::Done(Step::cont()),
         }
     }
 
     /// Response bytes after [`BodyStep::Read`]: the whole buffered JSON body, or one SSE chunk.
     pub fn on_response_body_data(&mut self, bytes: &[u8], end_of_stream: bool) -> Step {
+        if matches!(self.state, State::Listing(_)) {
+            return self.on_list_body_data(bytes, end_of_stream);
+        }
         let State::Dispatched(d) = &mut self.state else {
             return Step::cont();
         };
-        let found = match &mut d.watch {
+        // The figures go into the answer's body; an SSE stream may release other bytes
+        // than the chunk as it came (see `SseCapture::pass`).
+        let limits = d.limits.as_ref().filter(|_| d.edit_body);
+        let (found, body) = match &mut d.watch {
             Watch::BufferingJson { .. } => match receipt::from_json_body(bytes, &d.id) {
-                Some(r) => r,
+                Some(r) => {
+                    let edits = limits
+                        .map(|l| permit_meta::response_edits(bytes, &d.id, l))
+                        .unwrap_or_default();
+                    (r, TextAt::Whole.edited(bytes, &edits))
+                }
                 None => {
                     d.watch = Watch::NoReceipt(NoReceipt::NoMatchingResponse);
                     return Step::cont();
                 }
             },
-            Watch::StreamingSse(cap) => match cap.feed(bytes) {
-                SseProgress::Found(r) => r,
-                SseProgress::TooLarge => {
-                    d.watch = Watch::NoReceipt(NoReceipt::TooLarge);
-                    return receipt_too_large(&d.grant.attempt_id);
+            Watch::StreamingSse(cap) => {
+                let passed = match limits {
+                    Some(_) => cap.pass(bytes, end_of_stream),
+                    None => Passed {
+                        progress: cap.feed(bytes),
+                        release: None,
+                        found: None,
+                    },
+                };
+                let mut body = passed.release;
+                if let (Some(l), Some((event, base))) = (limits, passed.found) {
+                    let at = TextAt::Event(event, base);
+                    let edits = permit_meta::response_edits(at.text(&[]), &d.id, l);
+                    body = at.edited(body.as_deref().unwrap_or(bytes), &edits).or(body);
                 }
-                SseProgress::Pending => {
-                    if !end_of_stream {
-                        return Step::cont();
+                let release = body.clone().map(|body| Effect::ReplaceResponseBody {
+                    original_len: bytes.len(),
+                    body,
+                });
+                match passed.progress {
+                    SseProgress::Found(r) => (r, body),
+                    SseProgress::TooLarge => {
+                        d.watch = Watch::NoReceipt(NoReceipt::TooLarge);
+                        return receipt_too_large(&d.grant.attempt_id).with_opt(release);
                     }
-                    // Ended without the answer. With event ids the client may resume the
-                    // stream (GET + Last-Event-ID) and get the answer there.
-                    let Some(last) = cap.last_event_id().map(str::to_string) else {
-                        d.watch = Watch::NoReceipt(NoReceipt::NoMatchingResponse);
-                        return Step::cont();
-                    };
-                    d.watch = Watch::NoReceipt(NoReceipt::StreamClosedResumable);
-                    let key = resume::key(d.session_id.as_deref(), &last);
-                    return Step::cont().with(Effect::SaveResume(
-                        key,
-                        Ticket {
-                            grant: d.grant.clone(),
-                            id: d.id.clone(),
-                            tool: d.tool.clone(),
-                            permit_hash: d.permit.hash(),
-                            path: d.path.clone(),
-                        },
-                    ));
+                    SseProgress::Pending => {
+                        if !end_of_stream {
+                            return Step::cont().with_opt(release);
+                        }
+                        // Ended without the answer. With event ids the client may resume the
+                        // stream (GET + Last-Event-ID) and get the answer there.
+                        let Some(last) = cap.last_event_id().map(str::to_string) else {
+                            d.watch = Watch::NoReceipt(NoReceipt::NoMatchingResponse);
+                            return Step::cont().with_opt(release);
+                        };
+                        d.watch = Watch::NoReceipt(NoReceipt::StreamClosedResumable);
+                        let key = resume::key(d.session_id.as_deref(), &last);
+                        return Step::cont().with_opt(release).with(Effect::SaveResume(
+                            key,
+                            Ticket {
+                                grant: d.grant.clone(),
+                                id: d.id.clone(),
+                                tool: d.tool.clone(),
+                                permit_hash: d.permit.hash(),
+                                path: d.path.clone(),
+                                limits: d.limits.clone(),
+                            },
+                        ));
+                    }
                 }
-            },
+            }
             _ => return Step::cont(),
         };
         let resumed_stat = d.resumed.then_some(Effect::Count(Stat::ResumedReceipt));
@@ -112,7 +219,15 @@ impl Call {
         };
         let report = d.grant.report(outcome.clone());
         d.watch = Watch::Reporting { outcome };
-        let mut effects = vec![Effect::Count(stat)];
+        // The answer as the client gets it (the receipt stays the upstream's own text).
+        let mut effects: Vec<Effect> = body
+            .map(|body| Effect::ReplaceResponseBody {
+                original_len: bytes.len(),
+                body,
+            })
+            .into_iter()
+            .collect();
+        effects.push(Effect::Count(stat));
         effects.extend(resumed_stat);
         match self.config.completion_reports {
             CompletionReports::Batched => {
@@ -131,6 +246,97 @@ impl Call {
                 })),
             },
         }
+    }
+
+    /// The answer of a `tools/list` (`tools_list_limits`): once found, the governed tools it
+    /// lists are asked about in ONE limits callout, the answer held until the ledger answers.
+    fn on_list_body_data(&mut self, bytes: &[u8], end_of_stream: bool) -> Step {
+        let config = Rc::clone(&self.config);
+        let State::Listing(l) = &mut self.state else {
+            return Step::cont();
+        };
+        let (held, release) = match &mut l.watch {
+            ListWatch::BufferingJson { .. } => {
+                // Only a body that is JSON is edited.
+                if serde_json::from_slice::<Value>(bytes).is_err() {
+                    l.watch = ListWatch::Done;
+                    return Step::cont();
+                }
+                ((bytes.to_vec(), TextAt::Whole), None)
+            }
+            ListWatch::StreamingSse(cap) => {
+                let passed = cap.pass(bytes, end_of_stream);
+                let release = passed
+                    .release
+                    .clone()
+                    .map(|body| Effect::ReplaceResponseBody {
+                        original_len: bytes.len(),
+                        body,
+                    });
+                match (passed.progress, passed.found) {
+                    (SseProgress::Found(_), Some((event, base))) => {
+                        let body = passed.release.unwrap_or_else(|| bytes.to_vec());
+                        ((body, TextAt::Event(event, base)), release)
+                    }
+                    (SseProgress::Pending, _) if !end_of_stream => {
+                        return Step::cont().with_opt(release)
+                    }
+                    _ => {
+                        l.watch = ListWatch::Done;
+                        return Step::cont().with_opt(release);
+                    }
+                }
+            }
+            _ => return Step::cont(),
+        };
+        let (body, at) = held;
+        let mut tools =
+            permit_meta::listed_tools(at.text(&body), &l.id, |t| config.governed_tools.contains(t));
+        tools.truncate(MAX_LIMITS_TOOLS);
+        if tools.is_empty() {
+            l.watch = ListWatch::Done;
+            return Step::cont().with_opt(release);
+        }
+        let callout = Callout::limits(&LimitsRequest {
+            permit_token: l.permit_token.clone(),
+            tools,
+        });
+        l.watch = ListWatch::Asking(Box::new((body, at)));
+        Step {
+            flow: Flow::Pause,
+            effects: release.into_iter().collect(),
+            callout: Some(callout),
+        }
+    }
+
+    /// The ledger's answer to the limits callout of a `tools/list`: the held answer gains
+    /// the figures of each governed tool it lists, or goes on unchanged.
+    pub(super) fn on_limits_reply(&mut self, reply: &LedgerReply) -> Step {
+        let State::Listing(l) = &mut self.state else {
+            return Step::cont();
+        };
+        let ListWatch::Asking(held) = std::mem::replace(&mut l.watch, ListWatch::Done) else {
+            return Step::cont();
+        };
+        let (body, at) = *held;
+        let step = match reply.limits() {
+            Ok(LimitsResponse { tools }) => {
+                let edits = permit_meta::tools_list_edits(at.text(&body), &l.id, &tools);
+                let edited = at
+                    .edited(&body, &edits)
+                    .map(|new| Effect::ReplaceResponseBody {
+                        original_len: body.len(),
+                        body: new,
+                    });
+                Step::cont()
+                    .with_opt(edited)
+                    .with(Effect::Count(Stat::ToolsListFigures))
+            }
+            // The ledger does not authenticate the permit: nothing to show.
+            Err(LedgerError::Status(403)) => unchanged(Level::Info, "permit_invalid"),
+            Err(e) => unchanged(Level::Warn, &e.to_string()),
+        };
+        step.with(Effect::ResumeResponse)
     }
 
     /// Whether a completion report is out and the response held (the adapter then checks
@@ -156,10 +362,15 @@ impl Call {
         matches!(&self.state, State::Dispatched(d) if !matches!(d.watch, Watch::Settled | Watch::Reporting { .. }))
     }
 
-    /// Whether the response headers matter (a dispatched call waiting for them): only then
-    /// does the adapter look up `content-type`.
+    /// Whether the response headers matter (a dispatched call, or a `tools/list` whose
+    /// answer may gain the figures, waiting for them): only then does the adapter look up
+    /// `content-type`.
     pub fn watches_response_headers(&self) -> bool {
-        matches!(&self.state, State::Dispatched(d) if matches!(d.watch, Watch::AwaitingHeaders))
+        match &self.state {
+            State::Dispatched(d) => matches!(d.watch, Watch::AwaitingHeaders),
+            State::Listing(l) => matches!(l.watch, ListWatch::AwaitingHeaders),
+            _ => false,
+        }
     }
 
     /// The request is over (`on_log`).
@@ -227,6 +438,16 @@ impl Call {
             _ => Step::cont(),
         }
     }
+}
+
+/// A `tools/list` answer goes on without figures, for `why`.
+pub(super) fn unchanged(level: Level, why: &str) -> Step {
+    Step::cont()
+        .with(Effect::Count(Stat::ToolsListUnchanged))
+        .with(Effect::Log(
+            level,
+            format!("atmost: tools/list answer passes without the permit's figures: {why}"),
+        ))
 }
 
 fn receipt_too_large(attempt_id: &str) -> Step {

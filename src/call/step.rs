@@ -86,6 +86,16 @@ pub enum Effect {
         original_len: usize,
         body: Vec<u8>,
     },
+    /// Response edits: a header set or removed, or the response body Envoy holds
+    /// (`original_len` bytes from its start) replaced by `body`. When the host refuses one,
+    /// the adapter tells the machine ([`Call::on_response_edit_refused`]) and goes on: the
+    /// answer still goes out, as the upstream sent it.
+    SetResponseHeader(String, String),
+    RemoveResponseHeader(String),
+    ReplaceResponseBody {
+        original_len: usize,
+        body: Vec<u8>,
+    },
     /// `send_http_response`; the request ends here.
     LocalReply(LocalReply),
     /// `resume_http_request` (only from a callout callback).
@@ -103,6 +113,18 @@ pub enum Effect {
     SaveResume(String, Ticket),
     Count(Stat),
     Log(Level, String),
+}
+
+impl Effect {
+    /// One of the response edits.
+    pub fn edits_response(&self) -> bool {
+        matches!(
+            self,
+            Effect::SetResponseHeader(..)
+                | Effect::RemoveResponseHeader(_)
+                | Effect::ReplaceResponseBody { .. }
+        )
+    }
 }
 
 /// The machine's answer to one event.

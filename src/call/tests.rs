@@ -117,6 +117,7 @@ fn dispatch() -> AuthorizeResponse {
         lease_ms: 30_000,
         round: 1,
         capability: "cap-1".into(),
+        limits: None,
     }
 }
 
@@ -547,6 +548,7 @@ fn replay_and_deny_answer_locally() {
     let s = call.on_ledger_reply(&ledger(&AuthorizeResponse::Replay {
         attempt_id: "att_0".into(),
         receipt: r#"{"jsonrpc":"2.0","id":1,"result":{"content":[]}}"#.into(),
+        limits: None,
     }));
     let r = local_reply(&s);
     assert_eq!(r.header("idempotent-replayed"), Some("true"));
@@ -1046,6 +1048,7 @@ fn resumable_stream_closed_early_stays_in_flight_and_the_resumed_get_brings_the_
         tool: "pay_invoice".into(),
         permit_hash: resume::permit_hash(b"tok"),
         path: "/mcp".into(),
+        limits: None,
     };
     assert_eq!(s.flow, Flow::Continue);
     assert_eq!(
@@ -1435,4 +1438,380 @@ fn bodiless_requests_forward_the_key_header_only_in_the_upstream_form() {
         Call::new(raw).on_request_headers(head("GET", &["\"raw-g\""])),
         Step::cont()
     );
+}
+
+fn figures() -> PermitLimits {
+    PermitLimits {
+        calls_left: Some(0),
+        budget_left: Some(48_750),
+        expires_at: "2030-01-01T00:00:00.000Z".into(),
+    }
+}
+
+fn figures_json() -> Value {
+    json!({"calls_left": 0, "budget_left": 48_750, "expires_at": "2030-01-01T00:00:00.000Z"})
+}
+
+/// A call dispatched by a ledger that gave the permit's figures.
+fn dispatched_with_figures(c: Rc<Config>) -> Call {
+    let mut call = Call::new(c);
+    send(&mut call, post(&["tok"], &["\"k1\""]), PAY);
+    let mut answer = dispatch();
+    if let AuthorizeResponse::Dispatch { limits, .. } = &mut answer {
+        *limits = Some(figures());
+    }
+    let s = call.on_ledger_reply(&ledger(&answer));
+    assert_eq!(s.effects.last(), Some(&Effect::ResumeRequest));
+    call
+}
+
+fn figure_headers() -> Vec<Effect> {
+    vec![
+        Effect::SetResponseHeader("atmost-calls-left".into(), "0".into()),
+        Effect::SetResponseHeader("atmost-budget-left".into(), "48750".into()),
+        Effect::SetResponseHeader(
+            "atmost-permit-expires".into(),
+            "2030-01-01T00:00:00.000Z".into(),
+        ),
+    ]
+}
+
+fn replaced_bodies(s: &Step) -> Vec<Vec<u8>> {
+    s.effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::ReplaceResponseBody { body, .. } => Some(body.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_dispatched_json_answer_carries_the_figures_and_the_receipt_stays_the_upstreams() {
+    let mut call = dispatched_with_figures(cfg());
+    let s = call.on_response_headers(json_head());
+    let mut want = figure_headers();
+    want.push(Effect::RemoveResponseHeader("content-length".into()));
+    assert_eq!(s.effects, want);
+    let len = read(call.on_response_body(RECEIPT.len(), true));
+    let s = call.on_response_body_data(&RECEIPT.as_bytes()[..len], true);
+    assert_eq!(s.flow, Flow::Pause);
+    // The edit comes before the answer is released (it is held until the report is done).
+    assert!(matches!(
+        s.effects.first(),
+        Some(Effect::ReplaceResponseBody { original_len, .. }) if *original_len == RECEIPT.len()
+    ));
+    let bodies = replaced_bodies(&s);
+    let v: Value = serde_json::from_slice(&bodies[0]).unwrap_or(Value::Null);
+    assert_eq!(v["result"]["_meta"]["dev.atmost/permit"], figures_json());
+    assert_eq!(v["result"]["content"][0]["text"], "paid");
+    assert_eq!(
+        reported(&s),
+        Outcome::Completed {
+            receipt: RECEIPT.into()
+        }
+    );
+}
+
+#[test]
+fn an_answer_that_is_neither_json_nor_sse_keeps_its_length_but_gets_the_headers() {
+    let mut call = dispatched_with_figures(cfg());
+    let s = call.on_response_headers(ResponseHead {
+        content_type: Some("text/plain".into()),
+        end_of_stream: false,
+    });
+    assert_eq!(s.effects, figure_headers());
+    assert_eq!(done(call.on_response_body(4, true)), Step::cont());
+    // Without figures from the ledger nothing is set or edited.
+    let mut call = dispatched(cfg());
+    assert!(call.on_response_headers(json_head()).effects.is_empty());
+    let s = json_answer_body(&mut call, RECEIPT);
+    assert!(replaced_bodies(&s).is_empty());
+}
+
+fn json_answer_body(call: &mut Call, body: &str) -> Step {
+    let len = read(call.on_response_body(body.len(), true));
+    call.on_response_body_data(&body.as_bytes()[..len], true)
+}
+
+#[test]
+fn an_sse_answer_split_over_chunks_is_held_whole_and_carries_the_figures() {
+    let stream = "event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{}}\n\n\
+                  event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":7,\"result\":{\"content\":[]}}\n\n";
+    let bytes = stream.as_bytes();
+    let answer_at = stream
+        .find("event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\"")
+        .unwrap_or(0);
+    for cut in 1..bytes.len() {
+        let mut call = dispatched_with_figures(cfg());
+        call.on_response_headers(sse_head());
+        let mut out: Vec<u8> = Vec::new();
+        let mut answered = None;
+        for (i, chunk) in [&bytes[..cut], &bytes[cut..]].into_iter().enumerate() {
+            let len = read(call.on_response_body(chunk.len(), false));
+            let s = call.on_response_body_data(&chunk[..len], false);
+            match replaced_bodies(&s).pop() {
+                Some(body) => out.extend(body),
+                None => out.extend_from_slice(chunk),
+            }
+            if s.flow == Flow::Pause {
+                answered = Some((i, reported(&s)));
+            }
+        }
+        let (i, outcome) = answered.unwrap_or_else(|| panic!("no answer, cut at {cut}"));
+        assert_eq!(i, 1, "the answer is whole with its last byte, cut at {cut}");
+        assert_eq!(
+            outcome,
+            Outcome::Completed {
+                receipt: r#"{"jsonrpc":"2.0","id":7,"result":{"content":[]}}"#.into()
+            }
+        );
+        let want = format!(
+            "{}event: message\ndata: {{\"jsonrpc\":\"2.0\",\"id\":7,\"result\":{{\"_meta\":{{\"dev.atmost/permit\":{}}},\"content\":[]}}}}\n\n",
+            &stream[..answer_at],
+            figures_json()
+        );
+        assert_eq!(String::from_utf8_lossy(&out), want, "cut at {cut}");
+    }
+}
+
+#[test]
+fn a_resumable_stream_leaves_the_figures_to_the_resumed_get() {
+    let mut call = dispatched_with_figures(cfg());
+    call.on_response_headers(sse_head());
+    let chunk = b"id: ev-1\ndata: \n\n";
+    read(call.on_response_body(chunk.len(), false));
+    call.on_response_body_data(chunk, false);
+    read(call.on_response_body(0, true));
+    let s = call.on_response_body_data(b"", true);
+    let ticket = s.effects.iter().find_map(|e| match e {
+        Effect::SaveResume(_, t) => Some(t.clone()),
+        _ => None,
+    });
+    assert_eq!(ticket.and_then(|t| t.limits), Some(figures()));
+}
+
+#[test]
+fn replays_and_ledger_denials_carry_the_figures_the_filters_own_denials_none() {
+    for format in ["result", "error"] {
+        let c = cfg_with(json!({"denial_format": format}));
+        let mut call = Call::new(c.clone());
+        send(&mut call, post(&["tok"], &["k1"]), PAY);
+        let s = call.on_ledger_reply(&ledger(&AuthorizeResponse::Replay {
+            attempt_id: "att_0".into(),
+            receipt: RECEIPT.into(),
+            limits: Some(figures()),
+        }));
+        let r = local_reply(&s);
+        assert_eq!(r.header("atmost-calls-left"), Some("0"));
+        let v = r.body_json().unwrap_or(Value::Null);
+        assert_eq!(v["result"]["_meta"]["dev.atmost/permit"], figures_json());
+        assert_eq!(v["result"]["_meta"]["dev.atmost/replayed"], true);
+
+        let mut call = Call::new(c.clone());
+        send(&mut call, post(&["tok"], &["k2"]), PAY);
+        let mut denial = Denial::new(DenialCode::PermitMaxCallsExceeded, "cap")
+            .with("tool", "pay_invoice")
+            .with("limit", 1)
+            .with("calls_made", 1);
+        denial.limits = Some(figures());
+        let s = call.on_ledger_reply(&ledger(&AuthorizeResponse::Deny(denial)));
+        let r = local_reply(&s);
+        assert_eq!(r.header("atmost-budget-left"), Some("48750"));
+        let v = r.body_json().unwrap_or(Value::Null);
+        let meta = match format {
+            "result" => &v["result"]["_meta"],
+            _ => &v["error"]["data"],
+        };
+        assert_eq!(meta["dev.atmost/permit"], figures_json(), "{format}");
+
+        // No permit: the filter denies on its own, and has no figures to give.
+        let mut call = Call::new(c);
+        let s = send(&mut call, post(&[], &["k3"]), PAY);
+        let r = local_reply(&s);
+        assert_eq!(r.header("atmost-calls-left"), None);
+        assert!(!String::from_utf8_lossy(&r.body).contains("dev.atmost/permit"));
+    }
+}
+
+const LIST: &str = r#"{"jsonrpc":"2.0","id":"l1","method":"tools/list","params":{}}"#;
+const LISTED: &str = r#"{"jsonrpc":"2.0","id":"l1","result":{"tools":[{"name":"pay_invoice","inputSchema":{"type":"object"}},{"name":"search","inputSchema":{"type":"object"}},{"name":"echo","_meta":{"x":1},"inputSchema":{"type":"object"}}]}}"#;
+
+fn listing_cfg() -> Rc<Config> {
+    cfg_with(
+        json!({"tools_list_limits": true, "governed_tools": ["pay_invoice", "echo", "refund"]}),
+    )
+}
+
+/// A tools/list sent with `permit`; the step after its body.
+fn list(c: Rc<Config>, permit: &[&str]) -> (Call, Step) {
+    let mut call = Call::new(c);
+    let s = send(&mut call, post(permit, &[]), LIST);
+    (call, s)
+}
+
+fn limits_reply(tools: &[(&str, PermitLimits)]) -> LedgerReply {
+    let answer = LimitsResponse {
+        tools: tools
+            .iter()
+            .map(|(t, l)| (t.to_string(), l.clone()))
+            .collect(),
+    };
+    LedgerReply {
+        status: Some(200),
+        body: serde_json::to_vec(&answer).unwrap_or_default(),
+    }
+}
+
+#[test]
+fn a_tools_list_answer_gains_each_governed_tools_figures() {
+    let (mut call, s) = list(listing_cfg(), &["tok"]);
+    assert_eq!(s, Step::cont(), "the request passes at once");
+    assert!(call.watches_response_headers());
+    let s = call.on_response_headers(json_head());
+    assert_eq!(
+        s.effects,
+        vec![Effect::RemoveResponseHeader("content-length".into())]
+    );
+    assert_eq!(done(call.on_response_body(10, false)).flow, Flow::Pause);
+    let len = read(call.on_response_body(LISTED.len(), true));
+    let s = call.on_response_body_data(&LISTED.as_bytes()[..len], true);
+    assert_eq!(s.flow, Flow::Pause);
+    let c = s.callout.unwrap_or_else(|| panic!("no limits callout"));
+    assert_eq!(c.endpoint, Endpoint::Limits);
+    let asked: LimitsRequest = serde_json::from_slice(&c.body).unwrap_or(LimitsRequest {
+        permit_token: String::new(),
+        tools: vec![],
+    });
+    assert_eq!(
+        asked,
+        LimitsRequest {
+            permit_token: "tok".into(),
+            tools: vec!["pay_invoice".into(), "echo".into()]
+        }
+    );
+    assert_eq!(call.state_name(), "listing_asking");
+    assert_eq!(done(call.on_response_trailers()).flow, Flow::Pause);
+    let mut open = figures();
+    open.calls_left = None;
+    let s = call.on_ledger_reply(&limits_reply(&[("pay_invoice", figures()), ("echo", open)]));
+    assert_eq!(s.effects.last(), Some(&Effect::ResumeResponse));
+    assert_eq!(counts(&s), vec![Stat::ToolsListFigures]);
+    let bodies = replaced_bodies(&s);
+    let v: Value = serde_json::from_slice(&bodies[0]).unwrap_or(Value::Null);
+    let tools = &v["result"]["tools"];
+    assert_eq!(tools[0]["_meta"]["dev.atmost/permit"], figures_json());
+    assert_eq!(tools[1].get("_meta"), None, "search is not governed");
+    assert_eq!(tools[2]["_meta"]["x"], 1);
+    assert_eq!(
+        tools[2]["_meta"]["dev.atmost/permit"]["calls_left"],
+        Value::Null
+    );
+    assert!(matches!(
+        s.effects.first(),
+        Some(Effect::ReplaceResponseBody { original_len, .. }) if *original_len == LISTED.len()
+    ));
+    assert_eq!(call.on_log(LogProps::default()), Step::cont());
+}
+
+#[test]
+fn a_tools_list_without_a_permit_or_the_option_passes_untouched() {
+    for (c, permit) in [
+        (listing_cfg(), &[][..]),
+        (listing_cfg(), &["a", "b"][..]),
+        (cfg(), &["tok"][..]),
+    ] {
+        let (mut call, s) = list(c, permit);
+        assert_eq!(s, Step::cont());
+        assert_eq!(call.state_name(), "passing");
+        assert!(!call.watches_response_headers());
+        assert_eq!(done(call.on_response_body(10, true)), Step::cont());
+    }
+}
+
+#[test]
+fn a_tools_list_answer_passes_unchanged_when_the_ledger_says_no_or_cannot_be_asked() {
+    let answer_with = |reply: Option<LedgerReply>| {
+        let (mut call, _) = list(listing_cfg(), &["tok"]);
+        call.on_response_headers(json_head());
+        let s = json_answer_body(&mut call, LISTED);
+        assert!(s.callout.is_some());
+        match reply {
+            Some(r) => call.on_ledger_reply(&r),
+            None => call.on_callout_failed(),
+        }
+    };
+    let denied = LedgerReply {
+        status: Some(403),
+        body: br#"{"error":"permit_invalid"}"#.to_vec(),
+    };
+    for reply in [
+        Some(denied),
+        Some(LedgerReply::failed()),
+        Some(LedgerReply {
+            status: Some(200),
+            body: b"{}".to_vec(),
+        }),
+    ] {
+        let s = answer_with(reply);
+        assert!(replaced_bodies(&s).is_empty());
+        assert_eq!(counts(&s), vec![Stat::ToolsListUnchanged]);
+        assert_eq!(s.effects.last(), Some(&Effect::ResumeResponse));
+    }
+    // The callout could not even leave: still in the body callback, the answer goes on.
+    let s = answer_with(None);
+    assert_eq!(s.flow, Flow::Continue);
+    assert!(!s.effects.contains(&Effect::ResumeResponse));
+    assert_eq!(counts(&s), vec![Stat::ToolsListUnchanged]);
+}
+
+#[test]
+fn a_tools_list_answer_without_governed_tools_or_json_asks_nothing() {
+    for body in [
+        r#"{"jsonrpc":"2.0","id":"l1","result":{"tools":[{"name":"search"}]}}"#,
+        r#"{"jsonrpc":"2.0","id":"other","result":{"tools":[{"name":"echo"}]}}"#,
+        r#"{"jsonrpc":"2.0","id":"l1","error":{"code":1,"message":"m"}}"#,
+        "not json",
+    ] {
+        let (mut call, _) = list(listing_cfg(), &["tok"]);
+        call.on_response_headers(json_head());
+        let s = json_answer_body(&mut call, body);
+        assert_eq!(s, Step::cont(), "{body}");
+    }
+}
+
+#[test]
+fn a_tools_list_answer_in_an_sse_event_gains_the_figures_in_place() {
+    let (mut call, _) = list(listing_cfg(), &["tok"]);
+    call.on_response_headers(sse_head());
+    let stream = format!("event: message\ndata: {LISTED}\n\n");
+    let (a, b) = stream.as_bytes().split_at(30);
+    let len = read(call.on_response_body(a.len(), false));
+    let s = call.on_response_body_data(&a[..len], false);
+    assert_eq!(s.flow, Flow::Continue);
+    assert_eq!(
+        replaced_bodies(&s),
+        vec![Vec::<u8>::new()],
+        "the partial event is held"
+    );
+    let len = read(call.on_response_body(b.len(), false));
+    let s = call.on_response_body_data(&b[..len], false);
+    assert_eq!(s.flow, Flow::Pause);
+    assert!(s.callout.is_some());
+    // The held start goes back in front before the answer is held for the ledger.
+    assert_eq!(replaced_bodies(&s), vec![stream.as_bytes().to_vec()]);
+    assert_eq!(done(call.on_response_body(5, false)).flow, Flow::Pause);
+    let s = call.on_ledger_reply(&limits_reply(&[("pay_invoice", figures())]));
+    let body = replaced_bodies(&s).pop().unwrap_or_default();
+    let text = String::from_utf8_lossy(&body);
+    let data = text
+        .strip_prefix("event: message\ndata: ")
+        .and_then(|t| t.strip_suffix("\n\n"))
+        .unwrap_or_else(|| panic!("not one event: {text}"));
+    let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
+    assert_eq!(
+        v["result"]["tools"][0]["_meta"]["dev.atmost/permit"],
+        figures_json()
+    );
+    assert_eq!(s.effects.last(), Some(&Effect::ResumeResponse));
 }

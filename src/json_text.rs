@@ -1,0 +1,231 @@
+//! Reading well-formed JSON text in place: where the members of an object and the elements
+//! of an array sit, as byte offsets. The filter edits a few members of a message this way
+//! (the idempotency key of a request, the permit's figures in a response) and forwards
+//! every other byte as it came, rather than re-serialising the message.
+//!
+//! Every function expects text that already parsed as JSON; on anything else it answers
+//! `None` rather than guess.
+
+/// Where one member of an object sits, as byte offsets into the text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Member {
+    /// First byte of the member's key string (its opening quote).
+    pub key_start: usize,
+    /// First byte of its value.
+    pub value_start: usize,
+    /// One past the last byte of its value.
+    pub value_end: usize,
+}
+
+impl Member {
+    /// Whether the member's key spells `name`.
+    pub fn is(&self, text: &[u8], name: &str) -> bool {
+        let key = text
+            .get(self.key_start..self.value_start)
+            .unwrap_or_default();
+        // The key string ends at its closing quote, before the colon.
+        let end = key.iter().rposition(|&b| b == b'"').map_or(0, |i| i + 1);
+        key_is(&key[..end], name) == Some(true)
+    }
+
+    /// The first byte of the value.
+    pub fn value_opens(&self, text: &[u8]) -> Option<u8> {
+        text.get(self.value_start).copied()
+    }
+}
+
+/// The members of the object that starts at `at` (leading white space skipped), in order.
+/// `None` when no object starts there.
+pub fn members(text: &[u8], at: usize) -> Option<Vec<Member>> {
+    let mut s = Scanner::enter(text, at, b'{')?;
+    let mut out = Vec::new();
+    loop {
+        s.ws();
+        match s.peek()? {
+            b'}' => return Some(out),
+            b',' => {
+                s.i += 1;
+                continue;
+            }
+            b'"' => {}
+            _ => return None,
+        }
+        let key_start = s.i;
+        s.skip_string()?;
+        s.ws();
+        if s.peek()? != b':' {
+            return None;
+        }
+        s.i += 1;
+        s.ws();
+        let value_start = s.i;
+        s.skip_value()?;
+        out.push(Member {
+            key_start,
+            value_start,
+            value_end: s.i,
+        });
+    }
+}
+
+/// The last member named `name` of the object at `at` (the one a JSON parser that keeps the
+/// last of repeated keys reads).
+pub fn member(text: &[u8], at: usize, name: &str) -> Option<Member> {
+    members(text, at)?
+        .into_iter()
+        .rev()
+        .find(|m| m.is(text, name))
+}
+
+/// The elements of the array that starts at `at`, as `(start, end)` byte ranges. `None`
+/// when no array starts there.
+pub fn elements(text: &[u8], at: usize) -> Option<Vec<(usize, usize)>> {
+    let mut s = Scanner::enter(text, at, b'[')?;
+    let mut out = Vec::new();
+    loop {
+        s.ws();
+        match s.peek()? {
+            b']' => return Some(out),
+            b',' => s.i += 1,
+            _ => {
+                let start = s.i;
+                s.skip_value()?;
+                out.push((start, s.i));
+            }
+        }
+    }
+}
+
+/// Where the first value of the text starts (after leading white space).
+pub fn first_value(text: &[u8]) -> usize {
+    let mut s = Scanner { b: text, i: 0 };
+    s.ws();
+    s.i
+}
+
+/// Whether the JSON string `quoted` (quotes included) spells `name`. Most keys hold no
+/// escape and are compared as bytes; an escaped one is decoded first.
+pub fn key_is(quoted: &[u8], name: &str) -> Option<bool> {
+    let inner = quoted.get(1..quoted.len().checked_sub(1)?)?;
+    if !inner.contains(&b'\\') {
+        return Some(inner == name.as_bytes());
+    }
+    let key: String = serde_json::from_slice(quoted).ok()?;
+    Some(key == name)
+}
+
+/// A forward-only walk over well-formed JSON text.
+struct Scanner<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+impl<'a> Scanner<'a> {
+    /// Just inside the object or array (`open` is its first byte) that starts at `at`.
+    fn enter(b: &'a [u8], at: usize, open: u8) -> Option<Scanner<'a>> {
+        let mut s = Scanner { b, i: at };
+        s.ws();
+        if s.peek()? != open {
+            return None;
+        }
+        s.i += 1;
+        Some(s)
+    }
+
+    fn peek(&self) -> Option<u8> {
+        self.b.get(self.i).copied()
+    }
+
+    fn ws(&mut self) {
+        while self.peek().is_some_and(|c| c.is_ascii_whitespace()) {
+            self.i += 1;
+        }
+    }
+
+    fn skip_string(&mut self) -> Option<()> {
+        self.i += 1; // opening quote
+        loop {
+            match self.peek()? {
+                b'\\' => self.i += 2,
+                b'"' => {
+                    self.i += 1;
+                    return Some(());
+                }
+                _ => self.i += 1,
+            }
+        }
+    }
+
+    /// Skips one value without recursion: nesting depth is only counted.
+    fn skip_value(&mut self) -> Option<()> {
+        let mut depth = 0usize;
+        loop {
+            match self.peek()? {
+                b'"' => self.skip_string()?,
+                b'{' | b'[' => {
+                    depth += 1;
+                    self.i += 1;
+                }
+                b'}' | b']' => {
+                    if depth == 0 {
+                        return Some(());
+                    }
+                    depth -= 1;
+                    self.i += 1;
+                }
+                b',' if depth == 0 => return Some(()),
+                c if c.is_ascii_whitespace() && depth == 0 => return Some(()),
+                _ => self.i += 1,
+            }
+            if depth == 0 && matches!(self.b.get(self.i.wrapping_sub(1)), Some(b'"' | b'}' | b']'))
+            {
+                // A complete string, object or array at the top level of this value.
+                return Some(());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn value<'a>(text: &'a str, m: &Member) -> &'a str {
+        &text[m.value_start..m.value_end]
+    }
+
+    #[test]
+    fn members_and_elements_as_they_sit() {
+        let text = r#" { "a" : [1, {"b":"}"}] ,"c":"x\"y", "d":{} , "e": -1.50e3 } "#;
+        let ms = members(text.as_bytes(), 0).unwrap_or_default();
+        let values: Vec<&str> = ms.iter().map(|m| value(text, m)).collect();
+        assert_eq!(values, [r#"[1, {"b":"}"}]"#, r#""x\"y""#, "{}", "-1.50e3"]);
+        assert!(ms[1].is(text.as_bytes(), "c") && !ms[1].is(text.as_bytes(), "a"));
+        let arr = elements(text.as_bytes(), ms[0].value_start).unwrap_or_default();
+        let items: Vec<&str> = arr.iter().map(|&(a, b)| &text[a..b]).collect();
+        assert_eq!(items, ["1", r#"{"b":"}"}"#]);
+        assert_eq!(members(b"{}", 0), Some(Vec::new()));
+        assert_eq!(elements(b" [ ] ", 0), Some(Vec::new()));
+        assert_eq!(members(b"[1]", 0), None);
+        assert_eq!(elements(b"{}", 0), None);
+        assert_eq!(first_value(b" \n {}"), 3);
+    }
+
+    #[test]
+    fn member_takes_the_last_of_repeated_keys_and_decodes_escapes() {
+        let text = br#"{"k":1,"\u006b":2,"K":3}"#;
+        let m = member(text, 0, "k").map(|m| &text[m.value_start..m.value_end]);
+        assert_eq!(m, Some(&b"2"[..]));
+        assert_eq!(member(text, 0, "x"), None);
+    }
+
+    #[test]
+    fn keys_compare_as_decoded_text() {
+        assert_eq!(key_is(br#""_meta""#, "_meta"), Some(true));
+        assert_eq!(key_is(br#""\u005fmeta""#, "_meta"), Some(true));
+        assert_eq!(key_is(br#""_met""#, "_meta"), Some(false));
+        assert_eq!(key_is(br#""_meta\n""#, "_meta"), Some(false));
+        assert_eq!(key_is(br#""""#, ""), Some(true));
+        assert_eq!(key_is(b"\"", "_meta"), None);
+    }
+}
