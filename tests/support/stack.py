@@ -126,13 +126,18 @@ class H2Upstream(Process):
         return [json.loads(line)["execution"] for line in lines if line.startswith('{"execution"')]
 
 
-def ts_client(url: str, token: str | None = None, key: str | None = None) -> dict:
-    """Runs tests/ts/client.mjs (TypeScript SDK client) against `url`; returns its transcript."""
-    argv = ["node", str(TS_DIR / "client.mjs"), url, token or "", *([key] if key else [])]
+def ts_script(script: str, *args: str) -> dict:
+    """Runs a TypeScript SDK client of tests/ts/ with `args`; returns the JSON it prints."""
+    argv = ["node", str(TS_DIR / script), *args]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=TS_DIR)
     if result.returncode != 0:
-        raise RuntimeError(f"TypeScript client failed ({result.returncode}): {result.stderr[-3000:]}")
+        raise RuntimeError(f"TypeScript client {script} failed ({result.returncode}): {result.stderr[-3000:]}")
     return json.loads(result.stdout)
+
+
+def ts_client(url: str, token: str | None = None, key: str | None = None) -> dict:
+    """Runs tests/ts/client.mjs (TypeScript SDK client) against `url`; returns its transcript."""
+    return ts_script("client.mjs", url, token or "", *([key] if key else []))
 
 
 def validate_envoy_config(path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
