@@ -415,7 +415,7 @@ async fn full_flow_over_http() {
 #[tokio::test]
 async fn limits_name_each_tool_asked_about_under_the_service_token() {
     let s = start().await;
-    let (_id, tok) = s
+    let (id, tok) = s
         .create_permit(
             json!({"label": "l", "expires": "1h", "tools": ["pay", "echo"],
                               "max_calls": {"pay": 2}, "budget": 100, "cost": {"pay": "/amount"}}),
@@ -443,14 +443,41 @@ async fn limits_name_each_tool_asked_about_under_the_service_token() {
             "echo": {"calls_left": null, "budget_left": 97, "expires_at": expires},
             "refund": {"calls_left": 0, "budget_left": 97, "expires_at": expires}}})
     );
-    let (st, v) = s
+    // A token naming the permit with another secret, one naming no permit, and the right
+    // token once the permit is revoked: no figures.
+    let forged = format!("{}{}", &tok[..tok.len() - 4], "0000");
+    let refused = |token: String| {
+        let s = &s;
+        async move {
+            s.post(
+                "/v1/limits",
+                Some(SVC),
+                json!({"permit_token": token, "tools": ["pay"]}),
+            )
+            .await
+        }
+    };
+    assert_ne!(forged, tok);
+    assert_eq!(
+        refused(forged).await,
+        (403, json!({"error": "permit_invalid"}))
+    );
+    assert_eq!(
+        refused("atmp_nope".into()).await,
+        (403, json!({"error": "permit_invalid"}))
+    );
+    let (st, _) = s
         .post(
-            "/v1/limits",
-            Some(SVC),
-            json!({"permit_token": format!("{tok}x"), "tools": ["pay"]}),
+            &format!("/admin/v1/permits/{id}/revoke"),
+            Some(ADM),
+            json!({}),
         )
         .await;
-    assert_eq!((st, v), (403, json!({"error": "permit_invalid"})));
+    assert_eq!(st, 200);
+    assert_eq!(
+        refused(tok.clone()).await,
+        (403, json!({"error": "permit_invalid"}))
+    );
     let many: Vec<String> = (0..=atmost_protocol::MAX_LIMITS_TOOLS)
         .map(|i| format!("t{i}"))
         .collect();
