@@ -207,7 +207,7 @@ fn compare_with_plain_reading(data: &[u8], filter: &Result<Message, (i64, String
         (Ok(Message::ToolCall(c)), None) => {
             panic!("the filter reads a tools/call serde_json does not: {c:?}")
         }
-        (Ok(m @ (Message::Other | Message::KeyedOther(_))), _) => {
+        (Ok(m @ (Message::Other | Message::KeyedOther(_) | Message::ToolsList { .. })), _) => {
             assert!(
                 plain_call.is_none() && !plain::could_be_call(&v),
                 "the filter lets a tools/call pass as another message ({m:?})"
