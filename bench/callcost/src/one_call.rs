@@ -11,8 +11,9 @@ use atmost_filter::ledger::LedgerReply;
 /// A call with its key in `_meta` and three arguments.
 pub const CALL: &[u8] = br#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"pay_invoice","arguments":{"invoice":"INV-1","amount":250,"memo":"quarterly"},"_meta":{"dev.atmost/idempotency-key":"task-4417-pay"}}}"#;
 pub const CONFIG: &[u8] = br#"{"ledger":{"cluster":"atmost_ledger","service_token":"svc"},"upstream_key":{"mode":"hmac","secret":"0123456789abcdef0123"}}"#;
-const DISPATCH: &[u8] =
-    br#"{"decision":"dispatch","attempt_id":"att-1","permit_id":"p1","lease_ms":120000}"#;
+/// A Dispatch answer as the ledger gives it under a capped permit: round, capability and the
+/// permit's figures, which the filter writes into the answer.
+const DISPATCH: &[u8] = br#"{"decision":"dispatch","attempt_id":"att-1","permit_id":"p1","lease_ms":120000,"round":1,"capability":"9f2c4e6a8b0d1f3e5a7c9b1d3f5e7a9c0b2d4f6e8a1c3e5b7d9f1a3c5e7b9d1f","limits":{"calls_left":4,"budget_left":9750,"expires_at":"2027-01-01T00:00:00Z"}}"#;
 const RESPONSE: &[u8] = br#"{"jsonrpc":"2.0","id":3,"result":{"content":[{"type":"text","text":"ok"}],"isError":false}}"#;
 
 /// One call: request → authorize answer → dispatch → JSON response → completed report.
