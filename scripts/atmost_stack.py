@@ -34,6 +34,50 @@ EXAMPLE_SERVER = ROOT / "examples" / "mcp_server.py"
 DEMO_SECRETS = {"ATMOST_SERVICE_TOKEN": "demo-service-token", "ATMOST_UPSTREAM_KEY_SECRET": "demo-upstream-key-secret"}
 # (object in the plugin JSON, field): the secrets that may be given in place or as `<field>_env`.
 SECRET_FIELDS = (("ledger", "service_token"), ("upstream_key", "secret"))
+# ATMOST_DEPLOYMENT picks how the filter sits in Envoy: `envoyfilter` (default), the Wasm filter of
+# envoy/atmost-sidecar.yaml as an EnvoyFilter delivers it (allow_on_headers_stop_iteration: true);
+# `wasmplugin`, the same filter as istiod renders the shipped WasmPlugin (wasmplugin_filter_config).
+DEPLOYMENTS = ("envoyfilter", "wasmplugin")
+WASMPLUGIN_MANIFEST = ROOT / "envoy" / "istio" / "agent-wasmplugin" / "wasmplugin.yaml"
+# What istiod itself puts into the VM's environment (pilot/pkg/model/extensions.go, buildVMConfig).
+ISTIOD_PULL_POLICY_ENV = "ISTIO_META_WASM_IMAGE_PULL_POLICY"
+ISTIOD_RESOURCE_VERSION_ENV = "ISTIO_META_WASM_PLUGIN_RESOURCE_VERSION"
+ISTIOD_FAILURE_POLICIES = {"FAIL_CLOSE": "FAIL_CLOSED", "FAIL_OPEN": "FAIL_OPEN", "FAIL_RELOAD": "FAIL_RELOAD"}
+
+
+def deployment() -> str:
+    """ATMOST_DEPLOYMENT, checked: `envoyfilter` (default) or `wasmplugin`."""
+    value = os.environ.get("ATMOST_DEPLOYMENT") or "envoyfilter"
+    if value not in DEPLOYMENTS:
+        raise ValueError(f"ATMOST_DEPLOYMENT must be one of {', '.join(DEPLOYMENTS)} (got {value!r})")
+    return value
+
+
+def wasmplugin_filter_config(plugin_json: dict, wasm: Path, host_env_keys: list[str]) -> dict:
+    """The Wasm filter's `config` as istiod renders it from the shipped WasmPlugin (Istio source
+    pilot/pkg/model/extensions.go: name `<namespace>.<name>`, root_id from pluginName, the
+    pluginConfig as a StringValue, vm_config with only runtime, code and environment_variables,
+    failure_policy from failStrategy; istio-agent turns the OCI url into a local file). There is
+    no field for allow_on_headers_stop_iteration nor vm_id, so neither is set. The plugin JSON
+    takes `request_hold` from the manifest's pluginConfig unless it sets one; the rest is this
+    stack's (its ledger cluster and secrets)."""
+    manifest = yaml.safe_load(WASMPLUGIN_MANIFEST.read_text())
+    spec, meta = manifest["spec"], manifest["metadata"]
+    plugin_json = {"request_hold": spec["pluginConfig"]["request_hold"], **plugin_json}
+    manifest_env = [e["name"] for e in spec.get("vmConfig", {}).get("env", []) if e.get("valueFrom") == "HOST"]
+    env = {"key_values": {ISTIOD_PULL_POLICY_ENV: spec.get("imagePullPolicy", "IfNotPresent"),
+                          ISTIOD_RESOURCE_VERSION_ENV: "1"}}
+    keys = host_env_keys if host_env_keys else manifest_env
+    if keys:
+        env["host_env_keys"] = keys
+    return {
+        "name": f"{meta['namespace']}.{meta['name']}",
+        "root_id": spec["pluginName"],
+        "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": json.dumps(plugin_json)},
+        "vm_config": {"runtime": "envoy.wasm.runtime.v8", "code": {"local": {"filename": str(wasm)}},
+                      "environment_variables": env},
+        "failure_policy": ISTIOD_FAILURE_POLICIES[spec.get("failStrategy", "FAIL_CLOSE")],
+    }
 
 
 def ledger_binary() -> Path:
@@ -211,7 +255,8 @@ class ExampleServer(Process):
 
 def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger_ports: list[int],
                    plugin_overrides: dict | None = None, wasm: Path = WASM, plain: bool = False,
-                   secrets_from_env: bool = False, upstream_host: str = "127.0.0.1") -> dict:
+                   secrets_from_env: bool = False, upstream_host: str = "127.0.0.1",
+                   deployment_form: str | None = None) -> dict:
     """The shipped sidecar config with this run's ports, the absolute wasm path and plugin overrides.
 
     `plain=True` is the same proxy without the atmost filter: the baseline an MCP client must not
@@ -225,7 +270,13 @@ def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger
 
     `upstream_host` may be a name (`UPSTREAM=mcp.internal:8000 make run`): the upstream cluster
     then resolves it (STRICT_DNS).
+
+    `deployment_form` (default: ATMOST_DEPLOYMENT) `wasmplugin` renders the Wasm filter as istiod
+    renders the shipped WasmPlugin (wasmplugin_filter_config); overrides apply to its plugin JSON.
     """
+    form = deployment_form or deployment()
+    if form not in DEPLOYMENTS:
+        raise ValueError(f"deployment_form must be one of {', '.join(DEPLOYMENTS)} (got {form!r})")
     config = yaml.safe_load(ENVOY_CONFIG.read_text())
     config = copy.deepcopy(config)
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
@@ -255,6 +306,9 @@ def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger
         else:
             plugin_json[key] = value
     plugin["configuration"]["value"] = json.dumps(plugin_json)
+    if form == "wasmplugin":
+        host_env_keys = plugin["vm_config"].get("environment_variables", {}).get("host_env_keys", [])
+        wasm_filter["typed_config"]["config"] = wasmplugin_filter_config(plugin_json, wasm, host_env_keys)
     for cluster in config["static_resources"]["clusters"]:
         endpoints = cluster["load_assignment"]["endpoints"][0]
         if cluster["name"] == "mcp_upstream":
@@ -275,7 +329,8 @@ class Envoy(Process):
     def __init__(self, log_dir: Path, upstream_port: int, ledger_ports: list[int], plugin_overrides: dict | None = None,
                  concurrency: int = 2, name: str = "envoy", port: int | None = None, plain: bool = False,
                  wait_for_ledger: bool = True, secrets_from_env: bool = False, env: dict | None = None,
-                 admin_port: int | None = None, upstream_host: str = "127.0.0.1"):
+                 admin_port: int | None = None, upstream_host: str = "127.0.0.1",
+                 deployment_form: str | None = None):
         """`secrets_from_env` keeps the shipped config's env-sourced secrets (see sidecar_config);
         `env` is added to Envoy's environment (where those secrets then come from)."""
         self.port = port or free_port()
@@ -286,8 +341,10 @@ class Envoy(Process):
         self.ledger_hosts = [] if plain or not wait_for_ledger else [f"127.0.0.1:{p}" for p in ledger_ports]
         self.url = f"http://127.0.0.1:{self.port}/mcp"
         self.admin_url = f"http://127.0.0.1:{self.admin_port}"
+        self.deployment_form = deployment_form or deployment()
         config = sidecar_config(self.port, self.admin_port, upstream_port, ledger_ports, plugin_overrides, plain=plain,
-                                secrets_from_env=secrets_from_env, upstream_host=upstream_host)
+                                secrets_from_env=secrets_from_env, upstream_host=upstream_host,
+                                deployment_form=self.deployment_form)
         self.config_path = Path(tempfile.mkdtemp(prefix="atmost-envoy-")) / "envoy.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         argv = [str(VENV_BIN / "envoy"), "-c", str(self.config_path), "--concurrency", str(concurrency),

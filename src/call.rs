@@ -26,6 +26,11 @@
 //! Every answer to a governed call carries the permit's figures the ledger gave
 //! ([`crate::permit_meta`]): a local reply gets them as it is built, a dispatched call's
 //! upstream answer as an edit of its body (JSON or the SSE event), with the headers.
+//!
+//! With `request_hold: body` ([`body_hold`]) a POST's headers go upstream at once from
+//! `Start` (edited as a dispatch would have them) and only its body waits in `ReadingBody`
+//! and `Authorizing`; a response before the decision leads to `Overtaken`, where the body is
+//! held for good and a reserved attempt is released.
 
 use crate::body_encoding;
 use crate::denial;
@@ -44,7 +49,7 @@ use crate::resume::{self, CallPermit, Ticket};
 use crate::stats::Stat;
 use crate::upstream_key;
 use crate::upstream_key::UNGOVERNED_PERMIT_ID;
-use atmost_config::{CompletionReports, Config, UpstreamKey};
+use atmost_config::{CompletionReports, Config, RequestHold, UpstreamKey};
 use atmost_protocol::{
     AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, DispatchGrant, LimitsRequest,
     LimitsResponse, Outcome, OutcomeAck, OutcomesRequest, PermitLimits, MAX_LIMITS_TOOLS,
@@ -52,9 +57,12 @@ use atmost_protocol::{
 use serde_json::Value;
 use std::rc::Rc;
 
+mod body_hold;
 mod ledger_reply;
 mod response;
 mod step;
+
+use body_hold::{key_header_misfit, Ahead};
 
 pub use step::*;
 
@@ -157,6 +165,9 @@ enum State {
     Listing(Box<Listing>),
     /// A local reply was sent.
     Answered,
+    /// `request_hold: body`: the upstream answered before the decision. The body is held
+    /// for good (never sent); the upstream's answer goes to the client.
+    Overtaken,
 }
 
 /// One request's state machine.
@@ -164,6 +175,8 @@ enum State {
 pub struct Call {
     config: Rc<Config>,
     state: State,
+    /// `request_hold: body`: what left with the headers of this POST before the decision.
+    ahead: Option<Ahead>,
 }
 
 fn deny_step(config: &Config, denial: &Denial, id: &Value, tool: &str) -> Step {
@@ -257,6 +270,7 @@ impl Call {
         Call {
             config,
             state: State::Start,
+            ahead: None,
         }
     }
 
@@ -272,6 +286,7 @@ impl Call {
                 ListWatch::Asking(_) => "listing_asking",
                 _ => "listing",
             },
+            State::Overtaken => "overtaken",
             State::Dispatched(d) => match d.watch {
                 Watch::AwaitingHeaders => "dispatched",
                 Watch::BufferingJson { .. } => "buffering_json",
@@ -344,6 +359,9 @@ impl Call {
             self.state = State::Answered;
             return too_large(self.config.max_body_bytes);
         }
+        if self.config.request_hold == RequestHold::Body {
+            return self.let_headers_go(head, strip);
+        }
         self.state = State::ReadingBody(Box::new(head));
         Step::pause().with_opt(strip)
     }
@@ -382,6 +400,9 @@ impl Call {
         id: Value,
         tool: Option<String>,
     ) -> Step {
+        if let Some(refused) = self.refuse_pass_after_head(&id) {
+            return refused;
+        }
         let mode = &self.config.upstream_key;
         let mut step = Step::cont();
         if let Some(body) = body.filter(|_| *mode != UpstreamKey::Raw) {
@@ -394,7 +415,9 @@ impl Call {
                 }));
             }
         }
-        step = step.with_opt(self.passing_key_header(&head.idempotency_key));
+        if self.ahead.is_none() {
+            step = step.with_opt(self.passing_key_header(&head.idempotency_key));
+        }
         self.state = if step.effects.is_empty() {
             State::Passing
         } else {
@@ -417,7 +440,7 @@ impl Call {
             )
         };
         match std::mem::replace(&mut self.state, State::Answered) {
-            State::Answered => Step::pause(),
+            State::Answered | State::Overtaken => Step::pause(),
             State::Dispatched(d) if !d.resumed && matches!(d.watch, Watch::AwaitingHeaders) => {
                 deny_step(&cfg, &refused, &d.id, &d.tool)
                     .with(Effect::Enqueue(d.grant.report(Outcome::Released {
@@ -472,7 +495,9 @@ impl Call {
                     BodyStep::Done(Step::pause())
                 }
             }
-            State::Authorizing(_) | State::Answered => BodyStep::Done(Step::pause()),
+            State::Authorizing(_) | State::Answered | State::Overtaken => {
+                BodyStep::Done(Step::pause())
+            }
             _ => BodyStep::Done(Step::cont()),
         }
     }
@@ -488,7 +513,7 @@ impl Call {
                     "request trailers are not accepted by atmost",
                 ))
             }
-            State::Authorizing(_) | State::Answered => Step::pause(),
+            State::Authorizing(_) | State::Answered | State::Overtaken => Step::pause(),
             _ => Step::cont(),
         }
     }

@@ -49,6 +49,9 @@ pub enum Stat {
     /// A `tools/list` answer whose figures were asked for passed unchanged: the ledger did
     /// not authenticate the permit, or could not be asked.
     ToolsListUnchanged,
+    /// `request_hold: body`: the upstream answered (or its connection failed) before the
+    /// decision; the body was not sent and a reserved attempt was released.
+    UpstreamAnsweredEarly,
 }
 
 impl Stat {
@@ -74,6 +77,7 @@ impl Stat {
             Stat::ResumedReceipt,
             Stat::ToolsListFigures,
             Stat::ToolsListUnchanged,
+            Stat::UpstreamAnsweredEarly,
         ];
         all.extend(DenialCode::ALL.iter().map(|c| Stat::DeniedCode(*c)));
         all
@@ -102,6 +106,7 @@ impl Stat {
             Stat::ResumedReceipt => "atmost_resumed_receipt".into(),
             Stat::ToolsListFigures => "atmost_tools_list_figures".into(),
             Stat::ToolsListUnchanged => "atmost_tools_list_unchanged".into(),
+            Stat::UpstreamAnsweredEarly => "atmost_upstream_answered_early".into(),
         }
     }
 }
@@ -119,6 +124,6 @@ mod tests {
             assert!(seen.insert(n));
         }
         assert!(seen.contains("atmost_denied_permit_invalid"));
-        assert_eq!(seen.len(), 19 + DenialCode::ALL.len());
+        assert_eq!(seen.len(), 20 + DenialCode::ALL.len());
     }
 }

@@ -79,6 +79,15 @@ pub struct Config {
     /// with one the ledger does not authenticate, or when the ledger cannot be asked, the
     /// answer passes unchanged.
     pub tools_list_limits: bool,
+    /// `request_hold` (`"headers"` | `"body"`, default `"headers"`): what of a POST the
+    /// filter holds until the ledger has decided. `headers`: the whole request, headers
+    /// included; Envoy must allow it (`allow_on_headers_stop_iteration: true` in the Wasm
+    /// filter's config, which an EnvoyFilter can set). `body`: the headers go upstream at
+    /// once (permit header removed, `Idempotency-Key` already in its upstream form,
+    /// `content-length` removed) and only the body is held; a denial answers the client and
+    /// ends the upstream stream before any byte of the body left. For deployments that
+    /// cannot set that Envoy field (an Istio WasmPlugin, Envoy Gateway).
+    pub request_hold: RequestHold,
 }
 
 /// `ledger`: the callout target.
@@ -126,6 +135,15 @@ pub enum UpstreamKey {
     Raw,
     /// `{"mode": "off"}`: the `Idempotency-Key` header is removed.
     Off,
+}
+
+/// `request_hold`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestHold {
+    /// Hold the whole request, headers included, until the decision.
+    Headers,
+    /// Let the headers go at once; hold the body until the decision.
+    Body,
 }
 
 /// `completion_reports`.
@@ -356,6 +374,7 @@ impl Config {
             "report_interval_ms",
             "completion_reports",
             "tools_list_limits",
+            "request_hold",
         ])?;
 
         let ledger_map = top
@@ -493,6 +512,11 @@ impl Config {
             Some(_) => return Err(err("completion_reports", "must be `batched` or `per_call`")),
         };
         let tools_list_limits = top.boolean("tools_list_limits", false)?;
+        let request_hold = match top.string("request_hold")?.as_deref() {
+            None | Some("headers") => RequestHold::Headers,
+            Some("body") => RequestHold::Body,
+            Some(_) => return Err(err("request_hold", "must be `headers` or `body`")),
+        };
 
         Ok(Config {
             ledger: LedgerConfig {
@@ -511,6 +535,7 @@ impl Config {
             report_interval_ms,
             completion_reports,
             tools_list_limits,
+            request_hold,
         })
     }
 }
@@ -565,6 +590,7 @@ mod tests {
         assert_eq!(c.report_interval_ms, 200);
         assert_eq!(c.completion_reports, CompletionReports::Batched);
         assert!(!c.tools_list_limits);
+        assert_eq!(c.request_hold, RequestHold::Headers);
     }
 
     #[test]
@@ -578,6 +604,15 @@ mod tests {
             v["tools_list_limits"] = bad.clone();
             assert_eq!(field_of(&v), "tools_list_limits", "{bad}");
         }
+    }
+
+    #[test]
+    fn request_hold_modes() {
+        let mut v = minimal();
+        v["request_hold"] = json!("body");
+        assert_eq!(config_from(&v).request_hold, RequestHold::Body);
+        v["request_hold"] = json!("headers");
+        assert_eq!(config_from(&v).request_hold, RequestHold::Headers);
     }
 
     #[test]
@@ -783,6 +818,8 @@ mod tests {
                 with(&["completion_reports"], json!(true)),
                 "completion_reports",
             ),
+            (with(&["request_hold"], json!("none")), "request_hold"),
+            (with(&["request_hold"], json!(1)), "request_hold"),
             (with(&["max_body_bytes"], json!(0)), "max_body_bytes"),
             (with(&["max_body_bytes"], json!(-1)), "max_body_bytes"),
             (

@@ -225,6 +225,7 @@ pub fn check(data: &[u8]) {
         report_interval_ms: report.unwrap_or(DEFAULT_REPORT_INTERVAL_MS),
         tools_list_limits: false,
         completion_reports: atmost_config::CompletionReports::Batched,
+        request_hold: atmost_config::RequestHold::Headers,
     };
 
     // One mutation, and the field the refusal must name.

@@ -10,6 +10,8 @@
 //! round's capability from the Dispatch answer: the service token alone (which an agent
 //! sharing the sidecar's loopback can read) cannot move an attempt.
 
+pub mod token;
+
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 

@@ -52,6 +52,7 @@ impl Call {
             return self.on_limits_reply(reply);
         }
         match std::mem::replace(&mut self.state, State::Answered) {
+            State::Authorizing(p) if self.answered_early() => self.after_early_answer(&p, reply),
             State::Authorizing(p) => self.on_authorize_reply(p, reply),
             State::Dispatched(mut d) => {
                 let step = match std::mem::replace(&mut d.watch, Watch::Settled) {
@@ -137,11 +138,24 @@ impl Call {
                 limits,
                 ..
             }) => {
+                let grant = DispatchGrant {
+                    attempt_id,
+                    round,
+                    capability,
+                };
+                if !self.key_header_fits(&permit_id) {
+                    return key_header_misfit(&cfg, &p, &grant);
+                }
                 let upstream_value =
                     upstream_key::upstream_value(&cfg.upstream_key, &permit_id, p.key.as_deref());
+                // `request_hold: body`: the header left with the request's headers already.
                 let key_effect = match &upstream_value {
-                    Some(v) => Effect::SetRequestHeader(IDEMPOTENCY_HEADER.into(), v.clone()),
-                    None => Effect::RemoveRequestHeader(IDEMPOTENCY_HEADER.into()),
+                    _ if self.ahead.is_some() => None,
+                    Some(v) => Some(Effect::SetRequestHeader(
+                        IDEMPOTENCY_HEADER.into(),
+                        v.clone(),
+                    )),
+                    None => Some(Effect::RemoveRequestHeader(IDEMPOTENCY_HEADER.into())),
                 };
                 // The body copies of the key get the same treatment as the header. Every edit
                 // comes before the resume, which the adapter skips if one is refused.
@@ -155,22 +169,18 @@ impl Call {
                     ));
                 }
                 let step = step
-                    .with(key_effect)
+                    .with_opt(key_effect)
                     .with(Effect::Count(Stat::Dispatched))
                     .with(Effect::Log(
                         Level::Info,
                         format!(
-                            "atmost: dispatching attempt {attempt_id} (round {round}) of `{}`",
-                            p.tool
+                            "atmost: dispatching attempt {} (round {}) of `{}`",
+                            grant.attempt_id, grant.round, p.tool
                         ),
                     ))
                     .with(Effect::ResumeRequest);
                 self.state = State::Dispatched(Box::new(Dispatched {
-                    grant: DispatchGrant {
-                        attempt_id,
-                        round,
-                        capability,
-                    },
+                    grant,
                     permit: p.permit,
                     path: p.path,
                     id: p.id,

@@ -5,6 +5,9 @@ use super::*;
 
 impl Call {
     pub fn on_response_headers(&mut self, head: ResponseHead) -> Step {
+        if self.awaits_decision() {
+            return self.on_response_before_decision();
+        }
         let max = usize_of(self.config.max_receipt_bytes);
         // JSON or SSE: the answer to find (and edit) is in the body.
         let kind = match head.end_of_stream {
@@ -77,6 +80,9 @@ impl Call {
     }
 
     pub fn on_response_body(&mut self, size: usize, end_of_stream: bool) -> BodyStep {
+        if self.holds_early_response() {
+            return BodyStep::Done(Step::pause());
+        }
         let max = self.config.max_receipt_bytes;
         if let State::Listing(l) = &mut self.state {
             return match &mut l.watch {
@@ -118,6 +124,9 @@ impl Call {
     }
 
     pub fn on_response_trailers(&mut self) -> BodyStep {
+        if self.holds_early_response() {
+            return BodyStep::Done(Step::pause());
+        }
         match &self.state {
             State::Dispatched(d) => match &d.watch {
                 Watch::BufferingJson { size } => BodyStep::Read { len: *size },
@@ -369,7 +378,7 @@ impl Call {
         match &self.state {
             State::Dispatched(d) => matches!(d.watch, Watch::AwaitingHeaders),
             State::Listing(l) => matches!(l.watch, ListWatch::AwaitingHeaders),
-            _ => false,
+            _ => self.awaits_decision(),
         }
     }
 

@@ -1815,3 +1815,5 @@ fn a_tools_list_answer_in_an_sse_event_gains_the_figures_in_place() {
     );
     assert_eq!(s.effects.last(), Some(&Effect::ResumeResponse));
 }
+
+mod body_hold;

@@ -1,9 +1,14 @@
-"""A loopback TCP proxy for tests: counts connections and can cut responses.
+"""A loopback TCP proxy for tests: counts connections, records what reaches the server, and can
+cut responses.
 
 Sits between Envoy and the MCP server. Modes:
 - `pass`: forwards both ways.
 - `cut_response`: forwards the request, lets the server answer, then closes the client
   side without passing the answer on: the tool ran, the response is lost.
+
+Every byte Envoy sends towards the server is recorded per connection (`requests()` parses them
+as HTTP/1.1 requests), so a test can show what of a request left Envoy: its head, and how many
+bytes of its body.
 
 PgTlsFront puts PostgreSQL's TLS in front of a real PostgreSQL server.
 """
@@ -14,6 +19,78 @@ import socket
 import ssl
 import struct
 import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RecordedRequest:
+    """One HTTP/1.1 request as it reached the server's side of the proxy."""
+
+    head: bytes
+    headers: dict[str, str]
+    # The bytes after the head that belong to this request, framing (chunk sizes) included:
+    # empty when not one byte of a body left Envoy.
+    body_raw: bytes = b""
+    # The body as the server reads it (chunks decoded).
+    body: bytes = b""
+    # Its body was complete (a final chunk, or content-length bytes).
+    complete: bool = False
+    # The connection ended after this request without anything more from Envoy.
+    connection_closed: bool = False
+
+
+@dataclass
+class _Connection:
+    data: bytearray = field(default_factory=bytearray)
+    closed: bool = False
+
+
+def parse_requests(data: bytes, closed: bool) -> list[RecordedRequest]:
+    """Splits one connection's bytes into the HTTP/1.1 requests they carry."""
+    out: list[RecordedRequest] = []
+    pos = 0
+    while pos < len(data):
+        end = data.find(b"\r\n\r\n", pos)
+        if end < 0:
+            break
+        head = bytes(data[pos:end + 4])
+        headers: dict[str, str] = {}
+        for line in head.split(b"\r\n")[1:]:
+            name, sep, value = line.partition(b":")
+            if sep:
+                headers[name.decode("latin-1").strip().lower()] = value.decode("latin-1").strip()
+        pos = end + 4
+        request = RecordedRequest(head=head, headers=headers)
+        start = pos
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            body = bytearray()
+            while True:
+                line_end = data.find(b"\r\n", pos)
+                if line_end < 0:
+                    pos = len(data)
+                    break
+                size = int(data[pos:line_end].split(b";")[0] or b"0", 16)
+                chunk_end = line_end + 2 + size + 2
+                if chunk_end > len(data):
+                    body += data[line_end + 2:min(len(data), line_end + 2 + size)]
+                    pos = len(data)
+                    break
+                body += data[line_end + 2:line_end + 2 + size]
+                pos = chunk_end
+                if size == 0:
+                    request.complete = True
+                    break
+            request.body = bytes(body)
+        else:
+            length = int(headers.get("content-length") or 0)
+            pos = min(len(data), pos + length)
+            request.body = bytes(data[start:pos])
+            request.complete = len(request.body) == length
+        request.body_raw = bytes(data[start:pos])
+        out.append(request)
+    if out and closed and pos >= len(data):
+        out[-1].connection_closed = True
+    return out
 
 
 class TcpProxy:
@@ -22,6 +99,7 @@ class TcpProxy:
         self.mode = "pass"
         self.connections = 0
         self._lock = threading.Lock()
+        self._records: list[_Connection] = []
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind(("127.0.0.1", listen_port))
@@ -44,6 +122,15 @@ class TcpProxy:
         with self._lock:
             return self.connections
 
+    def requests(self) -> list[RecordedRequest]:
+        """Every request Envoy sent towards the server so far, connection by connection."""
+        with self._lock:
+            snapshot = [(bytes(c.data), c.closed) for c in self._records]
+        return [r for data, closed in snapshot for r in parse_requests(data, closed)]
+
+    def requests_with(self, header: str, value: str) -> list[RecordedRequest]:
+        return [r for r in self.requests() if r.headers.get(header.lower()) == value]
+
     def _accept_loop(self) -> None:
         while not self._stopped.is_set():
             try:
@@ -57,28 +144,38 @@ class TcpProxy:
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
     def _serve(self, client: socket.socket) -> None:
+        record = _Connection()
+        with self._lock:
+            self._records.append(record)
         try:
             upstream = socket.create_connection(self.target, timeout=5)
         except OSError:
             client.close()
             return
-        threading.Thread(target=self._pipe, args=(client, upstream), daemon=True).start()
+        threading.Thread(target=self._pipe, args=(client, upstream, False, record), daemon=True).start()
         # The mode is read when the answer arrives, so pooled connections obey a mode change.
         self._pipe(upstream, client, cut_when_cutting=True)
 
-    def _pipe(self, source: socket.socket, sink: socket.socket, cut_when_cutting: bool = False) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, cut_when_cutting: bool = False,
+              record: _Connection | None = None) -> None:
         source.settimeout(None)
         try:
             while not self._stopped.is_set():
                 data = source.recv(65536)
                 if not data:
                     break
+                if record is not None:
+                    with self._lock:
+                        record.data += data
                 if cut_when_cutting and self.mode == "cut_response":
                     break  # the server answered (the tool ran); the answer is dropped
                 sink.sendall(data)
         except OSError:
             pass
         finally:
+            if record is not None:
+                with self._lock:
+                    record.closed = True
             for s in (source, sink):
                 try:
                     s.shutdown(socket.SHUT_RDWR)

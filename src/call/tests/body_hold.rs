@@ -1,0 +1,422 @@
+//! `request_hold: body`: the headers go at once, the body waits for the decision.
+
+use super::*;
+use crate::call::body_hold::may_be_governed;
+use atmost_config::ToolSet;
+
+/// A well-formed token of permit `pmt_1`, the permit [`dispatch`] answers with.
+const TOKEN: &str = "atmp_pmt_1_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+fn body_cfg() -> Rc<Config> {
+    cfg_with(json!({"request_hold": "body"}))
+}
+
+fn body_cfg_with(patch: Value) -> Rc<Config> {
+    let mut p = patch;
+    p["request_hold"] = json!("body");
+    cfg_with(p)
+}
+
+/// A POST as the RawMcp client sends it: mirrored headers and a content-length.
+fn call_head(permit: &[&str], key: &[&str], tool: &str, len: usize) -> RequestHead {
+    RequestHead {
+        content_length: Some(len as u64),
+        mirrored: mcp::Mirrored {
+            method: Some("tools/call".into()),
+            name: Some(tool.into()),
+            ..mcp::Mirrored::default()
+        },
+        ..post(permit, key)
+    }
+}
+
+/// Headers, then the body in two chunks: each chunk is held, the last one is read.
+fn body_after_headers(call: &mut Call, body: &str) -> Step {
+    assert_eq!(
+        done(call.on_request_body(body.len() / 2, false)),
+        Step::pause()
+    );
+    let len = read(call.on_request_body(body.len(), true));
+    call.on_request_body_data(&body.as_bytes()[..len])
+}
+
+fn header_edits(step: &Step) -> Vec<&Effect> {
+    step.effects
+        .iter()
+        .filter(|e| {
+            matches!(
+                e,
+                Effect::SetRequestHeader(..) | Effect::RemoveRequestHeader(_)
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn the_headers_go_at_once_edited_as_a_dispatch_would_carry_them() {
+    let c = body_cfg();
+    let mut call = Call::new(Rc::clone(&c));
+    let s = call.on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", PAY.len()));
+    assert_eq!(s.flow, Flow::Continue);
+    assert_eq!(
+        s.effects,
+        vec![
+            Effect::RemoveRequestHeader("atmost-permit".into()),
+            Effect::RemoveRequestHeader("content-length".into()),
+            Effect::SetRequestHeader("idempotency-key".into(), derived(&c, "pmt_1", "k1")),
+        ]
+    );
+    assert_eq!(call.state_name(), "reading_body");
+    // The default mode holds the headers: nothing leaves before the decision.
+    let mut held = Call::new(cfg());
+    let s = held.on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", PAY.len()));
+    assert_eq!(s.flow, Flow::Pause);
+    assert_eq!(
+        s.effects,
+        vec![Effect::RemoveRequestHeader("atmost-permit".into())]
+    );
+}
+
+#[test]
+fn refusals_that_need_no_body_still_come_before_anything_leaves() {
+    let mut call = Call::new(body_cfg_with(json!({"max_body_bytes": 16})));
+    let s = call.on_request_headers(call_head(&[TOKEN], &[], "pay_invoice", PAY.len()));
+    assert_eq!(s.flow, Flow::Pause);
+    assert_eq!(local_reply(&s).status, 413);
+    assert!(header_edits(&s).is_empty());
+    let mut call = Call::new(body_cfg());
+    let s = call.on_request_headers(RequestHead {
+        content_encoding: vec![b"gzip".to_vec()],
+        ..call_head(&[TOKEN], &[], "pay_invoice", PAY.len())
+    });
+    assert_eq!(s.flow, Flow::Pause);
+    assert_eq!(local_reply(&s).status, 400);
+}
+
+#[test]
+fn the_body_waits_for_the_ledger_and_goes_without_header_edits() {
+    let c = body_cfg();
+    let mut call = Call::new(Rc::clone(&c));
+    call.on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", PAY.len()));
+    let s = body_after_headers(&mut call, PAY);
+    assert_eq!(s.flow, Flow::Pause);
+    assert_eq!(authorize_body(&s).idempotency_key.as_deref(), Some("k1"));
+    assert_eq!(call.state_name(), "authorizing");
+    // More body events while the callout is out are held too.
+    assert_eq!(done(call.on_request_body(PAY.len(), true)), Step::pause());
+    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    assert!(header_edits(&s).is_empty(), "{s:?}");
+    assert_eq!(s.effects.last(), Some(&Effect::ResumeRequest));
+    assert_eq!(call.state_name(), "dispatched");
+}
+
+#[test]
+fn a_key_only_in_meta_reaches_the_upstream_only_in_the_body() {
+    const META_PAY: &str = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"pay_invoice","arguments":{"amount":1},"_meta":{"dev.atmost/idempotency-key":"raw-k1"}}}"#;
+    let c = body_cfg();
+    let mut call = Call::new(Rc::clone(&c));
+    let s = call.on_request_headers(call_head(&[TOKEN], &[], "pay_invoice", META_PAY.len()));
+    // No key header was sent, so none leaves: it cannot be added once the headers are gone.
+    assert!(!s
+        .effects
+        .iter()
+        .any(|e| matches!(e, Effect::SetRequestHeader(n, _) | Effect::RemoveRequestHeader(n) if n == "idempotency-key")));
+    let s = body_after_headers(&mut call, META_PAY);
+    assert_eq!(
+        authorize_body(&s).idempotency_key.as_deref(),
+        Some("raw-k1")
+    );
+    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    assert_eq!(
+        body_edit_of(&s),
+        Some(META_PAY.replace("raw-k1", &derived(&c, "pmt_1", "raw-k1")))
+    );
+    // Neither the key header nor content-length is set after the headers left.
+    assert!(header_edits(&s).is_empty(), "{s:?}");
+    assert_eq!(s.effects.last(), Some(&Effect::ResumeRequest));
+}
+
+#[test]
+fn denials_replays_and_refusals_after_the_headers_left_are_local_replies() {
+    // Denied by the ledger.
+    let mut call = Call::new(body_cfg());
+    call.on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", PAY.len()));
+    body_after_headers(&mut call, PAY);
+    let deny = AuthorizeResponse::Deny(Denial::new(DenialCode::PermitMaxCallsExceeded, "cap"));
+    let s = call.on_ledger_reply(&ledger(&deny));
+    assert_eq!(s.flow, Flow::Pause);
+    assert!(String::from_utf8_lossy(&local_reply(&s).body).contains("permit_max_calls_exceeded"));
+    assert!(!s.effects.contains(&Effect::ResumeRequest));
+    // Replayed.
+    let mut call = Call::new(body_cfg());
+    call.on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", PAY.len()));
+    body_after_headers(&mut call, PAY);
+    let replay = AuthorizeResponse::Replay {
+        attempt_id: "att_0".into(),
+        receipt: r#"{"jsonrpc":"2.0","id":1,"result":{"content":[]}}"#.into(),
+        limits: None,
+    };
+    let s = call.on_ledger_reply(&ledger(&replay));
+    assert!(local_reply(&s)
+        .headers
+        .iter()
+        .any(|(k, v)| k == "idempotent-replayed" && v == "true"));
+    assert!(!s.effects.contains(&Effect::ResumeRequest));
+    // Denied before any callout (no permit), and refused (malformed).
+    let mut call = Call::new(body_cfg());
+    call.on_request_headers(call_head(&[], &["\"k1\""], "pay_invoice", PAY.len()));
+    let s = body_after_headers(&mut call, PAY);
+    assert!(String::from_utf8_lossy(&local_reply(&s).body).contains("permit_invalid"));
+    assert!(s.callout.is_none());
+    let mut call = Call::new(body_cfg());
+    call.on_request_headers(call_head(&[TOKEN], &[], "send_email", PAY.len()));
+    let s = body_after_headers(&mut call, PAY);
+    assert_eq!(
+        local_reply(&s).status,
+        400,
+        "Mcp-Name disagrees with the body"
+    );
+    assert!(s.callout.is_none());
+}
+
+#[test]
+fn a_dispatch_under_another_permit_than_the_key_header_claimed_is_not_sent() {
+    let c = body_cfg();
+    let mut call = Call::new(Rc::clone(&c));
+    let other = "atmp_pmt_2_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    call.on_request_headers(call_head(&[other], &["\"k1\""], "pay_invoice", PAY.len()));
+    body_after_headers(&mut call, PAY);
+    // The ledger answers for pmt_1, the header left derived for pmt_2.
+    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    assert!(String::from_utf8_lossy(&local_reply(&s).body).contains("gateway_unavailable"));
+    assert!(!s.effects.contains(&Effect::ResumeRequest));
+    let reports = enqueued(&s);
+    assert_eq!(reports.len(), 1);
+    assert_eq!(reports[0].attempt_id, "att_1");
+    assert!(matches!(&reports[0].outcome,
+        Outcome::Released { reason } if reason == "never_sent: key_header_permit_mismatch"));
+    // A token that spells no permit id gets the form of traffic without a ledger answer: a
+    // dispatch under any real permit would not match it either.
+    let mut call = Call::new(Rc::clone(&c));
+    let s = call.on_request_headers(call_head(&["tok"], &["\"k1\""], "pay_invoice", PAY.len()));
+    assert!(s.effects.contains(&Effect::SetRequestHeader(
+        "idempotency-key".into(),
+        derived(&c, "", "k1")
+    )));
+    body_after_headers(&mut call, PAY);
+    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    assert!(!s.effects.contains(&Effect::ResumeRequest));
+}
+
+#[test]
+fn traffic_without_a_ledger_answer_after_a_permit_derived_key_header_is_refused() {
+    const LIST: &str = r#"{"jsonrpc":"2.0","id":3,"method":"tools/list"}"#;
+    let c = body_cfg();
+    // No mirrored headers: it may be a governed call, so the key header left derived for the
+    // permit its token names. A tools/list cannot go on with it.
+    let mut call = Call::new(Rc::clone(&c));
+    call.on_request_headers(RequestHead {
+        content_length: Some(LIST.len() as u64),
+        ..post(&[TOKEN], &["\"k1\""])
+    });
+    let s = body_after_headers(&mut call, LIST);
+    assert_eq!(s.flow, Flow::Pause);
+    let reply = local_reply(&s);
+    assert_eq!(reply.status, 400);
+    assert!(String::from_utf8_lossy(&reply.body).contains("request_hold: body"));
+    // Without the permit header, the header took the ungoverned form: it passes.
+    let mut call = Call::new(Rc::clone(&c));
+    let h = call.on_request_headers(RequestHead {
+        content_length: Some(LIST.len() as u64),
+        ..post(&[], &["\"k1\""])
+    });
+    assert!(h.effects.contains(&Effect::SetRequestHeader(
+        "idempotency-key".into(),
+        derived(&c, "", "k1")
+    )));
+    assert_eq!(body_after_headers(&mut call, LIST), Step::cont());
+    // With Mcp-Method saying what it is, the header takes the ungoverned form: it passes.
+    let mut call = Call::new(Rc::clone(&c));
+    let h = call.on_request_headers(RequestHead {
+        content_length: Some(LIST.len() as u64),
+        mirrored: mcp::Mirrored {
+            method: Some("tools/list".into()),
+            ..mcp::Mirrored::default()
+        },
+        ..post(&[TOKEN], &["\"k1\""])
+    });
+    assert!(h.effects.contains(&Effect::SetRequestHeader(
+        "idempotency-key".into(),
+        derived(&c, "", "k1")
+    )));
+    assert_eq!(body_after_headers(&mut call, LIST), Step::cont());
+    // The same tools/list without a key header passes whatever the permit.
+    let mut call = Call::new(Rc::clone(&c));
+    call.on_request_headers(RequestHead {
+        content_length: Some(LIST.len() as u64),
+        ..post(&[TOKEN], &[])
+    });
+    assert_eq!(body_after_headers(&mut call, LIST), Step::cont());
+}
+
+#[test]
+fn an_ungoverned_call_keyed_in_its_body_passes_with_the_body_edit_only() {
+    const ECHO: &str = r#"{"jsonrpc":"2.0","id":4,"method":"tools/call","params":{"name":"echo","arguments":{},"idempotencyKey":"raw-e"}}"#;
+    let c = body_cfg_with(json!({"governed_tools": ["pay_invoice"]}));
+    let mut call = Call::new(Rc::clone(&c));
+    let h = call.on_request_headers(call_head(&[TOKEN], &["\"raw-e\""], "echo", ECHO.len()));
+    // Mcp-Name names an ungoverned tool: the header takes the ungoverned form.
+    assert!(h.effects.contains(&Effect::SetRequestHeader(
+        "idempotency-key".into(),
+        derived(&c, "", "raw-e")
+    )));
+    let s = body_after_headers(&mut call, ECHO);
+    assert_eq!(s.flow, Flow::Continue);
+    assert_eq!(
+        body_edit_of(&s),
+        Some(ECHO.replace("raw-e", &derived(&c, "", "raw-e")))
+    );
+    assert!(header_edits(&s).is_empty(), "{s:?}");
+}
+
+#[test]
+fn raw_and_off_forms_leave_with_the_headers() {
+    let raw = body_cfg_with(json!({"upstream_key": {"mode": "raw"}}));
+    let s = Call::new(raw).on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", 9));
+    assert!(s.effects.contains(&Effect::SetRequestHeader(
+        "idempotency-key".into(),
+        "k1".into()
+    )));
+    let off = body_cfg_with(json!({"upstream_key": {"mode": "off"}}));
+    let mut call = Call::new(off);
+    let s = call.on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", PAY.len()));
+    assert!(s
+        .effects
+        .contains(&Effect::RemoveRequestHeader("idempotency-key".into())));
+    // Neither form depends on a permit: a tools/list after it passes.
+    const LIST: &str = r#"{"jsonrpc":"2.0","id":3,"method":"tools/list"}"#;
+    let mut call = Call::new(body_cfg_with(json!({"upstream_key": {"mode": "off"}})));
+    call.on_request_headers(RequestHead {
+        content_length: Some(LIST.len() as u64),
+        ..post(&[TOKEN], &["\"k1\""])
+    });
+    assert_eq!(body_after_headers(&mut call, LIST), Step::cont());
+}
+
+#[test]
+fn whether_a_post_may_be_governed_is_read_from_its_headers() {
+    let governed = ToolSet::Only(vec!["pay".into()]);
+    let m = |method: Option<&str>, name: Option<&str>, duplicated: bool| mcp::Mirrored {
+        method: method.map(str::to_string),
+        name: name.map(str::to_string),
+        duplicated,
+        ..mcp::Mirrored::default()
+    };
+    let cases = [
+        (m(None, None, false), true),
+        (m(Some("tools/call"), None, false), true),
+        (m(Some("tools/call"), Some("pay"), false), true),
+        (m(Some("tools/call"), Some("echo"), false), false),
+        (m(Some("tools/list"), None, false), false),
+        (m(Some("initialize"), Some("pay"), false), false),
+        (m(None, Some("echo"), false), false),
+        (m(Some("tools/list"), None, true), true),
+    ];
+    for (mirrored, want) in cases {
+        assert_eq!(may_be_governed(&mirrored, &governed), want, "{mirrored:?}");
+    }
+    assert!(may_be_governed(
+        &m(Some("tools/call"), Some("echo"), false),
+        &ToolSet::All
+    ));
+}
+
+#[test]
+fn an_answer_before_the_body_was_read_goes_to_the_client_and_the_body_never_follows() {
+    let mut call = Call::new(body_cfg());
+    call.on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", PAY.len()));
+    assert!(call.watches_response_headers());
+    let s = call.on_response_headers(json_head());
+    assert_eq!(s.flow, Flow::Continue);
+    assert_eq!(counts(&s), vec![Stat::UpstreamAnsweredEarly]);
+    assert_eq!(call.state_name(), "overtaken");
+    // The answer streams on; the body is held for good and never read.
+    assert_eq!(done(call.on_response_body(10, true)), Step::cont());
+    assert_eq!(done(call.on_request_body(PAY.len(), true)), Step::pause());
+    assert_eq!(call.on_request_trailers(), Step::pause());
+    assert_eq!(call.on_log(LogProps::default()), Step::cont());
+    // In the default mode nothing is upstream before the decision: no such answer is watched.
+    let mut held = Call::new(cfg());
+    held.on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", PAY.len()));
+    assert!(!held.watches_response_headers());
+}
+
+#[test]
+fn an_answer_while_the_ledger_decides_is_held_and_the_dispatch_released() {
+    let mut call = Call::new(body_cfg());
+    call.on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", PAY.len()));
+    body_after_headers(&mut call, PAY);
+    let s = call.on_response_headers(json_head());
+    assert_eq!(s.flow, Flow::Pause);
+    assert_eq!(counts(&s), vec![Stat::UpstreamAnsweredEarly]);
+    assert_eq!(done(call.on_response_body(10, false)), Step::pause());
+    assert_eq!(done(call.on_response_trailers()), Step::pause());
+    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    assert!(!s.effects.contains(&Effect::ResumeRequest), "{s:?}");
+    assert!(!s.effects.iter().any(|e| matches!(e, Effect::LocalReply(_))));
+    assert_eq!(s.effects.last(), Some(&Effect::ResumeResponse));
+    let reports = enqueued(&s);
+    assert_eq!(reports.len(), 1);
+    assert_eq!(
+        (reports[0].attempt_id.as_str(), reports[0].round),
+        ("att_1", 1)
+    );
+    assert!(matches!(&reports[0].outcome,
+        Outcome::Released { reason } if reason == "never_sent: upstream_answered_first"));
+    assert_eq!(counts(&s), vec![Stat::Released]);
+    // Nothing after that lets the body go or reports again.
+    assert_eq!(call.state_name(), "overtaken");
+    assert_eq!(done(call.on_request_body(PAY.len(), true)), Step::pause());
+    assert_eq!(done(call.on_response_body(10, true)), Step::cont());
+    assert!(!call.needs_log_props());
+    assert_eq!(call.on_log(LogProps::default()), Step::cont());
+}
+
+#[test]
+fn a_denial_or_replay_after_an_early_answer_lets_that_answer_go_and_reserves_nothing() {
+    let replay = AuthorizeResponse::Replay {
+        attempt_id: "att_0".into(),
+        receipt: r#"{"jsonrpc":"2.0","id":1,"result":{"content":[]}}"#.into(),
+        limits: None,
+    };
+    let deny = AuthorizeResponse::Deny(Denial::new(DenialCode::PermitExpired, "expired"));
+    let failed = LedgerReply {
+        status: None,
+        body: Vec::new(),
+    };
+    for reply in [ledger(&replay), ledger(&deny), failed] {
+        let mut call = Call::new(body_cfg());
+        call.on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", PAY.len()));
+        body_after_headers(&mut call, PAY);
+        assert_eq!(call.on_response_headers(json_head()).flow, Flow::Pause);
+        let s = call.on_ledger_reply(&reply);
+        assert_eq!(s.effects.last(), Some(&Effect::ResumeResponse), "{s:?}");
+        assert!(enqueued(&s).is_empty());
+        assert!(!s
+            .effects
+            .iter()
+            .any(|e| matches!(e, Effect::LocalReply(_) | Effect::ResumeRequest)));
+        assert_eq!(call.state_name(), "overtaken");
+    }
+}
+
+#[test]
+fn an_answer_after_the_dispatch_is_watched_as_in_the_default_mode() {
+    let mut call = Call::new(body_cfg());
+    call.on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", PAY.len()));
+    body_after_headers(&mut call, PAY);
+    call.on_ledger_reply(&ledger(&dispatch()));
+    let s = call.on_response_headers(json_head());
+    assert_eq!(s, Step::cont());
+    assert_eq!(call.state_name(), "buffering_json");
+}
