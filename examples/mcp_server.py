@@ -17,7 +17,7 @@ Resources: `atmost://example/readme` (text) and the template `atmost://example/i
 Prompt: `summarize(topic: str)`.
 
 Besides `/mcp`, it serves a small inspection surface for tests and demos:
-- `GET /_example/state`: executions per tool and the headers of the last requests seen.
+- `GET /_example/state`: executions per tool and the headers (and body size) of the last requests seen.
 - `POST /_example/config`: `{"pay_delay_ms": N}` makes `pay_invoice` take N ms.
 - `POST /_example/reset`: zeroes the counters and forgets the seen requests.
 """
@@ -184,7 +184,7 @@ async def reset(_: Request) -> JSONResponse:
 
 
 class RecordRequests:
-    """ASGI middleware: remembers method, path, headers and JSON-RPC method of each MCP request."""
+    """ASGI middleware: remembers method, path, headers, body size and JSON-RPC method of each MCP request."""
 
     def __init__(self, app):
         self.app = app
@@ -194,17 +194,21 @@ class RecordRequests:
             return await self.app(scope, receive, send)
         chunks: list[bytes] = []
 
-        async def recording_receive():
-            message = await receive()
-            if message["type"] == "http.request":
-                chunks.append(message.get("body", b""))
-            return message
-
         entry = {
             "method": scope["method"],
             "path": scope["path"],
             "headers": {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]},
+            # Body bytes received so far: a request whose body never came stays at 0.
+            "body_bytes": 0,
         }
+
+        async def recording_receive():
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+                entry["body_bytes"] += len(chunks[-1])
+            return message
+
         seen_requests.append(entry)
 
         async def run():

@@ -38,7 +38,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.support.stack import ROOT, WASM, validate_envoy_config
+from tests.support.stack import ROOT, WASM, validate_envoy_config, wasmplugin_filter_config
 
 ISTIO_DIR = ROOT / "envoy" / "istio"
 OVERLAYS_DIR = ISTIO_DIR / "overlays"
@@ -623,7 +623,9 @@ def test_wasmplugin_is_per_agent_fail_closed_and_complete(objs):
     assert spec["imagePullPolicy"] in ("IfNotPresent", "Always")
 
     config = spec["pluginConfig"]
-    assert set(config) == PLUGIN_KEYS
+    assert set(config) == PLUGIN_KEYS | {"request_hold"}
+    # A WasmPlugin cannot set allow_on_headers_stop_iteration: the filter holds only the body.
+    assert config["request_hold"] == "body"
     assert set(config["ledger"]) == LEDGER_KEYS
     assert set(config["upstream_key"]) == {"mode", "secret_env"}
     host, port = ledger_cluster(objs)
@@ -657,7 +659,11 @@ def test_envoyfilter_delivers_the_same_filter_with_stop_iteration(objs):
     remote = config["vm_config"]["code"]["remote"]
     assert remote["http_uri"]["uri"] == wasm_plugin["url"]
     assert remote["sha256"] == wasm_plugin["sha256"]
-    assert json.loads(config["configuration"]["value"]) == wasm_plugin["pluginConfig"]
+    # The same plugin configuration, except that the EnvoyFilter holds the whole request
+    # (request_hold's default, `headers`), which allow_on_headers_stop_iteration permits.
+    plugin = json.loads(config["configuration"]["value"])
+    assert "request_hold" not in plugin
+    assert plugin == {k: v for k, v in wasm_plugin["pluginConfig"].items() if k != "request_hold"}
     # The same variables, as istiod would list them for the WasmPlugin.
     assert config["vm_config"]["environment_variables"] == {"host_env_keys": host_env_keys_of(wasm_plugin)}
 
@@ -691,6 +697,34 @@ def test_envoyfilter_wasm_config_passes_envoy_validate(rendered, kustomization, 
     assert result.returncode != 0 and "field `ledger.service_token_env`" in result.stdout + result.stderr
 
 
+def test_wasmplugin_as_istiod_renders_it_passes_envoy_validate(objs, tmp_path):
+    """The WasmPlugin's Wasm config as istiod renders it (no allow_on_headers_stop_iteration),
+    with its code made local, loads in real Envoy; the e2e runs with ATMOST_DEPLOYMENT=wasmplugin
+    put this same rendering in front of the suites."""
+    assert WASM.exists(), "build the filter first (make wasm)"
+    spec = objs["WasmPlugin"]["spec"]
+    rendered = wasmplugin_filter_config(spec["pluginConfig"], WASM, host_env_keys_of(spec))
+    assert "allow_on_headers_stop_iteration" not in json.dumps(rendered)
+    assert json.loads(rendered["configuration"]["value"]) == spec["pluginConfig"]
+    assert rendered["root_id"] == spec["pluginName"] and rendered["failure_policy"] == "FAIL_CLOSED"
+    config = yaml.safe_load(EQUIVALENT_ENVOY.read_text())
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    index = next(i for i, f in enumerate(hcm["http_filters"]) if f["name"] == "atmost")
+    hcm["http_filters"][index] = {"name": "atmost", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm", "config": rendered}}
+    path = tmp_path / "wasmplugin-as-envoy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = validate_envoy_config(path, env=VALIDATION_ENV)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    # The filter's on_configure read this configuration: a bad request_hold is refused.
+    bad = copy.deepcopy(rendered)
+    bad["configuration"]["value"] = json.dumps({**spec["pluginConfig"], "request_hold": "sometimes"})
+    hcm["http_filters"][index]["typed_config"]["config"] = bad
+    path.write_text(yaml.safe_dump(config))
+    result = validate_envoy_config(path, env=VALIDATION_ENV)
+    assert result.returncode != 0 and "field `request_hold`" in result.stdout + result.stderr
+
+
 def test_equivalent_envoy_config_mirrors_the_manifests(objs):
     config = yaml.safe_load(EQUIVALENT_ENVOY.read_text())
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
@@ -703,7 +737,7 @@ def test_equivalent_envoy_config_mirrors_the_manifests(objs):
     assert wasm["vm_config"]["environment_variables"] == mesh["vm_config"]["environment_variables"]
 
     plugin = json.loads(wasm["configuration"]["value"])
-    expected = objs["WasmPlugin"]["spec"]["pluginConfig"]
+    expected = {k: v for k, v in objs["WasmPlugin"]["spec"]["pluginConfig"].items() if k != "request_hold"}
     assert plugin == expected
     clusters = {c["name"] for c in config["static_resources"]["clusters"]}
     assert expected["ledger"]["cluster"] in clusters

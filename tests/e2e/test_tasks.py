@@ -14,6 +14,7 @@ import pytest
 
 from tests.e2e.conftest import new_key
 from tests.support.mcp_raw import RawMcp, denial_code
+from tests.support.recording_upstream import read_body
 from tests.support.stack import Envoy, wait_until
 
 
@@ -21,7 +22,7 @@ class _TaskUpstream(BaseHTTPRequestHandler):
     calls = 0
 
     def do_POST(self):  # noqa: N802 - http.server's name
-        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        body = json.loads(read_body(self))
         type(self).calls += 1
         n = type(self).calls
         answer = {"jsonrpc": "2.0", "id": body.get("id"), "result": {"task": {

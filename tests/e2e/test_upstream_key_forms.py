@@ -14,7 +14,7 @@ import yaml
 from tests.e2e.conftest import new_key
 from tests.support.mcp_raw import KEY_META, PROTOCOL_VERSION, RawMcp, denial_code
 from tests.support.recording_upstream import RecordingUpstream
-from tests.support.stack import Envoy, http_get, wait_until
+from tests.support.stack import Envoy, deployment, http_get, wait_until
 
 SECRET = "key-forms-upstream-secret-0123456789"
 GOVERNED = "pay"
@@ -117,9 +117,13 @@ def test_ungoverned_call_forwards_only_the_derived_key_in_header_and_meta(mcp, u
     assert json.loads(got["body"])["params"]["_meta"][KEY_META] == expected
     assert key not in json.dumps(got)
     assert permit["token"] not in json.dumps(got)
-    # Every other byte of the body arrives as sent, and content-length follows the new size.
+    # Every other byte of the body arrives as sent, and content-length follows the new size
+    # (deployed as a WasmPlugin it went with the headers, before the body was read: chunked).
     assert got["body"] == json.dumps(body).replace(json.dumps(key), json.dumps(expected))
-    assert header(got, "content-length") == [str(len(got["body"].encode()))]
+    if deployment() == "wasmplugin":
+        assert header(got, "content-length") == [] and header(got, "transfer-encoding") == ["chunked"]
+    else:
+        assert header(got, "content-length") == [str(len(got["body"].encode()))]
 
 
 def test_ungoverned_call_with_only_params_idempotency_key_is_rewritten(mcp, upstream):
@@ -173,7 +177,9 @@ def test_governed_call_reads_params_idempotency_key_and_forwards_the_derived_one
     assert first.status_code == 200 and denial_code(first) is None, first.text
     got = received(upstream, body["params"]["arguments"]["n"])
     expected = derived(permit["id"], key)
-    assert header(got, "idempotency-key") == [expected]
+    # Deployed as a WasmPlugin the headers left before the body was read: a key that only the
+    # body carries reaches the upstream only in the body.
+    assert header(got, "idempotency-key") == ([] if deployment() == "wasmplugin" else [expected])
     assert json.loads(got["body"])["params"]["idempotencyKey"] == expected
     assert key not in json.dumps(got)
     # It is the call's key: the same key again is a replay, not a second execution.

@@ -30,6 +30,23 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
+def read_body(handler: BaseHTTPRequestHandler) -> bytes:
+    """The request body of an http.server handler, sized by content-length or chunked (as Envoy
+    sends it when the filter removed content-length: `request_hold: body`)."""
+    if handler.headers.get("transfer-encoding", "").lower() == "chunked":
+        chunks = []
+        while True:
+            size = int(handler.rfile.readline().strip().split(b";")[0] or b"0", 16)
+            if size == 0:
+                handler.rfile.readline()
+                break
+            chunks.append(handler.rfile.read(size))
+            handler.rfile.readline()
+        return b"".join(chunks)
+    length = int(handler.headers.get("content-length") or 0)
+    return handler.rfile.read(length) if length else b""
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: "_Server"
@@ -38,18 +55,7 @@ class _Handler(BaseHTTPRequestHandler):
         return
 
     def _body(self) -> bytes:
-        if self.headers.get("transfer-encoding", "").lower() == "chunked":
-            chunks = []
-            while True:
-                size = int(self.rfile.readline().strip().split(b";")[0] or b"0", 16)
-                if size == 0:
-                    self.rfile.readline()
-                    break
-                chunks.append(self.rfile.read(size))
-                self.rfile.readline()
-            return b"".join(chunks)
-        length = int(self.headers.get("content-length") or 0)
-        return self.rfile.read(length) if length else b""
+        return read_body(self)
 
     def _send(self, status: int, body: dict | None, extra: dict | None = None) -> None:
         data = json.dumps(body).encode() if body is not None else b""

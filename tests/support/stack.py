@@ -25,12 +25,14 @@ from atmost_stack import (  # noqa: E402,F401  (re-exported: the suites import t
     Ledger,
     Process,
     ProcessExited,
+    deployment,
     free_port,
     http_get,
     http_post_json,
     ledger_binary,
     sidecar_config,
     wait_until,
+    wasmplugin_filter_config,
 )
 
 TS_DIR = ROOT / "tests" / "ts"

@@ -19,6 +19,7 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 
 
@@ -130,6 +131,19 @@ class TcpProxy:
 
     def requests_with(self, header: str, value: str) -> list[RecordedRequest]:
         return [r for r in self.requests() if r.headers.get(header.lower()) == value]
+
+    def ended_requests_with(self, header: str, value: str, timeout: float = 15.0) -> list[RecordedRequest]:
+        """The requests carrying `header: value`, once each is complete or its connection has
+        ended (what reached the server of them is then final). None at all is a valid answer:
+        Envoy may have dropped the request before its upstream connection was up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.requests_with(header, value)
+            if all(r.complete or r.connection_closed for r in found):
+                return found
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a request with {header}: {value} is still open after {timeout}s: {found}")
+            time.sleep(0.02)
 
     def _accept_loop(self) -> None:
         while not self._stopped.is_set():

@@ -5,7 +5,7 @@
 //   node server.mjs --port 8100 [--json-response]
 //
 // Stateless Streamable HTTP on /mcp (a fresh server per POST); GET /_example/state reports
-// executions per tool, POST /_example/reset zeroes them.
+// executions per tool, POSTs and their body bytes received; POST /_example/reset zeroes them.
 import http from 'node:http';
 import { McpServer, ResourceTemplate } from '@modelcontextprotocol/sdk/server/mcp.js';
 import { StreamableHTTPServerTransport } from '@modelcontextprotocol/sdk/server/streamableHttp.js';
@@ -17,6 +17,8 @@ const jsonResponse = args.includes('--json-response');
 const executions = {};
 // Every POST to /mcp, read or not: a test can tell that nothing reached this server.
 let requests = 0;
+// Body bytes of those POSTs, counted as they arrive (a body cut short counts what came).
+let bodyBytes = 0;
 const count = (tool) => (executions[tool] = (executions[tool] || 0) + 1);
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
@@ -67,7 +69,10 @@ function buildServer() {
 
 async function readBody(req) {
   const chunks = [];
-  for await (const c of req) chunks.push(c);
+  for await (const c of req) {
+    chunks.push(c);
+    bodyBytes += c.length;
+  }
   return Buffer.concat(chunks).toString('utf8');
 }
 
@@ -75,11 +80,12 @@ http.createServer(async (req, res) => {
   try {
     if (req.url === '/_example/state' && req.method === 'GET') {
       res.writeHead(200, { 'content-type': 'application/json' });
-      return res.end(JSON.stringify({ executions, requests }));
+      return res.end(JSON.stringify({ executions, requests, body_bytes: bodyBytes }));
     }
     if (req.url === '/_example/reset' && req.method === 'POST') {
       for (const k of Object.keys(executions)) delete executions[k];
       requests = 0;
+      bodyBytes = 0;
       res.writeHead(200, { 'content-type': 'application/json' });
       return res.end('{"ok":true}');
     }

@@ -5,7 +5,7 @@
 //
 //	go_upstream -port 8200
 //	    POST /mcp           one message or a batch; each is recorded
-//	    GET  /_example/log  the recorded messages and the number of POSTs, as JSON
+//	    GET  /_example/log  the recorded messages, the number of POSTs and their body bytes, as JSON
 //	    POST /_example/reset forgets them
 //
 //	go_upstream -fold-check < table
@@ -62,6 +62,8 @@ var (
 	entries = []entry{}
 	// Every POST to /mcp, decodable or not: a test can tell that nothing reached this server.
 	requests = 0
+	// Body bytes of those POSTs as read (a body cut short counts what came).
+	bodyBytes = 0
 )
 
 func record(m message) {
@@ -123,6 +125,9 @@ func serveMCP(w http.ResponseWriter, r *http.Request) {
 	requests++
 	mu.Unlock()
 	body, err := io.ReadAll(r.Body)
+	mu.Lock()
+	bodyBytes += len(body)
+	mu.Unlock()
 	if err != nil {
 		w.WriteHeader(http.StatusBadRequest)
 		return
@@ -243,12 +248,13 @@ func main() {
 	mux.HandleFunc("/_example/log", func(w http.ResponseWriter, r *http.Request) {
 		mu.Lock()
 		defer mu.Unlock()
-		writeJSON(w, http.StatusOK, map[string]any{"entries": entries, "requests": requests})
+		writeJSON(w, http.StatusOK, map[string]any{"entries": entries, "requests": requests, "body_bytes": bodyBytes})
 	})
 	mux.HandleFunc("/_example/reset", func(w http.ResponseWriter, r *http.Request) {
 		mu.Lock()
 		entries = []entry{}
 		requests = 0
+		bodyBytes = 0
 		mu.Unlock()
 		writeJSON(w, http.StatusOK, map[string]any{"ok": true})
 	})
