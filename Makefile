@@ -11,7 +11,7 @@ WASM := target/wasm32-wasip1/wasm/atmost_filter.wasm
 CARGO ?= cargo
 
 .PHONY: oci-tools k8s-tools
-.PHONY: all run test model-check test-unit test-e2e test-faults lint fmt ts-deps wasm ledger ledger-release setup setup-run rust-setup venv venv-test clean oci
+.PHONY: all run test model-check test-unit test-e2e test-e2e-wasmplugin test-faults lint fmt ts-deps wasm ledger ledger-release setup setup-run rust-setup venv venv-test clean oci
 
 all: wasm ledger-release
 
@@ -121,13 +121,23 @@ test-unit:
 test-e2e: setup ts-deps wasm ledger oci
 	ATMOST_BIN=target/debug/atmost $(WITH_PG) $(VPY) -m pytest tests/e2e -q -p no:cacheprovider --timeout 300
 
+## The suites that carry calls, again with the filter deployed as istiod renders the shipped
+## WasmPlugin (ATMOST_DEPLOYMENT=wasmplugin: request_hold body, no allow_on_headers_stop_iteration).
+## The other files check configuration and manifests, the same in both deployments.
+E2E_BOTH_DEPLOYMENTS := $(addprefix tests/e2e/,test_idempotency.py test_permits.py test_fail_closed.py \
+	test_trust_boundary.py test_mcp_versions.py test_upstream_key_forms.py test_tasks.py test_ts_interop.py \
+	test_parser_differentials.py test_replicas.py)
+
+test-e2e-wasmplugin: setup ts-deps wasm ledger
+	ATMOST_DEPLOYMENT=wasmplugin ATMOST_BIN=target/debug/atmost $(WITH_PG) $(VPY) -m pytest $(E2E_BOTH_DEPLOYMENTS) -q -p no:cacheprovider --timeout 300
+
 ## The protocol model (ledger/model/atmost.pml): spin must verify it and refute each mutant.
 model-check:
 	ledger/model/check.sh
 
 # One PostgreSQL for both suites (a throwaway one is started once and stopped at the end).
 test: setup lint model-check
-	$(WITH_PG) $(MAKE) --no-print-directory test-unit test-e2e
+	$(WITH_PG) $(MAKE) --no-print-directory test-unit test-e2e test-e2e-wasmplugin
 
 ## The fault suite: real processes under kill -9, a slow or silent ledger, upstream resets and timeouts,
 ## client hang-ups, Envoy killed, reloaded or drained mid-call, a failed VM, a full or read-only store,
