@@ -579,6 +579,12 @@ impl Call {
                 ))
             }
         };
+        // The key the upstream will receive if the ledger dispatches: derived with the permit
+        // id the token names, which a Dispatch answer confirms (the ledger accepts a token
+        // only for the permit it names).
+        let forwarded_key = atmost_protocol::token::permit_id_of(&permit_token).and_then(|id| {
+            upstream_key::upstream_value(&self.config.upstream_key, id, key.as_deref())
+        });
         let request = AuthorizeRequest {
             permit_token,
             tool: call.name.clone(),
@@ -587,6 +593,7 @@ impl Call {
             key_required: self.config.key_required_tools.contains(&call.name),
             continuation: call.continuation,
             arguments: Value::Object(call.arguments),
+            forwarded_key,
         };
         let body = match serde_json::to_vec(&request) {
             Ok(b) => b,

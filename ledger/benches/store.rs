@@ -63,6 +63,7 @@ fn request(tok: &str, key: &str) -> AuthorizeRequest {
         arguments: json!({"text": key}),
         key_required: false,
         continuation: false,
+        forwarded_key: None,
     }
 }
 

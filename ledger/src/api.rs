@@ -4,9 +4,13 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use crate::clock::{self, Millis};
-use crate::model::{Attempt, AttemptState, CostRule, GuardMode, Permit, PermitDetail};
+use crate::model::{
+    Attempt, AttemptState, CostRule, GuardMode, Permit, PermitDetail, Resolution, ResolutionSource,
+};
+use crate::redact::Redaction;
 
 pub const ADMIN_PERMITS_PATH: &str = "/admin/v1/permits";
 pub const ADMIN_ATTEMPTS_PATH: &str = "/admin/v1/attempts";
@@ -173,10 +177,34 @@ pub struct ResolutionView {
     pub by: String,
     pub at: String,
     pub note: Option<String>,
+    /// `person` or `reconciler`.
+    #[serde(default = "person")]
+    pub source: String,
+    /// What the provider's lookup answered (JSON text), for a reconciler's resolution.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider_answer: Option<String>,
 }
 
-/// An attempt as the admin API shows it: no key, no fingerprint, no receipt body.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+fn person() -> String {
+    ResolutionSource::Person.as_str().to_string()
+}
+
+impl From<&Resolution> for ResolutionView {
+    fn from(r: &Resolution) -> Self {
+        ResolutionView {
+            executed: r.executed,
+            by: r.by.clone(),
+            at: clock::rfc3339(r.at_ms),
+            note: r.note.clone(),
+            source: r.source.as_str().to_string(),
+            provider_answer: r.source.provider_answer().map(str::to_string),
+        }
+    }
+}
+
+/// An attempt as the admin API shows it: no key, no fingerprint, no receipt body; the
+/// arguments with the configured fields redacted.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AttemptView {
     pub id: String,
     pub permit_id: String,
@@ -193,10 +221,17 @@ pub struct AttemptView {
     pub replay_count: u64,
     pub pruned_at: Option<String>,
     pub resolution: Option<ResolutionView>,
+    /// The `Idempotency-Key` value the upstream received (search the provider for it).
+    #[serde(default)]
+    pub forwarded_key: Option<String>,
+    /// The call's arguments, configured fields redacted (`None` once pruned, or for an
+    /// attempt stored before arguments were kept).
+    #[serde(default)]
+    pub arguments: Option<Value>,
 }
 
-impl From<&Attempt> for AttemptView {
-    fn from(a: &Attempt) -> Self {
+impl AttemptView {
+    pub fn new(a: &Attempt, redaction: &Redaction) -> Self {
         AttemptView {
             id: a.id.clone(),
             permit_id: a.permit_id.clone(),
@@ -212,22 +247,19 @@ impl From<&Attempt> for AttemptView {
             has_receipt: a.receipt.is_some(),
             replay_count: a.replay_count,
             pruned_at: a.pruned_at_ms.map(clock::rfc3339),
-            resolution: a.resolution.as_ref().map(|r| ResolutionView {
-                executed: r.executed,
-                by: r.by.clone(),
-                at: clock::rfc3339(r.at_ms),
-                note: r.note.clone(),
-            }),
+            resolution: a.resolution.as_ref().map(ResolutionView::from),
+            forwarded_key: a.forwarded_key.clone(),
+            arguments: a.arguments.as_deref().map(|t| redaction.show(t)),
         }
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AttemptResponse {
     pub attempt: AttemptView,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AttemptListResponse {
     pub attempts: Vec<AttemptView>,
 }

@@ -13,7 +13,8 @@ use serde_json::Value;
 use crate::clock::Millis;
 use crate::error::ResolveError;
 use crate::model::{
-    Attempt, AttemptState, BudgetTotals, CostRule, GuardMode, Permit, Resolution, ToolUsage,
+    Attempt, AttemptState, BudgetTotals, CostRule, GuardMode, Permit, Resolution, ResolutionSource,
+    ToolUsage,
 };
 use crate::token;
 
@@ -112,7 +113,9 @@ pub fn authenticate<'a>(token: &str, permit: Option<&'a Permit>) -> Option<&'a P
     Some(permit)
 }
 
-fn valid_key(key: &str) -> bool {
+/// An idempotency key (or the value forwarded for one) the ledger accepts: 1 to
+/// [`MAX_KEY_LEN`] bytes without control characters.
+pub fn valid_key(key: &str) -> bool {
     !key.is_empty() && key.len() <= MAX_KEY_LEN && !key.chars().any(char::is_control)
 }
 
@@ -310,6 +313,11 @@ fn decide_under(
                 // retried or forged) can no longer move the attempt.
                 next.round = existing.round.saturating_add(1);
                 next.capability_hash = Some(token::sha256_hex(&params.new_capability));
+                // Same key, same permit: the same forwarded value, kept from the first round
+                // (an attempt stored before the value was kept learns it now).
+                if next.forwarded_key.is_none() {
+                    next.forwarded_key = req.forwarded_key.clone();
+                }
                 return Decision {
                     response: AuthorizeResponse::Dispatch {
                         attempt_id: existing.id.clone(),
@@ -471,6 +479,8 @@ fn decide_under(
         resolution: None,
         round: 1,
         capability_hash: Some(token::sha256_hex(&params.new_capability)),
+        forwarded_key: req.forwarded_key.clone(),
+        arguments: (!req.arguments.is_null()).then(|| req.arguments.to_string()),
     };
     Decision {
         response: AuthorizeResponse::Dispatch {
@@ -591,6 +601,10 @@ pub struct ResolveInput {
     #[serde(default)]
     pub note: Option<String>,
     pub by: String,
+    /// A person, unless the reconciler resolves (in process): the admin API cannot claim
+    /// to be the reconciler.
+    #[serde(skip)]
+    pub source: ResolutionSource,
 }
 
 /// Settles an `uncertain` attempt. Nothing else can be resolved. Modelled in
@@ -614,6 +628,7 @@ pub fn resolve(a: &Attempt, input: &ResolveInput, now: Millis) -> Result<Attempt
         by: input.by.clone(),
         at_ms: now,
         note: input.note.clone(),
+        source: input.source.clone(),
     });
     Ok(next)
 }
@@ -638,8 +653,9 @@ pub fn expire_lease(a: &Attempt, now: Millis) -> Option<Attempt> {
     Some(next)
 }
 
-/// Retention: a finished attempt's receipt older than the permit's retention is dropped and the
-/// row kept as a tombstone. `uncertain` and `in_flight` attempts are never pruned.
+/// Retention: a finished attempt's receipt (and its arguments) older than the permit's
+/// retention is dropped and the row kept as a tombstone. `uncertain` and `in_flight` attempts
+/// are never pruned.
 pub fn prune(a: &Attempt, retention_ms: Millis, now: Millis) -> Option<Attempt> {
     if !a.state.replays() || a.pruned_at_ms.is_some() {
         return None;
@@ -650,6 +666,7 @@ pub fn prune(a: &Attempt, retention_ms: Millis, now: Millis) -> Option<Attempt> 
     }
     let mut next = a.clone();
     next.receipt = None;
+    next.arguments = None;
     next.pruned_at_ms = Some(now);
     next.updated_at_ms = now;
     Some(next)

@@ -51,6 +51,7 @@ fn req(key: Option<&str>, fp: &str) -> AuthorizeRequest {
         arguments: json!({"amount": 5}),
         key_required: false,
         continuation: false,
+        forwarded_key: None,
     }
 }
 
@@ -659,6 +660,7 @@ fn resolution_effects() {
         receipt: Some("R".into()),
         note: Some("checked".into()),
         by: "alice".into(),
+        source: Default::default(),
     };
     let r = resolve(&unc, &input, NOW).unwrap();
     assert_eq!(r.state, AttemptState::ResolvedExecuted);
@@ -677,6 +679,7 @@ fn resolution_effects() {
             receipt: None,
             note: None,
             by: "bob".into(),
+            source: Default::default(),
         },
         NOW,
     )

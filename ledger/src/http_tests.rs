@@ -10,29 +10,39 @@ use crate::metrics::Metrics;
 use crate::server::{self, AppState, ServerConfig};
 use crate::store::sqlite::SqliteStore;
 
-const SVC: &str = "service-secret";
-const ADM: &str = "admin-secret";
+pub(crate) const SVC: &str = "service-secret";
+pub(crate) const ADM: &str = "admin-secret";
 
-struct TestServer {
-    base: String,
-    http: reqwest::Client,
-    state: Arc<AppState>,
-    clock: Arc<ManualClock>,
+pub(crate) struct TestServer {
+    pub base: String,
+    pub http: reqwest::Client,
+    pub state: Arc<AppState>,
+    pub clock: Arc<ManualClock>,
     _dir: tempfile::TempDir,
 }
 
 async fn start() -> TestServer {
+    start_with(|_| {}).await
+}
+
+/// A ledger on a loopback port with a manual clock and a fresh SQLite store; `configure`
+/// may change its config first (the tokens are [`SVC`] and [`ADM`]).
+pub(crate) async fn start_with(configure: impl FnOnce(&mut ServerConfig)) -> TestServer {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(1_800_000_000_000));
+    let mut config = ServerConfig {
+        service_token: SVC.into(),
+        admin_token: ADM.into(),
+        lease: Duration::from_secs(60),
+        redaction: Default::default(),
+        inbox: Default::default(),
+    };
+    configure(&mut config);
     let state = Arc::new(AppState {
         store: Arc::new(SqliteStore::open_dir(dir.path()).unwrap()),
         clock: clock.clone(),
-        config: ServerConfig {
-            service_token: SVC.into(),
-            admin_token: ADM.into(),
-            lease: Duration::from_secs(60),
-        },
+        config,
         metrics: Arc::new(Metrics::new().unwrap()),
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -51,7 +61,7 @@ async fn start() -> TestServer {
 }
 
 impl TestServer {
-    async fn post(&self, path: &str, token: Option<&str>, body: Value) -> (u16, Value) {
+    pub async fn post(&self, path: &str, token: Option<&str>, body: Value) -> (u16, Value) {
         let mut rb = self.http.post(format!("{}{path}", self.base)).json(&body);
         if let Some(t) = token {
             rb = rb.bearer_auth(t);
@@ -61,7 +71,7 @@ impl TestServer {
         (status, resp.json().await.unwrap_or(Value::Null))
     }
 
-    async fn get(&self, path: &str, token: Option<&str>) -> (u16, Value) {
+    pub async fn get(&self, path: &str, token: Option<&str>) -> (u16, Value) {
         let mut rb = self.http.get(format!("{}{path}", self.base));
         if let Some(t) = token {
             rb = rb.bearer_auth(t);
@@ -71,7 +81,7 @@ impl TestServer {
         (status, resp.json().await.unwrap_or(Value::Null))
     }
 
-    async fn create_permit(&self, body: Value) -> (String, String) {
+    pub async fn create_permit(&self, body: Value) -> (String, String) {
         let (st, v) = self.post("/admin/v1/permits", Some(ADM), body).await;
         assert_eq!(st, 201, "{v}");
         (
@@ -495,4 +505,57 @@ async fn limits_name_each_tool_asked_about_under_the_service_token() {
             .0,
         400
     );
+}
+
+/// The key the filter says it forwards is kept and shown by the admin API (with the
+/// arguments, configured fields redacted); a value no upstream could have received is
+/// refused, and nothing is reserved for it.
+#[tokio::test]
+async fn the_forwarded_key_is_kept_and_shown_and_a_bad_one_refused() {
+    let s = start_with(|c| {
+        c.redaction = crate::redact::Redaction::new(&["/card", "CVC"]).unwrap();
+    })
+    .await;
+    let (pid, tok) = s
+        .create_permit(json!({"label": "a", "expires": "1h", "max_calls": {"pay": 1}}))
+        .await;
+    let call = |forwarded: Value| {
+        json!({"permit_token": tok, "tool": "pay", "idempotency_key": "k", "fingerprint": "fp",
+               "forwarded_key": forwarded,
+               "arguments": {"amount": 3, "card": {"number": "4242"}, "extra": {"cvc": "123"}}})
+    };
+    for bad in [
+        json!(""),
+        json!("a\u{1}b"),
+        json!("x".repeat(256)),
+        json!(7),
+    ] {
+        let (st, v) = s.post("/v1/authorize", Some(SVC), call(bad.clone())).await;
+        assert_eq!(st, 400, "{bad} → {v}");
+    }
+    let (_, shown) = s.get(&format!("/admin/v1/permits/{pid}"), Some(ADM)).await;
+    assert_eq!(shown["usage"]["pay"]["calls_made"], 0);
+    let hmac = "408b0daca3160e8ff7fd072dcc9c1d11edad614663ea292eeebc3eaf3890a0c0";
+    let (_, d) = s.post("/v1/authorize", Some(SVC), call(json!(hmac))).await;
+    let id = d["attempt_id"].as_str().unwrap();
+    let (st, a) = s.get(&format!("/admin/v1/attempts/{id}"), Some(ADM)).await;
+    assert_eq!(st, 200);
+    assert_eq!(a["attempt"]["forwarded_key"], hmac);
+    assert_eq!(
+        a["attempt"]["arguments"],
+        json!({"amount": 3, "card": "[redacted]", "extra": {"cvc": "[redacted]"}})
+    );
+    let (_, list) = s.get("/admin/v1/attempts", Some(ADM)).await;
+    assert_eq!(list["attempts"][0]["forwarded_key"], hmac);
+    // A call without a key (or under `upstream_key.mode: off`) forwards none.
+    let (_, d) = s
+        .post(
+            "/v1/authorize",
+            Some(SVC),
+            json!({"permit_token": tok, "tool": "other", "fingerprint": "f2"}),
+        )
+        .await;
+    let id = d["attempt_id"].as_str().unwrap();
+    let (_, a) = s.get(&format!("/admin/v1/attempts/{id}"), Some(ADM)).await;
+    assert_eq!(a["attempt"]["forwarded_key"], Value::Null);
 }

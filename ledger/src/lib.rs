@@ -7,6 +7,7 @@ pub mod clock;
 pub mod decide;
 pub mod error;
 pub mod model;
+pub mod redact;
 pub mod store;
 pub mod token;
 
@@ -15,6 +16,7 @@ pub mod cli;
 pub mod config_check;
 #[cfg(test)]
 mod decide_tests;
+pub mod inbox;
 pub mod metrics;
 pub mod server;
 

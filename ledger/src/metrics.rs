@@ -1,8 +1,8 @@
 //! Prometheus metrics of the ledger.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 use crate::error::LedgerError;
@@ -32,6 +32,9 @@ pub struct Metrics {
     pub permits_revoked: IntCounter,
     /// Attempts per state, refreshed by the sweeper.
     pub attempts: IntGaugeVec,
+    /// How long the attempt uncertain the longest has been so (0 when none is), refreshed by
+    /// the sweeper.
+    pub uncertain_oldest_seconds: Gauge,
 }
 
 fn m<T>(r: Result<T, prometheus::Error>) -> Result<T, LedgerError> {
@@ -116,6 +119,11 @@ impl Metrics {
             &["state"],
         ))?;
         m(registry.register(Box::new(attempts.clone())))?;
+        let uncertain_oldest_seconds = m(Gauge::new(
+            "atmost_uncertain_oldest_seconds",
+            "Seconds since the attempt uncertain the longest turned uncertain (0 when none is), as of the last sweep.",
+        ))?;
+        m(registry.register(Box::new(uncertain_oldest_seconds.clone())))?;
         Ok(Metrics {
             registry,
             authorize,
@@ -132,6 +140,7 @@ impl Metrics {
             permits_created,
             permits_revoked,
             attempts,
+            uncertain_oldest_seconds,
         })
     }
 

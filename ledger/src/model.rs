@@ -255,9 +255,58 @@ impl FromStr for AttemptState {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Resolution {
     pub executed: bool,
+    /// The person's name, or the reconciler's (a rule's name).
     pub by: String,
     pub at_ms: Millis,
     pub note: Option<String>,
+    pub source: ResolutionSource,
+}
+
+/// Whether a person or the reconciler settled an attempt, and on what evidence.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ResolutionSource {
+    /// Someone checked the provider (the admin API, the CLI or the inbox).
+    #[default]
+    Person,
+    /// The reconciler asked the provider's lookup tool; `provider_answer` is what it
+    /// answered (its JSON, verbatim), kept as the evidence of the resolution.
+    Reconciler { provider_answer: String },
+}
+
+impl ResolutionSource {
+    /// The stored name: `person` or `reconciler`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            ResolutionSource::Person => "person",
+            ResolutionSource::Reconciler { .. } => "reconciler",
+        }
+    }
+
+    pub fn provider_answer(&self) -> Option<&str> {
+        match self {
+            ResolutionSource::Person => None,
+            ResolutionSource::Reconciler { provider_answer } => Some(provider_answer),
+        }
+    }
+
+    /// Reads the stored pair back; a row written before sources were kept has none and was
+    /// resolved by a person.
+    pub fn from_stored(
+        source: Option<&str>,
+        provider_answer: Option<String>,
+    ) -> Result<Self, String> {
+        match (source, provider_answer) {
+            (None | Some("person"), None) => Ok(ResolutionSource::Person),
+            (Some("reconciler"), Some(provider_answer)) => {
+                Ok(ResolutionSource::Reconciler { provider_answer })
+            }
+            (s, a) => Err(format!(
+                "resolution source {s:?} with{} a provider answer",
+                if a.is_some() { "" } else { "out" }
+            )),
+        }
+    }
 }
 
 /// One reservation.
@@ -288,6 +337,13 @@ pub struct Attempt {
     /// SHA-256 (hex) of the current round's capability; only a report carrying that
     /// capability moves the attempt. `None` for attempts stored before rounds existed.
     pub capability_hash: Option<String>,
+    /// The `Idempotency-Key` value the upstream received, as the filter said when it asked
+    /// (for lookups at the provider; `None` without a key, under `upstream_key.mode: off`,
+    /// or for attempts stored before it was kept).
+    pub forwarded_key: Option<String>,
+    /// `params.arguments` of the call as JSON text, as the filter sent them (shown redacted;
+    /// dropped with the receipt past retention).
+    pub arguments: Option<String>,
 }
 
 #[cfg(test)]
@@ -313,6 +369,8 @@ impl Attempt {
             resolution: None,
             round: 1,
             capability_hash: None,
+            forwarded_key: None,
+            arguments: None,
         }
     }
 }

@@ -25,8 +25,10 @@ use crate::api::{
 use crate::clock::Clock;
 use crate::decide::{self, Notice, ResolveInput};
 use crate::error::{LedgerError, ResolveError};
+use crate::inbox::{self, InboxConfig};
 use crate::metrics::Metrics;
-use crate::model::{AttemptState, BudgetTotals, GuardMode, Permit, Policy};
+use crate::model::{Attempt, AttemptState, BudgetTotals, GuardMode, Permit, Policy};
+use crate::redact::Redaction;
 use crate::store::{AttemptFilter, Store};
 use crate::token;
 
@@ -39,6 +41,9 @@ pub struct ServerConfig {
     pub service_token: String,
     pub admin_token: String,
     pub lease: Duration,
+    /// Argument fields never shown (admin API, CLI, inbox).
+    pub redaction: Redaction,
+    pub inbox: InboxConfig,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -47,6 +52,8 @@ impl std::fmt::Debug for ServerConfig {
             .field("service_token", &"<redacted>")
             .field("admin_token", &"<redacted>")
             .field("lease", &self.lease)
+            .field("redaction", &self.redaction)
+            .field("inbox", &self.inbox)
             .finish()
     }
 }
@@ -158,6 +165,7 @@ pub fn router(state: Shared) -> Router {
         .route("/metrics", get(metrics))
         .merge(service)
         .merge(admin)
+        .merge(inbox::routes(state.clone()))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
@@ -204,6 +212,16 @@ async fn authorize(
         Ok(b) => b,
         Err(r) => return json_rejection(r),
     };
+    if req
+        .forwarded_key
+        .as_deref()
+        .is_some_and(|k| !decide::valid_key(k))
+    {
+        return bad_request(format!(
+            "forwarded_key must be 1 to {} bytes without control characters",
+            decide::MAX_KEY_LEN
+        ));
+    }
     let started = Instant::now();
     let now = state.clock.now_ms();
     let decision = match state.store.authorize(&req, state.lease_ms(), now).await {
@@ -553,7 +571,10 @@ async fn list_attempts(State(state): State<Shared>, Query(q): Query<AttemptQuery
     let now = state.clock.now_ms();
     match state.store.list_attempts(&filter, now).await {
         Ok(list) => Json(AttemptListResponse {
-            attempts: list.iter().map(AttemptView::from).collect(),
+            attempts: list
+                .iter()
+                .map(|a| AttemptView::new(a, &state.config.redaction))
+                .collect(),
         })
         .into_response(),
         Err(e) => internal(&state, "list_attempts", &e),
@@ -563,7 +584,7 @@ async fn list_attempts(State(state): State<Shared>, Query(q): Query<AttemptQuery
 async fn show_attempt(State(state): State<Shared>, Path(id): Path<String>) -> Response {
     match state.store.get_attempt(&id, state.clock.now_ms()).await {
         Ok(Some(a)) => Json(AttemptResponse {
-            attempt: AttemptView::from(&a),
+            attempt: AttemptView::new(&a, &state.config.redaction),
         })
         .into_response(),
         Ok(None) => not_found("unknown_attempt"),
@@ -589,15 +610,9 @@ async fn resolve_attempt(
     let now = state.clock.now_ms();
     match state.store.resolve_attempt(&id, &input, now).await {
         Ok(a) => {
-            let result = if input.executed {
-                "executed"
-            } else {
-                "not_executed"
-            };
-            state.metrics.resolutions.with_label_values(&[result]).inc();
-            info!(attempt_id = %a.id, permit_id = %a.permit_id, result, by = %input.by, "attempt resolved");
+            resolved(&state, &a, &input, "api");
             Json(AttemptResponse {
-                attempt: AttemptView::from(&a),
+                attempt: AttemptView::new(&a, &state.config.redaction),
             })
             .into_response()
         }
@@ -611,6 +626,19 @@ async fn resolve_attempt(
         ),
         Err(ResolveError::Ledger(e)) => internal(&state, "resolve_attempt", &e),
     }
+}
+
+/// Counts and logs a resolution the store applied; `via` names the way it came (`api`,
+/// `inbox`).
+pub fn resolved(state: &AppState, a: &Attempt, input: &ResolveInput, via: &str) {
+    let result = if input.executed {
+        "executed"
+    } else {
+        "not_executed"
+    };
+    state.metrics.resolutions.with_label_values(&[result]).inc();
+    info!(attempt_id = %a.id, permit_id = %a.permit_id, result, by = %input.by,
+        source = input.source.as_str(), via, "attempt resolved");
 }
 
 /// One sweep: expired leases → uncertain, old receipts → tombstones, gauges refreshed.
@@ -655,6 +683,23 @@ pub async fn sweep_once(state: &AppState) {
                 .with_label_values(&["attempt_counts"])
                 .inc();
             error!(error = %e, "attempt counts failed");
+        }
+    }
+    match state.store.oldest_uncertain(now).await {
+        Ok(oldest) => {
+            let ms = oldest.map_or(0, |t| now.saturating_sub(t).max(0));
+            state
+                .metrics
+                .uncertain_oldest_seconds
+                .set(ms as f64 / 1000.0);
+        }
+        Err(e) => {
+            state
+                .metrics
+                .store_errors
+                .with_label_values(&["oldest_uncertain"])
+                .inc();
+            error!(error = %e, "oldest uncertain attempt could not be read");
         }
     }
 }

@@ -15,6 +15,8 @@ pub mod token;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+pub mod token;
+
 /// Path of the authorize call.
 pub const AUTHORIZE_PATH: &str = "/v1/authorize";
 /// Path of the outcome reports.
@@ -48,6 +50,14 @@ pub struct AuthorizeRequest {
     /// under that attempt: no second slot, no second budget.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub continuation: bool,
+    /// The `Idempotency-Key` value the upstream receives if this call is dispatched, in the
+    /// gateway's `upstream_key` form (the HMAC-derived value by default, the raw key, or none
+    /// when the mode is `off` or the call has no key). The ledger keeps it with the attempt
+    /// so an operator or a reconciler can look the call up at the provider. It is the
+    /// filter's statement, for lookups only: the ledger cannot check it and decides nothing
+    /// on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forwarded_key: Option<String>,
 }
 
 /// The ledger's answer to an [`AuthorizeRequest`].

@@ -497,6 +497,52 @@ fn dispatch_sets_the_upstream_key_and_resumes() {
     );
 }
 
+/// The authorize call tells the ledger the key the upstream will receive: the value the
+/// dispatch then sets, in every `upstream_key` mode, and none without a key.
+#[test]
+fn authorize_carries_the_key_the_dispatch_forwards() {
+    // A token of the ledger's shape naming permit `pmt_1`, the id `dispatch()` answers with.
+    let token = format!("atmp_pmt_1_{}", "0".repeat(64));
+    let forwarded = |s: &Step| {
+        s.effects.iter().find_map(|e| match e {
+            Effect::SetRequestHeader(h, v) if h == "idempotency-key" => Some(v.clone()),
+            _ => None,
+        })
+    };
+    for (config, key) in [
+        (cfg(), Some("\"k1\"")),
+        (
+            cfg_with(json!({"upstream_key": {"mode": "raw"}})),
+            Some("\"k1\""),
+        ),
+        (
+            cfg_with(json!({"upstream_key": {"mode": "off"}})),
+            Some("\"k1\""),
+        ),
+        (cfg(), None),
+    ] {
+        let mut call = Call::new(config.clone());
+        let keys: Vec<&str> = key.into_iter().collect();
+        let asked = authorize_body(&send(&mut call, post(&[&token], &keys), PAY));
+        let sent = forwarded(&call.on_ledger_reply(&ledger(&dispatch())));
+        assert_eq!(
+            asked.forwarded_key, sent,
+            "{:?} {key:?}",
+            config.upstream_key
+        );
+        let expected = match (&config.upstream_key, key) {
+            (UpstreamKey::Hmac { .. }, Some(_)) => sent.clone().filter(|v| v.len() == 64),
+            (UpstreamKey::Raw, Some(_)) => Some("k1".to_string()),
+            _ => None,
+        };
+        assert_eq!(asked.forwarded_key, expected, "{:?}", config.upstream_key);
+    }
+    // A token that names no permit (the ledger will refuse it) forwards nothing to record.
+    let mut call = Call::new(cfg());
+    let asked = authorize_body(&send(&mut call, post(&["tok"], &["\"k1\""]), PAY));
+    assert_eq!(asked.forwarded_key, None);
+}
+
 #[test]
 fn a_key_in_meta_is_rewritten_in_the_body_like_the_header() {
     const META_PAY: &str = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"pay_invoice","arguments":{"amount":10.50},"_meta":{"dev.atmost/idempotency-key":"raw-k1","x":1}}}"#;

@@ -163,6 +163,7 @@ pub(super) fn run_attempts(c: &Client, json: bool, cmd: AttemptsCommand) -> Resu
                 receipt,
                 note: a.note,
                 by,
+                source: Default::default(),
             };
             let (resp, raw): (AttemptResponse, _) = c.post(
                 &format!("/admin/v1/attempts/{}/resolve", urlencode(&a.id)),

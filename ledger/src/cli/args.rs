@@ -105,6 +105,22 @@ pub struct LedgerArgs {
     /// How often the sweeper runs.
     #[arg(long, env = "ATMOST_SWEEP_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration)]
     pub sweep_interval: Duration,
+    /// An argument field never shown by the admin API, the CLI or the inbox: a member name
+    /// (matched at any depth, ignoring ASCII case) or a JSON Pointer (`/card/number`).
+    /// Repeatable; in the environment, comma separated.
+    #[arg(long, env = "ATMOST_REDACT_FIELDS", value_delimiter = ',')]
+    pub redact_field: Vec<String>,
+    /// Reconciliation inbox (`/admin/`): how long a session lasts after sign-in.
+    #[arg(long, env = "ATMOST_INBOX_SESSION_TTL", default_value = "1h", value_parser = humantime::parse_duration)]
+    pub inbox_session_ttl: Duration,
+    /// Reconciliation inbox: list an `awaiting_input` attempt once it has waited this long for
+    /// its continuation.
+    #[arg(long, env = "ATMOST_INBOX_STUCK_AFTER", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub inbox_stuck_after: Duration,
+    /// Reconciliation inbox: mark cookies `Secure` on every response (by default only when a
+    /// TLS-terminating proxy sends `X-Forwarded-Proto: https` or `Forwarded: proto=https`).
+    #[arg(long, env = "ATMOST_INBOX_SECURE_COOKIES")]
+    pub inbox_secure_cookies: bool,
 }
 
 #[derive(Debug, Args)]

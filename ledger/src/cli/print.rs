@@ -103,6 +103,13 @@ pub(super) fn print_attempt(a: &AttemptView) {
         }
     );
     println!("replays    {}", a.replay_count);
+    println!(
+        "fwd key    {}",
+        a.forwarded_key.as_deref().unwrap_or("none sent")
+    );
+    if let Some(args) = &a.arguments {
+        println!("arguments  {args}");
+    }
     if let Some(r) = &a.resolution {
         println!(
             "resolved   {} by {} at {}{}",
@@ -118,5 +125,8 @@ pub(super) fn print_attempt(a: &AttemptView) {
                 .map(|n| format!(" — {n}"))
                 .unwrap_or_default()
         );
+        if let Some(answer) = &r.provider_answer {
+            println!("provider   {answer}");
+        }
     }
 }

@@ -5,7 +5,9 @@ use std::sync::Arc;
 use super::args::LedgerArgs;
 use super::{init_logs, CliError};
 use crate::clock::SystemClock;
+use crate::inbox::InboxConfig;
 use crate::metrics::Metrics;
+use crate::redact::Redaction;
 use crate::server::{self, AppState, ServerConfig};
 use crate::store::postgres::{self, PgOptions, PgStore};
 use crate::store::sqlite::SqliteStore;
@@ -26,6 +28,12 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
     if args.lease.is_zero() {
         return Err(CliError::Usage("--lease must be positive".into()));
     }
+    let redaction = Redaction::new(&args.redact_field).map_err(CliError::Usage)?;
+    if args.inbox_session_ttl.is_zero() {
+        return Err(CliError::Usage(
+            "--inbox-session-ttl must be positive".into(),
+        ));
+    }
     init_logs(args.log_format);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -38,6 +46,12 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
             service_token: args.service_token,
             admin_token,
             lease: args.lease,
+            redaction,
+            inbox: InboxConfig {
+                session_ttl: args.inbox_session_ttl,
+                stuck_after: args.inbox_stuck_after,
+                secure_cookies: args.inbox_secure_cookies,
+            },
         },
         metrics: Arc::new(Metrics::new()?),
     });

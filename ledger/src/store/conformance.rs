@@ -18,7 +18,9 @@ use super::{AttemptFilter, Store};
 use crate::clock;
 use crate::decide::{Notice, ResolveInput};
 use crate::error::ResolveError;
-use crate::model::{AttemptState, CostRule, GuardMode, Permit, PermitDetail, Policy};
+use crate::model::{
+    AttemptState, CostRule, GuardMode, Permit, PermitDetail, Policy, ResolutionSource,
+};
 use crate::token;
 
 pub const T0: i64 = 1_800_000_000_000;
@@ -50,7 +52,7 @@ macro_rules! conformance_suite {
             state_counts_and_pruning_per_permit_retention, rounds_and_capabilities,
             race_report_against_lease_expiry, race_conflicting_reports_from_two_handles,
             race_resolution_against_late_report, race_revocation_against_authorization,
-            race_released_key_dispatched_again, permit_limits_in_answers);
+            race_released_key_dispatched_again, permit_limits_in_answers, inbox_reads);
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
         $(
@@ -102,6 +104,7 @@ pub fn req(tok: &str, tool: &str, key: Option<&str>, fp: &str, args: Value) -> A
         arguments: args,
         key_required: false,
         continuation: false,
+        forwarded_key: None,
     }
 }
 
@@ -470,6 +473,7 @@ pub async fn budget_reserve_spend_release(h: &dyn Harness) {
             receipt: None,
             note: None,
             by: "t".into(),
+            source: Default::default(),
         },
         T0,
     )
@@ -889,6 +893,7 @@ pub async fn resolution(h: &dyn Harness) {
         receipt: Some("PROVIDER-RECEIPT".into()),
         note: Some("found charge ch_1".into()),
         by: "alice".into(),
+        source: Default::default(),
     };
     let got = s.resolve_attempt(&a, &exec, T0 + 5).await.unwrap();
     assert_eq!(got.state, AttemptState::ResolvedExecuted);
@@ -922,6 +927,7 @@ pub async fn resolution(h: &dyn Harness) {
         receipt: None,
         note: None,
         by: "bob".into(),
+        source: Default::default(),
     };
     s.resolve_attempt(&b, &not, T0 + 7).await.unwrap();
     assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
@@ -1354,6 +1360,7 @@ pub async fn counters_match_recount_after_random_operations(h: &dyn Harness) {
                     receipt: Some("{}".into()),
                     note: None,
                     by: "test".into(),
+                    source: Default::default(),
                 };
                 let _ = s.resolve_attempt(&id, &input, now).await;
             }
@@ -1657,6 +1664,7 @@ pub async fn race_resolution_against_late_report(h: &dyn Harness) {
             receipt: Some("checked".into()),
             note: None,
             by: "race".into(),
+            source: Default::default(),
         };
         let (x, y) = hs.sides(i);
         let id = a.clone();
@@ -1860,4 +1868,170 @@ pub async fn permit_limits_in_answers(h: &dyn Harness) {
     );
     let counters = s.permit_counters(&p.id).await.unwrap().unwrap();
     assert_eq!((counters.reserved, counters.spent), (0, 30));
+}
+
+fn forwarding(mut r: AuthorizeRequest, forwarded: &str) -> AuthorizeRequest {
+    r.forwarded_key = Some(forwarded.into());
+    r
+}
+
+/// The reconciliation inbox's reads: every attempt keeps the key its upstream received and
+/// its arguments (a continuation keeps the first round's key; past retention the arguments
+/// go with the receipt); `open_attempts` lists `uncertain` attempts and `awaiting_input`
+/// ones stuck since the given time, oldest first; `resolved_attempts` the latest resolution
+/// first, with who, when, the note and (for the reconciler) the provider's answer;
+/// `oldest_uncertain` follows. All of it survives a reopen.
+pub async fn inbox_reads(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.retention_ms = HOUR;
+    let (_, tok) = make_permit(&*s, pol, T0 + 100 * HOUR).await;
+    let args = json!({"invoice": "INV-1", "amount": 250, "card": {"number": "4242"}});
+    let pay = |key: &str, fp: &str| {
+        forwarding(
+            req(&tok, "pay", Some(key), fp, args.clone()),
+            &format!("fwd-{key}"),
+        )
+    };
+    let a = dispatched(&auth(&*s, &pay("a", "A"), T0).await);
+    let b = dispatched(&auth(&*s, &pay("b", "B"), T0).await);
+    let w = dispatched(&auth(&*s, &pay("w", "W"), T0).await);
+    let f = dispatched(&auth(&*s, &pay("f", "F"), T0).await);
+    let nokey = dispatched(&auth(&*s, &req(&tok, "pay", None, "N", json!({})), T0).await);
+    let got = s.get_attempt(&a, T0).await.unwrap().unwrap();
+    assert_eq!(got.forwarded_key.as_deref(), Some("fwd-a"));
+    let kept: Value = serde_json::from_str(got.arguments.as_deref().unwrap()).unwrap();
+    assert_eq!(kept, args);
+    assert_eq!(
+        s.get_attempt(&nokey, T0)
+            .await
+            .unwrap()
+            .unwrap()
+            .forwarded_key,
+        None
+    );
+
+    // a turns uncertain last, b first; w waits for input; f completes; nokey stays in flight.
+    report(&*s, &b, uncertain(), T0 + 5).await;
+    report(&*s, &a, uncertain(), T0 + 10).await;
+    report(&*s, &w, input_required("ASK"), T0 + 3).await;
+    report(&*s, &f, completed("R"), T0 + 4).await;
+    let ids = |v: Vec<crate::model::Attempt>| v.into_iter().map(|a| a.id).collect::<Vec<_>>();
+    // w has not waited long enough (since T0 + 3, stuck only from T0 + 2 back).
+    assert_eq!(
+        ids(s.open_attempts(T0 + 2, 50, T0 + 20).await.unwrap()),
+        [b.clone(), a.clone()]
+    );
+    assert_eq!(
+        ids(s.open_attempts(T0 + 3, 50, T0 + 20).await.unwrap()),
+        [w.clone(), b.clone(), a.clone()]
+    );
+    assert_eq!(
+        ids(s.open_attempts(T0 + 3, 2, T0 + 20).await.unwrap()),
+        [w.clone(), b.clone()]
+    );
+    assert_eq!(s.oldest_uncertain(T0 + 20).await.unwrap(), Some(T0 + 5));
+
+    // The continuation says another forwarded value (say the upstream secret rotated): the
+    // attempt keeps the first, which is what the provider saw when the call was first sent.
+    let again = continued(forwarding(
+        req(&tok, "pay", Some("w"), "W", args.clone()),
+        "fwd-other",
+    ));
+    assert_eq!(dispatched(&auth(&*s, &again, T0 + 6).await), w);
+    assert_eq!(
+        s.get_attempt(&w, T0)
+            .await
+            .unwrap()
+            .unwrap()
+            .forwarded_key
+            .as_deref(),
+        Some("fwd-w")
+    );
+    assert_eq!(
+        ids(s.open_attempts(T0 + 100, 50, T0 + 20).await.unwrap()),
+        [b.clone(), a.clone()]
+    );
+
+    // A person resolves b, the reconciler a (with the provider's answer as evidence).
+    let person = ResolveInput {
+        executed: false,
+        receipt: None,
+        note: Some("no charge for INV-1".into()),
+        by: "ana".into(),
+        source: ResolutionSource::Person,
+    };
+    s.resolve_attempt(&b, &person, T0 + 30).await.unwrap();
+    assert_eq!(s.oldest_uncertain(T0 + 40).await.unwrap(), Some(T0 + 10));
+    let answer = r#"{"structuredContent":{"status":"paid"}}"#;
+    let reconciler = ResolveInput {
+        executed: true,
+        receipt: None,
+        note: Some("lookup_payment: status paid".into()),
+        by: "payments-rule".into(),
+        source: ResolutionSource::Reconciler {
+            provider_answer: answer.into(),
+        },
+    };
+    s.resolve_attempt(&a, &reconciler, T0 + 40).await.unwrap();
+    assert_eq!(s.oldest_uncertain(T0 + 50).await.unwrap(), None);
+    assert!(s.open_attempts(T0, 50, T0 + 50).await.unwrap().is_empty());
+
+    drop(s);
+    let s = h.reopen().await;
+    let resolved = s.resolved_attempts(10, T0 + 50).await.unwrap();
+    assert_eq!(ids(resolved.clone()), [a.clone(), b.clone()]);
+    let ra = resolved[0].resolution.clone().unwrap();
+    assert_eq!(
+        (ra.by.as_str(), ra.at_ms, ra.executed),
+        ("payments-rule", T0 + 40, true)
+    );
+    assert_eq!(ra.source.provider_answer(), Some(answer));
+    let rb = resolved[1].resolution.clone().unwrap();
+    assert_eq!(
+        (rb.by.as_str(), rb.note.as_deref(), rb.source),
+        ("ana", Some("no charge for INV-1"), ResolutionSource::Person)
+    );
+    assert_eq!(resolved[0].forwarded_key.as_deref(), Some("fwd-a"));
+    assert_eq!(ids(s.resolved_attempts(1, T0 + 50).await.unwrap()), [a]);
+
+    // Past retention the receipt and the arguments go; the forwarded key stays for lookups.
+    assert_eq!(s.sweep(T0 + 4 + HOUR).await.unwrap().receipts_pruned, 1);
+    let pruned = s.get_attempt(&f, T0).await.unwrap().unwrap();
+    assert_eq!((pruned.receipt, pruned.arguments), (None, None));
+    assert_eq!(pruned.forwarded_key.as_deref(), Some("fwd-f"));
+}
+
+/// Rows a version 4 store held (SQL both stores run; SQLite spells `TRUE` as 1): a permit,
+/// an attempt resolved by a person then, and one still `uncertain`.
+pub const VERSION_4_ROWS: &str = "\
+    INSERT INTO permits (id, token_hash, label, created_at, expires_at, retention_ms, policy) \
+    VALUES ('p1', 'h', 'l', 0, 1, 0, '{\"tools\":[\"*\"],\"retention_ms\":0}'); \
+    INSERT INTO attempts (id, permit_id, tool, fingerprint, cost, state, created_at, updated_at, \
+    lease_expires_at, resolved_executed, resolved_by, resolved_at, resolution_note) \
+    VALUES ('r1', 'p1', 'pay', 'f', 1, 'resolved_executed', 0, 5, 0, TRUE, 'ops', 5, 'found it'); \
+    INSERT INTO attempts (id, permit_id, tool, fingerprint, cost, state, created_at, updated_at, \
+    lease_expires_at) VALUES ('u1', 'p1', 'pay', 'g', 1, 'uncertain', 0, 7, 0);";
+
+/// After migrating [`VERSION_4_ROWS`]: no forwarded key or arguments, the old resolution a
+/// person's, and the inbox's reads find both attempts.
+pub async fn reads_version_4_rows(s: &dyn Store) {
+    let r = s.get_attempt("r1", 0).await.unwrap().unwrap();
+    let res = r.resolution.unwrap();
+    assert_eq!(
+        (res.by.as_str(), res.note.as_deref(), res.source),
+        ("ops", Some("found it"), ResolutionSource::Person)
+    );
+    assert_eq!((r.forwarded_key, r.arguments), (None, None));
+    let open = s.open_attempts(0, 10, 10).await.unwrap();
+    assert_eq!(
+        open.iter()
+            .map(|a| (a.id.as_str(), a.state))
+            .collect::<Vec<_>>(),
+        [("u1", AttemptState::Uncertain)]
+    );
+    assert_eq!(s.oldest_uncertain(10).await.unwrap(), Some(7));
+    let resolved = s.resolved_attempts(10, 10).await.unwrap();
+    assert_eq!(resolved.len(), 1);
+    assert_eq!(resolved[0].id, "r1");
 }

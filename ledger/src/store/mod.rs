@@ -137,4 +137,30 @@ pub trait Store: Send + Sync {
     /// Number of attempts per state, over all permits.
     async fn attempt_counts(&self, now: Millis)
         -> Result<BTreeMap<AttemptState, u64>, LedgerError>;
+
+    /// What the reconciliation inbox lists: every `uncertain` attempt, and each
+    /// `awaiting_input` one that has waited since `stuck_since` or earlier, oldest first by
+    /// when it entered its state (`updated_at`, which nothing else moves in these states);
+    /// at most `limit`.
+    async fn open_attempts(
+        &self,
+        stuck_since: Millis,
+        limit: u32,
+        now: Millis,
+    ) -> Result<Vec<Attempt>, LedgerError>;
+
+    /// Resolved attempts, the latest resolution first; at most `limit`.
+    async fn resolved_attempts(&self, limit: u32, now: Millis)
+        -> Result<Vec<Attempt>, LedgerError>;
+
+    /// When the attempt that has been `uncertain` the longest turned so; `None` when none is.
+    async fn oldest_uncertain(&self, now: Millis) -> Result<Option<Millis>, LedgerError>;
+}
+
+/// The inbox's one list from a store's two reads (`uncertain` ones, stuck `awaiting_input`
+/// ones): oldest first by when each entered its state, ties by id, at most `limit`.
+pub fn oldest_first(mut attempts: Vec<Attempt>, limit: u32) -> Vec<Attempt> {
+    attempts.sort_by(|a, b| (a.updated_at_ms, &a.id).cmp(&(b.updated_at_ms, &b.id)));
+    attempts.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
+    attempts
 }

@@ -6,13 +6,58 @@
 //! differently.
 
 use crate::error::LedgerError;
-use crate::model::{Attempt, Resolution};
+use crate::model::{Attempt, AttemptState, Resolution, ResolutionSource};
 
 /// The attempt columns, in the order [`AttemptRow`] reads them, for a query whose attempts
 /// table is aliased `a`.
 pub const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerprint, a.cost, a.state, a.created_at, \
      a.updated_at, a.lease_expires_at, a.finished_at, a.receipt, a.reason, a.replay_count, a.pruned_at, \
-     a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note, a.round, a.capability_hash";
+     a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note, a.round, a.capability_hash, \
+     a.resolution_source, a.provider_answer, a.forwarded_key, a.arguments";
+
+/// The reconciliation inbox's reads, written once for both stores; `param(n)` spells the
+/// n-th parameter in the store's dialect (`?n` or `$n`). Each reads a partial index:
+/// `attempts_uncertain`, `attempts_leased` (its literal state list, then narrowed to
+/// `awaiting_input`), `attempts_resolved`.
+#[derive(Debug, Clone)]
+pub struct InboxSql {
+    /// `uncertain` attempts, oldest first; parameter 1: how many.
+    pub uncertain: String,
+    /// `awaiting_input` attempts waiting since parameter 1 or earlier, oldest first;
+    /// parameter 2: how many.
+    pub stuck: String,
+    /// Resolved attempts, the latest resolution first; parameter 1: how many.
+    pub resolved: String,
+}
+
+impl InboxSql {
+    pub fn new(param: fn(u8) -> String) -> Self {
+        InboxSql {
+            uncertain: format!(
+                "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.state = 'uncertain' \
+                 ORDER BY a.updated_at, a.id LIMIT {}",
+                param(1)
+            ),
+            stuck: format!(
+                "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.state IN {} \
+                 AND a.state = 'awaiting_input' AND a.updated_at <= {} \
+                 ORDER BY a.updated_at, a.id LIMIT {}",
+                AttemptState::sql_list(AttemptState::leased),
+                param(1),
+                param(2)
+            ),
+            resolved: format!(
+                "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.resolved_at IS NOT NULL \
+                 ORDER BY a.resolved_at DESC, a.id LIMIT {}",
+                param(1)
+            ),
+        }
+    }
+}
+
+/// When the attempt uncertain the longest turned so (`attempts_uncertain`).
+pub const OLDEST_UNCERTAIN_SQL: &str =
+    "SELECT MIN(updated_at) FROM attempts WHERE state = 'uncertain'";
 
 /// A count or amount as both stores keep it (SQL's signed 64-bit integer); larger is refused.
 pub fn to_i64(n: u64) -> Result<i64, LedgerError> {
@@ -25,7 +70,7 @@ pub fn to_u64(n: i64) -> u64 {
 }
 
 /// How many columns [`ATTEMPT_COLS`] selects: queries append their own columns after them.
-pub const ATTEMPT_NCOLS: usize = 21;
+pub const ATTEMPT_NCOLS: usize = 25;
 
 /// One attempt row's column values as the driver read them, in [`ATTEMPT_COLS`] order, not yet
 /// checked.
@@ -52,6 +97,10 @@ pub struct AttemptRow {
     pub resolution_note: Option<String>,
     pub round: i64,
     pub capability_hash: Option<String>,
+    pub resolution_source: Option<String>,
+    pub provider_answer: Option<String>,
+    pub forwarded_key: Option<String>,
+    pub arguments: Option<String>,
 }
 
 /// A counter or count column as the model's unsigned number; the stores never write a
@@ -65,13 +114,19 @@ impl TryFrom<AttemptRow> for Attempt {
 
     fn try_from(row: AttemptRow) -> Result<Self, Self::Error> {
         // A resolution is stored in three columns written together; a row with any of them
-        // missing has none.
+        // missing has none. Its source (and the reconciler's evidence) came with version 5:
+        // a resolution written before has none and was a person's.
         let resolution = match (row.resolved_executed, row.resolved_by, row.resolved_at) {
             (Some(executed), Some(by), Some(at_ms)) => Some(Resolution {
                 executed,
                 by,
                 at_ms,
                 note: row.resolution_note,
+                source: ResolutionSource::from_stored(
+                    row.resolution_source.as_deref(),
+                    row.provider_answer,
+                )
+                .map_err(LedgerError::Corrupt)?,
             }),
             _ => None,
         };
@@ -96,6 +151,8 @@ impl TryFrom<AttemptRow> for Attempt {
                 LedgerError::Corrupt(format!("attempt round {} out of range", row.round))
             })?,
             capability_hash: row.capability_hash,
+            forwarded_key: row.forwarded_key,
+            arguments: row.arguments,
         })
     }
 }
@@ -128,6 +185,10 @@ mod tests {
             resolution_note: None,
             round: 2,
             capability_hash: Some("ch".into()),
+            resolution_source: None,
+            provider_answer: None,
+            forwarded_key: Some("fk".into()),
+            arguments: Some(r#"{"amount":5}"#.into()),
         }
     }
 
@@ -142,6 +203,8 @@ mod tests {
         );
         assert_eq!(a.finished_at_ms, Some(4));
         assert_eq!(a.capability_hash.as_deref(), Some("ch"));
+        assert_eq!(a.forwarded_key.as_deref(), Some("fk"));
+        assert_eq!(a.arguments.as_deref(), Some(r#"{"amount":5}"#));
         assert_eq!(a.resolution, None);
     }
 
@@ -153,10 +216,20 @@ mod tests {
         r.resolution_note = Some("checked".into());
         assert_eq!(Attempt::try_from(r.clone()).unwrap().resolution, None);
         r.resolved_at = Some(9);
-        let res = Attempt::try_from(r).unwrap().resolution.unwrap();
+        let res = Attempt::try_from(r.clone()).unwrap().resolution.unwrap();
         assert!(res.executed);
         assert_eq!((res.by.as_str(), res.at_ms), ("ops", 9));
         assert_eq!(res.note.as_deref(), Some("checked"));
+        // Written before sources were kept: a person's.
+        assert_eq!(res.source, ResolutionSource::Person);
+        // The reconciler's resolution carries the provider's answer.
+        r.resolution_source = Some("reconciler".into());
+        r.provider_answer = Some(r#"{"status":"paid"}"#.into());
+        let res = Attempt::try_from(r.clone()).unwrap().resolution.unwrap();
+        assert_eq!(res.source.provider_answer(), Some(r#"{"status":"paid"}"#));
+        // A reconciler's resolution without its evidence cannot be read back.
+        r.provider_answer = None;
+        assert!(matches!(Attempt::try_from(r), Err(LedgerError::Corrupt(_))));
     }
 
     #[test]

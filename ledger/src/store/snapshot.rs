@@ -226,6 +226,7 @@ mod tests {
             arguments: json!({}),
             key_required: false,
             continuation: false,
+            forwarded_key: None,
         }
     }
 

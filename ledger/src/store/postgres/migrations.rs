@@ -123,6 +123,21 @@ ALTER TABLE attempts ADD COLUMN round INTEGER NOT NULL DEFAULT 1;
 ALTER TABLE attempts ADD COLUMN capability_hash TEXT;
 "#,
     ),
+    (
+        5,
+        "reconciliation inbox: forwarded key and arguments per attempt, resolution source and evidence",
+        // As in SQLite's version 5: older attempts have no forwarded key or arguments, and a
+        // resolution without a source was a person's. The partial indexes hold what the inbox
+        // lists (uncertain attempts by when they turned so; resolved ones by when).
+        r#"
+ALTER TABLE attempts ADD COLUMN forwarded_key TEXT;
+ALTER TABLE attempts ADD COLUMN arguments TEXT;
+ALTER TABLE attempts ADD COLUMN resolution_source TEXT;
+ALTER TABLE attempts ADD COLUMN provider_answer TEXT;
+CREATE INDEX attempts_uncertain ON attempts(updated_at) WHERE state = 'uncertain';
+CREATE INDEX attempts_resolved ON attempts(resolved_at) WHERE resolved_at IS NOT NULL;
+"#,
+    ),
 ];
 
 impl PgStore {

@@ -56,7 +56,7 @@ use crate::clock::Millis;
 use crate::decide::{self, DecideParams, Decision, ResolveInput, Snapshot};
 use crate::error::{LedgerError, ResolveError};
 use crate::model::{Attempt, AttemptState, Permit, PermitDetail, ToolUsage};
-use crate::store::rows::ATTEMPT_COLS;
+use crate::store::rows::{InboxSql, ATTEMPT_COLS, OLDEST_UNCERTAIN_SQL};
 use crate::token;
 use decisions::{decision_worker, AuthJob, DecisionQueue};
 use errors::{column_err, pg_err, pool_err};
@@ -655,6 +655,51 @@ impl Store for PgStore {
         })
         .await
     }
+
+    async fn open_attempts(
+        &self,
+        stuck_since: Millis,
+        limit: u32,
+        _now: Millis,
+    ) -> Result<Vec<Attempt>, LedgerError> {
+        let n = i64::from(limit);
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let sql = InboxSql::new(placeholder);
+            let mut open = query_attempts(&*c, &sql.uncertain, &[&n]).await?;
+            open.extend(query_attempts(&*c, &sql.stuck, &[&stuck_since, &n]).await?);
+            Ok(super::oldest_first(open, limit))
+        })
+        .await
+    }
+
+    async fn resolved_attempts(
+        &self,
+        limit: u32,
+        _now: Millis,
+    ) -> Result<Vec<Attempt>, LedgerError> {
+        let n = i64::from(limit);
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            query_attempts(&*c, &InboxSql::new(placeholder).resolved, &[&n]).await
+        })
+        .await
+    }
+
+    async fn oldest_uncertain(&self, _now: Millis) -> Result<Option<Millis>, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let rows = query(&*c, OLDEST_UNCERTAIN_SQL, &[]).await?;
+            rows.first()
+                .map(|r| r.try_get::<_, Option<i64>>(0))
+                .transpose()
+                .map_err(column_err)
+                .map(Option::flatten)
+        })
+        .await
+    }
+}
+
+/// PostgreSQL's spelling of the n-th statement parameter.
+pub(super) fn placeholder(n: u8) -> String {
+    format!("${n}")
 }
 
 #[cfg(test)]

@@ -64,6 +64,10 @@ fn attempt_row(row: &Row) -> Result<AttemptRow, tokio_postgres::Error> {
         resolution_note: row.try_get(18)?,
         round: i64::from(row.try_get::<_, i32>(19)?),
         capability_hash: row.try_get(20)?,
+        resolution_source: row.try_get(21)?,
+        provider_answer: row.try_get(22)?,
+        forwarded_key: row.try_get(23)?,
+        arguments: row.try_get(24)?,
     })
 }
 

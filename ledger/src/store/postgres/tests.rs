@@ -279,6 +279,21 @@ async fn sweeper_queries_read_the_partial_indexes() {
         v3.contains(&format!("WHERE pruned_at IS NULL AND state IN {replays};")),
         "{v3}"
     );
+    assert_plans_use(&[
+        ("attempts_leased", "(text, bigint)", "('p', 0)", format!(
+            "SELECT a.id FROM attempts a WHERE a.state IN {leased} AND a.lease_expires_at <= $2 AND a.permit_id = $1"
+        )),
+        ("attempts_prunable", "(text, bigint)", "('p', 0)", format!(
+            "SELECT a.id FROM attempts a WHERE a.pruned_at IS NULL AND a.state IN {replays} \
+             AND COALESCE(a.finished_at, a.updated_at) <= $2 AND a.permit_id = $1"
+        )),
+    ])
+    .await;
+}
+
+/// Each query's plan (generic, sequential scans off) on a fresh schema reads its index:
+/// (index, parameter types, arguments, SQL).
+async fn assert_plans_use(queries: &[(&str, &str, &str, String)]) {
     let h = PgHarness::new().await;
     let c = raw_client(&h.url).await;
     c.batch_execute(&format!(
@@ -287,21 +302,12 @@ async fn sweeper_queries_read_the_partial_indexes() {
     ))
     .await
     .unwrap();
-    let queries = [
-        ("attempts_leased", format!(
-            "SELECT a.id FROM attempts a WHERE a.state IN {leased} AND a.lease_expires_at <= $2 AND a.permit_id = $1"
-        )),
-        ("attempts_prunable", format!(
-            "SELECT a.id FROM attempts a WHERE a.pruned_at IS NULL AND a.state IN {replays} \
-             AND COALESCE(a.finished_at, a.updated_at) <= $2 AND a.permit_id = $1"
-        )),
-    ];
-    for (n, (index, sql)) in queries.iter().enumerate() {
-        c.batch_execute(&format!("PREPARE q{n}(text, bigint) AS {sql}"))
+    for (n, (index, types, args, sql)) in queries.iter().enumerate() {
+        c.batch_execute(&format!("PREPARE q{n}{types} AS {sql}"))
             .await
             .unwrap();
         let plan: Vec<String> = c
-            .query(&format!("EXPLAIN EXECUTE q{n}('p', 0)"), &[])
+            .query(&format!("EXPLAIN EXECUTE q{n}{args}"), &[])
             .await
             .unwrap()
             .iter()
@@ -622,6 +628,8 @@ async fn serve(store: Arc<PgStore>) -> String {
             service_token: "svc".into(),
             admin_token: "adm".into(),
             lease: Duration::from_secs(60),
+            redaction: Default::default(),
+            inbox: Default::default(),
         },
         metrics: Arc::new(crate::metrics::Metrics::new().unwrap()),
     });
@@ -800,4 +808,58 @@ fn outage_sqlstates_are_transient_and_others_are_not() {
     for bug in ["23505", "42P01", "42601", "22003", "XX000"] {
         assert!(!super::errors::transient_sqlstate(bug), "{bug}");
     }
+}
+
+/// The inbox's reads follow their partial indexes, as the sweeper's do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn inbox_queries_read_their_partial_indexes() {
+    let sql = crate::store::rows::InboxSql::new(super::placeholder);
+    let oldest = crate::store::rows::OLDEST_UNCERTAIN_SQL.to_string();
+    assert_plans_use(&[
+        ("attempts_uncertain", "(bigint)", "(0)", sql.uncertain),
+        ("attempts_leased", "(bigint, bigint)", "(0, 1)", sql.stuck),
+        ("attempts_resolved", "(bigint)", "(0)", sql.resolved),
+        ("attempts_uncertain", "", "", oldest),
+    ])
+    .await;
+}
+
+/// A database at version 4 (attempts and a resolution written before the inbox) migrates to
+/// version 5 and reads back as the conformance suite expects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn migration_from_version_4_keeps_attempts_and_resolutions() {
+    let url = database_url();
+    let schema = new_schema();
+    let _cleanup = Cleanup(url.clone(), schema.clone());
+    let c = raw_client(&url).await;
+    c.batch_execute(&format!(
+        "CREATE SCHEMA {schema}; SET search_path = {schema}; \
+         CREATE TABLE atmost_migrations (version INTEGER PRIMARY KEY, description TEXT NOT NULL, \
+         applied_at TIMESTAMPTZ NOT NULL DEFAULT now());"
+    ))
+    .await
+    .unwrap();
+    for (version, description, sql) in MIGRATIONS.iter().filter(|m| m.0 <= 4) {
+        c.batch_execute(sql).await.unwrap();
+        c.execute(
+            "INSERT INTO atmost_migrations (version, description) VALUES ($1, $2)",
+            &[version, description],
+        )
+        .await
+        .unwrap();
+    }
+    c.batch_execute(conformance::VERSION_4_ROWS).await.unwrap();
+    let s = PgStore::connect(&opts(&url, &schema)).await.unwrap();
+    let versions: Vec<i32> = c
+        .query(
+            "SELECT version FROM atmost_migrations ORDER BY version",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(versions, [1, 2, 3, 4, 5]);
+    conformance::reads_version_4_rows(&s).await;
 }

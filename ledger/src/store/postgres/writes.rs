@@ -33,10 +33,12 @@ pub(super) async fn insert_attempts<C: GenericClient>(
     exec(
         c,
         "WITH ins AS (INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, \
-         updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, round, capability_hash) \
+         updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, round, capability_hash, \
+         forwarded_key, arguments) \
          SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::TEXT[], $5::TEXT[], $6::BIGINT[], \
          $7::TEXT[], $8::BIGINT[], $9::BIGINT[], $10::BIGINT[], $11::BIGINT[], $12::TEXT[], $13::TEXT[], \
-         $14::BIGINT[], $15::BIGINT[], $16::INTEGER[], $17::TEXT[]) RETURNING id, permit_id, key_hash) \
+         $14::BIGINT[], $15::BIGINT[], $16::INTEGER[], $17::TEXT[], $18::TEXT[], $19::TEXT[]) \
+         RETURNING id, permit_id, key_hash) \
          INSERT INTO idempotency_keys (permit_id, key_hash, attempt_id) \
          SELECT permit_id, key_hash, id FROM ins WHERE key_hash IS NOT NULL \
          ON CONFLICT (permit_id, key_hash) DO UPDATE SET attempt_id = excluded.attempt_id",
@@ -58,6 +60,8 @@ pub(super) async fn insert_attempts<C: GenericClient>(
             &opt_num(|a| a.pruned_at_ms),
             &rounds(attempts),
             &opt(|a| a.capability_hash.as_deref()),
+            &opt(|a| a.forwarded_key.as_deref()),
+            &opt(|a| a.arguments.as_deref()),
         ],
     )
     .await?;
@@ -86,12 +90,14 @@ pub(super) async fn update_attempts<C: GenericClient>(
          finished_at = u.finished_at, receipt = u.receipt, reason = u.reason, replay_count = u.replay_count, \
          pruned_at = u.pruned_at, resolved_executed = u.resolved_executed, resolved_by = u.resolved_by, \
          resolved_at = u.resolved_at, resolution_note = u.resolution_note, round = u.round, \
-         capability_hash = u.capability_hash \
+         capability_hash = u.capability_hash, resolution_source = u.resolution_source, \
+         provider_answer = u.provider_answer, forwarded_key = u.forwarded_key, arguments = u.arguments \
          FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[], $4::BIGINT[], $5::BIGINT[], $6::TEXT[], $7::TEXT[], \
          $8::BIGINT[], $9::BIGINT[], $10::BOOLEAN[], $11::TEXT[], $12::BIGINT[], $13::TEXT[], $14::INTEGER[], \
-         $15::TEXT[]) \
+         $15::TEXT[], $16::TEXT[], $17::TEXT[], $18::TEXT[], $19::TEXT[]) \
          AS u(id, state, updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, \
-         resolved_executed, resolved_by, resolved_at, resolution_note, round, capability_hash) \
+         resolved_executed, resolved_by, resolved_at, resolution_note, round, capability_hash, \
+         resolution_source, provider_answer, forwarded_key, arguments) \
          WHERE a.id = u.id",
         &[
             &attempts.iter().map(|a| a.id.as_str()).collect::<Vec<_>>(),
@@ -109,6 +115,10 @@ pub(super) async fn update_attempts<C: GenericClient>(
             &attempts.iter().map(|a| res(a).and_then(|r| r.note.as_deref())).collect::<Vec<_>>(),
             &rounds(attempts),
             &attempts.iter().map(|a| a.capability_hash.as_deref()).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| res(a).map(|r| r.source.as_str())).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| res(a).and_then(|r| r.source.provider_answer())).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| a.forwarded_key.as_deref()).collect::<Vec<_>>(),
+            &attempts.iter().map(|a| a.arguments.as_deref()).collect::<Vec<_>>(),
         ],
     )
     .await?;

@@ -101,8 +101,23 @@ ALTER TABLE attempts ADD COLUMN round INTEGER NOT NULL DEFAULT 1;
 ALTER TABLE attempts ADD COLUMN capability_hash TEXT;
 "#;
 
+/// Version 5: the reconciliation inbox. Each attempt keeps the `Idempotency-Key` value its
+/// upstream received (as the filter said) and the call's arguments; a resolution keeps its
+/// source (`person` or `reconciler`) and the provider's answer the reconciler went by.
+/// Attempts written before have none of these; a resolution without a source was a
+/// person's. Partial indexes hold what the inbox lists: `uncertain` attempts by when they
+/// turned so (also read for `atmost_uncertain_oldest_seconds`), and resolved ones by when.
+pub(super) const MIGRATION_5: &str = r#"
+ALTER TABLE attempts ADD COLUMN forwarded_key TEXT;
+ALTER TABLE attempts ADD COLUMN arguments TEXT;
+ALTER TABLE attempts ADD COLUMN resolution_source TEXT;
+ALTER TABLE attempts ADD COLUMN provider_answer TEXT;
+CREATE INDEX IF NOT EXISTS attempts_uncertain ON attempts(updated_at) WHERE state = 'uncertain';
+CREATE INDEX IF NOT EXISTS attempts_resolved ON attempts(resolved_at) WHERE resolved_at IS NOT NULL;
+"#;
+
 /// The schema version this ledger writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 4;
+pub const SCHEMA_VERSION: i64 = 5;
 
 /// Brings the file to [`SCHEMA_VERSION`] in one `BEGIN IMMEDIATE` transaction (so processes
 /// opening the same file together migrate it once).
@@ -123,6 +138,9 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), LedgerError> {
     }
     if version < 4 {
         tx.execute_batch(MIGRATION_4)?;
+    }
+    if version < 5 {
+        tx.execute_batch(MIGRATION_5)?;
     }
     if version < SCHEMA_VERSION {
         tx.execute_batch(&format!("PRAGMA user_version = {SCHEMA_VERSION}"))?;

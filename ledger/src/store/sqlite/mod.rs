@@ -26,7 +26,7 @@ use crate::clock::Millis;
 use crate::decide::{self, DecideParams, Decision, Mutation, ResolveInput};
 use crate::error::{LedgerError, ResolveError};
 use crate::model::{Attempt, AttemptState, Permit, PermitDetail, ToolUsage};
-use crate::store::rows::{ATTEMPT_COLS, ATTEMPT_NCOLS};
+use crate::store::rows::{InboxSql, ATTEMPT_COLS, ATTEMPT_NCOLS, OLDEST_UNCERTAIN_SQL};
 use crate::token;
 use migrations::migrate;
 use operations::{apply_report, load_snapshot};
@@ -506,6 +506,45 @@ impl Store for SqliteStore {
         })
         .await
     }
+
+    async fn open_attempts(
+        &self,
+        stuck_since: Millis,
+        limit: u32,
+        _now: Millis,
+    ) -> Result<Vec<Attempt>, LedgerError> {
+        let n = i64::from(limit);
+        self.read(move |c| {
+            let sql = InboxSql::new(placeholder);
+            let mut open = query_attempts(c, &sql.uncertain, &[&n])?;
+            open.extend(query_attempts(c, &sql.stuck, &[&stuck_since, &n])?);
+            Ok(super::oldest_first(open, limit))
+        })
+        .await
+    }
+
+    async fn resolved_attempts(
+        &self,
+        limit: u32,
+        _now: Millis,
+    ) -> Result<Vec<Attempt>, LedgerError> {
+        let n = i64::from(limit);
+        self.read(move |c| query_attempts(c, &InboxSql::new(placeholder).resolved, &[&n]))
+            .await
+    }
+
+    async fn oldest_uncertain(&self, _now: Millis) -> Result<Option<Millis>, LedgerError> {
+        self.read(|c| {
+            Ok(c.prepare_cached(OLDEST_UNCERTAIN_SQL)?
+                .query_row([], |r| r.get(0))?)
+        })
+        .await
+    }
+}
+
+/// SQLite's spelling of the n-th statement parameter.
+pub(super) fn placeholder(n: u8) -> String {
+    format!("?{n}")
 }
 
 #[cfg(test)]

@@ -67,6 +67,10 @@ pub(super) fn read_attempt(row: &Row<'_>) -> rusqlite::Result<AttemptRow> {
         resolution_note: row.get(18)?,
         round: row.get(19)?,
         capability_hash: row.get(20)?,
+        resolution_source: row.get(21)?,
+        provider_answer: row.get(22)?,
+        forwarded_key: row.get(23)?,
+        arguments: row.get(24)?,
     })
 }
 

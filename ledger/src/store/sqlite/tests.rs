@@ -258,3 +258,68 @@ fn an_outage_is_transient_and_a_broken_constraint_is_not() {
         !crate::error::LedgerError::from(rusqlite::Error::InvalidColumnIndex(99)).is_transient()
     );
 }
+
+/// The inbox's reads follow their partial indexes (a page reads what it lists, not the
+/// history), and the metric's read the uncertain one.
+#[tokio::test]
+async fn inbox_queries_read_their_partial_indexes() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = SqliteStore::open_dir(dir.path()).unwrap();
+    let sql = crate::store::rows::InboxSql::new(super::placeholder);
+    let queries = [
+        ("attempts_uncertain", sql.uncertain),
+        ("attempts_leased", sql.stuck),
+        ("attempts_resolved", sql.resolved),
+        (
+            "attempts_uncertain",
+            crate::store::rows::OLDEST_UNCERTAIN_SQL.to_string(),
+        ),
+    ];
+    let plans = s
+        .read(move |c| {
+            let mut out = Vec::new();
+            for (index, sql) in &queries {
+                let mut st = c.prepare(&format!("EXPLAIN QUERY PLAN {sql}"))?;
+                let zeros = vec![0i64; st.parameter_count()];
+                let rows =
+                    st.query_map(rusqlite::params_from_iter(zeros), |r| r.get::<_, String>(3))?;
+                out.push((*index, rows.collect::<Result<Vec<_>, _>>()?.join("; ")));
+            }
+            Ok(out)
+        })
+        .await
+        .unwrap();
+    for (index, plan) in plans {
+        assert!(plan.contains(index), "{index}: {plan}");
+    }
+}
+
+/// A version 4 file (attempts and a resolution written before the inbox) opens as version 5
+/// and reads back as the conformance suite expects.
+#[tokio::test]
+async fn migration_from_version_4_keeps_attempts_and_resolutions() {
+    use super::migrations::{MIGRATION_2, MIGRATION_3, MIGRATION_4, SCHEMA};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(super::DB_FILE);
+    {
+        let c = rusqlite::Connection::open(&path).unwrap();
+        for sql in [
+            SCHEMA,
+            MIGRATION_2,
+            MIGRATION_3,
+            MIGRATION_4,
+            "PRAGMA user_version = 4",
+        ] {
+            c.execute_batch(sql).unwrap();
+        }
+        c.execute_batch(&conformance::VERSION_4_ROWS.replace("TRUE", "1"))
+            .unwrap();
+    }
+    let s = SqliteStore::open_file(&path).unwrap();
+    let version: i64 = s
+        .read(|c| Ok(c.query_row("PRAGMA user_version", [], |r| r.get(0))?))
+        .await
+        .unwrap();
+    assert_eq!((version, super::SCHEMA_VERSION), (5, 5));
+    conformance::reads_version_4_rows(&s).await;
+}

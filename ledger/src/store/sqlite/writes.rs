@@ -13,8 +13,9 @@ use crate::store::counters::CounterMoves;
 pub(super) fn insert_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerError> {
     tx.prepare_cached(
         "INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, updated_at, \
-         lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, round, capability_hash) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
+         lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, round, capability_hash, \
+         forwarded_key, arguments) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)",
     )?
     .execute(params![
         a.id,
@@ -34,6 +35,8 @@ pub(super) fn insert_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerE
         a.pruned_at_ms,
         a.round,
         a.capability_hash,
+        a.forwarded_key,
+        a.arguments,
     ])?;
     if let Some(kh) = a.key_hash.as_ref() {
         tx.prepare_cached(
@@ -46,19 +49,12 @@ pub(super) fn insert_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerE
 }
 
 pub(super) fn update_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerError> {
-    let (rex, rby, rat, rnote) = match a.resolution.as_ref() {
-        Some(r) => (
-            Some(r.executed),
-            Some(r.by.clone()),
-            Some(r.at_ms),
-            r.note.clone(),
-        ),
-        None => (None, None, None, None),
-    };
+    let r = a.resolution.as_ref();
     tx.prepare_cached(
         "UPDATE attempts SET state = ?2, updated_at = ?3, lease_expires_at = ?4, finished_at = ?5, receipt = ?6, \
          reason = ?7, replay_count = ?8, pruned_at = ?9, resolved_executed = ?10, resolved_by = ?11, \
-         resolved_at = ?12, resolution_note = ?13, round = ?14, capability_hash = ?15 WHERE id = ?1",
+         resolved_at = ?12, resolution_note = ?13, round = ?14, capability_hash = ?15, \
+         resolution_source = ?16, provider_answer = ?17, forwarded_key = ?18, arguments = ?19 WHERE id = ?1",
     )?
     .execute(params![
         a.id,
@@ -70,12 +66,16 @@ pub(super) fn update_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerE
         a.reason,
         to_i64(a.replay_count)?,
         a.pruned_at_ms,
-        rex,
-        rby,
-        rat,
-        rnote,
+        r.map(|r| r.executed),
+        r.map(|r| r.by.as_str()),
+        r.map(|r| r.at_ms),
+        r.and_then(|r| r.note.as_deref()),
         a.round,
         a.capability_hash,
+        r.map(|r| r.source.as_str()),
+        r.and_then(|r| r.source.provider_answer()),
+        a.forwarded_key,
+        a.arguments,
     ])?;
     Ok(())
 }

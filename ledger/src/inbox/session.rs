@@ -1,0 +1,260 @@
+//! The inbox's sessions: signed cookies, no server-side table.
+//!
+//! Signing in with the admin token gives a cookie holding the person's name, the session's
+//! expiry and its CSRF token, signed (HMAC-SHA256) with a key derived from the admin token.
+//! Any replica with the same admin token accepts it; changing the admin token ends every
+//! session. Its expiry is checked against the ledger's clock, whatever the browser keeps.
+//! The sign-in form has a CSRF token of its own, in a short-lived cookie signed the same way.
+
+use axum::http::{header, HeaderMap};
+use axum_extra::extract::cookie::{Cookie, Key, SameSite, SignedCookieJar};
+use sha2::{Digest, Sha512};
+
+use crate::clock::Millis;
+use crate::token;
+
+/// The session cookie.
+pub const SESSION_COOKIE: &str = "atmost_session";
+/// The sign-in form's CSRF cookie.
+pub const SIGN_IN_COOKIE: &str = "atmost_sign_in";
+/// Both cookies go to the inbox's pages only.
+pub const COOKIE_PATH: &str = "/admin/";
+/// How long a sign-in form may be sent after it was shown, in milliseconds.
+pub const SIGN_IN_FORM_MS: Millis = 15 * 60 * 1000;
+/// Longest name a person may sign in with, in characters.
+pub const MAX_NAME_CHARS: usize = 64;
+
+/// The signing key of this admin token's sessions. Deriving it from the token means a leaked
+/// cookie cannot outlive a token change.
+pub fn key(admin_token: &str) -> Option<Key> {
+    let derived = Sha512::new()
+        .chain_update(b"atmost inbox sessions\0")
+        .chain_update(admin_token.as_bytes())
+        .finalize();
+    Key::try_from(derived.as_slice()).ok()
+}
+
+/// A signed-in person.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Session {
+    /// Who resolves (recorded as the resolution's `by`).
+    pub name: String,
+    /// Every state-changing form of the session must carry it.
+    pub csrf: String,
+    pub expires_at_ms: Millis,
+}
+
+/// What a request's cookie says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Presented {
+    /// No session cookie, or one that is not ours (bad signature, unreadable).
+    None,
+    /// A genuine session past its expiry.
+    Expired,
+    Valid(Session),
+}
+
+impl Session {
+    fn encode(&self) -> String {
+        format!(
+            "{}.{}.{}",
+            self.expires_at_ms,
+            self.csrf,
+            hex::encode(self.name.as_bytes())
+        )
+    }
+
+    fn decode(value: &str) -> Option<Session> {
+        let mut parts = value.splitn(3, '.');
+        let expires_at_ms = parts.next()?.parse().ok()?;
+        let csrf = parts.next()?.to_string();
+        let name = String::from_utf8(hex::decode(parts.next()?).ok()?).ok()?;
+        Some(Session {
+            name,
+            csrf,
+            expires_at_ms,
+        })
+    }
+
+    /// Whether a form's CSRF token is this session's (compared in constant time).
+    pub fn csrf_matches(&self, presented: &str) -> bool {
+        !presented.is_empty() && token::secrets_equal(presented, &self.csrf)
+    }
+}
+
+/// A name a person may sign in with: 1 to [`MAX_NAME_CHARS`] characters, no control
+/// characters, surrounding spaces trimmed.
+pub fn valid_name(name: &str) -> Option<String> {
+    let name = name.trim();
+    (!name.is_empty()
+        && name.chars().count() <= MAX_NAME_CHARS
+        && !name.chars().any(char::is_control))
+    .then(|| name.to_string())
+}
+
+/// Reads the session a request presents.
+pub fn presented(headers: &HeaderMap, key: &Key, now: Millis) -> Presented {
+    let jar = SignedCookieJar::from_headers(headers, key.clone());
+    match jar
+        .get(SESSION_COOKIE)
+        .and_then(|c| Session::decode(c.value()))
+    {
+        None => Presented::None,
+        Some(s) if now >= s.expires_at_ms => Presented::Expired,
+        Some(s) => Presented::Valid(s),
+    }
+}
+
+/// The sign-in form's CSRF token a request presents in its cookie, if it is still valid.
+pub fn sign_in_token(headers: &HeaderMap, key: &Key, now: Millis) -> Option<String> {
+    let jar = SignedCookieJar::from_headers(headers, key.clone());
+    let cookie = jar.get(SIGN_IN_COOKIE)?;
+    let (expires, csrf) = cookie.value().split_once('.')?;
+    let expires: Millis = expires.parse().ok()?;
+    (now < expires).then(|| csrf.to_string())
+}
+
+/// Whether the page was reached over TLS: the ledger listens on plain HTTP, so that means a
+/// TLS-terminating proxy in front of it that says so (`X-Forwarded-Proto: https` or
+/// `Forwarded: proto=https`), or the operator's word (`--inbox-secure-cookies`).
+pub fn over_tls(headers: &HeaderMap, always: bool) -> bool {
+    let says_https = |name: header::HeaderName, prefix: &str| {
+        headers.get_all(name).iter().any(|v| {
+            v.to_str().is_ok_and(|v| {
+                v.split([',', ';'])
+                    .any(|part| part.trim().eq_ignore_ascii_case(&format!("{prefix}https")))
+            })
+        })
+    };
+    always
+        || says_https(header::HeaderName::from_static("x-forwarded-proto"), "")
+        || says_https(header::FORWARDED, "proto=")
+}
+
+fn cookie(name: &'static str, value: String, max_age_secs: i64, secure: bool) -> Cookie<'static> {
+    Cookie::build((name, value))
+        .path(COOKIE_PATH)
+        .http_only(true)
+        .same_site(SameSite::Strict)
+        .secure(secure)
+        .max_age(cookie::time::Duration::seconds(max_age_secs.max(0)))
+        .build()
+}
+
+/// The cookie of a new session.
+pub fn session_cookie(s: &Session, now: Millis, secure: bool) -> Cookie<'static> {
+    let secs = s.expires_at_ms.saturating_sub(now) / 1000;
+    cookie(SESSION_COOKIE, s.encode(), secs, secure)
+}
+
+/// The sign-in form's cookie holding `csrf` until [`SIGN_IN_FORM_MS`] from now.
+pub fn sign_in_cookie(csrf: &str, now: Millis, secure: bool) -> Cookie<'static> {
+    let value = format!("{}.{csrf}", now.saturating_add(SIGN_IN_FORM_MS));
+    cookie(SIGN_IN_COOKIE, value, SIGN_IN_FORM_MS / 1000, secure)
+}
+
+/// A cookie that removes `name` from the browser.
+pub fn removal(name: &'static str, secure: bool) -> Cookie<'static> {
+    cookie(name, String::new(), 0, secure)
+}
+
+/// Signs cookies for a response.
+pub fn jar(key: &Key, cookies: Vec<Cookie<'static>>) -> SignedCookieJar {
+    cookies
+        .into_iter()
+        .fold(SignedCookieJar::new(key.clone()), |jar, c| jar.add(c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    /// What a browser sends back after a response that set `c` through a signed jar.
+    fn signed(key: &Key, c: Cookie<'static>) -> HeaderMap {
+        use axum::response::IntoResponse;
+        let resp = SignedCookieJar::new(key.clone()).add(c).into_response();
+        let raw: Vec<String> = resp
+            .headers()
+            .get_all(header::SET_COOKIE)
+            .iter()
+            .map(|v| v.to_str().unwrap().split(';').next().unwrap().to_string())
+            .collect();
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::COOKIE,
+            HeaderValue::from_str(&raw.join("; ")).unwrap(),
+        );
+        h
+    }
+
+    #[test]
+    fn a_session_reads_back_until_it_expires() {
+        let key = key("admin-token").unwrap();
+        let s = Session {
+            name: "Ana Müller".into(),
+            csrf: "c0ffee".into(),
+            expires_at_ms: 1_000,
+        };
+        let h = signed(&key, session_cookie(&s, 0, false));
+        assert_eq!(presented(&h, &key, 999), Presented::Valid(s.clone()));
+        assert_eq!(presented(&h, &key, 1_000), Presented::Expired);
+        // Another admin token's key does not accept it.
+        let other = super::key("another-admin-token").unwrap();
+        assert_eq!(presented(&h, &other, 0), Presented::None);
+        // Nor does an unsigned cookie of the same name.
+        let mut forged = HeaderMap::new();
+        forged.insert(
+            header::COOKIE,
+            HeaderValue::from_static("atmost_session=99999999999999.c0ffee.6576696c"),
+        );
+        assert_eq!(presented(&forged, &key, 0), Presented::None);
+        assert!(s.csrf_matches("c0ffee"));
+        assert!(!s.csrf_matches("c0ffef") && !s.csrf_matches(""));
+    }
+
+    #[test]
+    fn cookies_are_http_only_strict_and_secure_over_tls() {
+        let s = Session {
+            name: "n".into(),
+            csrf: "c".into(),
+            expires_at_ms: 3_600_000,
+        };
+        let c = session_cookie(&s, 0, true);
+        assert_eq!(c.http_only(), Some(true));
+        assert_eq!(c.same_site(), Some(SameSite::Strict));
+        assert_eq!(c.secure(), Some(true));
+        assert_eq!(c.path(), Some(COOKIE_PATH));
+        assert_eq!(c.max_age(), Some(cookie::time::Duration::seconds(3600)));
+        assert_eq!(session_cookie(&s, 0, false).secure(), Some(false));
+        let mut h = HeaderMap::new();
+        assert!(!over_tls(&h, false));
+        assert!(over_tls(&h, true));
+        h.insert("x-forwarded-proto", HeaderValue::from_static("HTTPS"));
+        assert!(over_tls(&h, false));
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::FORWARDED,
+            HeaderValue::from_static("for=1.2.3.4;proto=https"),
+        );
+        assert!(over_tls(&h, false));
+        h.insert(header::FORWARDED, HeaderValue::from_static("proto=http"));
+        assert!(!over_tls(&h, false));
+    }
+
+    #[test]
+    fn the_sign_in_token_expires() {
+        let key = key("admin-token").unwrap();
+        let h = signed(&key, sign_in_cookie("abc", 0, false));
+        assert_eq!(sign_in_token(&h, &key, 1).as_deref(), Some("abc"));
+        assert_eq!(sign_in_token(&h, &key, SIGN_IN_FORM_MS), None);
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(valid_name("  ops on call ").as_deref(), Some("ops on call"));
+        assert_eq!(valid_name(""), None);
+        assert_eq!(valid_name("a\u{7}b"), None);
+        assert_eq!(valid_name(&"x".repeat(MAX_NAME_CHARS + 1)), None);
+    }
+}

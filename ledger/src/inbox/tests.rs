@@ -1,0 +1,452 @@
+//! The inbox over HTTP, as a browser would use it (cookies kept, redirects not followed),
+//! on a ledger with a manual clock: sign-in, sessions and their expiry, CSRF, the security
+//! headers, and a resolution moving the permit's slot and budget.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use reqwest::header::{HeaderMap, LOCATION, SET_COOKIE};
+use serde_json::{json, Value};
+
+use super::CONTENT_SECURITY_POLICY;
+use crate::http_tests::{start_with, TestServer, ADM, SVC};
+use crate::model::AttemptState;
+use crate::redact::Redaction;
+
+/// A browser's view of the inbox: the cookies it was given, sent back on every request.
+struct Browser<'a> {
+    s: &'a TestServer,
+    http: reqwest::Client,
+    cookies: BTreeMap<String, String>,
+    /// Whether a TLS-terminating proxy stands in front (`X-Forwarded-Proto: https`).
+    https: bool,
+}
+
+struct Page {
+    status: u16,
+    headers: HeaderMap,
+    body: String,
+}
+
+impl Page {
+    fn set_cookie(&self, name: &str) -> Option<String> {
+        self.headers
+            .get_all(SET_COOKIE)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .find(|v| v.starts_with(&format!("{name}=")))
+            .map(str::to_string)
+    }
+
+    /// The value of the hidden `csrf` field of the page's first form.
+    fn csrf(&self) -> String {
+        let at = self
+            .body
+            .find("name=\"csrf\" value=\"")
+            .expect("a CSRF field")
+            + 19;
+        self.body[at..].split('"').next().unwrap().to_string()
+    }
+}
+
+impl<'a> Browser<'a> {
+    fn new(s: &'a TestServer) -> Self {
+        Browser {
+            s,
+            http: reqwest::Client::builder()
+                .redirect(reqwest::redirect::Policy::none())
+                .build()
+                .unwrap(),
+            cookies: BTreeMap::new(),
+            https: false,
+        }
+    }
+
+    fn request(&self, rb: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        let mut rb = rb;
+        if !self.cookies.is_empty() {
+            let header: Vec<String> = self
+                .cookies
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            rb = rb.header("cookie", header.join("; "));
+        }
+        if self.https {
+            rb = rb.header("x-forwarded-proto", "https");
+        }
+        rb
+    }
+
+    async fn finish(&mut self, rb: reqwest::RequestBuilder) -> Page {
+        let resp = self.request(rb).send().await.unwrap();
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        for v in headers.get_all(SET_COOKIE).iter() {
+            let v = v.to_str().unwrap();
+            let (pair, attrs) = v.split_once(';').unwrap_or((v, ""));
+            let (name, value) = pair.split_once('=').unwrap();
+            if attrs.contains("Max-Age=0") {
+                self.cookies.remove(name);
+            } else {
+                self.cookies.insert(name.into(), value.into());
+            }
+        }
+        Page {
+            status,
+            headers,
+            body: resp.text().await.unwrap(),
+        }
+    }
+
+    async fn get(&mut self, path: &str) -> Page {
+        let rb = self.http.get(format!("{}{path}", self.s.base));
+        self.finish(rb).await
+    }
+
+    async fn post(&mut self, path: &str, form: &[(&str, &str)]) -> Page {
+        let rb = self.http.post(format!("{}{path}", self.s.base)).form(form);
+        self.finish(rb).await
+    }
+
+    /// Signs in as `name` through the form; returns the answer to the form.
+    async fn sign_in(&mut self, name: &str, token: &str) -> Page {
+        let form = self.get("/admin/sign-in").await;
+        assert_eq!(form.status, 200);
+        let csrf = form.csrf();
+        self.post(
+            "/admin/sign-in",
+            &[("name", name), ("token", token), ("csrf", &csrf)],
+        )
+        .await
+    }
+}
+
+/// A permit with a cap of 1 and a budget, and one call under it that was sent and whose
+/// answer was lost (reported `uncertain` by its filter); returns (permit id, attempt id).
+async fn lost_call(s: &TestServer) -> (String, String) {
+    let (pid, tok) = s
+        .create_permit(json!({
+            "label": "billing-agent", "expires": "24h", "max_calls": {"pay": 1},
+            "budget": 1000, "cost": {"pay": "/amount"}
+        }))
+        .await;
+    let (_, d) = s
+        .post(
+            "/v1/authorize",
+            Some(SVC),
+            json!({"permit_token": tok, "tool": "pay", "idempotency_key": "task-1",
+                   "fingerprint": "fp", "forwarded_key": "f0rwarded",
+                   "arguments": {"invoice": "INV-9", "amount": 250, "card": {"number": "4242"}}}),
+        )
+        .await;
+    assert_eq!(d["decision"], "dispatch", "{d}");
+    let id = d["attempt_id"].as_str().unwrap().to_string();
+    let (st, acks) = s
+        .post(
+            "/v1/outcomes",
+            Some(SVC),
+            json!({"reports": [{"attempt_id": id, "round": d["round"], "capability": d["capability"],
+                                "outcome": "uncertain", "reason": "upstream_reset"}]}),
+        )
+        .await;
+    assert_eq!((st, &acks["acks"][0]), (200, &json!("applied")));
+    (pid, id)
+}
+
+async fn usage(s: &TestServer, pid: &str) -> (Value, Value) {
+    let (_, shown) = s.get(&format!("/admin/v1/permits/{pid}"), Some(ADM)).await;
+    (shown["usage"]["pay"].clone(), shown["budget"].clone())
+}
+
+async fn redacting() -> TestServer {
+    start_with(|c| c.redaction = Redaction::new(&["number"]).unwrap()).await
+}
+
+#[tokio::test]
+async fn a_person_signs_in_sees_the_lost_call_and_resolves_it() {
+    let s = redacting().await;
+    let (pid, id) = lost_call(&s).await;
+    assert_eq!(
+        usage(&s, &pid).await,
+        (
+            json!({"calls_made": 1, "limit": 1}),
+            json!({"budget": 1000, "spent": 250, "reserved": 0, "left": 750})
+        )
+    );
+    let mut b = Browser::new(&s);
+
+    let signed = b.sign_in("Ana", ADM).await;
+    assert_eq!(signed.status, 303);
+    assert_eq!(signed.headers[LOCATION], "/admin/");
+    let cookie = signed
+        .set_cookie("atmost_session")
+        .expect("a session cookie");
+    for attr in [
+        "HttpOnly",
+        "SameSite=Strict",
+        "Path=/admin/",
+        "Max-Age=3600",
+    ] {
+        assert!(cookie.contains(attr), "{attr} in {cookie}");
+    }
+    assert!(!cookie.contains("Secure"), "plain HTTP: {cookie}");
+    // The admin token is in no cookie and no URL.
+    assert!(!cookie.contains(ADM));
+
+    let inbox = b.get("/admin/").await;
+    assert_eq!(inbox.status, 200, "{}", inbox.body);
+    assert_eq!(
+        inbox.headers["content-security-policy"],
+        CONTENT_SECURITY_POLICY
+    );
+    assert_eq!(inbox.headers["x-frame-options"], "DENY");
+    assert!(!inbox.body.contains("<script"));
+    for shown in [
+        id.as_str(),
+        "billing-agent",
+        "f0rwarded",
+        "INV-9",
+        "upstream_reset",
+        "uncertain for 0s",
+    ] {
+        assert!(inbox.body.contains(shown), "{shown} in the inbox");
+    }
+    assert!(inbox.body.contains("[redacted]") && !inbox.body.contains("4242"));
+
+    let csrf = inbox.csrf();
+    let done = b
+        .post(
+            &format!("/admin/attempts/{id}/resolve"),
+            &[
+                ("csrf", &csrf),
+                ("result", "not_executed"),
+                ("note", "no charge for INV-9 in the dashboard"),
+            ],
+        )
+        .await;
+    assert_eq!(done.status, 303, "{}", done.body);
+    // The slot and the budget come back, as with `atmost attempts resolve --not-executed`.
+    assert_eq!(
+        usage(&s, &pid).await,
+        (
+            json!({"calls_made": 0, "limit": 1}),
+            json!({"budget": 1000, "spent": 0, "reserved": 0, "left": 1000})
+        )
+    );
+    let (_, a) = s.get(&format!("/admin/v1/attempts/{id}"), Some(ADM)).await;
+    assert_eq!(a["attempt"]["state"], "resolved_not_executed");
+    assert_eq!(a["attempt"]["resolution"]["by"], "Ana");
+    assert_eq!(a["attempt"]["resolution"]["source"], "person");
+    assert_eq!(
+        a["attempt"]["resolution"]["note"],
+        "no charge for INV-9 in the dashboard"
+    );
+
+    let inbox = b.get(&format!("/admin/?resolved={id}")).await;
+    assert!(!inbox.body.contains("data-state=\"uncertain\""));
+    let history = b.get("/admin/history").await;
+    for shown in [
+        id.as_str(),
+        "not executed",
+        "Ana",
+        "no charge for INV-9 in the dashboard",
+    ] {
+        assert!(history.body.contains(shown), "{shown} in the history");
+    }
+    let permits = b.get("/admin/permits").await;
+    assert!(permits
+        .body
+        .contains(r#"<td>pay</td><td class="used">0</td><td class="limit">1</td>"#));
+    assert!(permits.body.contains(r#"<td class="left">1000</td>"#));
+
+    // Signing out ends the session in this browser.
+    let csrf = b.get("/admin/").await.csrf();
+    assert_eq!(
+        b.post("/admin/sign-out", &[("csrf", &csrf)]).await.status,
+        303
+    );
+    assert_eq!(b.get("/admin/").await.status, 401);
+}
+
+#[tokio::test]
+async fn a_wrong_token_a_missing_csrf_token_and_an_expired_session_are_refused() {
+    let s = start_with(|c| c.inbox.session_ttl = Duration::from_secs(600)).await;
+    let (pid, id) = lost_call(&s).await;
+    let unchanged = || async { usage(&s, &pid).await.0["calls_made"].clone() };
+    let mut b = Browser::new(&s);
+
+    // A wrong token: no session, the form again.
+    let wrong = b.sign_in("Mallory", "not-the-admin-token").await;
+    assert_eq!(wrong.status, 401);
+    assert!(wrong.set_cookie("atmost_session").is_none());
+    assert!(wrong.body.contains("That is not the admin token"));
+    assert!(s
+        .state
+        .metrics
+        .render()
+        .unwrap()
+        .contains(r#"atmost_unauthorized_requests_total{api="inbox"} 1"#));
+    assert_eq!(b.get("/admin/").await.status, 401);
+    // The service token is not the admin token either.
+    assert_eq!(b.sign_in("svc", SVC).await.status, 401);
+    // A sign-in form not shown by this ledger (no CSRF cookie, or a made-up token).
+    let mut stranger = Browser::new(&s);
+    let forged = stranger
+        .post(
+            "/admin/sign-in",
+            &[("name", "x"), ("token", ADM), ("csrf", "00")],
+        )
+        .await;
+    assert_eq!(forged.status, 403);
+    assert!(forged.set_cookie("atmost_session").is_none());
+
+    assert_eq!(b.sign_in("Ana", ADM).await.status, 303);
+    let csrf = b.get("/admin/").await.csrf();
+    let path = format!("/admin/attempts/{id}/resolve");
+    // A POST without the CSRF token, or with another one, changes nothing.
+    for form in [
+        vec![("result", "executed"), ("note", "n")],
+        vec![("csrf", ""), ("result", "executed"), ("note", "n")],
+        vec![("csrf", "deadbeef"), ("result", "executed"), ("note", "n")],
+    ] {
+        let refused = b.post(&path, &form).await;
+        assert_eq!(refused.status, 403, "{form:?}");
+        assert!(refused.body.contains("nothing was changed"));
+    }
+    assert_eq!(unchanged().await, 1);
+    let still = s.state.store.get_attempt(&id, 0).await.unwrap().unwrap();
+    assert_eq!(still.state, AttemptState::Uncertain);
+    // Without a note, or with a result that is neither, nothing happens either.
+    for form in [
+        [
+            ("csrf", csrf.as_str()),
+            ("result", "executed"),
+            ("note", " "),
+        ],
+        [("csrf", csrf.as_str()), ("result", "maybe"), ("note", "n")],
+    ] {
+        assert_eq!(b.post(&path, &form).await.status, 400);
+    }
+
+    // Ten minutes later the session has expired: pages and forms are refused.
+    s.clock.advance_ms(600_000);
+    let expired = b.get("/admin/").await;
+    assert_eq!(expired.status, 401);
+    assert!(expired.body.contains("Your session has expired"));
+    let late = b
+        .post(
+            &path,
+            &[("csrf", &csrf), ("result", "executed"), ("note", "n")],
+        )
+        .await;
+    assert_eq!(late.status, 401);
+    assert_eq!(unchanged().await, 1);
+    let still = s.state.store.get_attempt(&id, 0).await.unwrap().unwrap();
+    assert_eq!(still.state, AttemptState::Uncertain);
+    // Signing in again works, and the old CSRF token belongs to the old session.
+    assert_eq!(b.sign_in("Ana", ADM).await.status, 303);
+    assert_eq!(
+        b.post(
+            &path,
+            &[("csrf", &csrf), ("result", "executed"), ("note", "n")]
+        )
+        .await
+        .status,
+        403
+    );
+}
+
+#[tokio::test]
+async fn cookies_are_secure_behind_a_tls_proxy_and_sessions_end_with_the_admin_token() {
+    let s = start_with(|c| c.inbox.stuck_after = Duration::from_secs(30)).await;
+    let mut b = Browser::new(&s);
+    b.https = true;
+    let signed = b.sign_in("Ana", ADM).await;
+    assert!(signed
+        .set_cookie("atmost_session")
+        .unwrap()
+        .contains("Secure"));
+    assert_eq!(b.get("/admin/").await.status, 200);
+    // Another ledger with another admin token does not take this session.
+    let other = start_with(|c| c.admin_token = "another-admin-token".into()).await;
+    let mut elsewhere = Browser::new(&other);
+    elsewhere.cookies = b.cookies.clone();
+    assert_eq!(elsewhere.get("/admin/").await.status, 401);
+    // Pages are not served under the bearer-token API's paths, nor it under theirs.
+    assert_eq!(s.get("/admin/v1/permits", None).await.0, 401);
+    let css = b.get("/admin/inbox.css").await;
+    assert_eq!(css.status, 200);
+    assert!(css.headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/css"));
+}
+
+#[tokio::test]
+async fn a_call_waiting_for_input_is_listed_once_stuck_and_cannot_be_resolved() {
+    let s = start_with(|c| c.inbox.stuck_after = Duration::from_secs(30)).await;
+    let (_, tok) = s
+        .create_permit(json!({"label": "approver", "expires": "24h"}))
+        .await;
+    let (_, d) = s
+        .post(
+            "/v1/authorize",
+            Some(SVC),
+            json!({"permit_token": tok, "tool": "approve", "idempotency_key": "k",
+                   "fingerprint": "fp", "arguments": {}}),
+        )
+        .await;
+    let id = d["attempt_id"].as_str().unwrap().to_string();
+    s.post(
+        "/v1/outcomes",
+        Some(SVC),
+        json!({"reports": [{"attempt_id": id, "round": 1, "capability": d["capability"],
+                            "outcome": "input_required", "receipt": "{}"}]}),
+    )
+    .await;
+    let mut b = Browser::new(&s);
+    b.sign_in("Ana", ADM).await;
+    assert!(!b.get("/admin/").await.body.contains(&id));
+    s.clock.advance_ms(30_000);
+    let inbox = b.get("/admin/").await;
+    assert!(inbox.body.contains(&id) && inbox.body.contains("waiting for input for 30s"));
+    assert!(!inbox
+        .body
+        .contains(&format!("/admin/attempts/{id}/resolve")));
+    let csrf = inbox.csrf();
+    let refused = b
+        .post(
+            &format!("/admin/attempts/{id}/resolve"),
+            &[("csrf", &csrf), ("result", "executed"), ("note", "n")],
+        )
+        .await;
+    assert_eq!(refused.status, 409);
+}
+
+#[tokio::test]
+async fn the_oldest_uncertain_call_is_a_metric() {
+    let s = start_with(|_| {}).await;
+    let gauge = |s: &TestServer| {
+        let text = s.state.metrics.render().unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix("atmost_uncertain_oldest_seconds "))
+            .map(str::to_string)
+    };
+    crate::server::sweep_once(&s.state).await;
+    assert_eq!(gauge(&s).as_deref(), Some("0"));
+    let (_, id) = lost_call(&s).await;
+    s.clock.advance_ms(90_500);
+    crate::server::sweep_once(&s.state).await;
+    assert_eq!(gauge(&s).as_deref(), Some("90.5"));
+    let input = crate::decide::ResolveInput {
+        executed: true,
+        receipt: None,
+        note: None,
+        by: "ops".into(),
+        source: Default::default(),
+    };
+    s.state.store.resolve_attempt(&id, &input, 0).await.unwrap();
+    crate::server::sweep_once(&s.state).await;
+    assert_eq!(gauge(&s).as_deref(), Some("0"));
+}
