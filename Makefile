@@ -1,7 +1,8 @@
 # atmost: `make run` starts the demo gateway, `make test` runs every suite.
 # Both install what they need: the wasm32-wasip1 target and a project-local virtualenv
 # (`make run` the packages of requirements.txt; the tests those of requirements-test.txt,
-# plus Debian's skopeo, umoci, kubernetes-client (kubectl) and golang-go).
+# plus Debian's skopeo, umoci, kubernetes-client (kubectl), golang-go, chromium and
+# chromium-driver).
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -10,7 +11,7 @@ VPY := $(VENV)/bin/python
 WASM := target/wasm32-wasip1/wasm/atmost_filter.wasm
 CARGO ?= cargo
 
-.PHONY: oci-tools k8s-tools
+.PHONY: oci-tools k8s-tools browser-tools
 .PHONY: all run test model-check test-unit test-e2e test-e2e-wasmplugin test-faults lint fmt ts-deps wasm ledger ledger-release setup setup-run rust-setup venv venv-test clean oci
 
 all: wasm ledger-release
@@ -18,7 +19,7 @@ all: wasm ledger-release
 # What `make run` (and `make bench`) needs; `setup` is what the suites need on top.
 setup-run: rust-setup venv
 
-setup: setup-run venv-test oci-tools k8s-tools go-tools
+setup: setup-run venv-test oci-tools k8s-tools go-tools browser-tools
 
 # Go (Debian's golang-go) builds tests/support/go_upstream, an encoding/json upstream for the
 # parser-differential tests; standard library only, so it builds offline.
@@ -30,6 +31,13 @@ go-tools:
 fold-table:
 	@test -f /usr/share/unicode/CaseFolding.txt || { apt-get update -qq && apt-get install -y -qq unicode-data; }
 	$(PYTHON) scripts/gen_casefold.py /usr/share/unicode/CaseFolding.txt > src/fold_table.rs
+
+# Headless Chromium and its WebDriver (Debian's, the same version) drive the reconciliation
+# inbox in tests/e2e/test_inbox.py, through Selenium (requirements-test.txt); no browser is
+# downloaded.
+browser-tools:
+	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || \
+		{ apt-get update -qq && apt-get install -y -qq chromium chromium-driver; }
 
 # umoci (Debian) builds the OCI images, skopeo (Debian) reads and copies them: it checks what
 # `make oci` builds. The ledger image takes its CA certificates from Debian's ca-certificates.

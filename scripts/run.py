@@ -86,6 +86,7 @@ def main() -> int:
 atmost is running.
   MCP endpoint : http://127.0.0.1:{LISTEN_PORT}/mcp   (upstream {upstream[0]}:{upstream[1]})
   ledger       : {ledger.url}   (admin token: {admin_token})
+  inbox        : {ledger.url}/admin/   (sign in with the admin token; uncertain calls to check)
   Envoy admin  : http://127.0.0.1:{ADMIN_PORT}
   logs         : {log_dir}
 

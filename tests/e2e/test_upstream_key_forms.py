@@ -68,6 +68,13 @@ def off_gateway(log_dir, ledger, upstream):
     envoy.stop()
 
 
+@pytest.fixture(scope="module")
+def raw_gateway(log_dir, ledger, upstream):
+    envoy = _gateway(log_dir, ledger, upstream, {"mode": "raw"}, "envoy-key-forms-raw")
+    yield envoy
+    envoy.stop()
+
+
 @pytest.fixture
 def mcp(hmac_gateway):
     c = RawMcp(hmac_gateway.url)
@@ -211,3 +218,27 @@ def test_mode_off_forwards_no_key_in_any_form(off_gateway, upstream, permit):
             assert key not in json.dumps(got), tool
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("mode", ["hmac", "raw", "off"])
+def test_each_attempt_records_the_key_its_upstream_received(request, mode, upstream, ledger):
+    """What `atmost attempts show` says was forwarded is what the upstream's request carried:
+    the derived value, the raw key, or nothing under `off`."""
+    gateway = request.getfixturevalue(f"{mode}_gateway")
+    permit = ledger.create_permit(label=f"fwd-{mode}")
+    key = new_key()
+    body = tools_call(GOVERNED)
+    c = RawMcp(gateway.url)
+    try:
+        response = c.post(body, call_headers(GOVERNED, key, permit["token"]))
+    finally:
+        c.close()
+    assert response.status_code == 200 and denial_code(response) is None, response.text
+    sent = header(received(upstream, body["params"]["arguments"]["n"]), "idempotency-key")
+    assert sent == {"hmac": [derived(permit["id"], key)], "raw": [key], "off": []}[mode]
+    [attempt] = ledger.cli_json("attempts", "list", "--permit", permit["id"])["attempts"]
+    shown = ledger.cli_json("attempts", "show", attempt["id"])["attempt"]
+    assert shown["forwarded_key"] == (sent[0] if sent else None)
+    assert shown["arguments"] == body["params"]["arguments"]
+    text = ledger.cli("attempts", "show", attempt["id"]).stdout
+    assert f"fwd key    {sent[0] if sent else 'none sent'}" in text, text
