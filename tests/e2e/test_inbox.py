@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from selenium.common.exceptions import WebDriverException
 from selenium.webdriver.common.by import By
-from selenium.webdriver.support.expected_conditions import staleness_of
 from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.e2e.conftest import UPSTREAM_SECRET, new_key
@@ -50,9 +50,14 @@ def screenshot(driver, name: str) -> Path:
 
 
 def submit(driver, button) -> None:
-    """Clicks a form's button and waits, bounded, for the page it leads to."""
+    """Clicks a form's button and waits, bounded, for the page it leads to: a new document
+    (a mark left on the old one's window is gone) that has finished loading. While the
+    browser navigates, the driver may fail to answer; that means "not yet"."""
+    driver.execute_script("window.atmostBeforeSubmit = true")
     button.click()
-    WebDriverWait(driver, 15).until(staleness_of(button))
+    WebDriverWait(driver, 15, ignored_exceptions=(WebDriverException,)).until(
+        lambda d: d.execute_script(
+            "return window.atmostBeforeSubmit === undefined && document.readyState === 'complete'"))
 
 
 def sign_in(driver, ledger: Ledger, name: str, token: str) -> None:
@@ -192,7 +197,7 @@ def _uncertain_via_service_api(ledger: Ledger) -> str:
 
 def test_an_expired_session_is_refused(log_dir, data_root, browser):
     short = Ledger(log_dir, data_root / "ledger-short-sessions", name="ledger-short-sessions",
-                   extra_args=["--inbox-session-ttl", "3s"])
+                   extra_args=["--inbox-session-ttl", "6s"])
     short.start()
     try:
         attempt_id = _uncertain_via_service_api(short)
@@ -203,7 +208,7 @@ def test_an_expired_session_is_refused(log_dir, data_root, browser):
         # Wait, bounded, for the ledger itself to refuse the session, presented by a client
         # that keeps the cookie past its Max-Age (the ledger's clock decides, not the browser).
         expired = wait_until(lambda: (r := httpx.get(short.url + "/admin/", cookies={"atmost_session": cookie},
-                                                     timeout=5)).status_code == 401 and r, 20, "the session to expire")
+                                                     timeout=5)).status_code == 401 and r, 30, "the session to expire")
         assert "Your session has expired" in expired.text
         # The form still open in the browser is refused too: the sign-in page, nothing changed.
         item.find_element(By.CSS_SELECTOR, "textarea[id^='note-x-']").send_keys("too late")
