@@ -165,7 +165,7 @@ pub fn router(state: Shared) -> Router {
         .route("/metrics", get(metrics))
         .merge(service)
         .merge(admin)
-        .merge(inbox::routes(state.clone()))
+        .merge(inbox::routes())
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }

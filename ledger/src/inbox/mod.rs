@@ -75,7 +75,7 @@ fn millis(d: Duration) -> Millis {
 }
 
 /// The inbox's routes (merged into the ledger's router, beside `/admin/v1/…`).
-pub fn routes(state: Shared) -> Router<Shared> {
+pub fn routes() -> Router<Shared> {
     Router::new()
         .route("/admin", get(|| async { Redirect::to("/admin/") }))
         .route("/admin/", get(inbox_page))
@@ -85,13 +85,10 @@ pub fn routes(state: Shared) -> Router<Shared> {
         .route("/admin/permits", get(permits_page))
         .route("/admin/attempts/{id}/resolve", post(resolve))
         .route("/admin/inbox.css", get(stylesheet))
-        .layer(axum::middleware::map_response_with_state(
-            state,
-            security_headers,
-        ))
+        .layer(axum::middleware::map_response(security_headers))
 }
 
-async fn security_headers(State(_): State<Shared>, mut resp: Response) -> Response {
+async fn security_headers(mut resp: Response) -> Response {
     let h = resp.headers_mut();
     h.insert(
         header::CONTENT_SECURITY_POLICY,
@@ -180,6 +177,8 @@ struct InboxPage {
     csrf: String,
     message: Option<String>,
     items: Vec<OpenItem>,
+    /// The page holds [`PAGE_LIMIT`] items: older ones may wait beyond it.
+    more: bool,
 }
 
 /// One resolved attempt as the history shows it.
@@ -570,6 +569,7 @@ async fn inbox_page(
         nav: Nav::new("inbox", &s),
         csrf: s.csrf.clone(),
         message,
+        more: open.len() >= usize::try_from(PAGE_LIMIT).unwrap_or(usize::MAX),
         items: open
             .iter()
             .map(|a| open_item(a, &state, &permits, now))
