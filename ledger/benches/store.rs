@@ -63,7 +63,8 @@ fn request(tok: &str, key: &str) -> AuthorizeRequest {
         arguments: json!({"text": key}),
         key_required: false,
         continuation: false,
-        forwarded_key: None,
+        // What the filter sends under the default upstream_key mode: a 64-hex value.
+        forwarded_key: Some(token::sha256_hex(&format!("fwd:{key}"))),
     }
 }
 
