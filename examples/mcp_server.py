@@ -13,12 +13,18 @@ Built on the Python MCP SDK (`mcp` on PyPI). Tools:
   counts real payments.
 - `pause_stream(text: str)`: (with `--event-store`) closes its POST SSE stream early, waits,
   and answers on the stream the client resumes with GET + Last-Event-ID.
+- `lookup_payment(idempotency_key: str)`: the provider's payment lookup, as a reconciler asks
+  it: `structuredContent: {"status": "executed"}` when a `pay_invoice` call carrying that
+  `Idempotency-Key` header ran here, else `{"status": "not_found"}`.
 Resources: `atmost://example/readme` (text) and the template `atmost://example/items/{item}`.
 Prompt: `summarize(topic: str)`.
 
 Besides `/mcp`, it serves a small inspection surface for tests and demos:
 - `GET /_example/state`: executions per tool and the headers (and body size) of the last requests seen.
-- `POST /_example/config`: `{"pay_delay_ms": N}` makes `pay_invoice` take N ms.
+- `POST /_example/config`: `{"pay_delay_ms": N}` makes `pay_invoice` take N ms;
+  `{"lookup_mode": M}` makes `lookup_payment` answer as usual (`answer`), fail (`error`:
+  `isError`), stall for `lookup_delay_ms` (`slow`), answer a status it does not document
+  (`unknown`: `pending`) or leave the status out (`missing`).
 - `POST /_example/reset`: zeroes the counters and forgets the seen requests.
 """
 
@@ -34,7 +40,7 @@ import itertools
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.streamable_http import EventStore
 from mcp.server.transport_security import TransportSecuritySettings
-from mcp_types import ElicitRequest, ElicitRequestFormParams, InputRequiredResult
+from mcp_types import CallToolResult, ElicitRequest, ElicitRequestFormParams, InputRequiredResult, TextContent
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -43,19 +49,45 @@ SEEN_LIMIT = 200
 
 executions: collections.Counter[str] = collections.Counter()
 seen_requests: collections.deque[dict] = collections.deque(maxlen=SEEN_LIMIT)
-settings = {"pay_delay_ms": 0, "pause_ms": 500}
+DEFAULT_SETTINGS = {"pay_delay_ms": 0, "pause_ms": 500, "lookup_mode": "answer", "lookup_delay_ms": 5000}
+LOOKUP_MODES = ("answer", "error", "slow", "unknown", "missing")
+settings = dict(DEFAULT_SETTINGS)
+# The Idempotency-Key header of each pay_invoice call that ran: what lookup_payment searches.
+paid_keys: set[str] = set()
 
 server = MCPServer("atmost-example", version="1.0.0")
 
 
 @server.tool()
-async def pay_invoice(invoice: str, amount: int) -> str:
+async def pay_invoice(invoice: str, amount: int, ctx: Context) -> str:
     """Pay an invoice (a stand-in for a paid, non-repeatable side effect)."""
     executions["pay_invoice"] += 1
+    request = ctx.request_context.request
+    key = request.headers.get("idempotency-key") if request is not None else None
+    if key:
+        paid_keys.add(key)
     count = executions["pay_invoice"]
     if settings["pay_delay_ms"]:
         await asyncio.sleep(settings["pay_delay_ms"] / 1000)
     return f"paid invoice {invoice} amount={amount} executions={count}"
+
+
+@server.tool()
+async def lookup_payment(idempotency_key: str) -> CallToolResult:
+    """Look a payment up by the Idempotency-Key its pay_invoice call carried."""
+    executions["lookup_payment"] += 1
+    mode = settings["lookup_mode"]
+    if mode == "error":
+        return CallToolResult(content=[TextContent(type="text", text="payments search is down")], is_error=True)
+    if mode == "slow":
+        await asyncio.sleep(settings["lookup_delay_ms"] / 1000)
+    status = "executed" if idempotency_key in paid_keys else "not_found"
+    answer: dict = {"idempotency_key": idempotency_key}
+    if mode == "unknown":
+        answer["status"] = "pending"
+    elif mode != "missing":
+        answer["status"] = status
+    return CallToolResult(content=[TextContent(type="text", text=json.dumps(answer))], structured_content=answer)
 
 
 @server.tool()
@@ -120,7 +152,7 @@ async def pause_stream(text: str, ctx: Context) -> str:
 @server.resource("atmost://example/readme", mime_type="text/plain")
 def readme() -> str:
     """What this example server is."""
-    return "atmost example server: pay_invoice, echo, slow_count, approve_payment, pause_stream"
+    return "atmost example server: pay_invoice, echo, slow_count, approve_payment, pause_stream, lookup_payment"
 
 
 @server.resource("atmost://example/items/{item}", mime_type="application/json")
@@ -168,9 +200,13 @@ async def state(_: Request) -> JSONResponse:
 @server.custom_route("/_example/config", methods=["POST"])
 async def configure(request: Request) -> JSONResponse:
     body = await request.json()
-    for name in ("pay_delay_ms", "pause_ms"):
+    for name in ("pay_delay_ms", "pause_ms", "lookup_delay_ms"):
         if name in body:
             settings[name] = int(body[name])
+    if "lookup_mode" in body:
+        if body["lookup_mode"] not in LOOKUP_MODES:
+            return JSONResponse({"error": f"lookup_mode must be one of {', '.join(LOOKUP_MODES)}"}, status_code=400)
+        settings["lookup_mode"] = body["lookup_mode"]
     return JSONResponse(settings)
 
 
@@ -178,8 +214,8 @@ async def configure(request: Request) -> JSONResponse:
 async def reset(_: Request) -> JSONResponse:
     executions.clear()
     seen_requests.clear()
-    settings["pay_delay_ms"] = 0
-    settings["pause_ms"] = 500
+    paid_keys.clear()
+    settings.update(DEFAULT_SETTINGS)
     return JSONResponse({"ok": True})
 
 

@@ -18,6 +18,7 @@ pub mod config_check;
 mod decide_tests;
 pub mod inbox;
 pub mod metrics;
+pub mod reconcile;
 pub mod server;
 
 #[cfg(test)]

@@ -21,6 +21,10 @@ pub struct Metrics {
     pub duplicates: IntCounterVec,
     /// Admin resolutions by result (executed, not_executed).
     pub resolutions: IntCounterVec,
+    /// Reconciler lookups by result: `executed`, `not_executed` (each resolved the attempt),
+    /// `error`, `timeout`, `unknown_value`, `missing_field`, `no_input`, `store_error` (each
+    /// left it uncertain), `already_resolved` (resolved elsewhere first).
+    pub reconciler_lookups: IntCounterVec,
     /// Requests refused for a missing or wrong bearer token, by api (service, admin).
     pub unauthorized: IntCounterVec,
     /// Store failures by operation.
@@ -80,6 +84,11 @@ impl Metrics {
             "Uncertain attempts resolved by a person or reconciler.",
             &["result"],
         )?;
+        let reconciler_lookups = counter_vec(
+            "atmost_reconciler_lookups_total",
+            "Reconciler lookups at the provider by result; only executed and not_executed resolve an attempt.",
+            &["result"],
+        )?;
         let unauthorized = counter_vec(
             "atmost_unauthorized_requests_total",
             "Requests refused for a missing or wrong bearer token.",
@@ -132,6 +141,7 @@ impl Metrics {
             outcomes_refused,
             duplicates,
             resolutions,
+            reconciler_lookups,
             unauthorized,
             store_errors,
             sweeps,

@@ -71,7 +71,7 @@ impl AppState {
     }
 }
 
-type Shared = Arc<AppState>;
+pub type Shared = Arc<AppState>;
 
 fn error_response(status: StatusCode, error: &str, message: Option<String>) -> Response {
     (

@@ -121,6 +121,12 @@ pub struct LedgerArgs {
     /// TLS-terminating proxy sends `X-Forwarded-Proto: https` or `Forwarded: proto=https`).
     #[arg(long, env = "ATMOST_INBOX_SECURE_COOKIES")]
     pub inbox_secure_cookies: bool,
+    /// Reconciler: a JSON file of rules, each naming a tool, its provider's MCP server and a
+    /// lookup tool there; uncertain attempts of those tools are looked up and resolved on a
+    /// definite answer (docs/ledger.md, "The reconciler"). A bad file stops the ledger at
+    /// start. Without it, nothing is looked up.
+    #[arg(long, env = "ATMOST_RECONCILE_RULES")]
+    pub reconcile_rules: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

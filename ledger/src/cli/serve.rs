@@ -34,6 +34,12 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
             "--inbox-session-ttl must be positive".into(),
         ));
     }
+    let reconcile_rules = args
+        .reconcile_rules
+        .as_deref()
+        .map(|path| crate::reconcile::rules::load(path, &crate::reconcile::rules::ProcessEnv))
+        .transpose()
+        .map_err(CliError::Usage)?;
     init_logs(args.log_format);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -59,6 +65,13 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
         let listener = tokio::net::TcpListener::bind(args.listen).await?;
         tracing::info!(listen = %args.listen, lease_ms = state.config.lease.as_millis() as u64, "ledger listening");
         let sweeper = server::spawn_sweeper(state.clone(), args.sweep_interval);
+        let reconciler = match reconcile_rules {
+            Some(rules) => Some(
+                crate::reconcile::spawn(state.clone(), rules)
+                    .map_err(|e| std::io::Error::other(e))?,
+            ),
+            None => None,
+        };
         let app = server::router(state);
         // Callouts are small request/response pairs on long-lived connections: without
         // TCP_NODELAY, Nagle's algorithm holds a reply back until the previous one is acked.
@@ -69,6 +82,9 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
         });
         let served = axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await;
         sweeper.abort();
+        if let Some(r) = reconciler {
+            r.abort();
+        }
         tracing::info!("ledger stopped");
         served
     })?;

@@ -1,0 +1,309 @@
+//! The reconciler: asks the provider whether an `uncertain` call ran, and resolves it only
+//! on a definite answer.
+//!
+//! Every `interval` it lists the uncertain attempts whose tool has a rule and that have been
+//! uncertain at least `delay`, and calls the rule's lookup tool on the provider's MCP server
+//! (Streamable HTTP, the `rmcp` client), at most `concurrency` at once, each bounded by
+//! `timeout`. A value the rule lists as executed or not executed resolves the attempt through
+//! the store's atomic resolve (`uncertain` → `resolved_*`), so when another replica or a
+//! person resolved it first, this resolution is refused and nothing changes. Anything else
+//! (an error, a timeout, an unknown value, a missing field, an attempt lacking what the
+//! arguments template names) leaves it `uncertain`, is logged and counted in
+//! `atmost_reconciler_lookups_total{result}`, and the attempt is asked again after a backoff.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use rmcp::model::CallToolRequestParams;
+use rmcp::transport::streamable_http_client::{
+    StreamableHttpClientTransport, StreamableHttpClientTransportConfig,
+};
+use rmcp::ServiceExt;
+use serde_json::{Map, Value};
+use tokio::sync::Semaphore;
+use tracing::{info, warn};
+
+use crate::clock::Millis;
+use crate::decide::ResolveInput;
+use crate::error::ResolveError;
+use crate::model::{Attempt, AttemptState, ResolutionSource};
+use crate::server::{resolved, Shared};
+
+pub mod rules;
+#[cfg(test)]
+mod tests;
+
+pub use rules::{Reading, Rule, RuleSet};
+
+/// Attempts read per pass, oldest first.
+const SCAN_LIMIT: u32 = 500;
+/// The largest answer a lookup may return.
+const MAX_ANSWER_BYTES: usize = 1 << 20;
+
+/// When each attempt may be looked up again, and how many lookups settled nothing.
+#[derive(Debug, Clone, Copy)]
+struct Backoff {
+    failures: u32,
+    next_at: Millis,
+    running: bool,
+}
+
+/// The next wait after `failures` lookups that settled nothing: `delay`, doubled each time,
+/// at most `max`.
+pub fn backoff_after(delay: Duration, max: Duration, failures: u32) -> Duration {
+    let factor = 1u32.checked_shl(failures.min(31)).unwrap_or(u32::MAX);
+    delay.saturating_mul(factor).min(max)
+}
+
+struct Reconciler {
+    state: Shared,
+    rules: RuleSet,
+    http: reqwest::Client,
+    slots: Arc<Semaphore>,
+    backoff: Mutex<HashMap<String, Backoff>>,
+}
+
+/// Starts the reconciler on the current runtime.
+pub fn spawn(state: Shared, rules: RuleSet) -> Result<tokio::task::JoinHandle<()>, String> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::builder()
+        .timeout(rules.timeout)
+        .build()
+        .map_err(|e| format!("reconciler HTTP client: {e}"))?;
+    let me = Arc::new(Reconciler {
+        state,
+        slots: Arc::new(Semaphore::new(rules.concurrency)),
+        rules,
+        http,
+        backoff: Mutex::new(HashMap::new()),
+    });
+    for r in &me.rules.rules {
+        info!(rule = %r.name, tool = %r.tool, server = %r.url, lookup = %r.lookup_tool, "reconcile rule loaded");
+    }
+    Ok(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(me.rules.interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            me.clone().pass().await;
+        }
+    }))
+}
+
+impl Reconciler {
+    fn rule_for(&self, tool: &str) -> Option<&Rule> {
+        self.rules.rules.iter().find(|r| r.tool == tool)
+    }
+
+    fn count(&self, result: &str) {
+        self.state
+            .metrics
+            .reconciler_lookups
+            .with_label_values(&[result])
+            .inc();
+    }
+
+    /// One pass: starts a lookup for each attempt that is due, as slots allow.
+    async fn pass(self: Arc<Self>) {
+        let now = self.state.clock.now_ms();
+        let open = match self
+            .state
+            .store
+            .open_attempts(Millis::MIN, SCAN_LIMIT, now)
+            .await
+        {
+            Ok(a) => a,
+            Err(e) => {
+                warn!(error = %e, "reconciler could not list uncertain attempts");
+                return;
+            }
+        };
+        let delay_ms = millis(self.rules.delay);
+        let due: Vec<Attempt> = {
+            let mut backoff = self.backoff.lock().unwrap_or_else(PoisonError::into_inner);
+            // Forget attempts no longer uncertain (resolved here, elsewhere, or by a person).
+            backoff.retain(|id, b| b.running || open.iter().any(|a| &a.id == id));
+            open.into_iter()
+                .filter(|a| a.state == AttemptState::Uncertain)
+                .filter(|a| self.rule_for(&a.tool).is_some())
+                .filter(|a| now.saturating_sub(a.updated_at_ms) >= delay_ms)
+                .filter(|a| {
+                    backoff
+                        .get(&a.id)
+                        .is_none_or(|b| !b.running && now >= b.next_at)
+                })
+                .collect()
+        };
+        for a in due {
+            let Ok(slot) = self.slots.clone().try_acquire_owned() else {
+                break;
+            };
+            {
+                let mut backoff = self.backoff.lock().unwrap_or_else(PoisonError::into_inner);
+                let b = backoff.entry(a.id.clone()).or_insert(Backoff {
+                    failures: 0,
+                    next_at: now,
+                    running: false,
+                });
+                b.running = true;
+            }
+            let me = self.clone();
+            tokio::spawn(async move {
+                let settled = me.reconcile(&a).await;
+                let now = me.state.clock.now_ms();
+                let mut backoff = me.backoff.lock().unwrap_or_else(PoisonError::into_inner);
+                if settled {
+                    backoff.remove(&a.id);
+                } else if let Some(b) = backoff.get_mut(&a.id) {
+                    b.running = false;
+                    b.failures = b.failures.saturating_add(1);
+                    let wait = backoff_after(me.rules.delay, me.rules.backoff_max, b.failures);
+                    b.next_at = now.saturating_add(millis(wait));
+                }
+                drop(slot);
+            });
+        }
+    }
+
+    /// Looks one attempt up and resolves it on a definite answer. `true` when the attempt is
+    /// no longer uncertain (resolved here or before).
+    async fn reconcile(&self, a: &Attempt) -> bool {
+        let Some(rule) = self.rule_for(&a.tool) else {
+            return false;
+        };
+        let parsed = a
+            .arguments
+            .as_deref()
+            .and_then(|t| serde_json::from_str::<Value>(t).ok());
+        let facts = rules::Facts::of(a, parsed.as_ref());
+        let arguments = match rules::fill(&rule.arguments, &facts) {
+            Ok(args) => args,
+            Err(why) => {
+                self.count("no_input");
+                warn!(attempt_id = %a.id, rule = %rule.name, why = %why,
+                    "reconciler cannot look this attempt up; it stays uncertain");
+                return false;
+            }
+        };
+        let answer =
+            tokio::time::timeout(self.rules.timeout, lookup(&self.http, rule, arguments)).await;
+        let (is_error, structured) = match answer {
+            Err(_) => {
+                self.count("timeout");
+                warn!(attempt_id = %a.id, rule = %rule.name, timeout_ms = millis(self.rules.timeout),
+                    "lookup timed out; the attempt stays uncertain");
+                return false;
+            }
+            Ok(Err(e)) => {
+                self.count("error");
+                warn!(attempt_id = %a.id, rule = %rule.name, error = %e,
+                    "lookup failed; the attempt stays uncertain");
+                return false;
+            }
+            Ok(Ok(answer)) => answer,
+        };
+        let evidence = structured
+            .as_ref()
+            .map_or_else(|| "null".to_string(), Value::to_string);
+        let (executed, value) = match rule.read(is_error, structured.as_ref()) {
+            Reading::Executed(v) => (true, v),
+            Reading::NotExecuted(v) => (false, v),
+            Reading::ToolError => {
+                self.count("error");
+                warn!(attempt_id = %a.id, rule = %rule.name, answer = %evidence,
+                    "lookup answered isError; the attempt stays uncertain");
+                return false;
+            }
+            Reading::MissingField => {
+                self.count("missing_field");
+                warn!(attempt_id = %a.id, rule = %rule.name, pointer = %rule.pointer, answer = %evidence,
+                    "lookup answer has nothing at the rule's pointer; the attempt stays uncertain");
+                return false;
+            }
+            Reading::UnknownValue(v) => {
+                self.count("unknown_value");
+                warn!(attempt_id = %a.id, rule = %rule.name, pointer = %rule.pointer, value = %v,
+                    "lookup answered a value the rule does not list; the attempt stays uncertain");
+                return false;
+            }
+        };
+        let input = ResolveInput {
+            executed,
+            receipt: None,
+            note: Some(format!(
+                "{} answered {} = {value}",
+                rule.lookup_tool,
+                if rule.pointer.is_empty() {
+                    "/"
+                } else {
+                    &rule.pointer
+                }
+            )),
+            by: rule.name.clone(),
+            source: ResolutionSource::Reconciler {
+                provider_answer: evidence,
+            },
+        };
+        let now = self.state.clock.now_ms();
+        match self.state.store.resolve_attempt(&a.id, &input, now).await {
+            Ok(done) => {
+                self.count(if executed { "executed" } else { "not_executed" });
+                resolved(&self.state, &done, &input, "reconciler");
+                true
+            }
+            Err(ResolveError::NotUncertain(s)) => {
+                self.count("already_resolved");
+                info!(attempt_id = %a.id, rule = %rule.name, state = %s,
+                    "attempt was resolved elsewhere first; this resolution is dropped");
+                true
+            }
+            Err(ResolveError::UnknownAttempt) => {
+                self.count("already_resolved");
+                true
+            }
+            Err(ResolveError::Ledger(e)) => {
+                self.count("store_error");
+                warn!(attempt_id = %a.id, rule = %rule.name, error = %e,
+                    "could not record the resolution; the attempt stays uncertain");
+                false
+            }
+        }
+    }
+}
+
+/// Calls the rule's lookup tool: one MCP session (initialize, `tools/call`, close). Answers
+/// `isError` and `structuredContent`.
+async fn lookup(
+    http: &reqwest::Client,
+    rule: &Rule,
+    arguments: Map<String, Value>,
+) -> Result<(bool, Option<Value>), String> {
+    let mut config = StreamableHttpClientTransportConfig::with_uri(rule.url.as_str())
+        .max_json_response_size(MAX_ANSWER_BYTES)
+        .max_sse_event_size(MAX_ANSWER_BYTES);
+    if let Some(c) = &rule.credential {
+        match &c.header {
+            None => config = config.auth_header(c.value.clone()),
+            Some(h) => {
+                let name = reqwest::header::HeaderName::from_bytes(h.as_bytes())
+                    .map_err(|e| e.to_string())?;
+                let value =
+                    reqwest::header::HeaderValue::from_str(&c.value).map_err(|e| e.to_string())?;
+                config = config.custom_headers(HashMap::from([(name, value)]));
+            }
+        }
+    }
+    let transport = StreamableHttpClientTransport::with_client(http.clone(), config);
+    let client = ().serve(transport).await.map_err(|e| format!("initialize: {e}"))?;
+    let called = client
+        .call_tool(CallToolRequestParams::new(rule.lookup_tool.clone()).with_arguments(arguments))
+        .await;
+    let _ = client.cancel().await;
+    let result = called.map_err(|e| format!("tools/call {}: {e}", rule.lookup_tool))?;
+    Ok((result.is_error.unwrap_or(false), result.structured_content))
+}
+
+fn millis(d: Duration) -> Millis {
+    Millis::try_from(d.as_millis()).unwrap_or(Millis::MAX)
+}

@@ -1,0 +1,316 @@
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use super::backoff_after;
+use super::rules::{self, Env, Facts, Reading};
+
+struct FakeEnv(HashMap<&'static str, &'static str>);
+
+impl Env for FakeEnv {
+    fn var(&self, name: &str) -> Option<String> {
+        self.0.get(name).map(|v| v.to_string())
+    }
+}
+
+fn env() -> FakeEnv {
+    FakeEnv(HashMap::from([("PAYMENTS_TOKEN", "s3cret")]))
+}
+
+fn file(rule: Value) -> String {
+    json!({"delay": "2s", "timeout": "3s", "rules": [rule]}).to_string()
+}
+
+fn rule() -> Value {
+    json!({
+        "name": "payments",
+        "tool": "pay_invoice",
+        "server": {"url": "https://payments.example/mcp", "credentials": {"env": "PAYMENTS_TOKEN"}},
+        "lookup": {"tool": "lookup_payment", "arguments": {
+            "idempotency_key": "{{forwarded_key}}",
+            "invoice": "{{arguments/invoice}}",
+            "query": "key:{{forwarded_key}} amount:{{arguments/amount}} after:{{sent_at_unix}}",
+            "since": "{{sent_at}}"
+        }},
+        "answer": {"pointer": "/status", "executed": ["executed"], "not_executed": ["not_found"]}
+    })
+}
+
+fn with(mut base: Value, pointer: &str, v: Value) -> Value {
+    if let Some(slot) = base.pointer_mut(pointer) {
+        *slot = v;
+    }
+    base
+}
+
+fn refused(text: &str) -> String {
+    match rules::parse(text, &env()) {
+        Ok(r) => panic!("accepted: {r:?}"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn a_good_file_is_read_with_its_defaults_and_credential() {
+    let set = rules::parse(&file(rule()), &env()).unwrap();
+    assert_eq!(set.delay, Duration::from_secs(2));
+    assert_eq!(set.timeout, Duration::from_secs(3));
+    assert_eq!(set.interval, Duration::from_secs(5));
+    assert_eq!(set.concurrency, 4);
+    let [r] = set.rules.as_slice() else {
+        panic!("one rule")
+    };
+    assert_eq!(
+        (r.name.as_str(), r.tool.as_str(), r.lookup_tool.as_str()),
+        ("payments", "pay_invoice", "lookup_payment")
+    );
+    let c = r.credential.as_ref().unwrap();
+    assert_eq!((c.header.as_deref(), c.value.as_str()), (None, "s3cret"));
+    assert!(
+        !format!("{r:?}").contains("s3cret"),
+        "a credential is never printed"
+    );
+}
+
+#[test]
+fn a_credential_file_is_read_and_trimmed() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("token");
+    std::fs::write(&path, "from-file\n").unwrap();
+    let r = with(
+        rule(),
+        "/server/credentials",
+        json!({"file": path, "header": "x-api-key"}),
+    );
+    let set = rules::parse(&file(r), &env()).unwrap();
+    let c = set.rules[0].credential.as_ref().unwrap();
+    assert_eq!(
+        (c.header.as_deref(), c.value.as_str()),
+        (Some("x-api-key"), "from-file")
+    );
+}
+
+#[test]
+fn bad_files_are_refused_with_what_is_wrong() {
+    let cases: Vec<(String, &str)> = vec![
+        ("not json".into(), "expected"),
+        (json!({"rules": []}).to_string(), "at least one rule"),
+        (
+            file(with(
+                rule(),
+                "/server/credentials",
+                json!({"token": "s3cret"}),
+            )),
+            "unknown field `token`",
+        ),
+        (
+            file(with(
+                rule(),
+                "/server/url",
+                json!("https://user:pw@payments.example/mcp"),
+            )),
+            "must not hold credentials",
+        ),
+        (
+            file(with(
+                rule(),
+                "/server/url",
+                json!("ftp://payments.example/"),
+            )),
+            "http:// or https://",
+        ),
+        (
+            file(with(
+                rule(),
+                "/server/credentials",
+                json!({"env": "UNSET_VAR"}),
+            )),
+            "UNSET_VAR is not set",
+        ),
+        (
+            file(with(
+                rule(),
+                "/server/credentials",
+                json!({"env": "PAYMENTS_TOKEN", "file": "/x"}),
+            )),
+            "exactly one of",
+        ),
+        (
+            file(with(
+                rule(),
+                "/lookup/arguments/idempotency_key",
+                json!("{{key}}"),
+            )),
+            "unknown placeholder {{key}}",
+        ),
+        (
+            file(with(
+                rule(),
+                "/lookup/arguments/idempotency_key",
+                json!("{{forwarded_key"),
+            )),
+            "unclosed placeholder",
+        ),
+        (
+            file(with(rule(), "/answer/pointer", json!("status"))),
+            "not a JSON Pointer",
+        ),
+        (
+            file(with(rule(), "/answer/not_executed", json!(["executed"]))),
+            "in both executed and not_executed",
+        ),
+        (
+            file(with(rule(), "/answer/executed", json!([]))),
+            "at least one value",
+        ),
+        (
+            file(with(rule(), "/tool", json!(""))),
+            "tool must not be empty",
+        ),
+        (
+            json!({"delay": "0s", "rules": [rule()]}).to_string(),
+            "delay must be positive",
+        ),
+        (
+            json!({"timeout": "soon", "rules": [rule()]}).to_string(),
+            "timeout:",
+        ),
+        (
+            json!({"concurrency": 0, "rules": [rule()]}).to_string(),
+            "concurrency",
+        ),
+        (
+            json!({"rules": [rule(), with(rule(), "/name", json!("other"))]}).to_string(),
+            "another rule is for tool",
+        ),
+        (
+            json!({"rules": [rule(), with(rule(), "/tool", json!("other"))]}).to_string(),
+            "same name",
+        ),
+    ];
+    for (text, want) in cases {
+        let e = refused(&text);
+        assert!(e.contains(want), "{text}\n  => {e}\n  wanted {want:?}");
+    }
+}
+
+#[test]
+fn a_missing_rule_file_is_a_clear_error() {
+    let e = rules::load(std::path::Path::new("/nonexistent/rules.json"), &env()).unwrap_err();
+    assert!(e.contains("/nonexistent/rules.json"), "{e}");
+}
+
+#[test]
+fn the_template_takes_the_key_the_arguments_and_the_time() {
+    let set = rules::parse(&file(rule()), &env()).unwrap();
+    let args = json!({"invoice": "INV-1", "amount": 250});
+    let facts = Facts {
+        forwarded_key: Some("fk-1"),
+        sent_at_ms: 1_700_000_000_123,
+        arguments: Some(&args),
+    };
+    let filled = rules::fill(&set.rules[0].arguments, &facts).unwrap();
+    assert_eq!(
+        Value::Object(filled),
+        json!({
+            "idempotency_key": "fk-1",
+            "invoice": "INV-1",
+            "query": "key:fk-1 amount:250 after:1700000000",
+            "since": "2023-11-14T22:13:20.123Z",
+        })
+    );
+    let whole = serde_json::Map::from_iter([
+        ("args".to_string(), json!("{{arguments}}")),
+        ("n".to_string(), json!("{{arguments/amount}}")),
+    ]);
+    assert_eq!(
+        Value::Object(rules::fill(&whole, &facts).unwrap()),
+        json!({"args": args, "n": 250})
+    );
+}
+
+#[test]
+fn a_template_naming_what_the_attempt_lacks_cannot_be_filled() {
+    let set = rules::parse(&file(rule()), &env()).unwrap();
+    let args = json!({"invoice": "INV-1", "amount": 1});
+    let no_key = Facts {
+        forwarded_key: None,
+        sent_at_ms: 0,
+        arguments: Some(&args),
+    };
+    assert!(rules::fill(&set.rules[0].arguments, &no_key)
+        .unwrap_err()
+        .contains("forwarded key"));
+    let no_args = Facts {
+        forwarded_key: Some("k"),
+        sent_at_ms: 0,
+        arguments: None,
+    };
+    assert!(rules::fill(&set.rules[0].arguments, &no_args)
+        .unwrap_err()
+        .contains("arguments"));
+    let other = json!({"amount": 1});
+    let no_invoice = Facts {
+        forwarded_key: Some("k"),
+        sent_at_ms: 0,
+        arguments: Some(&other),
+    };
+    assert!(rules::fill(&set.rules[0].arguments, &no_invoice)
+        .unwrap_err()
+        .contains("/invoice"));
+}
+
+#[test]
+fn only_a_listed_value_settles_an_attempt() {
+    let r = with(
+        rule(),
+        "/answer",
+        json!({"pointer": "/payment/status", "executed": ["succeeded", true], "not_executed": ["not_found", 404]}),
+    );
+    let set = rules::parse(&file(r), &env()).unwrap();
+    let r = &set.rules[0];
+    let at = |v: Value| json!({"payment": {"status": v}});
+    assert_eq!(
+        r.read(false, Some(&at(json!("succeeded")))),
+        Reading::Executed(json!("succeeded"))
+    );
+    assert_eq!(
+        r.read(false, Some(&at(json!(true)))),
+        Reading::Executed(json!(true))
+    );
+    assert_eq!(
+        r.read(false, Some(&at(json!(404)))),
+        Reading::NotExecuted(json!(404))
+    );
+    assert_eq!(
+        r.read(false, Some(&at(json!("pending")))),
+        Reading::UnknownValue(json!("pending"))
+    );
+    assert_eq!(
+        r.read(false, Some(&at(json!("Succeeded")))),
+        Reading::UnknownValue(json!("Succeeded"))
+    );
+    assert_eq!(
+        r.read(false, Some(&at(json!("404")))),
+        Reading::UnknownValue(json!("404"))
+    );
+    assert_eq!(
+        r.read(false, Some(&json!({"payment": {}}))),
+        Reading::MissingField
+    );
+    assert_eq!(r.read(false, None), Reading::MissingField);
+    assert_eq!(
+        r.read(true, Some(&at(json!("succeeded")))),
+        Reading::ToolError
+    );
+}
+
+#[test]
+fn backoff_doubles_from_the_delay_up_to_its_cap() {
+    let d = Duration::from_secs(30);
+    let max = Duration::from_secs(300);
+    let waits: Vec<u64> = (0..7).map(|n| backoff_after(d, max, n).as_secs()).collect();
+    assert_eq!(waits, vec![30, 60, 120, 240, 300, 300, 300]);
+    assert_eq!(backoff_after(d, max, u32::MAX), max);
+}
