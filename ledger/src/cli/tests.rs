@@ -94,3 +94,47 @@ fn global_client_flags_go_before_or_after_the_command() {
     ])
     .is_err());
 }
+
+#[test]
+fn a_bad_reconcile_rule_file_stops_the_ledger_before_it_listens() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rules.json");
+    // A credential written into the rule file is refused: credentials come from env or file.
+    std::fs::write(
+        &rules,
+        r#"{"rules": [{"name": "p", "tool": "pay", "server": {"url": "http://127.0.0.1:1/mcp", "token": "s3cret"},
+            "lookup": {"tool": "lookup"}, "answer": {"pointer": "/s", "executed": [1], "not_executed": [0]}}]}"#,
+    )
+    .unwrap();
+    let cli = Cli::try_parse_from([
+        "atmost",
+        "--admin-token",
+        "admin",
+        "ledger",
+        "--service-token",
+        "svc",
+        "--listen",
+        "127.0.0.1:1",
+        "--data-dir",
+        dir.path().to_str().unwrap(),
+        "--reconcile-rules",
+        rules.to_str().unwrap(),
+    ])
+    .unwrap();
+    match run(cli) {
+        Err(CliError::Usage(m)) => {
+            assert!(m.contains(rules.to_str().unwrap()), "{m}");
+            assert!(m.contains("unknown field `token`"), "{m}");
+        }
+        other => panic!("expected a usage error, got {other:?}"),
+    }
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        left,
+        vec![std::ffi::OsString::from("rules.json")],
+        "no store is opened before the rules are checked"
+    );
+}
