@@ -68,7 +68,7 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
         let reconciler = match reconcile_rules {
             Some(rules) => Some(
                 crate::reconcile::spawn(state.clone(), rules)
-                    .map_err(|e| std::io::Error::other(e))?,
+                    .map_err(std::io::Error::other)?,
             ),
             None => None,
         };
