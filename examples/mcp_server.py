@@ -23,7 +23,8 @@ Besides `/mcp`, it serves a small inspection surface for tests and demos:
 - `GET /_example/state`: executions per tool and the headers (and body size) of the last requests seen.
 - `POST /_example/config`: `{"pay_delay_ms": N}` makes `pay_invoice` take N ms;
   `{"lookup_mode": M}` makes `lookup_payment` answer as usual (`answer`), fail (`error`:
-  `isError`), stall for `lookup_delay_ms` (`slow`), answer a status it does not document
+  `isError`), stall for `lookup_delay_ms` (`slow`), wait until the mode changes again, at
+  most 30 s (`hold`: lookups seen started, then all answered at once), answer a status it does not document
   (`unknown`: `pending`) or leave the status out (`missing`).
 - `POST /_example/reset`: zeroes the counters and forgets the seen requests.
 """
@@ -50,7 +51,7 @@ SEEN_LIMIT = 200
 executions: collections.Counter[str] = collections.Counter()
 seen_requests: collections.deque[dict] = collections.deque(maxlen=SEEN_LIMIT)
 DEFAULT_SETTINGS = {"pay_delay_ms": 0, "pause_ms": 500, "lookup_mode": "answer", "lookup_delay_ms": 5000}
-LOOKUP_MODES = ("answer", "error", "slow", "unknown", "missing")
+LOOKUP_MODES = ("answer", "error", "slow", "hold", "unknown", "missing")
 settings = dict(DEFAULT_SETTINGS)
 # The Idempotency-Key header of each pay_invoice call that ran: what lookup_payment searches.
 paid_keys: set[str] = set()
@@ -81,6 +82,11 @@ async def lookup_payment(idempotency_key: str) -> CallToolResult:
         return CallToolResult(content=[TextContent(type="text", text="payments search is down")], is_error=True)
     if mode == "slow":
         await asyncio.sleep(settings["lookup_delay_ms"] / 1000)
+    for _ in range(600):
+        if settings["lookup_mode"] != "hold":
+            break
+        await asyncio.sleep(0.05)
+    mode = settings["lookup_mode"]
     status = "executed" if idempotency_key in paid_keys else "not_found"
     answer: dict = {"idempotency_key": idempotency_key}
     if mode == "unknown":

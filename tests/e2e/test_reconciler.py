@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import re
+import shutil
+import subprocess
 import uuid
 
 import httpx
@@ -24,11 +27,9 @@ RULE_NAME = "example-payments"
 LOOKUP_TOKEN = "lookup-credential-for-tests"
 
 
-@pytest.fixture(scope="module")
-def rec_ledger(log_dir, data_root, mcp_server):
-    rules = data_root / "reconcile-rules.json"
-    rules.write_text(json.dumps({
-        "delay": "300ms", "interval": "100ms", "timeout": "1s", "backoff_max": "1s", "concurrency": 2,
+def write_rules(path, mcp_server, timeout: str = "1s"):
+    path.write_text(json.dumps({
+        "delay": "300ms", "interval": "100ms", "timeout": timeout, "backoff_max": "1s", "concurrency": 2,
         "rules": [{
             "name": RULE_NAME,
             "tool": "pay_invoice",
@@ -37,6 +38,12 @@ def rec_ledger(log_dir, data_root, mcp_server):
             "answer": {"pointer": "/status", "executed": ["executed"], "not_executed": ["not_found"]},
         }],
     }))
+    return path
+
+
+@pytest.fixture(scope="module")
+def rec_ledger(log_dir, data_root, mcp_server):
+    rules = write_rules(data_root / "reconcile-rules.json", mcp_server)
     ledger = Ledger(log_dir, data_root / "ledger-reconciler", name="ledger-reconciler",
                     extra_args=["--reconcile-rules", str(rules)])
     ledger.env["EXAMPLE_LOOKUP_TOKEN"] = LOOKUP_TOKEN
@@ -71,6 +78,20 @@ def rec_client(rec_gateway):
 def lookups(ledger: Ledger, result: str) -> int:
     m = re.search(rf'^atmost_reconciler_lookups_total\{{result="{result}"\}} (\d+)$', ledger.metrics(), re.M)
     return int(m.group(1)) if m else 0
+
+
+def uncertain_via_service_api(ledger: Ledger, permit: dict, forwarded_key: str, amount: int) -> str:
+    """Sent and lost, as a filter reports it: authorize with the forwarded key, then `uncertain`."""
+    svc = {"authorization": f"Bearer {ledger.service_token}"}
+    d = httpx.post(ledger.url + "/v1/authorize", headers=svc, timeout=10, json={
+        "permit_token": permit["token"], "tool": "pay_invoice", "idempotency_key": new_key(),
+        "fingerprint": f"f-{forwarded_key}", "arguments": {"invoice": "INV-NEVER", "amount": amount},
+        "forwarded_key": forwarded_key}).json()
+    report = {"attempt_id": d["attempt_id"], "round": d["round"], "capability": d["capability"],
+              "outcome": "uncertain", "reason": "upstream_reset"}
+    assert httpx.post(ledger.url + "/v1/outcomes", headers=svc, timeout=10,
+                      json={"reports": [report]}).json()["acks"] == ["applied"]
+    return d["attempt_id"]
 
 
 def lose_a_payment(client, proxy, server, permit: dict, invoice: str, amount: int) -> str:
@@ -153,15 +174,7 @@ def test_a_payment_the_provider_never_saw_resolves_as_not_executed_and_gives_bac
     finds no payment under the forwarded key, so the slot and the budget come back."""
     permit = rec_ledger.create_permit("--max-calls", "pay_invoice=1", "--budget", "100",
                                       "--cost", "pay_invoice=/amount", label=f"rec-{uuid.uuid4().hex[:6]}")
-    svc = {"authorization": f"Bearer {rec_ledger.service_token}"}
-    d = httpx.post(rec_ledger.url + "/v1/authorize", headers=svc, timeout=10, json={
-        "permit_token": permit["token"], "tool": "pay_invoice", "idempotency_key": new_key(),
-        "fingerprint": "f-never", "arguments": {"invoice": "INV-NEVER", "amount": 60},
-        "forwarded_key": f"never-sent-{uuid.uuid4().hex}"}).json()
-    report = {"attempt_id": d["attempt_id"], "round": d["round"], "capability": d["capability"],
-              "outcome": "uncertain", "reason": "upstream_reset"}
-    assert httpx.post(rec_ledger.url + "/v1/outcomes", headers=svc, timeout=10,
-                      json={"reports": [report]}).json()["acks"] == ["applied"]
+    uncertain_via_service_api(rec_ledger, permit, f"never-sent-{uuid.uuid4().hex}", 60)
     assert usage(rec_ledger, permit["id"], "pay_invoice")["calls_made"] == 1
 
     done = wait_resolved(rec_ledger, permit["id"], "resolved_not_executed")
@@ -194,3 +207,41 @@ def test_a_lookup_that_settles_nothing_leaves_the_attempt_uncertain(
     # Once the provider answers, the backoff brings the lookup back and it resolves.
     server.configure(lookup_mode="answer")
     wait_resolved(rec_ledger, permit["id"], "resolved_executed")
+
+
+def test_two_replicas_on_postgresql_both_look_up_one_attempt_and_only_one_resolves_it(
+        log_dir, data_root, mcp_server, server):
+    url = os.environ.get("DATABASE_URL", "").strip()
+    assert url, "DATABASE_URL is not set: `make test` provides it (scripts/with-postgres)"
+    schema = f"atmost_rec_{uuid.uuid4().hex[:10]}"
+    rules = write_rules(data_root / "reconcile-rules-pg.json", mcp_server, timeout="30s")
+    replicas = []
+    try:
+        for i in (1, 2):
+            name = f"ledger-pg-reconciler-{i}"
+            r = Ledger(log_dir, data_root / name, name=name,
+                       extra_args=["--pg-schema", schema, "--reconcile-rules", str(rules)])
+            r.env["ATMOST_STORE"] = url
+            r.env["EXAMPLE_LOOKUP_TOKEN"] = LOOKUP_TOKEN
+            r.start()
+            replicas.append(r)
+        first, second = replicas
+        permit = first.create_permit("--max-calls", "pay_invoice=1", label="rec-replicas")
+        # Every lookup waits until both replicas have one running, then all are answered.
+        server.configure(lookup_mode="hold")
+        uncertain_via_service_api(first, permit, f"never-sent-{uuid.uuid4().hex}", 1)
+        wait_until(lambda: server.executions("lookup_payment") >= 2, 20, "a lookup from each replica")
+        server.configure(lookup_mode="answer")
+        wait_resolved(second, permit["id"], "resolved_not_executed")
+        # Both asked and got a definite answer; the store applied one resolution, refused the other.
+        wait_until(lambda: sum(lookups(r, "not_executed") + lookups(r, "already_resolved") for r in replicas) == 2,
+                   20, "both replicas' lookups counted")
+        assert sum(lookups(r, "not_executed") for r in replicas) == 1
+        assert sum(lookups(r, "already_resolved") for r in replicas) == 1
+        assert usage(first, permit["id"], "pay_invoice")["calls_made"] == 0
+    finally:
+        for r in replicas:
+            r.stop()
+        if shutil.which("psql"):
+            subprocess.run(["psql", url, "-qc", f"DROP SCHEMA IF EXISTS {schema} CASCADE"], capture_output=True,
+                           timeout=30)
