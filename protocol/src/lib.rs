@@ -15,8 +15,6 @@ pub mod token;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-pub mod token;
-
 /// Path of the authorize call.
 pub const AUTHORIZE_PATH: &str = "/v1/authorize";
 /// Path of the outcome reports.
