@@ -17,8 +17,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.faults.history import (History, Permit, acked_completions, assert_invariants, sqlite_rows,  # noqa: E402
-                                  wait_settled)
+from tests.faults.history import (History, Permit, acked_completions, assert_invariants, check,  # noqa: E402
+                                  sqlite_rows, wait_settled)
 from tests.support.fault_proxy import FaultProxy  # noqa: E402
 from tests.support.recording_upstream import RecordingUpstream  # noqa: E402
 from tests.support.stack import Envoy, Ledger  # noqa: E402
@@ -32,6 +32,9 @@ ROUTE_TIMEOUT = "3s"
 # Everything secret the suite used, for the log scan at the end (test_security.py).
 SECRETS: dict[str, set[str]] = {"token": set(), "key": set(), "receipt": set()}
 HISTORIES: list[History] = []
+# The histories each fault scenario (a test using the `fault_stack` fixture, by node id)
+# built, for `test_every_history_was_checked`.
+SCENARIOS: dict[str, list[History]] = {}
 
 
 def set_route_timeout(envoy: Envoy, timeout: str) -> None:
@@ -69,6 +72,9 @@ class FaultStack:
         self.history = History(name)
         HISTORIES.append(self.history)
         self.permits: list[Permit] = []
+        # How the checker reads the store's attempt rows: the embedded store's file by
+        # default; a PostgreSQL scenario points it at its schema.
+        self.read_rows = lambda: sqlite_rows(self.data_dir)
 
     def new_envoy(self, name: str | None = None) -> Envoy:
         envoy = Envoy(self.log_dir, self.upstream_proxy.port, [self.ledger_proxy.port],
@@ -150,18 +156,24 @@ class FaultStack:
         return probes
 
     def rows(self) -> list[dict]:
-        return sqlite_rows(self.data_dir)
+        return self.read_rows()
 
     def attempts_of(self, permit: Permit, state: str | None = None) -> list[dict]:
         return [r for r in self.rows() if r["permit_id"] == permit.id and (state is None or r["state"] == state)]
 
     def verify(self, settle: float = 15.0, **kwargs) -> list[dict]:
-        """Waits for in_flight attempts to settle, then checks every invariant over the history."""
-        rows = wait_settled(self.data_dir, {p.id for p in self.permits}, settle)
+        """Waits for in_flight attempts to settle, then checks every invariant over the
+        history, the upstream's executions, the store's rows and the ledger's log."""
+        rows = wait_settled(self.rows, {p.id for p in self.permits}, settle)
         acked = acked_completions([self.ledger.log_path])
         assert_invariants(self.history, self.upstream.snapshot(), self.permits, UPSTREAM_SECRET,
                           store_rows=rows, acked=acked, **kwargs)
         return rows
+
+    def check_calls(self) -> list[str]:
+        """The per-call invariants alone (no store view): what the `fault_stack` fixture runs
+        at the end of a scenario that did not call `verify`."""
+        return check(self.history, self.upstream.snapshot(), self.permits, UPSTREAM_SECRET)
 
 
 def new_key() -> str:

@@ -7,22 +7,23 @@ import threading
 import time
 
 from tests.faults.fault_stack import new_key
-from tests.faults.history import wait_settled
+from tests.faults.history import attribute, row_owners, sqlite_snapshot, wait_settled
 from tests.support.stack import wait_until
 
 LOAD_CODES = {"gateway_unavailable", "permit_max_calls_exceeded", "idempotency_in_progress", "delivery_uncertain"}
 
 
-def run_load(stack, permits, tools, workers: int, calls_each: int, stop: threading.Event, retry_share: float = 0.35,
-             seed: int = 7):
-    """Concurrent workers: new keys, and same-key retries of earlier calls (the agent's two moves)."""
+def run_load(stack, permits, tools, workers: int, stop: threading.Event, retry_share: float = 0.35, seed: int = 7,
+             max_seconds: float = 120.0):
+    """Concurrent workers: new keys, and same-key retries of earlier calls (the agent's two
+    moves). Each calls until `stop` is set, so every fault lands while calls are in flight;
+    a worker still calling after `max_seconds` gives up (`join_all` then fails the test)."""
 
     def worker(i: int):
         rng = random.Random(seed * 100 + i)
         mine: list[tuple] = []
-        for _ in range(calls_each):
-            if stop.is_set():
-                return
+        deadline = time.monotonic() + max_seconds
+        while not stop.is_set() and time.monotonic() < deadline:
             if mine and rng.random() < retry_share:
                 permit, tool, args, key = rng.choice(mine)
             else:
@@ -36,6 +37,18 @@ def run_load(stack, permits, tools, workers: int, calls_each: int, stop: threadi
     for t in threads:
         t.start()
     return threads
+
+
+def hold_outage(history, label: str, down: float, calls: int = 3, within: float = 20.0):
+    """Keeps a fault on until at least `calls` calls started and ended inside it (the load
+    keeps calling), and registers the outage window: every one of them must be denied
+    `gateway_unavailable`. Returns the window."""
+    start = down + 0.05  # a call that met the fault on its way in may still be ending
+    probe = history.expect_window(label, start, float("inf"), {"gateway_unavailable"}, min_calls=calls)
+    wait_until(lambda: len(history.inside(probe)) >= calls, within,
+               f"{calls} calls inside the outage {label!r}")
+    probe.end = time.monotonic()
+    return probe
 
 
 def first_ok(stack, permit, tool, args, within: float = 5.0, key: str | None = None, phase: str = "recovery"):
@@ -58,37 +71,78 @@ def join_all(threads, timeout: float = 60.0) -> None:
 
 
 def test_ledger_kill9_before_during_and_after_commits_under_concurrent_load(fault_stack):
-    """kill -9 the ledger three times while 6 clients call; restart it on the same data dir.
+    """kill -9 the ledger three times while 6 clients keep calling; restart it on the same data dir.
 
-    The kills land at random points of the calls: before an authorize committed, between
-    the commit and the answer, while a completion report is being written, after it.
-    While the ledger is down every governed call is denied `gateway_unavailable`; after the
-    restart completed keys replay, and attempts whose outcome never arrived turn
-    `uncertain` through the lease sweeper — never `released`.
+    Each kill waits for calls in flight: the first and the last while tools run at the
+    upstream (their outcome reports meet a dead ledger and are sent again after the
+    restart), the second while the ledger has committed reservations whose answers have
+    not reached Envoy yet (held back by the proxy, then lost with the connection). While
+    the ledger is down every governed call is denied `gateway_unavailable`; after the
+    restart completed keys replay, and attempts whose outcome can never arrive turn
+    `uncertain` once their lease has run out — never `released`.
     """
     s = fault_stack("kill9")
     capped = s.permit({"pay": 8})
     free = s.permit()
+    permit_ids = {p.id for p in s.permits}
     s.upstream.behave("pay", delay=0.12)
     s.upstream.behave("ship", delay=0.04)
     stop = threading.Event()
-    threads = run_load(s, [capped, free], ["pay", "ship"], workers=6, calls_each=45, stop=stop)
+    threads = run_load(s, [capped, free], ["pay", "ship"], workers=6, stop=stop)
+    # Per kill: how it landed, when, and the attempts it left in_flight (reserved by the
+    # ledger it killed, not leftovers of an earlier kill).
+    kills: list[tuple[str, float, list[dict]]] = []
+    started_ms = 0
     try:
-        for cycle in range(3):
-            time.sleep(0.8)
+        for cycle, how in enumerate(["tools running", "answers held", "tools running"]):
+            if how == "tools running":
+                wait_until(lambda: s.upstream.executing() >= 1, 15, "a tool running at the upstream")
+            else:
+                since_ms = int(time.time() * 1000)
+                s.ledger_proxy.set_mode("delay_reply", delay=5.0)
+                wait_until(lambda: [r for r in s.rows() if r["state"] == "in_flight"
+                                    and r["permit_id"] in permit_ids and r["created_at"] >= since_ms], 15,
+                           "a reservation committed and not yet answered")
             s.ledger.kill9()
             down = time.monotonic()
-            time.sleep(0.9)
+            s.ledger_proxy.set_mode("pass", cut=True)  # held answers die with the connection
+            stranded = [r for r in sqlite_snapshot(s.data_dir) if r["state"] == "in_flight"
+                        and r["permit_id"] in permit_ids and r["created_at"] >= started_ms]
+            kills.append((how, down, stranded))
             # Calls that started and ended while the ledger was down were refused.
-            s.history.expect_window(f"ledger down #{cycle}", down + 0.05, time.monotonic(), {"gateway_unavailable"})
+            hold_outage(s.history, f"ledger down #{cycle} ({how})", down)
+            started_ms = int(time.time() * 1000)
             s.ledger.start()
+        # Recovery under the same load: a few first answers after the last restart.
+        restarted = time.monotonic()
+        wait_until(lambda: sum(1 for r in s.history.calls if r.started > restarted and r.outcome == "ok"
+                               and not r.replayed) >= 3, 20, "calls answered after the last restart")
     finally:
-        time.sleep(0.5)
         stop.set()
         join_all(threads)
-    wait_settled(s.data_dir, {p.id for p in s.permits})
+    wait_settled(s.rows, permit_ids)
     s.probe_all()
     rows = s.verify(allowed_codes=LOAD_CODES)
+
+    for how, down, stranded in kills:
+        assert s.history.in_flight_at(down), f"kill with {how}: no call was in flight"
+        assert stranded, f"kill with {how}: no attempt was in_flight in the store"
+    final = {r["id"]: r for r in rows}
+    att = attribute(s.history, s.upstream.snapshot())
+    owners = row_owners(s.history, rows)
+    never_answered = 0
+    for how, _, stranded in kills:
+        for before in stranded:
+            row = final[before["id"]]
+            executed = att.by_key.get(owners[row["id"]], [])
+            # A late outcome report may complete an attempt that ran; nothing gives its slot back.
+            assert row["state"] in ("completed", "uncertain"), (how, row)
+            if row["reason"] == "lease_expired":
+                assert row["updated_at"] >= row["lease_expires_at"], ("uncertain before its lease ran out", row)
+            if not executed:
+                never_answered += 1
+                assert (row["state"], row["reason"]) == ("uncertain", "lease_expired"), (how, row)
+    assert never_answered, "no kill left a reservation whose answer was lost"
     states = {r["state"] for r in rows}
     assert "completed" in states, states
     outcomes = s.history.summary()

@@ -38,9 +38,19 @@ MODES = ("pass", "delay", "delay_reply", "drop_reply", "reset_after_request", "r
 
 
 def _reset(sock: socket.socket) -> None:
-    """Closes with SO_LINGER 0: the peer gets a TCP RST, not a FIN."""
+    """Closes with SO_LINGER 0: the peer gets a TCP RST, not a FIN.
+
+    Another thread may be blocked in `recv` on the socket (each connection has one pipe
+    thread per direction). Linux keeps a socket open while a call is blocked on it, so a
+    bare `close` would send nothing until that peer spoke again: a PostgreSQL backend idle
+    in a transaction would never learn its client is gone and keep its row locks.
+    `shutdown(SHUT_RD)` wakes the reader first, so the reset goes out at once."""
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    try:
+        sock.shutdown(socket.SHUT_RD)
     except OSError:
         pass
     try:

@@ -2,9 +2,11 @@
 
 The example server counts executions per tool; the fault suite needs them per key. This
 upstream (Streamable HTTP, JSON responses, HTTP/1.1 keep-alive, in-process threads)
-records, for every `tools/call` it starts executing: the tool, the arguments, the request
+records, for every `tools/call` it starts executing: the tool, the arguments, the JSON-RPC
+id of the request (`rpc_id`, as a string: the call that caused the execution), the request
 headers (the upstream `Idempotency-Key` among them) and the raw body. Each answer carries
-a unique nonce, so a replay can be traced to the one execution it came from.
+a unique nonce, so a replay can be traced to the one execution it came from. `executing()`
+counts the executions that started and have not yet answered (or reset, or closed).
 
 Per-tool behaviour (`behave(tool, delay=…, action=…)`), applied after the execution is
 recorded (the side effect has happened):
@@ -113,7 +115,13 @@ class _Handler(BaseHTTPRequestHandler):
             return
         params = msg.get("params") or {}
         tool = params.get("name")
-        execution = owner._record_execution(self, tool, params.get("arguments"), raw)
+        execution = owner._record_execution(self, tool, params.get("arguments"), rid, raw)
+        try:
+            self._execute(owner, tool, rid, execution)
+        finally:
+            owner._finished(execution)
+
+    def _execute(self, owner: "RecordingUpstream", tool, rid, execution: dict) -> None:
         delay, action = owner._behaviour(tool)
         deadline = time.monotonic() + min(delay, 60.0)
         while time.monotonic() < deadline:
@@ -160,6 +168,7 @@ class RecordingUpstream:
         self.requests: list[dict] = []
         self._behaviours: dict[str, tuple[float, str]] = {}
         self._holds: dict[str, threading.Event] = {}
+        self._executing: set[int] = set()
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
 
     def start(self) -> "RecordingUpstream":
@@ -213,20 +222,31 @@ class RecordingUpstream:
         with self._lock:
             self.requests.append(entry)
 
-    def _record_execution(self, handler: _Handler, tool, arguments, raw: bytes) -> dict:
+    def _record_execution(self, handler: _Handler, tool, arguments, rid, raw: bytes) -> dict:
         with self._lock:
             entry = {
                 "n": len(self.executions) + 1,
                 "nonce": uuid.uuid4().hex[:12],
                 "tool": tool,
                 "arguments": arguments,
+                "rpc_id": None if rid is None else str(rid),
                 "upstream_key": handler.headers.get("idempotency-key"),
                 "headers": [(k.lower(), v) for k, v in handler.headers.items()],
                 "body": raw.decode("utf-8", errors="replace"),
                 "at": time.monotonic(),
             }
             self.executions.append(entry)
+            self._executing.add(entry["n"])
             return entry
+
+    def _finished(self, execution: dict) -> None:
+        with self._lock:
+            self._executing.discard(execution["n"])
+
+    def executing(self) -> int:
+        """Executions under way: recorded, not yet answered."""
+        with self._lock:
+            return len(self._executing)
 
     def snapshot(self) -> list[dict]:
         with self._lock:
