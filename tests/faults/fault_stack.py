@@ -18,7 +18,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.faults.history import (History, Permit, acked_completions, assert_invariants, check,  # noqa: E402
-                                  sqlite_rows, wait_settled)
+                                  row_owners, sqlite_rows, wait_settled)
 from tests.support.fault_proxy import FaultProxy  # noqa: E402
 from tests.support.recording_upstream import RecordingUpstream  # noqa: E402
 from tests.support.stack import Envoy, Ledger  # noqa: E402
@@ -139,13 +139,17 @@ class FaultStack:
         return record
 
 
-    def probe_all(self) -> list:
-        """After recovery: calls every key that was ever let through (ok or unknown) once more."""
+    def probe_all(self, rows: list[dict] | None = None) -> list:
+        """After recovery: calls every key that was ever let through (ok or unknown) once
+        more, and with `rows` every key that holds an attempt in them (a reservation whose
+        answer was lost was denied to its client, yet it is the key's state)."""
+        owners = set(row_owners(self.history, rows).values()) if rows is not None else set()
         seen, probes = set(), []
         by_id = {p.id: p for p in self.permits}
         for r in list(self.history.calls):
-            if r.key and r.outcome in ("ok", "unknown") and (r.permit_id, r.key) not in seen:
-                seen.add((r.permit_id, r.key))
+            k = (r.permit_id, r.key)
+            if r.key and (r.outcome in ("ok", "unknown") or k in owners) and k not in seen:
+                seen.add(k)
                 deadline = time.monotonic() + 5
                 while True:  # a connection Envoy has not yet seen die may fail once: same key, try again
                     probe = self.call(by_id[r.permit_id], r.tool, r.arguments, r.key, phase="probe")

@@ -22,7 +22,9 @@ request that carried it, so every execution is tied to the one call that caused 
    executed key is never `released` / `resolved_not_executed` (its slot would come back
    for a call that ran); a `completed` key executed one time with that execution's
    answer as receipt; after the settle time nothing is left `in_flight`; probes after
-   recovery replay completed keys and answer `delivery_uncertain` for uncertain ones;
+   recovery replay completed keys and answer `delivery_uncertain` for uncertain ones
+   (with `require_probes`, a completed or uncertain key that was never probed is a
+   violation);
 6. optional per-scenario rules: allowed denial codes, and "inside this time window every
    call was denied with one of these codes" (a window that holds fewer calls than it
    asked for is a violation: the fault was not tested).
@@ -332,7 +334,7 @@ def _check_keys(history: History, att: Attribution, permits: list[Permit], v: li
 
 
 def _check_store(history: History, att: Attribution, permits: list[Permit], rows: list[dict], acked: set[str],
-                 settled: bool, v: list[str]) -> None:
+                 settled: bool, require_probes: bool, v: list[str]) -> None:
     permit_ids = {p.id for p in permits}
     rows = [row for row in rows if row["permit_id"] in permit_ids]
     rows_by_id = {row["id"]: row for row in rows}
@@ -373,6 +375,8 @@ def _check_store(history: History, att: Attribution, permits: list[Permit], rows
         # Probes run after recovery: a completed key replays, an uncertain one says so (the
         # last probe counts: one may have met a connection Envoy had not yet seen die).
         probes = [r for r in calls_by_key.get(owner, []) if r.phase == "probe"]
+        if require_probes and not probes and row["state"] in ("completed", "uncertain"):
+            v.append(f"{row['state']} key {owner[1]} was never probed after recovery")
         for r in probes[-1:]:
             if row["state"] == "completed" and not (r.outcome == "ok" and r.replayed):
                 v.append(f"completed key {owner[1]} did not replay after recovery: {r.outcome}/{r.code}")
@@ -382,9 +386,10 @@ def _check_store(history: History, att: Attribution, permits: list[Permit], rows
 
 def check(history: History, executions: list[dict], permits: list[Permit], upstream_secret: str,
           store_rows: list[dict] | None = None, acked: set[str] | None = None, settled: bool = True,
-          allowed_codes: set[str] | None = None) -> list[str]:
+          allowed_codes: set[str] | None = None, require_probes: bool = False) -> list[str]:
     """Returns every violation found (empty: the promises held). Without `store_rows` the
-    store's invariants (4, 5) are not checked: only `verify` style runs pass them."""
+    store's invariants (4, 5) are not checked: only `verify` style runs pass them. With
+    `require_probes`, every completed or uncertain key must have been probed after recovery."""
     v: list[str] = []
     if not history.calls:
         v.append("the history holds no call: nothing was tested")
@@ -392,7 +397,7 @@ def check(history: History, executions: list[dict], permits: list[Permit], upstr
     _check_calls(history, att, upstream_secret, v)
     _check_keys(history, att, permits, v)
     if store_rows is not None:
-        _check_store(history, att, permits, store_rows, set(acked or ()), settled, v)
+        _check_store(history, att, permits, store_rows, set(acked or ()), settled, require_probes, v)
     if allowed_codes is not None:
         for r in history.calls:
             if r.outcome == "denied" and r.code not in allowed_codes:

@@ -111,6 +111,14 @@ def test_empty_inputs_are_violations(broken):
     assert any(expected in x for x in v), v
 
 
+def test_a_key_never_probed_after_recovery_is_a_violation_when_probes_are_required():
+    h, executions, rows = good_history()
+    h.calls = [r for r in h.calls if r.rpc_id != "c2"]  # k1 completed, never probed
+    assert violations(h, executions, rows, {"att_1"}) == []
+    v = check(h, executions, [PERMIT], SECRET, store_rows=rows, acked={"att_1"}, require_probes=True)
+    assert v == ["completed key k1 was never probed after recovery"], v
+
+
 def test_a_window_that_holds_too_few_calls_is_a_violation():
     h, executions, rows = good_history()
     h.expect_window("empty", 50.0, 60.0, {"gateway_unavailable"})

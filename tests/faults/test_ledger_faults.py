@@ -120,9 +120,8 @@ def test_ledger_kill9_before_during_and_after_commits_under_concurrent_load(faul
     finally:
         stop.set()
         join_all(threads)
-    wait_settled(s.rows, permit_ids)
-    s.probe_all()
-    rows = s.verify(allowed_codes=LOAD_CODES)
+    s.probe_all(wait_settled(s.rows, permit_ids))
+    rows = s.verify(allowed_codes=LOAD_CODES, require_probes=True)
 
     for how, down, stranded in kills:
         assert s.history.in_flight_at(down), f"kill with {how}: no call was in flight"

@@ -22,7 +22,7 @@ import uuid
 import pytest
 
 from tests.faults.fault_stack import new_key
-from tests.faults.history import ATTEMPT_COLUMNS
+from tests.faults.history import ATTEMPT_COLUMNS, wait_settled
 from tests.faults.test_ledger_faults import LOAD_CODES, first_ok, hold_outage, join_all, run_load
 from tests.support.fault_proxy import FaultProxy
 from tests.support.stack import ledger_binary, wait_until
@@ -98,8 +98,8 @@ def test_postgres_restart_under_load(fault_stack):
         assert fresh.outcome == "ok" and not fresh.replayed, fresh
         assert [e for e in s.upstream.snapshot() if e["rpc_id"] == fresh.rpc_id], "the new key did not dispatch"
         # ...and every completed key replays (the checker reads each key's last probe).
-        s.probe_all()
-        rows = s.verify(allowed_codes=LOAD_CODES)
+        s.probe_all(wait_settled(s.rows, {p.id for p in s.permits}))
+        rows = s.verify(allowed_codes=LOAD_CODES, require_probes=True)
         completed = [r for r in rows if r["state"] == "completed"]
         assert completed, {r["state"] for r in rows}
         assert any(r.phase == "probe" and r.replayed for r in s.history.calls), "no completed key replayed"
