@@ -73,7 +73,7 @@ def join_all(threads, timeout: float = 60.0) -> None:
 def test_ledger_kill9_before_during_and_after_commits_under_concurrent_load(fault_stack):
     """kill -9 the ledger three times while 6 clients keep calling; restart it on the same data dir.
 
-    Each kill waits for calls in flight: the first and the last while tools run at the
+    Each kill waits for calls in flight: the first and the last while a tool runs at the
     upstream (their outcome reports meet a dead ledger and are sent again after the
     restart), the second while the ledger has committed reservations whose answers have
     not reached Envoy yet (held back by the proxy, then lost with the connection). While
@@ -96,10 +96,12 @@ def test_ledger_kill9_before_during_and_after_commits_under_concurrent_load(faul
     try:
         for cycle, how in enumerate(["tools running", "answers held", "tools running"]):
             if how == "tools running":
-                wait_until(lambda: s.upstream.executing() >= 1, 15, "a tool running at the upstream")
+                # A `pay` (120 ms) that started under 50 ms ago is still running when the kill lands.
+                wait_until(lambda: [e for e in s.upstream.running("pay") if time.monotonic() - e["at"] < 0.05], 15,
+                           "a tool starting to run at the upstream")
             else:
-                since_ms = int(time.time() * 1000)
                 s.ledger_proxy.set_mode("delay_reply", delay=5.0)
+                since_ms = int(time.time() * 1000)  # decided after the switch: its answer is held
                 wait_until(lambda: [r for r in s.rows() if r["state"] == "in_flight"
                                     and r["permit_id"] in permit_ids and r["created_at"] >= since_ms], 15,
                            "a reservation committed and not yet answered")

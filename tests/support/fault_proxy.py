@@ -166,6 +166,11 @@ class FaultProxy:
         conn = _Conn(client, upstream)
         with self._lock:
             self._conns.append(conn)
+        if self.mode == "refuse":
+            # Accepted just before `refuse`, registered just after a `cut_all`: the cut
+            # missed it, and a connection must not outlive an outage.
+            conn.reset()
+            return
         threading.Thread(target=self._pipe_up, args=(conn,), daemon=True, name=f"{self.name}-up").start()
         self._pipe_down(conn)
 

@@ -6,7 +6,8 @@ records, for every `tools/call` it starts executing: the tool, the arguments, th
 id of the request (`rpc_id`, as a string: the call that caused the execution), the request
 headers (the upstream `Idempotency-Key` among them) and the raw body. Each answer carries
 a unique nonce, so a replay can be traced to the one execution it came from. `executing()`
-counts the executions that started and have not yet answered (or reset, or closed).
+counts the executions that started and have not yet answered (or reset, or closed);
+`running()` lists them.
 
 Per-tool behaviour (`behave(tool, delay=…, action=…)`), applied after the execution is
 recorded (the side effect has happened):
@@ -168,7 +169,7 @@ class RecordingUpstream:
         self.requests: list[dict] = []
         self._behaviours: dict[str, tuple[float, str]] = {}
         self._holds: dict[str, threading.Event] = {}
-        self._executing: set[int] = set()
+        self._executing: dict[int, dict] = {}
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
 
     def start(self) -> "RecordingUpstream":
@@ -236,17 +237,22 @@ class RecordingUpstream:
                 "at": time.monotonic(),
             }
             self.executions.append(entry)
-            self._executing.add(entry["n"])
+            self._executing[entry["n"]] = entry
             return entry
 
     def _finished(self, execution: dict) -> None:
         with self._lock:
-            self._executing.discard(execution["n"])
+            self._executing.pop(execution["n"], None)
 
     def executing(self) -> int:
         """Executions under way: recorded, not yet answered."""
         with self._lock:
             return len(self._executing)
+
+    def running(self, tool: str | None = None) -> list[dict]:
+        """The executions under way (of `tool`), each with `at`, when it started."""
+        with self._lock:
+            return [e for e in self._executing.values() if tool is None or e["tool"] == tool]
 
     def snapshot(self) -> list[dict]:
         with self._lock:
