@@ -424,10 +424,7 @@ def assert_invariants(history: History, executions: list[dict], permits: list[Pe
 
 def wait_settled(read_rows, permit_ids: set[str], timeout: float = 15.0) -> list[dict]:
     """Waits until no attempt of these permits is in_flight (leases ran out or outcomes
-    arrived); `read_rows` reads the store (a data dir stands for the SQLite store's rows)."""
-    if isinstance(read_rows, (str, Path)):
-        data_dir = read_rows
-        read_rows = lambda: sqlite_rows(data_dir)  # noqa: E731
+    arrived); `read_rows()` reads the store's attempt rows. Returns the last rows read."""
     deadline = time.monotonic() + timeout
     rows: list[dict] = []
     while time.monotonic() < deadline:
