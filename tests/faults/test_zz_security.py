@@ -166,9 +166,12 @@ def test_no_token_key_or_receipt_body_in_any_log(log_dir):
 def test_every_history_was_checked(request):
     """A guard over the whole session: every fault scenario that ran (each test using the
     `fault_stack` fixture) had at least one of its histories checked, and the checker saw
-    calls. Runs last; a session that selected no fault scenario has nothing to guard and fails."""
+    calls. Runs last. A session that selected no fault scenario (this file alone) has nothing
+    to guard: that is a skip, which fails the run in CI (tests/conftest.py), where the whole
+    suite always runs."""
     scenarios = [item.nodeid for item in request.session.items if "fault_stack" in item.fixturenames]
-    assert scenarios, "no fault scenario ran in this session: this guard has nothing to count"
+    if not scenarios:
+        pytest.skip("no fault scenario was selected in this session: nothing to guard")
     counts = {}
     for nodeid in scenarios:
         histories = SCENARIOS.get(nodeid, [])
