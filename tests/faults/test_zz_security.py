@@ -66,21 +66,26 @@ def test_tokens_and_keys_are_hashed_at_rest(sec):
 
 def test_admin_and_service_credentials_are_separate(sec):
     led = sec.ledger
-    with httpx.Client(timeout=5) as c:
-        def status(method, path, token, body=None):
-            headers = {"content-type": "application/json"}
-            if token is not None:
-                headers["authorization"] = f"Bearer {token}"
-            return c.request(method, led.url + path, headers=headers, content=json.dumps(body) if body else None).status_code
-        authorize = {"permit_token": "atmp_x", "tool": "pay", "fingerprint": "0" * 64, "arguments": {}}
-        assert status("POST", "/v1/authorize", led.admin_token, authorize) == 401
-        assert status("POST", "/v1/outcomes", led.admin_token, {"reports": []}) == 401
-        assert status("POST", "/v1/authorize", None, authorize) == 401
-        assert status("POST", "/v1/authorize", led.service_token, authorize) == 200
-        assert status("GET", "/admin/v1/permits", led.service_token) == 401
-        assert status("POST", "/admin/v1/permits", led.service_token, {"label": "x", "expires": "1h"}) == 401
-        assert status("GET", "/admin/v1/attempts", None) == 401
-        assert status("GET", "/admin/v1/permits", led.admin_token) == 200
+
+    def status(method, path, token, body=None):
+        # One connection per request: the ledger may answer 401 before a POST's body has
+        # arrived and then close the connection, so a reused one can fail under load.
+        headers = {"content-type": "application/json"}
+        if token is not None:
+            headers["authorization"] = f"Bearer {token}"
+        with httpx.Client(timeout=5) as c:
+            return c.request(method, led.url + path, headers=headers,
+                             content=json.dumps(body) if body else None).status_code
+
+    authorize = {"permit_token": "atmp_x", "tool": "pay", "fingerprint": "0" * 64, "arguments": {}}
+    assert status("POST", "/v1/authorize", led.admin_token, authorize) == 401
+    assert status("POST", "/v1/outcomes", led.admin_token, {"reports": []}) == 401
+    assert status("POST", "/v1/authorize", None, authorize) == 401
+    assert status("POST", "/v1/authorize", led.service_token, authorize) == 200
+    assert status("GET", "/admin/v1/permits", led.service_token) == 401
+    assert status("POST", "/admin/v1/permits", led.service_token, {"label": "x", "expires": "1h"}) == 401
+    assert status("GET", "/admin/v1/attempts", None) == 401
+    assert status("GET", "/admin/v1/permits", led.admin_token) == 200
     # The ledger refuses to run with one token for both.
     same = subprocess.run([str(ledger_binary()), "ledger", "--listen", f"127.0.0.1:{free_port()}",
                            "--data-dir", str(sec.data_dir) + "-same"],
