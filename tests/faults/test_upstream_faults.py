@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import uuid
 
 import pytest
 import yaml
@@ -62,13 +63,15 @@ class HangingUpClient:
     def __init__(self, s, permit, tool: str, args: dict, key: str):
         self.s, self.permit, self.tool, self.args, self.key = s, permit, tool, args, key
         self.started = time.monotonic()
-        self.call = OpenCall(s.url, tool, args, permit.token, key)
+        self.rpc_id = f"call-{uuid.uuid4().hex}"  # the upstream's record of it names this call
+        self.call = OpenCall(s.url, tool, args, permit.token, key, request_id=self.rpc_id)
 
     def hang_up(self) -> None:
         self.call.hang_up()
         self.s.history.add(CallRecord(
             permit_id=self.permit.id, key=self.key, tool=self.tool, arguments=self.args, phase="load",
-            outcome="unknown", error="the client hung up", started=self.started, ended=time.monotonic()))
+            outcome="unknown", error="the client hung up", started=self.started, ended=time.monotonic(),
+            rpc_id=self.rpc_id))
 
 
 def wait_request_gone(s) -> None:

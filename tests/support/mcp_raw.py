@@ -67,8 +67,9 @@ class OpenCall:
     """One tools/call sent on a connection of its own, left open without reading the answer
     until `hang_up()`: a client that leaves mid-call, at the moment the test chooses."""
 
-    def __init__(self, url: str, tool: str, arguments: dict, permit: str | None, key: str | None = None):
-        body, headers = tool_call(tool, arguments, permit, key)
+    def __init__(self, url: str, tool: str, arguments: dict, permit: str | None, key: str | None = None,
+                 request_id=None):
+        body, headers = tool_call(tool, arguments, permit, key, request_id=request_id)
         target = urlsplit(url)
         self.conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
         self.conn.request("POST", target.path, body=json.dumps(body), headers={

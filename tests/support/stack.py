@@ -123,9 +123,11 @@ class H2Upstream(Process):
                    f"HTTP/2 upstream on port {self.port}")
 
     def executions(self) -> list[dict]:
-        """What it ran, in the recording upstream's form (n, nonce, tool, arguments, upstream_key)."""
+        """What it ran, in the recording upstream's form (n, nonce, tool, arguments, upstream_key,
+        rpc_id: the JSON-RPC id of the call, as a string)."""
         lines = self.log_text()[self._log_from:].splitlines()
-        return [json.loads(line)["execution"] for line in lines if line.startswith('{"execution"')]
+        ran = [json.loads(line)["execution"] for line in lines if line.startswith('{"execution"')]
+        return [{**e, "rpc_id": None if e.get("id") is None else str(e["id"])} for e in ran]
 
 
 def ts_script(script: str, *args: str) -> dict:
