@@ -77,6 +77,15 @@ struct Pending {
     /// The raw body and where its body idempotency keys sit, kept only when they must be
     /// rewritten before upstream (`upstream_key.mode` other than `raw`).
     meta_key_edit: Option<MetaKeyEdit>,
+    /// The key value sent with `authorize` and the permit id it was derived for, so a
+    /// Dispatch under that permit forwards it without deriving it again.
+    forwarded: Option<Box<ForwardedKey>>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct ForwardedKey {
+    permit_id: String,
+    value: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -582,9 +591,13 @@ impl Call {
         // The key the upstream will receive if the ledger dispatches: derived with the permit
         // id the token names, which a Dispatch answer confirms (the ledger accepts a token
         // only for the permit it names).
-        let forwarded_key = atmost_protocol::token::permit_id_of(&permit_token).and_then(|id| {
-            upstream_key::upstream_value(&self.config.upstream_key, id, key.as_deref())
+        let forwarded = atmost_protocol::token::permit_id_of(&permit_token).map(|id| {
+            Box::new(ForwardedKey {
+                permit_id: id.to_string(),
+                value: upstream_key::upstream_value(&self.config.upstream_key, id, key.as_deref()),
+            })
         });
+        let forwarded_key = forwarded.as_ref().and_then(|f| f.value.clone());
         let request = AuthorizeRequest {
             permit_token,
             tool: call.name.clone(),
@@ -620,6 +633,7 @@ impl Call {
             key,
             session_id: head.session_id.clone(),
             meta_key_edit,
+            forwarded,
         });
         Step {
             flow: Flow::Pause,

@@ -146,8 +146,14 @@ impl Call {
                 if !self.key_header_fits(&permit_id) {
                     return key_header_misfit(&cfg, &p, &grant);
                 }
-                let upstream_value =
-                    upstream_key::upstream_value(&cfg.upstream_key, &permit_id, p.key.as_deref());
+                let upstream_value = match p.forwarded {
+                    Some(f) if f.permit_id == permit_id => f.value,
+                    _ => upstream_key::upstream_value(
+                        &cfg.upstream_key,
+                        &permit_id,
+                        p.key.as_deref(),
+                    ),
+                };
                 // `request_hold: body`: the header left with the request's headers already.
                 let key_effect = match &upstream_value {
                     _ if self.ahead.is_some() => None,
