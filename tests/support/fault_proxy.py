@@ -33,6 +33,8 @@ import struct
 import threading
 import time
 
+from tests.support.tcp_proxy import loopback_listener
+
 MODES = ("pass", "delay", "delay_reply", "drop_reply", "reset_after_request", "reset_on_reply", "hold", "hold_reply",
          "blackhole", "refuse")
 
@@ -89,11 +91,7 @@ class FaultProxy:
         self.events: list[tuple[float, str]] = []
         self._lock = threading.Lock()
         self._conns: list[_Conn] = []
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", listen_port))
-        self._listener.listen(256)
-        self._listener.settimeout(0.2)
+        self._listener = loopback_listener(256, listen_port)
         self.port = self._listener.getsockname()[1]
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, daemon=True, name=f"{name}-accept")

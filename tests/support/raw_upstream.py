@@ -21,6 +21,8 @@ import struct
 import threading
 from dataclasses import dataclass, field
 
+from tests.support.tcp_proxy import loopback_listener
+
 BEHAVIOURS = ("mcp", "answer_on_head", "reset_on_head")
 WAIT = 30.0
 
@@ -45,11 +47,7 @@ class RawUpstream:
         self.arrivals: list[Arrival] = []
         self._taken = 0
         self.executions: list[dict] = []
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(64)
-        self._listener.settimeout(0.2)
+        self._listener = loopback_listener(64)
         self.port = self._listener.getsockname()[1]
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, daemon=True)

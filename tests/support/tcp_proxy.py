@@ -94,6 +94,17 @@ def parse_requests(data: bytes, closed: bool) -> list[RecordedRequest]:
     return out
 
 
+def loopback_listener(backlog: int, port: int = 0) -> socket.socket:
+    """A listening socket on 127.0.0.1 whose accept() wakes every 0.2 s, so an accept loop
+    can see that it was told to stop."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(backlog)
+    listener.settimeout(0.2)
+    return listener
+
+
 class TcpProxy:
     def __init__(self, target_port: int, target_host: str = "127.0.0.1", listen_port: int = 0):
         self.target = (target_host, target_port)
@@ -101,11 +112,7 @@ class TcpProxy:
         self.connections = 0
         self._lock = threading.Lock()
         self._records: list[_Connection] = []
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", listen_port))
-        self._listener.listen(128)
-        self._listener.settimeout(0.2)
+        self._listener = loopback_listener(128, listen_port)
         self.port = self._listener.getsockname()[1]
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, daemon=True)
