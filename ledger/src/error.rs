@@ -7,7 +7,7 @@
 
 use thiserror::Error;
 
-#[derive(Debug, Clone, Error)]
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum LedgerError {
     /// The store cannot answer or commit now: unreachable, connection lost, timed out, busy or
     /// locked, read-only, disk full, pool exhausted, restarting. Transient.
@@ -26,6 +26,18 @@ pub enum LedgerError {
     Invariant(String),
     #[error("{0}")]
     Invalid(String),
+    /// The database's schema needs a newer ledger than this one (a migration that is not
+    /// additive was applied by a newer release): refused at start, never transient.
+    #[error(
+        "schema too new: the database is at schema version {database} and needs a ledger that \
+         knows at least {required}; this ledger knows up to {known} (upgrade this replica, or \
+         see docs/postgresql.md, \"Upgrades\")"
+    )]
+    SchemaTooNew {
+        database: i64,
+        required: i64,
+        known: i64,
+    },
 }
 
 impl LedgerError {

@@ -4,6 +4,7 @@
 use std::process::ExitCode;
 
 use atmost_ledger::cli::CliError;
+use atmost_ledger::error::LedgerError;
 use clap::Parser;
 
 /// glibc's allocator gave memory back to the kernel after the SQLite writer's groups
@@ -20,6 +21,12 @@ fn main() -> ExitCode {
         Err(CliError::Config(line)) => {
             eprintln!("{line}");
             ExitCode::from(2)
+        }
+        // A database migrated by a newer release this one may not serve on: a distinct status,
+        // so an orchestrator or a script can tell it from an outage (docs/postgresql.md).
+        Err(e @ CliError::Ledger(LedgerError::SchemaTooNew { .. })) => {
+            eprintln!("atmost: {e}");
+            ExitCode::from(3)
         }
         Err(e) => {
             eprintln!("atmost: {e}");

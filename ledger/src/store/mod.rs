@@ -18,6 +18,7 @@ use crate::model::{Attempt, AttemptState, Permit, PermitDetail};
 pub mod counters;
 pub mod postgres;
 pub mod rows;
+pub mod schema;
 pub mod snapshot;
 pub mod sqlite;
 

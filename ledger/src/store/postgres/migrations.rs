@@ -5,17 +5,33 @@ use deadpool_postgres::GenericClient;
 use super::column_err;
 use super::{pg_err, PgStore};
 use crate::error::LedgerError;
+use crate::store::schema::{check_compatibility, log_verdict, SCHEMA_VERSION};
 
 /// Key of the advisory lock that serializes migrations of every replica.
 pub(super) const MIGRATION_LOCK: i64 = 0x6174_6d6f_7374_0001;
 
+/// One schema version. `compatible_from` is the oldest schema version a ledger may know and
+/// still serve on a database that has this migration (the rule: store/schema.rs): the
+/// version itself when older ledgers would write or read it wrongly, an older one when the
+/// migration only adds what older ledgers ignore.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Migration {
+    pub version: i32,
+    pub compatible_from: i32,
+    pub description: &'static str,
+    pub sql: &'static str,
+}
+
 /// Versioned migrations, applied in order, each once, recorded in `atmost_migrations`.
-/// Never edit a released one: add the next version.
-pub(super) const MIGRATIONS: &[(i32, &str, &str)] = &[
-    (
-        1,
-        "permits, attempts, idempotency keys",
-        r#"
+/// Never edit a released one: add the next version. Versions 2 to 4 each changed what
+/// every writer must keep (counters, per-state counts, dispatch rounds), so each needs a
+/// ledger that knows it; 5 only added columns and indexes an older ledger leaves empty.
+pub(super) const RELEASED: &[Migration] = &[
+    Migration {
+        version: 1,
+        compatible_from: 1,
+        description: "permits, attempts, idempotency keys",
+        sql: r#"
 CREATE TABLE permits (
     id           TEXT PRIMARY KEY,
     token_hash   TEXT NOT NULL,
@@ -59,12 +75,13 @@ CREATE TABLE idempotency_keys (
     PRIMARY KEY (permit_id, key_hash)
 );
 "#,
-    ),
-    (
-        2,
-        "O(1) counters: slots held per permit and tool, reserved and spent budget per permit",
+    },
+    Migration {
+        version: 2,
+        compatible_from: 2,
+        description: "O(1) counters: slots held per permit and tool, reserved and spent budget per permit",
         // The state lists are the model's rules when this was written (a migration never changes).
-        r#"
+        sql: r#"
 CREATE TABLE permit_tool_usage (
     permit_id  TEXT NOT NULL,
     tool       TEXT NOT NULL,
@@ -86,16 +103,17 @@ FROM (SELECT permit_id,
       FROM attempts GROUP BY permit_id) t
 WHERE t.permit_id = p.id;
 "#,
-    ),
-    (
-        3,
-        "attempts per permit and state counted; sweeper candidates in partial indexes",
+    },
+    Migration {
+        version: 3,
+        compatible_from: 3,
+        description: "attempts per permit and state counted; sweeper candidates in partial indexes",
         // As in SQLite's version 3: the metrics and the sweeper no longer read every attempt.
         // Counts are per permit, so they are moved under the permit's row lock that every
         // writer already holds (no row shared by all permits). The state lists are the
         // model's `leased` and `replays` when this was written; a test keeps the queries'
         // lists equal to them (a partial index is only used for the same literal list).
-        r#"
+        sql: r#"
 CREATE TABLE permit_state_counts (
     permit_id TEXT NOT NULL,
     state     TEXT NOT NULL,
@@ -112,24 +130,26 @@ CREATE INDEX attempts_leased ON attempts(lease_expires_at)
 CREATE INDEX attempts_prunable ON attempts((COALESCE(finished_at, updated_at)))
     WHERE pruned_at IS NULL AND state IN ('completed','resolved_executed','accepted');
 "#,
-    ),
-    (
-        4,
-        "dispatch rounds: each attempt's current round and its capability's hash",
+    },
+    Migration {
+        version: 4,
+        compatible_from: 4,
+        description: "dispatch rounds: each attempt's current round and its capability's hash",
         // As in SQLite's version 4: older attempts keep round 1 and no capability, so no
         // report moves them; their lease turns them uncertain (fail closed).
-        r#"
+        sql: r#"
 ALTER TABLE attempts ADD COLUMN round INTEGER NOT NULL DEFAULT 1;
 ALTER TABLE attempts ADD COLUMN capability_hash TEXT;
 "#,
-    ),
-    (
-        5,
-        "reconciliation inbox: forwarded key and arguments per attempt, resolution source and evidence",
+    },
+    Migration {
+        version: 5,
+        compatible_from: 4,
+        description: "reconciliation inbox: forwarded key and arguments per attempt, resolution source and evidence",
         // As in SQLite's version 5: older attempts have no forwarded key or arguments, and a
         // resolution without a source was a person's. The partial indexes hold what the inbox
         // lists (uncertain attempts by when they turned so; resolved ones by when).
-        r#"
+        sql: r#"
 ALTER TABLE attempts ADD COLUMN forwarded_key TEXT;
 ALTER TABLE attempts ADD COLUMN arguments TEXT;
 ALTER TABLE attempts ADD COLUMN resolution_source TEXT;
@@ -137,8 +157,32 @@ ALTER TABLE attempts ADD COLUMN provider_answer TEXT;
 CREATE INDEX attempts_uncertain ON attempts(updated_at) WHERE state = 'uncertain';
 CREATE INDEX attempts_resolved ON attempts(resolved_at) WHERE resolved_at IS NOT NULL;
 "#,
-    ),
+    },
 ];
+
+/// The rehearsal of the next schema version (feature `schema-rehearsal`, never released): an
+/// additive migration as the next release might add, so the upgrade test can run two
+/// schema versions side by side. Each attempt may name the replica that decided it (left
+/// empty by older ledgers), and the admin listing of a permit's attempts by time gets an
+/// index.
+#[cfg(feature = "schema-rehearsal")]
+const NEXT: &[Migration] = &[Migration {
+    version: 6,
+    compatible_from: 5,
+    description:
+        "rehearsal: the deciding replica per attempt (nullable), attempts by permit and time",
+    sql: r#"
+ALTER TABLE attempts ADD COLUMN decided_by TEXT;
+CREATE INDEX attempts_by_permit_created ON attempts(permit_id, created_at);
+"#,
+}];
+#[cfg(not(feature = "schema-rehearsal"))]
+const NEXT: &[Migration] = &[];
+
+/// Every migration this build knows, in order.
+pub(super) fn migrations() -> impl Iterator<Item = &'static Migration> {
+    RELEASED.iter().chain(NEXT)
+}
 
 impl PgStore {
     pub(super) async fn migrate(&self, schema: Option<&str>) -> Result<(), LedgerError> {
@@ -154,42 +198,64 @@ impl PgStore {
                     .await
                     .map_err(pg_err)?;
             }
+            // `compatible_from` came after the table: added where an older ledger made it.
             tx.batch_execute(
                 "CREATE TABLE IF NOT EXISTS atmost_migrations (\
                    version INTEGER PRIMARY KEY, description TEXT NOT NULL, \
-                   applied_at TIMESTAMPTZ NOT NULL DEFAULT now())",
+                   applied_at TIMESTAMPTZ NOT NULL DEFAULT now());\
+                 ALTER TABLE atmost_migrations ADD COLUMN IF NOT EXISTS compatible_from INTEGER",
             )
             .await
             .map_err(pg_err)?;
-            let applied: Vec<i32> = tx
-                .query("SELECT version FROM atmost_migrations ORDER BY version", &[])
+            let applied: Vec<(i32, Option<i32>)> = tx
+                .query(
+                    "SELECT version, compatible_from FROM atmost_migrations ORDER BY version",
+                    &[],
+                )
                 .await
                 .map_err(pg_err)?
                 .iter()
-                .map(|r| r.try_get(0))
-                .collect::<Result<_, _>>()
+                .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+                .collect::<Result<_, tokio_postgres::Error>>()
                 .map_err(column_err)?;
-            for (version, description, sql) in MIGRATIONS {
-                if applied.contains(version) {
+            let database = applied.iter().map(|m| i64::from(m.0)).max().unwrap_or(0);
+            // Rows written before `compatible_from` existed are released versions this
+            // ledger knows: they require nothing newer.
+            let required = applied
+                .iter()
+                .filter_map(|m| m.1.map(i64::from))
+                .max()
+                .unwrap_or(0);
+            let verdict = check_compatibility(SCHEMA_VERSION, database, required)?;
+            for m in migrations() {
+                if applied.iter().any(|a| a.0 == m.version) {
                     continue;
                 }
-                tx.batch_execute(sql).await.map_err(pg_err)?;
+                tx.batch_execute(m.sql).await.map_err(pg_err)?;
                 tx.execute(
-                    "INSERT INTO atmost_migrations (version, description) VALUES ($1, $2)",
-                    &[version, description],
+                    "INSERT INTO atmost_migrations (version, description, compatible_from) \
+                     VALUES ($1, $2, $3)",
+                    &[&m.version, &m.description, &m.compatible_from],
                 )
                 .await
                 .map_err(pg_err)?;
-                tracing::info!(version, description, "migration applied");
-            }
-            let known = MIGRATIONS.iter().map(|m| m.0).max().unwrap_or(0);
-            if let Some(newer) = applied.iter().copied().filter(|v| *v > known).max() {
-                tracing::warn!(
-                    database_version = newer,
-                    known,
-                    "the database has migrations this ledger does not know (a newer replica ran them)"
+                tracing::info!(
+                    version = m.version,
+                    description = m.description,
+                    compatible_from = m.compatible_from,
+                    "migration applied"
                 );
             }
+            for m in migrations() {
+                tx.execute(
+                    "UPDATE atmost_migrations SET compatible_from = $2 \
+                     WHERE version = $1 AND compatible_from IS NULL",
+                    &[&m.version, &m.compatible_from],
+                )
+                .await
+                .map_err(pg_err)?;
+            }
+            log_verdict(verdict, SCHEMA_VERSION);
             tx.commit().await.map_err(pg_err)?;
             Ok(())
         })

@@ -5,12 +5,14 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use serde_json::json;
 
-use super::migrations::MIGRATIONS;
+use super::migrations::{migrations, RELEASED};
 use super::options::pg_config;
 use super::rows::{attempts_by_keys_sql, load_attempts_sql, LOCK_PERMITS_OF_ATTEMPTS};
 use super::tls::RustlsMakeTls;
 use super::{PgOptions, PgStore};
+use crate::error::LedgerError;
 use crate::store::conformance::{self, Harness, LEASE_MS, T0};
+use crate::store::schema::SCHEMA_VERSION;
 use crate::store::Store;
 use crate::token;
 
@@ -271,7 +273,7 @@ async fn one_group_of_queued_decisions_sees_its_own_earlier_decisions() {
 #[tokio::test]
 async fn sweeper_queries_read_the_partial_indexes() {
     use crate::model::AttemptState;
-    let (_, _, v3) = MIGRATIONS.iter().find(|m| m.0 == 3).unwrap();
+    let v3 = RELEASED.iter().find(|m| m.version == 3).unwrap().sql;
     let leased = AttemptState::sql_list(AttemptState::leased);
     let replays = AttemptState::sql_list(AttemptState::replays);
     assert!(v3.contains(&format!("WHERE state IN {leased};")), "{v3}");
@@ -554,7 +556,7 @@ async fn migrations_are_versioned_idempotent_and_safe_when_replicas_start_togeth
         .await
         .unwrap();
     let versions: Vec<i32> = rows.iter().map(|r| r.get(0)).collect();
-    let known: Vec<i32> = MIGRATIONS.iter().map(|m| m.0).collect();
+    let known: Vec<i32> = migrations().map(|m| m.version).collect();
     assert_eq!(versions, known);
 }
 
@@ -839,27 +841,110 @@ async fn migration_from_version_4_keeps_attempts_and_resolutions() {
     ))
     .await
     .unwrap();
-    for (version, description, sql) in MIGRATIONS.iter().filter(|m| m.0 <= 4) {
-        c.batch_execute(sql).await.unwrap();
+    for m in RELEASED.iter().filter(|m| m.version <= 4) {
+        c.batch_execute(m.sql).await.unwrap();
         c.execute(
             "INSERT INTO atmost_migrations (version, description) VALUES ($1, $2)",
-            &[version, description],
+            &[&m.version, &m.description],
         )
         .await
         .unwrap();
     }
     c.batch_execute(conformance::VERSION_4_ROWS).await.unwrap();
     let s = PgStore::connect(&opts(&url, &schema)).await.unwrap();
-    let versions: Vec<i32> = c
+    let versions: Vec<(i32, i32)> = c
         .query(
-            "SELECT version FROM atmost_migrations ORDER BY version",
+            "SELECT version, compatible_from FROM atmost_migrations ORDER BY version",
             &[],
         )
         .await
         .unwrap()
         .iter()
-        .map(|r| r.get(0))
+        .map(|r| (r.get(0), r.get(1)))
         .collect();
-    assert_eq!(versions, [1, 2, 3, 4, 5]);
+    // The rows an older ledger wrote without `compatible_from` get the declared values.
+    let declared: Vec<(i32, i32)> = migrations()
+        .map(|m| (m.version, m.compatible_from))
+        .collect();
+    assert_eq!(versions, declared);
+    assert_eq!(&versions[..5], [(1, 1), (2, 2), (3, 3), (4, 4), (5, 4)]);
     conformance::reads_version_4_rows(&s).await;
+}
+
+#[test]
+fn the_newest_migration_is_the_schema_version() {
+    let versions: Vec<i64> = migrations().map(|m| i64::from(m.version)).collect();
+    let expected: Vec<i64> = (1..=SCHEMA_VERSION).collect();
+    assert_eq!(versions, expected);
+    assert!(migrations().all(|m| m.compatible_from <= m.version && m.compatible_from >= 1));
+}
+
+/// Records a migration a newer release would have applied (nothing else of it is needed:
+/// the ledger decides from `atmost_migrations` alone).
+async fn record_newer_migration(url: &str, schema: &str, version: i64, compatible_from: i64) {
+    let c = raw_client(url).await;
+    c.execute(
+        &format!(
+            "INSERT INTO {schema}.atmost_migrations (version, description, compatible_from) \
+             VALUES ($1, 'a newer release', $2)"
+        ),
+        &[
+            &i32::try_from(version).unwrap(),
+            &i32::try_from(compatible_from).unwrap(),
+        ],
+    )
+    .await
+    .unwrap();
+}
+
+/// A newer release migrated the database additively (its migration still admits this
+/// ledger's version): this ledger serves on it, decisions included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_database_migrated_additively_by_a_newer_ledger_is_served() {
+    let url = database_url();
+    let schema = new_schema();
+    let _cleanup = Cleanup(url.clone(), schema.clone());
+    drop(PgStore::connect(&opts(&url, &schema)).await.unwrap());
+    record_newer_migration(&url, &schema, SCHEMA_VERSION + 1, SCHEMA_VERSION).await;
+    let s = PgStore::connect(&opts(&url, &schema)).await.unwrap();
+    let (_p, tok) = conformance::make_permit(&s, conformance::policy(), T0 + 3_600_000).await;
+    let r = conformance::req(&tok, "pay", Some("k-newer"), "f", json!({}));
+    assert_eq!(
+        answer_name(s.authorize(&r, LEASE_MS, T0).await.unwrap().response),
+        "dispatch"
+    );
+}
+
+/// A newer release applied a migration that needs a ledger of its own version: this ledger
+/// refuses to start, naming the versions, and writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_database_that_needs_a_newer_ledger_is_refused() {
+    let url = database_url();
+    let schema = new_schema();
+    let _cleanup = Cleanup(url.clone(), schema.clone());
+    drop(PgStore::connect(&opts(&url, &schema)).await.unwrap());
+    record_newer_migration(&url, &schema, SCHEMA_VERSION + 1, SCHEMA_VERSION).await;
+    record_newer_migration(&url, &schema, SCHEMA_VERSION + 2, SCHEMA_VERSION + 1).await;
+    let refused = PgStore::connect(&opts(&url, &schema))
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(
+        refused,
+        LedgerError::SchemaTooNew {
+            database: SCHEMA_VERSION + 2,
+            required: SCHEMA_VERSION + 1,
+            known: SCHEMA_VERSION
+        }
+    );
+    let c = raw_client(&url).await;
+    let rows: i64 = c
+        .query_one(
+            &format!("SELECT COUNT(*) FROM {schema}.atmost_migrations"),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, SCHEMA_VERSION + 2);
 }

@@ -4,6 +4,7 @@ use rusqlite::{Connection, TransactionBehavior};
 
 use super::sql_err;
 use crate::error::LedgerError;
+use crate::store::schema::{check_compatibility, log_verdict};
 
 pub(super) const SCHEMA: &str = r#"
 CREATE TABLE IF NOT EXISTS permits (
@@ -116,16 +117,48 @@ CREATE INDEX IF NOT EXISTS attempts_uncertain ON attempts(updated_at) WHERE stat
 CREATE INDEX IF NOT EXISTS attempts_resolved ON attempts(resolved_at) WHERE resolved_at IS NOT NULL;
 "#;
 
+/// Version 6, the rehearsal of the next schema version (feature `schema-rehearsal`, never
+/// released): as PostgreSQL's version 6, additive.
+#[cfg(feature = "schema-rehearsal")]
+const MIGRATION_6: &str = r#"
+ALTER TABLE attempts ADD COLUMN decided_by TEXT;
+CREATE INDEX IF NOT EXISTS attempts_by_permit_created ON attempts(permit_id, created_at);
+"#;
+
 /// The schema version this ledger writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 5;
+pub use crate::store::schema::SCHEMA_VERSION;
+
+/// Per schema version, the oldest schema version a ledger may know and still serve on the
+/// file (the rule: store/schema.rs), as for PostgreSQL. Kept in `atmost_schema_compat`, so
+/// an older ledger opening a file a newer one migrated can tell whether it may serve.
+const COMPATIBLE_FROM: &[(i64, i64)] = &[
+    (1, 1),
+    (2, 2),
+    (3, 3),
+    (4, 4),
+    (5, 4),
+    #[cfg(feature = "schema-rehearsal")]
+    (6, 5),
+];
+
+const COMPAT_TABLE: &str = "CREATE TABLE IF NOT EXISTS atmost_schema_compat (\
+    version INTEGER PRIMARY KEY, compatible_from INTEGER NOT NULL) WITHOUT ROWID";
 
 /// Brings the file to [`SCHEMA_VERSION`] in one `BEGIN IMMEDIATE` transaction (so processes
-/// opening the same file together migrate it once).
+/// opening the same file together migrate it once). A file whose schema needs a newer
+/// ledger is refused before anything is written.
 pub(super) fn migrate(conn: &mut Connection) -> Result<(), LedgerError> {
     let tx = conn
         .transaction_with_behavior(TransactionBehavior::Immediate)
         .map_err(sql_err)?;
     let version: i64 = tx.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+    tx.execute_batch(COMPAT_TABLE)?;
+    let required: i64 = tx.query_row(
+        "SELECT COALESCE(MAX(compatible_from), 0) FROM atmost_schema_compat",
+        [],
+        |r| r.get(0),
+    )?;
+    let verdict = check_compatibility(SCHEMA_VERSION, version, required)?;
     if version < 1 {
         // Version 1 predates the version number: its tables may already exist.
         tx.execute_batch(SCHEMA)?;
@@ -142,6 +175,16 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), LedgerError> {
     if version < 5 {
         tx.execute_batch(MIGRATION_5)?;
     }
+    #[cfg(feature = "schema-rehearsal")]
+    if version < 6 {
+        tx.execute_batch(MIGRATION_6)?;
+    }
+    for (v, compatible_from) in COMPATIBLE_FROM {
+        tx.execute(
+            "INSERT OR IGNORE INTO atmost_schema_compat (version, compatible_from) VALUES (?1, ?2)",
+            [v, compatible_from],
+        )?;
+    }
     if version < SCHEMA_VERSION {
         tx.execute_batch(&format!("PRAGMA user_version = {SCHEMA_VERSION}"))?;
         tracing::info!(
@@ -149,13 +192,8 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), LedgerError> {
             to = SCHEMA_VERSION,
             "sqlite schema migrated"
         );
-    } else if version > SCHEMA_VERSION {
-        tracing::warn!(
-            database_version = version,
-            known = SCHEMA_VERSION,
-            "the database has a newer schema than this ledger knows"
-        );
     }
+    log_verdict(verdict, SCHEMA_VERSION);
     tx.commit()?;
     Ok(())
 }

@@ -323,3 +323,75 @@ async fn migration_from_version_4_keeps_attempts_and_resolutions() {
     assert_eq!((version, super::SCHEMA_VERSION), (5, 5));
     conformance::reads_version_4_rows(&s).await;
 }
+
+/// Sets the file's schema version and records what a newer release's migration requires, as
+/// that release would have (nothing else of it is needed: the ledger decides from these).
+fn record_newer_schema(path: &std::path::Path, version: i64, compatible_from: i64) {
+    let c = rusqlite::Connection::open(path).unwrap();
+    c.execute(
+        "INSERT INTO atmost_schema_compat (version, compatible_from) VALUES (?1, ?2)",
+        [version, compatible_from],
+    )
+    .unwrap();
+    c.execute_batch(&format!("PRAGMA user_version = {version}"))
+        .unwrap();
+}
+
+/// A file migrated additively by a newer ledger is served; one whose schema needs a newer
+/// ledger is refused at open, naming the versions, and left as it was.
+#[tokio::test]
+async fn a_newer_schema_is_served_when_additive_and_refused_otherwise() {
+    use crate::error::LedgerError;
+    use crate::store::schema::SCHEMA_VERSION;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(super::DB_FILE);
+    drop(SqliteStore::open_file(&path).unwrap());
+    record_newer_schema(&path, SCHEMA_VERSION + 1, SCHEMA_VERSION);
+    let s = SqliteStore::open_file(&path).unwrap();
+    let (_p, tok) = conformance::make_permit(&s, conformance::policy(), T0 + 3_600_000).await;
+    let r = conformance::req(&tok, "pay", Some("k-newer"), "f", serde_json::json!({}));
+    assert!(matches!(
+        s.authorize(&r, conformance::LEASE_MS, T0)
+            .await
+            .unwrap()
+            .response,
+        atmost_protocol::AuthorizeResponse::Dispatch { .. }
+    ));
+    drop(s);
+    record_newer_schema(&path, SCHEMA_VERSION + 2, SCHEMA_VERSION + 1);
+    let refused = SqliteStore::open_file(&path).map(|_| ()).unwrap_err();
+    assert_eq!(
+        refused,
+        LedgerError::SchemaTooNew {
+            database: SCHEMA_VERSION + 2,
+            required: SCHEMA_VERSION + 1,
+            known: SCHEMA_VERSION
+        }
+    );
+    let c = rusqlite::Connection::open(&path).unwrap();
+    let version: i64 = c
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, SCHEMA_VERSION + 2);
+}
+
+#[test]
+fn a_new_file_records_what_each_version_requires() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(super::DB_FILE);
+    drop(SqliteStore::open_file(&path).unwrap());
+    let c = rusqlite::Connection::open(&path).unwrap();
+    let mut q = c
+        .prepare("SELECT version, compatible_from FROM atmost_schema_compat ORDER BY version")
+        .unwrap();
+    let rows: Vec<(i64, i64)> = q
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(&rows[..5], [(1, 1), (2, 2), (3, 3), (4, 4), (5, 4)]);
+    assert_eq!(
+        rows.last().map(|r| r.0),
+        Some(crate::store::schema::SCHEMA_VERSION)
+    );
+}
