@@ -12,7 +12,7 @@ WASM := target/wasm32-wasip1/wasm/atmost_filter.wasm
 CARGO ?= cargo
 
 .PHONY: oci-tools k8s-tools browser-tools
-.PHONY: all run test model-check test-unit test-e2e test-e2e-wasmplugin test-faults lint fmt ts-deps wasm ledger ledger-release setup setup-run rust-setup venv venv-test clean oci
+.PHONY: all run test model-check test-unit test-e2e test-e2e-wasmplugin test-faults lint fmt ts-deps wasm ledger ledger-next ledger-release setup setup-run rust-setup venv venv-test clean oci
 
 all: wasm ledger-release
 
@@ -99,6 +99,16 @@ ledger:
 ledger-release:
 	$(CARGO) build --release -p atmost-ledger
 
+## The ledger with the next schema version's rehearsal (feature schema-rehearsal: one more,
+## additive migration), for the rolling-upgrade test: target/debug/atmost-next. The plain
+## build follows, so target/debug/atmost keeps the released schema; cargo keeps both compiled
+## variants, so a second run only relinks. Never part of a release (ledger-release, oci).
+LEDGER_NEXT := target/debug/atmost-next
+ledger-next:
+	$(CARGO) build -p atmost-ledger --features schema-rehearsal
+	cp target/debug/atmost $(LEDGER_NEXT)
+	$(CARGO) build -p atmost-ledger
+
 ## The main job: ledger + example MCP server (or UPSTREAM=host:port) + Envoy on 127.0.0.1:10000/mcp.
 run: setup-run wasm ledger-release
 	ATMOST_BIN=target/release/atmost $(VPY) scripts/run.py
@@ -126,8 +136,8 @@ WITH_PG := scripts/with-postgres
 test-unit:
 	$(WITH_PG) $(CARGO) test --workspace
 
-test-e2e: setup ts-deps wasm ledger oci
-	ATMOST_BIN=target/debug/atmost $(WITH_PG) $(VPY) -m pytest tests/e2e -q -p no:cacheprovider --timeout 300
+test-e2e: setup ts-deps wasm ledger-next ledger oci
+	ATMOST_BIN=target/debug/atmost ATMOST_NEXT_BIN=$(LEDGER_NEXT) $(WITH_PG) $(VPY) -m pytest tests/e2e -q -p no:cacheprovider --timeout 300
 
 ## The suites that carry calls, again with the filter deployed as istiod renders the shipped
 ## WasmPlugin (ATMOST_DEPLOYMENT=wasmplugin: request_hold body, no allow_on_headers_stop_iteration).

@@ -17,7 +17,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.faults.history import (History, Permit, acked_completions, assert_invariants, check,  # noqa: E402
+from tests.support.history import (History, Permit, acked_completions, assert_invariants, check,  # noqa: E402
                                   row_owners, sqlite_rows, wait_settled)
 from tests.support.fault_proxy import FaultProxy  # noqa: E402
 from tests.support.recording_upstream import RecordingUpstream  # noqa: E402

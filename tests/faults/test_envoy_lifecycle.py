@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.faults.fault_stack import UPSTREAM_SECRET, new_key
-from tests.faults.history import Permit, key_hash, upstream_key
+from tests.support.history import Permit, key_hash, upstream_key
 from tests.faults.test_ledger_faults import LOAD_CODES
 from tests.support.mcp_raw import RawMcp
 from tests.support.stack import wait_until

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.faults.history import CallRecord, History, Permit, check, key_hash, upstream_key
+from tests.support.history import CallRecord, History, Permit, check, key_hash, upstream_key
 
 SECRET = "checker-secret"
 PERMIT = Permit("pmt_a", "atmp_pmt_a", {"pay": 2})

@@ -7,7 +7,7 @@ import threading
 import time
 
 from tests.faults.fault_stack import new_key
-from tests.faults.history import attribute, row_owners, sqlite_snapshot, wait_settled
+from tests.support.history import attribute, row_owners, sqlite_snapshot, wait_settled
 from tests.support.stack import wait_until
 
 LOAD_CODES = {"gateway_unavailable", "permit_max_calls_exceeded", "idempotency_in_progress", "delivery_uncertain"}

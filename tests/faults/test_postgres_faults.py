@@ -22,7 +22,7 @@ import uuid
 import pytest
 
 from tests.faults.fault_stack import new_key
-from tests.faults.history import ATTEMPT_COLUMNS, wait_settled
+from tests.support.history import ATTEMPT_COLUMNS, wait_settled
 from tests.faults.test_ledger_faults import LOAD_CODES, first_ok, hold_outage, join_all, run_load
 from tests.support.fault_proxy import FaultProxy
 from tests.support.stack import ledger_binary, wait_until

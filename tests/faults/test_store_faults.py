@@ -205,7 +205,7 @@ def test_data_dir_that_is_a_file_fails_closed(fault_stack, data_root):
     state = start_ledger_unready(s)
     assert state == "exited", state
     p_token = "atmp_pmt_000000000000000000000000_" + "0" * 64
-    from tests.faults.history import Permit
+    from tests.support.history import Permit
     fake = Permit(id="pmt_000000000000000000000000", token=p_token, caps={})
     s.permits.append(fake)
     answers = [s.call(fake, "pay", {"invoice": f"nodir-{i}", "amount": 1}) for i in range(3)]

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.faults.fault_stack import UPSTREAM_SECRET, new_key
-from tests.faults.history import CallRecord, upstream_key
+from tests.support.history import CallRecord, upstream_key
 from tests.faults.test_ledger_faults import LOAD_CODES, first_ok
 from tests.support.mcp_raw import OpenCall
 from tests.support.stack import H2Upstream, wait_until

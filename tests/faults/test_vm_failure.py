@@ -21,7 +21,7 @@ import subprocess
 import pytest
 import yaml
 
-from tests.faults.history import Permit
+from tests.support.history import Permit
 from tests.support.mcp_raw import RawMcp
 from tests.support.stack import Envoy, Process, sidecar_config, validate_envoy_config, wait_until
 

@@ -46,7 +46,7 @@ def test_tokens_and_keys_are_hashed_at_rest(sec):
     p = sec.permit({"pay": 5})
     key_header, key_meta = new_key(), new_key()
     assert sec.call(p, "pay", {"invoice": "at-rest"}, key_header).outcome == "ok"
-    from tests.faults.history import Permit  # noqa: F401
+    from tests.support.history import Permit  # noqa: F401
     r = sec.history.call(sec.url, p, "pay", {"invoice": "at-rest-meta"}, None)
     assert r.outcome == "ok"
     import tests.support.mcp_raw as raw
