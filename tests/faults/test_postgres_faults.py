@@ -10,7 +10,6 @@ through the proxy). Without DATABASE_URL or the PostgreSQL store the test fails,
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -22,9 +21,9 @@ import uuid
 import pytest
 
 from tests.faults.fault_stack import new_key
-from tests.support.history import ATTEMPT_COLUMNS, wait_settled
 from tests.faults.test_ledger_faults import LOAD_CODES, first_ok, hold_outage, join_all, run_load
 from tests.support.fault_proxy import FaultProxy
+from tests.support.history import pg_rows, psql, wait_settled
 from tests.support.stack import ledger_binary, wait_until
 
 
@@ -45,21 +44,6 @@ def through(proxy: FaultProxy, url: str) -> str:
     netloc = parts.netloc.rsplit("@", 1)
     auth = netloc[0] + "@" if len(netloc) == 2 else ""
     return urllib.parse.urlunsplit((parts.scheme, f"{auth}127.0.0.1:{proxy.port}", parts.path, parts.query, ""))
-
-
-def psql(url: str, sql: str) -> str:
-    r = subprocess.run(["psql", "-X", "-Atq", "-v", "ON_ERROR_STOP=1", url, "-c", sql], capture_output=True,
-                       text=True, timeout=30, env={**os.environ, "PGCONNECT_TIMEOUT": "5"})
-    if r.returncode != 0:
-        raise RuntimeError(f"psql failed ({r.returncode}): {r.stderr.strip()}")
-    return r.stdout
-
-
-def pg_rows(url: str, schema: str) -> list[dict]:
-    """Every attempt row of the ledger's schema, read straight from PostgreSQL."""
-    columns = ", ".join(ATTEMPT_COLUMNS)
-    return json.loads(psql(url, f"SELECT coalesce(json_agg(t), '[]'::json) FROM "
-                                f"(SELECT {columns} FROM {schema}.attempts) t") or "[]")
 
 
 def test_postgres_restart_under_load(fault_stack):

@@ -41,9 +41,11 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import os
 import re
 import shutil
 import sqlite3
+import subprocess
 import tempfile
 import threading
 import time
@@ -210,6 +212,22 @@ def sqlite_snapshot(data_dir: Path) -> list[dict]:
             if src.exists():
                 shutil.copyfile(src, Path(tmp) / src.name)
         return _read_sqlite(Path(tmp) / "atmost.sqlite3", uri=False)
+
+
+def psql(url: str, sql: str) -> str:
+    """One statement through psql (unaligned, tuples only); raises on an error."""
+    r = subprocess.run(["psql", "-X", "-Atq", "-v", "ON_ERROR_STOP=1", url, "-c", sql], capture_output=True,
+                       text=True, timeout=30, env={**os.environ, "PGCONNECT_TIMEOUT": "5"})
+    if r.returncode != 0:
+        raise RuntimeError(f"psql failed ({r.returncode}): {r.stderr.strip()}")
+    return r.stdout
+
+
+def pg_rows(url: str, schema: str) -> list[dict]:
+    """Every attempt row of the ledger's schema, read straight from PostgreSQL."""
+    columns = ", ".join(ATTEMPT_COLUMNS)
+    return json.loads(psql(url, f"SELECT coalesce(json_agg(t), '[]'::json) FROM "
+                                f"(SELECT {columns} FROM {schema}.attempts) t") or "[]")
 
 
 def acked_completions(ledger_logs: list[Path]) -> set[str]:
