@@ -61,6 +61,17 @@ pub fn log_verdict(verdict: SchemaVerdict, known: i64) {
     }
 }
 
+/// What both stores' tests expect once a database is two versions ahead of this ledger and
+/// its newest migration requires the version before it.
+#[cfg(test)]
+pub(crate) fn two_versions_ahead_refusal() -> LedgerError {
+    LedgerError::SchemaTooNew {
+        database: SCHEMA_VERSION + 2,
+        required: SCHEMA_VERSION + 1,
+        known: SCHEMA_VERSION,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
