@@ -96,7 +96,8 @@ def recount_mismatches(url: str, schema: str) -> list[str]:
     FROM {schema}.permits p
     LEFT JOIN (SELECT permit_id,
                       sum(cost) FILTER (WHERE state IN ('in_flight','awaiting_input')) AS reserved,
-                      sum(cost) FILTER (WHERE state IN ('completed','uncertain','resolved_executed','accepted')) AS spent
+                      sum(cost) FILTER (WHERE state IN ('completed','uncertain','resolved_executed',
+                                                        'accepted')) AS spent
                FROM {schema}.attempts GROUP BY permit_id) b ON b.permit_id = p.id
     WHERE p.reserved <> coalesce(b.reserved, 0) OR p.spent <> coalesce(b.spent, 0)
     UNION ALL
@@ -149,13 +150,15 @@ class Load:
         assert not any(t.is_alive() for t in self.threads), "a worker did not stop"
 
 
-def swap(old: Ledger, log_dir: Path, url: str, schema: str, binary: Path, envoy: Envoy) -> Ledger:
+def swap(old: Ledger, log_dir: Path, url: str, schema: str, binary: Path, envoy: Envoy,
+         started: list[Ledger]) -> Ledger:
     """Replaces one replica by `binary` on the same port and data dir, as a Deployment's
     rolling update does with one pod: SIGTERM (the ledger drains and exits), then the new
     one starts, migrates, and takes callouts once Envoy's health check sees it ready."""
     old.stop()
     assert old.proc is not None and old.proc.returncode == 0, f"{old.name} did not drain cleanly: {old.proc}"
     new = replica(log_dir, old.data_dir, url, schema, f"{old.name}-next", port=old.port, binary=binary)
+    started.append(new)
     new.start()
     wait_until(envoy.ledgers_healthy, 30, f"Envoy to take callouts to {new.name} again")
     return new
@@ -173,6 +176,7 @@ def test_rolling_upgrade_to_the_next_schema_under_load(log_dir, data_root, datab
     a = replica(log_dir, data_root / f"{schema}-a", database_url, schema, "ledger-upgrade-a")
     b = replica(log_dir, data_root / f"{schema}-b", database_url, schema, "ledger-upgrade-b")
     running = [a, b]
+    started = list(running)  # every replica, stopped at the end whatever happened
     envoy = None
     load = None
     try:
@@ -195,7 +199,7 @@ def test_rolling_upgrade_to_the_next_schema_under_load(log_dir, data_root, datab
         wait_decided(running, [0, 0], CALLS_PER_STEP, "both replicas to serve before the upgrade")
         # Step 1: B is replaced by the next build, which migrates while A still serves.
         load.phase = "b-replaced"
-        b_next = swap(b, log_dir, database_url, schema, next_bin, envoy)
+        b_next = swap(b, log_dir, database_url, schema, next_bin, envoy, started)
         running = [a, b_next]
         assert schema_versions(database_url, schema)[-1] == (NEXT_SCHEMA, RELEASED_SCHEMA)
         assert '"migration applied"' in b_next.log_text() and '"version":6' in b_next.log_text()
@@ -203,7 +207,7 @@ def test_rolling_upgrade_to_the_next_schema_under_load(log_dir, data_root, datab
         wait_decided(running, [a_before, 0], CALLS_PER_STEP, "the old and the new build both to decide calls")
         # Step 2: A is replaced too.
         load.phase = "a-replaced"
-        a_next = swap(a, log_dir, database_url, schema, next_bin, envoy)
+        a_next = swap(a, log_dir, database_url, schema, next_bin, envoy, started)
         running = [a_next, b_next]
         wait_decided(running, [0, total(authorize_counts(b_next))], CALLS_PER_STEP,
                      "both upgraded replicas to decide calls")
@@ -225,7 +229,8 @@ def test_rolling_upgrade_to_the_next_schema_under_load(log_dir, data_root, datab
         acked = acked_completions([x.log_path for x in (a, b, a_next, b_next)])
         summary = history.summary()
         unanswered = [r for r in history.calls if r.outcome == "unknown"]
-        assert not unanswered, f"{len(unanswered)} calls got no answer: {[(r.phase, r.status, r.error) for r in unanswered[:5]]}"
+        assert not unanswered, \
+            f"{len(unanswered)} calls got no answer: {[(r.phase, r.status, r.error) for r in unanswered[:5]]}"
         assert_invariants(history, upstream.snapshot(), permits, UPSTREAM_SECRET, store_rows=rows, acked=acked,
                           allowed_codes=documented_codes(), require_probes=True)
         phases = {p: sum(1 for r in history.calls if r.phase == p) for p in ("before", "b-replaced", "a-replaced")}
@@ -240,7 +245,7 @@ def test_rolling_upgrade_to_the_next_schema_under_load(log_dir, data_root, datab
             load.finish()
         if envoy is not None:
             envoy.stop()
-        for r in running:
+        for r in started:
             r.stop()
         upstream.stop()
         drop_schema(database_url, schema)
@@ -250,7 +255,8 @@ def start_and_exit(binary: Path, url: str, schema: str, data_dir: Path) -> subpr
     """Runs `atmost ledger` until it exits by itself (a refusal at start)."""
     argv = [str(binary), "ledger", "--listen", f"127.0.0.1:{free_port()}", "--data-dir", str(data_dir),
             "--pg-schema", schema]
-    env = {**os.environ, "ATMOST_STORE": url, "ATMOST_SERVICE_TOKEN": "compat-service", "ATMOST_ADMIN_TOKEN": "compat-admin"}
+    env = {**os.environ, "ATMOST_STORE": url, "ATMOST_SERVICE_TOKEN": "compat-service",
+           "ATMOST_ADMIN_TOKEN": "compat-admin"}
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
 
 
@@ -286,8 +292,13 @@ def test_compatibility_rule_between_builds(log_dir, data_root, database_url):
         still = replica(log_dir, data_root / f"{schema}-n2", database_url, schema, "ledger-compat-next-2",
                         binary=next_bin)
         still.start()
-        still.stop()
+        try:
+            assert still.create_permit(label="compat-next")["token"]
+        finally:
+            still.stop()
         assert still.proc is not None and still.proc.returncode == 0
+        warning = [line for line in still.log_text().splitlines() if "newer schema" in line]
+        assert warning and '"database_version":7' in warning[-1] and '"known":6' in warning[-1], warning
     finally:
         drop_schema(database_url, schema)
 

@@ -1,11 +1,12 @@
 """Histories of calls and the one checker of atmost's promises.
 
-Every fault scenario (tests/faults) and the rolling-upgrade test (tests/e2e/test_upgrade.py) runs a workload that records each call it makes as a `CallRecord`:
-permit, key, tool, arguments, the JSON-RPC id it was sent with (unique per call), and what
-the client saw — `ok` (a tool result, first answer or replay), `denied` (an atmost denial
-or a refused request, with its code) or `unknown` (no usable answer: a 5xx, a reset, a
-timeout). The upstream records what it really executed, with the JSON-RPC id of the
-request that carried it, so every execution is tied to the one call that caused it.
+Every fault scenario (tests/faults) and the rolling-upgrade test (tests/e2e/test_upgrade.py)
+runs a workload that records each call it makes as a `CallRecord`: permit, key, tool,
+arguments, the JSON-RPC id it was sent with (unique per call), and what the client saw —
+`ok` (a tool result, first answer or replay), `denied` (an atmost denial or a refused
+request, with its code) or `unknown` (no usable answer: a 5xx, a reset, a timeout). The
+upstream records what it really executed, with the JSON-RPC id of the request that carried
+it, so every execution is tied to the one call that caused it.
 `check()` then verifies, over the whole history:
 
 1. per call: an execution belongs to a call of this history (its JSON-RPC id), carries
