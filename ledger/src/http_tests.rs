@@ -18,8 +18,15 @@ pub(crate) struct TestServer {
     pub http: reqwest::Client,
     pub state: Arc<AppState>,
     pub clock: Arc<ManualClock>,
+    /// One value is one SIGTERM, as the ledger's signal handler forwards it (crate::drain).
+    pub stop_signals: tokio::sync::mpsc::Sender<()>,
+    /// The server task: it ends once the drain is over and in-flight requests are done.
+    pub served: tokio::task::JoinHandle<()>,
     _dir: tempfile::TempDir,
 }
+
+/// The drain delay of the test servers: longer than any test, so only a second signal ends it.
+const TEST_DRAIN_DELAY: Duration = Duration::from_secs(3600);
 
 async fn start() -> TestServer {
     start_with(|_| {}).await
@@ -48,14 +55,20 @@ pub(crate) async fn start_with(configure: impl FnOnce(&mut ServerConfig)) -> Tes
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let app = server::router(state.clone());
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
+    let (stop_signals, received) = tokio::sync::mpsc::channel(4);
+    let stop = crate::drain::drain_then_stop(received, state.metrics.clone(), TEST_DRAIN_DELAY);
+    let served = tokio::spawn(async move {
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(stop)
+            .await;
     });
     TestServer {
         base: format!("http://{addr}"),
         http: reqwest::Client::new(),
         state,
         clock,
+        stop_signals,
+        served,
         _dir: dir,
     }
 }
@@ -558,4 +571,46 @@ async fn the_forwarded_key_is_kept_and_shown_and_a_bad_one_refused() {
     let id = d["attempt_id"].as_str().unwrap();
     let (_, a) = s.get(&format!("/admin/v1/attempts/{id}"), Some(ADM)).await;
     assert_eq!(a["attempt"]["forwarded_key"], Value::Null);
+}
+
+#[tokio::test]
+async fn a_stop_signal_turns_readiness_off_while_calls_are_still_served() {
+    let s = start().await;
+    let (_, tok) = s
+        .create_permit(json!({"label": "drain", "expires": "1h"}))
+        .await;
+    assert_eq!(
+        s.get("/readyz", None).await,
+        (200, json!({"status": "ready"}))
+    );
+    s.stop_signals.send(()).await.unwrap();
+    // The drain task takes the signal on its own; readiness turns off as soon as it has.
+    let mut readiness = s.get("/readyz", None).await;
+    for _ in 0..1000 {
+        if readiness.0 != 200 {
+            break;
+        }
+        tokio::task::yield_now().await;
+        readiness = s.get("/readyz", None).await;
+    }
+    assert_eq!(readiness.0, 503, "{readiness:?}");
+    assert_eq!(readiness.1["error"], "draining", "{readiness:?}");
+    // Everything else is served as before the signal.
+    let (st, v) = s
+        .post(
+            "/v1/authorize",
+            Some(SVC),
+            authz(&tok, "k-drain", "f-drain"),
+        )
+        .await;
+    assert_eq!((st, v["decision"].as_str()), (200, Some("dispatch")), "{v}");
+    assert_eq!(s.get("/healthz", None).await.0, 200);
+    let metrics = s.state.metrics.render().unwrap();
+    assert!(metrics.contains("\natmost_draining 1\n"), "{metrics}");
+    // A second signal skips the hour-long delay: the server shuts down and its task ends.
+    s.stop_signals.send(()).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(60), s.served)
+        .await
+        .expect("the server did not stop after the second signal")
+        .unwrap();
 }

@@ -16,6 +16,7 @@ pub mod cli;
 pub mod config_check;
 #[cfg(test)]
 mod decide_tests;
+pub mod drain;
 pub mod inbox;
 pub mod metrics;
 pub mod reconcile;

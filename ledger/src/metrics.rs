@@ -1,8 +1,8 @@
 //! Prometheus metrics of the ledger.
 
 use prometheus::{
-    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
 
 use crate::error::LedgerError;
@@ -39,6 +39,9 @@ pub struct Metrics {
     /// How long the attempt uncertain the longest has been so (0 when none is), refreshed by
     /// the sweeper.
     pub uncertain_oldest_seconds: Gauge,
+    /// 1 from the first stop signal on (crate::drain): /readyz reads this very value, so what
+    /// is exported and what readiness answers cannot disagree.
+    pub draining: IntGauge,
 }
 
 fn m<T>(r: Result<T, prometheus::Error>) -> Result<T, LedgerError> {
@@ -133,6 +136,11 @@ impl Metrics {
             "Seconds since the attempt uncertain the longest turned uncertain (0 when none is), as of the last sweep.",
         ))?;
         m(registry.register(Box::new(uncertain_oldest_seconds.clone())))?;
+        let draining = m(IntGauge::new(
+            "atmost_draining",
+            "1 while the ledger drains before a stop (/readyz answers 503), else 0.",
+        ))?;
+        m(registry.register(Box::new(draining.clone())))?;
         Ok(Metrics {
             registry,
             authorize,
@@ -151,6 +159,7 @@ impl Metrics {
             permits_revoked,
             attempts,
             uncertain_oldest_seconds,
+            draining,
         })
     }
 
@@ -159,5 +168,10 @@ impl Metrics {
         let mut buf = Vec::new();
         m(TextEncoder::new().encode(&self.registry.gather(), &mut buf))?;
         String::from_utf8(buf).map_err(|e| LedgerError::Invalid(e.to_string()))
+    }
+
+    /// Whether a stop signal has come: the ledger reports not ready while it drains.
+    pub fn is_draining(&self) -> bool {
+        self.draining.get() != 0
     }
 }

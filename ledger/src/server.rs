@@ -175,6 +175,16 @@ async fn healthz() -> Response {
 }
 
 async fn readyz(State(state): State<Shared>) -> Response {
+    if state.metrics.is_draining() {
+        return error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "draining",
+            Some(
+                "the ledger is draining before it stops; every other request is still served"
+                    .into(),
+            ),
+        );
+    }
     match state.store.ping(state.clock.now_ms()).await {
         Ok(()) => (StatusCode::OK, Json(serde_json::json!({"status": "ready"}))).into_response(),
         Err(e) => {

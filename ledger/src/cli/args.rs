@@ -102,6 +102,12 @@ pub struct LedgerArgs {
     /// uncertain even if its answer then arrives.
     #[arg(long, env = "ATMOST_LEASE", default_value = "300s", value_parser = humantime::parse_duration)]
     pub lease: Duration,
+    /// On SIGTERM or Ctrl-C, how long the ledger keeps serving while /readyz answers 503
+    /// `draining`, so that health checks and endpoint removal move traffic elsewhere first;
+    /// then it stops accepting, finishes what is in flight and exits. A second signal skips
+    /// the rest of the delay; 0 stops at once.
+    #[arg(long, env = "ATMOST_DRAIN_DELAY", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub drain_delay: Duration,
     /// How often the sweeper runs.
     #[arg(long, env = "ATMOST_SWEEP_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration)]
     pub sweep_interval: Duration,

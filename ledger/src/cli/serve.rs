@@ -62,6 +62,7 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
         metrics: Arc::new(Metrics::new()?),
     });
     rt.block_on(async move {
+        let stop_signals = crate::drain::os_stop_signals()?;
         let listener = tokio::net::TcpListener::bind(args.listen).await?;
         tracing::info!(listen = %args.listen, lease_ms = state.config.lease.as_millis() as u64, "ledger listening");
         let sweeper = server::spawn_sweeper(state.clone(), args.sweep_interval);
@@ -72,6 +73,7 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
             ),
             None => None,
         };
+        let stop = crate::drain::drain_then_stop(stop_signals, state.metrics.clone(), args.drain_delay);
         let app = server::router(state);
         // Callouts are small request/response pairs on long-lived connections: without
         // TCP_NODELAY, Nagle's algorithm holds a reply back until the previous one is acked.
@@ -80,7 +82,7 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
                 tracing::warn!(error = %e, "could not set TCP_NODELAY on an accepted connection");
             }
         });
-        let served = axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await;
+        let served = axum::serve(listener, app).with_graceful_shutdown(stop).await;
         sweeper.abort();
         if let Some(r) = reconciler {
             r.abort();
@@ -123,26 +125,4 @@ pub(super) async fn open_store(args: &LedgerArgs) -> Result<Arc<dyn Store>, CliE
     tracing::info!(store = "postgres", database = %store.description(), pool_size = opts.pool_size,
         "store opened, migrations applied");
     Ok(Arc::new(store))
-}
-
-pub(super) async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => {
-                    let _ = tokio::signal::ctrl_c().await;
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
 }
