@@ -189,6 +189,9 @@ class Ledger(Process):
         super().__init__(name, argv, log_dir, env={
             "ATMOST_SERVICE_TOKEN": service_token,
             "ATMOST_ADMIN_TOKEN": admin_token,
+            # A local ledger has no health check to wait for: stop at once (a test that drains
+            # passes --drain-delay, which wins over the environment).
+            "ATMOST_DRAIN_DELAY": "0s",
             "RUST_LOG": os.environ.get("RUST_LOG", "info"),
         })
 

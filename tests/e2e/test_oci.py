@@ -367,6 +367,7 @@ def launch_image_ledger(spec: dict, tmp_path: Path, env: dict[str, str] | None =
     port = free_port()
     env = process_env(spec, {"ATMOST_LISTEN": f"127.0.0.1:{port}", "ATMOST_SERVICE_TOKEN": "image-test-service-token",
                              "ATMOST_ADMIN_TOKEN": "image-test-admin-token", "ATMOST_LOG_FORMAT": "text",
+                             "ATMOST_DRAIN_DELAY": "0s",
                              **(env or {})})
     log = tmp_path / "ledger.log"
     with open(log, "wb") as out:
