@@ -811,6 +811,27 @@ def test_ledger_deployment_service_and_pdb(objs):
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def test_ledger_drains_before_the_pod_is_killed(objs):
+    """A planned stop denies nothing (docs/postgresql.md, "Upgrades"): the readiness probe sees
+    the drain well inside the drain delay, and the grace period covers the delay plus the
+    longest store operation in flight (connect timeout + twice the statement timeout)."""
+    pod = objs["Deployment"]["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    drain = env["ATMOST_DRAIN_DELAY"]
+    assert re.fullmatch(r"\d+s", drain), drain
+    drain_seconds = int(drain[:-1])
+    probe = container["readinessProbe"]
+    noticed_within = probe["periodSeconds"] * probe["failureThreshold"] + probe["timeoutSeconds"]
+    assert noticed_within < drain_seconds, (probe, drain)
+    longest_store_operation = 5 + 2 * 5  # --pg-connect-timeout, --pg-statement-timeout defaults
+    assert pod["terminationGracePeriodSeconds"] > drain_seconds + longest_store_operation
+    # The ledger's sidecar passes requests until the ledger is done, and is killed with it.
+    proxy = json.loads(objs["Deployment"]["spec"]["template"]["metadata"]["annotations"]["proxy.istio.io/config"])
+    sidecar_drain = int(proxy["terminationDrainDuration"].removesuffix("s"))
+    assert drain_seconds + longest_store_operation < sidecar_drain < pod["terminationGracePeriodSeconds"]
+
+
 # ---------------------------------------------------------------- docs/istio.md
 
 
