@@ -528,6 +528,7 @@ def test_sqlite_overlay_runs_one_replica_on_a_volume_with_an_existing_secret(ren
     container = ledger_container(rendered[LEDGER_SQLITE])
     env = env_of(container)
     assert env["ATMOST_STORE"] == {"name": "ATMOST_STORE", "value": "sqlite"}
+    assert env["ATMOST_DRAIN_DELAY"]["value"] == "0s", "no other replica to drain to"
     claim = kinds["PersistentVolumeClaim"]
     volumes = {v["name"]: v for v in deployment["template"]["spec"]["volumes"]}
     [mount] = container["volumeMounts"]
