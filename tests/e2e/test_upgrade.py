@@ -4,10 +4,12 @@ Two replicas of the current build share one PostgreSQL schema behind Envoy's led
 (the shipped sidecar config: /readyz health checks, no panic routing). Workers send governed
 `tools/call`s through Envoy the whole time: new keys, repeated keys (replays), enough calls to
 cross a per-tool cap. Replica B is replaced by the next build (`target/debug/atmost-next`, the
-`schema-rehearsal` feature: one more, additive migration): SIGTERM, wait for its exit, start
-the next build on the same port, which migrates the database to the next version while A still
-serves. Both serve side by side, then A is replaced too. Every call must be answered with a
-dispatch result, a replay or a documented denial; the per-call history checker
+`schema-rehearsal` feature: one more, additive migration): SIGTERM, and the replica drains
+(/readyz 503, every call still served) until Envoy's health check has taken it out of the
+ledger cluster while it still runs; then it stops, and the next build starts on the same port,
+migrates the database to the next version while A still serves. Both serve side by side, then
+A is replaced too. No call is denied gateway_unavailable: every call is dispatched, replayed or
+denied by the cap; the per-call history checker
 (tests/support/history.py) finds no lost attempt and no double dispatch; the stored counters
 equal a recount. A second test shows the rule's other side: a database that needs a newer
 ledger is refused at start (exit status 3), an additively newer one is served.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import signal
 import sqlite3
 import subprocess
 import threading
@@ -34,7 +37,7 @@ from tests.e2e.test_replicas import authorize_counts, database_url, drop_schema,
 from tests.support.history import (History, Permit, acked_completions, assert_invariants, pg_rows, psql,
                                    row_owners, wait_settled)
 from tests.support.recording_upstream import RecordingUpstream
-from tests.support.stack import ROOT, Envoy, Ledger, free_port, ledger_binary, wait_until
+from tests.support.stack import ROOT, Envoy, Ledger, free_port, http_get, ledger_binary, wait_until
 
 UPSTREAM_SECRET = "upgrade-upstream-secret-0123456789"
 RELEASED_SCHEMA = 5
@@ -45,6 +48,13 @@ CALLS_PER_STEP = 40
 # The loop bound: a worker stops after this many calls or this long, whatever happens.
 MAX_CALLS_PER_WORKER = 2000
 MAX_LOAD_SECONDS = 240.0
+# The replaced replicas' drain delay: far longer than Envoy's health check needs to take a
+# draining replica out (2 failures 2 s apart). The test ends the drain with a second SIGTERM
+# once it has seen that happen, so the order is checked, not hoped for.
+DRAIN_DELAY = "120s"
+# Calls the other replica must decide after Envoy took the draining one out, before it stops:
+# the gateway's workers have moved on.
+CALLS_AFTER_TAKEN_OUT = 10
 
 
 def next_binary() -> Path:
@@ -65,9 +75,11 @@ def documented_codes() -> set[str]:
 
 
 def replica(log_dir: Path, data_dir: Path, url: str, schema: str, name: str, port: int | None = None,
-            binary: Path | None = None) -> Ledger:
+            binary: Path | None = None, drain_delay: str = "0s") -> Ledger:
+    """A replica on the schema; `drain_delay` for one the test will replace (0: it stops at once)."""
     ledger = Ledger(log_dir, data_dir, port=port, name=name,
-                    extra_args=["--pg-schema", schema, "--sweep-interval", "200ms", "--pg-pool-size", "8"])
+                    extra_args=["--pg-schema", schema, "--sweep-interval", "200ms", "--pg-pool-size", "8",
+                                "--drain-delay", drain_delay])
     if binary is not None:
         ledger.argv[0] = str(binary)
     ledger.env["ATMOST_STORE"] = url  # the URL stays out of argv
@@ -150,13 +162,30 @@ class Load:
         assert not any(t.is_alive() for t in self.threads), "a worker did not stop"
 
 
-def swap(old: Ledger, log_dir: Path, url: str, schema: str, binary: Path, envoy: Envoy,
+def taken_out_by_health_check(envoy: Envoy, ledger: Ledger) -> bool:
+    """Envoy's admin /clusters shows the ledger's host failed by the active health check."""
+    clusters = http_get(envoy.admin_url + "/clusters")[1].decode()
+    flags = f"atmost_ledger::127.0.0.1:{ledger.port}::health_flags::"
+    return any(line.startswith(flags) and "failed_active_hc" in line for line in clusters.splitlines())
+
+
+def swap(old: Ledger, other: Ledger, log_dir: Path, url: str, schema: str, binary: Path, envoy: Envoy,
          started: list[Ledger]) -> Ledger:
     """Replaces one replica by `binary` on the same port and data dir, as a Deployment's
-    rolling update does with one pod: SIGTERM (the ledger drains and exits), then the new
-    one starts, migrates, and takes callouts once Envoy's health check sees it ready."""
+    rolling update does with one pod: SIGTERM, and the ledger drains: /readyz answers 503
+    while it serves every call, until Envoy's health check has taken it out (seen while it
+    still runs) and the other replica decides the calls; a second SIGTERM ends the drain
+    delay, the ledger finishes what is in flight and exits 0. Then the new one starts,
+    migrates, and takes callouts once Envoy's health check sees it ready."""
+    assert old.proc is not None
+    old.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: taken_out_by_health_check(envoy, old), 30, f"Envoy's health check to take {old.name} out")
+    other_before = total(authorize_counts(other))
+    wait_decided([other], [other_before], CALLS_AFTER_TAKEN_OUT, f"{other.name} to decide the calls")
+    assert old.alive(), f"{old.name} stopped before Envoy took it out:\n{old.log_text()[-2000:]}"
+    assert '"message":"draining:' in old.log_text() and '"drain_delay_ms":120000' in old.log_text()
     old.stop()
-    assert old.proc is not None and old.proc.returncode == 0, f"{old.name} did not drain cleanly: {old.proc}"
+    assert old.proc.returncode == 0, f"{old.name} did not drain cleanly: {old.proc}"
     new = replica(log_dir, old.data_dir, url, schema, f"{old.name}-next", port=old.port, binary=binary)
     started.append(new)
     new.start()
@@ -173,8 +202,8 @@ def test_rolling_upgrade_to_the_next_schema_under_load(log_dir, data_root, datab
     next_bin = next_binary()
     schema = f"atmost_upgrade_{uuid.uuid4().hex[:10]}"
     upstream = RecordingUpstream().start()
-    a = replica(log_dir, data_root / f"{schema}-a", database_url, schema, "ledger-upgrade-a")
-    b = replica(log_dir, data_root / f"{schema}-b", database_url, schema, "ledger-upgrade-b")
+    a = replica(log_dir, data_root / f"{schema}-a", database_url, schema, "ledger-upgrade-a", drain_delay=DRAIN_DELAY)
+    b = replica(log_dir, data_root / f"{schema}-b", database_url, schema, "ledger-upgrade-b", drain_delay=DRAIN_DELAY)
     running = [a, b]
     started = list(running)  # every replica, stopped at the end whatever happened
     envoy = None
@@ -199,7 +228,7 @@ def test_rolling_upgrade_to_the_next_schema_under_load(log_dir, data_root, datab
         wait_decided(running, [0, 0], CALLS_PER_STEP, "both replicas to serve before the upgrade")
         # Step 1: B is replaced by the next build, which migrates while A still serves.
         load.phase = "b-replaced"
-        b_next = swap(b, log_dir, database_url, schema, next_bin, envoy, started)
+        b_next = swap(b, a, log_dir, database_url, schema, next_bin, envoy, started)
         running = [a, b_next]
         assert schema_versions(database_url, schema)[-1] == (NEXT_SCHEMA, RELEASED_SCHEMA)
         assert '"migration applied"' in b_next.log_text() and '"version":6' in b_next.log_text()
@@ -207,7 +236,7 @@ def test_rolling_upgrade_to_the_next_schema_under_load(log_dir, data_root, datab
         wait_decided(running, [a_before, 0], CALLS_PER_STEP, "the old and the new build both to decide calls")
         # Step 2: A is replaced too.
         load.phase = "a-replaced"
-        a_next = swap(a, log_dir, database_url, schema, next_bin, envoy, started)
+        a_next = swap(a, b_next, log_dir, database_url, schema, next_bin, envoy, started)
         running = [a_next, b_next]
         wait_decided(running, [0, total(authorize_counts(b_next))], CALLS_PER_STEP,
                      "both upgraded replicas to decide calls")
@@ -235,6 +264,10 @@ def test_rolling_upgrade_to_the_next_schema_under_load(log_dir, data_root, datab
                           allowed_codes=documented_codes(), require_probes=True)
         phases = {p: sum(1 for r in history.calls if r.phase == p) for p in ("before", "b-replaced", "a-replaced")}
         print(f"rolling upgrade: {len(history.calls)} calls, {summary}, per phase {phases}")
+        # A planned rollout denies nothing: no call met an unavailable gateway.
+        refused = [(r.phase, r.outcome, r.code) for r in history.calls
+                   if not (r.outcome == "ok" or (r.outcome == "denied" and r.code == "permit_max_calls_exceeded"))]
+        assert not refused, f"{len(refused)} calls neither dispatched, replayed nor capped: {refused[:10]}"
         # What the workload was meant to exercise did happen: dispatches, replays, the cap.
         assert summary.get("ok", 0) > 0 and any(r.replayed for r in history.calls if r.phase != "probe"), summary
         assert summary.get("denied:permit_max_calls_exceeded", 0) > 0, summary
