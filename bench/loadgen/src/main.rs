@@ -12,6 +12,10 @@
 //! `ledger`: the ledger alone. N workers over a few HTTP/2 (h2c) connections, each doing
 //! authorize (fresh key) then a `completed` report for the attempt, as the filter does.
 //!
+//! Both can send their requests under several permits (`--permit-file`, one token a line):
+//! request i carries token i mod n, so every permit gets the same share of the load, as n
+//! agents of the same rate would.
+//!
 //! Both print one JSON object on stdout.
 
 use std::collections::VecDeque;
@@ -52,6 +56,29 @@ fn all(args: &[String], name: &str) -> Vec<String> {
         .filter(|w| w[0] == name)
         .map(|w| w[1].clone())
         .collect()
+}
+
+/// The permit tokens of `--permit-file` (one a line) and of `--permit` (comma-separated),
+/// in that order.
+fn permit_tokens(args: &[String]) -> Res<Vec<String>> {
+    let mut tokens = Vec::new();
+    if let Some(path) = arg(args, "--permit-file") {
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
+        tokens.extend(
+            text.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .map(str::to_string),
+        );
+    }
+    if let Some(list) = arg(args, "--permit") {
+        tokens.extend(
+            list.split(',')
+                .filter(|t| !t.is_empty())
+                .map(str::to_string),
+        );
+    }
+    Ok(tokens)
 }
 
 /// Host:port and path of an `http://` URL.
@@ -118,6 +145,8 @@ async fn rate(args: &[String]) -> Res<Value> {
         .filter_map(|h| h.split_once(':'))
         .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
         .collect();
+    // Request i goes under permit i mod n (`atmost-permit`), none without a permit.
+    let permits = Arc::new(permit_tokens(args)?);
     let (authority, path) = split_url(&url)?;
     let total = (rate * secs).round() as u64;
     let queue = Arc::new(Queue {
@@ -173,11 +202,12 @@ async fn rate(args: &[String]) -> Res<Value> {
             .await
             .map_err(|e| e.to_string())?;
         tokio::spawn(conn);
-        let (queue, done, templates, headers) = (
+        let (queue, done, templates, headers, permits) = (
             Arc::clone(&queue),
             Arc::clone(&done),
             Arc::clone(&templates),
             Arc::clone(&headers),
+            Arc::clone(&permits),
         );
         let (authority, path, prefix) = (authority.clone(), path.clone(), prefix.clone());
         tasks.push(tokio::spawn(async move {
@@ -203,6 +233,10 @@ async fn rate(args: &[String]) -> Res<Value> {
                     .header("accept", "application/json, text/event-stream");
                 for (k, v) in headers.iter() {
                     req = req.header(k.as_str(), v.as_str());
+                }
+                if !permits.is_empty() {
+                    let permit = &permits[(i as usize) % permits.len()];
+                    req = req.header("atmost-permit", permit.as_str());
                 }
                 let Ok(req) = req.body(Full::new(Bytes::from(body))) else {
                     tally.errors += 1;
@@ -312,11 +346,11 @@ async fn post(
 async fn ledger(args: &[String]) -> Res<Value> {
     let (authority, _) = split_url(&need(args, "--url")?)?;
     let token = need(args, "--service-token")?;
-    // Several permits (comma-separated) spread the workers over them, as several agents would.
-    let permits: Vec<String> = need(args, "--permit")?
-        .split(',')
-        .map(str::to_string)
-        .collect();
+    // Several permits: pair i goes under permit i mod n, so each gets the same share.
+    let permits = Arc::new(permit_tokens(args)?);
+    if permits.is_empty() {
+        return Err("missing --permit or --permit-file".into());
+    }
     let workers: usize = num(args, "--concurrency", 64)?;
     let conns: usize = num(args, "--connections", 2)?;
     let secs: f64 = num(args, "--duration", 10.0)?;
@@ -341,10 +375,10 @@ async fn ledger(args: &[String]) -> Res<Value> {
     for w in 0..workers {
         let mut send = senders[w % senders.len()].clone();
         let batcher = batched.then(|| Arc::clone(&batchers[w % batchers.len()]));
-        let (authority, token, permit, prefix, seq) = (
+        let (authority, token, permits, prefix, seq) = (
             authority.clone(),
             token.clone(),
-            permits[w % permits.len()].clone(),
+            Arc::clone(&permits),
             prefix.clone(),
             Arc::clone(&seq),
         );
@@ -353,6 +387,7 @@ async fn ledger(args: &[String]) -> Res<Value> {
             while Instant::now() < stop {
                 let i = seq.fetch_add(1, Ordering::Relaxed);
                 let key = format!("{prefix}-{i}");
+                let permit = &permits[(i as usize) % permits.len()];
                 let t0 = Instant::now();
                 let auth = json!({
                     "permit_token": permit,
@@ -517,7 +552,9 @@ impl Batcher {
 const USAGE: &str = "usage:
   atmost-bench-load rate --url http://H:P/path --rate RPS --duration S --body-file F
                          [--connections N] [--key-prefix P] [--header 'name: value']...
-  atmost-bench-load ledger --url http://H:P --service-token T --permit TOKEN[,TOKEN...]
+                         [--permit TOKEN[,TOKEN...]] [--permit-file F]
+  atmost-bench-load ledger --url http://H:P --service-token T
+                         (--permit TOKEN[,TOKEN...] | --permit-file F)
                          [--batched-completions]
                          [--concurrency 64] [--connections 2] [--duration 10] [--key-prefix P]";
 
