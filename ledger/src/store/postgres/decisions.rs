@@ -5,16 +5,18 @@ use std::time::Duration;
 
 use atmost_protocol::AuthorizeRequest;
 use deadpool_postgres::{GenericClient, Pool};
+use tokio_postgres::types::ToSql;
 
 use super::column_err;
 use super::group_queue::GroupQueue;
-use super::rows::{attempts_by_keys_sql, prepared, query, read_attempt, read_permit, PERMIT_COLS};
-use super::writes::{insert_attempts, storable, update_attempts, write_counters};
-use super::{answer_group, pg_err, pool_err, StateSets};
+use super::group_tx::GroupTx;
+use super::rows::{attempts_by_keys_sql, prepared, read_attempt, read_permit, PERMIT_COLS};
+use super::writes::{insert_attempts, prepare_writes, storable, update_attempts, write_counters};
+use super::{answer_group, pg_err, StateSets};
 use crate::clock::Millis;
 use crate::decide::{self, DecideParams, Decision, Mutation};
 use crate::error::LedgerError;
-use crate::model::{Attempt, GuardMode, Permit};
+use crate::model::{Attempt, Permit};
 use crate::store::counters::CounterMoves;
 use crate::store::rows::{ATTEMPT_COLS, ATTEMPT_NCOLS};
 use crate::store::snapshot::{self, DuplicateLookup, PermitRead, SnapshotReads};
@@ -31,10 +33,11 @@ pub(super) struct AuthJob {
 pub(super) type DecisionQueue = Arc<GroupQueue<AuthJob>>;
 
 /// Takes the queued decisions, of every permit, in groups until none is left. A group is one
-/// transaction: it locks the rows of the permits its calls name, in id order (as the outcome
-/// transactions do, so no two transactions wait on each other in a cycle), decides them all
-/// and commits once. Many agents, one permit each, then share one commit per group instead
-/// of paying one per permit.
+/// transaction (see [`GroupTx`]): it locks the rows of the permits its calls name, in id
+/// order (as the outcome transactions do, so no two transactions wait on each other in a
+/// cycle), decides them all and commits once. Many agents, one permit each, then share one
+/// commit per group instead of paying one per permit. `BEGIN`, the locks and the first
+/// batch's reads go out in one flight; its writes and `COMMIT` in the next.
 pub(super) async fn decision_worker(
     pool: Pool,
     states: StateSets,
@@ -43,8 +46,8 @@ pub(super) async fn decision_worker(
 ) {
     while let Some(jobs) = queue.next_group() {
         let work = async {
-            let mut conn = pool.get().await.map_err(pool_err)?;
-            let tx = conn.transaction().await.map_err(pg_err)?;
+            let tx = GroupTx::start(&pool).await?;
+            let c = tx.client()?;
             let mut ids: Vec<&str> = jobs
                 .iter()
                 .filter_map(|j| token::permit_id_of(&j.req.permit_token))
@@ -53,11 +56,26 @@ pub(super) async fn decision_worker(
             ids.dedup();
             // The locks every decision on these permits serializes on (module docs). The
             // budget totals come with them: nothing else writes them while the locks are held.
-            let sql = format!(
-                "SELECT {PERMIT_COLS}, reserved, spent FROM permits WHERE id = ANY($1) ORDER BY id FOR UPDATE"
+            let lock = prepared(c, &lock_permits_sql()).await?;
+            let statements = ReadStatements::prepare(c).await?;
+            prepare_writes(c).await?;
+            let key_hashes: Vec<Option<String>> =
+                jobs.iter().map(|j| decide::key_hash(&j.req)).collect();
+            let ends = batch_ends(&jobs);
+            let first_end = ends.first().copied().unwrap_or(jobs.len());
+            let first = ReadArgs::of(&jobs[..first_end], &key_hashes[..first_end]);
+            let lock_args: [&(dyn ToSql + Sync); 1] = [&ids];
+            let (begun, locked, first_reads) = tokio::join!(
+                biased;
+                tx.begin(),
+                c.query(&lock, &lock_args),
+                read_batch(c, &statements, &states, &first)
             );
+            begun?;
+            let locked = locked.map_err(pg_err)?;
+            let first_reads = first_reads?;
             let mut permits = std::collections::HashMap::new();
-            for row in query(&tx, &sql, &[&ids]).await? {
+            for row in locked {
                 let p = read_permit(&row)?;
                 let budget: (i64, i64) = (
                     row.try_get(7).map_err(column_err)?,
@@ -65,15 +83,30 @@ pub(super) async fn decision_worker(
                 );
                 permits.insert(p.id.clone(), (p, budget));
             }
+            let group = Group {
+                tx: &tx,
+                statements: &statements,
+                states: &states,
+                permits: &permits,
+                jobs: &jobs,
+                key_hashes: &key_hashes,
+            };
             let mut moves = CounterMoves::default();
-            let decisions = decide_group(&tx, &states, &permits, &jobs, &mut moves).await?;
             // No answer leaves before the commit did: a group that cannot commit is an error.
-            tx.commit().await.map_err(pg_err)?;
+            let decisions = group.decide(&ends, first_reads, &mut moves).await?;
+            tx.committed();
             Ok(decisions)
         };
         let outcome = tokio::time::timeout(op_timeout, work).await;
         answer_group(jobs.into_iter().map(|j| j.reply), outcome, op_timeout);
     }
+}
+
+/// Locks the permits `$1` in id order and reads them with their budget totals.
+fn lock_permits_sql() -> String {
+    format!(
+        "SELECT {PERMIT_COLS}, reserved, spent FROM permits WHERE id = ANY($1) ORDER BY id FOR UPDATE"
+    )
 }
 
 /// The locked permits of a group, by id, with their stored budget totals (reserved, spent).
@@ -96,8 +129,7 @@ pub(super) struct BatchReads {
     by_key: std::collections::HashMap<(String, String), Attempt>,
     /// (permit, tool) → slots held.
     slots: std::collections::HashMap<(String, String), i64>,
-    /// Index of the job among the batch's authenticated jobs → the newest attempt its
-    /// duplicate guard would match.
+    /// Index of the job in its batch → the newest attempt its duplicate guard would match.
     duplicates: std::collections::HashMap<usize, Attempt>,
 }
 
@@ -105,8 +137,8 @@ pub(super) struct BatchReads {
 struct BatchLookups<'a> {
     reads: &'a BatchReads,
     permits: &'a LockedPermits,
-    /// The job's position among the batch's authenticated jobs.
-    pos: Option<usize>,
+    /// The job's index in its batch.
+    job: usize,
 }
 
 impl SnapshotReads for BatchLookups<'_> {
@@ -143,11 +175,8 @@ impl SnapshotReads for BatchLookups<'_> {
         &mut self,
         _: &DuplicateLookup<'_>,
     ) -> Result<Option<Attempt>, LedgerError> {
-        // The batch read it by the job's position (see `read_batch`).
-        Ok(self
-            .pos
-            .and_then(|pos| self.reads.duplicates.get(&pos))
-            .cloned())
+        // The batch read it by the job's index (see `read_batch`).
+        Ok(self.reads.duplicates.get(&self.job).cloned())
     }
 }
 
@@ -179,87 +208,126 @@ pub(super) fn batch_ends(jobs: &[AuthJob]) -> Vec<usize> {
     ends
 }
 
-/// One authenticated job of a batch, with its permit and key hash.
-pub(super) struct Authed<'a> {
-    job: &'a AuthJob,
-    permit: &'a Permit,
-    key_hash: Option<String>,
+/// What a batch reads, taken from its requests alone: the first batch's reads leave in the
+/// flight that takes the locks, before the permits (their policies, whether the tokens
+/// authenticate) are known. So every job that names a permit has its slots and its duplicate
+/// candidate read, needed or not (one index probe each); the decisions ask only for what
+/// they need, and nothing read for a token that does not authenticate is used.
+#[derive(Default)]
+pub(super) struct ReadArgs<'a> {
+    key_permits: Vec<&'a str>,
+    key_hashes: Vec<&'a str>,
+    tool_permits: Vec<&'a str>,
+    tool_names: Vec<&'a str>,
+    dup_permits: Vec<&'a str>,
+    dup_prints: Vec<&'a str>,
+    dup_keys: Vec<Option<&'a str>>,
+    dup_nows: Vec<Millis>,
+    /// The batch index of each duplicate lookup's job.
+    dup_jobs: Vec<usize>,
 }
 
-/// Reads everything a batch's decisions need, whatever their permits, in one round trip: the
-/// three statements are sent together (pipelined), after the permits' locks are held.
-pub(super) async fn read_batch<C: GenericClient>(
-    tx: &C,
-    states: &StateSets,
-    authed: &[Authed<'_>],
-) -> Result<BatchReads, LedgerError> {
-    let (mut key_permits, mut key_hashes) = (Vec::new(), Vec::new());
-    let mut tools: Vec<(&str, &str)> = Vec::new();
-    let (mut dup_permits, mut fps, mut kh_of, mut since, mut dup_of) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for (i, a) in authed.iter().enumerate() {
-        let policy = &a.permit.policy;
-        if let Some(kh) = a.key_hash.as_deref() {
-            key_permits.push(a.permit.id.as_str());
-            key_hashes.push(kh);
+impl<'a> ReadArgs<'a> {
+    /// `key_hashes[i]` is the hash of `jobs[i]`'s idempotency key.
+    pub(super) fn of(jobs: &'a [AuthJob], key_hashes: &'a [Option<String>]) -> Self {
+        let mut args = ReadArgs::default();
+        let mut tools: Vec<(&str, &str)> = Vec::new();
+        for (i, (job, key_hash)) in jobs.iter().zip(key_hashes).enumerate() {
+            let Some(permit) = token::permit_id_of(&job.req.permit_token) else {
+                continue;
+            };
+            if let Some(kh) = key_hash.as_deref() {
+                args.key_permits.push(permit);
+                args.key_hashes.push(kh);
+            }
+            tools.push((permit, job.req.tool.as_str()));
+            args.dup_permits.push(permit);
+            args.dup_prints.push(job.req.fingerprint.as_str());
+            args.dup_keys.push(key_hash.as_deref());
+            args.dup_nows.push(job.now);
+            args.dup_jobs.push(i);
         }
-        if policy.limit_for(&a.job.req.tool).is_some() {
-            tools.push((a.permit.id.as_str(), a.job.req.tool.as_str()));
-        }
-        if policy.duplicate_guard != GuardMode::Off {
-            let lookup =
-                DuplicateLookup::of(&a.job.req, a.permit, a.key_hash.as_deref(), a.job.now);
-            dup_permits.push(lookup.permit_id);
-            fps.push(lookup.fingerprint);
-            kh_of.push(lookup.key_hash);
-            since.push(lookup.since);
-            dup_of.push(i);
-        }
+        tools.sort_unstable();
+        tools.dedup();
+        (args.tool_permits, args.tool_names) = tools.into_iter().unzip();
+        args
     }
-    tools.sort_unstable();
-    tools.dedup();
-    let (tool_permits, tool_names): (Vec<&str>, Vec<&str>) = tools.into_iter().unzip();
-    let st_keys = prepared(tx, &attempts_by_keys_sql()).await?;
-    let st_slots = prepared(
-        tx,
-        "SELECT u.p, u.t, s.slots_held FROM unnest($1::TEXT[], $2::TEXT[]) AS u(p, t) CROSS JOIN LATERAL \
-         (SELECT slots_held FROM permit_tool_usage x WHERE x.permit_id = u.p AND x.tool = u.t LIMIT 1) s",
-    )
-    .await?;
-    // One index lookup per job (the same one the single-job query made), numbered by the
-    // job's position in the arrays.
-    let st_dup = prepared(
-        tx,
-        &format!(
-            "SELECT {ATTEMPT_COLS}, j.i FROM unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::BIGINT[]) WITH ORDINALITY \
-             AS j(p, fp, kh, since, i) CROSS JOIN LATERAL (SELECT * FROM attempts d WHERE d.permit_id = j.p \
-             AND d.fingerprint = j.fp AND NOT (d.state = ANY($5)) AND d.created_at >= j.since \
-             AND (j.kh IS NULL OR d.key_hash IS NULL OR d.key_hash <> j.kh) \
-             ORDER BY d.created_at DESC LIMIT 1) a"
-        ),
-    )
-    .await?;
+}
+
+/// The statements of a batch's reads, prepared once per connection.
+pub(super) struct ReadStatements {
+    keys: tokio_postgres::Statement,
+    slots: tokio_postgres::Statement,
+    duplicates: tokio_postgres::Statement,
+}
+
+impl ReadStatements {
+    pub(super) async fn prepare<C: GenericClient>(c: &C) -> Result<Self, LedgerError> {
+        Ok(ReadStatements {
+            keys: prepared(c, &attempts_by_keys_sql()).await?,
+            slots: prepared(
+                c,
+                "SELECT u.p, u.t, s.slots_held FROM unnest($1::TEXT[], $2::TEXT[]) AS u(p, t) CROSS JOIN LATERAL \
+                 (SELECT slots_held FROM permit_tool_usage x WHERE x.permit_id = u.p AND x.tool = u.t LIMIT 1) s",
+            )
+            .await?,
+            // One index lookup per job, numbered by its position in the arrays. The window
+            // is the permit's retention back from the job's `now` (as `DuplicateLookup::of`
+            // computes it; `permits.retention_ms` is the policy's, written with the permit).
+            duplicates: prepared(
+                c,
+                &format!(
+                    "SELECT {ATTEMPT_COLS}, j.i FROM unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::BIGINT[]) \
+                     WITH ORDINALITY AS j(p, fp, kh, now, i) \
+                     CROSS JOIN LATERAL (SELECT retention_ms FROM permits r WHERE r.id = j.p LIMIT 1) r \
+                     CROSS JOIN LATERAL (SELECT * FROM attempts d WHERE d.permit_id = j.p \
+                     AND d.fingerprint = j.fp AND NOT (d.state = ANY($5)) AND d.created_at >= j.now - r.retention_ms \
+                     AND (j.kh IS NULL OR d.key_hash IS NULL OR d.key_hash <> j.kh) \
+                     ORDER BY d.created_at DESC LIMIT 1) a"
+                ),
+            )
+            .await?,
+        })
+    }
+}
+
+/// Reads everything a batch's decisions need, whatever their permits: the three statements
+/// are sent together (pipelined), so polled with the group's locks they share their flight.
+pub(super) async fn read_batch<C: GenericClient>(
+    c: &C,
+    statements: &ReadStatements,
+    states: &StateSets,
+    args: &ReadArgs<'_>,
+) -> Result<BatchReads, LedgerError> {
     let (keys, slots, dups) = tokio::join!(
         biased;
         async {
-            if key_hashes.is_empty() {
+            if args.key_hashes.is_empty() {
                 return Ok(Vec::new());
             }
-            tx.query(&st_keys, &[&key_permits, &key_hashes]).await
+            c.query(&statements.keys, &[&args.key_permits, &args.key_hashes])
+                .await
         },
         async {
-            if tool_permits.is_empty() {
+            if args.tool_permits.is_empty() {
                 return Ok(Vec::new());
             }
-            tx.query(&st_slots, &[&tool_permits, &tool_names]).await
+            c.query(&statements.slots, &[&args.tool_permits, &args.tool_names])
+                .await
         },
         async {
-            if fps.is_empty() {
+            if args.dup_prints.is_empty() {
                 return Ok(Vec::new());
             }
-            tx.query(
-                &st_dup,
-                &[&dup_permits, &fps, &kh_of, &since, &states.gave_back],
+            c.query(
+                &statements.duplicates,
+                &[
+                    &args.dup_permits,
+                    &args.dup_prints,
+                    &args.dup_keys,
+                    &args.dup_nows,
+                    &states.gave_back,
+                ],
             )
             .await
         }
@@ -287,7 +355,7 @@ pub(super) async fn read_batch<C: GenericClient>(
         let job = usize::try_from(i)
             .ok()
             .and_then(|i| i.checked_sub(1))
-            .and_then(|i| dup_of.get(i).copied());
+            .and_then(|i| args.dup_jobs.get(i).copied());
         if let Some(job) = job {
             reads.duplicates.insert(job, read_attempt(&row)?);
         }
@@ -295,106 +363,117 @@ pub(super) async fn read_batch<C: GenericClient>(
     Ok(reads)
 }
 
-/// Decides a group's jobs in order, inside the transaction that holds their permits' row
-/// locks. Each batch (see [`batch_ends`]) is read in one round trip, decided in memory
-/// (counters as stored plus the group's moves so far) and written in one more, the last one
-/// together with the group's counters. An `Invalid` error is one job's, raised before its
-/// writes were sent (its moves are not counted); any other error breaks the transaction and
-/// fails the group.
-pub(super) async fn decide_group<C: GenericClient>(
-    tx: &C,
-    states: &StateSets,
-    permits: &LockedPermits,
-    jobs: &[AuthJob],
-    moves: &mut CounterMoves,
-) -> Result<Vec<Result<Decision, LedgerError>>, LedgerError> {
-    let mut decisions = Vec::with_capacity(jobs.len());
-    let mut start = 0;
-    for end in batch_ends(jobs) {
-        let batch = &jobs[start..end];
-        start = end;
-        // Nothing else is read for a token that does not authenticate. Each job's permit, and
-        // its position among the authenticated jobs (the duplicate reads are numbered by it).
-        let mut authed: Vec<Authed<'_>> = Vec::new();
-        let mut checked: Vec<(PermitRead<'_>, Option<usize>)> = Vec::with_capacity(batch.len());
-        for job in batch {
-            let read = permit_of(permits, job);
-            let pos = read.authenticated().map(|permit| {
-                authed.push(Authed {
-                    job,
-                    permit,
-                    key_hash: decide::key_hash(&job.req),
-                });
-                authed.len() - 1
-            });
-            checked.push((read, pos));
-        }
-        let reads = if authed.is_empty() {
-            BatchReads::default()
-        } else {
-            read_batch(tx, states, &authed).await?
-        };
-        let mut inserts: Vec<Attempt> = Vec::new();
-        let mut updates: Vec<Attempt> = Vec::new();
-        for (job, (read, pos)) in batch.iter().zip(checked) {
-            let key_hash = pos
-                .and_then(|i| authed.get(i))
-                .and_then(|a| a.key_hash.as_deref());
-            let mut lookups = BatchLookups {
-                reads: &reads,
-                permits,
-                pos,
+/// A group inside its transaction, which holds its permits' row locks.
+pub(super) struct Group<'a> {
+    pub(super) tx: &'a GroupTx,
+    pub(super) statements: &'a ReadStatements,
+    pub(super) states: &'a StateSets,
+    pub(super) permits: &'a LockedPermits,
+    pub(super) jobs: &'a [AuthJob],
+    /// The hash of each job's idempotency key.
+    pub(super) key_hashes: &'a [Option<String>],
+}
+
+impl Group<'_> {
+    /// Decides the group's jobs in order and commits. Each batch (see [`batch_ends`]) is
+    /// decided in memory on its reads (counters as stored plus the group's moves so far) and
+    /// written in one round trip; the first batch's reads came with the locks (`first_reads`),
+    /// a later batch's take one more round trip; the last batch's writes go with the group's
+    /// counters and `COMMIT`. An `Invalid` error is one job's, raised before its writes were
+    /// sent (its moves are not counted); any other error fails the group, uncommitted.
+    pub(super) async fn decide(
+        &self,
+        ends: &[usize],
+        first_reads: BatchReads,
+        moves: &mut CounterMoves,
+    ) -> Result<Vec<Result<Decision, LedgerError>>, LedgerError> {
+        let c = self.tx.client()?;
+        let mut decisions = Vec::with_capacity(self.jobs.len());
+        let mut first_reads = Some(first_reads);
+        let mut start = 0;
+        for &end in ends {
+            let (batch, key_hashes) = (&self.jobs[start..end], &self.key_hashes[start..end]);
+            start = end;
+            let reads = match first_reads.take() {
+                Some(reads) => reads,
+                None => {
+                    let args = ReadArgs::of(batch, key_hashes);
+                    read_batch(c, self.statements, self.states, &args).await?
+                }
             };
-            // The group's earlier decisions' counter moves are not written yet.
-            let snap =
-                snapshot::assemble(&job.req, read, key_hash, job.now, &mut lookups, &*moves)?;
-            let decision = decide::decide(&job.req, &snap, &job.params);
-            let write = match &decision.mutation {
-                Mutation::None => Ok(None),
-                Mutation::Reserve(a) => storable(a).map(|()| Some((None, a))),
-                Mutation::Update(a) => match snap.existing.as_ref().filter(|e| e.id == a.id) {
-                    Some(old) => storable(a).map(|()| Some((Some(old), a))),
-                    None => {
-                        return Err(LedgerError::Invariant(
-                            "an update names an attempt that was not read".into(),
-                        ))
+            let mut inserts: Vec<Attempt> = Vec::new();
+            let mut updates: Vec<Attempt> = Vec::new();
+            for (i, (job, key_hash)) in batch.iter().zip(key_hashes).enumerate() {
+                let mut lookups = BatchLookups {
+                    reads: &reads,
+                    permits: self.permits,
+                    job: i,
+                };
+                // The group's earlier decisions' counter moves are not written yet.
+                let snap = snapshot::assemble(
+                    &job.req,
+                    permit_of(self.permits, job),
+                    key_hash.as_deref(),
+                    job.now,
+                    &mut lookups,
+                    &*moves,
+                )?;
+                let decision = decide::decide(&job.req, &snap, &job.params);
+                let write = match &decision.mutation {
+                    Mutation::None => Ok(None),
+                    Mutation::Reserve(a) => storable(a).map(|()| Some((None, a))),
+                    Mutation::Update(a) => match snap.existing.as_ref().filter(|e| e.id == a.id) {
+                        Some(old) => storable(a).map(|()| Some((Some(old), a))),
+                        None => {
+                            return Err(LedgerError::Invariant(
+                                "an update names an attempt that was not read".into(),
+                            ))
+                        }
+                    },
+                };
+                match write {
+                    Ok(None) => {}
+                    Ok(Some((old, a))) => {
+                        moves.record(old, a);
+                        if old.is_none() {
+                            inserts.push(a.clone());
+                        } else {
+                            updates.push(a.clone());
+                        }
+                    }
+                    Err(e) => {
+                        decisions.push(Err(e));
+                        continue;
+                    }
+                }
+                decisions.push(Ok(decision));
+            }
+            // The last batch's writes go out with the group's counters and COMMIT.
+            let last = end == self.jobs.len();
+            let (inserted, updated, counters, committed) = tokio::join!(
+                biased;
+                insert_attempts(c, &inserts),
+                update_attempts(c, &updates),
+                async {
+                    if last {
+                        write_counters(c, moves).await
+                    } else {
+                        Ok(())
                     }
                 },
-            };
-            match write {
-                Ok(None) => {}
-                Ok(Some((old, a))) => {
-                    moves.record(old, a);
-                    if old.is_none() {
-                        inserts.push(a.clone());
+                async {
+                    if last {
+                        self.tx.commit().await
                     } else {
-                        updates.push(a.clone());
+                        Ok(())
                     }
                 }
-                Err(e) => {
-                    decisions.push(Err(e));
-                    continue;
-                }
-            }
-            decisions.push(Ok(decision));
+            );
+            inserted?;
+            updated?;
+            counters?;
+            committed?;
         }
-        // The last batch's writes go out with the group's counters: one round trip.
-        let last = end == jobs.len();
-        let (inserted, updated, counters) = tokio::join!(
-            biased;
-            insert_attempts(tx, &inserts),
-            update_attempts(tx, &updates),
-            async {
-                if last {
-                    write_counters(tx, moves).await
-                } else {
-                    Ok(())
-                }
-            }
-        );
-        inserted?;
-        updated?;
-        counters?;
+        Ok(decisions)
     }
-    Ok(decisions)
 }

@@ -32,6 +32,7 @@
 mod decisions;
 mod errors;
 mod group_queue;
+mod group_tx;
 mod migrations;
 mod options;
 mod outcomes;

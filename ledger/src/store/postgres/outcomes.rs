@@ -6,11 +6,13 @@ use std::time::Duration;
 
 use atmost_protocol::OutcomeReport;
 use deadpool_postgres::{GenericClient, Pool};
+use tokio_postgres::types::ToSql;
 
 use super::group_queue::GroupQueue;
-use super::rows::lock_then_load;
-use super::writes::{storable, update_attempts, write_counters};
-use super::{answer_group, pg_err, pool_err};
+use super::group_tx::GroupTx;
+use super::rows::{load_attempts_sql, prepared, read_attempt, LOCK_PERMITS_OF_ATTEMPTS};
+use super::writes::{prepare_writes, storable, update_attempts, write_counters};
+use super::{answer_group, pg_err};
 use crate::clock::Millis;
 use crate::decide;
 use crate::error::LedgerError;
@@ -29,24 +31,38 @@ pub(super) struct OutcomeJob {
 pub(super) type OutcomeQueue = Arc<GroupQueue<OutcomeJob>>;
 
 /// Applies queued outcome reports in groups until none is left: each group is one transaction
-/// that locks the permits of its attempts in id order (so it never waits in a cycle with
-/// another transaction: every other one locks a single permit), applies the reports in order
-/// and commits once.
+/// (see [`GroupTx`]) that locks the permits of its attempts in id order (so it never waits in
+/// a cycle with another transaction: every other one locks a single permit), applies the
+/// reports in order and commits once. `BEGIN`, the locks and the attempts' reads go out in
+/// one flight; the writes and `COMMIT` in the next.
 pub(super) async fn outcome_worker(pool: Pool, op_timeout: Duration, queue: OutcomeQueue) {
     while let Some(jobs) = queue.next_group() {
         let work = async {
-            let mut conn = pool.get().await.map_err(pool_err)?;
-            let tx = conn.transaction().await.map_err(pg_err)?;
+            let tx = GroupTx::start(&pool).await?;
+            let c = tx.client()?;
             let ids: Vec<&str> = jobs.iter().map(|j| j.report.attempt_id.as_str()).collect();
-            let mut current: BTreeMap<String, Attempt> = lock_then_load(&tx, &ids)
-                .await?
-                .into_iter()
-                .map(|a| (a.id.clone(), a))
-                .collect();
+            let lock = prepared(c, LOCK_PERMITS_OF_ATTEMPTS).await?;
+            let load = prepared(c, &load_attempts_sql()).await?;
+            prepare_writes(c).await?;
+            let args: [&(dyn ToSql + Sync); 1] = [&ids];
+            // The server runs the read after the locks are held, with a fresh snapshot.
+            let (begun, locked, loaded) = tokio::join!(
+                biased;
+                tx.begin(),
+                c.query(&lock, &args),
+                c.query(&load, &args)
+            );
+            begun?;
+            locked.map_err(pg_err)?;
+            let mut current: BTreeMap<String, Attempt> = loaded
+                .map_err(pg_err)?
+                .iter()
+                .map(|row| read_attempt(row).map(|a| (a.id.clone(), a)))
+                .collect::<Result<_, _>>()?;
             let mut out: Vec<Result<OutcomeResult, LedgerError>> = Vec::with_capacity(jobs.len());
             let mut moves = CounterMoves::default();
             // Reports are applied in order in memory; each attempt's last version is written
-            // once, all in one statement sent with the counters: one round trip.
+            // once, all in one statement sent with the counters and COMMIT: one round trip.
             let mut changed = std::collections::BTreeSet::new();
             for job in &jobs {
                 let existing = current.get(&job.report.attempt_id).cloned();
@@ -70,14 +86,17 @@ pub(super) async fn outcome_worker(pool: Pool, op_timeout: Duration, queue: Outc
                 .iter()
                 .filter_map(|id| current.get(id).cloned())
                 .collect();
-            let (rows, counters) = tokio::join!(
+            // A failed write turns COMMIT into a rollback: every result is checked.
+            let (rows, counters, committed) = tokio::join!(
                 biased;
-                update_attempts(&tx, &written),
-                write_counters(&tx, &moves)
+                update_attempts(c, &written),
+                write_counters(c, &moves),
+                tx.commit()
             );
             rows?;
             counters?;
-            tx.commit().await.map_err(pg_err)?;
+            committed?;
+            tx.committed();
             Ok(out)
         };
         let outcome = tokio::time::timeout(op_timeout, work).await;

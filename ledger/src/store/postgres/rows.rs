@@ -125,21 +125,6 @@ pub(super) fn attempts_by_keys_sql() -> String {
     )
 }
 
-/// Takes the row locks of the permits of these attempts (in id order) and then reads the
-/// attempts, pipelined: both statements are prepared first, so they are sent in this order and
-/// the server runs the read (with a fresh READ COMMITTED snapshot) only after the locks are held.
-pub(super) async fn lock_then_load<C: GenericClient>(
-    c: &C,
-    ids: &[&str],
-) -> Result<Vec<Attempt>, LedgerError> {
-    let lock = prepared(c, LOCK_PERMITS_OF_ATTEMPTS).await?;
-    let load = prepared(c, &load_attempts_sql()).await?;
-    let args: [&(dyn ToSql + Sync); 1] = [&ids];
-    let (locked, loaded) = tokio::join!(biased; c.query(&lock, &args), c.query(&load, &args));
-    locked.map_err(pg_err)?;
-    loaded.map_err(pg_err)?.iter().map(read_attempt).collect()
-}
-
 /// Runs one statement through the connection's statement cache.
 pub(super) async fn exec<C: GenericClient>(
     c: &C,

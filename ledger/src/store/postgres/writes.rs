@@ -2,12 +2,69 @@
 
 use deadpool_postgres::GenericClient;
 
-use super::rows::{exec, rounds};
+use super::rows::{exec, prepared, rounds};
 use super::to_i64;
 use crate::clock::Millis;
 use crate::error::LedgerError;
 use crate::model::{Attempt, Resolution};
 use crate::store::counters::CounterMoves;
+
+const INSERT_ATTEMPTS_SQL: &str = "WITH ins AS (INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, \
+         updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, round, capability_hash, \
+         forwarded_key, arguments) \
+         SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::TEXT[], $5::TEXT[], $6::BIGINT[], \
+         $7::TEXT[], $8::BIGINT[], $9::BIGINT[], $10::BIGINT[], $11::BIGINT[], $12::TEXT[], $13::TEXT[], \
+         $14::BIGINT[], $15::BIGINT[], $16::INTEGER[], $17::TEXT[], $18::TEXT[], $19::TEXT[]) \
+         RETURNING id, permit_id, key_hash) \
+         INSERT INTO idempotency_keys (permit_id, key_hash, attempt_id) \
+         SELECT permit_id, key_hash, id FROM ins WHERE key_hash IS NOT NULL \
+         ON CONFLICT (permit_id, key_hash) DO UPDATE SET attempt_id = excluded.attempt_id";
+
+const UPSERT_ATTEMPTS_SQL: &str = "INSERT INTO attempts (id, state, updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, \
+         pruned_at, resolved_executed, resolved_by, resolved_at, resolution_note, round, capability_hash, \
+         resolution_source, provider_answer, forwarded_key, arguments, permit_id, tool, key_hash, fingerprint, cost, \
+         created_at) \
+         SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[], $4::BIGINT[], $5::BIGINT[], $6::TEXT[], $7::TEXT[], \
+         $8::BIGINT[], $9::BIGINT[], $10::BOOLEAN[], $11::TEXT[], $12::BIGINT[], $13::TEXT[], $14::INTEGER[], \
+         $15::TEXT[], $16::TEXT[], $17::TEXT[], $18::TEXT[], $19::TEXT[], $20::TEXT[], $21::TEXT[], $22::TEXT[], \
+         $23::TEXT[], $24::BIGINT[], $25::BIGINT[]) \
+         ON CONFLICT (id) DO UPDATE SET state = excluded.state, updated_at = excluded.updated_at, \
+         lease_expires_at = excluded.lease_expires_at, finished_at = excluded.finished_at, receipt = excluded.receipt, \
+         reason = excluded.reason, replay_count = excluded.replay_count, pruned_at = excluded.pruned_at, \
+         resolved_executed = excluded.resolved_executed, resolved_by = excluded.resolved_by, \
+         resolved_at = excluded.resolved_at, resolution_note = excluded.resolution_note, round = excluded.round, \
+         capability_hash = excluded.capability_hash, resolution_source = excluded.resolution_source, \
+         provider_answer = excluded.provider_answer, forwarded_key = excluded.forwarded_key, \
+         arguments = excluded.arguments";
+
+const ADD_SLOTS_SQL: &str = "INSERT INTO permit_tool_usage (permit_id, tool, slots_held) \
+             SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[]) \
+             ON CONFLICT (permit_id, tool) DO UPDATE SET slots_held = permit_tool_usage.slots_held + excluded.slots_held";
+
+const ADD_BUDGET_SQL: &str = "UPDATE permits p SET reserved = p.reserved + m.r, spent = p.spent + m.s \
+                 FROM unnest($1::TEXT[], $2::BIGINT[], $3::BIGINT[]) AS m(id, r, s) WHERE p.id = m.id";
+
+const ADD_STATE_COUNTS_SQL: &str = "INSERT INTO permit_state_counts (permit_id, state, n) \
+             SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[]) \
+             ON CONFLICT (permit_id, state) DO UPDATE SET n = permit_state_counts.n + excluded.n";
+
+/// Prepares every write statement on this connection (from its cache after the first time).
+/// A group sends its writes and `COMMIT` in one flight, and a write's request leaves at its
+/// first poll only when its statement is already prepared: one still to be prepared would
+/// wait for that round trip while `COMMIT` went ahead, and run after it, outside the
+/// transaction. So the group workers call this before their first flight.
+pub(super) async fn prepare_writes<C: GenericClient>(c: &C) -> Result<(), LedgerError> {
+    for sql in [
+        INSERT_ATTEMPTS_SQL,
+        UPSERT_ATTEMPTS_SQL,
+        ADD_SLOTS_SQL,
+        ADD_BUDGET_SQL,
+        ADD_STATE_COUNTS_SQL,
+    ] {
+        prepared(c, sql).await?;
+    }
+    Ok(())
+}
 
 /// Inserts attempts and points their keys at them in ONE statement (one round trip under the
 /// lock, however many). No two of them may have the same key.
@@ -32,16 +89,7 @@ pub(super) async fn insert_attempts<C: GenericClient>(
         |f: fn(&Attempt) -> Option<Millis>| attempts.iter().map(f).collect::<Vec<Option<Millis>>>();
     exec(
         c,
-        "WITH ins AS (INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, \
-         updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, round, capability_hash, \
-         forwarded_key, arguments) \
-         SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::TEXT[], $5::TEXT[], $6::BIGINT[], \
-         $7::TEXT[], $8::BIGINT[], $9::BIGINT[], $10::BIGINT[], $11::BIGINT[], $12::TEXT[], $13::TEXT[], \
-         $14::BIGINT[], $15::BIGINT[], $16::INTEGER[], $17::TEXT[], $18::TEXT[], $19::TEXT[]) \
-         RETURNING id, permit_id, key_hash) \
-         INSERT INTO idempotency_keys (permit_id, key_hash, attempt_id) \
-         SELECT permit_id, key_hash, id FROM ins WHERE key_hash IS NOT NULL \
-         ON CONFLICT (permit_id, key_hash) DO UPDATE SET attempt_id = excluded.attempt_id",
+        INSERT_ATTEMPTS_SQL,
         &[
             &col(|a| &a.id),
             &col(|a| &a.permit_id),
@@ -69,7 +117,17 @@ pub(super) async fn insert_attempts<C: GenericClient>(
 }
 
 /// Writes the new versions of attempts in ONE statement (one round trip, however many). No
-/// two of them may be the same attempt (only one of the two would be written).
+/// two of them may be the same attempt (PostgreSQL refuses an upsert that changes a row twice).
+///
+/// Written as an upsert on the primary key although every attempt written here exists (it
+/// was read under its permit's row lock): `ON CONFLICT (id)` finds each row by a probe of
+/// the primary key index whatever the plan. The `UPDATE … FROM unnest(…)` it replaces joins
+/// the arrays to the table, and its generic plan (the group transactions force generic
+/// plans, see `group_tx`) is chosen once per connection on the statistics of that moment: on
+/// a table created or grown since its last ANALYZE that was a sequential scan of `attempts`
+/// on every write, its cost growing with the table (docs/postgresql.md has the numbers).
+/// Only the columns an attempt's transitions change are set on conflict; the others are
+/// sent because an INSERT needs them (NOT NULL) and are ignored.
 pub(super) async fn update_attempts<C: GenericClient>(
     c: &C,
     attempts: &[Attempt],
@@ -77,8 +135,10 @@ pub(super) async fn update_attempts<C: GenericClient>(
     if attempts.is_empty() {
         return Ok(());
     }
+    let mut costs = Vec::with_capacity(attempts.len());
     let mut replays = Vec::with_capacity(attempts.len());
     for a in attempts {
+        costs.push(to_i64(a.cost)?);
         replays.push(to_i64(a.replay_count)?);
     }
     fn res(a: &Attempt) -> Option<&Resolution> {
@@ -86,39 +146,84 @@ pub(super) async fn update_attempts<C: GenericClient>(
     }
     exec(
         c,
-        "UPDATE attempts a SET state = u.state, updated_at = u.updated_at, lease_expires_at = u.lease_expires_at, \
-         finished_at = u.finished_at, receipt = u.receipt, reason = u.reason, replay_count = u.replay_count, \
-         pruned_at = u.pruned_at, resolved_executed = u.resolved_executed, resolved_by = u.resolved_by, \
-         resolved_at = u.resolved_at, resolution_note = u.resolution_note, round = u.round, \
-         capability_hash = u.capability_hash, resolution_source = u.resolution_source, \
-         provider_answer = u.provider_answer, forwarded_key = u.forwarded_key, arguments = u.arguments \
-         FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[], $4::BIGINT[], $5::BIGINT[], $6::TEXT[], $7::TEXT[], \
-         $8::BIGINT[], $9::BIGINT[], $10::BOOLEAN[], $11::TEXT[], $12::BIGINT[], $13::TEXT[], $14::INTEGER[], \
-         $15::TEXT[], $16::TEXT[], $17::TEXT[], $18::TEXT[], $19::TEXT[]) \
-         AS u(id, state, updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, \
-         resolved_executed, resolved_by, resolved_at, resolution_note, round, capability_hash, \
-         resolution_source, provider_answer, forwarded_key, arguments) \
-         WHERE a.id = u.id",
+        UPSERT_ATTEMPTS_SQL,
         &[
             &attempts.iter().map(|a| a.id.as_str()).collect::<Vec<_>>(),
-            &attempts.iter().map(|a| a.state.as_str()).collect::<Vec<_>>(),
+            &attempts
+                .iter()
+                .map(|a| a.state.as_str())
+                .collect::<Vec<_>>(),
             &attempts.iter().map(|a| a.updated_at_ms).collect::<Vec<_>>(),
-            &attempts.iter().map(|a| a.lease_expires_at_ms).collect::<Vec<_>>(),
-            &attempts.iter().map(|a| a.finished_at_ms).collect::<Vec<_>>(),
-            &attempts.iter().map(|a| a.receipt.as_deref()).collect::<Vec<_>>(),
-            &attempts.iter().map(|a| a.reason.as_deref()).collect::<Vec<_>>(),
+            &attempts
+                .iter()
+                .map(|a| a.lease_expires_at_ms)
+                .collect::<Vec<_>>(),
+            &attempts
+                .iter()
+                .map(|a| a.finished_at_ms)
+                .collect::<Vec<_>>(),
+            &attempts
+                .iter()
+                .map(|a| a.receipt.as_deref())
+                .collect::<Vec<_>>(),
+            &attempts
+                .iter()
+                .map(|a| a.reason.as_deref())
+                .collect::<Vec<_>>(),
             &replays,
             &attempts.iter().map(|a| a.pruned_at_ms).collect::<Vec<_>>(),
-            &attempts.iter().map(|a| res(a).map(|r| r.executed)).collect::<Vec<_>>(),
-            &attempts.iter().map(|a| res(a).map(|r| r.by.as_str())).collect::<Vec<_>>(),
-            &attempts.iter().map(|a| res(a).map(|r| r.at_ms)).collect::<Vec<_>>(),
-            &attempts.iter().map(|a| res(a).and_then(|r| r.note.as_deref())).collect::<Vec<_>>(),
+            &attempts
+                .iter()
+                .map(|a| res(a).map(|r| r.executed))
+                .collect::<Vec<_>>(),
+            &attempts
+                .iter()
+                .map(|a| res(a).map(|r| r.by.as_str()))
+                .collect::<Vec<_>>(),
+            &attempts
+                .iter()
+                .map(|a| res(a).map(|r| r.at_ms))
+                .collect::<Vec<_>>(),
+            &attempts
+                .iter()
+                .map(|a| res(a).and_then(|r| r.note.as_deref()))
+                .collect::<Vec<_>>(),
             &rounds(attempts),
-            &attempts.iter().map(|a| a.capability_hash.as_deref()).collect::<Vec<_>>(),
-            &attempts.iter().map(|a| res(a).map(|r| r.source.as_str())).collect::<Vec<_>>(),
-            &attempts.iter().map(|a| res(a).and_then(|r| r.source.provider_answer())).collect::<Vec<_>>(),
-            &attempts.iter().map(|a| a.forwarded_key.as_deref()).collect::<Vec<_>>(),
-            &attempts.iter().map(|a| a.arguments.as_deref()).collect::<Vec<_>>(),
+            &attempts
+                .iter()
+                .map(|a| a.capability_hash.as_deref())
+                .collect::<Vec<_>>(),
+            &attempts
+                .iter()
+                .map(|a| res(a).map(|r| r.source.as_str()))
+                .collect::<Vec<_>>(),
+            &attempts
+                .iter()
+                .map(|a| res(a).and_then(|r| r.source.provider_answer()))
+                .collect::<Vec<_>>(),
+            &attempts
+                .iter()
+                .map(|a| a.forwarded_key.as_deref())
+                .collect::<Vec<_>>(),
+            &attempts
+                .iter()
+                .map(|a| a.arguments.as_deref())
+                .collect::<Vec<_>>(),
+            &attempts
+                .iter()
+                .map(|a| a.permit_id.as_str())
+                .collect::<Vec<_>>(),
+            &attempts.iter().map(|a| a.tool.as_str()).collect::<Vec<_>>(),
+            &attempts
+                .iter()
+                .map(|a| a.key_hash.as_deref())
+                .collect::<Vec<_>>(),
+            &attempts
+                .iter()
+                .map(|a| a.fingerprint.as_str())
+                .collect::<Vec<_>>(),
+            &costs,
+            &attempts.iter().map(|a| a.created_at_ms).collect::<Vec<_>>(),
         ],
     )
     .await?;
@@ -155,9 +260,7 @@ pub(super) async fn write_counters<C: GenericClient>(
         biased;
         add_to_rows(
             c,
-            "INSERT INTO permit_tool_usage (permit_id, tool, slots_held) \
-             SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[]) \
-             ON CONFLICT (permit_id, tool) DO UPDATE SET slots_held = permit_tool_usage.slots_held + excluded.slots_held",
+            ADD_SLOTS_SQL,
             (&sp, &st, &sn),
         ),
         async {
@@ -166,17 +269,14 @@ pub(super) async fn write_counters<C: GenericClient>(
             }
             exec(
                 c,
-                "UPDATE permits p SET reserved = p.reserved + m.r, spent = p.spent + m.s \
-                 FROM unnest($1::TEXT[], $2::BIGINT[], $3::BIGINT[]) AS m(id, r, s) WHERE p.id = m.id",
+                ADD_BUDGET_SQL,
                 &[&bp, &br, &bs],
             )
             .await
         },
         add_to_rows(
             c,
-            "INSERT INTO permit_state_counts (permit_id, state, n) \
-             SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[]) \
-             ON CONFLICT (permit_id, state) DO UPDATE SET n = permit_state_counts.n + excluded.n",
+            ADD_STATE_COUNTS_SQL,
             (&cp, &cs, &cn),
         )
     );
