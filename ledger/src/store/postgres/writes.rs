@@ -148,86 +148,42 @@ pub(super) async fn update_attempts<C: GenericClient>(
         c,
         UPSERT_ATTEMPTS_SQL,
         &[
-            &attempts.iter().map(|a| a.id.as_str()).collect::<Vec<_>>(),
-            &attempts
-                .iter()
-                .map(|a| a.state.as_str())
-                .collect::<Vec<_>>(),
-            &attempts.iter().map(|a| a.updated_at_ms).collect::<Vec<_>>(),
-            &attempts
-                .iter()
-                .map(|a| a.lease_expires_at_ms)
-                .collect::<Vec<_>>(),
-            &attempts
-                .iter()
-                .map(|a| a.finished_at_ms)
-                .collect::<Vec<_>>(),
-            &attempts
-                .iter()
-                .map(|a| a.receipt.as_deref())
-                .collect::<Vec<_>>(),
-            &attempts
-                .iter()
-                .map(|a| a.reason.as_deref())
-                .collect::<Vec<_>>(),
+            &column(attempts, |a| a.id.as_str()),
+            &column(attempts, |a| a.state.as_str()),
+            &column(attempts, |a| a.updated_at_ms),
+            &column(attempts, |a| a.lease_expires_at_ms),
+            &column(attempts, |a| a.finished_at_ms),
+            &column(attempts, |a| a.receipt.as_deref()),
+            &column(attempts, |a| a.reason.as_deref()),
             &replays,
-            &attempts.iter().map(|a| a.pruned_at_ms).collect::<Vec<_>>(),
-            &attempts
-                .iter()
-                .map(|a| res(a).map(|r| r.executed))
-                .collect::<Vec<_>>(),
-            &attempts
-                .iter()
-                .map(|a| res(a).map(|r| r.by.as_str()))
-                .collect::<Vec<_>>(),
-            &attempts
-                .iter()
-                .map(|a| res(a).map(|r| r.at_ms))
-                .collect::<Vec<_>>(),
-            &attempts
-                .iter()
-                .map(|a| res(a).and_then(|r| r.note.as_deref()))
-                .collect::<Vec<_>>(),
+            &column(attempts, |a| a.pruned_at_ms),
+            &column(attempts, |a| res(a).map(|r| r.executed)),
+            &column(attempts, |a| res(a).map(|r| r.by.as_str())),
+            &column(attempts, |a| res(a).map(|r| r.at_ms)),
+            &column(attempts, |a| res(a).and_then(|r| r.note.as_deref())),
             &rounds(attempts),
-            &attempts
-                .iter()
-                .map(|a| a.capability_hash.as_deref())
-                .collect::<Vec<_>>(),
-            &attempts
-                .iter()
-                .map(|a| res(a).map(|r| r.source.as_str()))
-                .collect::<Vec<_>>(),
-            &attempts
-                .iter()
-                .map(|a| res(a).and_then(|r| r.source.provider_answer()))
-                .collect::<Vec<_>>(),
-            &attempts
-                .iter()
-                .map(|a| a.forwarded_key.as_deref())
-                .collect::<Vec<_>>(),
-            &attempts
-                .iter()
-                .map(|a| a.arguments.as_deref())
-                .collect::<Vec<_>>(),
-            &attempts
-                .iter()
-                .map(|a| a.permit_id.as_str())
-                .collect::<Vec<_>>(),
-            &attempts.iter().map(|a| a.tool.as_str()).collect::<Vec<_>>(),
-            &attempts
-                .iter()
-                .map(|a| a.key_hash.as_deref())
-                .collect::<Vec<_>>(),
-            &attempts
-                .iter()
-                .map(|a| a.fingerprint.as_str())
-                .collect::<Vec<_>>(),
+            &column(attempts, |a| a.capability_hash.as_deref()),
+            &column(attempts, |a| res(a).map(|r| r.source.as_str())),
+            &column(attempts, |a| {
+                res(a).and_then(|r| r.source.provider_answer())
+            }),
+            &column(attempts, |a| a.forwarded_key.as_deref()),
+            &column(attempts, |a| a.arguments.as_deref()),
+            &column(attempts, |a| a.permit_id.as_str()),
+            &column(attempts, |a| a.tool.as_str()),
+            &column(attempts, |a| a.key_hash.as_deref()),
+            &column(attempts, |a| a.fingerprint.as_str()),
             &costs,
-            &attempts.iter().map(|a| a.created_at_ms).collect::<Vec<_>>(),
+            &column(attempts, |a| a.created_at_ms),
         ],
     )
     .await?;
     Ok(())
+}
+
+/// One column of the attempts, as an array parameter.
+fn column<'a, T>(attempts: &'a [Attempt], field: impl Fn(&'a Attempt) -> T) -> Vec<T> {
+    attempts.iter().map(field).collect()
 }
 
 /// Writes the counter moves a transaction summed ([`CounterMoves`]), in the caller's
