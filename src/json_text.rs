@@ -37,12 +37,19 @@ impl Member {
 /// The members of the object that starts at `at` (leading white space skipped), in order.
 /// `None` when no object starts there.
 pub fn members(text: &[u8], at: usize) -> Option<Vec<Member>> {
-    let mut s = Scanner::enter(text, at, b'{')?;
     let mut out = Vec::new();
+    each_member(text, at, |m| out.push(m))?;
+    Some(out)
+}
+
+/// Calls `f` with each member of the object that starts at `at`, in order, without
+/// collecting them. `None` when no object starts there (or the text ends inside it).
+fn each_member(text: &[u8], at: usize, mut f: impl FnMut(Member)) -> Option<()> {
+    let mut s = Scanner::enter(text, at, b'{')?;
     loop {
         s.ws();
         match s.peek()? {
-            b'}' => return Some(out),
+            b'}' => return Some(()),
             b',' => {
                 s.i += 1;
                 continue;
@@ -60,7 +67,7 @@ pub fn members(text: &[u8], at: usize) -> Option<Vec<Member>> {
         s.ws();
         let value_start = s.i;
         s.skip_value()?;
-        out.push(Member {
+        f(Member {
             key_start,
             value_start,
             value_end: s.i,
@@ -71,10 +78,62 @@ pub fn members(text: &[u8], at: usize) -> Option<Vec<Member>> {
 /// The last member named `name` of the object at `at` (the one a JSON parser that keeps the
 /// last of repeated keys reads).
 pub fn member(text: &[u8], at: usize, name: &str) -> Option<Member> {
-    members(text, at)?
-        .into_iter()
-        .rev()
-        .find(|m| m.is(text, name))
+    let mut last = None;
+    each_member(text, at, |m| {
+        if m.is(text, name) {
+            last = Some(m);
+        }
+    })?;
+    last
+}
+
+/// Whether the object that starts at `at` has no member; `None` when no object starts there.
+/// Only its first token is read: the text already parsed as JSON.
+pub fn is_empty_object(text: &[u8], at: usize) -> Option<bool> {
+    let mut s = Scanner::enter(text, at, b'{')?;
+    s.ws();
+    Some(s.peek()? == b'}')
+}
+
+/// `s` as a JSON string, quotes included, escaped as serde_json and RFC 8785 §3.2.2.2 escape
+/// it: `"` and `\\`, the control characters as `\b \t \n \f \r` or `\u00xx` (lowercase hex),
+/// everything else as it is.
+pub fn push_string(out: &mut String, s: &str) {
+    out.push('"');
+    let mut plain_from = 0;
+    for (i, byte) in s.bytes().enumerate() {
+        let escape = match byte {
+            b'"' => "\\\"",
+            b'\\' => "\\\\",
+            b'\x08' => "\\b",
+            b'\t' => "\\t",
+            b'\n' => "\\n",
+            b'\x0c' => "\\f",
+            b'\r' => "\\r",
+            0..=0x1f => "",
+            _ => continue,
+        };
+        // `i` is at an ASCII byte, so both ends are character boundaries.
+        out.push_str(s.get(plain_from..i).unwrap_or_default());
+        if escape.is_empty() {
+            const DIGITS: &[u8; 16] = b"0123456789abcdef";
+            out.push_str("\\u00");
+            out.push(char::from(DIGITS[usize::from(byte >> 4)]));
+            out.push(char::from(DIGITS[usize::from(byte & 0x0f)]));
+        } else {
+            out.push_str(escape);
+        }
+        plain_from = i + 1;
+    }
+    out.push_str(s.get(plain_from..).unwrap_or_default());
+    out.push('"');
+}
+
+/// `s` as a JSON string (see [`push_string`]).
+pub fn quoted(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    push_string(&mut out, s);
+    out
 }
 
 /// The elements of the array that starts at `at`, as `(start, end)` byte ranges. `None`
@@ -217,6 +276,27 @@ mod tests {
         let m = member(text, 0, "k").map(|m| &text[m.value_start..m.value_end]);
         assert_eq!(m, Some(&b"2"[..]));
         assert_eq!(member(text, 0, "x"), None);
+    }
+
+    #[test]
+    fn empty_objects_are_told_by_their_first_token() {
+        assert_eq!(is_empty_object(b" { \n } ", 0), Some(true));
+        assert_eq!(is_empty_object(br#"{"a":{}}"#, 0), Some(false));
+        assert_eq!(is_empty_object(br#"{"a":{}}"#, 5), Some(true));
+        assert_eq!(is_empty_object(b"[]", 0), None);
+    }
+
+    #[test]
+    fn strings_are_written_as_serde_json_writes_them() {
+        for s in [
+            "",
+            "plain",
+            "q\"b\\s/",
+            "\u{0}\u{1}\u{8}\t\n\u{b}\u{c}\r\u{1f} \u{7f}",
+            "\u{e9}\u{2028}\u{fb33}\u{1f600}",
+        ] {
+            assert_eq!(quoted(s), serde_json::to_string(s).unwrap_or_default(), "{s:?}");
+        }
     }
 
     #[test]

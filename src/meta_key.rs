@@ -81,11 +81,7 @@ pub fn rewrite(body: &[u8], span: MemberSpan, replacement: Option<&str>) -> Vec<
     match replacement {
         Some(text) => {
             out.extend_from_slice(&body[..span.value_start]);
-            out.extend_from_slice(
-                &serde_json::Value::String(text.to_string())
-                    .to_string()
-                    .into_bytes(),
-            );
+            out.extend_from_slice(json_text::quoted(text).as_bytes());
             out.extend_from_slice(&body[span.value_end..]);
         }
         None => {

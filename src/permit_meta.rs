@@ -9,7 +9,7 @@
 //! answer gets them as [`Edit`]s of its text: the figures go in, every other byte stays as
 //! the upstream sent it.
 
-use crate::json_text::{self, member, members, Member};
+use crate::json_text::{self, member, members, quoted, Member};
 use crate::sse::Event;
 use atmost_protocol::PermitLimits;
 use serde_json::{Map, Value};
@@ -46,6 +46,25 @@ fn figures(limits: &PermitLimits) -> Value {
         Value::String(limits.expires_at.clone()),
     );
     Value::Object(m)
+}
+
+/// The figures as JSON text, byte for byte what `figures(limits).to_string()` writes (members
+/// in key order), without building the tree: it goes into every dispatched call's answer.
+fn figures_text(limits: &PermitLimits) -> String {
+    let mut text = String::with_capacity(64 + limits.expires_at.len());
+    let figure = |text: &mut String, name: &str, n: Option<u64>| {
+        text.push_str(name);
+        match n {
+            Some(n) => text.push_str(&n.to_string()),
+            None => text.push_str("null"),
+        }
+    };
+    figure(&mut text, "{\"budget_left\":", limits.budget_left);
+    figure(&mut text, ",\"calls_left\":", limits.calls_left);
+    text.push_str(",\"expires_at\":");
+    json_text::push_string(&mut text, &limits.expires_at);
+    text.push('}');
+    text
 }
 
 /// Puts the figures into a JSON-RPC response the filter built: `result._meta` (created, or
@@ -149,10 +168,10 @@ fn put(
     value: &str,
     replace_other: bool,
 ) -> Option<Edit> {
-    let pair = format!("{}:{value}", Value::String(key.to_string()));
+    let pair = format!("{}:{value}", quoted(key));
     let insert_first = |at: usize, member_text: String| {
         // Right after the opening brace; a comma when other members follow.
-        let comma = if members(text, at)?.is_empty() {
+        let comma = if json_text::is_empty_object(text, at)? {
             ""
         } else {
             ","
@@ -166,7 +185,7 @@ fn put(
     match member(text, obj, child) {
         None => insert_first(
             obj,
-            format!("{}:{{{pair}}}", Value::String(child.to_string())),
+            format!("{}:{{{pair}}}", quoted(child)),
         ),
         Some(m) if m.value_opens(text) == Some(b'{') => match member(text, m.value_start, key) {
             Some(k) => Some(Edit {
@@ -221,7 +240,7 @@ fn response_at(text: &[u8], id: &Value) -> Option<usize> {
 /// response (not when its `data` is something other than an object). None when `text` holds
 /// no response to `id`.
 pub fn response_edits(text: &[u8], id: &Value, limits: &PermitLimits) -> Vec<Edit> {
-    let figures = figures(limits).to_string();
+    let figures = figures_text(limits);
     let edit = response_at(text, id).and_then(|at| {
         let object =
             |name: &str| member(text, at, name).filter(|m| m.value_opens(text) == Some(b'{'));
@@ -296,7 +315,7 @@ pub fn tools_list_edits(
                 at,
                 "_meta",
                 PERMIT_META,
-                &figures(limits).to_string(),
+                &figures_text(limits),
                 true,
             )
         })
@@ -323,6 +342,25 @@ mod tests {
     fn edited(text: &str, id: Value) -> String {
         let edits = response_edits(text.as_bytes(), &id, &limits());
         String::from_utf8(apply(text.as_bytes(), &edits)).unwrap_or_default()
+    }
+
+    #[test]
+    fn figures_text_is_the_figures_as_serde_json_writes_them() {
+        for limits in [
+            limits(),
+            PermitLimits {
+                calls_left: None,
+                budget_left: Some(u64::MAX),
+                expires_at: "2030-01-01T00:00:00Z \"\\\u{1}\u{e9}".into(),
+            },
+            PermitLimits {
+                calls_left: Some(0),
+                budget_left: Some(0),
+                expires_at: String::new(),
+            },
+        ] {
+            assert_eq!(figures_text(&limits), figures(&limits).to_string());
+        }
     }
 
     #[test]
