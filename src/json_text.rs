@@ -20,12 +20,17 @@ pub struct Member {
 impl Member {
     /// Whether the member's key spells `name`.
     pub fn is(&self, text: &[u8], name: &str) -> bool {
+        key_is(self.key(text), name) == Some(true)
+    }
+
+    /// The member's key string, quotes included.
+    fn key<'a>(&self, text: &'a [u8]) -> &'a [u8] {
         let key = text
             .get(self.key_start..self.value_start)
             .unwrap_or_default();
         // The key string ends at its closing quote, before the colon.
         let end = key.iter().rposition(|&b| b == b'"').map_or(0, |i| i + 1);
-        key_is(&key[..end], name) == Some(true)
+        &key[..end]
     }
 
     /// The first byte of the value.
@@ -78,13 +83,27 @@ fn each_member(text: &[u8], at: usize, mut f: impl FnMut(Member)) -> Option<()> 
 /// The last member named `name` of the object at `at` (the one a JSON parser that keeps the
 /// last of repeated keys reads).
 pub fn member(text: &[u8], at: usize, name: &str) -> Option<Member> {
-    let mut last = None;
+    let [found] = last_members(text, at, [name])?;
+    found
+}
+
+/// The last member of each of `names` in the object at `at`, as [`member`] finds them, in
+/// one walk over the object. `None` when no object starts there.
+pub fn last_members<const N: usize>(
+    text: &[u8],
+    at: usize,
+    names: [&str; N],
+) -> Option<[Option<Member>; N]> {
+    let mut found = [None; N];
     each_member(text, at, |m| {
-        if m.is(text, name) {
-            last = Some(m);
+        let key = m.key(text);
+        for (slot, name) in found.iter_mut().zip(names) {
+            if key_is(key, name) == Some(true) {
+                *slot = Some(m);
+            }
         }
     })?;
-    last
+    Some(found)
 }
 
 /// Whether the object that starts at `at` has no member; `None` when no object starts there.
@@ -297,6 +316,21 @@ mod tests {
         ] {
             assert_eq!(quoted(s), serde_json::to_string(s).unwrap_or_default(), "{s:?}");
         }
+    }
+
+    #[test]
+    fn last_members_finds_each_name_as_member_does() {
+        let text = br#"{"a":1,"b":{"a":9},"\u0061":2,"c":[3]}"#;
+        let value = |m: Option<Member>| m.map(|m| &text[m.value_start..m.value_end]);
+        let [a, c, x] = last_members(text, 0, ["a", "c", "x"]).unwrap_or_default();
+        assert_eq!(
+            (value(a), value(c), value(x)),
+            (Some(&b"2"[..]), Some(&b"[3]"[..]), None)
+        );
+        for name in ["a", "b", "c", "x"] {
+            assert_eq!(last_members(text, 0, [name]), Some([member(text, 0, name)]));
+        }
+        assert_eq!(last_members(b"[1]", 0, ["a"]), None);
     }
 
     #[test]

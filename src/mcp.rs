@@ -140,9 +140,12 @@ fn case_variant<'a>(
     names: &[&'static str],
 ) -> Option<(&'a str, &'static str)> {
     obj.keys().find_map(|k| {
+        // Every name is ASCII, and an ASCII key folds only onto ASCII of its own length: most
+        // pairs are told apart without folding.
+        let ascii = k.is_ascii();
         names
             .iter()
-            .find(|n| k != *n && fold::eq_fold(k, n))
+            .find(|n| k != *n && (!ascii || k.len() == n.len()) && fold::eq_fold(k, n))
             .map(|n| (k.as_str(), *n))
     })
 }
@@ -446,6 +449,14 @@ mod tests {
             assert_eq!(v["error"]["code"], -32602, "{body}");
             assert_eq!(v["id"], 4, "{body}");
         }
+    }
+
+    /// `case_variant` compares an ASCII key only with names of its length: true while every
+    /// name it is given is ASCII.
+    #[test]
+    fn the_member_names_read_by_name_are_ascii() {
+        let names = MESSAGE_MEMBERS.iter().chain(&PARAMS_MEMBERS).chain(&META_MEMBERS);
+        assert!(names.clone().count() == 15 && names.into_iter().all(|n| n.is_ascii()));
     }
 
     #[test]

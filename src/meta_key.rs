@@ -49,10 +49,13 @@ fn spans_of_message(body: &[u8], at: usize, out: &mut Vec<MemberSpan>) {
     let Some(params) = object_member(body, at, "params") else {
         return;
     };
-    if let Some(meta) = object_member(body, params, "_meta") {
-        out.extend(member(body, meta, META_KEY));
+    // Both members of `params` in one walk over it.
+    let [meta, params_key] =
+        json_text::last_members(body, params, ["_meta", PARAMS_KEY]).unwrap_or_default();
+    if let Some(meta) = meta.filter(|m| m.value_opens(body) == Some(b'{')) {
+        out.extend(member(body, meta.value_start, META_KEY));
     }
-    out.extend(member(body, params, PARAMS_KEY));
+    out.extend(params_key);
 }
 
 /// The body with each member in `spans` edited: `replacement` gets the member's raw value

@@ -9,7 +9,7 @@
 //! answer gets them as [`Edit`]s of its text: the figures go in, every other byte stays as
 //! the upstream sent it.
 
-use crate::json_text::{self, member, members, quoted, Member};
+use crate::json_text::{self, member, quoted, Member};
 use crate::sse::Event;
 use atmost_protocol::PermitLimits;
 use serde_json::{Map, Value};
@@ -209,28 +209,33 @@ fn value_of(text: &[u8], m: &Member) -> Option<Value> {
     serde_json::from_slice(text.get(m.value_start..m.value_end)?).ok()
 }
 
-/// Whether the object at `at` is the response to request `id`: its `id`, no `method`, and a
-/// `result` or an `error`.
-fn is_response_to(text: &[u8], at: usize, id: &Value) -> bool {
-    let Some(ms) = members(text, at) else {
-        return false;
-    };
-    let last = |name: &str| ms.iter().rev().find(|m| m.is(text, name));
-    last("id").and_then(|m| value_of(text, m)).as_ref() == Some(id)
-        && last("method").is_none()
-        && (last("result").is_some() || last("error").is_some())
+/// The `result` and `error` members of the object at `at` if it is the response to request
+/// `id`: its `id`, no `method`, and a `result` or an `error`. One walk over the object.
+fn response_members(text: &[u8], at: usize, id: &Value) -> Option<ResponseMembers> {
+    let [id_member, method, result, error] =
+        json_text::last_members(text, at, ["id", "method", "result", "error"])?;
+    let is_response = id_member.and_then(|m| value_of(text, &m)).as_ref() == Some(id)
+        && method.is_none()
+        && (result.is_some() || error.is_some());
+    is_response.then_some(ResponseMembers { result, error })
 }
 
-/// Where the response to `id` starts in a JSON text that parsed: the message itself, or its
-/// element of a batch.
-fn response_at(text: &[u8], id: &Value) -> Option<usize> {
+/// Where the figures may go in a response.
+struct ResponseMembers {
+    result: Option<Member>,
+    error: Option<Member>,
+}
+
+/// The response to `id` in a JSON text that parsed: the message itself, or its element of a
+/// batch.
+fn response_to(text: &[u8], id: &Value) -> Option<ResponseMembers> {
     let at = json_text::first_value(text);
     match text.get(at)? {
-        b'{' => is_response_to(text, at, id).then_some(at),
+        b'{' => response_members(text, at, id),
         b'[' => json_text::elements(text, at)?
             .into_iter()
-            .map(|(start, _)| start)
-            .find(|&start| text.get(start) == Some(&b'{') && is_response_to(text, start, id)),
+            .filter(|&(start, _)| text.get(start) == Some(&b'{'))
+            .find_map(|(start, _)| response_members(text, start, id)),
         _ => None,
     }
 }
@@ -241,10 +246,9 @@ fn response_at(text: &[u8], id: &Value) -> Option<usize> {
 /// no response to `id`.
 pub fn response_edits(text: &[u8], id: &Value, limits: &PermitLimits) -> Vec<Edit> {
     let figures = figures_text(limits);
-    let edit = response_at(text, id).and_then(|at| {
-        let object =
-            |name: &str| member(text, at, name).filter(|m| m.value_opens(text) == Some(b'{'));
-        if let Some(result) = object("result") {
+    let edit = response_to(text, id).and_then(|response| {
+        let object = |m: Option<Member>| m.filter(|m| m.value_opens(text) == Some(b'{'));
+        if let Some(result) = object(response.result) {
             put(
                 text,
                 result.value_start,
@@ -254,7 +258,7 @@ pub fn response_edits(text: &[u8], id: &Value, limits: &PermitLimits) -> Vec<Edi
                 true,
             )
         } else {
-            let error = object("error")?;
+            let error = object(response.error)?;
             put(
                 text,
                 error.value_start,
@@ -271,8 +275,8 @@ pub fn response_edits(text: &[u8], id: &Value, limits: &PermitLimits) -> Vec<Edi
 /// The `tools` array of the `tools/list` response to `id` in `text`: each tool object's
 /// offset and name.
 fn listed(text: &[u8], id: &Value) -> Vec<(usize, String)> {
-    let tools = response_at(text, id)
-        .and_then(|at| member(text, at, "result"))
+    let tools = response_to(text, id)
+        .and_then(|response| response.result)
         .filter(|r| r.value_opens(text) == Some(b'{'))
         .and_then(|r| member(text, r.value_start, "tools"))
         .and_then(|t| json_text::elements(text, t.value_start));
