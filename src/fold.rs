@@ -47,9 +47,19 @@ where
     I: ExactSizeIterator<Item = &'a str> + Clone,
 {
     if keys.len() <= PAIRWISE_MAX {
+        // ASCII keys fold together only when they differ in letter case alone; checking that
+        // once for the object spares every pair the check.
+        let ascii = keys.clone().all(str::is_ascii);
+        let same = |a: &str, b: &str| {
+            if ascii {
+                a.eq_ignore_ascii_case(b)
+            } else {
+                eq_fold(a, b)
+            }
+        };
         let mut rest = keys.clone();
         while let Some(a) = rest.next() {
-            if let Some(b) = rest.clone().find(|b| eq_fold(a, b)) {
+            if let Some(b) = rest.clone().find(|b| same(a, b)) {
                 return Some((a, b));
             }
         }

@@ -5,6 +5,7 @@
 //! key here too (see [`crate::fold`]): Go's `encoding/json` matches them to one field.
 
 use serde::de::{Deserialize, Deserializer, Error, MapAccess, SeqAccess, Visitor};
+use serde_json::map::Entry;
 use serde_json::{Map, Number, Value};
 use std::fmt;
 
@@ -77,10 +78,18 @@ impl<'de> Visitor<'de> for StrictVisitor {
         let mut obj = Map::new();
         while let Some(key) = map.next_key::<String>()? {
             let Strict(value) = map.next_value()?;
-            if obj.contains_key(&key) {
-                return Err(A::Error::custom(format!("{DUPLICATE_KEY} `{key}`")));
+            // One lookup finds a repeat or the place to insert.
+            match obj.entry(key) {
+                Entry::Occupied(repeated) => {
+                    return Err(A::Error::custom(format!(
+                        "{DUPLICATE_KEY} `{}`",
+                        repeated.key()
+                    )));
+                }
+                Entry::Vacant(slot) => {
+                    slot.insert(value);
+                }
             }
-            obj.insert(key, value);
         }
         if let Some((a, b)) = crate::fold::collision(obj.keys().map(String::as_str)) {
             return Err(A::Error::custom(format!(
