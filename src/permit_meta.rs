@@ -9,7 +9,7 @@
 //! answer gets them as [`Edit`]s of its text: the figures go in, every other byte stays as
 //! the upstream sent it.
 
-use crate::json_text::{self, member, quoted, Member};
+use crate::json_text::{self, member, Member};
 use crate::sse::Event;
 use atmost_protocol::PermitLimits;
 use serde_json::{Map, Value};
@@ -168,37 +168,50 @@ fn put(
     value: &str,
     replace_other: bool,
 ) -> Option<Edit> {
-    let pair = format!("{}:{value}", quoted(key));
-    let insert_first = |at: usize, member_text: String| {
+    // `"key":value`, or `{"key":value}`, or `"child":{"key":value}`: written piece by piece,
+    // as `format!` costs several times as much for this on every dispatched call.
+    let pair = |child: Option<&str>, braces: bool| {
+        let mut out = String::with_capacity(key.len() + value.len() + child.map_or(0, str::len) + 8);
+        if let Some(child) = child {
+            json_text::push_string(&mut out, child);
+            out.push(':');
+        }
+        if braces {
+            out.push('{');
+        }
+        json_text::push_string(&mut out, key);
+        out.push(':');
+        out.push_str(value);
+        if braces {
+            out.push('}');
+        }
+        out
+    };
+    let insert_first = |at: usize, mut member_text: String| {
         // Right after the opening brace; a comma when other members follow.
-        let comma = if json_text::is_empty_object(text, at)? {
-            ""
-        } else {
-            ","
-        };
+        if !json_text::is_empty_object(text, at)? {
+            member_text.push(',');
+        }
         Some(Edit {
             start: at + 1,
             end: at + 1,
-            text: format!("{member_text}{comma}"),
+            text: member_text,
         })
     };
     match member(text, obj, child) {
-        None => insert_first(
-            obj,
-            format!("{}:{{{pair}}}", quoted(child)),
-        ),
+        None => insert_first(obj, pair(Some(child), true)),
         Some(m) if m.value_opens(text) == Some(b'{') => match member(text, m.value_start, key) {
             Some(k) => Some(Edit {
                 start: k.value_start,
                 end: k.value_end,
                 text: value.to_string(),
             }),
-            None => insert_first(m.value_start, pair),
+            None => insert_first(m.value_start, pair(None, false)),
         },
         Some(m) if replace_other => Some(Edit {
             start: m.value_start,
             end: m.value_end,
-            text: format!("{{{pair}}}"),
+            text: pair(None, true),
         }),
         Some(_) => None,
     }
