@@ -220,45 +220,54 @@ impl<'a> Scanner<'a> {
         }
     }
 
+    /// Skips the string that starts at the current byte (its opening quote).
     fn skip_string(&mut self) -> Option<()> {
         self.i += 1; // opening quote
         loop {
-            match self.peek()? {
-                b'\\' => self.i += 2,
-                b'"' => {
-                    self.i += 1;
-                    return Some(());
-                }
-                _ => self.i += 1,
+            let c = *self.b.get(self.i)?;
+            self.i += 1;
+            match c {
+                b'\\' => self.i += 1,
+                b'"' => return Some(()),
+                _ => {}
             }
         }
     }
 
     /// Skips one value without recursion: nesting depth is only counted.
     fn skip_value(&mut self) -> Option<()> {
-        let mut depth = 0usize;
-        loop {
-            match self.peek()? {
-                b'"' => self.skip_string()?,
-                b'{' | b'[' => {
-                    depth += 1;
-                    self.i += 1;
-                }
-                b'}' | b']' => {
-                    if depth == 0 {
-                        return Some(());
+        match self.peek()? {
+            b'"' => self.skip_string(),
+            b'{' | b'[' => {
+                // Inside an object or array only strings and brackets matter.
+                let mut depth = 0usize;
+                loop {
+                    match *self.b.get(self.i)? {
+                        b'"' => self.skip_string()?,
+                        b'{' | b'[' => {
+                            depth += 1;
+                            self.i += 1;
+                        }
+                        b'}' | b']' => {
+                            depth = depth.checked_sub(1)?;
+                            self.i += 1;
+                            if depth == 0 {
+                                return Some(());
+                            }
+                        }
+                        _ => self.i += 1,
                     }
-                    depth -= 1;
-                    self.i += 1;
                 }
-                b',' if depth == 0 => return Some(()),
-                c if c.is_ascii_whitespace() && depth == 0 => return Some(()),
-                _ => self.i += 1,
             }
-            if depth == 0 && matches!(self.b.get(self.i.wrapping_sub(1)), Some(b'"' | b'}' | b']'))
-            {
-                // A complete string, object or array at the top level of this value.
-                return Some(());
+            _ => {
+                // A number or a literal: it ends where a delimiter or white space begins.
+                loop {
+                    match self.peek()? {
+                        b',' | b'}' | b']' => return Some(()),
+                        c if c.is_ascii_whitespace() => return Some(()),
+                        _ => self.i += 1,
+                    }
+                }
             }
         }
     }
