@@ -8,7 +8,9 @@
 //! SSE event), else the matching element of a batch array re-serialised.
 
 use crate::sse::{Event, SseParser, TooLarge};
+use serde::de::{self, Deserialize, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
+use std::fmt;
 
 fn is_response_to(v: &Value, id: &Value) -> bool {
     v.get("id") == Some(id)
@@ -24,8 +26,21 @@ pub struct Captured {
 }
 
 /// The receipt in one complete JSON text, if it holds the response to `id`. The text is
-/// parsed once; its kind is read from the same tree.
+/// parsed once. A lone message is read without building its tree ([`Message`]); a batch
+/// is read as a tree, as its matching element is written out again from it.
 pub fn from_json_text(text: &str, id: &Value) -> Option<Captured> {
+    match serde_json::from_str::<Shape>(text).ok()? {
+        Shape::Message(m) if m.is_response_to(id) => Some(Captured {
+            text: text.trim().to_string(),
+            kind: m.kind(),
+        }),
+        Shape::Message(_) | Shape::Other => None,
+        Shape::Batch => from_tree(text, id),
+    }
+}
+
+/// [`from_json_text`] by way of the whole tree.
+fn from_tree(text: &str, id: &Value) -> Option<Captured> {
     let value: Value = serde_json::from_str(text).ok()?;
     match &value {
         Value::Object(_) if is_response_to(&value, id) => Some(Captured {
@@ -40,6 +55,297 @@ pub fn from_json_text(text: &str, id: &Value) -> Option<Captured> {
                 kind: kind_of_value(v),
             }),
         _ => None,
+    }
+}
+
+/// What [`from_json_text`] reads of a JSON text. The same parse as `serde_json::Value`'s
+/// (every value is read with `deserialize_any`, so a text one refuses the other refuses),
+/// and of a member named twice the last counts, as in a `Value`; but only the members the
+/// receipt needs are kept, the rest read and dropped.
+enum Shape {
+    Message(Message),
+    Batch,
+    Other,
+}
+
+/// A lone message: what [`is_response_to`] and [`kind_of_value`] read of its tree.
+#[derive(Default)]
+struct Message {
+    id: Option<Value>,
+    method: bool,
+    error: bool,
+    result: Option<ResultMembers>,
+}
+
+/// The members of `result` that tell its kind; all false when `result` is not an object.
+#[derive(Default)]
+struct ResultMembers {
+    /// `resultType` is the string `input_required` / `task`.
+    input_required: bool,
+    task_type: bool,
+    /// `task` is an object whose `taskId` is a string.
+    task_handle: bool,
+    content: bool,
+}
+
+impl Message {
+    fn is_response_to(&self, id: &Value) -> bool {
+        self.id.as_ref() == Some(id) && !self.method && (self.result.is_some() || self.error)
+    }
+
+    fn kind(&self) -> ResultKind {
+        match &self.result {
+            Some(r) if r.input_required => ResultKind::InputRequired,
+            Some(r) if r.task_type || (r.task_handle && !r.content) => ResultKind::Task,
+            _ => ResultKind::Final,
+        }
+    }
+}
+
+/// Any JSON value, read and dropped.
+#[derive(Default)]
+struct Skip;
+
+/// A JSON value read for one fact about it (`visit_*` of the others answers the default).
+trait Probe: Sized + Default {
+    fn string(_: &str) -> Self {
+        Self::default()
+    }
+    fn object<'de, A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
+        drain_map(map).map(|()| Self::default())
+    }
+}
+
+/// `true` for a string.
+#[derive(Default)]
+struct IsString(bool);
+
+/// What a `resultType` member says.
+#[derive(Default)]
+struct ResultType {
+    input_required: bool,
+    task: bool,
+}
+
+/// `true` for an object whose `taskId` is a string.
+#[derive(Default)]
+struct TaskHandle(bool);
+
+impl Probe for Skip {}
+
+impl Probe for IsString {
+    fn string(_: &str) -> IsString {
+        IsString(true)
+    }
+}
+
+impl Probe for ResultType {
+    fn string(s: &str) -> ResultType {
+        ResultType {
+            input_required: s == "input_required",
+            task: s == "task",
+        }
+    }
+}
+
+impl Probe for TaskHandle {
+    fn object<'de, A: MapAccess<'de>>(mut map: A) -> Result<TaskHandle, A::Error> {
+        let mut task_id = false;
+        while let Some(name) = map.next_key_seed(MemberName(&["taskId"]))? {
+            match name {
+                Some(_) => {
+                    let Probed(IsString(is_string)) = map.next_value()?;
+                    task_id = is_string;
+                }
+                None => {
+                    map.next_value::<Probed<Skip>>()?;
+                }
+            }
+        }
+        Ok(TaskHandle(task_id))
+    }
+}
+
+impl Probe for ResultMembers {
+    fn object<'de, A: MapAccess<'de>>(mut map: A) -> Result<ResultMembers, A::Error> {
+        const NAMES: &[&str] = &["resultType", "task", "content"];
+        let mut r = ResultMembers::default();
+        while let Some(name) = map.next_key_seed(MemberName(NAMES))? {
+            match name {
+                Some(0) => {
+                    let Probed(t) = map.next_value::<Probed<ResultType>>()?;
+                    (r.input_required, r.task_type) = (t.input_required, t.task);
+                }
+                Some(1) => {
+                    let Probed(TaskHandle(handle)) = map.next_value()?;
+                    r.task_handle = handle;
+                }
+                Some(_) => {
+                    map.next_value::<Probed<Skip>>()?;
+                    r.content = true;
+                }
+                None => {
+                    map.next_value::<Probed<Skip>>()?;
+                }
+            }
+        }
+        Ok(r)
+    }
+}
+
+/// A [`Probe`] read from any JSON value.
+struct Probed<P>(P);
+
+impl<'de, P: Probe> Deserialize<'de> for Probed<P> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ProbeVisitor(std::marker::PhantomData))
+            .map(Probed)
+    }
+}
+
+struct ProbeVisitor<P>(std::marker::PhantomData<P>);
+
+impl<'de, P: Probe> Visitor<'de> for ProbeVisitor<P> {
+    type Value = P;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<P, E> {
+        Ok(P::default())
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<P, E> {
+        Ok(P::default())
+    }
+
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<P, E> {
+        Ok(P::default())
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<P, E> {
+        Ok(P::default())
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<P, E> {
+        Ok(P::string(v))
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<P, E> {
+        Ok(P::default())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<P, A::Error> {
+        while seq.next_element::<Probed<Skip>>()?.is_some() {}
+        Ok(P::default())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<P, A::Error> {
+        P::object(map)
+    }
+}
+
+/// Reads the rest of an object, dropping it.
+fn drain_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<(), A::Error> {
+    while map.next_key_seed(MemberName(&[]))?.is_some() {
+        map.next_value::<Probed<Skip>>()?;
+    }
+    Ok(())
+}
+
+/// A member name read as its position among the names asked for (`None`: another name),
+/// without keeping it.
+struct MemberName(&'static [&'static str]);
+
+impl<'de> DeserializeSeed<'de> for MemberName {
+    type Value = Option<usize>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<usize>, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for MemberName {
+    type Value = Option<usize>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a member name")
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Option<usize>, E> {
+        Ok(self.0.iter().position(|n| *n == v))
+    }
+}
+
+impl<'de> Deserialize<'de> for Shape {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Shape, D::Error> {
+        d.deserialize_any(ShapeVisitor)
+    }
+}
+
+struct ShapeVisitor;
+
+impl<'de> Visitor<'de> for ShapeVisitor {
+    type Value = Shape;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Shape, E> {
+        Ok(Shape::Other)
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Shape, E> {
+        Ok(Shape::Other)
+    }
+
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Shape, E> {
+        Ok(Shape::Other)
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Shape, E> {
+        Ok(Shape::Other)
+    }
+
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Shape, E> {
+        Ok(Shape::Other)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Shape, E> {
+        Ok(Shape::Other)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Shape, A::Error> {
+        while seq.next_element::<Probed<Skip>>()?.is_some() {}
+        Ok(Shape::Batch)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Shape, A::Error> {
+        const NAMES: &[&str] = &["id", "method", "result", "error"];
+        let mut m = Message::default();
+        while let Some(name) = map.next_key_seed(MemberName(NAMES))? {
+            match name {
+                Some(0) => m.id = Some(map.next_value::<Value>()?),
+                Some(1) => {
+                    map.next_value::<Probed<Skip>>()?;
+                    m.method = true;
+                }
+                Some(2) => {
+                    let Probed(result) = map.next_value()?;
+                    m.result = Some(result);
+                }
+                Some(_) => {
+                    map.next_value::<Probed<Skip>>()?;
+                    m.error = true;
+                }
+                None => {
+                    map.next_value::<Probed<Skip>>()?;
+                }
+            }
+        }
+        Ok(Shape::Message(m))
     }
 }
 
@@ -294,6 +600,61 @@ mod tests {
             // Captured responses carry the same kind, read from the one parse.
             if let Some(c) = from_json_text(text, &json!(1)) {
                 assert_eq!(c.kind, kind, "{text}");
+            }
+        }
+    }
+
+    /// The reading without the tree finds what the tree finds, of every kind of text.
+    #[test]
+    fn a_lone_message_reads_as_its_tree_reads() {
+        let texts = [
+            r#"{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"ok"}]}}"#,
+            r#"{"id":1,"result":null}"#,
+            r#"{"id":1,"result":[1,{"a":[]}]}"#,
+            r#"{"id":1,"error":{"code":1,"message":"m"}}"#,
+            r#"{"id":1,"method":"x","result":{}}"#,
+            r#"{"id":1,"method":null,"error":{}}"#,
+            r#"{"id":1}"#,
+            r#"{"id":2,"result":{}}"#,
+            r#"{"id":"1","result":{}}"#,
+            r#"{"id":1.0,"result":{}}"#,
+            r#"{"id":2,"id":1,"result":{}}"#,
+            r#"{"id":1,"id":2,"result":{}}"#,
+            r#"{"\u0069d":1,"r\u0065sult":{"resultType":"task"}}"#,
+            r#"{"id":1,"result":{"resultType":"input_required"}}"#,
+            r#"{"id":1,"result":{"resultType":"task","resultType":5}}"#,
+            r#"{"id":1,"result":{"resultType":5,"resultType":"input_required"}}"#,
+            r#"{"id":1,"result":{"task":{"taskId":"t"}}}"#,
+            r#"{"id":1,"result":{"task":{"taskId":"t"},"content":null}}"#,
+            r#"{"id":1,"result":{"task":{"taskId":"t","taskId":1}}}"#,
+            r#"{"id":1,"result":{"task":{"taskId":1,"taskId":"t"}}}"#,
+            r#"{"id":1,"result":{"task":"t"}}"#,
+            r#"{"id":1,"result":{"task":{"taskId":"t"}},"result":{"content":[]}}"#,
+            r#"{"id":1,"result":{"resultType":"task"},"result":5}"#,
+            r#"{"id":1,"result":{"n":1e400}}"#,
+            r#"{"id":1,"result":{"s":"\ud800"}}"#,
+            r#"{"id":1,"result":{}} x"#,
+            r#"{"id":1,"result":{},}"#,
+            r#"[{"id":1,"result":{"resultType":"task"}}]"#,
+            r#"[{"id":2,"result":{}},{"id":1,"error":{}}]"#,
+            r#"[]"#,
+            r#"1"#,
+            r#""s""#,
+            r#"null"#,
+            " \n {\"id\" : 1 , \"result\" : { } } \n ",
+        ];
+        let deep = format!(
+            "{{\"id\":1,\"result\":{}{}}}",
+            "[".repeat(200),
+            "]".repeat(200)
+        );
+        for text in texts.iter().copied().chain([deep.as_str()]) {
+            for id in [json!(1), json!("1"), json!(2)] {
+                assert_eq!(
+                    from_json_text(text, &id),
+                    from_tree(text, &id),
+                    "{text} {id}"
+                );
             }
         }
     }
