@@ -323,7 +323,11 @@ mod tests {
             "\u{0}\u{1}\u{8}\t\n\u{b}\u{c}\r\u{1f} \u{7f}",
             "\u{e9}\u{2028}\u{fb33}\u{1f600}",
         ] {
-            assert_eq!(quoted(s), serde_json::to_string(s).unwrap_or_default(), "{s:?}");
+            assert_eq!(
+                quoted(s),
+                serde_json::to_string(s).unwrap_or_default(),
+                "{s:?}"
+            );
         }
     }
 

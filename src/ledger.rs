@@ -4,8 +4,8 @@
 
 use atmost_config::LedgerConfig;
 use atmost_protocol::{
-    AuthorizeResponse, LimitsRequest, LimitsResponse, OutcomeAck, OutcomesRequest, OutcomesResponse,
-    PermitLimits,
+    AuthorizeResponse, LimitsRequest, LimitsResponse, OutcomeAck, OutcomesRequest,
+    OutcomesResponse, PermitLimits,
 };
 use serde::Deserialize;
 use std::fmt;

@@ -455,7 +455,10 @@ mod tests {
     /// name it is given is ASCII.
     #[test]
     fn the_member_names_read_by_name_are_ascii() {
-        let names = MESSAGE_MEMBERS.iter().chain(&PARAMS_MEMBERS).chain(&META_MEMBERS);
+        let names = MESSAGE_MEMBERS
+            .iter()
+            .chain(&PARAMS_MEMBERS)
+            .chain(&META_MEMBERS);
         assert!(names.clone().count() == 15 && names.into_iter().all(|n| n.is_ascii()));
     }
 

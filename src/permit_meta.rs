@@ -171,7 +171,8 @@ fn put(
     // `"key":value`, or `{"key":value}`, or `"child":{"key":value}`: written piece by piece,
     // as `format!` costs several times as much for this on every dispatched call.
     let pair = |child: Option<&str>, braces: bool| {
-        let mut out = String::with_capacity(key.len() + value.len() + child.map_or(0, str::len) + 8);
+        let mut out =
+            String::with_capacity(key.len() + value.len() + child.map_or(0, str::len) + 8);
         if let Some(child) = child {
             json_text::push_string(&mut out, child);
             out.push(':');
@@ -327,14 +328,7 @@ pub fn tools_list_edits(
         .into_iter()
         .filter_map(|(at, name)| {
             let limits = by_tool.get(&name)?;
-            put(
-                text,
-                at,
-                "_meta",
-                PERMIT_META,
-                &figures_text(limits),
-                true,
-            )
+            put(text, at, "_meta", PERMIT_META, &figures_text(limits), true)
         })
         .collect()
 }
