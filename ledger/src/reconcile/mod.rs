@@ -11,7 +11,7 @@
 //! arguments template names) leaves it `uncertain`, is logged and counted in
 //! `atmost_reconciler_lookups_total{result}`, and the attempt is asked again after a backoff.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -27,7 +27,7 @@ use tracing::{info, warn};
 use crate::clock::Millis;
 use crate::decide::ResolveInput;
 use crate::error::ResolveError;
-use crate::model::{Attempt, AttemptState, ResolutionSource};
+use crate::model::{Attempt, ResolutionSource};
 use crate::server::{resolved, Shared};
 
 pub mod rules;
@@ -36,8 +36,11 @@ mod tests;
 
 pub use rules::{Reading, Rule, RuleSet};
 
-/// Attempts read per pass, oldest first.
+/// Uncertain attempts read per page of the walk, oldest first.
 const SCAN_LIMIT: u32 = 500;
+/// At most this many pages per pass, so one pass's reads stay bounded however many attempts
+/// are uncertain; the next pass goes on from there.
+const PAGES_PER_PASS: usize = 20;
 /// The largest answer a lookup may return.
 const MAX_ANSWER_BYTES: usize = 1 << 20;
 
@@ -56,8 +59,59 @@ pub fn backoff_after(delay: Duration, max: Duration, failures: u32) -> Duration 
     delay.saturating_mul(factor).min(max)
 }
 
+/// Where the walk over uncertain attempts stands between passes.
+#[derive(Debug)]
+struct Walk {
+    /// The order's key of the last attempt examined (`(Millis::MIN, "")`: from the start).
+    after: (Millis, String),
+    /// Attempts met since the walk last started over.
+    seen: HashSet<String>,
+}
+
+/// What one page of the walk gives a pass.
+#[derive(Debug, PartialEq)]
+struct PageScan {
+    /// Attempts to look up now, at most the free slots.
+    due: Vec<Attempt>,
+    /// How many of the page's attempts were examined (the walk goes on after the last).
+    examined: usize,
+    /// An attempt uncertain for less than the delay was met: every later one is too, so
+    /// the walk is over.
+    too_recent: bool,
+}
+
+/// Examines a page in order: stops at the first attempt too recent to look up, or when
+/// `free` attempts are due (the next pass starts at the first one not examined).
+fn take_due(
+    page: &[Attempt],
+    free: usize,
+    is_due: impl Fn(&Attempt) -> bool,
+    is_too_recent: impl Fn(&Attempt) -> bool,
+) -> PageScan {
+    let mut scan = PageScan {
+        due: Vec::new(),
+        examined: 0,
+        too_recent: false,
+    };
+    for a in page {
+        if is_too_recent(a) {
+            scan.too_recent = true;
+            break;
+        }
+        if scan.due.len() >= free {
+            break;
+        }
+        if is_due(a) {
+            scan.due.push(a.clone());
+        }
+        scan.examined += 1;
+    }
+    scan
+}
+
 struct Reconciler {
     state: Shared,
+    walk: Mutex<Walk>,
     rules: RuleSet,
     http: reqwest::Client,
     slots: Arc<Semaphore>,
@@ -77,6 +131,10 @@ pub fn spawn(state: Shared, rules: RuleSet) -> Result<tokio::task::JoinHandle<()
         rules,
         http,
         backoff: Mutex::new(HashMap::new()),
+        walk: Mutex::new(Walk {
+            after: (Millis::MIN, String::new()),
+            seen: HashSet::new(),
+        }),
     });
     for r in &me.rules.rules {
         info!(rule = %r.name, tool = %r.tool, server = %r.url, lookup = %r.lookup_tool, "reconcile rule loaded");
@@ -104,37 +162,84 @@ impl Reconciler {
             .inc();
     }
 
-    /// One pass: starts a lookup for each attempt that is due, as slots allow.
+    /// One pass: starts a lookup for each attempt that is due, as slots allow. The pass goes
+    /// on from where the last one stopped in the walk over every uncertain attempt (oldest
+    /// first, a page at a time), so attempts of tools without a rule, or ones that stay
+    /// unknown, never hide the ones behind them; a walk that reaches the end starts over.
     async fn pass(self: Arc<Self>) {
         let now = self.state.clock.now_ms();
-        let open = match self
-            .state
-            .store
-            .open_attempts(Millis::MIN, SCAN_LIMIT, now)
-            .await
-        {
-            Ok(a) => a,
-            Err(e) => {
-                warn!(error = %e, "reconciler could not list uncertain attempts");
-                return;
-            }
-        };
+        let free = self.slots.available_permits();
+        if free == 0 {
+            return;
+        }
         let delay_ms = millis(self.rules.delay);
-        let due: Vec<Attempt> = {
-            let mut backoff = self.backoff.lock().unwrap_or_else(PoisonError::into_inner);
-            // Forget attempts no longer uncertain (resolved here, elsewhere, or by a person).
-            backoff.retain(|id, b| b.running || open.iter().any(|a| &a.id == id));
-            open.into_iter()
-                .filter(|a| a.state == AttemptState::Uncertain)
-                .filter(|a| self.rule_for(&a.tool).is_some())
-                .filter(|a| now.saturating_sub(a.updated_at_ms) >= delay_ms)
-                .filter(|a| {
-                    backoff
-                        .get(&a.id)
-                        .is_none_or(|b| !b.running && now >= b.next_at)
-                })
-                .collect()
-        };
+        let mut after = self
+            .walk
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .after
+            .clone();
+        let mut due: Vec<Attempt> = Vec::new();
+        let mut seen: Vec<String> = Vec::new();
+        let mut wrapped = false;
+        for _ in 0..PAGES_PER_PASS {
+            let page = match self
+                .state
+                .store
+                .uncertain_after((after.0, &after.1), SCAN_LIMIT, now)
+                .await
+            {
+                Ok(a) => a,
+                Err(e) => {
+                    warn!(error = %e, "reconciler could not list uncertain attempts");
+                    return;
+                }
+            };
+            let full = page.len() == SCAN_LIMIT as usize;
+            let scan = {
+                let backoff = self.backoff.lock().unwrap_or_else(PoisonError::into_inner);
+                take_due(
+                    &page,
+                    free - due.len(),
+                    |a| {
+                        self.rule_for(&a.tool).is_some()
+                            && now.saturating_sub(a.updated_at_ms) >= delay_ms
+                            && backoff
+                                .get(&a.id)
+                                .is_none_or(|b| !b.running && now >= b.next_at)
+                    },
+                    |a| now.saturating_sub(a.updated_at_ms) < delay_ms,
+                )
+            };
+            seen.extend(page[..scan.examined].iter().map(|a| a.id.clone()));
+            if let Some(last) = scan.examined.checked_sub(1).and_then(|i| page.get(i)) {
+                after = (last.updated_at_ms, last.id.clone());
+            }
+            due.extend(scan.due);
+            if scan.too_recent || (!full && scan.examined == page.len()) {
+                wrapped = true;
+                break;
+            }
+            if due.len() >= free {
+                break;
+            }
+        }
+        {
+            let mut walk = self.walk.lock().unwrap_or_else(PoisonError::into_inner);
+            walk.seen.extend(seen);
+            walk.after = if wrapped {
+                (Millis::MIN, String::new())
+            } else {
+                after
+            };
+            if wrapped {
+                // Forget attempts no longer uncertain (resolved here, elsewhere, or by a
+                // person): the walk that just ended did not meet them.
+                let seen = std::mem::take(&mut walk.seen);
+                let mut backoff = self.backoff.lock().unwrap_or_else(PoisonError::into_inner);
+                backoff.retain(|id, b| b.running || seen.contains(id));
+            }
+        }
         for a in due {
             let Ok(slot) = self.slots.clone().try_acquire_owned() else {
                 break;

@@ -3,8 +3,9 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::backoff_after;
 use super::rules::{self, Env, Facts, Reading};
+use super::{backoff_after, take_due};
+use crate::model::{Attempt, AttemptState};
 
 struct FakeEnv(HashMap<&'static str, &'static str>);
 
@@ -313,4 +314,50 @@ fn backoff_doubles_from_the_delay_up_to_its_cap() {
     let waits: Vec<u64> = (0..7).map(|n| backoff_after(d, max, n).as_secs()).collect();
     assert_eq!(waits, vec![30, 60, 120, 240, 300, 300, 300]);
     assert_eq!(backoff_after(d, max, u32::MAX), max);
+}
+
+fn uncertain(id: &str, tool: &str, updated_at_ms: i64) -> Attempt {
+    let mut a = Attempt::example(id, "p1", tool, AttemptState::Uncertain, 0);
+    a.updated_at_ms = updated_at_ms;
+    a
+}
+
+fn ids(v: &[Attempt]) -> Vec<&str> {
+    v.iter().map(|a| a.id.as_str()).collect()
+}
+
+/// A page of the walk: attempts of tools without a rule are passed over, never taken, and
+/// the walk goes on behind them; it stops when the free slots are filled (the next pass
+/// starts at the first attempt not examined) or at the first attempt too recent to ask about.
+#[test]
+fn a_page_takes_due_attempts_past_those_without_a_rule() {
+    let mut page: Vec<Attempt> = (0..600)
+        .map(|i| uncertain(&format!("x{i:03}"), "send_email", 1_000 + i))
+        .collect();
+    page.push(uncertain("pay-1", "pay_invoice", 2_000));
+    page.push(uncertain("pay-2", "pay_invoice", 2_001));
+    page.push(uncertain("pay-3", "pay_invoice", 2_002));
+    page.push(uncertain("recent", "pay_invoice", 9_000));
+    let ruled = |a: &Attempt| a.tool == "pay_invoice";
+    let too_recent = |a: &Attempt| a.updated_at_ms > 5_000;
+
+    let scan = take_due(&page, 2, ruled, too_recent);
+    assert_eq!(ids(&scan.due), ["pay-1", "pay-2"]);
+    assert_eq!(
+        scan.examined, 602,
+        "stops before pay-3: no slot left for it"
+    );
+    assert!(!scan.too_recent);
+
+    let rest = take_due(&page[scan.examined..], 4, ruled, too_recent);
+    assert_eq!(ids(&rest.due), ["pay-3"]);
+    assert!(
+        rest.too_recent,
+        "the walk ends at the first attempt too recent"
+    );
+    assert_eq!(rest.examined, 1);
+
+    let none = take_due(&page[..600], 4, ruled, too_recent);
+    assert!(none.due.is_empty());
+    assert_eq!((none.examined, none.too_recent), (600, false));
 }

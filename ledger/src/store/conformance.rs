@@ -52,7 +52,8 @@ macro_rules! conformance_suite {
             state_counts_and_pruning_per_permit_retention, rounds_and_capabilities,
             race_report_against_lease_expiry, race_conflicting_reports_from_two_handles,
             race_resolution_against_late_report, race_revocation_against_authorization,
-            race_released_key_dispatched_again, permit_limits_in_answers, inbox_reads);
+            race_released_key_dispatched_again, permit_limits_in_answers, inbox_reads,
+            uncertain_pages);
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
         $(
@@ -2034,4 +2035,53 @@ pub async fn reads_version_4_rows(s: &dyn Store) {
     let resolved = s.resolved_attempts(10, 10).await.unwrap();
     assert_eq!(resolved.len(), 1);
     assert_eq!(resolved[0].id, "r1");
+}
+
+/// `uncertain_after` pages through every uncertain attempt in the inbox's order (when each
+/// turned so, then id), after a given key, at most `limit` a page: attempts that turned
+/// uncertain at the same moment are split across pages by id, and no attempt in another
+/// state is ever listed.
+pub async fn uncertain_pages(h: &dyn Harness) {
+    let s = h.store().await;
+    let (_, tok) = make_permit(&*s, policy(), T0 + 100 * HOUR).await;
+    let mut uncertain_ids = Vec::new();
+    for i in 0..5 {
+        let key = format!("u{i}");
+        let id = dispatched(&auth(&*s, &req(&tok, "pay", Some(&key), &key, json!({})), T0).await);
+        // Two pairs turn uncertain at the same moment, so the id breaks the tie.
+        report(&*s, &id, uncertain(), T0 + 10 + i / 2).await;
+        uncertain_ids.push((T0 + 10 + i / 2, id));
+    }
+    let done = dispatched(&auth(&*s, &req(&tok, "pay", Some("c"), "C", json!({})), T0).await);
+    report(&*s, &done, completed("R"), T0 + 1).await;
+    let _in_flight = dispatched(&auth(&*s, &req(&tok, "pay", Some("f"), "F", json!({})), T0).await);
+    uncertain_ids.sort();
+    let expected: Vec<String> = uncertain_ids.iter().map(|(_, id)| id.clone()).collect();
+
+    let mut walked = Vec::new();
+    let mut after: (crate::clock::Millis, String) = (crate::clock::Millis::MIN, String::new());
+    for _ in 0..10 {
+        let page = s
+            .uncertain_after((after.0, &after.1), 2, T0 + 20)
+            .await
+            .unwrap();
+        assert!(page.len() <= 2, "a page holds at most the limit");
+        let Some(last) = page.last() else { break };
+        after = (last.updated_at_ms, last.id.clone());
+        walked.extend(page.into_iter().map(|a| {
+            assert_eq!(a.state, AttemptState::Uncertain);
+            a.id
+        }));
+    }
+    assert_eq!(walked, expected, "every uncertain attempt once, in order");
+    // From the middle: only what comes after that key.
+    let (at, id) = &uncertain_ids[2];
+    let rest: Vec<String> = s
+        .uncertain_after((*at, id), 10, T0 + 20)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|a| a.id)
+        .collect();
+    assert_eq!(rest, expected[3..].to_vec());
 }

@@ -150,6 +150,17 @@ pub trait Store: Send + Sync {
         now: Millis,
     ) -> Result<Vec<Attempt>, LedgerError>;
 
+    /// `uncertain` attempts in the inbox's order (when each turned so, then id) that come
+    /// after `after` (that order's key of the last one read; `(Millis::MIN, "")` for the
+    /// first); at most `limit`. The reconciler walks them page by page, so no number of
+    /// older attempts hides a newer one from it.
+    async fn uncertain_after(
+        &self,
+        after: (Millis, &str),
+        limit: u32,
+        now: Millis,
+    ) -> Result<Vec<Attempt>, LedgerError>;
+
     /// Resolved attempts, the latest resolution first; at most `limit`.
     async fn resolved_attempts(&self, limit: u32, now: Millis)
         -> Result<Vec<Attempt>, LedgerError>;

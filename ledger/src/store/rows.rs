@@ -23,6 +23,9 @@ pub const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerp
 pub struct InboxSql {
     /// `uncertain` attempts, oldest first; parameter 1: how many.
     pub uncertain: String,
+    /// `uncertain` attempts after the one that turned so at parameter 1 with id parameter 2,
+    /// in the same order; parameter 3: how many (a page of the reconciler's walk).
+    pub uncertain_after: String,
     /// `awaiting_input` attempts waiting since parameter 1 or earlier, oldest first;
     /// parameter 2: how many.
     pub stuck: String,
@@ -37,6 +40,14 @@ impl InboxSql {
                 "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.state = 'uncertain' \
                  ORDER BY a.updated_at, a.id LIMIT {}",
                 param(1)
+            ),
+            uncertain_after: format!(
+                "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.state = 'uncertain' \
+                 AND (a.updated_at > {p1} OR (a.updated_at = {p1} AND a.id > {})) \
+                 ORDER BY a.updated_at, a.id LIMIT {}",
+                param(2),
+                param(3),
+                p1 = param(1),
             ),
             stuck: format!(
                 "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.state IN {} \

@@ -673,6 +673,21 @@ impl Store for PgStore {
         .await
     }
 
+    async fn uncertain_after(
+        &self,
+        after: (Millis, &str),
+        limit: u32,
+        _now: Millis,
+    ) -> Result<Vec<Attempt>, LedgerError> {
+        let (at, id) = (after.0, after.1.to_string());
+        let n = i64::from(limit);
+        self.timed(async move |c: &mut deadpool_postgres::Object| {
+            let sql = InboxSql::new(placeholder);
+            query_attempts(&*c, &sql.uncertain_after, &[&at, &id, &n]).await
+        })
+        .await
+    }
+
     async fn resolved_attempts(
         &self,
         limit: u32,
