@@ -201,9 +201,10 @@ impl Reconciler {
                 take_due(
                     &page,
                     free - due.len(),
+                    // Only called on attempts past the delay (`take_due` stops before the
+                    // first one that is not).
                     |a| {
                         self.rule_for(&a.tool).is_some()
-                            && now.saturating_sub(a.updated_at_ms) >= delay_ms
                             && backoff
                                 .get(&a.id)
                                 .is_none_or(|b| !b.running && now >= b.next_at)
