@@ -2,11 +2,20 @@
 // end-to-end interoperability tests. Same tools, resources and prompt as the Python example
 // server (pay_invoice, echo, slow_count; atmost://example/readme; summarize).
 //
-//   node server.mjs --port 8100 [--json-response]
+//   node server.mjs --port 8100 [--json-response] [--host 127.0.0.1]
+//                   [--tls-cert FILE --tls-key FILE] [--fail-after-call STATUS]
 //
 // Stateless Streamable HTTP on /mcp (a fresh server per POST); GET /_example/state reports
-// executions per tool, POSTs and their body bytes received; POST /_example/reset zeroes them.
+// executions per tool, POSTs and their body bytes received, and the headers of the latest
+// POSTs (`seen`, names as Node received them: a header spelled `Idempotency_Key` shows as
+// `idempotency_key`); POST /_example/reset zeroes them.
+// --tls-cert/--tls-key serve HTTPS with that certificate (a provider outside the mesh).
+// --fail-after-call STATUS: a tools/call still runs its tool, then the answer is replaced by
+// an HTTP STATUS error, as when a server fails after the side effect (what a retry on that
+// status would send a second time).
 import http from 'node:http';
+import https from 'node:https';
+import fs from 'node:fs';
 import { McpServer, ResourceTemplate } from '@modelcontextprotocol/sdk/server/mcp.js';
 import { StreamableHTTPServerTransport } from '@modelcontextprotocol/sdk/server/streamableHttp.js';
 import { z } from 'zod';
@@ -14,6 +23,14 @@ import { z } from 'zod';
 const args = process.argv.slice(2);
 const port = Number(args[args.indexOf('--port') + 1] || 8100);
 const jsonResponse = args.includes('--json-response');
+const option = (name) => (args.includes(name) ? args[args.indexOf(name) + 1] : undefined);
+const host = option('--host') || '127.0.0.1';
+const tlsCert = option('--tls-cert');
+const tlsKey = option('--tls-key');
+const failAfterCall = option('--fail-after-call') ? Number(option('--fail-after-call')) : undefined;
+// The headers of the latest POSTs to /mcp, newest last.
+const SEEN_MAX = 50;
+const seen = [];
 const executions = {};
 // Every POST to /mcp, read or not: a test can tell that nothing reached this server.
 let requests = 0;
@@ -76,16 +93,29 @@ async function readBody(req) {
   return Buffer.concat(chunks).toString('utf8');
 }
 
-http.createServer(async (req, res) => {
+// Replaces what the SDK answers on `res` with a bare `status` error once it has run the call.
+function failAfterAnswer(res, status) {
+  const writeHead = res.writeHead.bind(res);
+  const end = res.end.bind(res);
+  res.writeHead = () => res;
+  res.write = () => true;
+  res.end = () => {
+    writeHead(status, { 'content-type': 'text/plain' });
+    return end(`failed after the call (${status})`);
+  };
+}
+
+async function handle(req, res) {
   try {
     if (req.url === '/_example/state' && req.method === 'GET') {
       res.writeHead(200, { 'content-type': 'application/json' });
-      return res.end(JSON.stringify({ executions, requests, body_bytes: bodyBytes }));
+      return res.end(JSON.stringify({ executions, requests, body_bytes: bodyBytes, seen }));
     }
     if (req.url === '/_example/reset' && req.method === 'POST') {
       for (const k of Object.keys(executions)) delete executions[k];
       requests = 0;
       bodyBytes = 0;
+      seen.length = 0;
       res.writeHead(200, { 'content-type': 'application/json' });
       return res.end('{"ok":true}');
     }
@@ -98,6 +128,8 @@ http.createServer(async (req, res) => {
       return res.end();
     }
     requests += 1;
+    seen.push(req.headers);
+    if (seen.length > SEEN_MAX) seen.shift();
     const raw = await readBody(req);
     let body;
     try {
@@ -113,6 +145,7 @@ http.createServer(async (req, res) => {
       server.close();
     });
     await server.connect(transport);
+    if (failAfterCall !== undefined && body && body.method === 'tools/call') failAfterAnswer(res, failAfterCall);
     await transport.handleRequest(req, res, body);
   } catch (e) {
     console.error(e);
@@ -121,4 +154,9 @@ http.createServer(async (req, res) => {
       res.end();
     }
   }
-}).listen(port, '127.0.0.1', () => console.log(`listening on ${port}`));
+}
+
+const listener = tlsCert
+  ? https.createServer({ cert: fs.readFileSync(tlsCert), key: fs.readFileSync(tlsKey) }, handle)
+  : http.createServer(handle);
+listener.listen(port, host, () => console.log(`listening on ${host}:${port}${tlsCert ? ' (TLS)' : ''}`));

@@ -1,0 +1,434 @@
+"""Every route from an agent pod to a governed tool, tried the way an attacker would, in a pod
+network built as Istio builds it (tests/support/pod_network.py): network namespaces, Istio's
+capture rules, Envoy as UID 1337 with the listeners istiod renders, the real ledger, real MCP
+SDK servers in the mesh and at an external provider over HTTPS.
+
+Each test runs under three rollouts. Under `istio-defaults` (ALLOW_ANY, a sniffed port, the provider as TLS
+passthrough, Istio's default retries, the filter added per port as before) it shows the route
+is real: the tool's own count moves without a ledger decision. Under `shipped` (the rollout of
+envoy/istio/: REGISTRY_ONLY, every MCP port declared HTTP, the filter on every outbound HTTP
+listener, no retries, TLS originated by the sidecar) nothing reaches a governed tool without
+one. A route that the filter itself already closed under the defaults says so in its test.
+
+Needs root (network namespaces, iptables), as `make test` has.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.support.pod_network import (
+    AGENT_UID,
+    ISTIO_DEFAULTS,
+    LEDGER_PORT,
+    MCP_ADMIN,
+    MCP_LEGACY,
+    MCP_POD_PORT,
+    MCP_SERVER,
+    MESH_POD,
+    PAYMENTS,
+    PROVIDER,
+    PROVIDER_HOST,
+    PROVIDER_PORTS,
+    PROXY_UID,
+    SHIPPED,
+    SHIPPED_WASMPLUGIN,
+    FAILING_POD_PORT,
+    UNDECLARED_POD_PORT,
+    McpServer,
+    NsProcess,
+    Pki,
+    PodNetwork,
+    Sidecar,
+    istio_capture_rules,
+    run,
+)
+from tests.support.stack import ledger_binary, wait_until
+
+SERVICE_TOKEN = "pod-test-service-token"
+ADMIN_TOKEN = "pod-test-admin-token"
+UPSTREAM_SECRET = "pod-test-upstream-key-secret"
+
+
+class Pod:
+    """The pod network with its ledger and servers, and what the test asks of them."""
+
+    def __init__(self, net: PodNetwork, pki: Pki, log_dir: Path):
+        self.net, self.pki, self.log_dir = net, pki, log_dir
+        self.ledger_url = f"http://{MESH_POD}:{LEDGER_PORT}"
+        self.processes: list = []
+
+    def start(self, data_dir: Path) -> None:
+        ledger = NsProcess(self.net, self.net.mesh, "pod-ledger", [
+            str(ledger_binary()), "ledger", "--listen", f"0.0.0.0:{LEDGER_PORT}", "--data-dir", str(data_dir)],
+            self.log_dir, env={"ATMOST_SERVICE_TOKEN": SERVICE_TOKEN, "ATMOST_ADMIN_TOKEN": ADMIN_TOKEN,
+                               "ATMOST_DRAIN_DELAY": "0s"})
+        self.mesh_server = McpServer(self.net, self.net.mesh, "pod-mcp-server", MESH_POD, MCP_POD_PORT, self.log_dir)
+        self.failing_server = McpServer(self.net, self.net.mesh, "pod-payments", MESH_POD, FAILING_POD_PORT,
+                                        self.log_dir, fail_after_call=503)
+        tls = (self.pki.cert, self.pki.key, self.pki.ca)
+        self.providers = {port: McpServer(self.net, self.net.provider, f"pod-provider-{port}", PROVIDER, port,
+                                          self.log_dir, tls=tls) for port in PROVIDER_PORTS}
+        self.servers = [self.mesh_server, self.failing_server, *self.providers.values()]
+        self.processes = [ledger, *self.servers]
+        ledger.start()
+        for server in self.servers:
+            server.launch()
+        wait_until(lambda: self._ledger_ready(ledger), 30, "the pod network's ledger")
+        for server in self.servers:
+            server.wait_ready()
+
+    def _ledger_ready(self, ledger) -> bool:
+        if not ledger.alive():
+            raise RuntimeError(f"ledger exited:\n{ledger.log_text()[-2000:]}")
+        result = run(self.net.exec_argv(self.net.mesh, ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                                                         self.ledger_url + "/readyz"]), check=False)
+        return result.stdout.strip() == "200"
+
+    def stop(self) -> None:
+        for p in reversed(self.processes):
+            p.stop()
+
+    def cli(self, *args: str):
+        argv = self.net.exec_argv(self.net.mesh, [str(ledger_binary()), "--ledger", self.ledger_url, "--json", *args])
+        return json.loads(run(argv, env={**os.environ, "ATMOST_ADMIN_TOKEN": ADMIN_TOKEN}).stdout)
+
+    def permit(self, *args: str) -> dict:
+        return self.cli("permit", "create", "--label", f"pod-{uuid.uuid4().hex[:8]}", "--expires", "1h", *args)
+
+    def attempts(self, permit: dict) -> list[dict]:
+        listed = self.cli("attempts", "list", "--permit", permit["id"])
+        return listed["attempts"] if isinstance(listed, dict) else listed
+
+    def settled_states(self, permit: dict) -> list[str]:
+        """The states of the permit's attempts once none is `in_flight` any more (the filter
+        reports an outcome on a timer)."""
+        states: list[str] = []
+
+        def settled() -> bool:
+            states[:] = sorted(a["state"] for a in self.attempts(permit))
+            return "in_flight" not in states
+
+        wait_until(settled, 10, f"the attempts of permit {permit['id']} settled")
+        return states
+
+    def reset(self) -> None:
+        for server in self.servers:
+            server.reset()
+
+
+def mcp_call(host: str, *, tool: str = "pay_invoice", arguments: dict | None = None, permit: dict | None = None,
+             key: str | None = None, headers: tuple[tuple[str, str], ...] = (), crlf: bool = False) -> str:
+    """A raw `tools/call` POST, as the agent would write it (every byte the test's choice)."""
+    body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
+        "name": tool, "arguments": arguments if arguments is not None else {"invoice": "inv-1", "amount": 5}}})
+    lines = ["POST /mcp HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
+             "Accept: application/json, text/event-stream", "MCP-Protocol-Version: 2025-06-18",
+             f"Content-Length: {len(body.encode())}", "Connection: close"]
+    if permit is not None:
+        lines.append(f"atmost-permit: {permit['token']}")
+    if key is not None:
+        lines.append(f"Idempotency-Key: {key}")
+    lines += [f"{name}: {value}" for name, value in headers]
+    return ("\r\n" if crlf else "") + "\r\n".join(lines) + "\r\n\r\n" + body
+
+
+def to(host: str, port: int, request: str, tls: bool = False, sni: str | None = None) -> dict:
+    return {"host": host, "port": port, "request": request, "tls": tls, "sni": sni}
+
+
+def ran(answer: dict) -> bool:
+    """The tool ran and answered (the TypeScript server's `pay_invoice` text)."""
+    return answer.get("status") == 200 and "paid invoice" in answer.get("body", "")
+
+
+def denial(answer: dict) -> str | None:
+    return answer.get("headers", {}).get("atmost-denial")
+
+
+@pytest.fixture(scope="module")
+def pod(log_dir):
+    if os.geteuid() != 0:
+        pytest.fail("the pod-network routes need root (network namespaces, iptables), as make test has")
+    net = PodNetwork(uuid.uuid4().hex[:4])
+    work = Path(tempfile.mkdtemp(prefix="atmost-pod-"))
+    os.chmod(work, 0o755)
+    net.create()
+    pod = Pod(net, Pki(work / "pki"), log_dir)
+    try:
+        pod.start(work / "ledger")
+        yield pod
+    finally:
+        pod.stop()
+        net.destroy()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=[ISTIO_DEFAULTS, SHIPPED, SHIPPED_WASMPLUGIN], ids=lambda r: r.name)
+def sidecar(request, pod, log_dir):
+    envoy = Sidecar(pod.net, request.param, pod.pki, log_dir, env={
+        "ATMOST_SERVICE_TOKEN": SERVICE_TOKEN, "ATMOST_UPSTREAM_KEY_SECRET": UPSTREAM_SECRET})
+    envoy.start()
+    envoy.rollout = request.param
+    yield envoy
+    envoy.stop()
+
+
+@pytest.fixture
+def fresh(pod):
+    pod.reset()
+    return pod
+
+
+def shipped(sidecar) -> bool:
+    return sidecar.rollout in (SHIPPED, SHIPPED_WASMPLUGIN)
+
+
+# --- Tools outside the mesh -------------------------------------------------------------
+
+
+def test_the_governed_plaintext_url_is_decided_by_the_ledger_at_the_providers_own_count(sidecar, fresh):
+    """The agent's MCP URL is `http://mcp.provider.test/mcp`; the sidecar originates TLS to the
+    provider. Under the defaults there is no such route (the provider speaks only HTTPS)."""
+    permit = fresh.permit("--max-calls", "pay_invoice=1")
+    first, second = f"k-{uuid.uuid4()}", f"k-{uuid.uuid4()}"
+    call = lambda key: to(PROVIDER_HOST, 80, mcp_call(PROVIDER_HOST, permit=permit, key=key))  # noqa: E731
+    answers = fresh.net.agent_probes([call(first), call(second), call(first)])
+    provider = fresh.providers[443]
+    if not shipped(sidecar):
+        assert not any(ran(a) for a in answers), answers
+        assert provider.executions() == 0
+        return
+    assert ran(answers[0]), answers[0]
+    assert denial(answers[1]) == "permit_max_calls_exceeded", answers[1]
+    assert answers[2]["headers"].get("idempotent-replayed") == "true", answers[2]
+    assert provider.executions() == 1
+    # The provider got the key in its upstream form over TLS, never a raw key. (With the
+    # WasmPlugin form the denied call's headers reached it too, but no body: it did not run.)
+    seen = provider.state()["seen"]
+    assert seen and all(h.get("idempotency-key") not in (None, first, second) for h in seen), seen
+    assert fresh.settled_states(permit) == ["completed"]
+
+
+def test_https_straight_to_the_provider(sidecar, fresh):
+    """`https://mcp.provider.test/mcp`: TLS the sidecar cannot read."""
+    answers = fresh.net.agent_probes([to(PROVIDER_HOST, 443, mcp_call(PROVIDER_HOST), tls=True, sni=PROVIDER_HOST)])
+    executions = fresh.providers[443].executions()
+    if shipped(sidecar):
+        assert not ran(answers[0]) and executions == 0, answers
+    else:
+        assert ran(answers[0]) and executions == 1, answers
+
+
+@pytest.mark.parametrize("port", PROVIDER_PORTS)
+def test_the_providers_address_on_443_and_on_another_port(sidecar, fresh, port):
+    """The provider by its address, no name and no SNI: on 443, and on another port it serves."""
+    answers = fresh.net.agent_probes([to(PROVIDER, port, mcp_call(PROVIDER), tls=True)])
+    executions = fresh.providers[port].executions()
+    if shipped(sidecar):
+        assert not ran(answers[0]) and executions == 0, answers
+    else:
+        assert ran(answers[0]) and executions == 1, answers
+
+
+# --- The in-mesh server under other names, hosts, ports and its address -----------------
+
+
+def test_the_same_server_under_another_service_name_and_port(sidecar, fresh):
+    """`mcp-admin.tools:9000` selects the same pods as `mcp-server.tools:8000`; the filter was
+    added to port 8000's listener only."""
+    answers = fresh.net.agent_probes([to(MCP_ADMIN.vip, 9000, mcp_call(f"{MCP_ADMIN.name}:9000"))])
+    executions = fresh.mesh_server.executions()
+    if shipped(sidecar):
+        assert denial(answers[0]) == "permit_invalid" and executions == 0, answers
+    else:
+        assert ran(answers[0]) and executions == 1, answers
+
+
+def test_the_same_server_on_a_pod_port_no_service_declares(sidecar, fresh):
+    """The pod's address on a port of its own: no listener, so the catch-all chain decides."""
+    answers = fresh.net.agent_probes([to(MESH_POD, UNDECLARED_POD_PORT, mcp_call(f"{MESH_POD}:{UNDECLARED_POD_PORT}"))])
+    executions = fresh.mesh_server.executions()
+    if shipped(sidecar):
+        assert not ran(answers[0]) and executions == 0, answers
+    else:
+        assert ran(answers[0]) and executions == 1, answers
+
+
+@pytest.mark.parametrize("target,host", [
+    ((MCP_SERVER.vip, 8000), "anything.example"),
+    ((MESH_POD, 8000), f"{MESH_POD}:8000"),
+], ids=["another-host", "pod-address"])
+def test_another_host_header_or_the_pod_address_on_the_governed_port(sidecar, fresh, target, host):
+    """Another `Host` on the Service's address, or the pod's address on the Service port, land in
+    port 8000's listener, where the filter runs in both rollouts: the filter decides on the body,
+    not on the host, so this route is closed already under the defaults (no bypass to show)."""
+    answers = fresh.net.agent_probes([to(*target, mcp_call(host))])
+    assert not ran(answers[0]) and fresh.mesh_server.executions() == 0, answers
+    if sidecar.rollout is SHIPPED_WASMPLUGIN:
+        # The headers go on before the decision, and REGISTRY_ONLY's `block_all` route answers
+        # 502 for a host no Service names before the filter has the body.
+        assert answers[0]["status"] == 502, answers
+    else:
+        assert denial(answers[0]) == "permit_invalid", answers
+
+
+# --- A sniffed port --------------------------------------------------------------------
+
+
+def test_a_leading_crlf_on_a_sniffed_port(sidecar, fresh):
+    """Port 8080's Service declares no protocol. Istio sniffs it: what `http_inspector` reads as
+    HTTP goes through the HTTP chain (and the filter), the rest to `tcp_proxy` untouched. A
+    request that starts with CRLF is not recognised, and Node's parser skips that CRLF (as RFC
+    9112 §2.2 says a server should) and runs the call."""
+    before = sidecar.stats().get("http_inspector.http_not_found", 0)
+    target = (MCP_LEGACY.vip, 8080)
+    plain, crlf = fresh.net.agent_probes([to(*target, mcp_call(f"{MCP_LEGACY.name}:8080")),
+                                          to(*target, mcp_call(f"{MCP_LEGACY.name}:8080", crlf=True))])
+    assert denial(plain) == "permit_invalid", plain
+    executions = fresh.mesh_server.executions()
+    if shipped(sidecar):
+        # Declared HTTP: no inspector; Envoy's own HTTP/1 parser reads the request, so the
+        # filter decides it (or Envoy refuses it), and nothing runs.
+        assert not ran(crlf) and executions == 0, crlf
+    else:
+        assert ran(crlf) and executions == 1, crlf
+        assert sidecar.stats().get("http_inspector.http_not_found", 0) == before + 1
+
+
+# --- Retries: a second dispatch of a call the ledger authorized once -------------------
+
+
+@pytest.mark.parametrize("port", sorted(PAYMENTS.ports))
+def test_a_route_without_a_virtualservice_gets_istios_default_retries(sidecar, fresh, port):
+    """`payments.tools` answers 503 after its tool ran (a server failing after the side effect).
+    Istio's default retry policy retries 503 twice on every route no VirtualService configures:
+    three executions of one call. Port 9000 has no filter under the defaults."""
+    permit = fresh.permit()
+    key = f"k-{uuid.uuid4()}"
+    answers = fresh.net.agent_probes([to(PAYMENTS.vip, port, mcp_call(f"{PAYMENTS.name}:{port}", permit=permit, key=key))])
+    assert answers[0].get("status") == 503, answers
+    executions = fresh.failing_server.executions()
+    if shipped(sidecar):
+        assert executions == 1
+        # One dispatch whose answer was not a JSON-RPC response: the outcome is unknown.
+        assert fresh.settled_states(permit) == ["uncertain"]
+    elif port == 9000:
+        assert executions == 3
+        assert fresh.attempts(permit) == []
+    else:
+        # The filter runs on port 8000 under the defaults too: it allows no retry of a governed
+        # dispatch, whatever the route says, and never calls a round "never sent" after more
+        # than one attempt.
+        assert executions == 1
+        assert fresh.settled_states(permit) == ["uncertain"]
+
+
+# The agent names a pod address as the client, so Envoy takes the request for internal.
+AS_INTERNAL = ("x-forwarded-for", "10.0.0.7")
+RETRY_HEADERS = (AS_INTERNAL, ("x-envoy-retry-on", "5xx"), ("x-envoy-max-retries", "4"))
+
+
+def test_the_agents_own_retry_headers(sidecar, fresh):
+    """`x-envoy-retry-on: 5xx` and `x-envoy-max-retries: 4` from the agent: Envoy's router acts on
+    them. Shown where no filter runs under the defaults (port 9000): five executions of one call;
+    under the shipped rollout the filter removes them on every port."""
+    permit = fresh.permit()
+    probes = [to(PAYMENTS.vip, port, mcp_call(f"{PAYMENTS.name}:{port}", permit=permit, key=f"k-{uuid.uuid4()}",
+                                              headers=RETRY_HEADERS))
+              for port in ((8000, 9000) if shipped(sidecar) else (9000,))]
+    answers = fresh.net.agent_probes(probes)
+    assert all(a.get("status") == 503 for a in answers), answers
+    if shipped(sidecar):
+        assert fresh.failing_server.executions() == 2  # one per call, no retry
+        assert fresh.settled_states(permit) == ["uncertain", "uncertain"]
+    else:
+        assert fresh.failing_server.executions() == 5
+
+
+def test_the_agents_own_timeout_header(sidecar, fresh):
+    """`x-envoy-upstream-rq-timeout-ms: 1` cuts the call short after it was sent: the agent
+    would choose to make its outcome unknown. The slow tool takes 2 × 150 ms."""
+    permit = fresh.permit()
+    slow = {"n": 2, "delay_ms": 150}
+    request = mcp_call(f"{MCP_ADMIN.name}:9000", tool="slow_count", arguments=slow, permit=permit,
+                       key=f"k-{uuid.uuid4()}", headers=(AS_INTERNAL, ("x-envoy-upstream-rq-timeout-ms", "1")))
+    answers = fresh.net.agent_probes([to(MCP_ADMIN.vip, 9000, request)])
+    if shipped(sidecar):
+        assert answers[0].get("status") == 200 and "counted 2" in answers[0]["body"], answers
+        assert fresh.settled_states(permit) == ["completed"]
+    else:
+        assert answers[0].get("status") == 504, answers
+
+
+# --- Header aliases --------------------------------------------------------------------
+
+
+def test_header_aliases_of_the_key_and_the_permit(sidecar, fresh):
+    """`Idempotency_Key` and `atmost_permit`: WSGI, Rack and CGI servers read `_` and `-` alike.
+    Where no filter runs (port 9000 under the defaults) both reach the server, the permit's
+    token with them; where it runs, the request is refused before any decision."""
+    permit = fresh.permit()
+    aliases = (("Idempotency_Key", "RAWKEY"), ("atmost_permit", permit["token"]))
+    ports = ((MCP_SERVER, 8000), (MCP_ADMIN, 9000))
+    answers = fresh.net.agent_probes([
+        to(service.vip, port, mcp_call(f"{service.name}:{port}", permit=permit, key=f"k-{uuid.uuid4()}",
+                                       headers=(alias,)))
+        for service, port in ports for alias in aliases])
+    if shipped(sidecar):
+        assert all(a.get("status") == 400 for a in answers), answers
+        assert fresh.mesh_server.executions() == 0
+        assert fresh.attempts(permit) == []
+        return
+    # Under the defaults: refused on 8000 (the filter runs there), through on 9000.
+    assert [a.get("status") for a in answers[:2]] == [400, 400], answers
+    assert all(ran(a) for a in answers[2:]), answers
+    seen = fresh.mesh_server.state()["seen"]
+    assert seen[0].get("idempotency_key") == "RAWKEY", seen
+    assert seen[1].get("atmost_permit") == permit["token"], seen
+
+
+# --- The agent's own identity: the proxy's UID, NET_ADMIN -------------------------------
+
+
+def test_an_agent_running_as_the_proxys_uid(sidecar, fresh):
+    """Istio does not capture UID 1337's traffic: an agent running as 1337 reaches the provider
+    directly under any rollout. The network cannot close this; the pod policy does (an agent
+    pod whose containers may run as 1337 is refused at admission), so under the shipped rollout
+    the agent runs as another user and is captured."""
+    request = to(PROVIDER_HOST, 443, mcp_call(PROVIDER_HOST), tls=True, sni=PROVIDER_HOST)
+    as_proxy = fresh.net.agent_probes([request], uid=PROXY_UID)
+    assert ran(as_proxy[0]), as_proxy
+    assert fresh.providers[443].executions() == 1
+    if shipped(sidecar):
+        as_agent = fresh.net.agent_probes([request], uid=AGENT_UID)
+        assert not ran(as_agent[0]), as_agent
+        assert fresh.providers[443].executions() == 1
+
+
+def test_an_agent_with_net_admin_rewrites_the_capture(sidecar, fresh):
+    """With NET_ADMIN the agent's container can flush the capture rules and then reach the
+    provider directly. The shipped pod settings drop every capability: the kernel refuses the
+    same flush even to root."""
+    request = to(PROVIDER_HOST, 443, mcp_call(PROVIDER_HOST), tls=True, sni=PROVIDER_HOST)
+    flush = ["iptables", "-t", "nat", "-F", "ISTIO_OUTPUT"]
+    if shipped(sidecar):
+        refused = fresh.net.agent_command(flush, uid=0)
+        assert refused.returncode != 0 and "ermission denied" in refused.stderr, refused
+        answers = fresh.net.agent_probes([request])
+        assert not ran(answers[0]) and fresh.providers[443].executions() == 0, answers
+        return
+    try:
+        flushed = fresh.net.agent_command(flush, uid=0, keep_caps=True)
+        assert flushed.returncode == 0, flushed.stderr
+        answers = fresh.net.agent_probes([request])
+        assert ran(answers[0]) and fresh.providers[443].executions() == 1, answers
+    finally:
+        fresh.net.restore(fresh.net.agent, istio_capture_rules())
