@@ -27,6 +27,12 @@ Besides `/mcp`, it serves a small inspection surface for tests and demos:
   most 30 s (`hold`: lookups seen started, then all answered at once), answer a status it does not document
   (`unknown`: `pending`) or leave the status out (`missing`).
 - `POST /_example/reset`: zeroes the counters and forgets the seen requests.
+
+Options besides `--host` / `--port`: `--json-response`, `--stateless`, `--event-store` (see
+`--help`), and `--tls-cert FILE --tls-key FILE` (always together): serve HTTPS instead of
+plain HTTP, with the PEM certificate chain in the first file and its private key in the
+second. It then stands for a provider outside the mesh that a gateway reaches over TLS
+(envoy/atmost-external-provider.yaml); the inspection routes above are served over HTTPS too.
 """
 
 from __future__ import annotations
@@ -275,7 +281,11 @@ def main() -> None:
     parser.add_argument("--stateless", action="store_true", help="no Mcp-Session-Id sessions")
     parser.add_argument("--event-store", action="store_true",
                         help="keep SSE events in memory so clients can resume streams (enables pause_stream)")
+    parser.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this PEM certificate (chain); needs --tls-key")
+    parser.add_argument("--tls-key", metavar="FILE", help="the PEM private key of --tls-cert")
     args = parser.parse_args()
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
 
     import uvicorn
 
@@ -288,7 +298,8 @@ def main() -> None:
         transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
         host=args.host,
     )
-    uvicorn.run(RecordRequests(app), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(RecordRequests(app), host=args.host, port=args.port, log_level="warning",
+                ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
 
 
 if __name__ == "__main__":
