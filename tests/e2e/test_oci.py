@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.certificates import make_certificate
 from tests.support.stack import ROOT, WASM, ProcessExited, free_port, http_get, wait_until
 from tests.support.tcp_proxy import PgTlsFront
 
@@ -444,20 +445,6 @@ def test_unpacked_ledger_serves_on_postgresql(spec, tmp_path, database_url, pg_s
     tables = subprocess.run(["psql", database_url, "-Atc", "SELECT count(*) FROM information_schema.tables "
                              f"WHERE table_schema = '{pg_schema}'"], capture_output=True, text=True, timeout=30)
     assert tables.returncode == 0 and int(tables.stdout) > 0, tables.stderr
-
-
-def make_certificate(directory: Path) -> tuple[Path, Path, Path]:
-    """A CA of the test's own and a certificate for `localhost` it signed: (CA, cert, key)."""
-    ca_key, ca, key, csr, cert = (directory / n for n in ("ca.key", "ca.pem", "server.key", "server.csr", "server.pem"))
-    (directory / "san.cnf").write_text("subjectAltName=DNS:localhost\n")
-    for args in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1",
-                  "-subj", "/CN=atmost image test CA"],
-                 ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=localhost"],
-                 ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert, "-days", "1",
-                  "-extfile", directory / "san.cnf"]):
-        result = subprocess.run(["openssl", *map(str, args)], capture_output=True, text=True, timeout=60)
-        assert result.returncode == 0, result.stderr
-    return ca, cert, key
 
 
 def test_unpacked_ledger_verifies_postgresql_tls_with_the_images_roots(spec, tmp_path, database_url, pg_schema):
