@@ -7,17 +7,19 @@ loopback; every wait is bounded.
 
 from __future__ import annotations
 
-import copy
+import ipaddress
 import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -25,6 +27,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 ENVOY_CONFIG = ROOT / "envoy" / "atmost-sidecar.yaml"
+# The same gateway in front of an MCP server outside the mesh, reached over TLS Envoy opens.
+EXTERNAL_PROVIDER_CONFIG = ROOT / "envoy" / "atmost-external-provider.yaml"
 # ATMOST_WASM: another build of the filter, e.g. to run these tests against an older release.
 # The module is built with its own size-optimized profile (`make wasm`: `--profile wasm`).
 WASM = Path(os.environ.get("ATMOST_WASM") or ROOT / "target" / "wasm32-wasip1" / "wasm" / "atmost_filter.wasm")
@@ -118,19 +122,19 @@ def wait_until(check, timeout: float, what: str, interval: float = 0.05):
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
 
 
-def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+def http_get(url: str, timeout: float = 2.0, context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
 
 
-def http_post_json(url: str, body: dict, timeout: float = 2.0) -> dict:
+def http_post_json(url: str, body: dict, timeout: float = 2.0, context: ssl.SSLContext | None = None) -> dict:
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"content-type": "application/json"}, method="POST"
     )
-    with urllib.request.urlopen(req, timeout=timeout) as r:
+    with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
         return json.loads(r.read())
 
 
@@ -226,9 +230,11 @@ class Ledger(Process):
 
 class ExampleServer(Process):
     def __init__(self, log_dir: Path, port: int | None = None, json_response: bool = True, name: str = "mcp-server",
-                 event_store: bool = False, stateless: bool = False):
+                 event_store: bool = False, stateless: bool = False, tls: tuple[Path, Path, Path] | None = None):
+        """`tls` (certificate, key, CA that signed it): serve HTTPS (`--tls-cert`, `--tls-key`); the
+        inspection requests below then check the server's certificate against that CA."""
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         argv = [str(VENV_BIN / "python"), str(EXAMPLE_SERVER), "--port", str(self.port)]
         if json_response:
             argv.append("--json-response")
@@ -236,24 +242,32 @@ class ExampleServer(Process):
             argv.append("--event-store")
         if stateless:
             argv.append("--stateless")
+        self.context = None
+        if tls:
+            cert, key, ca = tls
+            argv += ["--tls-cert", str(cert), "--tls-key", str(key)]
+            self.context = ssl.create_default_context(cafile=str(ca))
+            # These requests go to 127.0.0.1, which a certificate for the provider's name does
+            # not name; the chain is still checked. The gateway under test checks the name.
+            self.context.check_hostname = False
         super().__init__(name, argv, log_dir)
 
     def start(self) -> None:
         super().start()
-        wait_until(lambda: self.alive() and http_get(self.url + "/_example/state")[0] == 200, 30,
-                   f"example MCP server on {self.url}")
+        wait_until(lambda: self.alive() and http_get(self.url + "/_example/state", context=self.context)[0] == 200,
+                   30, f"example MCP server on {self.url}")
 
     def state(self) -> dict:
-        return json.loads(http_get(self.url + "/_example/state")[1])
+        return json.loads(http_get(self.url + "/_example/state", context=self.context)[1])
 
     def executions(self, tool: str = "pay_invoice") -> int:
         return self.state()["executions"].get(tool, 0)
 
     def reset(self) -> None:
-        http_post_json(self.url + "/_example/reset", {})
+        http_post_json(self.url + "/_example/reset", {}, context=self.context)
 
     def configure(self, **settings) -> None:
-        http_post_json(self.url + "/_example/config", settings)
+        http_post_json(self.url + "/_example/config", settings, context=self.context)
 
 
 def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger_ports: list[int],
@@ -277,15 +291,83 @@ def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger
     `deployment_form` (default: ATMOST_DEPLOYMENT) `wasmplugin` renders the Wasm filter as istiod
     renders the shipped WasmPlugin (wasmplugin_filter_config); overrides apply to its plugin JSON.
     """
+    config = gateway_config(ENVOY_CONFIG, listen_port, admin_port, ledger_ports, plugin_overrides, wasm, plain,
+                            secrets_from_env, deployment_form)
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] == "mcp_upstream":
+            address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+            address["socket_address"]["port_value"] = upstream_port
+            address["socket_address"]["address"] = upstream_host
+            if not is_ip(upstream_host):
+                cluster["type"] = "STRICT_DNS"
+    return config
+
+
+@dataclass(frozen=True)
+class Provider:
+    """An MCP server outside the mesh as envoy/atmost-external-provider.yaml reaches it: `host` is
+    the name it is known by (SNI, the certificate's DNS name, the Host it receives), `address`
+    and `port` where to connect, `ca_file` the CA bundle its certificate must chain to."""
+
+    host: str
+    address: str
+    port: int
+    ca_file: Path
+
+
+def external_provider_config(listen_port: int, admin_port: int, ledger_ports: list[int], provider: Provider,
+                             plugin_overrides: dict | None = None, wasm: Path = WASM, plain: bool = False,
+                             secrets_from_env: bool = False, deployment_form: str | None = None) -> dict:
+    """envoy/atmost-external-provider.yaml with this run's ports and filter (as sidecar_config does
+    for the sidecar) and `provider` in the places the file's header names: the provider
+    cluster's address, its TLS `sni`, expected DNS name and trusted CA, and the Host every
+    route rewrites to."""
+    config = gateway_config(EXTERNAL_PROVIDER_CONFIG, listen_port, admin_port, ledger_ports, plugin_overrides, wasm,
+                            plain, secrets_from_env, deployment_form)
+    [cluster] = [c for c in config["static_resources"]["clusters"] if c["name"] == "mcp_provider"]
+    address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    address.update(address=provider.address, port_value=provider.port)
+    if is_ip(provider.address):
+        cluster["type"] = "STATIC"
+        cluster.pop("dns_lookup_family", None)
+    tls = cluster["transport_socket"]["typed_config"]
+    tls["sni"] = provider.host
+    validation = tls["common_tls_context"]["validation_context"]
+    validation["trusted_ca"] = {"filename": str(provider.ca_file)}
+    [san] = validation["match_typed_subject_alt_names"]
+    san["matcher"] = {"exact": provider.host}
+    for route in listener_hcm(config)["route_config"]["virtual_hosts"][0]["routes"]:
+        route["route"]["host_rewrite_literal"] = provider.host
+    return config
+
+
+def is_ip(address: str) -> bool:
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return True
+
+
+def listener_hcm(config: dict) -> dict:
+    """The HTTP connection manager of a shipped gateway config's one listener."""
+    return config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def gateway_config(path: Path, listen_port: int, admin_port: int, ledger_ports: list[int],
+                   plugin_overrides: dict | None, wasm: Path, plain: bool, secrets_from_env: bool,
+                   deployment_form: str | None) -> dict:
+    """A shipped gateway config (its one listener, the atmost filter, the `atmost_ledger` cluster)
+    with this run's listener, admin and ledger ports and the filter as sidecar_config describes;
+    its MCP cluster is left to the caller."""
     form = deployment_form or deployment()
     if form not in DEPLOYMENTS:
         raise ValueError(f"deployment_form must be one of {', '.join(DEPLOYMENTS)} (got {form!r})")
-    config = yaml.safe_load(ENVOY_CONFIG.read_text())
-    config = copy.deepcopy(config)
+    config = yaml.safe_load(path.read_text())
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
     listener = config["static_resources"]["listeners"][0]
     listener["address"]["socket_address"]["port_value"] = listen_port
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm = listener_hcm(config)
     wasm_filter = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm")
     if plain:
         hcm["http_filters"] = [f for f in hcm["http_filters"] if f is not wasm_filter]
@@ -313,15 +395,8 @@ def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger
         host_env_keys = plugin["vm_config"].get("environment_variables", {}).get("host_env_keys", [])
         wasm_filter["typed_config"]["config"] = wasmplugin_filter_config(plugin_json, wasm, host_env_keys)
     for cluster in config["static_resources"]["clusters"]:
-        endpoints = cluster["load_assignment"]["endpoints"][0]
-        if cluster["name"] == "mcp_upstream":
-            address = endpoints["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
-            address["port_value"] = upstream_port
-            address["address"] = upstream_host
-            if not upstream_host.replace(".", "").isdigit():
-                cluster["type"] = "STRICT_DNS"
-        elif cluster["name"] == "atmost_ledger":
-            endpoints["lb_endpoints"] = [
+        if cluster["name"] == "atmost_ledger":
+            cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
                 {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
                 for p in ledger_ports
             ]
@@ -333,9 +408,11 @@ class Envoy(Process):
                  concurrency: int = 2, name: str = "envoy", port: int | None = None, plain: bool = False,
                  wait_for_ledger: bool = True, secrets_from_env: bool = False, env: dict | None = None,
                  admin_port: int | None = None, upstream_host: str = "127.0.0.1",
-                 deployment_form: str | None = None):
+                 deployment_form: str | None = None, provider: Provider | None = None):
         """`secrets_from_env` keeps the shipped config's env-sourced secrets (see sidecar_config);
-        `env` is added to Envoy's environment (where those secrets then come from)."""
+        `env` is added to Envoy's environment (where those secrets then come from). With
+        `provider`, Envoy runs envoy/atmost-external-provider.yaml for that provider
+        (external_provider_config; `upstream_port` and `upstream_host` are not used)."""
         self.port = port or free_port()
         self.admin_port = admin_port or free_port()
         # Envoy reports ready before its first health check of a ledger has passed; on a busy
@@ -345,9 +422,14 @@ class Envoy(Process):
         self.url = f"http://127.0.0.1:{self.port}/mcp"
         self.admin_url = f"http://127.0.0.1:{self.admin_port}"
         self.deployment_form = deployment_form or deployment()
-        config = sidecar_config(self.port, self.admin_port, upstream_port, ledger_ports, plugin_overrides, plain=plain,
-                                secrets_from_env=secrets_from_env, upstream_host=upstream_host,
-                                deployment_form=self.deployment_form)
+        if provider is None:
+            config = sidecar_config(self.port, self.admin_port, upstream_port, ledger_ports, plugin_overrides,
+                                    plain=plain, secrets_from_env=secrets_from_env, upstream_host=upstream_host,
+                                    deployment_form=self.deployment_form)
+        else:
+            config = external_provider_config(self.port, self.admin_port, ledger_ports, provider, plugin_overrides,
+                                              plain=plain, secrets_from_env=secrets_from_env,
+                                              deployment_form=self.deployment_form)
         self.config_path = Path(tempfile.mkdtemp(prefix="atmost-envoy-")) / "envoy.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         argv = [str(VENV_BIN / "envoy"), "-c", str(self.config_path), "--concurrency", str(concurrency),

@@ -22,9 +22,10 @@ import pytest
 import yaml
 
 from tests.e2e.conftest import new_key
+from tests.support.certificates import issue, make_ca
 from tests.support.mcp_raw import RawMcp, result_text
-from tests.support.stack import ROOT, WASM, Envoy, Ledger, ProcessExited, http_get, validate_envoy_config
-
+from tests.support.stack import (ROOT, WASM, Envoy, ExampleServer, Ledger, ProcessExited, Provider, http_get,
+                                 validate_envoy_config)
 
 
 def is_envoy_config(path: Path) -> bool:
@@ -62,6 +63,35 @@ def blank(*names: str) -> dict:
     return {n: "" for n in names}
 
 
+def trusted_ca_files(config: dict) -> list[dict]:
+    """The `trusted_ca` data sources of every upstream TLS context of an Envoy config."""
+    out = []
+    for cluster in config["static_resources"].get("clusters", []):
+        tls = cluster.get("transport_socket", {}).get("typed_config", {})
+        trusted = tls.get("common_tls_context", {}).get("validation_context", {}).get("trusted_ca")
+        if trusted is not None:
+            out.append(trusted)
+    return out
+
+
+def as_the_operator_sets_it(config: Path, directory: Path) -> Path:
+    """`config` itself, or, when it names a CA bundle for an upstream (a file the operator
+    supplies: atmost-external-provider.yaml), a copy beside a CA the test makes in `directory`,
+    named where the placeholder was. Envoy reads that file when it builds the cluster, so
+    `--mode validate` needs it to exist; nothing else changes, and the copy runs from the
+    repository root like the original."""
+    doc = yaml.safe_load(config.read_text())
+    named = trusted_ca_files(doc)
+    if not named:
+        return config
+    ca, _ = make_ca(directory, "operator-ca")
+    for trusted in named:
+        trusted["filename"] = str(ca)
+    copy_path = directory / config.name
+    copy_path.write_text(yaml.safe_dump(doc))
+    return copy_path
+
+
 def test_there_are_shipped_configs():
     assert SHIPPED, "no Envoy configs found under envoy/"
 
@@ -69,7 +99,7 @@ def test_there_are_shipped_configs():
 @pytest.mark.parametrize("config", SHIPPED, ids=lambda p: str(p.relative_to(ROOT)))
 def test_shipped_config_validates(config: Path, tmp_path):
     assert WASM.exists(), "build the filter first (make wasm)"
-    result = validate_envoy_config(config, env=VALIDATION_ENV)
+    result = validate_envoy_config(as_the_operator_sets_it(config, tmp_path), env=VALIDATION_ENV)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
 
@@ -94,7 +124,8 @@ def test_shipped_config_names_its_secrets_and_holds_none(config: Path):
 
 
 @pytest.mark.parametrize("config", SHIPPED, ids=lambda p: str(p.relative_to(ROOT)))
-def test_shipped_config_without_its_variables_is_refused_naming_the_field(config: Path):
+def test_shipped_config_without_its_variables_is_refused_naming_the_field(config: Path, tmp_path):
+    config = as_the_operator_sets_it(config, tmp_path)
     for missing, field in ((TOKEN_VAR, "ledger.service_token_env"), (SECRET_VAR, "upstream_key.secret_env")):
         result = validate_envoy_config(config, env={**VALIDATION_ENV, **blank(missing)})
         assert result.returncode != 0, f"Envoy accepted {config.name} with {missing} unset"
@@ -125,10 +156,44 @@ def admin_text(envoy: Envoy) -> dict[str, str]:
     return out
 
 
-def test_env_sourced_secrets_work_end_to_end_and_never_show_on_the_admin_port(log_dir, secret_ledger, server):
+@pytest.fixture(scope="module")
+def tls_provider(log_dir, tmp_path_factory):
+    """The example server over HTTPS with a certificate from a CA the test makes, as
+    envoy/atmost-external-provider.yaml reaches it."""
+    directory = tmp_path_factory.mktemp("provider-pki")
+    ca, ca_key = make_ca(directory, "provider-ca")
+    cert, key = issue(directory, ca, ca_key, "mcp.provider.test", "provider")
+    server = ExampleServer(log_dir, name="mcp-provider-secrets", tls=(cert, key, ca))
+    server.start()
+    yield server, Provider("mcp.provider.test", "127.0.0.1", server.port, ca)
+    server.stop()
+
+
+# The shipped configs a `make run`-style Envoy starts from (the Istio one is istiod's to run).
+GATEWAY_CONFIGS = ["atmost-sidecar.yaml", "atmost-external-provider.yaml"]
+
+
+@pytest.fixture(params=GATEWAY_CONFIGS)
+def upstream(request, server):
+    """(the example server behind the gateway, the Provider for Envoy or None) for one shipped
+    gateway config."""
+    if request.param == "atmost-sidecar.yaml":
+        return server, None
+    tls_server, provider = request.getfixturevalue("tls_provider")
+    tls_server.reset()
+    return tls_server, provider
+
+
+def test_every_gateway_config_is_checked_on_a_real_envoy():
+    assert sorted(ROOT / "envoy" / name for name in GATEWAY_CONFIGS) == \
+        [p for p in SHIPPED if not p.is_relative_to(ROOT / "envoy" / "istio")]
+
+
+def test_env_sourced_secrets_work_end_to_end_and_never_show_on_the_admin_port(log_dir, secret_ledger, upstream):
+    server, provider = upstream
     upstream_secret = f"upstream-secret-{uuid.uuid4().hex}"
     envoy = Envoy(log_dir, server.port, [secret_ledger.port], name="envoy-env-secrets", secrets_from_env=True,
-                  env={TOKEN_VAR: secret_ledger.service_token, SECRET_VAR: upstream_secret})
+                  env={TOKEN_VAR: secret_ledger.service_token, SECRET_VAR: upstream_secret}, provider=provider)
     envoy.start()
     try:
         # The ledger accepted the env-sourced token (the call was dispatched) and the upstream got
