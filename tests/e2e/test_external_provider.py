@@ -177,3 +177,21 @@ def test_control_a_certificate_for_another_name_is_refused(log_dir, ledger, pki,
             checking.stop()
     finally:
         impostor.stop()
+
+
+def test_a_header_spelled_with_underscores_is_refused_before_the_provider(gateway, provider, ledger):
+    """`idempotency_key` is not the header the filter derives, yet many servers read it as
+    `Idempotency-Key`: Envoy refuses the request (HCM headers_with_underscores_action)."""
+    provider.reset()
+    permit = ledger.create_permit()
+    client = RawMcp(gateway.url)
+    try:
+        refused = client.call("pay_invoice", ARGS, permit["token"], extra_headers={"idempotency_key": new_key()})
+        spelled_right = client.call("pay_invoice", ARGS, permit["token"], new_key())
+    finally:
+        client.close()
+    assert refused.status_code == 400, refused.text
+    assert "executions=1" in result_text(spelled_right), spelled_right.text
+    assert provider.executions("pay_invoice") == 1
+    # Refused by Envoy before the filter: the ledger never heard of it.
+    assert len(attempts(ledger, permit["id"])) == 1
