@@ -1,5 +1,5 @@
-//! `fingerprint`: arbitrary JSON → fingerprint, with the invariants of the design's
-//! "fingerprint" entry.
+//! `fingerprint`: arbitrary JSON → fingerprint, with the invariants of the fingerprint in
+//! docs/design.md#words.
 //!
 //! The input is read as JSON text; an object is the `arguments`, any other value is wrapped
 //! as `{"v": value}`. Asserts:

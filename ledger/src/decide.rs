@@ -137,7 +137,7 @@ pub fn resolve_cost(rule: &CostRule, arguments: &Value) -> Result<u64, String> {
     Ok(cost)
 }
 
-/// THE authorize decision. See DESIGN.md's decision table.
+/// THE authorize decision. See docs/design.md#the-decision-table.
 ///
 /// Modelled in `ledger/model/atmost.pml` (`decide`): spin checks the cap, one execution per
 /// key and no release after a send under every interleaving of two replicas.

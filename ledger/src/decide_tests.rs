@@ -1,4 +1,4 @@
-//! Unit tests of the pure decision functions: every row of DESIGN.md's decision table.
+//! Unit tests of the pure decision functions: every row of docs/design.md#the-decision-table.
 
 use std::collections::BTreeMap;
 
