@@ -1,0 +1,710 @@
+"""The agent pods' admission policy (envoy/agent-pod-security/policy/) and the pod settings that
+pass it (envoy/agent-pod-security/billing-agent/), rendered by `kubectl kustomize` and checked
+two ways:
+
+- shape: every rendered object validates against kubernetes-validate's strict Kubernetes
+  schemas, for the oldest Kubernetes with ValidatingAdmissionPolicy v1 (1.30) and the newest
+  the pinned package ships;
+- behaviour: the policy's matchConditions, variables and validations are evaluated the way the
+  API server does (conditions, then variables in order, then every validation), by two CEL
+  implementations from PyPI that must agree: cel-expr-python (the CEL project's Python
+  binding of its C++ implementation) and cel-python (celpy, pure Python). Both are set up
+  with the standard library only, no extensions, so an expression that passes here is within
+  what Kubernetes' CEL accepts.
+
+The pods are what admission sees: the example Deployment's pod template after Istio's sidecar
+injector. `injected` builds that pod the way Istio's injection template does (istio-init or,
+with Istio CNI, istio-validation; istio-proxy with its securityContext, the pod's own
+`istio-proxy` entry merged in), as far as the fields the policy reads go. Each refused case
+changes one thing of the admitted pod and names the validations that must refuse it, by the
+words of their messages.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+from dataclasses import dataclass
+from functools import lru_cache
+
+import celpy
+import kubernetes_validate
+import pytest
+import yaml
+from cel_expr_python import cel
+
+from tests.e2e.test_manifests import AGENT_LABEL, K8S_VERSION, KUBECTL, kubernetes_errors, kustomize
+from tests.support.stack import ROOT
+
+POD_SECURITY_DIR = ROOT / "envoy" / "agent-pod-security"
+POLICY_DIR = POD_SECURITY_DIR / "policy"
+EXAMPLE_DIR = POD_SECURITY_DIR / "billing-agent"
+# ValidatingAdmissionPolicy is GA (admissionregistration.k8s.io/v1) from this release on.
+OLDEST_K8S = "1.30"
+PROXY_UID = 1337
+
+# Each validation of the policy, by words of its message that no other message has.
+MESSAGES = {
+    "sidecar": "without Istio's injected istio-proxy",
+    "capture": "without Istio's istio-init",
+    "capture-annotation": "narrows Istio's outbound capture",
+    "ephemeral": "with an ephemeral container",
+    "proxy-volumes": "mounts one of the sidecar's volumes",
+    "uid-unset": "sets no runAsUser",
+    "uid-1337": "running as UID 1337",
+    "gid-unset": "sets no runAsGroup",
+    "gid-1337": "running with group 1337",
+    "root": "may run as root",
+    "privileged": "with a privileged container",
+    "escalation": "allowPrivilegeEscalation is not false",
+    "drop-all": "does not drop ALL",
+    "cap-add": "adds capabilities",
+    "share-process-namespace": "with shareProcessNamespace",
+    "host-network": "with hostNetwork",
+    "host-pid": "with hostPID",
+    "host-ipc": "with hostIPC",
+    "automount-token": "without automountServiceAccountToken false",
+}
+
+
+# ---------------------------------------------------------------- rendering
+
+
+@lru_cache(maxsize=1)
+def policy_docs() -> tuple[dict, ...]:
+    return tuple(kustomize(POLICY_DIR))
+
+
+@lru_cache(maxsize=1)
+def example_docs() -> tuple[dict, ...]:
+    return tuple(kustomize(EXAMPLE_DIR))
+
+
+def policy() -> dict:
+    [doc] = [d for d in policy_docs() if d["kind"] == "ValidatingAdmissionPolicy"]
+    return doc
+
+
+def binding() -> dict:
+    [doc] = [d for d in policy_docs() if d["kind"] == "ValidatingAdmissionPolicyBinding"]
+    return doc
+
+
+def example_deployment() -> dict:
+    [doc] = example_docs()
+    assert doc["kind"] == "Deployment"
+    return doc
+
+
+def unpatched_deployment() -> dict:
+    """The team's Deployment as it is before pod-security.yaml."""
+    return yaml.safe_load((EXAMPLE_DIR / "deployment.yaml").read_text())
+
+
+def test_kustomizations_render_the_policy_and_the_agent():
+    assert sorted(d["kind"] for d in policy_docs()) == ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    assert binding()["spec"]["policyName"] == policy()["metadata"]["name"]
+    assert [d["kind"] for d in example_docs()] == ["Deployment"]
+
+
+@pytest.mark.parametrize("version", [OLDEST_K8S, K8S_VERSION])
+def test_rendered_objects_validate_strictly(version):
+    for doc in policy_docs() + example_docs():
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{doc['kind']} {doc['metadata']['name']} for Kubernetes {version}: "
+                        f"{'.'.join(map(str, e.path))}: {e.message}")
+
+
+def test_the_schema_check_refuses_broken_copies():
+    misspelled = copy.deepcopy(policy())
+    misspelled["spec"]["validation"] = misspelled["spec"].pop("validations")
+    assert any("validation" in e for e in kubernetes_errors(misspelled))
+
+    bad_action = copy.deepcopy(binding())
+    bad_action["spec"]["validationActions"] = "Deny"  # a list in the API
+    assert kubernetes_errors(bad_action)
+
+    pod_field = copy.deepcopy(example_deployment())
+    pod_field["spec"]["template"]["spec"]["securityContext"]["allowPrivilegeEscalation"] = False  # container-level only
+    assert any("allowPrivilegeEscalation" in e for e in kubernetes_errors(pod_field))
+
+
+def test_the_binding_denies_in_every_namespace():
+    """Every namespace: the ledger's NetworkPolicy admits labelled pods from any of them, and a
+    labelled pod in a namespace without injection is exactly one the policy must refuse."""
+    spec = binding()["spec"]
+    assert spec["validationActions"] == ["Deny"]
+    assert spec["matchResources"] == {"namespaceSelector": {}}
+    assert policy()["spec"]["failurePolicy"] == "Fail"
+    [rule] = policy()["spec"]["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["pods", "pods/ephemeralcontainers"]
+    assert rule["operations"] == ["CREATE", "UPDATE"]
+
+
+def test_the_patch_refuses_to_land_on_another_container(tmp_path):
+    """pod-security.yaml's container entry is checked by name first: with the agent's container
+    moved to index 1 the render fails instead of hardening the istio-proxy entry."""
+    tree = tmp_path / "billing-agent"
+    shutil.copytree(EXAMPLE_DIR, tree)
+    deployment = unpatched_deployment()
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    containers.reverse()
+    (tree / "deployment.yaml").write_text(yaml.safe_dump(deployment))
+    result = subprocess.run([KUBECTL, "kustomize", str(tree)], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "/spec/template/spec/containers/0/name" in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------- two CEL implementations
+
+
+class CelError(Exception):
+    pass
+
+
+# The variables Kubernetes declares for a ValidatingAdmissionPolicy's expressions, except
+# `authorizer`, which the policy does not use (an expression naming an undeclared variable
+# does not compile here).
+DECLARED = ("object", "oldObject", "request", "params", "namespaceObject", "variables")
+
+
+class CppCel:
+    name = "cel-expr-python"
+
+    def __init__(self):
+        self.env = cel.NewEnv(variables={n: cel.Type.DYN for n in DECLARED})
+
+    def compile(self, expression: str):
+        program = self.env.compile(expression)
+
+        def run(activation: dict):
+            value = program.eval(data=activation)
+            if value.type() == cel.Type.ERROR:
+                raise CelError(f"{self.name}: {expression}: {value.value()}")
+            return value.plain_value()
+
+        return run
+
+    def data(self, value):
+        return value
+
+    def namespace(self, values: dict):
+        return values
+
+    def plain(self, value):
+        return value
+
+
+class PyCel:
+    name = "cel-python"
+
+    def __init__(self):
+        self.env = celpy.Environment()
+
+    def compile(self, expression: str):
+        program = self.env.program(self.env.compile(expression))
+
+        def run(activation: dict):
+            try:
+                result = program.evaluate(activation)
+            except celpy.CELEvalError as e:
+                raise CelError(f"{self.name}: {expression}: {e}") from e
+            if isinstance(result, celpy.CELEvalError):
+                raise CelError(f"{self.name}: {expression}: {result}")
+            return result
+
+        return run
+
+    def data(self, value):
+        return celpy.json_to_cel(value)
+
+    def namespace(self, values: dict):
+        """`variables`: the values as this implementation produced them."""
+        return celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in values.items()})
+
+    def plain(self, value):
+        """celpy's values as plain Python, to compare with the other implementation's."""
+        if isinstance(value, celpy.celtypes.BoolType):
+            return bool(value)
+        if isinstance(value, celpy.celtypes.IntType):
+            return int(value)
+        if isinstance(value, celpy.celtypes.StringType):
+            return str(value)
+        if isinstance(value, list):
+            return [self.plain(v) for v in value]
+        if isinstance(value, dict):
+            return {self.plain(k): self.plain(v) for k, v in value.items()}
+        return value
+
+
+@lru_cache(maxsize=None)
+def engines() -> tuple:
+    return (CppCel(), PyCel())
+
+
+@lru_cache(maxsize=None)
+def compiled(engine_index: int, expression: str):
+    return engines()[engine_index].compile(expression)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    matched: bool
+    failed: tuple[str, ...] = ()
+
+
+def evaluate_with(index: int, pod: dict) -> tuple[Outcome, dict]:
+    """The API server's order: every matchCondition must be true; then the variables, each
+    seeing those before it; then every validation, a false one failing with its message."""
+    engine, spec = engines()[index], policy()["spec"]
+    base = {"object": engine.data(pod), "oldObject": engine.data(None), "params": engine.data(None)}
+
+    def run(expression: str, variables: dict):
+        return compiled(index, expression)({**base, "variables": engine.namespace(variables)})
+
+    def boolean(expression: str, variables: dict) -> bool:
+        result = engine.plain(run(expression, variables))
+        assert isinstance(result, bool), f"{engine.name}: {expression} gave {result!r}, not a bool"
+        return result
+
+    for condition in spec["matchConditions"]:
+        if not boolean(condition["expression"], {}):
+            return Outcome(False), {}
+    variables: dict = {}
+    for variable in spec["variables"]:
+        variables[variable["name"]] = run(variable["expression"], variables)
+    failed = tuple(v["message"] for v in spec["validations"] if not boolean(v["expression"], variables))
+    return Outcome(True, failed), {k: engine.plain(v) for k, v in variables.items()}
+
+
+def admission(pod: dict) -> Outcome:
+    """What the policy decides for `pod`; both implementations must decide the same, down to
+    every variable's value, and neither may fail to evaluate (the API server would then
+    refuse the pod under failurePolicy Fail, without saying which rule)."""
+    (outcome, variables), (other, other_variables) = (evaluate_with(i, pod) for i in range(len(engines())))
+    assert outcome == other, (outcome, other)
+    assert variables == other_variables, (variables, other_variables)
+    return outcome
+
+
+def refused_by(outcome: Outcome) -> set[str]:
+    assert outcome.matched
+    keys = set()
+    for message in outcome.failed:
+        [key] = [k for k, words in MESSAGES.items() if words in message]
+        keys.add(key)
+    return keys
+
+
+def test_the_implementations_have_no_extensions():
+    """Kubernetes' CEL adds libraries (strings, lists, optional fields) that neither
+    implementation has here; an expression that compiles in both uses none of them."""
+    for engine in engines():
+        for expression in ("'a,b'.split(',')", "object.?spec.orValue(1)"):
+            with pytest.raises(Exception):
+                engine.compile(expression)({"object": engine.data({})})
+
+
+def test_every_validation_has_its_own_message():
+    messages = [v["message"] for v in policy()["spec"]["validations"]]
+    assert len(messages) == len(set(messages)) == len(MESSAGES)
+    for key, words in MESSAGES.items():
+        assert sum(words in m for m in messages) == 1, key
+    for validation in policy()["spec"]["validations"]:
+        # Forbidden (403) rather than the default Invalid: the pod is well-formed, just not allowed.
+        assert validation["reason"] == "Forbidden"
+
+
+# ---------------------------------------------------------------- the pods admission sees
+
+
+def proxy_images() -> list[str]:
+    [variable] = [v for v in policy()["spec"]["variables"] if v["name"] == "proxyImages"]
+    images = engines()[0].compile(variable["expression"])({})
+    assert images and all(isinstance(i, str) and "/" in i for i in images), images
+    return images
+
+
+def injected(template: dict, *, cni: bool = False, native_sidecar: bool = False) -> dict:
+    """The Pod that a ReplicaSet creates from `template`, after Istio's sidecar injector, as
+    Istio's injection template writes it (fields the policy does not read are left out)."""
+    image = proxy_images()[0]
+    spec = copy.deepcopy(template["spec"])
+    [override] = [c for c in spec["containers"] if c["name"] == "istio-proxy"] or [{}]
+    spec["containers"] = [c for c in spec["containers"] if c["name"] != "istio-proxy"]
+
+    capture_args = ["istio-iptables", "-p", "15001", "-z", "15006", "-u", str(PROXY_UID), "-m", "REDIRECT",
+                    "-i", "*", "-x", "", "-b", "*", "-d", "15090,15021,15020", "--log_output_level=default:info"]
+    if cni:
+        capture = {"name": "istio-validation", "image": image, "args": capture_args + ["--run-validation", "--skip-rule-apply"],
+                   "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
+                                       "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True,
+                                       "runAsGroup": PROXY_UID, "runAsUser": PROXY_UID, "runAsNonRoot": True}}
+    else:
+        capture = {"name": "istio-init", "image": image, "args": capture_args,
+                   "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
+                                       "capabilities": {"add": ["NET_ADMIN", "NET_RAW"], "drop": ["ALL"]},
+                                       "readOnlyRootFilesystem": False,
+                                       "runAsGroup": 0, "runAsUser": 0, "runAsNonRoot": False}}
+    proxy = {
+        "name": "istio-proxy", "image": image,
+        "args": ["proxy", "sidecar", "--domain", "$(POD_NAMESPACE).svc.cluster.local",
+                 "--proxyLogLevel=warning", "--proxyComponentLogLevel=misc:error", "--log_output_level=default:info"],
+        "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                {"name": "ISTIO_META_APP_CONTAINERS", "value": ",".join(c["name"] for c in spec["containers"])}]
+        + override.get("env", []),
+        "ports": [{"containerPort": 15090, "name": "http-envoy-prom", "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/healthz/ready", "port": 15021}, "periodSeconds": 15},
+        "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
+                            "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True,
+                            "runAsGroup": PROXY_UID, "runAsNonRoot": True, "runAsUser": PROXY_UID},
+        "volumeMounts": [{"mountPath": "/var/run/secrets/workload-spiffe-uds", "name": "workload-socket"},
+                         {"mountPath": "/var/run/secrets/istio", "name": "istiod-ca-cert"},
+                         {"mountPath": "/var/lib/istio/data", "name": "istio-data"},
+                         {"mountPath": "/etc/istio/proxy", "name": "istio-envoy"},
+                         {"mountPath": "/var/run/secrets/tokens", "name": "istio-token"},
+                         {"mountPath": "/etc/istio/pod", "name": "istio-podinfo"}],
+    }
+    # A pod's own istio-proxy entry overrides the template's fields; its env is merged above,
+    # and `image: auto` leaves the template's image.
+    for key, value in override.items():
+        if key != "env" and not (key == "image" and value == "auto"):
+            proxy[key] = value
+    spec["initContainers"] = [capture] + spec.get("initContainers", [])
+    if native_sidecar:
+        spec["initContainers"].append({**proxy, "restartPolicy": "Always"})
+    else:
+        spec["containers"].append(proxy)
+    spec["volumes"] = spec.get("volumes", []) + [
+        {"name": "workload-socket", "emptyDir": {}},
+        {"name": "istio-envoy", "emptyDir": {"medium": "Memory"}},
+        {"name": "istio-data", "emptyDir": {}},
+        {"name": "istio-podinfo", "downwardAPI": {"items": [
+            {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
+            {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}}]}},
+        {"name": "istio-token", "projected": {"sources": [
+            {"serviceAccountToken": {"audience": "istio-ca", "expirationSeconds": 43200, "path": "istio-token"}}]}},
+        {"name": "istiod-ca-cert", "configMap": {"name": "istio-ca-root-cert"}},
+    ]
+    metadata = copy.deepcopy(template["metadata"])
+    metadata["annotations"] = {**metadata.get("annotations", {}), "sidecar.istio.io/status": '{"revision":"default"}'}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "billing-agent-6f7c9d5b8-x2kqz", "namespace": "agents", **metadata}, "spec": spec}
+
+
+def agent_pod(**kwargs) -> dict:
+    return injected(example_deployment()["spec"]["template"], **kwargs)
+
+
+def agent(pod: dict) -> dict:
+    [container] = [c for c in pod["spec"]["containers"] if c["name"] == "agent"]
+    return container
+
+
+def init(pod: dict, name: str) -> dict:
+    [container] = [c for c in pod["spec"]["initContainers"] if c["name"] == name]
+    return container
+
+
+def proxy(pod: dict) -> dict:
+    [container] = [c for c in pod["spec"]["containers"] if c["name"] == "istio-proxy"]
+    return container
+
+
+@pytest.mark.parametrize("variant", [{}, {"cni": True}, {"native_sidecar": True}],
+                         ids=["istio-init", "istio-cni", "native-sidecar"])
+def test_the_patched_agent_pod_is_admitted(variant):
+    pod = agent_pod(**variant)
+    assert kubernetes_errors(pod) == []
+    assert admission(pod) == Outcome(True, ())
+
+
+def test_the_unpatched_agent_pod_is_refused():
+    """The Deployment as the team wrote it, without pod-security.yaml."""
+    pod = injected(unpatched_deployment()["spec"]["template"])
+    assert kubernetes_errors(pod) == []
+    assert refused_by(admission(pod)) == {"uid-unset", "gid-unset", "root", "escalation", "drop-all",
+                                          "automount-token"}
+
+
+# ---------------------------------------------------------------- one change, one refusal
+
+
+def pod_security(pod: dict) -> dict:
+    return pod["spec"]["securityContext"]
+
+
+def set_in(container: dict, **fields) -> None:
+    container.setdefault("securityContext", {}).update(fields)
+
+
+def at_pod_level(field, value):
+    """The agent's container leaves `field` to the pod, which sets it to `value`."""
+    def change(pod):
+        del agent(pod)["securityContext"][field]
+        pod_security(pod)[field] = value
+    return change
+
+
+def unset(field):
+    """Neither the agent's container nor the pod sets `field`."""
+    def change(pod):
+        del agent(pod)["securityContext"][field]
+        del pod_security(pod)[field]
+    return change
+
+
+def add_capability(name):
+    def change(pod):
+        agent(pod)["securityContext"]["capabilities"]["add"] = [name]
+    return change
+
+
+def privileged(pod):
+    # Kubernetes refuses privileged together with allowPrivilegeEscalation false, so a pod that
+    # asks for it turns both on.
+    set_in(agent(pod), privileged=True, allowPrivilegeEscalation=True)
+
+
+def no_allow_privilege_escalation(pod):
+    del agent(pod)["securityContext"]["allowPrivilegeEscalation"]
+
+
+def pod_field(name, value):
+    def change(pod):
+        pod["spec"][name] = value
+    return change
+
+
+def no_automount_field(pod):
+    del pod["spec"]["automountServiceAccountToken"]
+
+
+def debug_container(pod):
+    # What `kubectl debug -it <pod> --image=busybox --target=istio-proxy` adds.
+    pod["spec"]["ephemeralContainers"] = [{"name": "debugger-7xk2p", "image": "busybox:1.36",
+                                           "targetContainerName": "istio-proxy", "stdin": True, "tty": True}]
+
+
+def mount_proxy_volume(name):
+    def change(pod):
+        agent(pod)["volumeMounts"] = [{"name": name, "mountPath": "/mnt/proxy"}]
+    return change
+
+
+def annotate(key, value):
+    def change(pod):
+        pod["metadata"]["annotations"][key] = value
+    return change
+
+
+def no_injection(pod):
+    # `sidecar.istio.io/inject: "false"`, or a namespace without injection: the pod runs as
+    # its template says, the `image: auto` entry included (which could never start).
+    pod["spec"] = copy.deepcopy(example_deployment()["spec"]["template"]["spec"])
+
+
+def no_capture_init(pod):
+    # `sidecar.istio.io/interceptionMode: NONE`: the injector writes no istio-init.
+    pod["spec"]["initContainers"] = [c for c in pod["spec"]["initContainers"] if c["name"] != "istio-init"]
+
+
+def own_proxy_image(pod):
+    # The pod's istio-proxy entry names an image (or `sidecar.istio.io/proxyImage` does):
+    # the injector keeps it, with the template's UID 1337 and args.
+    proxy(pod)["image"] = "registry.example.com/agents/billing-agent:1.0.0"
+
+
+def own_proxy_command(pod):
+    proxy(pod)["command"] = ["/bin/sh", "-c", "exec curl -s http://mcp-server.tools.svc.cluster.local:8000/mcp"]
+
+
+def other_proxy_args(pod):
+    proxy(pod)["args"] = ["request", "GET", "config_dump"]
+
+
+def agent_named_istio_proxy(pod):
+    # The agent's own container under the proxy's name, as UID 1337, in place of the sidecar.
+    pod["spec"]["containers"] = [c for c in pod["spec"]["containers"] if c["name"] != "istio-proxy"]
+    agent(pod)["name"] = "istio-proxy"
+    set_in(pod["spec"]["containers"][0], runAsUser=PROXY_UID, runAsGroup=PROXY_UID)
+
+
+def proxy_as_plain_init_container(pod):
+    # The proxy moved to initContainers without `restartPolicy: Always`: not a native sidecar.
+    [sidecar] = [c for c in pod["spec"]["containers"] if c["name"] == "istio-proxy"]
+    pod["spec"]["containers"].remove(sidecar)
+    pod["spec"]["initContainers"].append(sidecar)
+
+
+def own_init_image(pod):
+    init(pod, "istio-init")["image"] = "registry.example.com/agents/billing-agent:1.0.0"
+
+
+def own_init_command(pod):
+    init(pod, "istio-init")["command"] = ["/bin/sh", "-c", "iptables -t nat -F"]
+
+
+def second_capture_init(pod):
+    # Next to Istio CNI's istio-validation, an istio-init of the pod's own, with the proxy's
+    # image and arguments that exclude the agent's UID from capture.
+    pod["spec"]["initContainers"].insert(0, {
+        "name": "istio-init", "image": proxy_images()[0],
+        "args": ["istio-iptables", "-p", "15001", "-u", "10001", "-m", "REDIRECT", "-i", "*"],
+        "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
+                            "capabilities": {"add": ["NET_ADMIN", "NET_RAW"], "drop": ["ALL"]},
+                            "runAsGroup": 0, "runAsUser": 0, "runAsNonRoot": False}})
+
+
+def init_adds_sys_admin(pod):
+    init(pod, "istio-init")["securityContext"]["capabilities"]["add"].append("SYS_ADMIN")
+
+
+def proxy_tproxy(pod):
+    # `sidecar.istio.io/interceptionMode: TPROXY`: the injector gives the proxy NET_ADMIN and root.
+    set_in(proxy(pod), runAsUser=0, runAsNonRoot=False, capabilities={"add": ["NET_ADMIN"], "drop": ["ALL"]})
+
+
+def proxy_escalation(pod):
+    set_in(proxy(pod), allowPrivilegeEscalation=True)
+
+
+def second_agent_container(**fields):
+    def change(pod):
+        helper = copy.deepcopy(agent(pod))
+        helper["name"] = "istio-proxy-helper"
+        helper["securityContext"].update(fields)
+        pod["spec"]["containers"].insert(1, helper)
+    return change
+
+
+REFUSED = [
+    ("uid-1337-pod-level", {}, at_pod_level("runAsUser", PROXY_UID), {"uid-1337"}),
+    ("uid-1337-container-level", {}, lambda p: set_in(agent(p), runAsUser=PROXY_UID), {"uid-1337"}),
+    ("no-run-as-user", {}, unset("runAsUser"), {"uid-unset"}),
+    ("gid-1337-pod-level", {}, at_pod_level("runAsGroup", PROXY_UID), {"gid-1337"}),
+    ("gid-1337-container-level", {}, lambda p: set_in(agent(p), runAsGroup=PROXY_UID), {"gid-1337"}),
+    ("no-run-as-group", {}, unset("runAsGroup"), {"gid-unset"}),
+    ("run-as-root", {}, lambda p: set_in(agent(p), runAsUser=0, runAsNonRoot=False), {"root"}),
+    ("run-as-non-root-false", {}, lambda p: set_in(agent(p), runAsNonRoot=False), {"root"}),
+    ("run-as-non-root-unset", {}, unset("runAsNonRoot"), {"root"}),
+    ("add-net-admin", {}, add_capability("NET_ADMIN"), {"cap-add"}),
+    ("add-net-raw", {}, add_capability("NET_RAW"), {"cap-add"}),
+    ("add-sys-ptrace", {}, add_capability("SYS_PTRACE"), {"cap-add"}),
+    ("drop-net-raw-only", {}, lambda p: set_in(agent(p), capabilities={"drop": ["NET_RAW"]}), {"drop-all"}),
+    ("no-capabilities", {}, lambda p: agent(p)["securityContext"].pop("capabilities"), {"drop-all"}),
+    ("privileged", {}, privileged, {"privileged", "escalation"}),
+    ("allow-privilege-escalation-true", {}, lambda p: set_in(agent(p), allowPrivilegeEscalation=True), {"escalation"}),
+    ("allow-privilege-escalation-unset", {}, no_allow_privilege_escalation, {"escalation"}),
+    ("share-process-namespace", {}, pod_field("shareProcessNamespace", True), {"share-process-namespace"}),
+    ("host-network", {}, pod_field("hostNetwork", True), {"host-network"}),
+    ("host-pid", {}, pod_field("hostPID", True), {"host-pid"}),
+    ("host-ipc", {}, pod_field("hostIPC", True), {"host-ipc"}),
+    ("automount-token-true", {}, pod_field("automountServiceAccountToken", True), {"automount-token"}),
+    ("automount-token-unset", {}, no_automount_field, {"automount-token"}),
+    ("debug-container", {}, debug_container, {"ephemeral"}),
+    ("agent-mounts-istio-envoy", {}, mount_proxy_volume("istio-envoy"), {"proxy-volumes"}),
+    ("agent-mounts-workload-socket", {}, mount_proxy_volume("workload-socket"), {"proxy-volumes"}),
+    ("exclude-outbound-ip-ranges", {}, annotate("traffic.sidecar.istio.io/excludeOutboundIPRanges", "10.96.0.0/12"),
+     {"capture-annotation"}),
+    ("exclude-outbound-ports", {}, annotate("traffic.sidecar.istio.io/excludeOutboundPorts", "8000"),
+     {"capture-annotation"}),
+    ("include-outbound-ip-ranges", {}, annotate("traffic.sidecar.istio.io/includeOutboundIPRanges", "10.0.0.0/24"),
+     {"capture-annotation"}),
+    # Getting around the sidecar by leaving it out or by taking its place.
+    # The `image: auto` entry is then a container of its own, without the settings.
+    ("no-injection", {}, no_injection, {"sidecar", "capture", "escalation", "drop-all"}),
+    ("no-capture-init", {}, no_capture_init, {"capture"}),
+    # A container that is not the proxy gets no exemption: its UID and GID 1337 and its mounts
+    # of the proxy's volumes are refused as any agent container's would be.
+    ("proxy-own-image", {}, own_proxy_image, {"sidecar", "uid-1337", "gid-1337", "proxy-volumes"}),
+    ("proxy-own-command", {}, own_proxy_command, {"sidecar", "uid-1337", "gid-1337", "proxy-volumes"}),
+    ("proxy-other-args", {}, other_proxy_args, {"sidecar", "uid-1337", "gid-1337", "proxy-volumes"}),
+    ("agent-named-istio-proxy", {}, agent_named_istio_proxy, {"sidecar", "uid-1337", "gid-1337"}),
+    ("proxy-as-plain-init-container", {}, proxy_as_plain_init_container,
+     {"sidecar", "uid-1337", "gid-1337", "proxy-volumes"}),
+    ("second-container-as-1337", {}, second_agent_container(runAsUser=PROXY_UID), {"uid-1337"}),
+    ("init-own-image", {}, own_init_image, {"capture", "root", "cap-add"}),
+    ("init-own-command", {}, own_init_command, {"capture", "root", "cap-add"}),
+    ("init-adds-sys-admin", {}, init_adds_sys_admin, {"cap-add"}),
+    ("second-capture-init-beside-cni", {"cni": True}, second_capture_init, {"capture"}),
+    ("proxy-tproxy", {}, proxy_tproxy, {"cap-add"}),
+    ("proxy-escalation", {}, proxy_escalation, {"escalation"}),
+    ("native-sidecar-own-image", {"native_sidecar": True},
+     lambda p: init(p, "istio-proxy").update(image="registry.example.com/agents/billing-agent:1.0.0"),
+     {"sidecar", "uid-1337", "gid-1337", "proxy-volumes"}),
+]
+
+
+@pytest.mark.parametrize("variant,change,expected", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
+def test_one_change_is_refused_with_its_message(variant, change, expected):
+    pod = agent_pod(**variant)
+    change(pod)
+    assert kubernetes_errors(pod) == [], "the changed pod must still be a valid Pod"
+    assert refused_by(admission(pod)) == expected
+
+
+def test_every_validation_refuses_some_case():
+    assert set().union(*(c[3] for c in REFUSED)) == set(MESSAGES)
+
+
+def own_volume(pod):
+    pod["spec"]["volumes"].append({"name": "scratch", "emptyDir": {}})
+    mount_proxy_volume("scratch")(pod)
+
+
+def settings_only_at_pod_level(pod):
+    for field in ("runAsUser", "runAsGroup", "runAsNonRoot"):
+        del agent(pod)["securityContext"][field]
+
+
+ADMITTED = [
+    ("include-outbound-ip-ranges-all", annotate("traffic.sidecar.istio.io/includeOutboundIPRanges", "*")),
+    ("inbound-exclusion", annotate("traffic.sidecar.istio.io/excludeInboundPorts", "9090")),
+    ("second-agent-container", second_agent_container()),
+    ("agent-mounts-its-own-volume", own_volume),
+    ("settings-only-at-container-level", lambda p: p["spec"].pop("securityContext")),
+    ("settings-only-at-pod-level", settings_only_at_pod_level),
+]
+
+
+@pytest.mark.parametrize("change", [c[1] for c in ADMITTED], ids=[c[0] for c in ADMITTED])
+def test_changes_that_keep_the_pod_governed_are_admitted(change):
+    pod = agent_pod()
+    change(pod)
+    assert kubernetes_errors(pod) == []
+    assert admission(pod) == Outcome(True, ())
+
+
+# ---------------------------------------------------------------- which pods are matched
+
+
+def without_agent_label(pod):
+    del pod["metadata"]["labels"][AGENT_LABEL]
+
+
+@pytest.mark.parametrize("labels", [None, {}, {"app.kubernetes.io/name": "billing-agent"}],
+                         ids=["no-labels", "empty-labels", "other-label"])
+def test_a_pod_without_the_agent_label_is_not_matched(labels):
+    """Not an agent pod: neither the filter nor the ledger's NetworkPolicy selects it, so the
+    policy leaves it alone, however it is set up (here: host network, UID 1337, NET_ADMIN)."""
+    pod = agent_pod()
+    pod_field("hostNetwork", True)(pod)
+    set_in(agent(pod), runAsUser=PROXY_UID)
+    add_capability("NET_ADMIN")(pod)
+    assert refused_by(admission(copy.deepcopy(pod))) == {"host-network", "uid-1337", "cap-add"}
+    if labels is None:
+        del pod["metadata"]["labels"]
+    else:
+        pod["metadata"]["labels"] = labels
+    assert admission(pod) == Outcome(False)
+
+
+def test_any_value_of_the_agent_label_is_matched():
+    pod = agent_pod()
+    pod["metadata"]["labels"][AGENT_LABEL] = ""
+    assert admission(pod) == Outcome(True, ())
+    pod_field("hostPID", True)(pod)
+    assert refused_by(admission(pod)) == {"host-pid"}
