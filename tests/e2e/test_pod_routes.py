@@ -51,6 +51,8 @@ from tests.support.pod_network import (
     run,
 )
 from tests.support.stack import ledger_binary, wait_until
+# The admission policy's evaluation (two CEL implementations) and the example agent pod.
+from test_admission_policy import admission, agent, agent_pod, set_in  # noqa: E402
 
 SERVICE_TOKEN = "pod-test-service-token"
 ADMIN_TOKEN = "pod-test-admin-token"
@@ -408,6 +410,11 @@ def test_an_agent_running_as_the_proxys_uid(sidecar, fresh):
     assert ran(as_proxy[0]), as_proxy
     assert fresh.providers[443].executions() == 1
     if shipped(sidecar):
+        # The shipped agent pod is admitted; the same pod with its agent as 1337 is not.
+        pod = agent_pod()
+        assert admission(pod).failed == (), admission(pod)
+        set_in(agent(pod), runAsUser=PROXY_UID)
+        assert admission(pod).failed, "an agent container running as 1337 was admitted"
         as_agent = fresh.net.agent_probes([request], uid=AGENT_UID)
         assert not ran(as_agent[0]), as_agent
         assert fresh.providers[443].executions() == 1
@@ -420,6 +427,9 @@ def test_an_agent_with_net_admin_rewrites_the_capture(sidecar, fresh):
     request = to(PROVIDER_HOST, 443, mcp_call(PROVIDER_HOST), tls=True, sni=PROVIDER_HOST)
     flush = ["iptables", "-t", "nat", "-F", "ISTIO_OUTPUT"]
     if shipped(sidecar):
+        pod = agent_pod()
+        agent(pod)["securityContext"]["capabilities"] = {"drop": ["ALL"], "add": ["NET_ADMIN"]}
+        assert admission(pod).failed, "an agent container with NET_ADMIN was admitted"
         refused = fresh.net.agent_command(flush, uid=0)
         assert refused.returncode != 0 and "ermission denied" in refused.stderr, refused
         answers = fresh.net.agent_probes([request])
