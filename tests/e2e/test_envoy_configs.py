@@ -29,9 +29,10 @@ from tests.support.stack import (ROOT, WASM, Envoy, ExampleServer, Ledger, Proce
 
 
 def is_envoy_config(path: Path) -> bool:
-    """An Envoy bootstrap, not a Kubernetes object, a kustomization or a JSON patch (a list)."""
-    doc = yaml.safe_load(path.read_text())
-    return isinstance(doc, dict) and bool(doc.get("static_resources"))
+    """An Envoy bootstrap, not Kubernetes objects (one or several documents), a kustomization
+    or a JSON patch (a list)."""
+    docs = list(yaml.safe_load_all(path.read_text()))
+    return len(docs) == 1 and isinstance(docs[0], dict) and bool(docs[0].get("static_resources"))
 
 
 SHIPPED = sorted(p for p in (ROOT / "envoy").rglob("*.yaml") if is_envoy_config(p))

@@ -38,6 +38,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.support.certificates import make_ca
 from tests.support.stack import ROOT, WASM, validate_envoy_config, wasmplugin_filter_config
 
 ISTIO_DIR = ROOT / "envoy" / "istio"
@@ -59,6 +60,8 @@ BASES = [k for k in KUSTOMIZATIONS if k not in OVERLAYS]
 LEDGER_POSTGRES, LEDGER_SQLITE = "overlays/ledger-postgres", "overlays/ledger-sqlite"
 AGENT_NAMESPACE, AGENT_ENVOYFILTER, AGENT_WASMPLUGIN = "agent", "overlays/billing-agent", "overlays/billing-agent-wasmplugin"
 AGENT_NAME = "billing-agent"
+# The agents namespace with a governed MCP server outside the mesh (its checks: the last section).
+EXTERNAL_PROVIDER = "overlays/external-provider"
 
 # The filter's secrets: the sidecar's environment variables they come from, in this order.
 SECRET_ENV = ["ATMOST_SERVICE_TOKEN", "ATMOST_UPSTREAM_KEY_SECRET"]
@@ -294,8 +297,8 @@ def errors_of(doc: dict) -> list[str]:
 
 
 def test_kustomizations_present():
-    assert set(BASES) == {"ledger", "agent", "agent-envoyfilter", "agent-wasmplugin"}
-    assert set(OVERLAYS) == {LEDGER_POSTGRES, LEDGER_SQLITE, AGENT_ENVOYFILTER, AGENT_WASMPLUGIN}
+    assert set(BASES) == {"ledger", "agent", "agent-envoyfilter", "agent-wasmplugin", "agent-egress"}
+    assert set(OVERLAYS) == {LEDGER_POSTGRES, LEDGER_SQLITE, AGENT_ENVOYFILTER, AGENT_WASMPLUGIN, EXTERNAL_PROVIDER}
 
 
 def test_overlays_render_what_a_rollout_needs(rendered):
@@ -307,6 +310,7 @@ def test_overlays_render_what_a_rollout_needs(rendered):
     assert kinds[AGENT_NAMESPACE] == ["VirtualService"]
     assert kinds[AGENT_ENVOYFILTER] == ["EnvoyFilter"]
     assert kinds[AGENT_WASMPLUGIN] == ["WasmPlugin"]
+    assert kinds["agent-egress"] == ["Sidecar"]
 
 
 def rendered_objects() -> list[tuple[str, int]]:
@@ -317,7 +321,7 @@ def rendered_objects() -> list[tuple[str, int]]:
 
 def expected_count(kustomization: str) -> int:
     counts = {"ledger": 7, "agent": 1, "agent-envoyfilter": 1, "agent-wasmplugin": 1, LEDGER_POSTGRES: 8,
-              LEDGER_SQLITE: 8, AGENT_ENVOYFILTER: 1, AGENT_WASMPLUGIN: 1}
+              LEDGER_SQLITE: 8, AGENT_ENVOYFILTER: 1, AGENT_WASMPLUGIN: 1, "agent-egress": 1, EXTERNAL_PROVIDER: 6}
     return counts[kustomization]
 
 
@@ -909,3 +913,411 @@ def test_istio_doc_proxy_entry_feeds_the_variables_the_manifests_name(objs):
         assert "value" not in env and not ref.get("optional", False)
         assert f"create secret generic {ref['name']}" in steps
         assert f"--from-literal={ref['key']}=" in steps
+
+
+# ---------------------------------------------------------------- tools outside the mesh
+#
+# overlays/external-provider/ is the agents namespace with a governed MCP server outside the mesh:
+# every route from an agent pod to a governed tool must go through the filter in plain HTTP, and
+# every other route must be closed. The checks below are functions that list what is wrong, so
+# the same code judges the rendering (no error) and broken copies of it (each error found).
+
+GOVERNED_LABEL = "atmost.dev/governed-mcp"
+PROVIDER_HOST = "mcp.provider.example"
+# What a governed host's port may be: HTTP the sidecar reads, so the filter sees every body.
+READABLE_PROTOCOLS = {"HTTP", "HTTP2"}
+KUBE_DNS = "kube-system/kube-dns.kube-system.svc.cluster.local"
+
+
+def covers(pattern: str, host: str) -> bool:
+    """Whether an Istio host (`*`, `*.suffix` or a name) names `host`, or the other way round: a
+    wildcard entry that covers a governed host lets it through as much as an exact one."""
+    def one_way(p: str, h: str) -> bool:
+        return p == "*" or p == h or (p.startswith("*.") and h.endswith(p[1:]))
+    return one_way(pattern, host) or one_way(host, pattern)
+
+
+def of_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def in_mesh_mcp_hosts(rendered) -> set[str]:
+    """The MCP server inside the mesh: the host the agent namespace's no-retry routes serve."""
+    return {h for vs in of_kind(rendered[AGENT_NAMESPACE], "VirtualService") for h in vs["spec"]["hosts"]}
+
+
+def governed_hosts(docs: list[dict], in_mesh: set[str]) -> set[str]:
+    """Every host that carries governed MCP: the in-mesh server and each ServiceEntry marked governed."""
+    marked = {h for se in of_kind(docs, "ServiceEntry") if se["metadata"].get("labels", {}).get(GOVERNED_LABEL) == "true"
+              for h in se["spec"]["hosts"]}
+    return in_mesh | marked
+
+
+def filter_ports(docs: list[dict]) -> set[int]:
+    """The outbound ports the agent's filter is attached to (EnvoyFilter HTTP_FILTER patches, or
+    the WasmPlugin's CLIENT ports)."""
+    ports = {p["match"]["listener"]["portNumber"] for ef in of_kind(docs, "EnvoyFilter")
+             for p in ef["spec"]["configPatches"] if p["applyTo"] == "HTTP_FILTER"}
+    ports |= {p["number"] for wp in of_kind(docs, "WasmPlugin") for m in wp["spec"]["match"] if m["mode"] == "CLIENT"
+              for p in m["ports"]}
+    return ports
+
+
+def passthrough_errors(docs: list[dict], governed: set[str]) -> list[str]:
+    """A governed host must never be declared so that the sidecar forwards it unread: no
+    ServiceEntry port other than plain HTTP for it (port 443 TLS or HTTPS would carry the agent's
+    own https:// straight through), no TLS or TCP route of a VirtualService for it."""
+    errors = []
+    for doc in docs:
+        name = f"{doc['kind']} {doc['metadata'].get('namespace', '')}/{doc['metadata']['name']}"
+        hosts = doc.get("spec", {}).get("hosts", [])
+        hit = sorted(h for h in governed if any(covers(p, h) for p in hosts))
+        if not hit:
+            continue
+        if doc["kind"] == "ServiceEntry":
+            for port in doc["spec"].get("ports", []):
+                if port.get("protocol") not in READABLE_PROTOCOLS:
+                    errors.append(f"{name}: port {port['number']} {port.get('protocol')} passes {hit} through unread")
+        if doc["kind"] == "VirtualService" and (doc["spec"].get("tls") or doc["spec"].get("tcp")):
+            errors.append(f"{name}: TLS or TCP routes for {hit}")
+    return errors
+
+
+def no_retry_errors(vs: dict) -> list[str]:
+    name = f"VirtualService {vs['metadata']['namespace']}/{vs['metadata']['name']}"
+    spec = vs["spec"]
+    errors = [f"{name}: TLS or TCP routes"] if spec.get("tls") or spec.get("tcp") else []
+    if not spec.get("http"):
+        errors.append(f"{name}: no HTTP routes")
+    for route in spec.get("http", []):
+        if route.get("retries", {}).get("attempts") != 0:
+            errors.append(f"{name}: route {route.get('name')} may retry (a second dispatch)")
+        if "timeout" not in route:
+            errors.append(f"{name}: route {route.get('name')} has no timeout")
+        for destination in route["route"]:
+            if destination["destination"]["host"] not in spec["hosts"]:
+                errors.append(f"{name}: route {route.get('name')} leaves for another host")
+    if spec.get("exportTo") != ["."]:
+        errors.append(f"{name}: exported beyond its namespace")
+    return errors
+
+
+def egress_errors(docs: list[dict], governed: set[str], ledger_entry: str) -> list[str]:
+    """The namespace's Sidecar is REGISTRY_ONLY and lists no pattern; it lets out the ledger
+    and DNS; and every governed host it lets out is declared plain HTTP on a port the filter
+    covers, with a no-retry VirtualService the Sidecar imports."""
+    sidecars = of_kind(docs, "Sidecar")
+    if len(sidecars) != 1:
+        return [f"{len(sidecars)} Sidecars"]
+    [sidecar] = sidecars
+    spec, namespace = sidecar["spec"], sidecar["metadata"]["namespace"]
+    errors = []
+    if spec.get("outboundTrafficPolicy", {}).get("mode") != "REGISTRY_ONLY":
+        errors.append("outboundTrafficPolicy is not REGISTRY_ONLY: unknown destinations pass through")
+    if "workloadSelector" in spec:
+        errors.append("a workloadSelector: the namespace's other pods keep Istio's defaults")
+    if len(spec.get("egress", [])) != 1 or "port" in spec["egress"][0]:
+        errors.append("one egress listener for every port expected")
+    entries = [e for listener in spec.get("egress", []) for e in listener["hosts"]]
+    for entry in entries:
+        entry_namespace, _, host = entry.partition("/")
+        if "*" in entry_namespace or "*" in host or entry_namespace == "~":
+            errors.append(f"egress host {entry}: a pattern lets out more than the team listed")
+    for needed in (ledger_entry, KUBE_DNS):
+        if needed not in entries:
+            errors.append(f"egress hosts lack {needed}")
+    ports = filter_ports(docs)
+
+    def imported(entry_namespace: str, host: str) -> bool:
+        return f"{entry_namespace}/{host}" in entries or (entry_namespace == namespace and f"./{host}" in entries)
+
+    for host in sorted(governed):
+        if not any(e.partition("/")[2] == host for e in entries):
+            continue
+        for se in of_kind(docs, "ServiceEntry"):
+            if host not in se["spec"]["hosts"]:
+                continue
+            if not imported(se["metadata"]["namespace"], host):
+                errors.append(f"{host}: its ServiceEntry's namespace is not imported")
+            for port in se["spec"]["ports"]:
+                if port.get("protocol") not in READABLE_PROTOCOLS or not port["name"].startswith("http"):
+                    errors.append(f"{host}: port {port['number']} is not declared HTTP")
+                if port["number"] not in ports:
+                    errors.append(f"{host}: port {port['number']} has no filter (filter ports {sorted(ports)})")
+        routes = [vs for vs in of_kind(docs, "VirtualService") if host in vs["spec"]["hosts"]]
+        if not routes:
+            errors.append(f"{host}: no VirtualService, so Istio's default retries apply")
+        for vs in routes:
+            errors += no_retry_errors(vs)
+            if not imported(vs["metadata"]["namespace"], host):
+                errors.append(f"{host}: the Sidecar does not import VirtualService {vs['metadata']['name']} "
+                              "(an entry for its namespace is needed), so Istio's default retries apply")
+            for route in vs["spec"]["http"]:
+                for destination in route["route"]:
+                    if destination["destination"]["port"]["number"] not in ports:
+                        errors.append(f"{host}: routed to port {destination['destination']['port']['number']}, "
+                                      "which has no filter")
+    for se in of_kind(docs, "ServiceEntry"):
+        if se["spec"].get("resolution") == "NONE":
+            errors.append(f"ServiceEntry {se['metadata']['name']}: resolution NONE forwards to whatever address "
+                          "the agent dialled")
+    return errors
+
+
+def tls_origination_errors(docs: list[dict], governed: set[str]) -> list[str]:
+    """Each governed provider outside the mesh: its ServiceEntry resolves the name itself and
+    sends port 80 to 443, and its DestinationRule originates TLS there that checks the CA, the
+    name and sends SNI."""
+    errors = []
+    rules = {dr["spec"]["host"]: dr for dr in of_kind(docs, "DestinationRule")}
+    for se in of_kind(docs, "ServiceEntry"):
+        spec = se["spec"]
+        if spec.get("location") != "MESH_EXTERNAL" or not set(spec["hosts"]) & governed:
+            continue
+        if spec.get("resolution") != "DNS":
+            errors.append(f"{spec['hosts']}: resolution {spec.get('resolution')}, not DNS")
+        for host in spec["hosts"]:
+            rule = rules.get(host)
+            if rule is None:
+                errors.append(f"{host}: no DestinationRule, so the provider would get plain HTTP")
+                continue
+            levels = {p["port"]["number"]: p for p in rule["spec"].get("trafficPolicy", {}).get("portLevelSettings", [])}
+            for port in spec["ports"]:
+                if port.get("targetPort") != 443:
+                    errors.append(f"{host}: port {port['number']} does not go to 443")
+                tls = levels.get(port["number"], {}).get("tls", {})
+                if tls.get("mode") != "SIMPLE" or tls.get("sni") != host or tls.get("subjectAltNames") != [host]:
+                    errors.append(f"{host}: port {port['number']} does not originate TLS with SNI and the name checked")
+                if not tls.get("caCertificates") or tls.get("insecureSkipVerify") or "credentialName" in tls:
+                    errors.append(f"{host}: port {port['number']} does not verify against the CA file")
+    return errors
+
+
+def ledger_egress_entry(rendered) -> str:
+    entry = by_kind(rendered[LEDGER_POSTGRES])["ServiceEntry"]
+    return f"{entry['metadata']['namespace']}/{entry['spec']['hosts'][0]}"
+
+
+def route_errors(rendered, docs: list[dict]) -> list[str]:
+    governed = governed_hosts(docs, in_mesh_mcp_hosts(rendered))
+    return (egress_errors(docs, governed, ledger_egress_entry(rendered)) + passthrough_errors(docs, governed)
+            + tls_origination_errors(docs, governed))
+
+
+def test_external_provider_overlay_renders_the_namespace_egress(rendered):
+    docs = rendered[EXTERNAL_PROVIDER]
+    assert sorted(d["kind"] for d in docs) == sorted(
+        ["Sidecar", "ServiceEntry", "DestinationRule", "VirtualService", "VirtualService", "EnvoyFilter"])
+    assert {d["metadata"]["namespace"] for d in docs} == {"agents"}
+    assert governed_hosts(docs, in_mesh_mcp_hosts(rendered)) == {PROVIDER_HOST} | in_mesh_mcp_hosts(rendered)
+    # The in-mesh server's routes and the agent's filter are the shipped ones, unchanged but for the ports.
+    assert [vs for vs in of_kind(docs, "VirtualService") if vs["spec"]["hosts"] != [PROVIDER_HOST]] == \
+        of_kind(rendered[AGENT_NAMESPACE], "VirtualService")
+    [ef] = of_kind(docs, "EnvoyFilter")
+    [shipped] = rendered[AGENT_ENVOYFILTER]
+    assert {**ef, "spec": {**ef["spec"], "configPatches": []}} == {**shipped, "spec": {**shipped["spec"], "configPatches": []}}
+    assert filter_ports(docs) == {8000, 80}
+
+
+def test_every_governed_route_goes_through_the_filter_and_every_other_is_closed(rendered):
+    assert route_errors(rendered, rendered[EXTERNAL_PROVIDER]) == []
+
+
+def test_no_rendered_object_lets_tls_through_for_a_governed_host(rendered):
+    """Across every kustomization: no ServiceEntry declares a governed host with a port the
+    sidecar would pass through unread, and no VirtualService has TLS or TCP routes for one."""
+    everything = [d for docs in rendered.values() for d in docs]
+    governed = governed_hosts(everything, in_mesh_mcp_hosts(rendered))
+    assert PROVIDER_HOST in governed
+    assert passthrough_errors(everything, governed) == []
+
+
+def test_governed_ports_copy_every_patch_the_base_makes_for_the_in_mesh_port(rendered):
+    """Each patch the agent's EnvoyFilter makes for port 8000 (the filter; the connection
+    manager's settings) has a twin for port 80, the same but for the port, so the providers'
+    listener gets what the in-mesh server's gets."""
+    [ef] = of_kind(rendered[EXTERNAL_PROVIDER], "EnvoyFilter")
+    patches = ef["spec"]["configPatches"]
+
+    def on_port(patch: dict, port: int) -> dict:
+        twin = copy.deepcopy(patch)
+        twin["match"]["listener"]["portNumber"] = port
+        return twin
+
+    in_mesh = [p for p in patches if p.get("match", {}).get("listener", {}).get("portNumber") == 8000]
+    assert {p["applyTo"] for p in in_mesh} >= {"HTTP_FILTER"}
+    for patch in in_mesh:
+        assert on_port(patch, 80) in patches, patch
+    [shipped] = rendered[AGENT_ENVOYFILTER]
+    assert [p for p in patches if p.get("match", {}).get("listener", {}).get("portNumber") != 80] == \
+        shipped["spec"]["configPatches"]
+
+
+def test_the_route_checks_find_each_way_around_the_filter(rendered):
+    """Broken copies of the rendering: each one is caught, so the checks above can fail."""
+    docs = rendered[EXTERNAL_PROVIDER]
+
+    def broken(change) -> list[str]:
+        copied = copy.deepcopy(docs)
+        change(copied)
+        return route_errors(rendered, copied)
+
+    def one(kind: str, copied: list[dict], host: str | None = PROVIDER_HOST) -> dict:
+        return next(d for d in copied if d["kind"] == kind and (host is None or host in json.dumps(d["spec"])))
+
+    passthrough = {"number": 443, "name": "tls", "protocol": "TLS"}
+    assert any("443 TLS passes" in e for e in broken(lambda c: one("ServiceEntry", c)["spec"]["ports"].append(passthrough)))
+    wildcard = {"apiVersion": "networking.istio.io/v1", "kind": "ServiceEntry",
+                "metadata": {"name": "anything-at-provider", "namespace": "agents"},
+                "spec": {"hosts": ["*.provider.example"], "location": "MESH_EXTERNAL", "resolution": "NONE",
+                         "ports": [{"number": 443, "name": "https", "protocol": "HTTPS"}]}}
+    wildcard_errors = broken(lambda c: c.append(wildcard))
+    assert any("HTTPS passes" in e for e in wildcard_errors) and any("resolution NONE" in e for e in wildcard_errors)
+    assert any("may retry" in e for e in broken(
+        lambda c: one("VirtualService", c)["spec"]["http"][1].update(retries={"attempts": 2})))
+    assert any("no VirtualService" in e for e in broken(lambda c: c.remove(one("VirtualService", c))))
+    assert any("REGISTRY_ONLY" in e for e in broken(
+        lambda c: one("Sidecar", c, None)["spec"].update(outboundTrafficPolicy={"mode": "ALLOW_ANY"})))
+    assert any("a pattern" in e for e in broken(lambda c: one("Sidecar", c, None)["spec"]["egress"][0]["hosts"].append("*/*")))
+    assert any("lack atmost-system/" in e for e in broken(
+        lambda c: one("Sidecar", c, None)["spec"]["egress"][0]["hosts"].remove(ledger_egress_entry(rendered))))
+    # Without the `./` entry for the in-mesh server, its no-retry VirtualService is not imported.
+    in_mesh = sorted(in_mesh_mcp_hosts(rendered))[0]
+    assert any("does not import" in e for e in broken(
+        lambda c: one("Sidecar", c, None)["spec"]["egress"][0]["hosts"].remove(f"./{in_mesh}")))
+    # A provider port the filter does not cover.
+    def moved_port(c):
+        one("ServiceEntry", c)["spec"]["ports"][0]["number"] = 8443
+    assert any("8443 has no filter" in e for e in broken(moved_port))
+    assert any("name checked" in e for e in broken(
+        lambda c: one("DestinationRule", c)["spec"]["trafficPolicy"]["portLevelSettings"][0]["tls"].pop("subjectAltNames")))
+    assert any("CA file" in e for e in broken(
+        lambda c: one("DestinationRule", c)["spec"]["trafficPolicy"]["portLevelSettings"][0]["tls"].update(
+            insecureSkipVerify=True)))
+    assert any("plain HTTP" in e for e in broken(lambda c: c.remove(one("DestinationRule", c))))
+
+
+def test_the_overlays_wasmplugin_form_renders_as_its_kustomization_says(rendered, tmp_path):
+    """The switch kustomization.yaml describes (the WasmPlugin agent overlay and
+    governed-ports-wasmplugin.yaml): the plugin then matches both governed ports, and every
+    route check holds."""
+    tree = tmp_path / "istio"
+    shutil.copytree(ISTIO_DIR, tree, ignore=shutil.ignore_patterns("ledger.env"))
+    set_digests(tree, built()["ledger"], built()["filter"])
+    kustomization = tree / EXTERNAL_PROVIDER / "kustomization.yaml"
+    text = kustomization.read_text()
+    envoyfilter_target = ("    group: networking.istio.io\n    version: v1alpha3\n    kind: EnvoyFilter\n"
+                          "    name: atmost\n    namespace: agents\n  path: governed-ports.yaml\n")
+    assert text.count("- ../billing-agent\n") == 1 and text.count(envoyfilter_target) == 1
+    text = text.replace("- ../billing-agent\n", "- ../billing-agent-wasmplugin\n").replace(envoyfilter_target, (
+        "    group: extensions.istio.io\n    version: v1alpha1\n    kind: WasmPlugin\n"
+        "    name: atmost\n    namespace: agents\n  path: governed-ports-wasmplugin.yaml\n"))
+    kustomization.write_text(text)
+    docs = kustomize(tree / EXTERNAL_PROVIDER)
+    [plugin] = of_kind(docs, "WasmPlugin")
+    assert filter_ports(docs) == {8000, 80}
+    [shipped] = rendered[AGENT_WASMPLUGIN]
+    assert {**plugin, "spec": {**plugin["spec"], "match": []}} == {**shipped, "spec": {**shipped["spec"], "match": []}}
+    assert route_errors(rendered, docs) == []
+    assert all(errors_of(d) == [] for d in docs)
+
+
+def provider_envoy_config(docs: list[dict], ca_file: Path) -> dict:
+    """What a sidecar of the overlay runs for the provider, as plain Envoy: equivalent-envoy.yaml
+    plus the outbound listener of port 80 with the EnvoyFilter's Wasm filter and its connection
+    manager merges for that port, routed without retries to a cluster that originates TLS as the
+    DestinationRule says (`caCertificates` is a path inside the pod: here `ca_file`)."""
+    [ef] = of_kind(docs, "EnvoyFilter")
+    [se] = [d for d in of_kind(docs, "ServiceEntry") if PROVIDER_HOST in d["spec"]["hosts"]]
+    [dr] = [d for d in of_kind(docs, "DestinationRule") if d["spec"]["host"] == PROVIDER_HOST]
+    [port] = se["spec"]["ports"]
+    [level] = dr["spec"]["trafficPolicy"]["portLevelSettings"]
+    ext = next(p for p in ef["spec"]["configPatches"] if p["applyTo"] == "EXTENSION_CONFIG")
+    wasm = copy.deepcopy(ext["patch"]["value"]["typed_config"])
+    wasm["config"]["vm_config"]["code"] = {"local": {"filename": str(WASM)}}
+    config = yaml.safe_load(EQUIVALENT_ENVOY.read_text())
+    listener = copy.deepcopy(config["static_resources"]["listeners"][0])
+    cluster_name = f"outbound|{port['number']}||{PROVIDER_HOST}"
+    listener["name"] = f"0.0.0.0_{port['number']}"
+    listener["address"]["socket_address"]["port_value"] = port["number"]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["stat_prefix"] = f"outbound_0.0.0.0_{port['number']}"
+    hcm.pop("common_http_protocol_options", None)  # as Istio builds it; the EnvoyFilter's merges follow
+    for merge in ef["spec"]["configPatches"]:
+        if merge["applyTo"] == "NETWORK_FILTER" and merge["match"]["listener"]["portNumber"] == port["number"]:
+            assert merge["patch"]["operation"] == "MERGE"
+            for field, value in merge["patch"]["value"]["typed_config"].items():
+                if field != "@type":
+                    hcm.setdefault(field, {}).update(value)
+    hcm["http_filters"] = [{"name": "atmost", "typed_config": wasm} if f["name"] == "atmost" else f
+                           for f in hcm["http_filters"]]
+    [vs] = [d for d in of_kind(docs, "VirtualService") if d["spec"]["hosts"] == [PROVIDER_HOST]]
+    routes = []
+    for route in vs["spec"]["http"]:
+        match = {"prefix": "/"}
+        if "match" in route:
+            match["headers"] = [{"name": ":method", "string_match": route["match"][0]["method"]}]
+        routes.append({"name": route["name"], "match": match, "route": {"cluster": cluster_name, "timeout": route["timeout"]}})
+    hcm["route_config"] = {"name": str(port["number"]), "virtual_hosts": [
+        {"name": f"{PROVIDER_HOST}:{port['number']}", "domains": [PROVIDER_HOST, f"{PROVIDER_HOST}:{port['number']}"],
+         "routes": routes}]}
+    config["static_resources"]["listeners"].append(listener)
+    tls = level["tls"]
+    config["static_resources"]["clusters"].append({
+        "name": cluster_name, "type": "STRICT_DNS", "connect_timeout": "10s",
+        "load_assignment": {"cluster_name": cluster_name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
+            "socket_address": {"address": PROVIDER_HOST, "port_value": port["targetPort"]}}}}]}]},
+        "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "sni": tls["sni"],
+            "common_tls_context": {"validation_context": {
+                "trusted_ca": {"filename": str(ca_file)},
+                "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": n}}
+                                                  for n in tls["subjectAltNames"]]}}}}})
+    return config
+
+
+def test_the_overlays_provider_listener_passes_envoy_validate(rendered, tmp_path):
+    """The Envoy config the overlay amounts to for the provider's port (the Wasm filter the
+    EnvoyFilter inserts, its connection manager merge for port 80, TLS origination with the
+    DestinationRule's SNI and name) loads in real Envoy; the same without the CA file does not."""
+    assert WASM.exists(), "build the filter first (make wasm)"
+    ca, _ = make_ca(tmp_path, "provider-ca")
+    config = provider_envoy_config(rendered[EXTERNAL_PROVIDER], ca)
+    hcm = config["static_resources"]["listeners"][-1]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["common_http_protocol_options"] == {"headers_with_underscores_action": "REJECT_REQUEST"}
+    path = tmp_path / "external-provider-as-envoy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = validate_envoy_config(path, env=VALIDATION_ENV)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    path.write_text(yaml.safe_dump(provider_envoy_config(rendered[EXTERNAL_PROVIDER], tmp_path / "missing.pem")))
+    result = validate_envoy_config(path, env=VALIDATION_ENV)
+    assert result.returncode != 0 and "missing.pem" in result.stdout + result.stderr
+
+
+def test_istio_doc_steps_for_tools_outside_the_mesh(rendered):
+    """docs/istio.md, "Tools outside the mesh": its commands name kustomizations that exist, and
+    its `istio-proxy` entry is a valid container that mounts the CA ConfigMap the steps create
+    where the DestinationRule reads it, in the istio-proxy container only."""
+    section = istio_doc_section("Tools outside the mesh")
+    named = re.findall(r"kubectl (?:apply -k|kustomize|delete -k) (envoy/istio/[\w./-]+)", section)
+    assert f"envoy/istio/{EXTERNAL_PROVIDER}" in named
+    for path in named:
+        assert path.removeprefix("envoy/istio/").rstrip("/") in KUSTOMIZATIONS, path
+    [block] = [b for b in re.findall(r"```yaml\n(.*?)```", section, re.S) if "istio-proxy" in b]
+    pod = yaml.safe_load(block)
+    [container] = pod["containers"]
+    assert container["name"] == "istio-proxy" and container["image"] == "auto"
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "billing-agent", "namespace": "agents"},
+                  "spec": {"selector": {"matchLabels": {AGENT_LABEL: "billing-agent"}}, "template": {
+                      "metadata": {"labels": {AGENT_LABEL: "billing-agent"}},
+                      "spec": {"containers": [{"name": "agent", "image": "registry.example.com/agent:1"}, container],
+                               "volumes": pod["volumes"]}}}}
+    assert kubernetes_errors(deployment) == []
+    [mount] = container["volumeMounts"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    [dr] = of_kind(rendered[EXTERNAL_PROVIDER], "DestinationRule")
+    ca_path = dr["spec"]["trafficPolicy"]["portLevelSettings"][0]["tls"]["caCertificates"]
+    [key] = [i["key"] for i in volume["configMap"]["items"]] if "items" in volume["configMap"] else [Path(ca_path).name]
+    assert f"{mount['mountPath'].rstrip('/')}/{key}" == ca_path and mount["readOnly"] is True
+    assert f"create configmap {volume['configMap']['name']}" in section and f"--from-file={key}=" in section
