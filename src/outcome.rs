@@ -5,9 +5,12 @@
 //! |---|---|
 //! | a receipt was captured (report not acknowledged) | `completed` |
 //! | `upstream.request_attempt_count` = 0 | `released` (never sent) |
-//! | `response.flags` has UF, UH, UO, NR or NC and none of UT, UR, UC, DC | `released` (never delivered) |
+//! | exactly one attempt, and `response.flags` has UF, UH, UO, NR or NC and none of UT, UR, UC, DC | `released` (never delivered) |
+//! | more than one attempt (a retry or a hedge), or the attempt count missing, whatever the flags | `uncertain` |
 //! | UT, UR, UC or DC after an attempt; a response without a receipt; a receipt over `max_receipt_bytes`; properties missing; anything else | `uncertain` |
 //!
+//! The flags describe the request's last attempt only: after a retry or a hedge an earlier
+//! attempt may have reached the upstream even when the last one never connected.
 //! `uncertain` is the safe default: the slot and the budget stay taken until a person or
 //! a reconciler checks the provider. Nothing here ever turns an unknown into `released`.
 
@@ -116,7 +119,7 @@ pub fn closed_cleanly(attempts: Option<u64>, flags: Option<u64>) -> bool {
 
 /// The outcome of a dispatched call whose completion was not acknowledged. Modelled in
 /// `ledger/model/atmost.pml` (`Filter`: released only when the round never reached the
-/// upstream).
+/// upstream, which Envoy proves only for a request it sent at most once).
 pub fn classify(
     receipt: Option<&str>,
     no_receipt: NoReceipt,
@@ -136,12 +139,12 @@ pub fn classify(
             ),
         };
     }
-    if let Some(f) = flags {
-        if f & NEVER_DELIVERED != 0 && f & MAYBE_DELIVERED == 0 {
-            return Outcome::Released {
-                reason: format!("never_delivered: {}", describe_flags(flags)),
-            };
-        }
+    let never_delivered =
+        flags.is_some_and(|f| f & NEVER_DELIVERED != 0 && f & MAYBE_DELIVERED == 0);
+    if never_delivered && attempts == Some(1) {
+        return Outcome::Released {
+            reason: format!("never_delivered: {}", describe_flags(flags)),
+        };
     }
     let attempts_text = match attempts {
         Some(n) => n.to_string(),
@@ -150,6 +153,8 @@ pub fn classify(
     let reason = match (no_receipt, flags) {
         (NoReceipt::TooLarge, _) => "receipt_too_large",
         (_, Some(f)) if f & MAYBE_DELIVERED != 0 => "sent_outcome_unknown",
+        _ if attempts.is_some_and(|n| n > 1) => "more_than_one_attempt",
+        _ if never_delivered => "attempt_count_unavailable",
         (other, _) => other.reason(),
     };
     Outcome::Uncertain {
@@ -224,6 +229,48 @@ mod tests {
                 Some(f)
             )));
         }
+        // One attempt only: a retry or a hedge may have delivered an earlier one, whatever
+        // the last one's flags say; without the count nothing is proven.
+        for attempts in [Some(2), Some(3), None] {
+            for f in [UF, UH, UO, NR, NC, UF | UH] {
+                let o = classify(None, NoReceipt::NotJsonRpc, attempts, Some(f));
+                assert!(uncertain(&o), "{attempts:?} {f:#x}: {o:?}");
+            }
+        }
+        assert_eq!(
+            classify(None, NoReceipt::NotJsonRpc, Some(2), Some(UF)),
+            Outcome::Uncertain {
+                reason: "more_than_one_attempt: upstream.request_attempt_count=2 response_flags=0x20(UF)"
+                    .into()
+            }
+        );
+        assert_eq!(
+            classify(None, NoReceipt::NotJsonRpc, None, Some(UH)),
+            Outcome::Uncertain {
+                reason: "attempt_count_unavailable: upstream.request_attempt_count=unavailable response_flags=0x2(UH)"
+                    .into()
+            }
+        );
+        // Two attempts with a response that holds no receipt.
+        assert_eq!(
+            classify(None, NoReceipt::NotJsonRpc, Some(2), Some(0)),
+            Outcome::Uncertain {
+                reason:
+                    "more_than_one_attempt: upstream.request_attempt_count=2 response_flags=0x0"
+                        .into()
+            }
+        );
+        // Still: nothing attempted at all is never sent, and a receipt wins after a retry.
+        assert!(released(&classify(
+            None,
+            NoReceipt::NoResponse,
+            Some(0),
+            Some(UF)
+        )));
+        assert!(matches!(
+            classify(Some("{}"), NoReceipt::NoResponse, Some(2), Some(UF)),
+            Outcome::Completed { .. }
+        ));
         // A never-delivered flag together with an unknown one stays uncertain.
         assert!(uncertain(&classify(
             None,

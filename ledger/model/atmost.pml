@@ -351,7 +351,8 @@ proctype Filter(byte id) {
                     ansOf[id] = 0; ansAtt[id] = 0; ansRound[id] = 0 }
             if
             :: d_step {
-                /* never reached the upstream: attempts 0, or UF/UH/UO/NR/NC alone */
+                /* never reached the upstream: attempts 0, or exactly one attempt with
+                   UF/UH/UO/NR/NC alone (after a retry an earlier attempt may have) */
                 live[a] = false; res = O_RELEASED
             }
             :: d_step {
