@@ -58,12 +58,14 @@ use serde_json::Value;
 use std::rc::Rc;
 
 mod body_hold;
+mod head;
 mod ledger_reply;
 mod response;
 mod step;
 
 use body_hold::{key_header_misfit, Ahead};
 
+pub use head::{ENVOY_CONTROL_HEADERS, HEADERS_ATMOST_READS, MAX_RETRIES_HEADER};
 pub use step::*;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -212,6 +214,19 @@ fn bad_request(reply: LocalReply) -> Step {
         .with(Effect::Count(Stat::BadRequest))
 }
 
+/// A header named like one atmost reads, spelled otherwise: an upstream that reads `_` as
+/// `-` could take its value for the one atmost checked, so nothing of the request is sent.
+fn alias_refused(name: &str) -> Step {
+    bad_request(LocalReply::rpc_error(
+        400,
+        None,
+        rpc_code::INVALID_REQUEST,
+        &format!(
+            "header `{name}` is refused: servers that read `_` as `-` take it for a header atmost checks under its own name; send that header only as it is spelled with `-`"
+        ),
+    ))
+}
+
 fn too_large(max: u64) -> Step {
     bad_request(LocalReply::rpc_error(
         413,
@@ -311,14 +326,15 @@ impl Call {
         if !matches!(self.state, State::Start) {
             return Step::cont();
         }
-        // The permit never goes upstream; when the request has none there is nothing to
-        // remove (the adapter matched every header name case-insensitively).
-        let strip = (!head.permit.is_empty())
-            .then(|| Effect::RemoveRequestHeader(self.config.permit_header.clone()));
+        if let Some(alias) = &head.alias {
+            self.state = State::Answered;
+            return alias_refused(alias);
+        }
+        let edits = self.head_edits(&head);
         if head.method.eq_ignore_ascii_case("GET") {
             if let Some(t) = head.resume {
                 let key = self.passing_key_header(&head.idempotency_key);
-                let step = Step::cont().with_opt(strip).with_opt(key).with(Effect::Log(
+                let step = Step::cont().with_all(edits).with_opt(key).with(Effect::Log(
                     Level::Info,
                     format!(
                         "atmost: GET resumes the stream of attempt {} (round {}) of `{}`; watching it for the answer",
@@ -344,11 +360,11 @@ impl Call {
             return match self.passing_key_header(&head.idempotency_key) {
                 Some(key) => {
                     self.state = State::Forwarding(Value::Null, None);
-                    Step::cont().with_opt(strip).with(key)
+                    Step::cont().with_all(edits).with(key)
                 }
                 None => {
                     self.state = State::Passing;
-                    Step::cont().with_opt(strip)
+                    Step::cont().with_all(edits)
                 }
             };
         }
@@ -369,10 +385,38 @@ impl Call {
             return too_large(self.config.max_body_bytes);
         }
         if self.config.request_hold == RequestHold::Body {
-            return self.let_headers_go(head, strip);
+            return self.let_headers_go(head, edits);
         }
         self.state = State::ReadingBody(Box::new(head));
-        Step::pause().with_opt(strip)
+        Step::pause().with_all(edits)
+    }
+
+    /// The edits every request gets before anything of it can leave: the permit header and
+    /// Envoy's control headers removed and, on a POST, Envoy's retries turned off.
+    fn head_edits(&self, head: &RequestHead) -> Vec<Effect> {
+        let mut edits = Vec::new();
+        // The permit never goes upstream; when the request has none there is nothing to
+        // remove (every header name was matched case-insensitively).
+        if !head.permit.is_empty() {
+            edits.push(Effect::RemoveRequestHeader(
+                self.config.permit_header.clone(),
+            ));
+        }
+        for name in &head.control_headers {
+            edits.push(Effect::RemoveRequestHeader((*name).into()));
+        }
+        if head.method.eq_ignore_ascii_case("POST") {
+            edits.push(Effect::SetRequestHeader(
+                MAX_RETRIES_HEADER.into(),
+                "0".into(),
+            ));
+        }
+        edits.extend(
+            head.control_headers
+                .iter()
+                .map(|_| Effect::Count(Stat::ControlHeaderRemoved)),
+        );
+        edits
     }
 
     /// What traffic that passes without a ledger answer does with an `Idempotency-Key`

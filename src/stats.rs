@@ -52,6 +52,9 @@ pub enum Stat {
     /// `request_hold: body`: the upstream answered (or its connection failed) before the
     /// decision; the body was not sent and a reserved attempt was released.
     UpstreamAnsweredEarly,
+    /// One of Envoy's steering headers ([`crate::call::ENVOY_CONTROL_HEADERS`]) was removed
+    /// from a request.
+    ControlHeaderRemoved,
 }
 
 impl Stat {
@@ -78,6 +81,7 @@ impl Stat {
             Stat::ToolsListFigures,
             Stat::ToolsListUnchanged,
             Stat::UpstreamAnsweredEarly,
+            Stat::ControlHeaderRemoved,
         ];
         all.extend(DenialCode::ALL.iter().map(|c| Stat::DeniedCode(*c)));
         all
@@ -107,6 +111,7 @@ impl Stat {
             Stat::ToolsListFigures => "atmost_tools_list_figures".into(),
             Stat::ToolsListUnchanged => "atmost_tools_list_unchanged".into(),
             Stat::UpstreamAnsweredEarly => "atmost_upstream_answered_early".into(),
+            Stat::ControlHeaderRemoved => "atmost_control_header_removed".into(),
         }
     }
 }
@@ -124,6 +129,6 @@ mod tests {
             assert!(seen.insert(n));
         }
         assert!(seen.contains("atmost_denied_permit_invalid"));
-        assert_eq!(seen.len(), 20 + DenialCode::ALL.len());
+        assert_eq!(seen.len(), 21 + DenialCode::ALL.len());
     }
 }

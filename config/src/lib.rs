@@ -25,6 +25,22 @@ pub const MAX_MAX_BYTES: u64 = 64 * 1_048_576;
 pub const DEFAULT_REPORT_INTERVAL_MS: u64 = 200;
 /// Shortest accepted `upstream_key.secret`, in bytes.
 pub const MIN_SECRET_BYTES: usize = 16;
+/// The request headers the filter reads or writes besides the permit header. The permit
+/// header may not be one of them, and the filter refuses a request that carries one under
+/// another spelling (`_` for `-`): WSGI, Rack and CGI servers read `Idempotency_Key` and
+/// `Idempotency-Key` as one header, so the upstream could take the alias's value for the
+/// one the filter checked.
+pub const HEADERS_ATMOST_READS: [&str; 9] = [
+    "idempotency-key",
+    "mcp-method",
+    "mcp-name",
+    "mcp-protocol-version",
+    "mcp-session-id",
+    "last-event-id",
+    "content-type",
+    "content-length",
+    "content-encoding",
+];
 
 /// The checked plugin configuration.
 #[derive(Debug, Clone, PartialEq)]
@@ -33,8 +49,8 @@ pub struct Config {
     pub ledger: LedgerConfig,
     /// `permit_header` (string, default `"atmost-permit"`): request header carrying the
     /// permit token. Matched case-insensitively, always removed before upstream. May not be
-    /// `authorization` (that one stays the MCP server's), `idempotency-key`, `host` or a
-    /// pseudo-header.
+    /// `authorization` (that one stays the MCP server's), `host`, a pseudo-header or one of
+    /// [`HEADERS_ATMOST_READS`], nor one of those spelled with `_` for `-`.
     pub permit_header: String,
     /// `governed_tools` (array of strings, default `["*"]`): tool names (`params.name`)
     /// whose `tools/call` needs the ledger's decision; `"*"` governs every tool. Calls to
@@ -420,18 +436,11 @@ impl Config {
                 "must be a valid HTTP header name (letters, digits, `-`, …)",
             ));
         }
-        if [
-            "authorization",
-            "idempotency-key",
-            "host",
-            "content-length",
-            "content-type",
-            "mcp-method",
-            "mcp-name",
-            "mcp-session-id",
-            "mcp-protocol-version",
-        ]
-        .contains(&permit_header.as_str())
+        // Spelled with `_`, it would be an alias of the header it imitates, which the
+        // filter refuses on every request.
+        let folded = permit_header.replace('_', "-");
+        if ["authorization", "host"].contains(&folded.as_str())
+            || HEADERS_ATMOST_READS.contains(&folded.as_str())
         {
             return Err(err(
                 "permit_header",
@@ -775,6 +784,18 @@ mod tests {
             ),
             (
                 with(&["permit_header"], json!("bad header")),
+                "permit_header",
+            ),
+            (
+                with(&["permit_header"], json!("Idempotency_Key")),
+                "permit_header",
+            ),
+            (
+                with(&["permit_header"], json!("last-event-id")),
+                "permit_header",
+            ),
+            (
+                with(&["permit_header"], json!("content_encoding")),
                 "permit_header",
             ),
             (with(&["permit_header"], json!(1)), "permit_header"),

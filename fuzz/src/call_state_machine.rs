@@ -532,6 +532,9 @@ fn run(data: &[u8]) -> (bool, usize) {
                     end_of_stream,
                     session_id: session.clone(),
                     path: "/mcp".into(),
+                    last_event_id: None,
+                    control_headers: Vec::new(),
+                    alias: None,
                     resume: resume.then(|| Ticket {
                         grant: atmost_protocol::DispatchGrant {
                             attempt_id: "att-r".into(),

@@ -51,58 +51,16 @@ impl Http {
     }
 
     fn request_head(&self, end_of_stream: bool) -> RequestHead {
-        let permit_name = self.shared.config.permit_header.as_str();
-        let mut head = RequestHead {
+        let mut head = RequestHead::from_headers(
+            host::headers(MapType::HttpRequestHeaders),
+            &self.shared.config.permit_header,
             end_of_stream,
-            ..RequestHead::default()
-        };
-        let mut last_event_id: Option<String> = None;
-        for (name, value) in host::headers(MapType::HttpRequestHeaders) {
-            let name = name.to_ascii_lowercase();
-            if name == permit_name {
-                head.permit.push(value);
-            } else if name == crate::call::IDEMPOTENCY_HEADER {
-                head.idempotency_key.push(value);
-            } else if name == ":method" {
-                head.method = String::from_utf8_lossy(&value).into_owned();
-            } else if name == ":path" {
-                head.path = String::from_utf8_lossy(&value).into_owned();
-            } else if name == "mcp-method" || name == "mcp-name" {
-                let slot = if name == "mcp-method" {
-                    &mut head.mirrored.method
-                } else {
-                    &mut head.mirrored.name
-                };
-                if slot.is_some() {
-                    head.mirrored.duplicated = true;
-                } else {
-                    *slot = Some(String::from_utf8_lossy(&value).trim().to_string());
-                }
-            } else if name == "mcp-protocol-version" && head.mirrored.protocol_version.is_none() {
-                head.mirrored.protocol_version =
-                    Some(String::from_utf8_lossy(&value).trim().to_string());
-            } else if name == "mcp-session-id" && head.session_id.is_none() {
-                head.session_id = Some(String::from_utf8_lossy(&value).trim().to_string());
-            } else if name == "last-event-id" && last_event_id.is_none() {
-                last_event_id = Some(String::from_utf8_lossy(&value).trim().to_string());
-            } else if name == "content-type" {
-                head.content_type.push(value);
-            } else if name == "content-encoding" {
-                head.content_encoding.push(value);
-            } else if name == "content-length" {
-                head.content_length = std::str::from_utf8(&value)
-                    .ok()
-                    .and_then(|v| v.trim().parse().ok());
-            }
-        }
-        if head.method.eq_ignore_ascii_case("GET") {
-            if let Some(last) = last_event_id {
-                let key = crate::resume::key(head.session_id.as_deref(), &last);
-                head.resume = host::take_shared(&key, |bytes| {
-                    crate::resume::Ticket::from_bytes(bytes)
-                        .filter(|t| t.admits(&head.permit, &head.path))
-                });
-            }
+        );
+        if let Some(key) = head.resume_key() {
+            head.resume = host::take_shared(&key, |bytes| {
+                crate::resume::Ticket::from_bytes(bytes)
+                    .filter(|t| t.admits(&head.permit, &head.path))
+            });
         }
         head
     }

@@ -59,10 +59,10 @@ const KEY_HEADER_FOR_A_PERMIT: &str = "this message needs no ledger decision, bu
 
 impl Call {
     /// Headers of a POST with a body, after the header checks: they go on now, edited.
-    pub(super) fn let_headers_go(&mut self, mut head: RequestHead, strip: Option<Effect>) -> Step {
+    pub(super) fn let_headers_go(&mut self, mut head: RequestHead, edits: Vec<Effect>) -> Step {
         let governed = may_be_governed(&head.mirrored, &self.config.governed_tools);
         let (key_effect, key_permit) = self.key_header_ahead(&head, governed);
-        let mut step = Step::cont().with_opt(strip);
+        let mut step = Step::cont().with_all(edits);
         if head.content_length.is_some() {
             step = step.with(Effect::RemoveRequestHeader("content-length".into()));
             // Gone with the headers: a body rewrite must not set it again.

@@ -11,7 +11,7 @@ use atmost_protocol::OutcomeReport;
 /// Name of the idempotency header, as Envoy stores it.
 pub const IDEMPOTENCY_HEADER: &str = "idempotency-key";
 
-/// What the request headers told us.
+/// What the request headers told us ([`RequestHead::from_headers`]).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RequestHead {
     /// `:method`.
@@ -33,6 +33,14 @@ pub struct RequestHead {
     pub session_id: Option<String>,
     /// `:path`.
     pub path: String,
+    /// `Last-Event-ID`.
+    pub last_event_id: Option<String>,
+    /// The [`ENVOY_CONTROL_HEADERS`](super::head::ENVOY_CONTROL_HEADERS) the request
+    /// carries, each once.
+    pub control_headers: Vec<&'static str>,
+    /// The first header named like one atmost reads but spelled otherwise
+    /// ([`HEADERS_ATMOST_READS`](super::head::HEADERS_ATMOST_READS), the permit header).
+    pub alias: Option<String>,
     /// For a GET carrying `Last-Event-ID`: the ticket a POST stream closed early left under
     /// `resume::key(session, last event id)`, as the adapter took it from shared data (only
     /// after [`Ticket::admits`] this GET, and removing it there, so it is used once).
@@ -156,6 +164,10 @@ impl Step {
         self
     }
     pub(crate) fn with_opt(mut self, e: Option<Effect>) -> Step {
+        self.effects.extend(e);
+        self
+    }
+    pub(crate) fn with_all(mut self, e: Vec<Effect>) -> Step {
         self.effects.extend(e);
         self
     }

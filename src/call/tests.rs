@@ -45,16 +45,22 @@ fn done(step: BodyStep) -> Step {
     }
 }
 
+/// What every POST's headers get: no Envoy retry, whatever the route says.
+fn no_retries() -> Effect {
+    Effect::SetRequestHeader("x-envoy-max-retries".into(), "0".into())
+}
+
 /// Drives headers + whole body; returns the step after the body.
 fn send(call: &mut Call, head: RequestHead, body: &str) -> Step {
-    let strip = if head.permit.is_empty() {
+    let mut edits = if head.permit.is_empty() {
         vec![]
     } else {
         vec![Effect::RemoveRequestHeader("atmost-permit".into())]
     };
+    edits.push(no_retries());
     let s = call.on_request_headers(head);
     assert_eq!(s.flow, Flow::Pause);
-    assert_eq!(s.effects, strip);
+    assert_eq!(s.effects, edits);
     assert_eq!(
         done(call.on_request_body(body.len() / 2, false)).flow,
         Flow::Pause
@@ -1863,3 +1869,4 @@ fn a_tools_list_answer_in_an_sse_event_gains_the_figures_in_place() {
 }
 
 mod body_hold;
+mod control_headers;

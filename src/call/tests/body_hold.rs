@@ -62,6 +62,7 @@ fn the_headers_go_at_once_edited_as_a_dispatch_would_carry_them() {
         s.effects,
         vec![
             Effect::RemoveRequestHeader("atmost-permit".into()),
+            no_retries(),
             Effect::RemoveRequestHeader("content-length".into()),
             Effect::SetRequestHeader("idempotency-key".into(), derived(&c, "pmt_1", "k1")),
         ]
@@ -73,7 +74,10 @@ fn the_headers_go_at_once_edited_as_a_dispatch_would_carry_them() {
     assert_eq!(s.flow, Flow::Pause);
     assert_eq!(
         s.effects,
-        vec![Effect::RemoveRequestHeader("atmost-permit".into())]
+        vec![
+            Effect::RemoveRequestHeader("atmost-permit".into()),
+            no_retries()
+        ]
     );
 }
 
