@@ -290,6 +290,8 @@ def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger
 
     `deployment_form` (default: ATMOST_DEPLOYMENT) `wasmplugin` renders the Wasm filter as istiod
     renders the shipped WasmPlugin (wasmplugin_filter_config); overrides apply to its plugin JSON.
+    The connection manager then loses the shipped `headers_with_underscores_action`, which a
+    WasmPlugin cannot set.
     """
     config = gateway_config(ENVOY_CONFIG, listen_port, admin_port, ledger_ports, plugin_overrides, wasm, plain,
                             secrets_from_env, deployment_form)
@@ -394,6 +396,13 @@ def gateway_config(path: Path, listen_port: int, admin_port: int, ledger_ports: 
     if form == "wasmplugin":
         host_env_keys = plugin["vm_config"].get("environment_variables", {}).get("host_env_keys", [])
         wasm_filter["typed_config"]["config"] = wasmplugin_filter_config(plugin_json, wasm, host_env_keys)
+        # A WasmPlugin reaches no further than its filter: the connection manager stays the
+        # mesh's, which leaves headers with `_` to Envoy's default (allowed). The filter's own
+        # refusal of aliases is then what stands.
+        options = hcm.get("common_http_protocol_options", {})
+        options.pop("headers_with_underscores_action", None)
+        if not options:
+            hcm.pop("common_http_protocol_options", None)
     for cluster in config["static_resources"]["clusters"]:
         if cluster["name"] == "atmost_ledger":
             cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [

@@ -681,18 +681,55 @@ def test_envoyfilter_delivers_the_same_filter_with_stop_iteration(objs):
     assert http["patch"]["value"]["config_discovery"]["type_urls"] == [wasm["@type"]]
 
 
+def proto_merge(into: dict, value: dict) -> None:
+    """Istio's MERGE of a patch value into a config: messages merge field by field, lists
+    append, scalars replace."""
+    for key, item in value.items():
+        if isinstance(item, dict) and isinstance(into.get(key), dict):
+            proto_merge(into[key], item)
+        elif isinstance(item, list) and isinstance(into.get(key), list):
+            into[key].extend(copy.deepcopy(item))
+        else:
+            into[key] = copy.deepcopy(item)
+
+
+def test_envoyfilter_merges_underscore_refusal_into_the_filters_listener(objs):
+    """The NETWORK_FILTER patch targets the connection manager of the listener the filter is
+    inserted into, and sets what equivalent-envoy.yaml's connection manager says."""
+    _, http = envoyfilter_parts(objs)
+    merge = next(p for p in objs["EnvoyFilter"]["spec"]["configPatches"] if p["applyTo"] == "NETWORK_FILTER")
+    assert merge["patch"]["operation"] == "MERGE"
+    http_listener = copy.deepcopy(http["match"]["listener"])
+    del http_listener["filterChain"]["filter"]["subFilter"]
+    assert merge["match"] == {"context": http["match"]["context"], "listener": http_listener}
+    value = merge["patch"]["value"]["typed_config"]
+    assert value["common_http_protocol_options"] == {"headers_with_underscores_action": "REJECT_REQUEST"}
+    config = yaml.safe_load(EQUIVALENT_ENVOY.read_text())
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert value["@type"] == hcm["@type"]
+    assert hcm["common_http_protocol_options"] == value["common_http_protocol_options"]
+
+
 @pytest.mark.parametrize("kustomization", ["agent-envoyfilter", AGENT_ENVOYFILTER])
 def test_envoyfilter_wasm_config_passes_envoy_validate(rendered, kustomization, tmp_path):
-    """The Wasm config the rendered EnvoyFilter inserts, with its code made local, loads in real
-    Envoy (the filter's on_configure included)."""
+    """The Wasm config the rendered EnvoyFilter inserts, with its code made local, and its merge
+    into the connection manager load in real Envoy (the filter's on_configure included)."""
     assert WASM.exists(), "build the filter first (make wasm)"
-    ext, _ = envoyfilter_parts(by_kind(rendered[kustomization]))
+    objs = by_kind(rendered[kustomization])
+    ext, http = envoyfilter_parts(objs)
     wasm = copy.deepcopy(ext["patch"]["value"]["typed_config"])
     wasm["config"]["vm_config"]["code"] = {"local": {"filename": str(WASM)}}
     config = yaml.safe_load(EQUIVALENT_ENVOY.read_text())
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     index = next(i for i, f in enumerate(hcm["http_filters"]) if f["name"] == "atmost")
     hcm["http_filters"][index] = {"name": "atmost", "typed_config": wasm}
+    # The connection manager as Istio builds it, then the EnvoyFilter's merge.
+    del hcm["common_http_protocol_options"]
+    port = http["match"]["listener"]["portNumber"]
+    for merge in objs["EnvoyFilter"]["spec"]["configPatches"]:
+        if merge["applyTo"] == "NETWORK_FILTER" and merge["match"]["listener"]["portNumber"] == port:
+            proto_merge(hcm, merge["patch"]["value"]["typed_config"])
+    assert hcm["common_http_protocol_options"]["headers_with_underscores_action"] == "REJECT_REQUEST"
     path = tmp_path / "envoyfilter-as-envoy.yaml"
     path.write_text(yaml.safe_dump(config))
     result = validate_envoy_config(path, env=VALIDATION_ENV)
