@@ -16,6 +16,8 @@ recorded (the side effect has happened):
 - `close`: close the connection cleanly without answering.
 - `hold`: keep the answer back until `release(tool)` (at most 60 s), then answer: the tool is
   still running for as long as the test needs, whatever the machine's speed.
+- `unavailable`: answer HTTP 503 with a plain-text body after `delay` seconds, as a server
+  that ran the tool and then failed would: what a retry policy retries.
 
 Every other request (any path, any method) is recorded in `requests` too, and answered as an
 MCP server answers it: a GET of `/mcp` 405 (no server-to-client stream here), anything off
@@ -144,6 +146,17 @@ class _Handler(BaseHTTPRequestHandler):
             except OSError:
                 pass
             return
+        if action == "unavailable":
+            body = b"unavailable"
+            try:
+                self.send_response(503)
+                self.send_header("content-type", "text/plain")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            except OSError:
+                pass
+            return
         text = f"{tool} executed #{execution['n']} nonce={execution['nonce']}"
         try:
             self._send(200, {"jsonrpc": "2.0", "id": rid, "result": {
@@ -183,7 +196,7 @@ class RecordingUpstream:
         self._thread.join(timeout=5)
 
     def behave(self, tool: str, delay: float = 0.0, action: str = "answer") -> None:
-        assert action in ("answer", "reset", "close", "hold")
+        assert action in ("answer", "reset", "close", "hold", "unavailable")
         with self._lock:
             self._behaviours[tool] = (delay, action)
             if action == "hold":
