@@ -6,9 +6,9 @@ SDK servers in the mesh and at an external provider over HTTPS.
 Each test runs under three rollouts. Under `istio-defaults` (ALLOW_ANY, a sniffed port, the provider as TLS
 passthrough, Istio's default retries, the filter added per port as before) it shows the route
 is real: the tool's own count moves without a ledger decision. Under `shipped` (the rollout of
-envoy/istio/: REGISTRY_ONLY, every MCP port declared HTTP, the filter on every outbound HTTP
-listener, no retries, TLS originated by the sidecar) nothing reaches a governed tool without
-one. A route that the filter itself already closed under the defaults says so in its test.
+envoy/istio/overlays/external-provider: REGISTRY_ONLY with only the governed hosts let out,
+each declared HTTP on a port the filter covers, no retries, TLS originated by the sidecar; in
+the EnvoyFilter and in the WasmPlugin form) nothing reaches a governed tool without one. A route that the filter itself already closed under the defaults says so in its test.
 
 Needs root (network namespaces, iptables), as `make test` has.
 """
@@ -50,9 +50,10 @@ from tests.support.pod_network import (
     istio_capture_rules,
     run,
 )
-from tests.support.stack import ledger_binary, wait_until
+from tests.support.stack import ROOT, ledger_binary, wait_until
 # The admission policy's evaluation (two CEL implementations) and the example agent pod.
 from test_admission_policy import admission, agent, agent_pod, set_in  # noqa: E402
+from test_manifests import kustomize  # noqa: E402
 
 SERVICE_TOKEN = "pod-test-service-token"
 ADMIN_TOKEN = "pod-test-admin-token"
@@ -245,11 +246,16 @@ def test_the_providers_address_on_443_and_on_another_port(sidecar, fresh, port):
 
 def test_the_same_server_under_another_service_name_and_port(sidecar, fresh):
     """`mcp-admin.tools:9000` selects the same pods as `mcp-server.tools:8000`; the filter was
-    added to port 8000's listener only."""
+    added to port 8000's listener only. The shipped Sidecar does not let that Service out (the
+    team lists its MCP servers, not every Service of their pods); port 9000's listener exists
+    for `payments.tools` and carries the filter, which refuses the call, or (WasmPlugin form,
+    headers first) its `block_all` route answers for the unknown host."""
     answers = fresh.net.agent_probes([to(MCP_ADMIN.vip, 9000, mcp_call(f"{MCP_ADMIN.name}:9000"))])
     executions = fresh.mesh_server.executions()
     if shipped(sidecar):
-        assert denial(answers[0]) == "permit_invalid" and executions == 0, answers
+        assert not ran(answers[0]) and executions == 0, answers
+        expected = 502 if sidecar.rollout is SHIPPED_WASMPLUGIN else 200
+        assert answers[0]["status"] == expected, answers
     else:
         assert ran(answers[0]) and executions == 1, answers
 
@@ -357,12 +363,15 @@ def test_the_agents_own_retry_headers(sidecar, fresh):
 
 def test_the_agents_own_timeout_header(sidecar, fresh):
     """`x-envoy-upstream-rq-timeout-ms: 1` cuts the call short after it was sent: the agent
-    would choose to make its outcome unknown. The slow tool takes 2 × 150 ms."""
+    would choose to make its outcome unknown. The slow tool takes 2 × 150 ms. Shown where no
+    filter runs under the defaults (mcp-admin.tools:9000); under the shipped rollout through the
+    governed mcp-server.tools:8000."""
     permit = fresh.permit()
     slow = {"n": 2, "delay_ms": 150}
-    request = mcp_call(f"{MCP_ADMIN.name}:9000", tool="slow_count", arguments=slow, permit=permit,
+    service, port = (MCP_SERVER, 8000) if shipped(sidecar) else (MCP_ADMIN, 9000)
+    request = mcp_call(f"{service.name}:{port}", tool="slow_count", arguments=slow, permit=permit,
                        key=f"k-{uuid.uuid4()}", headers=(AS_INTERNAL, ("x-envoy-upstream-rq-timeout-ms", "1")))
-    answers = fresh.net.agent_probes([to(MCP_ADMIN.vip, 9000, request)])
+    answers = fresh.net.agent_probes([to(service.vip, port, request)])
     if shipped(sidecar):
         assert answers[0].get("status") == 200 and "counted 2" in answers[0]["body"], answers
         assert fresh.settled_states(permit) == ["completed"]
@@ -442,3 +451,46 @@ def test_an_agent_with_net_admin_rewrites_the_capture(sidecar, fresh):
         assert ran(answers[0]) and fresh.providers[443].executions() == 1, answers
     finally:
         fresh.net.restore(fresh.net.agent, istio_capture_rules())
+
+
+# --- The rendering stands for the shipped objects ---------------------------------------
+
+
+def test_the_shipped_rendering_follows_the_shipped_overlay():
+    """What `SHIPPED` assumes of envoy/istio/overlays/external-provider, read off its rendering:
+    REGISTRY_ONLY with named hosts only; the provider declared HTTP on port 80 with TLS to 443
+    originated and verified; no retries for any governed host; the filter and the underscore
+    refusal on exactly the ports the governed hosts use. The test topology lists more in-mesh
+    servers the same way (8080, 9000), as a team adds its own."""
+    docs = kustomize(ROOT / "envoy" / "istio" / "overlays" / "external-provider")
+    kinds: dict[str, list[dict]] = {}
+    for doc in docs:
+        kinds.setdefault(doc["kind"], []).append(doc)
+    [sidecar_resource] = kinds["Sidecar"]
+    assert sidecar_resource["spec"]["outboundTrafficPolicy"]["mode"] == "REGISTRY_ONLY"
+    hosts = [h for egress in sidecar_resource["spec"]["egress"] for h in egress["hosts"]]
+    assert not any("*" in h for h in hosts), hosts
+    [entry] = kinds["ServiceEntry"]
+    [provider] = entry["spec"]["hosts"]
+    assert f"./{provider}" in hosts
+    assert entry["spec"]["resolution"] == "DNS"
+    assert [(p["number"], p["protocol"], p["targetPort"]) for p in entry["spec"]["ports"]] == [(80, "HTTP", 443)]
+    [rule] = kinds["DestinationRule"]
+    [level] = rule["spec"]["trafficPolicy"]["portLevelSettings"]
+    assert level["port"]["number"] == 80
+    tls = level["tls"]
+    assert (tls["mode"], tls["sni"], tls["subjectAltNames"]) == ("SIMPLE", provider, [provider])
+    assert tls["caCertificates"] and "insecureSkipVerify" not in tls
+    no_retries = {h for vs in kinds["VirtualService"] for h in vs["spec"]["hosts"]
+                  if all(r["retries"]["attempts"] == 0 for r in vs["spec"]["http"])}
+    assert {provider, MCP_SERVER.fqdn} <= no_retries, no_retries
+    [envoy_filter] = kinds["EnvoyFilter"]
+    patches = envoy_filter["spec"]["configPatches"]
+    filtered = {p["match"]["listener"]["portNumber"] for p in patches if p["applyTo"] == "HTTP_FILTER"}
+    underscores = {p["match"]["listener"]["portNumber"] for p in patches if p["applyTo"] == "NETWORK_FILTER"
+                   and p["patch"]["value"]["typed_config"]["common_http_protocol_options"]
+                   ["headers_with_underscores_action"] == "REJECT_REQUEST"}
+    assert filtered == underscores == {80, 8000}
+    assert SHIPPED.registry_only and SHIPPED.provider_tls_origination and SHIPPED.reject_underscores
+    assert {80, *MCP_SERVER.ports} <= SHIPPED.filter_ports
+    assert not SHIPPED.sniffed_ports and SHIPPED.no_retry_hosts == SHIPPED.egress_hosts

@@ -294,38 +294,53 @@ class Rollout:
     name: str
     # Sidecar `outboundTrafficPolicy`: REGISTRY_ONLY, or Istio's default ALLOW_ANY.
     registry_only: bool
+    # The Services the agent's sidecar knows (the Sidecar's `egress.hosts`); None: every one
+    # in the mesh, Istio's default.
+    egress_hosts: frozenset[str] | None
     # Service ports whose Service declares no protocol (no `http-` name, no `appProtocol`).
     sniffed_ports: frozenset[int]
-    # The outbound ports whose HTTP connection managers get the filter; None: every one.
-    filter_ports: frozenset[int] | None
-    # Hosts with a VirtualService setting `retries.attempts: 0`; None: every host.
-    no_retry_hosts: frozenset[str] | None
+    # The outbound ports whose HTTP connection managers get the filter.
+    filter_ports: frozenset[int]
+    # Hosts with a VirtualService setting `retries.attempts: 0`.
+    no_retry_hosts: frozenset[str]
     # The provider as a plaintext HTTP entry on port 80 whose DestinationRule originates TLS
     # (the shipped external-provider overlay), or as a TLS-passthrough entry on 443.
     provider_tls_origination: bool
     # How the filter is delivered: the EnvoyFilter (`allow_on_headers_stop_iteration`, the whole
     # request held) or the WasmPlugin (as istiod renders it: `request_hold: body`).
     form: str = "envoyfilter"
+    # The EnvoyFilter also merges `headers_with_underscores_action: REJECT_REQUEST` into the
+    # connection managers of the filter's ports; a WasmPlugin cannot.
+    reject_underscores: bool = False
 
     def has_filter(self, port: int) -> bool:
-        return self.filter_ports is None or port in self.filter_ports
+        return port in self.filter_ports
 
     def retries(self, host: str) -> bool:
-        return self.no_retry_hosts is not None and host not in self.no_retry_hosts
+        return host not in self.no_retry_hosts
+
+    def knows(self, host: str) -> bool:
+        return self.egress_hosts is None or host in self.egress_hosts
 
 
 # Istio's defaults, and the rollout as shipped before routes were closed: the filter added per
 # port to the MCP ports the team knew of (8000, and the sniffed 8080), one VirtualService
-# without retries for mcp-server, the provider reachable as TLS passthrough on 443.
-ISTIO_DEFAULTS = Rollout("istio-defaults", registry_only=False, sniffed_ports=frozenset({8080}),
+# without retries for mcp-server, the provider reachable as TLS passthrough on 443, every
+# Service of the mesh known to the sidecar.
+ISTIO_DEFAULTS = Rollout("istio-defaults", registry_only=False, egress_hosts=None, sniffed_ports=frozenset({8080}),
                          filter_ports=frozenset({8000, 8080}), no_retry_hosts=frozenset({MCP_SERVER.name}),
                          provider_tls_origination=False)
-# The shipped rollout: REGISTRY_ONLY, every MCP port declared HTTP, the filter on every outbound
-# HTTP listener of the agent's pods, no retries on any route, the provider only in plaintext to
-# the sidecar, which originates TLS.
-SHIPPED = Rollout("shipped", registry_only=True, sniffed_ports=frozenset(), filter_ports=None, no_retry_hosts=None,
-                  provider_tls_origination=True)
-SHIPPED_WASMPLUGIN = dataclasses.replace(SHIPPED, name="shipped-wasmplugin", form="wasmplugin")
+# What the team lists in the one place the shipped overlay keeps (envoy/istio/overlays/
+# external-provider): its governed MCP servers. mcp-admin.tools, the same pods under a Service
+# the team does not use for MCP, is not among them.
+GOVERNED_HOSTS = frozenset({MCP_SERVER.name, MCP_LEGACY.name, PAYMENTS.name, PROVIDER_HOST})
+# The shipped rollout: the Sidecar lets out only those hosts, REGISTRY_ONLY; each is declared
+# HTTP on a port the filter covers, with a VirtualService without retries; the provider only in
+# plaintext to the sidecar, which originates TLS.
+SHIPPED = Rollout("shipped", registry_only=True, egress_hosts=GOVERNED_HOSTS, sniffed_ports=frozenset(),
+                  filter_ports=frozenset({80, 8000, 8080, 9000}), no_retry_hosts=GOVERNED_HOSTS,
+                  provider_tls_origination=True, reject_underscores=True)
+SHIPPED_WASMPLUGIN = dataclasses.replace(SHIPPED, name="shipped-wasmplugin", form="wasmplugin", reject_underscores=False)
 
 PROVIDER_ENTRY = f"outbound|80||{PROVIDER_HOST}"
 PROVIDER_PASSTHROUGH = f"outbound|443||{PROVIDER_HOST}"
@@ -400,6 +415,9 @@ def _hcm(port: int, rollout: Rollout, virtual_hosts: list[dict], plugin: dict) -
     filters = [_filter_plugin(plugin, rollout.form)] if rollout.has_filter(port) else []
     filters.append({"name": "envoy.filters.http.router", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
+    extra = {}
+    if rollout.reject_underscores and rollout.has_filter(port):
+        extra["common_http_protocol_options"] = {"headers_with_underscores_action": "REJECT_REQUEST"}
     return {"name": "envoy.filters.network.http_connection_manager", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": f"outbound_0.0.0.0_{port}",
@@ -416,7 +434,7 @@ def _hcm(port: int, rollout: Rollout, virtual_hosts: list[dict], plugin: dict) -
             {"address_prefix": "172.16.0.0", "prefix_len": 12},
             {"address_prefix": "192.168.0.0", "prefix_len": 16}]},
         "route_config": {"name": str(port), "virtual_hosts": virtual_hosts, "validate_clusters": False},
-        "http_filters": filters}}
+        "http_filters": filters, **extra}}
 
 
 def _route(cluster: str, retries: bool) -> dict:
@@ -457,8 +475,9 @@ def render_sidecar(rollout: Rollout, pki: Pki, plugin: dict | None = None) -> di
     plugin = plugin or default_plugin()
     by_port: dict[int, list[Service]] = {}
     for service in SERVICES:
-        for port in service.ports:
-            by_port.setdefault(port, []).append(service)
+        if rollout.knows(service.name):
+            for port in service.ports:
+                by_port.setdefault(port, []).append(service)
     listeners: list[dict] = []
     clusters: list[dict] = [
         {"name": "PassthroughCluster", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "10s"},
