@@ -2,7 +2,7 @@
 # Both install what they need: the wasm32-wasip1 target and a project-local virtualenv
 # (`make run` the packages of requirements.txt; the tests those of requirements-test.txt,
 # plus Debian's skopeo, umoci, kubernetes-client (kubectl), golang-go, chromium and
-# chromium-driver).
+# chromium-driver, and iproute2, iptables, curl and python3 where missing).
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -19,7 +19,7 @@ all: wasm ledger-release
 # What `make run` (and `make bench`) needs; `setup` is what the suites need on top.
 setup-run: rust-setup venv
 
-setup: setup-run venv-test oci-tools k8s-tools go-tools browser-tools
+setup: setup-run venv-test oci-tools k8s-tools go-tools browser-tools netns-tools
 
 # Go (Debian's golang-go) builds tests/support/go_upstream, an encoding/json upstream for the
 # parser-differential tests; standard library only, so it builds offline.
@@ -31,6 +31,18 @@ go-tools:
 fold-table:
 	@test -f /usr/share/unicode/CaseFolding.txt || { apt-get update -qq && apt-get install -y -qq unicode-data; }
 	$(PYTHON) scripts/gen_casefold.py /usr/share/unicode/CaseFolding.txt > src/fold_table.rs
+
+# tests/e2e/test_pod_routes.py builds an agent pod's network as Istio does: network namespaces and
+# veth links (iproute2), Istio's capture rules (iptables), processes under other users
+# (util-linux's setpriv), requests from inside the namespaces (curl), the agent's own process
+# (Debian's /usr/bin/python3: the project's virtualenv is not readable by another user).
+.PHONY: netns-tools
+netns-tools:
+	@command -v ip >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq iproute2; }
+	@command -v iptables-restore >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq iptables; }
+	@command -v setpriv >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq util-linux; }
+	@command -v curl >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq curl; }
+	@test -x /usr/bin/python3 || { apt-get update -qq && apt-get install -y -qq python3; }
 
 # Headless Chromium and its WebDriver (Debian's, the same version) drive the reconciliation
 # inbox in tests/e2e/test_inbox.py, through Selenium (requirements-test.txt); no browser is
