@@ -179,7 +179,6 @@ def sidecar(request, pod, log_dir):
     envoy = Sidecar(pod.net, request.param, pod.pki, log_dir, env={
         "ATMOST_SERVICE_TOKEN": SERVICE_TOKEN, "ATMOST_UPSTREAM_KEY_SECRET": UPSTREAM_SECRET})
     envoy.start()
-    envoy.rollout = request.param
     yield envoy
     envoy.stop()
 

@@ -223,7 +223,8 @@ class McpServer(NsProcess):
     says a server should), in a namespace, counting executions per tool."""
 
     def __init__(self, net: PodNetwork, ns: str, name: str, host: str, port: int, log_dir: Path,
-                 tls: tuple[Path, Path] | None = None, fail_after_call: int | None = None):
+                 tls: tuple[Path, Path, Path] | None = None, fail_after_call: int | None = None):
+        """`tls`: (certificate, key, the CA that signed it) to serve HTTPS for the provider's name."""
         argv = ["node", str(TS_SERVER), "--host", "0.0.0.0", "--port", str(port), "--json-response"]
         if tls:
             argv += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
@@ -233,7 +234,7 @@ class McpServer(NsProcess):
         self.net, self.ns = net, ns
         scheme = "https" if tls else "http"
         self.base = f"{scheme}://{PROVIDER_HOST if tls else host}:{port}"
-        self.ca = tls[2] if tls and len(tls) > 2 else None
+        self.ca = tls[2] if tls else None
 
     def start(self) -> None:
         self.launch()
@@ -576,7 +577,7 @@ class Sidecar(NsProcess):
         argv = [str(envoy_binary()), "-c", str(self.config_path), "--concurrency", "1", "--disable-hot-restart",
                 "-l", "info"]
         super().__init__(net, net.agent, f"sidecar-{rollout.name}", argv, log_dir, uid=PROXY_UID, env=env)
-        self.net = net
+        self.net, self.rollout = net, rollout
 
     def start(self) -> None:
         super().start()
