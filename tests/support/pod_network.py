@@ -19,8 +19,9 @@ namespace's own hosts file (`ip netns exec` mounts /etc/netns/NAME/hosts over /e
 
 The agent namespace gets the nat rules Istio's init container installs (`istio-iptables`,
 REDIRECT mode, Istio source tools/istio-iptables/pkg/capture): outbound TCP to 15001 except
-traffic of UID/GID 1337, inbound to 15006. Envoy runs there as UID 1337 with the listeners and
-clusters istiod renders for a sidecar (`render_sidecar`, each part citing what it follows).
+traffic of UID/GID 1337, inbound to 15006 (no route here goes inbound, so the sidecar has no
+15006 listener). Envoy runs there as UID 1337 with the outbound listeners and clusters istiod
+renders for a sidecar (`render_sidecar`, each part citing what it follows).
 Nothing leaves these namespaces: every address is one the test assigned.
 """
 
