@@ -160,11 +160,11 @@ def denial(answer: dict) -> str | None:
 def pod(log_dir):
     if os.geteuid() != 0:
         pytest.fail("the pod-network routes need root (network namespaces, iptables), as make test has")
-    net = PodNetwork(uuid.uuid4().hex[:4])
     work = Path(tempfile.mkdtemp(prefix="atmost-pod-"))
     os.chmod(work, 0o755)
+    net = PodNetwork(uuid.uuid4().hex[:4], files=work / "shared")
     net.create()
-    pod = Pod(net, Pki(work / "pki"), log_dir)
+    pod = Pod(net, Pki(net.files / "pki"), log_dir)
     try:
         pod.start(work / "ledger")
         yield pod

@@ -133,9 +133,21 @@ def kube_proxy_rules() -> str:
 
 
 class PodNetwork:
-    """The three namespaces, their links, addresses, hosts files and nat rules."""
+    """The three namespaces, their links, addresses, hosts files and nat rules; and `files`, a
+    directory every user may read, with copies of what the pod's other users run or read: the
+    repository may sit in a directory only root can enter (a fresh clone in a private temporary
+    directory), and Envoy runs as UID 1337, the agent as UID 1000."""
 
-    def __init__(self, tag: str):
+    def __init__(self, tag: str, files: Path):
+        self.files = files
+        files.mkdir(parents=True, exist_ok=True)
+        os.chmod(files, 0o755)
+        self.envoy = files / "envoy"
+        self.wasm = files / "atmost_filter.wasm"
+        self.agent_script = files / "pod_agent.py"
+        for source, copy in ((envoy_binary(), self.envoy), (WASM, self.wasm), (POD_AGENT, self.agent_script)):
+            shutil.copy2(source, copy)
+            os.chmod(copy, 0o755)
         self.agent = f"atmost-{tag}-agent"
         self.mesh = f"atmost-{tag}-mesh"
         self.provider = f"atmost-{tag}-prov"
@@ -190,7 +202,7 @@ class PodNetwork:
 
     def agent_probes(self, probes: list[dict], uid: int = AGENT_UID) -> list[dict]:
         """Runs the probes from the agent's container: a process of the pod, as `uid`."""
-        argv = self.exec_argv(self.agent, [SYSTEM_PYTHON, str(POD_AGENT)], uid=uid)
+        argv = self.exec_argv(self.agent, [SYSTEM_PYTHON, str(self.agent_script)], uid=uid)
         result = run(argv, input=json.dumps(probes))
         return json.loads(result.stdout)
 
@@ -380,20 +392,20 @@ def _tcp_proxy(cluster: str, stat_prefix: str) -> dict:
 HOST_ENV_KEYS = ["ATMOST_SERVICE_TOKEN", "ATMOST_UPSTREAM_KEY_SECRET"]
 
 
-def _filter_plugin(plugin: dict, form: str) -> dict:
+def _filter_plugin(plugin: dict, form: str, wasm: Path) -> dict:
     """The filter as the shipped EnvoyFilter inserts it (envoy/istio/agent-envoyfilter), or as
     istiod renders the shipped WasmPlugin (envoy/istio/agent-wasmplugin)."""
     if form == "wasmplugin":
         return {"name": "agents.atmost", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-            "config": wasmplugin_filter_config(plugin, WASM, HOST_ENV_KEYS)}}
+            "config": wasmplugin_filter_config(plugin, wasm, HOST_ENV_KEYS)}}
     return {"name": "agents.atmost", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
         "config": {
             "name": "atmost", "root_id": "atmost", "allow_on_headers_stop_iteration": True,
             "failure_policy": "FAIL_CLOSED",
             "vm_config": {"vm_id": "atmost", "runtime": "envoy.wasm.runtime.v8",
-                          "code": {"local": {"filename": str(WASM)}},
+                          "code": {"local": {"filename": str(wasm)}},
                           "environment_variables": {"host_env_keys": HOST_ENV_KEYS}},
             "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
                               "value": json.dumps(plugin)}}}}
@@ -411,10 +423,10 @@ def default_plugin() -> dict:
     }
 
 
-def _hcm(port: int, rollout: Rollout, virtual_hosts: list[dict], plugin: dict) -> dict:
+def _hcm(port: int, rollout: Rollout, virtual_hosts: list[dict], plugin: dict, wasm: Path) -> dict:
     """Istio's outbound HTTP connection manager for one port (route config named after the
     port, as its RDS name is): the filter before the router where the rollout puts it."""
-    filters = [_filter_plugin(plugin, rollout.form)] if rollout.has_filter(port) else []
+    filters = [_filter_plugin(plugin, rollout.form, wasm)] if rollout.has_filter(port) else []
     filters.append({"name": "envoy.filters.http.router", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
     extra = {}
@@ -457,7 +469,7 @@ def _fallback_virtual_host(rollout: Rollout) -> dict:
             "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "PassthroughCluster", "timeout": "0s"}}]}
 
 
-def render_sidecar(rollout: Rollout, pki: Pki, plugin: dict | None = None) -> dict:
+def render_sidecar(rollout: Rollout, pki: Pki, wasm: Path = WASM, plugin: dict | None = None) -> dict:
     """The Envoy configuration istiod would hand the agent pod's sidecar for `rollout`, as
     static resources. It follows Istio's outbound rendering (pilot/pkg/networking/core):
     - `virtualOutbound` on 15001 with `use_original_dst`, handing each captured connection to
@@ -499,7 +511,7 @@ def render_sidecar(rollout: Rollout, pki: Pki, plugin: dict | None = None) -> di
             vhosts.append({"name": f"{service.fqdn}:{port}", "domains": domains,
                            "routes": [_route(cluster, rollout.retries(service.name))]})
         vhosts.append(_fallback_virtual_host(rollout))
-        hcm = _hcm(port, rollout, vhosts, plugin)
+        hcm = _hcm(port, rollout, vhosts, plugin, wasm)
         listener = {"name": f"0.0.0.0_{port}", "traffic_direction": "OUTBOUND", "bind_to_port": False,
                     "address": {"socket_address": {"address": "0.0.0.0", "port_value": port}}}
         if port in rollout.sniffed_ports:
@@ -526,7 +538,7 @@ def render_sidecar(rollout: Rollout, pki: Pki, plugin: dict | None = None) -> di
         listeners.append({"name": "0.0.0.0_80", "traffic_direction": "OUTBOUND", "bind_to_port": False,
                           "address": {"socket_address": {"address": "0.0.0.0", "port_value": 80}},
                           "filter_chains": [{"filters": [_hcm(80, rollout, [provider_vhost, _fallback_virtual_host(rollout)],
-                                                              plugin)]}]})
+                                                              plugin, wasm)]}]})
         clusters.append(_dns_cluster(PROVIDER_ENTRY, PROVIDER_HOST, 443, transport_socket=tls_context))
     else:
         listeners.append({"name": "0.0.0.0_443", "traffic_direction": "OUTBOUND", "bind_to_port": False,
@@ -570,14 +582,14 @@ class Sidecar(NsProcess):
     """Envoy in the agent pod, as UID 1337, with `render_sidecar`'s configuration."""
 
     def __init__(self, net: PodNetwork, rollout: Rollout, pki: Pki, log_dir: Path, env: dict, plugin: dict | None = None):
-        self.config_dir = log_dir / f"sidecar-{rollout.name}"
-        self.config_dir.mkdir(parents=True, exist_ok=True)
-        self.config_path = self.config_dir / "envoy.json"
-        self.config_path.write_text(json.dumps(render_sidecar(rollout, pki, plugin), indent=1))
-        os.chmod(self.config_dir, 0o755)
-        argv = [str(envoy_binary()), "-c", str(self.config_path), "--concurrency", "1", "--disable-hot-restart",
+        self.config_path = net.files / f"sidecar-{rollout.name}.json"
+        self.config_path.write_text(json.dumps(render_sidecar(rollout, pki, net.wasm, plugin), indent=1))
+        os.chmod(self.config_path, 0o644)
+        shutil.copy2(self.config_path, log_dir / self.config_path.name)
+        argv = [str(net.envoy), "-c", str(self.config_path), "--concurrency", "1", "--disable-hot-restart",
                 "-l", "info"]
-        super().__init__(net, net.agent, f"sidecar-{rollout.name}", argv, log_dir, uid=PROXY_UID, env=env)
+        super().__init__(net, net.agent, f"sidecar-{rollout.name}", argv, log_dir, uid=PROXY_UID, env=env,
+                         cwd=net.files)
         self.net, self.rollout = net, rollout
 
     def start(self) -> None:
