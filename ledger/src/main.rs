@@ -15,6 +15,9 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let cli = atmost_ledger::cli::Cli::parse();
+    if !matches!(cli.command, atmost_ledger::cli::Command::Ledger(_)) {
+        stop_on_closed_output();
+    }
     match atmost_ledger::cli::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         // Already the filter's own line, as Envoy would log it.
@@ -32,5 +35,17 @@ fn main() -> ExitCode {
             eprintln!("atmost: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The admin commands print to stdout with `println!`, which panics when the reader has gone
+/// (`atmost permit list | head -1`). Rust starts every program with SIGPIPE ignored; the
+/// admin commands take the default back, so a closed pipe ends them quietly, as it ends any
+/// Unix tool. The server keeps it ignored: a client that hangs up must cost it one write, not
+/// the process.
+fn stop_on_closed_output() {
+    // SAFETY: `signal` with SIG_DFL installs no handler; it runs before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }

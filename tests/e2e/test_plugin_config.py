@@ -2,6 +2,8 @@
 and `atmost config check` gives the same answer offline."""
 
 import json
+import os
+import signal
 import subprocess
 
 import pytest
@@ -64,3 +66,20 @@ def test_bad_config_is_refused_with_one_line_naming_the_field(tmp_path, field, p
     assert check_out.strip() == message.strip()
     # Secrets are never echoed back.
     assert "demo-service-token" not in lines[0] and "demo-service-token" not in check_out
+
+
+def test_the_cli_stops_quietly_when_its_output_pipe_is_closed(tmp_path):
+    """`atmost … | head -1` closes the pipe while the CLI still writes: like a Unix tool, the CLI
+    ends by SIGPIPE, with nothing on stderr (no panic, no backtrace). Made deterministic by
+    closing the pipe's read end before the CLI writes at all."""
+    path = tmp_path / "plugin.json"
+    path.write_text(json.dumps(GOOD))
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([str(ledger_binary()), "config", "check", str(path)], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, timeout=30)
+    finally:
+        os.close(write_end)
+    assert result.stderr == "", result.stderr
+    assert result.returncode == -signal.SIGPIPE, result.returncode
