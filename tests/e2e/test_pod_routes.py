@@ -162,7 +162,7 @@ def pod(log_dir):
         pytest.fail("the pod-network routes need root (network namespaces, iptables), as make test has")
     work = Path(tempfile.mkdtemp(prefix="atmost-pod-"))
     os.chmod(work, 0o755)
-    net = PodNetwork(uuid.uuid4().hex[:4], files=work / "shared")
+    net = PodNetwork(uuid.uuid4().hex[:4], files=work / "readable")
     net.create()
     pod = Pod(net, Pki(net.files / "pki"), log_dir)
     try:
