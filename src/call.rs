@@ -334,7 +334,7 @@ impl Call {
         if head.method.eq_ignore_ascii_case("GET") {
             if let Some(t) = head.resume {
                 let key = self.passing_key_header(&head.idempotency_key);
-                let step = Step::cont().with_all(edits).with_opt(key).with(Effect::Log(
+                let step = Step::cont().with_all(edits).with_all(key).with(Effect::Log(
                     Level::Info,
                     format!(
                         "atmost: GET resumes the stream of attempt {} (round {}) of `{}`; watching it for the answer",
@@ -469,7 +469,7 @@ impl Call {
             }
         }
         if self.ahead.is_none() {
-            step = step.with_opt(self.passing_key_header(&head.idempotency_key));
+            step = step.with_all(self.passing_key_header(&head.idempotency_key));
         }
         self.state = if step.effects.is_empty() {
             State::Passing

@@ -73,7 +73,7 @@ impl Call {
             answered_early: false,
         });
         self.state = State::ReadingBody(Box::new(head));
-        step.with_opt(key_effect)
+        step.with_all(key_effect)
     }
 
     /// The upstream form of the key header that leaves with the headers, and the permit id

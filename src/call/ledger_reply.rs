@@ -175,7 +175,7 @@ impl Call {
                     ));
                 }
                 let step = step
-                    .with_opt(key_effect)
+                    .with_all(key_effect)
                     .with(Effect::Count(Stat::Dispatched))
                     .with(Effect::Log(
                         Level::Info,

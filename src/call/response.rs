@@ -45,7 +45,7 @@ impl Call {
                     }
                     None => ListWatch::Done,
                 };
-                Step::cont().with_opt(kind.map(|_| content_length()))
+                Step::cont().with_all(kind.map(|_| content_length()))
             }
             _ => Step::cont(),
         }
@@ -189,21 +189,21 @@ impl Call {
                     SseProgress::Found(r) => (r, body),
                     SseProgress::TooLarge => {
                         d.watch = Watch::NoReceipt(NoReceipt::TooLarge);
-                        return receipt_too_large(&d.grant.attempt_id).with_opt(release);
+                        return receipt_too_large(&d.grant.attempt_id).with_all(release);
                     }
                     SseProgress::Pending => {
                         if !end_of_stream {
-                            return Step::cont().with_opt(release);
+                            return Step::cont().with_all(release);
                         }
                         // Ended without the answer. With event ids the client may resume the
                         // stream (GET + Last-Event-ID) and get the answer there.
                         let Some(last) = cap.last_event_id().map(str::to_string) else {
                             d.watch = Watch::NoReceipt(NoReceipt::NoMatchingResponse);
-                            return Step::cont().with_opt(release);
+                            return Step::cont().with_all(release);
                         };
                         d.watch = Watch::NoReceipt(NoReceipt::StreamClosedResumable);
                         let key = resume::key(d.session_id.as_deref(), &last);
-                        return Step::cont().with_opt(release).with(Effect::SaveResume(
+                        return Step::cont().with_all(release).with(Effect::SaveResume(
                             key,
                             Ticket {
                                 grant: d.grant.clone(),
@@ -288,11 +288,11 @@ impl Call {
                         ((body, TextAt::Event(event, base)), release)
                     }
                     (SseProgress::Pending, _) if !end_of_stream => {
-                        return Step::cont().with_opt(release)
+                        return Step::cont().with_all(release)
                     }
                     _ => {
                         l.watch = ListWatch::Done;
-                        return Step::cont().with_opt(release);
+                        return Step::cont().with_all(release);
                     }
                 }
             }
@@ -304,7 +304,7 @@ impl Call {
         tools.truncate(MAX_LIMITS_TOOLS);
         if tools.is_empty() {
             l.watch = ListWatch::Done;
-            return Step::cont().with_opt(release);
+            return Step::cont().with_all(release);
         }
         let callout = Callout::limits(&LimitsRequest {
             permit_token: l.permit_token.clone(),
@@ -338,7 +338,7 @@ impl Call {
                         body: new,
                     });
                 Step::cont()
-                    .with_opt(edited)
+                    .with_all(edited)
                     .with(Effect::Count(Stat::ToolsListFigures))
             }
             // The ledger does not authenticate the permit: nothing to show.

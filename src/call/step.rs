@@ -163,11 +163,8 @@ impl Step {
         self.effects.push(e);
         self
     }
-    pub(crate) fn with_opt(mut self, e: Option<Effect>) -> Step {
-        self.effects.extend(e);
-        self
-    }
-    pub(crate) fn with_all(mut self, e: Vec<Effect>) -> Step {
+    /// Every effect of `e`, in order: an `Option` adds its one effect or none.
+    pub(crate) fn with_all(mut self, e: impl IntoIterator<Item = Effect>) -> Step {
         self.effects.extend(e);
         self
     }
