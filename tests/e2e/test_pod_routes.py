@@ -107,8 +107,7 @@ class Pod:
         return self.cli("permit", "create", "--label", f"pod-{uuid.uuid4().hex[:8]}", "--expires", "1h", *args)
 
     def attempts(self, permit: dict) -> list[dict]:
-        listed = self.cli("attempts", "list", "--permit", permit["id"])
-        return listed["attempts"] if isinstance(listed, dict) else listed
+        return self.cli("attempts", "list", "--permit", permit["id"])["attempts"]
 
     def settled_states(self, permit: dict) -> list[str]:
         """The states of the permit's attempts once none is `in_flight` any more (the filter
