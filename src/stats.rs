@@ -3,116 +3,89 @@
 
 use atmost_protocol::DenialCode;
 
-/// One counter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Stat {
+/// Defines [`Stat`] from one table: a counter per row plus one per denial code.
+macro_rules! stat_table {
+    ($( $(#[$doc:meta])* $variant:ident => $name:literal; )+) => {
+        /// One counter.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum Stat {
+            $( $(#[$doc])* $variant, )+
+            /// Denials with one code: `atmost_denied_<code>`.
+            DeniedCode(DenialCode),
+        }
+
+        impl Stat {
+            /// The counters of the table's rows (the per-code ones come from [`DenialCode::ALL`]).
+            const ROWS: [Stat; [$($name),+].len()] = [$(Stat::$variant),+];
+
+            /// The metric's name.
+            pub fn name(self) -> String {
+                match self {
+                    $( Stat::$variant => $name.into(), )+
+                    Stat::DeniedCode(code) => format!("atmost_denied_{}", code.as_str()),
+                }
+            }
+        }
+    };
+}
+
+stat_table! {
     /// A governed call the ledger let through (sent upstream).
-    Dispatched,
+    Dispatched => "atmost_dispatched";
     /// A governed call answered from a stored receipt.
-    Replayed,
+    Replayed => "atmost_replayed";
     /// Any denial (local or from the ledger).
-    Denied,
-    /// Denials with one code.
-    DeniedCode(DenialCode),
+    Denied => "atmost_denied";
     /// The ledger could not be asked (unreachable, timeout, bad answer): the call was denied.
-    GatewayUnavailable,
+    GatewayUnavailable => "atmost_gateway_unavailable";
     /// A request refused because its body could not be read (413/400 JSON-RPC errors).
-    BadRequest,
+    BadRequest => "atmost_bad_request";
     /// A dispatched call reported `completed`.
-    Completed,
+    Completed => "atmost_completed";
     /// A dispatched call reported `released` (Envoy proves it never reached upstream).
-    Released,
+    Released => "atmost_released";
     /// A dispatched call reported `uncertain`.
-    Uncertain,
+    Uncertain => "atmost_uncertain";
     /// A receipt was larger than `max_receipt_bytes` (the call becomes `uncertain`).
-    ReceiptTooLarge,
+    ReceiptTooLarge => "atmost_receipt_too_large";
     /// An outcome report could not be delivered and was queued for the root context.
-    ReportDeferred,
+    ReportDeferred => "atmost_report_deferred";
     /// A batch of queued outcome reports was delivered.
-    ReportBatchSent,
+    ReportBatchSent => "atmost_report_batch_sent";
     /// A batch of queued outcome reports failed and stays queued.
-    ReportBatchFailed,
+    ReportBatchFailed => "atmost_report_batch_failed";
     /// A queued outcome report was dropped because the queue was full.
-    ReportDropped,
+    ReportDropped => "atmost_report_dropped";
     /// A dispatched call answered `input_required` (MCP 2026-07-28); the attempt awaits its continuation.
-    InputRequired,
+    InputRequired => "atmost_input_required";
     /// A dispatched call answered with a task handle (`CreateTaskResult`): reported `accepted`.
-    Accepted,
+    Accepted => "atmost_accepted";
     /// A resumable SSE response (events with ids) ended cleanly before the call's answer:
     /// the attempt is left in flight for the resumed GET stream (or the lease sweeper).
-    StreamAwaitingResume,
+    StreamAwaitingResume => "atmost_stream_awaiting_resume";
     /// A resumed GET stream (`Last-Event-ID`) carried the answer of a call whose POST stream
     /// closed early; it was reported.
-    ResumedReceipt,
+    ResumedReceipt => "atmost_resumed_receipt";
     /// A `tools/list` answer gained the permit's figures (`tools_list_limits`).
-    ToolsListFigures,
+    ToolsListFigures => "atmost_tools_list_figures";
     /// A `tools/list` answer whose figures were asked for passed unchanged: the ledger did
     /// not authenticate the permit, or could not be asked.
-    ToolsListUnchanged,
+    ToolsListUnchanged => "atmost_tools_list_unchanged";
     /// `request_hold: body`: the upstream answered (or its connection failed) before the
     /// decision; the body was not sent and a reserved attempt was released.
-    UpstreamAnsweredEarly,
+    UpstreamAnsweredEarly => "atmost_upstream_answered_early";
     /// One of Envoy's steering headers ([`crate::call::ENVOY_CONTROL_HEADERS`]) was removed
     /// from a request.
-    ControlHeaderRemoved,
+    ControlHeaderRemoved => "atmost_control_header_removed";
 }
 
 impl Stat {
     /// Every counter, for defining them up front.
     pub fn all() -> Vec<Stat> {
-        let mut all = vec![
-            Stat::Dispatched,
-            Stat::Replayed,
-            Stat::Denied,
-            Stat::GatewayUnavailable,
-            Stat::BadRequest,
-            Stat::Completed,
-            Stat::Released,
-            Stat::Uncertain,
-            Stat::ReceiptTooLarge,
-            Stat::ReportDeferred,
-            Stat::ReportBatchSent,
-            Stat::ReportBatchFailed,
-            Stat::ReportDropped,
-            Stat::InputRequired,
-            Stat::Accepted,
-            Stat::StreamAwaitingResume,
-            Stat::ResumedReceipt,
-            Stat::ToolsListFigures,
-            Stat::ToolsListUnchanged,
-            Stat::UpstreamAnsweredEarly,
-            Stat::ControlHeaderRemoved,
-        ];
-        all.extend(DenialCode::ALL.iter().map(|c| Stat::DeniedCode(*c)));
-        all
-    }
-
-    /// The metric's name.
-    pub fn name(self) -> String {
-        match self {
-            Stat::Dispatched => "atmost_dispatched".into(),
-            Stat::Replayed => "atmost_replayed".into(),
-            Stat::Denied => "atmost_denied".into(),
-            Stat::DeniedCode(code) => format!("atmost_denied_{}", code.as_str()),
-            Stat::GatewayUnavailable => "atmost_gateway_unavailable".into(),
-            Stat::BadRequest => "atmost_bad_request".into(),
-            Stat::Completed => "atmost_completed".into(),
-            Stat::Released => "atmost_released".into(),
-            Stat::Uncertain => "atmost_uncertain".into(),
-            Stat::ReceiptTooLarge => "atmost_receipt_too_large".into(),
-            Stat::ReportDeferred => "atmost_report_deferred".into(),
-            Stat::ReportBatchSent => "atmost_report_batch_sent".into(),
-            Stat::ReportBatchFailed => "atmost_report_batch_failed".into(),
-            Stat::ReportDropped => "atmost_report_dropped".into(),
-            Stat::InputRequired => "atmost_input_required".into(),
-            Stat::Accepted => "atmost_accepted".into(),
-            Stat::StreamAwaitingResume => "atmost_stream_awaiting_resume".into(),
-            Stat::ResumedReceipt => "atmost_resumed_receipt".into(),
-            Stat::ToolsListFigures => "atmost_tools_list_figures".into(),
-            Stat::ToolsListUnchanged => "atmost_tools_list_unchanged".into(),
-            Stat::UpstreamAnsweredEarly => "atmost_upstream_answered_early".into(),
-            Stat::ControlHeaderRemoved => "atmost_control_header_removed".into(),
-        }
+        Stat::ROWS
+            .into_iter()
+            .chain(DenialCode::ALL.map(Stat::DeniedCode))
+            .collect()
     }
 }
 
@@ -128,7 +101,27 @@ mod tests {
             assert!(n.starts_with("atmost_"));
             assert!(seen.insert(n));
         }
-        assert!(seen.contains("atmost_denied_permit_invalid"));
-        assert_eq!(seen.len(), 21 + DenialCode::ALL.len());
+        assert_eq!(seen.len(), Stat::ROWS.len() + DenialCode::ALL.len());
+        for code in DenialCode::ALL {
+            assert!(seen.contains(&format!("atmost_denied_{code}")), "{code}");
+        }
+    }
+
+    #[test]
+    fn every_counter_has_its_row_in_the_documented_table() {
+        let docs = include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/docs/configuration.md"
+        ));
+        for s in Stat::ROWS {
+            let row = format!("| `{}` |", s.name());
+            assert!(
+                docs.lines().any(|l| l.starts_with(&row)),
+                "docs/configuration.md's counter table has no row starting {row:?}"
+            );
+        }
+        assert!(docs
+            .lines()
+            .any(|l| l.starts_with("| `atmost_denied_<code>` |")));
     }
 }

@@ -1,44 +1,41 @@
 //! The ledger's records: permits and attempts.
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
 use crate::clock::Millis;
 
-/// What the duplicate guard does with a new key whose fingerprint matches a recent attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum GuardMode {
-    Off,
-    #[default]
-    Log,
-    Enforce,
-}
-
-impl GuardMode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            GuardMode::Off => "off",
-            GuardMode::Log => "log",
-            GuardMode::Enforce => "enforce",
-        }
+atmost_protocol::closed_set! {
+    /// What the duplicate guard does with a new key whose fingerprint matches a recent attempt.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub enum GuardMode {
+        Off => "off";
+        #[default]
+        Log => "log";
+        Enforce => "enforce";
     }
 }
 
 impl FromStr for GuardMode {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "off" => Ok(GuardMode::Off),
-            "log" => Ok(GuardMode::Log),
-            "enforce" => Ok(GuardMode::Enforce),
-            other => Err(format!(
-                "duplicate guard must be off, log or enforce, not {other:?}"
-            )),
-        }
+        GuardMode::from_wire(s).ok_or_else(|| {
+            format!(
+                "duplicate guard must be {}, not {s:?}",
+                one_of(&GuardMode::NAMES)
+            )
+        })
+    }
+}
+
+/// `a, b or c`: the names an error offers.
+fn one_of(names: &[&str]) -> String {
+    match names.split_last() {
+        Some((last, [])) => (*last).to_string(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
     }
 }
 
@@ -129,50 +126,65 @@ impl Permit {
     }
 }
 
-/// Where an attempt stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
-#[serde(rename_all = "snake_case")]
-pub enum AttemptState {
-    InFlight,
-    Completed,
-    Released,
-    Uncertain,
-    ResolvedExecuted,
-    ResolvedNotExecuted,
-    /// MCP 2026-07-28: the upstream answered `input_required`; the attempt keeps its slot
-    /// and reserved budget and waits for the continuation under the same key (which moves
-    /// it back to `in_flight`). Past its lease the sweeper turns it `uncertain`.
-    AwaitingInput,
-    /// The upstream accepted the call as a task (`CreateTaskResult`): the stored receipt is
-    /// the task handle, replayed like a completed receipt; slot kept, budget spent.
-    Accepted,
+/// What an attempt in one state holds of its permit, and what may happen to it next: one
+/// row of the attempt states table (docs/design.md#attempt-states).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateRules {
+    /// The attempt holds one of its tool's slots.
+    pub holds_slot: bool,
+    /// The attempt's cost is reserved (not yet spent).
+    pub reserves_budget: bool,
+    /// The attempt's cost counts as spent.
+    pub spends_budget: bool,
+    /// The lease sweeper turns this state `uncertain` once its lease has run out.
+    pub leased: bool,
+    /// A stored receipt of this state is answered as a replay.
+    pub replays: bool,
+    /// The attempt gave its slot and budget back; its key may be used again.
+    pub gave_back: bool,
+}
+
+/// A state's rules, by what it holds (the rows below read as the design's table).
+const fn rules(holds_slot: bool, budget: Budget, leased: bool, replays: bool) -> StateRules {
+    StateRules {
+        holds_slot,
+        reserves_budget: matches!(budget, Budget::Reserved),
+        spends_budget: matches!(budget, Budget::Spent),
+        leased,
+        replays,
+        gave_back: !holds_slot && matches!(budget, Budget::Returned),
+    }
+}
+
+/// Where an attempt's cost stands.
+enum Budget {
+    Reserved,
+    Spent,
+    Returned,
+}
+
+atmost_protocol::closed_set! {
+    /// Where an attempt stands (docs/design.md#attempt-states), with its rules.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+    pub enum AttemptState: rules -> StateRules {
+        //                                        slot   budget             leased replays
+        InFlight => "in_flight",             rules(true,  Budget::Reserved, true,  false);
+        Completed => "completed",            rules(true,  Budget::Spent,    false, true);
+        Released => "released",              rules(false, Budget::Returned, false, false);
+        Uncertain => "uncertain",            rules(true,  Budget::Spent,    false, false);
+        ResolvedExecuted => "resolved_executed", rules(true, Budget::Spent, false, true);
+        ResolvedNotExecuted => "resolved_not_executed", rules(false, Budget::Returned, false, false);
+        /// MCP 2026-07-28: the upstream answered `input_required`; the attempt keeps its slot
+        /// and reserved budget and waits for the continuation under the same key (which moves
+        /// it back to `in_flight`). Past its lease the sweeper turns it `uncertain`.
+        AwaitingInput => "awaiting_input",   rules(true,  Budget::Reserved, true,  false);
+        /// The upstream accepted the call as a task (`CreateTaskResult`): the stored receipt is
+        /// the task handle, replayed like a completed receipt; slot kept, budget spent.
+        Accepted => "accepted",              rules(true,  Budget::Spent,    false, true);
+    }
 }
 
 impl AttemptState {
-    pub const ALL: [AttemptState; 8] = [
-        AttemptState::InFlight,
-        AttemptState::Completed,
-        AttemptState::Released,
-        AttemptState::Uncertain,
-        AttemptState::ResolvedExecuted,
-        AttemptState::ResolvedNotExecuted,
-        AttemptState::AwaitingInput,
-        AttemptState::Accepted,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AttemptState::InFlight => "in_flight",
-            AttemptState::Completed => "completed",
-            AttemptState::Released => "released",
-            AttemptState::Uncertain => "uncertain",
-            AttemptState::ResolvedExecuted => "resolved_executed",
-            AttemptState::ResolvedNotExecuted => "resolved_not_executed",
-            AttemptState::AwaitingInput => "awaiting_input",
-            AttemptState::Accepted => "accepted",
-        }
-    }
-
     /// The stored names of the states for which `pred` holds, as an SQL list
     /// `('a','b')` (names are fixed identifiers, never user input).
     pub fn sql_list(pred: impl Fn(AttemptState) -> bool) -> String {
@@ -186,68 +198,39 @@ impl AttemptState {
 
     /// A stored receipt of this state is answered as a replay.
     pub fn replays(self) -> bool {
-        matches!(
-            self,
-            AttemptState::Completed | AttemptState::ResolvedExecuted | AttemptState::Accepted
-        )
+        self.rules().replays
     }
 
     /// The lease sweeper turns this state `uncertain` once its lease has run out.
     pub fn leased(self) -> bool {
-        matches!(self, AttemptState::InFlight | AttemptState::AwaitingInput)
+        self.rules().leased
     }
 
     /// The attempt holds one of its tool's slots.
     pub fn holds_slot(self) -> bool {
-        matches!(
-            self,
-            AttemptState::InFlight
-                | AttemptState::Completed
-                | AttemptState::Uncertain
-                | AttemptState::ResolvedExecuted
-                | AttemptState::AwaitingInput
-                | AttemptState::Accepted
-        )
+        self.rules().holds_slot
     }
 
     /// The attempt's cost is reserved (not yet spent).
     pub fn reserves_budget(self) -> bool {
-        matches!(self, AttemptState::InFlight | AttemptState::AwaitingInput)
+        self.rules().reserves_budget
     }
 
     /// The attempt's cost counts as spent.
     pub fn spends_budget(self) -> bool {
-        matches!(
-            self,
-            AttemptState::Completed
-                | AttemptState::Uncertain
-                | AttemptState::ResolvedExecuted
-                | AttemptState::Accepted
-        )
+        self.rules().spends_budget
     }
 
     /// The attempt gave its slot and budget back; its key may be used again.
     pub fn gave_back(self) -> bool {
-        matches!(
-            self,
-            AttemptState::Released | AttemptState::ResolvedNotExecuted
-        )
-    }
-}
-
-impl fmt::Display for AttemptState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+        self.rules().gave_back
     }
 }
 
 impl FromStr for AttemptState {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        AttemptState::ALL
-            .into_iter()
-            .find(|st| st.as_str() == s)
-            .ok_or_else(|| format!("unknown attempt state {s:?}"))
+        AttemptState::from_wire(s).ok_or_else(|| format!("unknown attempt state {s:?}"))
     }
 }
 
@@ -422,6 +405,40 @@ mod tests {
         assert_eq!(
             AttemptState::sql_list(AttemptState::reserves_budget),
             "('in_flight','awaiting_input')"
+        );
+    }
+
+    #[test]
+    fn the_state_table_gives_each_rule_to_exactly_these_states() {
+        let with = |rule: fn(AttemptState) -> bool| AttemptState::sql_list(rule);
+        assert_eq!(
+            with(AttemptState::holds_slot),
+            "('in_flight','completed','uncertain','resolved_executed','awaiting_input','accepted')"
+        );
+        assert_eq!(
+            with(AttemptState::spends_budget),
+            "('completed','uncertain','resolved_executed','accepted')"
+        );
+        assert_eq!(with(AttemptState::leased), "('in_flight','awaiting_input')");
+        assert_eq!(
+            with(AttemptState::replays),
+            "('completed','resolved_executed','accepted')"
+        );
+        assert_eq!(
+            with(AttemptState::gave_back),
+            "('released','resolved_not_executed')"
+        );
+    }
+
+    #[test]
+    fn guard_modes_read_their_names_and_refuse_others_by_name() {
+        for mode in GuardMode::ALL {
+            assert_eq!(mode.as_str().parse::<GuardMode>(), Ok(mode));
+        }
+        assert_eq!(GuardMode::default(), GuardMode::Log);
+        assert_eq!(
+            "loud".parse::<GuardMode>(),
+            Err("duplicate guard must be off, log or enforce, not \"loud\"".to_string())
         );
     }
 

@@ -353,27 +353,6 @@ async fn limits(
     }
 }
 
-fn outcome_kind(o: &Outcome) -> &'static str {
-    match o {
-        Outcome::Completed { .. } => "completed",
-        Outcome::Released { .. } => "released",
-        Outcome::Uncertain { .. } => "uncertain",
-        Outcome::InputRequired { .. } => "input_required",
-        Outcome::Accepted { .. } => "accepted",
-    }
-}
-
-fn ack_str(a: OutcomeAck) -> &'static str {
-    match a {
-        OutcomeAck::Applied => "applied",
-        OutcomeAck::AlreadyRecorded => "already_recorded",
-        OutcomeAck::Conflict => "conflict",
-        OutcomeAck::UnknownAttempt => "unknown_attempt",
-        OutcomeAck::StaleRound => "stale_round",
-        OutcomeAck::Refused => "refused",
-    }
-}
-
 async fn outcomes(
     State(state): State<Shared>,
     body: Result<Json<OutcomesRequest>, JsonRejection>,
@@ -395,11 +374,11 @@ async fn outcomes(
         Err(e) => return internal(&state, "outcome", &e),
     };
     for (report, result) in req.reports.iter().zip(results) {
-        let kind = outcome_kind(&report.outcome);
+        let kind = report.outcome.kind();
         state
             .metrics
             .outcomes
-            .with_label_values(&[kind, ack_str(result.ack)])
+            .with_label_values(&[kind, result.ack.as_str()])
             .inc();
         let reason = match &report.outcome {
             Outcome::Released { reason } | Outcome::Uncertain { reason } => reason.as_str(),
@@ -431,7 +410,7 @@ async fn outcomes(
                 "outcome for an earlier round of the attempt; state kept"
             ),
             _ => {
-                info!(attempt_id = %report.attempt_id, outcome = kind, reason, ack = ack_str(result.ack), "outcome")
+                info!(attempt_id = %report.attempt_id, outcome = kind, reason, ack = result.ack.as_str(), "outcome")
             }
         }
         acks.push(result.ack);

@@ -10,9 +10,14 @@
 //! round's capability from the Dispatch answer: the service token alone (which an agent
 //! sharing the sidecar's loopback can read) cannot move an attempt.
 
+pub mod closed_set;
 pub mod token;
 
 use serde::{Deserialize, Serialize};
+
+/// serde, for the code [`closed_set!`] writes in other crates.
+#[doc(hidden)]
+pub use serde as __serde;
 use serde_json::{Map, Value};
 
 /// Path of the authorize call.
@@ -155,84 +160,27 @@ pub struct LimitsResponse {
     pub tools: std::collections::BTreeMap<String, PermitLimits>,
 }
 
-/// Every reason atmost refuses a call. The README's error table lists each one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DenialCode {
-    PermitInvalid,
-    PermitExpired,
-    PermitToolNotAllowed,
-    PermitMaxCallsExceeded,
-    PermitBudgetExceeded,
-    DuplicateRequestSuspected,
-    IdempotencyKeyRequired,
-    IdempotencyKeyConflict,
-    IdempotencyInProgress,
-    DeliveryUncertain,
-    IdempotencyKeyExpired,
-    GatewayUnavailable,
-    InvalidIdempotencyKey,
-}
-
-impl DenialCode {
-    pub const ALL: [DenialCode; 13] = [
-        DenialCode::PermitInvalid,
-        DenialCode::PermitExpired,
-        DenialCode::PermitToolNotAllowed,
-        DenialCode::PermitMaxCallsExceeded,
-        DenialCode::PermitBudgetExceeded,
-        DenialCode::DuplicateRequestSuspected,
-        DenialCode::IdempotencyKeyRequired,
-        DenialCode::IdempotencyKeyConflict,
-        DenialCode::IdempotencyInProgress,
-        DenialCode::DeliveryUncertain,
-        DenialCode::IdempotencyKeyExpired,
-        DenialCode::GatewayUnavailable,
-        DenialCode::InvalidIdempotencyKey,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DenialCode::PermitInvalid => "permit_invalid",
-            DenialCode::PermitExpired => "permit_expired",
-            DenialCode::PermitToolNotAllowed => "permit_tool_not_allowed",
-            DenialCode::PermitMaxCallsExceeded => "permit_max_calls_exceeded",
-            DenialCode::PermitBudgetExceeded => "permit_budget_exceeded",
-            DenialCode::DuplicateRequestSuspected => "duplicate_request_suspected",
-            DenialCode::IdempotencyKeyRequired => "idempotency_key_required",
-            DenialCode::IdempotencyKeyConflict => "idempotency_key_conflict",
-            DenialCode::IdempotencyInProgress => "idempotency_in_progress",
-            DenialCode::DeliveryUncertain => "delivery_uncertain",
-            DenialCode::IdempotencyKeyExpired => "idempotency_key_expired",
-            DenialCode::GatewayUnavailable => "gateway_unavailable",
-            DenialCode::InvalidIdempotencyKey => "invalid_idempotency_key",
-        }
-    }
-
-    /// The JSON-RPC error code used when the gateway answers with error objects.
-    /// Application codes sit outside -32768..-32000, which JSON-RPC and MCP reserve.
-    pub fn json_rpc_code(self) -> i64 {
-        match self {
-            DenialCode::PermitInvalid => -31001,
-            DenialCode::PermitExpired => -31002,
-            DenialCode::PermitToolNotAllowed => -31003,
-            DenialCode::PermitMaxCallsExceeded => -31004,
-            DenialCode::PermitBudgetExceeded => -31005,
-            DenialCode::DuplicateRequestSuspected => -31006,
-            DenialCode::IdempotencyKeyRequired => -31007,
-            DenialCode::IdempotencyKeyConflict => -31008,
-            DenialCode::IdempotencyInProgress => -31009,
-            DenialCode::DeliveryUncertain => -31010,
-            DenialCode::IdempotencyKeyExpired => -31011,
-            DenialCode::GatewayUnavailable => -31012,
-            DenialCode::InvalidIdempotencyKey => -31013,
-        }
-    }
-}
-
-impl std::fmt::Display for DenialCode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
+closed_set! {
+    /// Every reason atmost refuses a call: its wire name (the `code` of every denial, the
+    /// `atmost-denial` header, the filter's `atmost_denied_<name>` counter) and the JSON-RPC
+    /// error code used when the gateway answers with error objects. Application codes sit
+    /// outside -32768..-32000, which JSON-RPC and MCP reserve. The README's error table lists
+    /// each row (a test holds them together).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub enum DenialCode: json_rpc_code -> i64 {
+        PermitInvalid => "permit_invalid", -31001;
+        PermitExpired => "permit_expired", -31002;
+        PermitToolNotAllowed => "permit_tool_not_allowed", -31003;
+        PermitMaxCallsExceeded => "permit_max_calls_exceeded", -31004;
+        PermitBudgetExceeded => "permit_budget_exceeded", -31005;
+        DuplicateRequestSuspected => "duplicate_request_suspected", -31006;
+        IdempotencyKeyRequired => "idempotency_key_required", -31007;
+        IdempotencyKeyConflict => "idempotency_key_conflict", -31008;
+        IdempotencyInProgress => "idempotency_in_progress", -31009;
+        DeliveryUncertain => "delivery_uncertain", -31010;
+        IdempotencyKeyExpired => "idempotency_key_expired", -31011;
+        GatewayUnavailable => "gateway_unavailable", -31012;
+        InvalidIdempotencyKey => "invalid_idempotency_key", -31013;
     }
 }
 
@@ -254,6 +202,19 @@ pub enum Outcome {
     /// acceptance, not of completion. `receipt` is the response holding the task handle;
     /// replays return it.
     Accepted { receipt: String },
+}
+
+impl Outcome {
+    /// The report's `outcome` tag (the `kind` label of the ledger's outcome counters).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Outcome::Completed { .. } => "completed",
+            Outcome::Released { .. } => "released",
+            Outcome::Uncertain { .. } => "uncertain",
+            Outcome::InputRequired { .. } => "input_required",
+            Outcome::Accepted { .. } => "accepted",
+        }
+    }
 }
 
 /// One outcome for one round of one attempt.
@@ -294,23 +255,25 @@ pub struct OutcomesRequest {
     pub reports: Vec<OutcomeReport>,
 }
 
-/// How the ledger took one report.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum OutcomeAck {
-    /// The attempt moved from `in_flight` to the reported state.
-    Applied,
-    /// The attempt was already in that state (a repeated report).
-    AlreadyRecorded,
-    /// The attempt is in another terminal state (for example swept to `uncertain`); nothing changed.
-    Conflict,
-    /// No attempt has that id.
-    UnknownAttempt,
-    /// The report is about an earlier round than the attempt's current one; nothing changed.
-    StaleRound,
-    /// The report's capability does not prove the round (or the round was never
-    /// dispatched); nothing changed, and the refusal is counted.
-    Refused,
+closed_set! {
+    /// How the ledger took one report (the `ack` label of the ledger's outcome counter too).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum OutcomeAck {
+        /// The attempt moved from `in_flight` to the reported state.
+        Applied => "applied";
+        /// The attempt was already in that state (a repeated report).
+        AlreadyRecorded => "already_recorded";
+        /// The attempt is in another terminal state (for example swept to `uncertain`); nothing
+        /// changed.
+        Conflict => "conflict";
+        /// No attempt has that id.
+        UnknownAttempt => "unknown_attempt";
+        /// The report is about an earlier round than the attempt's current one; nothing changed.
+        StaleRound => "stale_round";
+        /// The report's capability does not prove the round (or the round was never
+        /// dispatched); nothing changed, and the refusal is counted.
+        Refused => "refused";
+    }
 }
 
 /// Answer of `POST /v1/outcomes`, one ack per report in order.
@@ -338,6 +301,41 @@ mod tests {
             let n = code.json_rpc_code();
             assert!(!(-32768..=-32000).contains(&n), "{code} uses reserved {n}");
             assert!(seen.insert(n), "{code} reuses {n}");
+        }
+    }
+
+    #[test]
+    fn every_denial_code_has_its_row_in_the_readme_error_table() {
+        let readme = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"));
+        for code in DenialCode::ALL {
+            let row = format!("| `{code}` | {} |", code.json_rpc_code());
+            assert!(
+                readme.lines().any(|l| l.starts_with(&row)),
+                "README.md's error table has no row starting {row:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_outcomes_kind_is_its_serde_tag() {
+        let reason = || "r".to_string();
+        for outcome in [
+            Outcome::Completed { receipt: reason() },
+            Outcome::Released { reason: reason() },
+            Outcome::Uncertain { reason: reason() },
+            Outcome::InputRequired { receipt: reason() },
+            Outcome::Accepted { receipt: reason() },
+        ] {
+            let json = serde_json::to_value(&outcome).unwrap_or_default();
+            assert_eq!(json["outcome"], outcome.kind());
+        }
+    }
+
+    #[test]
+    fn acks_serialize_as_their_names() {
+        for ack in OutcomeAck::ALL {
+            let json = serde_json::to_value(ack).unwrap_or_default();
+            assert_eq!(json, Value::String(ack.as_str().to_string()));
         }
     }
 
@@ -394,6 +392,7 @@ mod tests {
         ] {
             let json = serde_json::to_value(&outcome).unwrap_or_default();
             assert_eq!(json["outcome"], tag);
+            assert_eq!(outcome.kind(), tag);
             assert_eq!(json["receipt"], "r");
         }
     }
