@@ -24,7 +24,7 @@
 //! ```
 //!
 //! Every answer to a governed call carries the permit's figures the ledger gave
-//! ([`crate::permit_meta`]): a local reply gets them as it is built, a dispatched call's
+//! ([`crate::call::permit_meta`]): a local reply gets them as it is built, a dispatched call's
 //! upstream answer as an edit of its body (JSON or the SSE event), with the headers.
 //!
 //! With `request_hold: body` ([`body_hold`]) a POST's headers go upstream at once from
@@ -32,23 +32,13 @@
 //! and `Authorizing`; a response before the decision leads to `Overtaken`, where the body is
 //! held for good and a reserved attempt is released.
 
-use crate::body_encoding;
-use crate::denial;
-use crate::fingerprint::fingerprint;
-use crate::idempotency;
-use crate::ledger::{Callout, Endpoint, LedgerError, LedgerReply};
-use crate::mcp::{self, Message, MetaKey};
-use crate::meta_key;
-use crate::outcome::{self, NoReceipt};
-use crate::permit;
-use crate::permit_meta::{self, TextAt};
-use crate::receipt::{self, Passed, ResultKind, SseCapture, SseProgress};
-use crate::replay;
-use crate::reply::{rpc_code, LocalReply};
-use crate::resume::{self, CallPermit, Ticket};
+use crate::ledger_client::{Callout, Endpoint, LedgerError, LedgerReply};
+use crate::parse::body_encoding;
+use crate::parse::fingerprint::fingerprint;
+use crate::parse::idempotency;
+use crate::parse::mcp::{self, Message, MetaKey};
+use crate::parse::meta_key;
 use crate::stats::Stat;
-use crate::upstream_key;
-use crate::upstream_key::UNGOVERNED_PERMIT_ID;
 use atmost_config::{CompletionReports, Config, RequestHold, UpstreamKey};
 use atmost_protocol::{
     AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, DispatchGrant, LimitsRequest,
@@ -57,6 +47,17 @@ use atmost_protocol::{
 use serde_json::Value;
 use std::rc::Rc;
 
+pub mod denial;
+pub mod effects;
+pub mod outcome;
+pub mod permit;
+pub mod permit_meta;
+pub mod receipt;
+pub mod replay;
+pub mod reply;
+pub mod resume;
+pub mod upstream_key;
+
 mod body_hold;
 mod head;
 mod ledger_reply;
@@ -64,6 +65,12 @@ mod response;
 mod step;
 
 use body_hold::{key_header_misfit, Ahead};
+use outcome::NoReceipt;
+use permit_meta::TextAt;
+use receipt::{Passed, ResultKind, SseCapture, SseProgress};
+use reply::{rpc_code, LocalReply};
+use resume::{CallPermit, Ticket};
+use upstream_key::UNGOVERNED_PERMIT_ID;
 
 pub use head::{ENVOY_CONTROL_HEADERS, HEADERS_ATMOST_READS, MAX_RETRIES_HEADER};
 pub use step::*;

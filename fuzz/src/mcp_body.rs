@@ -40,10 +40,10 @@
 
 use crate::plain::{self, Repeat};
 use crate::util::assert_rpc_error;
-use atmost_filter::fingerprint::fingerprint;
-use atmost_filter::idempotency::{self, MAX_KEY_BYTES};
-use atmost_filter::mcp::{self, Message, MetaKey, Mirrored, ToolCall, MIRRORING_VERSION};
-use atmost_filter::reply::rpc_code;
+use atmost_filter::call::reply::rpc_code;
+use atmost_filter::parse::fingerprint::fingerprint;
+use atmost_filter::parse::idempotency::{self, MAX_KEY_BYTES};
+use atmost_filter::parse::mcp::{self, Message, MetaKey, Mirrored, ToolCall, MIRRORING_VERSION};
 use serde_json::Value;
 
 const KNOWN_CODES: [i64; 4] = [

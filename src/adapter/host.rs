@@ -87,7 +87,7 @@ pub fn set_shared(key: &str, value: &[u8]) {
 
 pub fn property_int(path: &[&str]) -> Option<u64> {
     match hostcalls::get_property(path.to_vec()) {
-        Ok(v) => crate::outcome::decode_int(v.as_deref()),
+        Ok(v) => crate::call::outcome::decode_int(v.as_deref()),
         Err(_) => None,
     }
 }
@@ -121,13 +121,13 @@ pub fn dispatch(
 }
 
 /// Reads a callout's answer: `:status` (none when zero headers) and body.
-pub fn callout_reply(num_headers: usize, body_size: usize) -> crate::ledger::LedgerReply {
+pub fn callout_reply(num_headers: usize, body_size: usize) -> crate::ledger_client::LedgerReply {
     if num_headers == 0 {
-        return crate::ledger::LedgerReply::failed();
+        return crate::ledger_client::LedgerReply::failed();
     }
     let status = header(MapType::HttpCallResponseHeaders, ":status")
-        .and_then(|v| crate::ledger::parse_status(&v));
-    crate::ledger::LedgerReply {
+        .and_then(|v| crate::ledger_client::parse_status(&v));
+    crate::ledger_client::LedgerReply {
         status,
         body: buffer(BufferType::HttpCallResponseBody, body_size),
     }

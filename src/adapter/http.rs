@@ -2,9 +2,9 @@
 
 use super::host;
 use super::shared::Shared;
+use crate::call::effects::{self, Refused};
 use crate::call::{BodyStep, Call, Effect, Flow, Level, LogProps, RequestHead, ResponseHead, Step};
-use crate::effects::{self, Refused};
-use crate::ledger::{self, Callout};
+use crate::ledger_client::{self, Callout};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
@@ -58,7 +58,7 @@ impl Http {
         );
         if let Some(key) = head.resume_key() {
             head.resume = host::take_shared(&key, |bytes| {
-                crate::resume::Ticket::from_bytes(bytes)
+                crate::call::resume::Ticket::from_bytes(bytes)
                     .filter(|t| t.admits(&head.permit, &head.path))
             });
         }
@@ -158,7 +158,7 @@ impl effects::Host for Exec<'_> {
 
     fn dispatch(&mut self, callout: &Callout) -> bool {
         let cfg = &self.shared.config.ledger;
-        let headers = ledger::headers(cfg, callout.endpoint);
+        let headers = ledger_client::headers(cfg, callout.endpoint);
         host::dispatch(&cfg.cluster, &headers, &callout.body, cfg.timeout_ms).is_some()
     }
 }

@@ -5,8 +5,8 @@ use super::host;
 use super::http::{Http, Refuse};
 use super::shared::Shared;
 use crate::call::Level;
-use crate::ledger::{self, Callout};
-use crate::reporter::{self, Reporter, RootEffect, RootHost, Tasks};
+use crate::ledger_client::{self, Callout};
+use crate::report::{self, Reporter, RootEffect, RootHost, Tasks};
 use atmost_config::Config;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -63,7 +63,7 @@ impl RootHost for Exec<'_> {
         let cfg = &self.shared.config.ledger;
         host::dispatch(
             &cfg.cluster,
-            &ledger::headers(cfg, callout.endpoint),
+            &ledger_client::headers(cfg, callout.endpoint),
             &callout.body,
             cfg.timeout_ms,
         )
@@ -87,7 +87,7 @@ impl Root {
             root_id: self.context_id,
             switched: false,
         };
-        reporter::apply(&self.reporter, tasks, &mut exec);
+        report::apply(&self.reporter, tasks, &mut exec);
         exec.back_to_root();
     }
 }

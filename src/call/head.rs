@@ -166,14 +166,14 @@ impl RequestHead {
             return None;
         }
         let last = self.last_event_id.as_deref()?;
-        Some(crate::resume::key(self.session_id.as_deref(), last))
+        Some(crate::call::resume::key(self.session_id.as_deref(), last))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mcp::Mirrored;
+    use crate::parse::mcp::Mirrored;
 
     fn read(headers: &[(&str, &str)]) -> RequestHead {
         RequestHead::from_headers(headers.iter().copied(), "atmost-permit", false)
@@ -355,7 +355,7 @@ mod tests {
         };
         assert_eq!(
             get(&[]).resume_key(),
-            Some(crate::resume::key(Some("s1"), "e7"))
+            Some(crate::call::resume::key(Some("s1"), "e7"))
         );
         assert_eq!(get(&[("mcp_session_id", "s2")]).resume_key(), None);
         assert_eq!(read(&[(":method", "GET")]).resume_key(), None);

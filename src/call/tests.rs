@@ -408,7 +408,7 @@ fn governed_call_makes_one_authorize_callout() {
     assert!(req.key_required);
     assert_eq!(
         Some(req.fingerprint),
-        crate::fingerprint::fingerprint(
+        crate::parse::fingerprint::fingerprint(
             "pay_invoice",
             json!({"amount":1250,"invoice":"INV-1"})
                 .as_object()
@@ -463,7 +463,7 @@ fn dispatch_sets_the_upstream_key_and_resumes() {
     let mut call = Call::new(cfg());
     send(&mut call, post(&["tok"], &["\"k1\""]), PAY);
     let s = call.on_ledger_reply(&ledger(&dispatch()));
-    let want = crate::upstream_key::upstream_value(&cfg().upstream_key, "pmt_1", Some("k1"))
+    let want = crate::call::upstream_key::upstream_value(&cfg().upstream_key, "pmt_1", Some("k1"))
         .unwrap_or_default();
     assert_eq!(
         s.effects,
@@ -568,8 +568,9 @@ fn a_key_in_meta_is_rewritten_in_the_body_like_the_header() {
     };
     send(&mut call, head, META_PAY);
     let s = call.on_ledger_reply(&ledger(&dispatch()));
-    let want = crate::upstream_key::upstream_value(&cfg().upstream_key, "pmt_1", Some("raw-k1"))
-        .unwrap_or_default();
+    let want =
+        crate::call::upstream_key::upstream_value(&cfg().upstream_key, "pmt_1", Some("raw-k1"))
+            .unwrap_or_default();
     let (len, body) = body_effect(&s).expect("body rewritten");
     assert_eq!(len, META_PAY.len());
     assert_eq!(body, META_PAY.replace("raw-k1", &want));
@@ -1194,7 +1195,8 @@ fn body_edit_of(s: &Step) -> Option<String> {
 }
 
 fn derived(c: &Config, permit_id: &str, key: &str) -> String {
-    crate::upstream_key::upstream_value(&c.upstream_key, permit_id, Some(key)).unwrap_or_default()
+    crate::call::upstream_key::upstream_value(&c.upstream_key, permit_id, Some(key))
+        .unwrap_or_default()
 }
 
 const PARAMS_PAY: &str = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"idempotencyKey":"raw-p","name":"pay_invoice","arguments":{"invoice":"INV-1","amount":1250},"_meta":{"dev.atmost/idempotency-key":"raw-p"}}}"#;

@@ -9,8 +9,8 @@
 //! answer gets them as [`Edit`]s of its text: the figures go in, every other byte stays as
 //! the upstream sent it.
 
-use crate::json_text::{self, member, Member};
-use crate::sse::Event;
+use crate::parse::json_text::{self, member, Member};
+use crate::parse::sse::Event;
 use atmost_protocol::PermitLimits;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -538,7 +538,7 @@ mod tests {
 
     #[test]
     fn edits_land_in_an_sse_event_split_over_data_lines() {
-        let mut parser = crate::sse::SseParser::new(1 << 20);
+        let mut parser = crate::parse::sse::SseParser::new(1 << 20);
         let mut events = Vec::new();
         let stream = b"data: x\n\nid: 7\r\ndata: {\"id\":5,\r\ndata:\"result\":{}}\r\n\r\n";
         let base = 9;

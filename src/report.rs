@@ -1,6 +1,6 @@
-//! The root context's reporting, in plain Rust: the VM's after-the-fact report queue
-//! ([`ReportQueue`], sent on every tick) and, with `completion_reports: batched`, its
-//! batch of completion reports ([`Completions`], sent when an HTTP context rings the
+//! The root context's reporting, in plain Rust: the VM's after-the-fact outcome report
+//! queue ([`outcome_queue`], sent on every tick) and, with `completion_reports: batched`,
+//! its batch of completion reports whose responses are held ([`completion_batch`], sent when an HTTP context rings the
 //! doorbell, and again as soon as the previous batch is answered). At most one callout
 //! of each kind is out; one whose answer never comes is given up on after a number of
 //! ticks, so a lost callback cannot stall either list.
@@ -9,12 +9,15 @@
 //! [`Tasks`] comes out (callouts to dispatch, responses to resume, counters, logs), and
 //! [`apply`] carries it out against a [`RootHost`].
 
+pub mod completion_batch;
+pub mod outcome_queue;
+
 use crate::call::Level;
-use crate::completions::{Completions, Finished};
-use crate::ledger::{Callout, LedgerError, LedgerReply};
-use crate::reports::{BatchResult, ReportQueue};
+use crate::ledger_client::{Callout, LedgerError, LedgerReply};
 use crate::stats::Stat;
 use atmost_protocol::OutcomeReport;
+use completion_batch::{Completions, Finished};
+use outcome_queue::{BatchResult, ReportQueue};
 use std::cell::RefCell;
 use std::collections::VecDeque;
 

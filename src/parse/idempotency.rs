@@ -3,7 +3,7 @@
 //! `params.idempotencyKey` (the form proposed for MCP itself). Never from the JSON-RPC
 //! `id`. Error messages never echo the key.
 
-use crate::mcp::MetaKey;
+use crate::parse::mcp::MetaKey;
 use atmost_protocol::{Denial, DenialCode};
 
 /// Longest accepted key, in bytes.

@@ -4,8 +4,8 @@
 //! is forwarded as sent, so the edit works on the raw text rather than re-serialising the
 //! message.
 
-use crate::json_text::{self, first_value, member};
-use crate::mcp::{META_KEY, PARAMS_KEY};
+use crate::parse::json_text::{self, first_value, member};
+use crate::parse::mcp::{META_KEY, PARAMS_KEY};
 
 /// Where the member sits in the raw body, as byte offsets.
 pub type MemberSpan = json_text::Member;

@@ -1,6 +1,6 @@
 //! Local replies: answers the filter sends itself, without going upstream.
 
-use crate::permit_meta;
+use crate::call::permit_meta;
 use atmost_protocol::PermitLimits;
 use serde_json::{json, Value};
 

@@ -1,9 +1,9 @@
 //! Reading an MCP request body: what kind of JSON-RPC message it is, and for a
 //! `tools/call` the parts atmost needs. Refusals are JSON-RPC errors as local replies.
 
-use crate::fold;
-use crate::reply::{rpc_code, LocalReply};
-use crate::strict_json;
+use crate::call::reply::{rpc_code, LocalReply};
+use crate::parse::fold;
+use crate::parse::strict_json;
 use serde_json::{Map, Value};
 
 /// `params._meta` key that may carry the idempotency key.

@@ -1,5 +1,5 @@
 use super::*;
-use crate::ledger::Endpoint;
+use crate::ledger_client::Endpoint;
 use atmost_protocol::{Outcome, OutcomesRequest};
 
 fn report(i: u32) -> OutcomeReport {
