@@ -1,7 +1,7 @@
 //! Reading what a client and an upstream send, in plain Rust: the request body as an MCP
 //! message ([`mcp`]) on top of a JSON reader that refuses what parsers disagree on
 //! ([`strict_json`], [`fold`]), the headers that say how to decode it ([`body_encoding`]),
-//! the idempotency key and where it may come from ([`idempotency`], [`meta_key`]), the
+//! the idempotency key and where it may come from ([`idempotency`], [`key_rewrite`]), the
 //! call's fingerprint ([`fingerprint`]), JSON text read in place ([`json_text`]) and an
 //! upstream's event stream ([`sse`]).
 
@@ -11,7 +11,7 @@ pub mod fold;
 mod fold_table;
 pub mod idempotency;
 pub mod json_text;
+pub mod key_rewrite;
 pub mod mcp;
-pub mod meta_key;
 pub mod sse;
 pub mod strict_json;

@@ -1,10 +1,133 @@
 //! The idempotency key of a call: from the `Idempotency-Key` header (an RFC 8941
-//! sf-string, or a bare token), from `params._meta["dev.atmost/idempotency-key"]`, or from
-//! `params.idempotencyKey` (the form proposed for MCP itself). Never from the JSON-RPC
+//! sf-string, or a bare token), or from a member of the body's `params` named in
+//! [`BODY_KEY_SOURCES`] (`params._meta["dev.atmost/idempotency-key"]`, and
+//! `params.idempotencyKey`, the form proposed for MCP itself). Never from the JSON-RPC
 //! `id`. Error messages never echo the key.
+//!
+//! [`BODY_KEY_SOURCES`] is the one list of the body's key members: the parser reads each
+//! ([`BodyKeys::read`]) and refuses each spelled in another letter case, [`resolve`] checks
+//! each and names it in its refusals, and the rewrite for upstream
+//! ([`crate::parse::key_rewrite`]) finds each in the raw text. A new source is a new row.
 
-use crate::parse::mcp::MetaKey;
 use atmost_protocol::{Denial, DenialCode};
+use serde_json::{Map, Value};
+
+/// A member of a message's `params` that may carry the idempotency key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyMember {
+    /// The member of `params` whose object holds the key member (`_meta`), or `None` when
+    /// the key is a member of `params` itself.
+    pub within: Option<&'static str>,
+    /// The key member's name.
+    pub name: &'static str,
+}
+
+/// Every member of a message's body that may carry the idempotency key, in the order
+/// [`resolve`] reads them.
+pub const BODY_KEY_SOURCES: [KeyMember; 2] = [
+    KeyMember {
+        within: Some("_meta"),
+        name: "dev.atmost/idempotency-key",
+    },
+    // The form proposed for MCP itself (SEP-3182): a string beside `name` and `arguments`.
+    KeyMember {
+        within: None,
+        name: "idempotencyKey",
+    },
+];
+
+/// How refusals name the header source.
+const HEADER_SOURCE: &str = "Idempotency-Key header";
+
+impl KeyMember {
+    /// The member of `params` to look in: the holding object, or the key member itself.
+    pub const fn params_member(&self) -> &'static str {
+        match self.within {
+            Some(object) => object,
+            None => self.name,
+        }
+    }
+
+    /// Where the member sits, as refusals name it: `params._meta["…"]`, `params.name`.
+    pub fn label(&self) -> String {
+        match self.within {
+            Some(object) => format!("params.{object}[{:?}]", self.name),
+            None => format!("params.{}", self.name),
+        }
+    }
+
+    /// The member's value in a message's `params`, of any type; `None` when absent (or
+    /// when its holding object is not an object).
+    pub fn value_in<'a>(&self, params: &'a Map<String, Value>) -> Option<&'a Value> {
+        match self.within {
+            Some(object) => params.get(object)?.as_object()?.get(self.name),
+            None => params.get(self.name),
+        }
+    }
+}
+
+/// What one key member of a `tools/call` body holds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KeyField {
+    Absent,
+    Present(String),
+    /// Present but not a string.
+    NotAString,
+}
+
+impl KeyField {
+    fn of(value: Option<&Value>) -> KeyField {
+        match value {
+            None => KeyField::Absent,
+            Some(Value::String(k)) => KeyField::Present(k.clone()),
+            Some(_) => KeyField::NotAString,
+        }
+    }
+}
+
+/// What each of [`BODY_KEY_SOURCES`] holds in one message, in the table's order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BodyKeys([KeyField; BODY_KEY_SOURCES.len()]);
+
+impl BodyKeys {
+    /// Reads every key member of a message's `params`.
+    pub fn read(params: &Map<String, Value>) -> BodyKeys {
+        BodyKeys(BODY_KEY_SOURCES.map(|source| KeyField::of(source.value_in(params))))
+    }
+
+    /// Each source with what it holds.
+    pub fn iter(&self) -> impl Iterator<Item = (&'static KeyMember, &KeyField)> {
+        BODY_KEY_SOURCES.iter().zip(&self.0)
+    }
+
+    /// What the member called `name` holds (`None` when no source has that name).
+    pub fn named(&self, name: &str) -> Option<&KeyField> {
+        self.iter().find(|(s, _)| s.name == name).map(|(_, f)| f)
+    }
+
+    /// Some member is there, of any type.
+    pub fn any_field(&self) -> bool {
+        self.0.iter().any(|f| *f != KeyField::Absent)
+    }
+
+    /// Some member holds a string.
+    pub fn any_present(&self) -> bool {
+        self.0.iter().any(|f| matches!(f, KeyField::Present(_)))
+    }
+}
+
+impl From<[KeyField; BODY_KEY_SOURCES.len()]> for BodyKeys {
+    fn from(fields: [KeyField; BODY_KEY_SOURCES.len()]) -> BodyKeys {
+        BodyKeys(fields)
+    }
+}
+
+/// Whether a message's `params` hold an idempotency key member, of any type.
+pub fn carries_key(params: &Map<String, Value>) -> bool {
+    BODY_KEY_SOURCES
+        .iter()
+        .any(|source| source.value_in(params).is_some())
+}
 
 /// Longest accepted key, in bytes.
 pub const MAX_KEY_BYTES: usize = 255;
@@ -80,11 +203,7 @@ pub fn parse_header_value(raw: &[u8]) -> Result<String, Denial> {
 /// The call's key, from every source the client used: `Ok(None)` when it sent none. Two
 /// sources that disagree, a header sent twice, or an invalid key →
 /// `invalid_idempotency_key`.
-pub fn resolve(
-    header_values: &[Vec<u8>],
-    meta: &MetaKey,
-    params: &MetaKey,
-) -> Result<Option<String>, Denial> {
+pub fn resolve(header_values: &[Vec<u8>], body: &BodyKeys) -> Result<Option<String>, Denial> {
     let from_header = match header_values {
         [] => None,
         [one] => Some(parse_header_value(one)?),
@@ -94,16 +213,14 @@ pub fn resolve(
             ))
         }
     };
-    let from_meta = body_key(meta, META_SOURCE)?;
-    let from_params = body_key(params, PARAMS_SOURCE)?;
+    let mut from_body = Vec::with_capacity(BODY_KEY_SOURCES.len());
+    for (source, field) in body.iter() {
+        from_body.push(body_key(field, &source.label())?);
+    }
     let mut key: Option<String> = None;
-    for k in [from_header, from_meta, from_params].into_iter().flatten() {
+    for k in std::iter::once(from_header).chain(from_body).flatten() {
         match &key {
-            Some(first) if *first != k => {
-                return Err(invalid(
-                    "the idempotency key sources (Idempotency-Key header, params._meta[\"dev.atmost/idempotency-key\"], params.idempotencyKey) disagree; send one key",
-                ))
-            }
+            Some(first) if *first != k => return Err(disagreement()),
             Some(_) => {}
             None => key = Some(k),
         }
@@ -111,14 +228,22 @@ pub fn resolve(
     Ok(key)
 }
 
-const META_SOURCE: &str = "params._meta[\"dev.atmost/idempotency-key\"]";
-const PARAMS_SOURCE: &str = "params.idempotencyKey";
+/// Two sources hold different keys: the refusal names every source, not the keys.
+fn disagreement() -> Denial {
+    let sources: Vec<String> = std::iter::once(HEADER_SOURCE.to_string())
+        .chain(BODY_KEY_SOURCES.iter().map(KeyMember::label))
+        .collect();
+    invalid(&format!(
+        "the idempotency key sources ({}) disagree; send one key",
+        sources.join(", ")
+    ))
+}
 
-fn body_key(field: &MetaKey, source: &str) -> Result<Option<String>, Denial> {
+fn body_key(field: &KeyField, source: &str) -> Result<Option<String>, Denial> {
     match field {
-        MetaKey::Absent => Ok(None),
-        MetaKey::NotAString => Err(invalid(&format!("{source} must be a string"))),
-        MetaKey::Present(k) => {
+        KeyField::Absent => Ok(None),
+        KeyField::NotAString => Err(invalid(&format!("{source} must be a string"))),
+        KeyField::Present(k) => {
             check(k, source)?;
             Ok(Some(k.clone()))
         }
@@ -129,7 +254,7 @@ fn body_key(field: &MetaKey, source: &str) -> Result<Option<String>, Denial> {
 /// traffic that is not governed takes only such keys; anything else is dropped).
 pub fn valid_body_key(raw_json: &[u8]) -> Option<String> {
     let key: String = serde_json::from_slice(raw_json).ok()?;
-    check(&key, PARAMS_SOURCE).ok()?;
+    check(&key, "a body key member").ok()?;
     Some(key)
 }
 
@@ -177,12 +302,18 @@ mod tests {
         assert!(h(&format!("\"{}\"", "k".repeat(256))).is_err());
     }
 
+    /// The body's key members with `meta` in `params._meta` and `params` in
+    /// `params.idempotencyKey`.
+    fn body(meta: &KeyField, params: &KeyField) -> BodyKeys {
+        BodyKeys::from([meta.clone(), params.clone()])
+    }
+
     #[test]
     fn sources_and_conflicts() {
-        use MetaKey::{Absent, NotAString, Present};
+        use KeyField::{Absent, NotAString, Present};
         let hv = |s: &str| vec![s.as_bytes().to_vec()];
         let p = |s: &str| Present(s.into());
-        let key = |h: &[Vec<u8>], m: &MetaKey, q: &MetaKey| resolve(h, m, q).ok();
+        let key = |h: &[Vec<u8>], m: &KeyField, q: &KeyField| resolve(h, &body(m, q)).ok();
         assert_eq!(key(&[], &Absent, &Absent), Some(None));
         assert_eq!(
             key(&hv("\"k1\""), &Absent, &Absent),
@@ -201,7 +332,7 @@ mod tests {
             (hv("k3"), p("k3"), p("k4")),
             (hv("k4"), p("k3"), p("k3")),
         ] {
-            let d = resolve(&h, &m, &q).err();
+            let d = resolve(&h, &body(&m, &q)).err();
             assert_eq!(
                 d.as_ref().map(|d| d.code),
                 Some(DenialCode::InvalidIdempotencyKey),
@@ -212,15 +343,79 @@ mod tests {
             assert!(!msg.contains("k3") && !msg.contains("k4"));
         }
         for bad in [NotAString, p(""), p("caf\u{e9}"), p(&"k".repeat(256))] {
-            assert!(resolve(&[], &bad, &Absent).is_err(), "{bad:?}");
-            assert!(resolve(&[], &Absent, &bad).is_err(), "{bad:?}");
+            assert!(resolve(&[], &body(&bad, &Absent)).is_err(), "{bad:?}");
+            assert!(resolve(&[], &body(&Absent, &bad)).is_err(), "{bad:?}");
         }
-        let msg = resolve(&[], &Absent, &NotAString)
+        let msg = resolve(&[], &body(&Absent, &NotAString))
             .err()
             .map(|d| d.message)
             .unwrap_or_default();
         assert!(msg.contains("params.idempotencyKey"), "{msg}");
-        assert!(resolve(&[b"a".to_vec(), b"a".to_vec()], &Absent, &Absent).is_err());
+        assert!(resolve(&[b"a".to_vec(), b"a".to_vec()], &body(&Absent, &Absent)).is_err());
+    }
+
+    #[test]
+    fn refusals_name_the_sources_as_the_table_has_them() {
+        let labels: Vec<String> = BODY_KEY_SOURCES.iter().map(KeyMember::label).collect();
+        assert_eq!(
+            labels,
+            [
+                "params._meta[\"dev.atmost/idempotency-key\"]",
+                "params.idempotencyKey"
+            ]
+        );
+        let disagree = |h: &[Vec<u8>], m: &str| {
+            resolve(h, &body(&KeyField::Present(m.into()), &KeyField::Absent))
+                .err()
+                .map(|d| d.message)
+        };
+        assert_eq!(
+            disagree(&[b"k1".to_vec()], "k2").as_deref(),
+            Some("the idempotency key sources (Idempotency-Key header, params._meta[\"dev.atmost/idempotency-key\"], params.idempotencyKey) disagree; send one key")
+        );
+        let not_a_string = |fields: [KeyField; 2]| {
+            resolve(&[], &BodyKeys::from(fields))
+                .err()
+                .map(|d| d.message)
+        };
+        assert_eq!(
+            not_a_string([KeyField::NotAString, KeyField::Absent]).as_deref(),
+            Some("params._meta[\"dev.atmost/idempotency-key\"] must be a string")
+        );
+        assert_eq!(
+            not_a_string([KeyField::Absent, KeyField::Present(String::new())]).as_deref(),
+            Some("the idempotency key from params.idempotencyKey is empty")
+        );
+    }
+
+    #[test]
+    fn each_source_is_read_where_the_table_says() {
+        let params = |v: Value| v.as_object().cloned().unwrap_or_default();
+        let read = BodyKeys::read(&params(serde_json::json!({
+            "name": "pay",
+            "_meta": {"dev.atmost/idempotency-key": "m1"},
+            "idempotencyKey": 5,
+            "arguments": {"idempotencyKey": "decoy"}
+        })));
+        assert_eq!(
+            read.named("dev.atmost/idempotency-key"),
+            Some(&KeyField::Present("m1".into()))
+        );
+        assert_eq!(read.named("idempotencyKey"), Some(&KeyField::NotAString));
+        assert!(read.any_field() && read.any_present());
+        // A `_meta` that is not an object holds no key; keys elsewhere are no source.
+        for other in [
+            serde_json::json!({"_meta": "dev.atmost/idempotency-key"}),
+            serde_json::json!({"arguments": {"idempotencyKey": "k"}}),
+            serde_json::json!({"_meta": {"idempotencyKey": "k"}}),
+        ] {
+            let read = BodyKeys::read(&params(other.clone()));
+            assert!(!read.any_field(), "{other}");
+            assert!(!carries_key(&params(other)));
+        }
+        assert!(carries_key(&params(
+            serde_json::json!({"idempotencyKey": null})
+        )));
     }
 
     #[test]

@@ -3,14 +3,9 @@
 
 use crate::call::reply::{rpc_code, LocalReply};
 use crate::parse::fold;
+use crate::parse::idempotency::{carries_key, BodyKeys, BODY_KEY_SOURCES};
 use crate::parse::strict_json;
 use serde_json::{Map, Value};
-
-/// `params._meta` key that may carry the idempotency key.
-pub const META_KEY: &str = "dev.atmost/idempotency-key";
-/// `params` member that may carry the idempotency key: the form proposed for MCP itself
-/// (SEP-3182), a string beside `name` and `arguments`.
-pub const PARAMS_KEY: &str = "idempotencyKey";
 
 /// Message of the refusal of a batch that holds a `tools/call`.
 pub const BATCH_REFUSED: &str =
@@ -41,7 +36,8 @@ pub enum Message {
     /// notifications, responses to the server, batches without `tools/call`): it passes.
     Other,
     /// Like [`Message::Other`], but some message in the body carries an idempotency key in
-    /// `params._meta` or `params.idempotencyKey`: it passes with that key rewritten. Holds
+    /// one of the body's key members ([`BODY_KEY_SOURCES`]): it passes with that key
+    /// rewritten. Holds
     /// the request's id (`null` for a notification or a batch), should a refusal be needed.
     KeyedOther(Value),
     /// One `tools/call` request.
@@ -61,22 +57,11 @@ pub struct ToolCall {
     pub name: String,
     /// `params.arguments`; an empty object when absent.
     pub arguments: Map<String, Value>,
-    /// `params._meta["dev.atmost/idempotency-key"]`.
-    pub meta_key: MetaKey,
-    /// `params.idempotencyKey`.
-    pub params_key: MetaKey,
+    /// What each of the body's key members ([`BODY_KEY_SOURCES`]) holds.
+    pub keys: BodyKeys,
     /// MCP 2026-07-28 multi-round-trip: `params` carries `inputResponses` or
     /// `requestState`, so this is the retry of a call that answered `input_required`.
     pub continuation: bool,
-}
-
-/// An idempotency key field (`_meta` or `params.idempotencyKey`) as found in the body.
-#[derive(Debug, Clone, PartialEq)]
-pub enum MetaKey {
-    Absent,
-    Present(String),
-    /// Present but not a string.
-    NotAString,
 }
 
 fn bad(status: u32, id: Option<&Value>, code: i64, message: &str) -> Box<LocalReply> {
@@ -92,24 +77,9 @@ fn is_tools_call(v: &Value) -> bool {
     v.get("method").and_then(Value::as_str) == Some("tools/call")
 }
 
-fn key_field(v: Option<&Value>) -> MetaKey {
-    match v {
-        None => MetaKey::Absent,
-        Some(Value::String(k)) => MetaKey::Present(k.clone()),
-        Some(_) => MetaKey::NotAString,
-    }
-}
-
-/// Whether a message's `params` hold an idempotency key field, of any type.
-fn carries_key(params: Option<&Value>) -> bool {
-    let Some(params) = params.and_then(Value::as_object) else {
-        return false;
-    };
-    params.contains_key(PARAMS_KEY)
-        || params
-            .get("_meta")
-            .and_then(Value::as_object)
-            .is_some_and(|m| m.contains_key(META_KEY))
+/// Whether a message's `params` are an object holding an idempotency key member.
+fn keyed(params: Option<&Value>) -> bool {
+    params.and_then(Value::as_object).is_some_and(carries_key)
 }
 
 fn other(keyed: bool, id: Option<&Value>) -> Message {
@@ -121,46 +91,83 @@ fn other(keyed: bool, id: Option<&Value>) -> Message {
 }
 
 /// The member names the gateway reads, where it reads them: of a JSON-RPC message, of its
-/// `params`, and of `params._meta`.
+/// `params`, and of objects in `params`; besides these, the idempotency key members
+/// ([`BODY_KEY_SOURCES`]) and the `params` members holding them.
 const MESSAGE_MEMBERS: [&str; 6] = ["jsonrpc", "id", "method", "params", "result", "error"];
-const PARAMS_MEMBERS: [&str; 7] = [
+const PARAMS_MEMBERS: [&str; 6] = [
     "name",
     "arguments",
     "_meta",
     "inputResponses",
     "requestState",
-    PARAMS_KEY,
     "task",
 ];
-const META_MEMBERS: [&str; 2] = [META_KEY, PROTOCOL_VERSION_META];
+const PARAMS_OBJECT_MEMBERS: [(&str, &[&str]); 1] = [("_meta", &[PROTOCOL_VERSION_META])];
+
+/// The members of `params` the gateway reads.
+fn params_members() -> impl Iterator<Item = &'static str> + Clone {
+    PARAMS_MEMBERS
+        .into_iter()
+        .chain(BODY_KEY_SOURCES.iter().map(|s| s.params_member()))
+}
+
+/// The objects of `params` the gateway reads members of, each once.
+fn params_objects() -> impl Iterator<Item = &'static str> {
+    let objects = PARAMS_OBJECT_MEMBERS
+        .iter()
+        .map(|(object, _)| *object)
+        .chain(BODY_KEY_SOURCES.iter().filter_map(|s| s.within));
+    objects
+        .clone()
+        .enumerate()
+        .filter(move |&(i, o)| !objects.clone().take(i).any(|earlier| earlier == o))
+        .map(|(_, o)| o)
+}
+
+/// The members the gateway reads in object `object` of `params`.
+fn object_members(object: &str) -> impl Iterator<Item = &'static str> + Clone + '_ {
+    PARAMS_OBJECT_MEMBERS
+        .iter()
+        .filter(move |(o, _)| *o == object)
+        .flat_map(|(_, members)| members.iter().copied())
+        .chain(
+            BODY_KEY_SOURCES
+                .iter()
+                .filter(move |s| s.within == Some(object))
+                .map(|s| s.name),
+        )
+}
 
 /// A key of `obj` that is not one of `names` but equal to one of them under case folding.
-fn case_variant<'a>(
-    obj: &'a Map<String, Value>,
-    names: &[&'static str],
-) -> Option<(&'a str, &'static str)> {
+fn case_variant(
+    obj: &Map<String, Value>,
+    names: impl Iterator<Item = &'static str> + Clone,
+) -> Option<(&str, &'static str)> {
     obj.keys().find_map(|k| {
         // Every name is ASCII, and an ASCII key folds only onto ASCII of its own length: most
         // pairs are told apart without folding.
         let ascii = k.is_ascii();
         names
-            .iter()
-            .find(|n| k != *n && (!ascii || k.len() == n.len()) && fold::eq_fold(k, n))
-            .map(|n| (k.as_str(), *n))
+            .clone()
+            .find(|n| k != n && (!ascii || k.len() == n.len()) && fold::eq_fold(k, n))
+            .map(|n| (k.as_str(), n))
     })
 }
 
 /// A key that a case-insensitive decoder (Go's `encoding/json`) reads as a member the
 /// gateway reads, though the gateway, matching exactly, does not: `{"Method":"tools/call"}`
 /// alone would pass the gateway as a response and run upstream as a call. Refused wherever
-/// the gateway looks: in the message, its `params` and their `_meta`.
+/// the gateway looks: in the message, its `params` and the objects it reads in them
+/// (`_meta`).
 fn misspelled_member(message: &Value) -> Option<(&str, &'static str)> {
     let obj = message.as_object()?;
-    case_variant(obj, &MESSAGE_MEMBERS).or_else(|| {
+    case_variant(obj, MESSAGE_MEMBERS.into_iter()).or_else(|| {
         let params = obj.get("params").and_then(Value::as_object)?;
-        case_variant(params, &PARAMS_MEMBERS).or_else(|| {
-            let meta = params.get("_meta").and_then(Value::as_object)?;
-            case_variant(meta, &META_MEMBERS)
+        case_variant(params, params_members()).or_else(|| {
+            params_objects().find_map(|object| {
+                let members = params.get(object).and_then(Value::as_object)?;
+                case_variant(members, object_members(object))
+            })
         })
     })
 }
@@ -205,10 +212,7 @@ pub fn parse(body: &[u8], mirrored: &Mirrored) -> Result<Message, Box<LocalReply
             if items.iter().any(is_tools_call) {
                 Err(bad(400, None, rpc_code::INVALID_REQUEST, BATCH_REFUSED))
             } else {
-                Ok(other(
-                    items.iter().any(|m| carries_key(m.get("params"))),
-                    None,
-                ))
+                Ok(other(items.iter().any(|m| keyed(m.get("params"))), None))
             }
         }
         Value::Object(obj) => parse_object(obj, mirrored),
@@ -281,12 +285,12 @@ fn parse_object(
         if let Some(id) = reply_id(&obj) {
             return Ok(Message::ToolsList {
                 id: id.clone(),
-                keyed: carries_key(obj.get("params")),
+                keyed: keyed(obj.get("params")),
             });
         }
     }
     if method != "tools/call" {
-        return Ok(other(carries_key(obj.get("params")), reply_id(&obj)));
+        return Ok(other(keyed(obj.get("params")), reply_id(&obj)));
     }
     let id = match obj.get("id") {
         Some(id) if id.is_string() || id.is_number() => id.clone(),
@@ -356,15 +360,13 @@ fn parse_object(
             "HeaderMismatch: MCP 2026-07-28 requires the Mcp-Method and Mcp-Name headers on tools/call",
         ));
     }
-    let meta_key = key_field(meta.and_then(|m| m.get(META_KEY)));
-    let params_key = key_field(params.get(PARAMS_KEY));
+    let keys = BodyKeys::read(&params);
     let continuation = params.contains_key("inputResponses") || params.contains_key("requestState");
     Ok(Message::ToolCall(ToolCall {
         id,
         name,
         arguments,
-        meta_key,
-        params_key,
+        keys,
         continuation,
     }))
 }
@@ -372,6 +374,7 @@ fn parse_object(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::parse::idempotency::{KeyField, KeyMember};
     use serde_json::json;
 
     fn refused(body: &str) -> (u32, Value) {
@@ -390,6 +393,20 @@ mod tests {
             Ok(Message::ToolCall(c)) => c,
             other => panic!("{body}: {other:?}"),
         }
+    }
+
+    /// What `params._meta["dev.atmost/idempotency-key"]` of the call holds.
+    fn meta_key(keys: &BodyKeys) -> KeyField {
+        keys.named("dev.atmost/idempotency-key")
+            .cloned()
+            .unwrap_or_else(|| panic!("no such key source"))
+    }
+
+    /// What `params.idempotencyKey` of the call holds.
+    fn params_key(keys: &BodyKeys) -> KeyField {
+        keys.named("idempotencyKey")
+            .cloned()
+            .unwrap_or_else(|| panic!("no such key source"))
     }
 
     fn passes(body: &str) {
@@ -455,10 +472,16 @@ mod tests {
     /// name it is given is ASCII.
     #[test]
     fn the_member_names_read_by_name_are_ascii() {
-        let names = MESSAGE_MEMBERS
-            .iter()
-            .chain(&PARAMS_MEMBERS)
-            .chain(&META_MEMBERS);
+        // Each name once per place it is read: of the message, of `params`, of `_meta`.
+        let distinct =
+            |names: Vec<&'static str>| names.into_iter().collect::<std::collections::BTreeSet<_>>();
+        let places = [
+            distinct(MESSAGE_MEMBERS.to_vec()),
+            distinct(params_members().collect()),
+            distinct(object_members("_meta").collect()),
+        ];
+        assert_eq!(params_objects().collect::<Vec<_>>(), ["_meta"]);
+        let names = places.iter().flatten();
         assert!(names.clone().count() == 15 && names.into_iter().all(|n| n.is_ascii()));
     }
 
@@ -488,6 +511,44 @@ mod tests {
         call(
             r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"pay","arguments":{"Method":1,"NAME":2}}}"#,
         );
+    }
+
+    /// Every key source of the table is read where it sits, and refused spelled in another
+    /// letter case, in a `tools/call` and in any other message.
+    #[test]
+    fn each_key_source_is_read_and_its_case_variants_refused() {
+        let params_with = |source: &KeyMember, name: &str| match source.within {
+            Some(object) => json!({"name": "pay", object: {name: "k1"}}),
+            None => json!({"name": "pay", name: "k1"}),
+        };
+        let message = |method: &str, params: Value| {
+            json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).to_string()
+        };
+        for source in &BODY_KEY_SOURCES {
+            let c = call(&message("tools/call", params_with(source, source.name)));
+            assert_eq!(
+                c.keys.named(source.name),
+                Some(&KeyField::Present("k1".into()))
+            );
+            assert_eq!(
+                parse(
+                    message("resources/list", params_with(source, source.name)).as_bytes(),
+                    &Mirrored::default()
+                ),
+                Ok(Message::KeyedOther(json!(1)))
+            );
+            let upper = source.name.to_ascii_uppercase();
+            for method in ["tools/call", "resources/list"] {
+                let (status, v) = refused(&message(method, params_with(source, &upper)));
+                assert_eq!((status, v["error"]["code"].clone()), (400, json!(-32600)));
+                assert!(
+                    v["error"]["message"]
+                        .as_str()
+                        .is_some_and(|m| m.contains(source.name)),
+                    "{v}"
+                );
+            }
+        }
     }
 
     #[test]
@@ -553,14 +614,14 @@ mod tests {
         assert_eq!(c.id, json!("r1"));
         assert_eq!(c.name, "pay");
         assert_eq!(Value::Object(c.arguments), json!({"a":1}));
-        assert_eq!(c.meta_key, MetaKey::Present("k1".into()));
+        assert_eq!(meta_key(&c.keys), KeyField::Present("k1".into()));
         let c = call(r#"{"jsonrpc":"2.0","method":"tools/call","id":0,"params":{"name":"pay"}}"#);
         assert!(c.arguments.is_empty());
-        assert_eq!(c.meta_key, MetaKey::Absent);
+        assert_eq!(meta_key(&c.keys), KeyField::Absent);
         let c = call(
             r#"{"jsonrpc":"2.0","method":"tools/call","id":0,"params":{"name":"pay","_meta":{"dev.atmost/idempotency-key":5}}}"#,
         );
-        assert_eq!(c.meta_key, MetaKey::NotAString);
+        assert_eq!(meta_key(&c.keys), KeyField::NotAString);
     }
 
     #[test]
@@ -568,8 +629,8 @@ mod tests {
         let c = call(
             r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"pay","idempotencyKey":"k9","arguments":{"idempotencyKey":"decoy"}}}"#,
         );
-        assert_eq!(c.params_key, MetaKey::Present("k9".into()));
-        assert_eq!(c.meta_key, MetaKey::Absent);
+        assert_eq!(params_key(&c.keys), KeyField::Present("k9".into()));
+        assert_eq!(meta_key(&c.keys), KeyField::Absent);
         assert_eq!(
             Value::Object(c.arguments),
             json!({"idempotencyKey":"decoy"})
@@ -577,9 +638,9 @@ mod tests {
         let c = call(
             r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"pay","idempotencyKey":null}}"#,
         );
-        assert_eq!(c.params_key, MetaKey::NotAString);
+        assert_eq!(params_key(&c.keys), KeyField::NotAString);
         let c = call(r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"pay"}}"#);
-        assert_eq!(c.params_key, MetaKey::Absent);
+        assert_eq!(params_key(&c.keys), KeyField::Absent);
     }
 
     #[test]
