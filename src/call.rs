@@ -195,6 +195,9 @@ pub struct Call {
     state: State,
     /// `request_hold: body`: what left with the headers of this POST before the decision.
     ahead: Option<Ahead>,
+    /// `completion_reports: batched`: this call's report went to the root's batch
+    /// ([`Effect::Complete`]) and the machine has not heard that the batch is done.
+    in_completion_batch: bool,
 }
 
 fn deny_step(config: &Config, denial: &Denial, id: &Value, tool: &str) -> Step {
@@ -302,6 +305,7 @@ impl Call {
             config,
             state: State::Start,
             ahead: None,
+            in_completion_batch: false,
         }
     }
 

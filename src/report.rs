@@ -320,6 +320,29 @@ impl Reporter {
     }
 }
 
+/// Hands context `context_id`'s completion report to the batch and, when the root must be
+/// woken for it, rings the doorbell with `ring` (answering whether it rang). A doorbell
+/// that did not ring leaves the report to the next tick. The reporter is not borrowed while
+/// `ring` runs.
+pub fn complete(
+    reporter: &RefCell<Reporter>,
+    context_id: u32,
+    report: OutcomeReport,
+    ring: impl FnOnce() -> bool,
+) {
+    let must_ring = reporter.borrow_mut().complete(context_id, report);
+    if must_ring && !ring() {
+        reporter.borrow_mut().doorbell_failed();
+    }
+}
+
+/// The name of a VM's doorbell queue: shared queues are shared by the VMs of every worker,
+/// so the name carries 128 random bits no other VM's name has.
+pub fn doorbell_queue_name(random: [u8; 16]) -> String {
+    let hex: String = random.iter().map(|b| format!("{b:02x}")).collect();
+    format!("atmost.completions.{hex}")
+}
+
 /// What carries out the root's tasks: the adapter with proxy-wasm hostcalls, tests with
 /// a recorder.
 pub trait RootHost {

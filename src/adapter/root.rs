@@ -25,13 +25,12 @@ pub struct Root {
     doorbell: Option<u32>,
 }
 
-/// A queue name no other VM of this vm_id uses (shared queues are shared by the VMs of
-/// every worker): 128 random bits from WASI `random_get`.
+/// A queue name no other VM of this vm_id uses ([`report::doorbell_queue_name`]), from WASI
+/// `random_get`.
 fn doorbell_name() -> Option<String> {
     let mut bytes = [0u8; 16];
     getrandom::fill(&mut bytes).ok()?;
-    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    Some(format!("atmost.completions.{hex}"))
+    Some(report::doorbell_queue_name(bytes))
 }
 
 /// Carries out the reporter's tasks from the root context.

@@ -784,6 +784,38 @@ fn batched_completion_is_handed_to_the_root_and_held() {
 }
 
 #[test]
+fn the_root_is_asked_about_the_batch_only_while_the_report_is_in_it() {
+    let asked = std::cell::Cell::new(0);
+    let ask = |waiting: bool| {
+        asked.set(asked.get() + 1);
+        waiting
+    };
+    let mut call = dispatched(cfg());
+    // Nothing handed to the root yet: nothing to ask.
+    call.check_completion_batch(|| ask(false));
+    assert_eq!((asked.get(), call.state_name()), (0, "dispatched"));
+    json_answer(&mut call, RECEIPT);
+    assert!(call.is_reporting());
+    // Still waiting in the batch: the response stays held.
+    call.check_completion_batch(|| ask(true));
+    assert_eq!(asked.get(), 1);
+    assert!(call.is_reporting());
+    assert_eq!(done(call.on_response_body(5, true)).flow, Flow::Pause);
+    // The batch is done: settled, and the root is not asked again.
+    call.check_completion_batch(|| ask(false));
+    assert_eq!((asked.get(), call.state_name()), (2, "settled"));
+    call.check_completion_batch(|| ask(false));
+    assert_eq!(asked.get(), 2);
+    assert_eq!(done(call.on_response_body(5, true)).flow, Flow::Continue);
+    // A call reporting per call is never in the root's batch.
+    let mut per_call = dispatched(cfg_with(json!({"completion_reports": "per_call"})));
+    json_answer(&mut per_call, RECEIPT);
+    per_call.check_completion_batch(|| ask(false));
+    assert_eq!(asked.get(), 2);
+    assert!(per_call.is_reporting());
+}
+
+#[test]
 fn batched_completion_client_gone_queues_from_on_log() {
     let mut call = dispatched(cfg());
     json_answer(&mut call, RECEIPT);
