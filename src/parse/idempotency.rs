@@ -230,12 +230,13 @@ pub fn resolve(header_values: &[Vec<u8>], body: &BodyKeys) -> Result<Option<Stri
 
 /// Two sources hold different keys: the refusal names every source, not the keys.
 fn disagreement() -> Denial {
-    let sources: Vec<String> = std::iter::once(HEADER_SOURCE.to_string())
-        .chain(BODY_KEY_SOURCES.iter().map(KeyMember::label))
-        .collect();
+    let mut sources = String::from(HEADER_SOURCE);
+    for source in &BODY_KEY_SOURCES {
+        sources.push_str(", ");
+        sources.push_str(&source.label());
+    }
     invalid(&format!(
-        "the idempotency key sources ({}) disagree; send one key",
-        sources.join(", ")
+        "the idempotency key sources ({sources}) disagree; send one key"
     ))
 }
 

@@ -3,7 +3,7 @@
 
 use crate::call::reply::{rpc_code, LocalReply};
 use crate::parse::fold;
-use crate::parse::idempotency::{carries_key, BodyKeys, BODY_KEY_SOURCES};
+use crate::parse::idempotency::{carries_key, BodyKeys, KeyMember, BODY_KEY_SOURCES};
 use crate::parse::strict_json;
 use serde_json::{Map, Value};
 
@@ -91,8 +91,9 @@ fn other(keyed: bool, id: Option<&Value>) -> Message {
 }
 
 /// The member names the gateway reads, where it reads them: of a JSON-RPC message, of its
-/// `params`, and of objects in `params`; besides these, the idempotency key members
-/// ([`BODY_KEY_SOURCES`]) and the `params` members holding them.
+/// `params`, and of `params._meta`. Besides these it reads the idempotency key members
+/// ([`BODY_KEY_SOURCES`]) and the members of `params` holding them: [`PARAMS_READ`] and
+/// [`META_READ`] add them.
 const MESSAGE_MEMBERS: [&str; 6] = ["jsonrpc", "id", "method", "params", "result", "error"];
 const PARAMS_MEMBERS: [&str; 6] = [
     "name",
@@ -102,72 +103,101 @@ const PARAMS_MEMBERS: [&str; 6] = [
     "requestState",
     "task",
 ];
-const PARAMS_OBJECT_MEMBERS: [(&str, &[&str]); 1] = [("_meta", &[PROTOCOL_VERSION_META])];
+const META: &str = "_meta";
+const META_MEMBERS: [&str; 1] = [PROTOCOL_VERSION_META];
 
-/// The members of `params` the gateway reads.
-fn params_members() -> impl Iterator<Item = &'static str> + Clone {
-    PARAMS_MEMBERS
-        .into_iter()
-        .chain(BODY_KEY_SOURCES.iter().map(|s| s.params_member()))
+/// Every member of `params` the gateway reads (`_meta` twice does no harm).
+const PARAMS_READ: [&str; PARAMS_MEMBERS.len() + BODY_KEY_SOURCES.len()] = {
+    let mut names = [""; PARAMS_MEMBERS.len() + BODY_KEY_SOURCES.len()];
+    let mut i = 0;
+    while i < names.len() {
+        names[i] = if i < PARAMS_MEMBERS.len() {
+            PARAMS_MEMBERS[i]
+        } else {
+            BODY_KEY_SOURCES[i - PARAMS_MEMBERS.len()].params_member()
+        };
+        i += 1;
+    }
+    names
+};
+
+/// Whether a key source sits in `params._meta`.
+const fn in_meta(source: &KeyMember) -> bool {
+    let Some(object) = source.within else {
+        return false;
+    };
+    let (a, b) = (object.as_bytes(), META.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
 }
 
-/// The objects of `params` the gateway reads members of, each once.
-fn params_objects() -> impl Iterator<Item = &'static str> {
-    let objects = PARAMS_OBJECT_MEMBERS
-        .iter()
-        .map(|(object, _)| *object)
-        .chain(BODY_KEY_SOURCES.iter().filter_map(|s| s.within));
-    objects
-        .clone()
-        .enumerate()
-        .filter(move |&(i, o)| !objects.clone().take(i).any(|earlier| earlier == o))
-        .map(|(_, o)| o)
-}
+const META_KEY_SOURCES: usize = {
+    let mut n = 0;
+    let mut i = 0;
+    while i < BODY_KEY_SOURCES.len() {
+        if in_meta(&BODY_KEY_SOURCES[i]) {
+            n += 1;
+        }
+        i += 1;
+    }
+    n
+};
 
-/// The members the gateway reads in object `object` of `params`.
-fn object_members(object: &str) -> impl Iterator<Item = &'static str> + Clone + '_ {
-    PARAMS_OBJECT_MEMBERS
-        .iter()
-        .filter(move |(o, _)| *o == object)
-        .flat_map(|(_, members)| members.iter().copied())
-        .chain(
-            BODY_KEY_SOURCES
-                .iter()
-                .filter(move |s| s.within == Some(object))
-                .map(|s| s.name),
-        )
-}
+/// Every member of `params._meta` the gateway reads.
+const META_READ: [&str; META_MEMBERS.len() + META_KEY_SOURCES] = {
+    let mut names = [""; META_MEMBERS.len() + META_KEY_SOURCES];
+    let mut n = 0;
+    while n < META_MEMBERS.len() {
+        names[n] = META_MEMBERS[n];
+        n += 1;
+    }
+    let mut i = 0;
+    while i < BODY_KEY_SOURCES.len() {
+        if in_meta(&BODY_KEY_SOURCES[i]) {
+            names[n] = BODY_KEY_SOURCES[i].name;
+            n += 1;
+        }
+        i += 1;
+    }
+    names
+};
 
 /// A key of `obj` that is not one of `names` but equal to one of them under case folding.
-fn case_variant(
-    obj: &Map<String, Value>,
-    names: impl Iterator<Item = &'static str> + Clone,
-) -> Option<(&str, &'static str)> {
+fn case_variant<'a>(
+    obj: &'a Map<String, Value>,
+    names: &[&'static str],
+) -> Option<(&'a str, &'static str)> {
     obj.keys().find_map(|k| {
         // Every name is ASCII, and an ASCII key folds only onto ASCII of its own length: most
         // pairs are told apart without folding.
         let ascii = k.is_ascii();
         names
-            .clone()
-            .find(|n| k != n && (!ascii || k.len() == n.len()) && fold::eq_fold(k, n))
-            .map(|n| (k.as_str(), n))
+            .iter()
+            .find(|n| k != *n && (!ascii || k.len() == n.len()) && fold::eq_fold(k, n))
+            .map(|n| (k.as_str(), *n))
     })
 }
 
 /// A key that a case-insensitive decoder (Go's `encoding/json`) reads as a member the
 /// gateway reads, though the gateway, matching exactly, does not: `{"Method":"tools/call"}`
 /// alone would pass the gateway as a response and run upstream as a call. Refused wherever
-/// the gateway looks: in the message, its `params` and the objects it reads in them
-/// (`_meta`).
+/// the gateway looks: in the message, its `params` and their `_meta`.
 fn misspelled_member(message: &Value) -> Option<(&str, &'static str)> {
     let obj = message.as_object()?;
-    case_variant(obj, MESSAGE_MEMBERS.into_iter()).or_else(|| {
+    case_variant(obj, &MESSAGE_MEMBERS).or_else(|| {
         let params = obj.get("params").and_then(Value::as_object)?;
-        case_variant(params, params_members()).or_else(|| {
-            params_objects().find_map(|object| {
-                let members = params.get(object).and_then(Value::as_object)?;
-                case_variant(members, object_members(object))
-            })
+        case_variant(params, &PARAMS_READ).or_else(|| {
+            let meta = params.get(META).and_then(Value::as_object)?;
+            case_variant(meta, &META_READ)
         })
     })
 }
@@ -374,7 +404,7 @@ fn parse_object(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::parse::idempotency::{KeyField, KeyMember};
+    use crate::parse::idempotency::KeyField;
     use serde_json::json;
 
     fn refused(body: &str) -> (u32, Value) {
@@ -473,16 +503,38 @@ mod tests {
     #[test]
     fn the_member_names_read_by_name_are_ascii() {
         // Each name once per place it is read: of the message, of `params`, of `_meta`.
-        let distinct =
-            |names: Vec<&'static str>| names.into_iter().collect::<std::collections::BTreeSet<_>>();
+        let distinct = |names: &[&'static str]| {
+            names
+                .iter()
+                .copied()
+                .collect::<std::collections::BTreeSet<_>>()
+        };
         let places = [
-            distinct(MESSAGE_MEMBERS.to_vec()),
-            distinct(params_members().collect()),
-            distinct(object_members("_meta").collect()),
+            distinct(&MESSAGE_MEMBERS),
+            distinct(&PARAMS_READ),
+            distinct(&META_READ),
         ];
-        assert_eq!(params_objects().collect::<Vec<_>>(), ["_meta"]);
         let names = places.iter().flatten();
         assert!(names.clone().count() == 15 && names.into_iter().all(|n| n.is_ascii()));
+    }
+
+    /// A key source's member is refused in another letter case only where the gateway looks
+    /// for misspellings: in `params` and in `params._meta`. A source in another object of
+    /// `params` needs that object read in `misspelled_member` too.
+    #[test]
+    fn every_key_source_sits_where_misspellings_are_looked_for() {
+        for source in &BODY_KEY_SOURCES {
+            assert!(
+                source.within.is_none() || source.within == Some(META),
+                "{source:?}"
+            );
+            assert!(PARAMS_READ.contains(&source.params_member()));
+            assert_eq!(
+                META_READ.contains(&source.name),
+                source.within.is_some(),
+                "{source:?}"
+            );
+        }
     }
 
     #[test]
