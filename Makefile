@@ -27,10 +27,10 @@ setup: setup-run venv-test oci-tools k8s-tools go-tools browser-tools netns-tool
 go-tools:
 	@command -v go >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq golang-go; }
 
-## Regenerates src/fold_table.rs (simple case folding) from Debian's unicode-data CaseFolding.txt.
+## Regenerates src/parse/fold_table.rs (simple case folding) from Debian's unicode-data CaseFolding.txt.
 fold-table:
 	@test -f /usr/share/unicode/CaseFolding.txt || { apt-get update -qq && apt-get install -y -qq unicode-data; }
-	$(PYTHON) scripts/gen_casefold.py /usr/share/unicode/CaseFolding.txt > src/fold_table.rs
+	$(PYTHON) scripts/gen_casefold.py /usr/share/unicode/CaseFolding.txt > src/parse/fold_table.rs
 
 # tests/e2e/test_pod_routes.py builds an agent pod's network as Istio does: network namespaces and
 # veth links (iproute2), Istio's capture rules (iptables), processes under other users

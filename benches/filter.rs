@@ -10,8 +10,8 @@ use std::hint::black_box;
 use std::rc::Rc;
 
 use atmost_config::Config;
-use atmost_filter::fingerprint::fingerprint;
-use atmost_filter::mcp::{self, Mirrored};
+use atmost_filter::parse::fingerprint::fingerprint;
+use atmost_filter::parse::mcp::{self, Mirrored};
 use criterion::{criterion_group, criterion_main, Criterion};
 use serde_json::{json, Map, Value};
 

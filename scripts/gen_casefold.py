@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Writes src/fold_table.rs from Unicode's CaseFolding.txt (Debian: package unicode-data).
+"""Writes src/parse/fold_table.rs from Unicode's CaseFolding.txt (Debian: package unicode-data).
 
-    scripts/gen_casefold.py PATH/TO/CaseFolding.txt > src/fold_table.rs
+    scripts/gen_casefold.py PATH/TO/CaseFolding.txt > src/parse/fold_table.rs
 
 Two characters are the same under simple case folding when their C+S foldings meet; the
 classes are the orbits of Go's unicode.SimpleFold, which encoding/json uses to match object

@@ -24,7 +24,7 @@
 //! ```
 //!
 //! Every answer to a governed call carries the permit's figures the ledger gave
-//! ([`crate::permit_meta`]): a local reply gets them as it is built, a dispatched call's
+//! ([`crate::call::permit_meta`]): a local reply gets them as it is built, a dispatched call's
 //! upstream answer as an edit of its body (JSON or the SSE event), with the headers.
 //!
 //! With `request_hold: body` ([`body_hold`]) a POST's headers go upstream at once from
@@ -32,23 +32,13 @@
 //! and `Authorizing`; a response before the decision leads to `Overtaken`, where the body is
 //! held for good and a reserved attempt is released.
 
-use crate::body_encoding;
-use crate::denial;
-use crate::fingerprint::fingerprint;
-use crate::idempotency;
-use crate::ledger::{Callout, Endpoint, LedgerError, LedgerReply};
-use crate::mcp::{self, Message, MetaKey};
-use crate::meta_key;
-use crate::outcome::{self, NoReceipt};
-use crate::permit;
-use crate::permit_meta::{self, TextAt};
-use crate::receipt::{self, Passed, ResultKind, SseCapture, SseProgress};
-use crate::replay;
-use crate::reply::{rpc_code, LocalReply};
-use crate::resume::{self, CallPermit, Ticket};
+use crate::ledger_client::{Callout, Endpoint, LedgerError, LedgerReply};
+use crate::parse::body_encoding;
+use crate::parse::fingerprint::fingerprint;
+use crate::parse::idempotency;
+use crate::parse::key_rewrite;
+use crate::parse::mcp::{self, Message};
 use crate::stats::Stat;
-use crate::upstream_key;
-use crate::upstream_key::UNGOVERNED_PERMIT_ID;
 use atmost_config::{CompletionReports, Config, RequestHold, UpstreamKey};
 use atmost_protocol::{
     AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, DispatchGrant, LimitsRequest,
@@ -57,6 +47,17 @@ use atmost_protocol::{
 use serde_json::Value;
 use std::rc::Rc;
 
+pub mod denial;
+pub mod effects;
+pub mod outcome;
+pub mod permit;
+pub mod permit_meta;
+pub mod receipt;
+pub mod replay;
+pub mod reply;
+pub mod resume;
+pub mod upstream_key;
+
 mod body_hold;
 mod head;
 mod ledger_reply;
@@ -64,6 +65,12 @@ mod response;
 mod step;
 
 use body_hold::{key_header_misfit, Ahead};
+use outcome::NoReceipt;
+use permit_meta::TextAt;
+use receipt::{Passed, ResultKind, SseCapture, SseProgress};
+use reply::{rpc_code, LocalReply};
+use resume::{CallPermit, Ticket};
+use upstream_key::UNGOVERNED_PERMIT_ID;
 
 pub use head::{ENVOY_CONTROL_HEADERS, HEADERS_ATMOST_READS, MAX_RETRIES_HEADER};
 pub use step::*;
@@ -78,7 +85,7 @@ struct Pending {
     session_id: Option<String>,
     /// The raw body and where its body idempotency keys sit, kept only when they must be
     /// rewritten before upstream (`upstream_key.mode` other than `raw`).
-    meta_key_edit: Option<MetaKeyEdit>,
+    body_key_rewrite: Option<BodyKeyRewrite>,
     /// The key value sent with `authorize` and the permit id it was derived for, so a
     /// Dispatch under that permit forwards it without deriving it again.
     forwarded: Option<Box<ForwardedKey>>,
@@ -91,9 +98,9 @@ struct ForwardedKey {
 }
 
 #[derive(Debug, Clone, PartialEq)]
-struct MetaKeyEdit {
+struct BodyKeyRewrite {
     body: Vec<u8>,
-    spans: Vec<meta_key::MemberSpan>,
+    spans: Vec<key_rewrite::MemberSpan>,
     /// The request announced a `content-length`, which must follow the new size.
     had_content_length: bool,
 }
@@ -188,6 +195,9 @@ pub struct Call {
     state: State,
     /// `request_hold: body`: what left with the headers of this POST before the decision.
     ahead: Option<Ahead>,
+    /// `completion_reports: batched`: this call's report went to the root's batch
+    /// ([`Effect::Complete`]) and the machine has not heard that the batch is done.
+    in_completion_batch: bool,
 }
 
 fn deny_step(config: &Config, denial: &Denial, id: &Value, tool: &str) -> Step {
@@ -255,11 +265,11 @@ fn rewrite_refused() -> Denial {
 /// JSON value and returns its upstream form, or `None` to remove it.
 fn body_edit(
     original: &[u8],
-    spans: &[meta_key::MemberSpan],
+    spans: &[key_rewrite::MemberSpan],
     had_content_length: bool,
     value: impl FnMut(&[u8]) -> Option<String>,
 ) -> Vec<Effect> {
-    let body = meta_key::rewrite_all(original, spans, value);
+    let body = key_rewrite::rewrite_all(original, spans, value);
     let mut effects = Vec::with_capacity(2);
     let length = had_content_length
         .then(|| Effect::SetRequestHeader("content-length".into(), body.len().to_string()));
@@ -295,6 +305,7 @@ impl Call {
             config,
             state: State::Start,
             ahead: None,
+            in_completion_batch: false,
         }
     }
 
@@ -459,7 +470,7 @@ impl Call {
         let mode = &self.config.upstream_key;
         let mut step = Step::cont();
         if let Some(body) = body.filter(|_| *mode != UpstreamKey::Raw) {
-            let spans = meta_key::find_all(body);
+            let spans = key_rewrite::find_all(body);
             if !spans.is_empty() {
                 let length = head.content_length.is_some();
                 step.effects.extend(body_edit(body, &spans, length, |raw| {
@@ -601,10 +612,7 @@ impl Call {
             Ok(Message::ToolCall(call)) => call,
         };
         if !self.config.governed_tools.contains(&call.name) {
-            let keyed = !matches!(
-                (&call.meta_key, &call.params_key),
-                (MetaKey::Absent, MetaKey::Absent)
-            );
+            let keyed = call.keys.any_field();
             return self.pass(&head, keyed.then_some(body), call.id, Some(call.name));
         }
         let permit = permit::token(&head.permit, &self.config.permit_header);
@@ -616,11 +624,10 @@ impl Call {
             }
         };
         let permit = CallPermit::Token(permit_token.clone());
-        let key =
-            match idempotency::resolve(&head.idempotency_key, &call.meta_key, &call.params_key) {
-                Ok(k) => k,
-                Err(d) => return deny_step(&self.config, &d, &call.id, &call.name),
-            };
+        let key = match idempotency::resolve(&head.idempotency_key, &call.keys) {
+            Ok(k) => k,
+            Err(d) => return deny_step(&self.config, &d, &call.id, &call.name),
+        };
         let fp = match fingerprint(&call.name, &call.arguments) {
             Ok(fp) => fp,
             Err(_) => {
@@ -656,14 +663,13 @@ impl Call {
             Ok(b) => b,
             Err(_) => return deny_step(&self.config, &gateway_unavailable(), &call.id, &call.name),
         };
-        let in_body = matches!(call.meta_key, MetaKey::Present(_))
-            || matches!(call.params_key, MetaKey::Present(_));
-        let meta_key_edit = match &self.config.upstream_key {
+        let in_body = call.keys.any_present();
+        let body_key_rewrite = match &self.config.upstream_key {
             UpstreamKey::Raw => None,
             _ if !in_body => None,
-            _ => Some(meta_key::find_all(body_bytes))
+            _ => Some(key_rewrite::find_all(body_bytes))
                 .filter(|spans| !spans.is_empty())
-                .map(|spans| MetaKeyEdit {
+                .map(|spans| BodyKeyRewrite {
                     body: body_bytes.to_vec(),
                     spans,
                     had_content_length: head.content_length.is_some(),
@@ -676,7 +682,7 @@ impl Call {
             tool: call.name,
             key,
             session_id: head.session_id.clone(),
-            meta_key_edit,
+            body_key_rewrite,
             forwarded,
         });
         Step {

@@ -2,40 +2,31 @@
 //! any governed MCP `tools/call` goes upstream, and reports what became of every call it
 //! let through.
 //!
-//! Everything except [`adapter`] is plain Rust with no proxy-wasm dependency, so it is
-//! tested natively with `cargo test -p atmost-filter`. The adapter only exists in the
-//! `wasm32` build: it turns Envoy's callbacks into [`call::Event`]s for the per-request
-//! state machine and carries out the [`call::Effect`]s it returns.
+//! Everything except `adapter` is plain Rust with no proxy-wasm dependency, so it is
+//! tested natively with `cargo test -p atmost-filter`. By domain:
+//!
+//! - [`parse`]: reading what arrives (the request body as an MCP message, the idempotency
+//!   key and where it may come from, JSON text in place, an upstream's event stream);
+//! - [`call`]: the per-request state machine and its parts (denials, replies, replays,
+//!   receipts, outcomes, the permit's figures, resume tickets), every decision about a
+//!   request or its response;
+//! - [`report`]: the root context's outcome reports (the after-the-fact queue and the
+//!   batch of completion reports whose responses are held);
+//! - [`ledger_client`]: the callouts to the ledger and reading its answers;
+//! - [`stats`]: the counters.
+//!
+//! The adapter (`src/adapter/`) only exists in the `wasm32` build: it turns Envoy's
+//! callbacks into calls on [`call::Call`] and [`report::Reporter`] and carries out the
+//! [`call::Effect`]s and [`report::RootEffect`]s they return, with hostcalls.
 //!
 //! The promise is *at most N dispatches per tool under one permit* and *one dispatch per
 //! idempotency key*; the remote side effect itself is not guaranteed to happen only once.
 
-pub mod body_encoding;
 pub mod call;
-pub mod completions;
-pub mod denial;
-pub mod effects;
-pub mod fingerprint;
-pub mod fold;
-mod fold_table;
-pub mod idempotency;
-pub mod json_text;
-pub mod ledger;
-pub mod mcp;
-pub mod meta_key;
-pub mod outcome;
-pub mod permit;
-pub mod permit_meta;
-pub mod receipt;
-pub mod replay;
-pub mod reply;
-pub mod reporter;
-pub mod reports;
-pub mod resume;
-pub mod sse;
+pub mod ledger_client;
+pub mod parse;
+pub mod report;
 pub mod stats;
-pub mod strict_json;
-pub mod upstream_key;
 
 #[cfg(test)]
 mod test_config;

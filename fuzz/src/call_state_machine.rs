@@ -34,13 +34,13 @@
 use crate::plain;
 use arbitrary::{Arbitrary, Unstructured};
 use atmost_config::{Config, UpstreamKey};
+use atmost_filter::call::effects::{self, Refused};
+use atmost_filter::call::resume::Ticket;
 use atmost_filter::call::{
     BodyStep, Call, Effect, Flow, LogProps, RequestHead, ResponseHead, Step, IDEMPOTENCY_HEADER,
 };
-use atmost_filter::effects::{self, Refused};
-use atmost_filter::ledger::{Callout, Endpoint, LedgerReply};
-use atmost_filter::mcp::{self, Message, Mirrored};
-use atmost_filter::resume::Ticket;
+use atmost_filter::ledger_client::{Callout, Endpoint, LedgerReply};
+use atmost_filter::parse::mcp::{self, Message, Mirrored};
 use atmost_protocol::{AuthorizeRequest, Outcome};
 use serde_json::{json, Value};
 use std::rc::Rc;
@@ -543,7 +543,7 @@ fn run(data: &[u8]) -> (bool, usize) {
                         },
                         id: json!(7),
                         tool: "pay".into(),
-                        permit_hash: atmost_filter::resume::permit_hash(b"tok-123"),
+                        permit_hash: atmost_filter::call::resume::permit_hash(b"tok-123"),
                         path: "/mcp".into(),
                         limits: None,
                     }),

@@ -30,9 +30,9 @@
 //! writer.
 
 use crate::util::Rng;
-use atmost_filter::fingerprint::{canonical, fingerprint, hex};
-use atmost_filter::mcp::{self, Message, Mirrored};
-use atmost_filter::strict_json;
+use atmost_filter::parse::fingerprint::{canonical, fingerprint, hex};
+use atmost_filter::parse::mcp::{self, Message, Mirrored};
+use atmost_filter::parse::strict_json;
 use serde_json::{json, Map, Number, Value};
 use sha2::{Digest, Sha256};
 use std::ops::Range;

@@ -10,7 +10,7 @@
 //!   governance; with matching mirrored headers it reads the same, with a mismatching or
 //!   duplicated `Mcp-Method` / `Mcp-Name` it is refused `HeaderMismatch` (-32020);
 //! - the parsed call is what the body says (`params.name`, `params.arguments`, `id`, and
-//!   the key fields `params._meta["dev.atmost/idempotency-key"]` and `params.idempotencyKey`);
+//!   each idempotency key member of `idempotency::BODY_KEY_SOURCES`);
 //! - the call's fingerprint can be computed;
 //! - `idempotency::parse_header_value` accepts only 1..=255 printable ASCII bytes, and a
 //!   quoted form of an accepted key decodes to the same key.
@@ -40,10 +40,10 @@
 
 use crate::plain::{self, Repeat};
 use crate::util::assert_rpc_error;
-use atmost_filter::fingerprint::fingerprint;
-use atmost_filter::idempotency::{self, MAX_KEY_BYTES};
-use atmost_filter::mcp::{self, Message, MetaKey, Mirrored, ToolCall, MIRRORING_VERSION};
-use atmost_filter::reply::rpc_code;
+use atmost_filter::call::reply::rpc_code;
+use atmost_filter::parse::fingerprint::fingerprint;
+use atmost_filter::parse::idempotency::{self, KeyField, MAX_KEY_BYTES};
+use atmost_filter::parse::mcp::{self, Message, Mirrored, ToolCall, MIRRORING_VERSION};
 use serde_json::Value;
 
 const KNOWN_CODES: [i64; 4] = [
@@ -121,17 +121,14 @@ fn check_call(body: &[u8], call: &ToolCall) {
         None => assert!(call.arguments.is_empty()),
         Some(a) => assert_eq!(a, &Value::Object(call.arguments.clone())),
     }
-    match (&call.meta_key, v["params"]["_meta"].get(mcp::META_KEY)) {
-        (MetaKey::Absent, None) => {}
-        (MetaKey::Present(k), Some(Value::String(s))) => assert_eq!(k, s),
-        (MetaKey::NotAString, Some(x)) => assert!(!x.is_string()),
-        (m, x) => panic!("meta key {m:?} but body has {x:?}"),
-    }
-    match (&call.params_key, v["params"].get(mcp::PARAMS_KEY)) {
-        (MetaKey::Absent, None) => {}
-        (MetaKey::Present(k), Some(Value::String(s))) => assert_eq!(k, s),
-        (MetaKey::NotAString, Some(x)) => assert!(!x.is_string()),
-        (m, x) => panic!("params key {m:?} but body has {x:?}"),
+    let params = v["params"].as_object().cloned().unwrap_or_default();
+    for (source, field) in call.keys.iter() {
+        match (field, source.value_in(&params)) {
+            (KeyField::Absent, None) => {}
+            (KeyField::Present(k), Some(Value::String(s))) => assert_eq!(k, s),
+            (KeyField::NotAString, Some(x)) => assert!(!x.is_string()),
+            (f, x) => panic!("{} is {f:?} but body has {x:?}", source.label()),
+        }
     }
     if let Err(e) = fingerprint(&call.name, &call.arguments) {
         panic!("parsed arguments cannot be fingerprinted: {e}");

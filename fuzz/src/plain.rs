@@ -6,7 +6,7 @@
 //! repeats a key (exactly, or under case folding) and whether a member the gateway reads is
 //! spelled in another letter case.
 
-use atmost_filter::fold;
+use atmost_filter::parse::fold;
 use serde::de::{Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Value};
 use std::fmt;

@@ -11,8 +11,8 @@
 //!   method) and replays; `receipt::kind_of` never panics;
 //! - fed as an SSE stream in two pieces or whole, the capture finds the same receipt.
 
-use atmost_filter::receipt::{self, SseCapture, SseProgress};
-use atmost_filter::replay::{self, REPLAYED_HEADER, REPLAYED_META};
+use atmost_filter::call::receipt::{self, SseCapture, SseProgress};
+use atmost_filter::call::replay::{self, REPLAYED_HEADER, REPLAYED_META};
 use serde_json::Value;
 
 fn check_rewrite(receipt: &str, id: &Value) {

@@ -14,7 +14,7 @@
 //! - no event holds CR, and a last event id holds no CR, LF or NUL.
 
 use crate::util::Rng;
-use atmost_filter::sse::{SseParser, TooLarge};
+use atmost_filter::parse::sse::{SseParser, TooLarge};
 
 type Run = (Vec<String>, Option<String>, Result<(), TooLarge>);
 

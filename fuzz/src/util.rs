@@ -1,6 +1,6 @@
 //! Small helpers shared by the checks.
 
-use atmost_filter::reply::LocalReply;
+use atmost_filter::call::reply::LocalReply;
 use serde_json::Value;
 
 /// A tiny deterministic PRNG (xorshift64*), so the checks are reproducible from the input.

@@ -4,8 +4,8 @@
 //! language. Runs `tests/rfc8785_reference.py` with the project's virtualenv
 //! (`ATMOST_PYTHON`, else `../.venv/bin/python`; `make venv-test` installs the package).
 
-use atmost_filter::fingerprint::canonical;
-use atmost_filter::strict_json;
+use atmost_filter::parse::fingerprint::canonical;
+use atmost_filter::parse::strict_json;
 use serde_json::{json, Map, Value};
 use std::io::Write;
 use std::path::{Path, PathBuf};

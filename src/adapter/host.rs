@@ -1,7 +1,9 @@
 //! Thin wrappers over proxy-wasm hostcalls that never unwrap: a failed hostcall is
 //! logged or treated as "absent".
 
+use crate::call::reply::LocalReply;
 use crate::call::Level;
+use crate::ledger_client::LedgerReply;
 use crate::stats::Stat;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType};
@@ -20,11 +22,6 @@ pub fn log(level: Level, message: &str) {
 
 pub fn headers(map: MapType) -> Vec<(String, Vec<u8>)> {
     hostcalls::get_map_bytes(map).unwrap_or_default()
-}
-
-/// The first value of one header (`name` lowercase), if present.
-pub fn header(map: MapType, name: &str) -> Option<Vec<u8>> {
-    hostcalls::get_map_value_bytes(map, name).ok().flatten()
 }
 
 pub fn buffer(kind: BufferType, len: usize) -> Vec<u8> {
@@ -87,7 +84,7 @@ pub fn set_shared(key: &str, value: &[u8]) {
 
 pub fn property_int(path: &[&str]) -> Option<u64> {
     match hostcalls::get_property(path.to_vec()) {
-        Ok(v) => crate::outcome::decode_int(v.as_deref()),
+        Ok(v) => crate::call::outcome::decode_int(v.as_deref()),
         Err(_) => None,
     }
 }
@@ -120,16 +117,26 @@ pub fn dispatch(
     }
 }
 
-/// Reads a callout's answer: `:status` (none when zero headers) and body.
-pub fn callout_reply(num_headers: usize, body_size: usize) -> crate::ledger::LedgerReply {
-    if num_headers == 0 {
-        return crate::ledger::LedgerReply::failed();
-    }
-    let status = header(MapType::HttpCallResponseHeaders, ":status")
-        .and_then(|v| crate::ledger::parse_status(&v));
-    crate::ledger::LedgerReply {
-        status,
-        body: buffer(BufferType::HttpCallResponseBody, body_size),
+/// Reads a callout's answer ([`LedgerReply::from_callout`]); a failed callout has no headers
+/// to read.
+pub fn callout_reply(num_headers: usize, body_size: usize) -> LedgerReply {
+    let headers = if num_headers == 0 {
+        Vec::new()
+    } else {
+        headers(MapType::HttpCallResponseHeaders)
+    };
+    LedgerReply::from_callout(headers, buffer(BufferType::HttpCallResponseBody, body_size))
+}
+
+/// `send_http_response` with `reply`; the request ends here.
+pub fn send_local_reply(reply: &LocalReply) {
+    let headers: Vec<(&str, &str)> = reply
+        .headers
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    if hostcalls::send_http_response(reply.status, headers, Some(&reply.body)).is_err() {
+        log(Level::Error, "atmost: could not send a local reply");
     }
 }
 

@@ -1,10 +1,15 @@
 //! One HTTP request: reads what Envoy offers, feeds [`Call`], carries out its effects.
+//! What the headers mean, and whether a resume ticket is this request's, is decided in
+//! plain Rust ([`RequestHead::from_headers`], [`RequestHead::admit_resume`],
+//! [`ResponseHead::from_headers`]).
 
 use super::host;
 use super::shared::Shared;
+use crate::call::effects::{self, Refused};
+use crate::call::reply::LocalReply;
 use crate::call::{BodyStep, Call, Effect, Flow, Level, LogProps, RequestHead, ResponseHead, Step};
-use crate::effects::{self, Refused};
-use crate::ledger::{self, Callout};
+use crate::ledger_client::{self, Callout};
+use crate::report;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
@@ -13,9 +18,6 @@ pub struct Http {
     shared: Shared,
     call: Call,
     context_id: u32,
-    /// This context's completion report is in the root's batch (`completion_reports:
-    /// batched`) and the machine has not heard that the batch is done.
-    in_batch: bool,
 }
 
 impl Http {
@@ -25,24 +27,22 @@ impl Http {
             shared,
             call,
             context_id,
-            in_batch: false,
         }
     }
 
-    /// Tells the machine when the root has finished the batch carrying this context's
-    /// report (the root resumed the response; a failed report is in the root's queue).
+    /// Lets the machine ask the root whether the batch carrying this context's report is
+    /// done (the root resumed the response; a failed report is in the root's queue).
     fn sync_batch(&mut self) {
-        if self.in_batch && !self.shared.reporter.borrow().is_waiting(self.context_id) {
-            self.in_batch = false;
-            self.call.on_completion_settled();
-        }
+        let reporter = &self.shared.reporter;
+        let context_id = self.context_id;
+        self.call
+            .check_completion_batch(|| reporter.borrow().is_waiting(context_id));
     }
 
     fn apply(&mut self, step: Step) -> Action {
         let mut exec = Exec {
             shared: &self.shared,
             context_id: self.context_id,
-            in_batch: &mut self.in_batch,
         };
         match effects::apply(&mut self.call, step, &mut exec) {
             Flow::Continue => Action::Continue,
@@ -57,10 +57,7 @@ impl Http {
             end_of_stream,
         );
         if let Some(key) = head.resume_key() {
-            head.resume = host::take_shared(&key, |bytes| {
-                crate::resume::Ticket::from_bytes(bytes)
-                    .filter(|t| t.admits(&head.permit, &head.path))
-            });
+            head.resume = host::take_shared(&key, |stored| head.admit_resume(stored));
         }
         head
     }
@@ -70,8 +67,6 @@ impl Http {
 struct Exec<'a> {
     shared: &'a Shared,
     context_id: u32,
-    /// See [`Http::in_batch`].
-    in_batch: &'a mut bool,
 }
 
 impl effects::Host for Exec<'_> {
@@ -105,17 +100,7 @@ impl effects::Host for Exec<'_> {
                     return Err(Refused);
                 }
             }
-            Effect::LocalReply(reply) => {
-                let headers: Vec<(&str, &str)> = reply
-                    .headers
-                    .iter()
-                    .map(|(k, v)| (k.as_str(), v.as_str()))
-                    .collect();
-                if hostcalls::send_http_response(reply.status, headers, Some(&reply.body)).is_err()
-                {
-                    host::log(Level::Error, "atmost: could not send a local reply");
-                }
-            }
+            Effect::LocalReply(reply) => host::send_local_reply(&reply),
             Effect::ResumeRequest => {
                 if hostcalls::resume_http_request().is_err() {
                     host::log(Level::Error, "atmost: could not resume the request");
@@ -132,22 +117,13 @@ impl effects::Host for Exec<'_> {
                     self.shared.root_effect(effect);
                 }
             }
-            Effect::Complete(report) => {
-                *self.in_batch = true;
-                let ring = self
-                    .shared
-                    .reporter
-                    .borrow_mut()
-                    .complete(self.context_id, report);
-                if ring {
-                    let rang = self.shared.doorbell.is_some_and(|q| {
+            Effect::Complete(completed) => {
+                let doorbell = self.shared.doorbell;
+                report::complete(&self.shared.reporter, self.context_id, completed, || {
+                    doorbell.is_some_and(|q| {
                         hostcalls::enqueue_shared_queue(q, Some(b"!".as_slice())).is_ok()
-                    });
-                    if !rang {
-                        // The root's tick sends it instead.
-                        self.shared.reporter.borrow_mut().doorbell_failed();
-                    }
-                }
+                    })
+                });
             }
             Effect::SaveResume(key, ticket) => host::set_shared(&key, &ticket.to_bytes()),
             Effect::Count(stat) => self.shared.metrics.inc(stat),
@@ -158,7 +134,7 @@ impl effects::Host for Exec<'_> {
 
     fn dispatch(&mut self, callout: &Callout) -> bool {
         let cfg = &self.shared.config.ledger;
-        let headers = ledger::headers(cfg, callout.endpoint);
+        let headers = ledger_client::headers(cfg, callout.endpoint);
         host::dispatch(&cfg.cluster, &headers, &callout.body, cfg.timeout_ms).is_some()
     }
 }
@@ -206,12 +182,9 @@ impl HttpContext for Http {
         if !self.call.watches_response_headers() {
             return Action::Continue;
         }
-        let content_type = host::header(MapType::HttpResponseHeaders, "content-type")
-            .map(|v| String::from_utf8_lossy(&v).into_owned());
-        let step = self.call.on_response_headers(ResponseHead {
-            content_type,
-            end_of_stream,
-        });
+        let head =
+            ResponseHead::from_headers(host::headers(MapType::HttpResponseHeaders), end_of_stream);
+        let step = self.call.on_response_headers(head);
         self.apply(step)
     }
 
@@ -256,23 +229,14 @@ impl HttpContext for Http {
 }
 
 /// The HTTP context used when the plugin has no valid configuration: every request is
-/// refused (fail closed), never passed unchecked.
+/// refused ([`LocalReply::not_configured`]).
 pub struct Refuse;
 
 impl Context for Refuse {}
 
 impl HttpContext for Refuse {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let body = br#"{"jsonrpc":"2.0","id":null,"error":{"code":-32603,"message":"atmost filter is not configured"}}"#;
-        if hostcalls::send_http_response(
-            503,
-            vec![("content-type", "application/json")],
-            Some(body),
-        )
-        .is_err()
-        {
-            host::log(Level::Error, "atmost: could not send a local reply");
-        }
+        host::send_local_reply(&LocalReply::not_configured());
         Action::Pause
     }
 }

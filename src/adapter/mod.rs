@@ -3,7 +3,7 @@
 //!
 //! Root context id: `atmost` (the `root_id` in Envoy's plugin config). One VM is
 //! single-threaded: the root context and its HTTP contexts share the
-//! [`crate::reporter::Reporter`] (report queue, batch of completion reports) and the
+//! [`crate::report::Reporter`] (report queue, batch of completion reports) and the
 //! metric ids through `Rc`.
 
 mod host;

@@ -5,8 +5,8 @@ use super::host;
 use super::http::{Http, Refuse};
 use super::shared::Shared;
 use crate::call::Level;
-use crate::ledger::{self, Callout};
-use crate::reporter::{self, Reporter, RootEffect, RootHost, Tasks};
+use crate::ledger_client::{self, Callout};
+use crate::report::{self, Reporter, RootEffect, RootHost, Tasks};
 use atmost_config::Config;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -25,13 +25,12 @@ pub struct Root {
     doorbell: Option<u32>,
 }
 
-/// A queue name no other VM of this vm_id uses (shared queues are shared by the VMs of
-/// every worker): 128 random bits from WASI `random_get`.
+/// A queue name no other VM of this vm_id uses ([`report::doorbell_queue_name`]), from WASI
+/// `random_get`.
 fn doorbell_name() -> Option<String> {
     let mut bytes = [0u8; 16];
     getrandom::fill(&mut bytes).ok()?;
-    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    Some(format!("atmost.completions.{hex}"))
+    Some(report::doorbell_queue_name(bytes))
 }
 
 /// Carries out the reporter's tasks from the root context.
@@ -63,7 +62,7 @@ impl RootHost for Exec<'_> {
         let cfg = &self.shared.config.ledger;
         host::dispatch(
             &cfg.cluster,
-            &ledger::headers(cfg, callout.endpoint),
+            &ledger_client::headers(cfg, callout.endpoint),
             &callout.body,
             cfg.timeout_ms,
         )
@@ -87,7 +86,7 @@ impl Root {
             root_id: self.context_id,
             switched: false,
         };
-        reporter::apply(&self.reporter, tasks, &mut exec);
+        report::apply(&self.reporter, tasks, &mut exec);
         exec.back_to_root();
     }
 }

@@ -1,7 +1,7 @@
 //! What the root context shares with its HTTP contexts (one VM is single-threaded).
 
 use super::host::{self, Metrics};
-use crate::reporter::{Reporter, RootEffect};
+use crate::report::{Reporter, RootEffect};
 use atmost_config::Config;
 use proxy_wasm::hostcalls;
 use std::cell::RefCell;

@@ -1,8 +1,11 @@
 //! Reading a request's headers as the machine needs them ([`RequestHead::from_headers`]):
-//! the values atmost acts on, the steering headers Envoy's router would obey, and names
-//! that alias a header atmost reads.
+//! the values atmost acts on, the steering headers Envoy's router would obey, names that
+//! alias a header atmost reads, and whether a resume ticket is this request's to take
+//! ([`RequestHead::admit_resume`]); and a response's ([`ResponseHead::from_headers`]).
+//! Which value counts when a header repeats is decided here, not by the host.
 
-use super::step::{RequestHead, IDEMPOTENCY_HEADER};
+use super::step::{RequestHead, ResponseHead, IDEMPOTENCY_HEADER};
+use crate::call::resume::Ticket;
 
 /// Request headers by which a client steers what Envoy's router does with the request
 /// after every HTTP filter has run. The filter removes them from every request, at
@@ -166,14 +169,39 @@ impl RequestHead {
             return None;
         }
         let last = self.last_event_id.as_deref()?;
-        Some(crate::resume::key(self.session_id.as_deref(), last))
+        Some(crate::call::resume::key(self.session_id.as_deref(), last))
+    }
+
+    /// The ticket stored under [`RequestHead::resume_key`], if this request may take it: a
+    /// readable ticket that [`Ticket::admits`] this request's permit and path. `None` leaves
+    /// the stored value where it is (an empty value is a ticket already taken).
+    pub fn admit_resume(&self, stored: &[u8]) -> Option<Ticket> {
+        Ticket::from_bytes(stored).filter(|t| t.admits(&self.permit, &self.path))
+    }
+}
+
+impl ResponseHead {
+    /// Reads Envoy's response header map (names in any letter case, in the order Envoy holds
+    /// them): of `Content-Type` the first value counts, as text.
+    pub fn from_headers<N: AsRef<str>, V: AsRef<[u8]>>(
+        headers: impl IntoIterator<Item = (N, V)>,
+        end_of_stream: bool,
+    ) -> ResponseHead {
+        let content_type = headers
+            .into_iter()
+            .find(|(name, _)| name.as_ref().eq_ignore_ascii_case("content-type"))
+            .map(|(_, value)| String::from_utf8_lossy(value.as_ref()).into_owned());
+        ResponseHead {
+            content_type,
+            end_of_stream,
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mcp::Mirrored;
+    use crate::parse::mcp::Mirrored;
 
     fn read(headers: &[(&str, &str)]) -> RequestHead {
         RequestHead::from_headers(headers.iter().copied(), "atmost-permit", false)
@@ -343,19 +371,113 @@ mod tests {
     }
 
     #[test]
+    fn a_stored_ticket_is_taken_only_by_the_calls_permit_on_the_calls_path() {
+        let ticket = Ticket {
+            grant: atmost_protocol::DispatchGrant {
+                attempt_id: "att_1".into(),
+                round: 1,
+                capability: "cap".into(),
+            },
+            id: serde_json::json!(7),
+            tool: "pay".into(),
+            permit_hash: crate::call::resume::permit_hash(b"tok"),
+            path: "/mcp".into(),
+            limits: None,
+        };
+        let stored = ticket.to_bytes();
+        let get = |extra: &[(&str, &str)]| {
+            read(
+                &[
+                    &[
+                        (":method", "GET"),
+                        (":path", "/mcp"),
+                        ("last-event-id", "e7"),
+                    ],
+                    extra,
+                ]
+                .concat(),
+            )
+        };
+        assert_eq!(
+            get(&[("atmost-permit", " tok ")]).admit_resume(&stored),
+            Some(ticket.clone())
+        );
+        for refused in [
+            get(&[]),
+            get(&[("atmost-permit", "other")]),
+            get(&[("atmost-permit", "tok"), ("atmost-permit", "tok")]),
+            read(&[
+                (":method", "GET"),
+                (":path", "/other"),
+                ("atmost-permit", "tok"),
+            ]),
+        ] {
+            assert_eq!(refused.admit_resume(&stored), None, "{refused:?}");
+        }
+        // A ticket already taken (emptied) or unreadable is no ticket.
+        let head = get(&[("atmost-permit", "tok")]);
+        assert_eq!(head.admit_resume(b""), None);
+        assert_eq!(head.admit_resume(b"{"), None);
+    }
+
+    #[test]
+    fn of_a_response_the_first_content_type_counts() {
+        let head =
+            |headers: &[(&str, &[u8])], end| ResponseHead::from_headers(headers.to_vec(), end);
+        assert_eq!(
+            head(
+                &[
+                    (":status", b"200"),
+                    ("Content-Type", b"text/event-stream"),
+                    ("content-type", b"application/json"),
+                ],
+                false
+            ),
+            ResponseHead {
+                content_type: Some("text/event-stream".into()),
+                end_of_stream: false,
+            }
+        );
+        // Kept as sent (the machine reads the media type itself); not UTF-8 is read lossily.
+        assert_eq!(
+            head(
+                &[("content-type", b" application/json; charset=utf-8")],
+                true
+            )
+            .content_type,
+            Some(" application/json; charset=utf-8".into())
+        );
+        assert_eq!(
+            head(&[("content-type", b"text/\xff")], false).content_type,
+            Some("text/\u{fffd}".into())
+        );
+        assert_eq!(
+            head(&[(":status", b"204")], true),
+            ResponseHead {
+                content_type: None,
+                end_of_stream: true,
+            }
+        );
+    }
+
+    #[test]
     fn a_resume_key_only_for_a_get_with_a_last_event_id_and_no_alias() {
         let get = |extra: &[(&str, &str)]| {
-            let mut headers = vec![
-                (":method", "GET"),
-                ("mcp-session-id", "s1"),
-                ("last-event-id", "e7"),
-            ];
-            headers.extend_from_slice(extra);
-            read(&headers)
+            read(
+                &[
+                    &[
+                        (":method", "GET"),
+                        ("mcp-session-id", "s1"),
+                        ("last-event-id", "e7"),
+                    ],
+                    extra,
+                ]
+                .concat(),
+            )
         };
         assert_eq!(
             get(&[]).resume_key(),
-            Some(crate::resume::key(Some("s1"), "e7"))
+            Some(crate::call::resume::key(Some("s1"), "e7"))
         );
         assert_eq!(get(&[("mcp_session_id", "s2")]).resume_key(), None);
         assert_eq!(read(&[(":method", "GET")]).resume_key(), None);

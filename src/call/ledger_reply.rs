@@ -166,7 +166,7 @@ impl Call {
                 // The body copies of the key get the same treatment as the header. Every edit
                 // comes before the resume, which the adapter skips if one is refused.
                 let mut step = Step::cont();
-                if let Some(edit) = p.meta_key_edit {
+                if let Some(edit) = p.body_key_rewrite {
                     step.effects.extend(body_edit(
                         &edit.body,
                         &edit.spans,

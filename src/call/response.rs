@@ -240,6 +240,7 @@ impl Call {
         effects.extend(resumed_stat);
         match self.config.completion_reports {
             CompletionReports::Batched => {
+                self.in_completion_batch = true;
                 effects.push(Effect::Complete(report));
                 Step {
                     flow: Flow::Pause,
@@ -358,10 +359,21 @@ impl Call {
     /// report (acknowledged, or failed and queued for retry by the root) and resumed the
     /// response. Nothing is left to report.
     pub fn on_completion_settled(&mut self) {
+        self.in_completion_batch = false;
         if let State::Dispatched(d) = &mut self.state {
             if matches!(d.watch, Watch::Reporting { .. }) {
                 d.watch = Watch::Settled;
             }
+        }
+    }
+
+    /// `completion_reports: batched`, before each response callback and `on_log`: while this
+    /// call's report is in the root's batch, asks the root whether it is still `waiting`
+    /// there ([`crate::report::Reporter::is_waiting`]); once it is not, the batch is done
+    /// ([`Call::on_completion_settled`]). The root is asked nothing otherwise.
+    pub fn check_completion_batch(&mut self, waiting: impl FnOnce() -> bool) {
+        if self.in_completion_batch && !waiting() {
+            self.on_completion_settled();
         }
     }
 

@@ -1,10 +1,10 @@
 //! The machine's vocabulary: what the adapter reads from Envoy for it, and the steps and
 //! effects it answers with.
 
-use crate::ledger::Callout;
-use crate::mcp::Mirrored;
-use crate::reply::LocalReply;
-use crate::resume::Ticket;
+use crate::call::reply::LocalReply;
+use crate::call::resume::Ticket;
+use crate::ledger_client::Callout;
+use crate::parse::mcp::Mirrored;
 use crate::stats::Stat;
 use atmost_protocol::OutcomeReport;
 
@@ -117,7 +117,7 @@ pub enum Effect {
     /// `Pause`) until the root resumes it. Tell the machine with
     /// [`Call::on_completion_settled`] once the batch is done.
     Complete(OutcomeReport),
-    /// Store a resume ticket in shared data under this key (see [`crate::resume`]).
+    /// Store a resume ticket in shared data under this key (see [`crate::call::resume`]).
     SaveResume(String, Ticket),
     Count(Stat),
     Log(Level, String),

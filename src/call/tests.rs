@@ -408,7 +408,7 @@ fn governed_call_makes_one_authorize_callout() {
     assert!(req.key_required);
     assert_eq!(
         Some(req.fingerprint),
-        crate::fingerprint::fingerprint(
+        crate::parse::fingerprint::fingerprint(
             "pay_invoice",
             json!({"amount":1250,"invoice":"INV-1"})
                 .as_object()
@@ -463,7 +463,7 @@ fn dispatch_sets_the_upstream_key_and_resumes() {
     let mut call = Call::new(cfg());
     send(&mut call, post(&["tok"], &["\"k1\""]), PAY);
     let s = call.on_ledger_reply(&ledger(&dispatch()));
-    let want = crate::upstream_key::upstream_value(&cfg().upstream_key, "pmt_1", Some("k1"))
+    let want = crate::call::upstream_key::upstream_value(&cfg().upstream_key, "pmt_1", Some("k1"))
         .unwrap_or_default();
     assert_eq!(
         s.effects,
@@ -568,8 +568,9 @@ fn a_key_in_meta_is_rewritten_in_the_body_like_the_header() {
     };
     send(&mut call, head, META_PAY);
     let s = call.on_ledger_reply(&ledger(&dispatch()));
-    let want = crate::upstream_key::upstream_value(&cfg().upstream_key, "pmt_1", Some("raw-k1"))
-        .unwrap_or_default();
+    let want =
+        crate::call::upstream_key::upstream_value(&cfg().upstream_key, "pmt_1", Some("raw-k1"))
+            .unwrap_or_default();
     let (len, body) = body_effect(&s).expect("body rewritten");
     assert_eq!(len, META_PAY.len());
     assert_eq!(body, META_PAY.replace("raw-k1", &want));
@@ -780,6 +781,38 @@ fn batched_completion_is_handed_to_the_root_and_held() {
     assert_eq!(call.state_name(), "settled");
     assert_eq!(done(call.on_response_body(5, true)).flow, Flow::Continue);
     assert_eq!(call.on_log(LogProps::default()), Step::cont());
+}
+
+#[test]
+fn the_root_is_asked_about_the_batch_only_while_the_report_is_in_it() {
+    let asked = std::cell::Cell::new(0);
+    let ask = |waiting: bool| {
+        asked.set(asked.get() + 1);
+        waiting
+    };
+    let mut call = dispatched(cfg());
+    // Nothing handed to the root yet: nothing to ask.
+    call.check_completion_batch(|| ask(false));
+    assert_eq!((asked.get(), call.state_name()), (0, "dispatched"));
+    json_answer(&mut call, RECEIPT);
+    assert!(call.is_reporting());
+    // Still waiting in the batch: the response stays held.
+    call.check_completion_batch(|| ask(true));
+    assert_eq!(asked.get(), 1);
+    assert!(call.is_reporting());
+    assert_eq!(done(call.on_response_body(5, true)).flow, Flow::Pause);
+    // The batch is done: settled, and the root is not asked again.
+    call.check_completion_batch(|| ask(false));
+    assert_eq!((asked.get(), call.state_name()), (2, "settled"));
+    call.check_completion_batch(|| ask(false));
+    assert_eq!(asked.get(), 2);
+    assert_eq!(done(call.on_response_body(5, true)).flow, Flow::Continue);
+    // A call reporting per call is never in the root's batch.
+    let mut per_call = dispatched(cfg_with(json!({"completion_reports": "per_call"})));
+    json_answer(&mut per_call, RECEIPT);
+    per_call.check_completion_batch(|| ask(false));
+    assert_eq!(asked.get(), 2);
+    assert!(per_call.is_reporting());
 }
 
 #[test]
@@ -1194,7 +1227,8 @@ fn body_edit_of(s: &Step) -> Option<String> {
 }
 
 fn derived(c: &Config, permit_id: &str, key: &str) -> String {
-    crate::upstream_key::upstream_value(&c.upstream_key, permit_id, Some(key)).unwrap_or_default()
+    crate::call::upstream_key::upstream_value(&c.upstream_key, permit_id, Some(key))
+        .unwrap_or_default()
 }
 
 const PARAMS_PAY: &str = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"idempotencyKey":"raw-p","name":"pay_invoice","arguments":{"invoice":"INV-1","amount":1250},"_meta":{"dev.atmost/idempotency-key":"raw-p"}}}"#;

@@ -256,10 +256,10 @@ def test_well_formed_calls_still_pass_to_every_upstream(upstreams, ledger, kind)
 
 
 def test_the_folding_table_agrees_with_go():
-    """The filter's table (src/fold_table.rs, from Unicode's CaseFolding.txt) against Go's
-    unicode.SimpleFold orbits, rune by rune over all of Unicode. Where they differ the table
-    may only know characters Go's Unicode version has not assigned yet."""
-    table = (ROOT / "src" / "fold_table.rs").read_text()
+    """The filter's table (src/parse/fold_table.rs, from Unicode's CaseFolding.txt) against
+    Go's unicode.SimpleFold orbits, rune by rune over all of Unicode. Where they differ the
+    table may only know characters Go's Unicode version has not assigned yet."""
+    table = (ROOT / "src" / "parse" / "fold_table.rs").read_text()
     pairs = re.findall(r"\(0x([0-9A-F]+), 0x([0-9A-F]+)\)", table)
     assert len(pairs) > 1000, "the table looks truncated"
     result = subprocess.run([str(go_upstream_binary()), "-fold-check"], input="\n".join(f"{a} {b}" for a, b in pairs),

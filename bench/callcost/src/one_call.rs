@@ -6,7 +6,7 @@ use std::rc::Rc;
 
 use atmost_config::Config;
 use atmost_filter::call::{BodyStep, Call, RequestHead, ResponseHead};
-use atmost_filter::ledger::LedgerReply;
+use atmost_filter::ledger_client::LedgerReply;
 
 /// A call with its key in `_meta` and three arguments.
 pub const CALL: &[u8] = br#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"pay_invoice","arguments":{"invoice":"INV-1","amount":250,"memo":"quarterly"},"_meta":{"dev.atmost/idempotency-key":"task-4417-pay"}}}"#;

@@ -9,10 +9,10 @@
 //!   "data": {"code": "<code>", ...data}}`, application codes outside -32768..-32000.
 //!
 //! A denial the ledger made under an authenticated permit carries the permit's figures for
-//! the tool ([`crate::permit_meta`]): in `result._meta` or `error.data`, and in the headers.
+//! the tool ([`crate::call::permit_meta`]): in `result._meta` or `error.data`, and in the headers.
 
-use crate::permit_meta;
-use crate::reply::LocalReply;
+use crate::call::permit_meta;
+use crate::call::reply::LocalReply;
 use atmost_config::DenialFormat;
 use atmost_protocol::Denial;
 use serde_json::{json, Map, Value};

@@ -2,7 +2,7 @@
 //! key twice is refused. Parsers disagree on duplicates (most keep the last, some the
 //! first), so a body with `"name":"echo","name":"pay_invoice"` could be governed as one
 //! tool and executed as another. Keys equal under Unicode simple case folding are the same
-//! key here too (see [`crate::fold`]): Go's `encoding/json` matches them to one field.
+//! key here too (see [`crate::parse::fold`]): Go's `encoding/json` matches them to one field.
 
 use serde::de::{Deserialize, Deserializer, Error, MapAccess, SeqAccess, Visitor};
 use serde_json::map::Entry;
@@ -91,7 +91,7 @@ impl<'de> Visitor<'de> for StrictVisitor {
                 }
             }
         }
-        if let Some((a, b)) = crate::fold::collision(obj.keys().map(String::as_str)) {
+        if let Some((a, b)) = crate::parse::fold::collision(obj.keys().map(String::as_str)) {
             return Err(A::Error::custom(format!(
                 "{DUPLICATE_KEY} `{a}` and `{b}` {FOLDED}"
             )));

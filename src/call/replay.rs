@@ -1,10 +1,10 @@
 //! Answering a call from a stored receipt: the stored JSON-RPC response with its `id`
 //! replaced by the current request's id and `result._meta["dev.atmost/replayed"] = true`
 //! (an `error` response is left as it is), sent with `idempotent-replayed: true`, and the
-//! permit's figures as they stand ([`crate::permit_meta`]).
+//! permit's figures as they stand ([`crate::call::permit_meta`]).
 
-use crate::permit_meta;
-use crate::reply::LocalReply;
+use crate::call::permit_meta;
+use crate::call::reply::LocalReply;
 use atmost_protocol::PermitLimits;
 use serde_json::{Map, Value};
 

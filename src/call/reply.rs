@@ -1,6 +1,6 @@
 //! Local replies: answers the filter sends itself, without going upstream.
 
-use crate::permit_meta;
+use crate::call::permit_meta;
 use atmost_protocol::PermitLimits;
 use serde_json::{json, Value};
 
@@ -46,6 +46,16 @@ impl LocalReply {
         )
     }
 
+    /// The answer to every request when the plugin has no valid configuration: refused
+    /// (fail closed), never passed unchecked.
+    pub fn not_configured() -> LocalReply {
+        LocalReply {
+            status: 503,
+            headers: vec![("content-type".to_string(), "application/json".to_string())],
+            body: br#"{"jsonrpc":"2.0","id":null,"error":{"code":-32603,"message":"atmost filter is not configured"}}"#.to_vec(),
+        }
+    }
+
     /// Adds a header.
     pub fn with_header(mut self, name: &str, value: &str) -> LocalReply {
         self.headers.push((name.to_string(), value.to_string()));
@@ -89,5 +99,21 @@ mod tests {
         );
         let r = LocalReply::rpc_error(413, None, rpc_code::INVALID_REQUEST, "x");
         assert_eq!(r.body_json().map(|v| v["id"].clone()), Some(Value::Null));
+    }
+
+    #[test]
+    fn without_a_configuration_every_request_is_refused_503() {
+        let r = LocalReply::not_configured();
+        assert_eq!(r.status, 503);
+        assert_eq!(
+            r.headers,
+            [("content-type".to_string(), "application/json".to_string())]
+        );
+        assert_eq!(
+            r.body_json(),
+            Some(
+                json!({"jsonrpc":"2.0","id":null,"error":{"code":rpc_code::INTERNAL_ERROR,"message":"atmost filter is not configured"}})
+            )
+        );
     }
 }

@@ -9,9 +9,10 @@
 //! answer gets them as [`Edit`]s of its text: the figures go in, every other byte stays as
 //! the upstream sent it.
 
-use crate::json_text::{self, member, Member};
-use crate::sse::Event;
+use crate::parse::json_text::{self, member, Member};
+use crate::parse::sse::Event;
 use atmost_protocol::PermitLimits;
+use serde::Serialize;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
@@ -36,35 +37,37 @@ pub fn headers(limits: &PermitLimits) -> [(&'static str, String); 3] {
     ]
 }
 
-fn figures(limits: &PermitLimits) -> Value {
-    let figure = |n: Option<u64>| n.map_or(Value::Null, Value::from);
-    let mut m = Map::new();
-    m.insert("calls_left".into(), figure(limits.calls_left));
-    m.insert("budget_left".into(), figure(limits.budget_left));
-    m.insert(
-        "expires_at".into(),
-        Value::String(limits.expires_at.clone()),
-    );
-    Value::Object(m)
+/// The figures as the agent reads them in `_meta["dev.atmost/permit"]`: a figure without a
+/// limit is `null`. The members are declared in key order, the order a `serde_json` object
+/// writes them in, so the text written straight from this struct and the text of the JSON
+/// value agree byte for byte.
+#[derive(Serialize)]
+struct Figures<'a> {
+    budget_left: Option<u64>,
+    calls_left: Option<u64>,
+    expires_at: &'a str,
 }
 
-/// The figures as JSON text, byte for byte what `figures(limits).to_string()` writes (members
-/// in key order), without building the tree: it goes into every dispatched call's answer.
-fn figures_text(limits: &PermitLimits) -> String {
-    let mut text = String::with_capacity(64 + limits.expires_at.len());
-    let figure = |text: &mut String, name: &str, n: Option<u64>| {
-        text.push_str(name);
-        match n {
-            Some(n) => text.push_str(&n.to_string()),
-            None => text.push_str("null"),
+impl<'a> Figures<'a> {
+    fn of(limits: &'a PermitLimits) -> Figures<'a> {
+        Figures {
+            budget_left: limits.budget_left,
+            calls_left: limits.calls_left,
+            expires_at: &limits.expires_at,
         }
-    };
-    figure(&mut text, "{\"budget_left\":", limits.budget_left);
-    figure(&mut text, ",\"calls_left\":", limits.calls_left);
-    text.push_str(",\"expires_at\":");
-    json_text::push_string(&mut text, &limits.expires_at);
-    text.push('}');
-    text
+    }
+}
+
+/// The figures as a JSON value, for an answer the filter builds. Writing plain numbers and a
+/// string cannot fail.
+fn figures(limits: &PermitLimits) -> Value {
+    serde_json::to_value(Figures::of(limits)).unwrap_or(Value::Null)
+}
+
+/// The figures as JSON text, without building the tree: it goes into every dispatched
+/// call's answer. Writing plain numbers and a string cannot fail.
+fn figures_text(limits: &PermitLimits) -> String {
+    serde_json::to_string(&Figures::of(limits)).unwrap_or_else(|_| "null".into())
 }
 
 /// Puts the figures into a JSON-RPC response the filter built: `result._meta` (created, or
@@ -375,6 +378,23 @@ mod tests {
     }
 
     #[test]
+    fn figures_are_written_in_key_order_with_null_for_no_limit() {
+        assert_eq!(
+            figures_text(&limits()),
+            r#"{"budget_left":null,"calls_left":2,"expires_at":"2030-01-01T00:00:00.000Z"}"#
+        );
+        let most = PermitLimits {
+            calls_left: Some(u64::MAX),
+            budget_left: Some(48_750),
+            expires_at: "a\"b\\c\u{1}\u{7f}\u{e9}".into(),
+        };
+        assert_eq!(
+            figures_text(&most),
+            "{\"budget_left\":48750,\"calls_left\":18446744073709551615,\"expires_at\":\"a\\\"b\\\\c\\u0001\u{7f}\u{e9}\"}"
+        );
+    }
+
+    #[test]
     fn headers_spell_unlimited_figures() {
         assert_eq!(
             headers(&limits()),
@@ -538,7 +558,7 @@ mod tests {
 
     #[test]
     fn edits_land_in_an_sse_event_split_over_data_lines() {
-        let mut parser = crate::sse::SseParser::new(1 << 20);
+        let mut parser = crate::parse::sse::SseParser::new(1 << 20);
         let mut events = Vec::new();
         let stream = b"data: x\n\nid: 7\r\ndata: {\"id\":5,\r\ndata:\"result\":{}}\r\n\r\n";
         let base = 9;

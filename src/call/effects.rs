@@ -7,7 +7,7 @@
 //! proxy-wasm hostcalls; tests implement it with a recorder.
 
 use crate::call::{Call, Effect, Flow, Step};
-use crate::ledger::Callout;
+use crate::ledger_client::Callout;
 
 /// The host refused a request or response edit (header or body write).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,7 +53,7 @@ pub fn apply(call: &mut Call, step: Step, host: &mut impl Host) -> Flow {
 mod tests {
     use super::*;
     use crate::call::RequestHead;
-    use crate::ledger::LedgerReply;
+    use crate::ledger_client::LedgerReply;
     use crate::test_config::{config_from, minimal};
     use atmost_protocol::{AuthorizeResponse, Outcome};
     use std::rc::Rc;

@@ -8,7 +8,7 @@
 //! (logged and counted); the ledger's lease sweeper then turns that attempt `uncertain`,
 //! never `released`.
 
-use crate::ledger::LedgerError;
+use crate::ledger_client::LedgerError;
 use atmost_protocol::{OutcomeAck, OutcomeReport, OutcomesRequest};
 use std::collections::VecDeque;
 

@@ -126,6 +126,22 @@ impl LedgerReply {
         }
     }
 
+    /// A callout's answer as Envoy hands it over: its headers (none when the callout
+    /// failed) and its body. The first `:status` counts.
+    pub fn from_callout<N: AsRef<str>, V: AsRef<[u8]>>(
+        headers: impl IntoIterator<Item = (N, V)>,
+        body: Vec<u8>,
+    ) -> LedgerReply {
+        let mut headers = headers.into_iter().peekable();
+        if headers.peek().is_none() {
+            return LedgerReply::failed();
+        }
+        let status = headers
+            .find(|(name, _)| name.as_ref() == ":status")
+            .and_then(|(_, value)| parse_status(value.as_ref()));
+        LedgerReply { status, body }
+    }
+
     fn ok_body(&self) -> Result<&[u8], LedgerError> {
         match self.status {
             None => Err(LedgerError::Unreachable),
@@ -204,7 +220,7 @@ impl From<DispatchAnswer> for AuthorizeResponse {
 }
 
 /// Parses the `:status` header value.
-pub fn parse_status(value: &[u8]) -> Option<u32> {
+fn parse_status(value: &[u8]) -> Option<u32> {
     std::str::from_utf8(value).ok()?.trim().parse().ok()
 }
 
@@ -262,6 +278,31 @@ mod tests {
             dispatches += usize::from(matches!(read, Ok(AuthorizeResponse::Dispatch { .. })));
         }
         assert_eq!(dispatches, 4);
+    }
+
+    #[test]
+    fn a_callout_answer_is_read_from_its_headers_and_body() {
+        let no_headers: [(&str, &[u8]); 0] = [];
+        assert_eq!(
+            LedgerReply::from_callout(no_headers, b"ignored".to_vec()),
+            LedgerReply::failed()
+        );
+        let read = |headers: &[(&str, &[u8])]| {
+            LedgerReply::from_callout(headers.to_vec(), b"{}".to_vec()).status
+        };
+        assert_eq!(
+            read(&[(":status", b"200"), ("content-type", b"x")]),
+            Some(200)
+        );
+        assert_eq!(
+            read(&[("content-type", b"x"), (":status", b" 503 ")]),
+            Some(503)
+        );
+        assert_eq!(read(&[(":status", b"200"), (":status", b"500")]), Some(200));
+        assert_eq!(read(&[(":status", b"ok")]), None);
+        assert_eq!(read(&[("content-type", b"x")]), None);
+        let reply = LedgerReply::from_callout([(":status", "200")], b"{}".to_vec());
+        assert_eq!(reply.body, b"{}");
     }
 
     #[test]

@@ -4,10 +4,10 @@
 //! one winning, so two keys that fold together in one object let the gateway read one value
 //! and the tool another.
 
-use crate::fold_table::FOLDS;
+use crate::parse::fold_table::FOLDS;
 
 /// Unicode version the folding table was generated from.
-pub use crate::fold_table::UNICODE_VERSION;
+pub use crate::parse::fold_table::UNICODE_VERSION;
 
 /// Objects with more keys than this are checked by sorting folded copies instead of
 /// comparing every pair; below it, no allocation at all.

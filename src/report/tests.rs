@@ -1,5 +1,5 @@
 use super::*;
-use crate::ledger::Endpoint;
+use crate::ledger_client::Endpoint;
 use atmost_protocol::{Outcome, OutcomesRequest};
 
 fn report(i: u32) -> OutcomeReport {
@@ -280,6 +280,42 @@ fn the_tick_sends_completions_a_doorbell_could_not_announce() {
     r.on_dispatched(Batch::Completions, 4);
     r.on_callout_reply(4, &acks(1));
     assert!(r.complete(2, report(2)));
+}
+
+#[test]
+fn a_completion_report_rings_the_doorbell_only_when_the_root_must_wake() {
+    let r = RefCell::new(configured());
+    let rings = std::cell::Cell::new(0);
+    let ring = |rang: bool| {
+        rings.set(rings.get() + 1);
+        rang
+    };
+    complete(&r, 1, report(1), || ring(true));
+    assert_eq!(rings.get(), 1);
+    // A doorbell is on its way: the next report does not ring.
+    complete(&r, 2, report(2), || ring(true));
+    assert_eq!(rings.get(), 1);
+    assert!(r.borrow().is_waiting(1) && r.borrow().is_waiting(2));
+    let t = r.borrow_mut().on_doorbell();
+    assert_eq!(t.sends.len(), 1);
+    r.borrow_mut().on_dispatched(Batch::Completions, 4);
+    r.borrow_mut().on_callout_reply(4, &acks(2));
+    // A doorbell that did not ring: the tick sends the report instead.
+    complete(&r, 3, report(3), || ring(false));
+    assert_eq!(rings.get(), 2);
+    let t = r.borrow_mut().on_tick();
+    assert_eq!(t.sends.len(), 1);
+    assert_eq!(t.sends[0].0, Batch::Completions);
+}
+
+#[test]
+fn each_doorbell_queue_name_carries_its_random_bits() {
+    let name = doorbell_queue_name([0xab; 16]);
+    assert_eq!(name, format!("atmost.completions.{}", "ab".repeat(16)));
+    assert_eq!(
+        doorbell_queue_name(*b"\x00\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a\x0b\x0c\x0d\x0e\xff"),
+        "atmost.completions.000102030405060708090a0b0c0d0eff"
+    );
 }
 
 /// Records effects; refuses the first `refuse` dispatches.

@@ -9,10 +9,10 @@
 //! `POST /v1/outcomes`, with at most one batch out per VM: under load many calls share a
 //! callout, a lone call still goes out at once. When the batch is answered every held
 //! response is resumed; reports of a batch that failed go to the after-the-fact
-//! [`crate::reports::ReportQueue`] (as a failed per-call report does) and their responses
+//! [`crate::report::outcome_queue::ReportQueue`] (as a failed per-call report does) and their responses
 //! are resumed too.
 
-use crate::ledger::LedgerError;
+use crate::ledger_client::LedgerError;
 use atmost_protocol::{OutcomeAck, OutcomeReport, OutcomesRequest};
 use std::collections::{HashSet, VecDeque};
 

@@ -8,7 +8,7 @@
 //!
 //! A call without a key never carries an `Idempotency-Key` upstream.
 
-use crate::fingerprint::hex;
+use crate::parse::fingerprint::hex;
 use atmost_config::UpstreamKey;
 
 /// The permit id in the `hmac` derivation of traffic that passes without a ledger answer

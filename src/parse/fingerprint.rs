@@ -56,7 +56,7 @@ pub fn fingerprint(tool: &str, arguments: &Map<String, Value>) -> Result<String,
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mcp::{self, Message};
+    use crate::parse::mcp::{self, Message};
 
     fn fp_of_body(body: &str) -> String {
         match mcp::parse(body.as_bytes(), &mcp::Mirrored::default()) {

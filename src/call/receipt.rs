@@ -7,7 +7,7 @@
 //! the response's JSON text verbatim when it stands alone (a whole JSON body or a whole
 //! SSE event), else the matching element of a batch array re-serialised.
 
-use crate::sse::{Event, SseParser, TooLarge};
+use crate::parse::sse::{Event, SseParser, TooLarge};
 use serde::de::{self, Deserialize, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 use std::fmt;

@@ -1,6 +1,6 @@
-//! The root context's reporting, in plain Rust: the VM's after-the-fact report queue
-//! ([`ReportQueue`], sent on every tick) and, with `completion_reports: batched`, its
-//! batch of completion reports ([`Completions`], sent when an HTTP context rings the
+//! The root context's reporting, in plain Rust: the VM's after-the-fact outcome report
+//! queue ([`outcome_queue`], sent on every tick) and, with `completion_reports: batched`,
+//! its batch of completion reports whose responses are held ([`completion_batch`], sent when an HTTP context rings the
 //! doorbell, and again as soon as the previous batch is answered). At most one callout
 //! of each kind is out; one whose answer never comes is given up on after a number of
 //! ticks, so a lost callback cannot stall either list.
@@ -9,12 +9,15 @@
 //! [`Tasks`] comes out (callouts to dispatch, responses to resume, counters, logs), and
 //! [`apply`] carries it out against a [`RootHost`].
 
+pub mod completion_batch;
+pub mod outcome_queue;
+
 use crate::call::Level;
-use crate::completions::{Completions, Finished};
-use crate::ledger::{Callout, LedgerError, LedgerReply};
-use crate::reports::{BatchResult, ReportQueue};
+use crate::ledger_client::{Callout, LedgerError, LedgerReply};
 use crate::stats::Stat;
 use atmost_protocol::OutcomeReport;
+use completion_batch::{Completions, Finished};
+use outcome_queue::{BatchResult, ReportQueue};
 use std::cell::RefCell;
 use std::collections::VecDeque;
 
@@ -315,6 +318,29 @@ impl Reporter {
             );
         }
     }
+}
+
+/// Hands context `context_id`'s completion report to the batch and, when the root must be
+/// woken for it, rings the doorbell with `ring` (answering whether it rang). A doorbell
+/// that did not ring leaves the report to the next tick. The reporter is not borrowed while
+/// `ring` runs.
+pub fn complete(
+    reporter: &RefCell<Reporter>,
+    context_id: u32,
+    report: OutcomeReport,
+    ring: impl FnOnce() -> bool,
+) {
+    let must_ring = reporter.borrow_mut().complete(context_id, report);
+    if must_ring && !ring() {
+        reporter.borrow_mut().doorbell_failed();
+    }
+}
+
+/// The name of a VM's doorbell queue: shared queues are shared by the VMs of every worker,
+/// so the name carries 128 random bits no other VM's name has.
+pub fn doorbell_queue_name(random: [u8; 16]) -> String {
+    let hex: String = random.iter().map(|b| format!("{b:02x}")).collect();
+    format!("atmost.completions.{hex}")
 }
 
 /// What carries out the root's tasks: the adapter with proxy-wasm hostcalls, tests with

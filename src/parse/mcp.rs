@@ -1,16 +1,11 @@
 //! Reading an MCP request body: what kind of JSON-RPC message it is, and for a
 //! `tools/call` the parts atmost needs. Refusals are JSON-RPC errors as local replies.
 
-use crate::fold;
-use crate::reply::{rpc_code, LocalReply};
-use crate::strict_json;
+use crate::call::reply::{rpc_code, LocalReply};
+use crate::parse::fold;
+use crate::parse::idempotency::{carries_key, BodyKeys, KeyMember, BODY_KEY_SOURCES};
+use crate::parse::strict_json;
 use serde_json::{Map, Value};
-
-/// `params._meta` key that may carry the idempotency key.
-pub const META_KEY: &str = "dev.atmost/idempotency-key";
-/// `params` member that may carry the idempotency key: the form proposed for MCP itself
-/// (SEP-3182), a string beside `name` and `arguments`.
-pub const PARAMS_KEY: &str = "idempotencyKey";
 
 /// Message of the refusal of a batch that holds a `tools/call`.
 pub const BATCH_REFUSED: &str =
@@ -41,7 +36,8 @@ pub enum Message {
     /// notifications, responses to the server, batches without `tools/call`): it passes.
     Other,
     /// Like [`Message::Other`], but some message in the body carries an idempotency key in
-    /// `params._meta` or `params.idempotencyKey`: it passes with that key rewritten. Holds
+    /// one of the body's key members ([`BODY_KEY_SOURCES`]): it passes with that key
+    /// rewritten. Holds
     /// the request's id (`null` for a notification or a batch), should a refusal be needed.
     KeyedOther(Value),
     /// One `tools/call` request.
@@ -61,22 +57,11 @@ pub struct ToolCall {
     pub name: String,
     /// `params.arguments`; an empty object when absent.
     pub arguments: Map<String, Value>,
-    /// `params._meta["dev.atmost/idempotency-key"]`.
-    pub meta_key: MetaKey,
-    /// `params.idempotencyKey`.
-    pub params_key: MetaKey,
+    /// What each of the body's key members ([`BODY_KEY_SOURCES`]) holds.
+    pub keys: BodyKeys,
     /// MCP 2026-07-28 multi-round-trip: `params` carries `inputResponses` or
     /// `requestState`, so this is the retry of a call that answered `input_required`.
     pub continuation: bool,
-}
-
-/// An idempotency key field (`_meta` or `params.idempotencyKey`) as found in the body.
-#[derive(Debug, Clone, PartialEq)]
-pub enum MetaKey {
-    Absent,
-    Present(String),
-    /// Present but not a string.
-    NotAString,
 }
 
 fn bad(status: u32, id: Option<&Value>, code: i64, message: &str) -> Box<LocalReply> {
@@ -92,24 +77,9 @@ fn is_tools_call(v: &Value) -> bool {
     v.get("method").and_then(Value::as_str) == Some("tools/call")
 }
 
-fn key_field(v: Option<&Value>) -> MetaKey {
-    match v {
-        None => MetaKey::Absent,
-        Some(Value::String(k)) => MetaKey::Present(k.clone()),
-        Some(_) => MetaKey::NotAString,
-    }
-}
-
-/// Whether a message's `params` hold an idempotency key field, of any type.
-fn carries_key(params: Option<&Value>) -> bool {
-    let Some(params) = params.and_then(Value::as_object) else {
-        return false;
-    };
-    params.contains_key(PARAMS_KEY)
-        || params
-            .get("_meta")
-            .and_then(Value::as_object)
-            .is_some_and(|m| m.contains_key(META_KEY))
+/// Whether a message's `params` are an object holding an idempotency key member.
+fn keyed(params: Option<&Value>) -> bool {
+    params.and_then(Value::as_object).is_some_and(carries_key)
 }
 
 fn other(keyed: bool, id: Option<&Value>) -> Message {
@@ -121,18 +91,85 @@ fn other(keyed: bool, id: Option<&Value>) -> Message {
 }
 
 /// The member names the gateway reads, where it reads them: of a JSON-RPC message, of its
-/// `params`, and of `params._meta`.
+/// `params`, and of `params._meta`. Besides these it reads the idempotency key members
+/// ([`BODY_KEY_SOURCES`]) and the members of `params` holding them: [`PARAMS_READ`] and
+/// [`META_READ`] add them.
 const MESSAGE_MEMBERS: [&str; 6] = ["jsonrpc", "id", "method", "params", "result", "error"];
-const PARAMS_MEMBERS: [&str; 7] = [
+const PARAMS_MEMBERS: [&str; 6] = [
     "name",
     "arguments",
     "_meta",
     "inputResponses",
     "requestState",
-    PARAMS_KEY,
     "task",
 ];
-const META_MEMBERS: [&str; 2] = [META_KEY, PROTOCOL_VERSION_META];
+const META: &str = "_meta";
+const META_MEMBERS: [&str; 1] = [PROTOCOL_VERSION_META];
+
+/// Every member of `params` the gateway reads (`_meta` twice does no harm).
+const PARAMS_READ: [&str; PARAMS_MEMBERS.len() + BODY_KEY_SOURCES.len()] = {
+    let mut names = [""; PARAMS_MEMBERS.len() + BODY_KEY_SOURCES.len()];
+    let mut i = 0;
+    while i < names.len() {
+        names[i] = if i < PARAMS_MEMBERS.len() {
+            PARAMS_MEMBERS[i]
+        } else {
+            BODY_KEY_SOURCES[i - PARAMS_MEMBERS.len()].params_member()
+        };
+        i += 1;
+    }
+    names
+};
+
+/// Whether a key source sits in `params._meta`.
+const fn in_meta(source: &KeyMember) -> bool {
+    let Some(object) = source.within else {
+        return false;
+    };
+    let (a, b) = (object.as_bytes(), META.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+const META_KEY_SOURCES: usize = {
+    let mut n = 0;
+    let mut i = 0;
+    while i < BODY_KEY_SOURCES.len() {
+        if in_meta(&BODY_KEY_SOURCES[i]) {
+            n += 1;
+        }
+        i += 1;
+    }
+    n
+};
+
+/// Every member of `params._meta` the gateway reads.
+const META_READ: [&str; META_MEMBERS.len() + META_KEY_SOURCES] = {
+    let mut names = [""; META_MEMBERS.len() + META_KEY_SOURCES];
+    let mut n = 0;
+    while n < META_MEMBERS.len() {
+        names[n] = META_MEMBERS[n];
+        n += 1;
+    }
+    let mut i = 0;
+    while i < BODY_KEY_SOURCES.len() {
+        if in_meta(&BODY_KEY_SOURCES[i]) {
+            names[n] = BODY_KEY_SOURCES[i].name;
+            n += 1;
+        }
+        i += 1;
+    }
+    names
+};
 
 /// A key of `obj` that is not one of `names` but equal to one of them under case folding.
 fn case_variant<'a>(
@@ -158,9 +195,9 @@ fn misspelled_member(message: &Value) -> Option<(&str, &'static str)> {
     let obj = message.as_object()?;
     case_variant(obj, &MESSAGE_MEMBERS).or_else(|| {
         let params = obj.get("params").and_then(Value::as_object)?;
-        case_variant(params, &PARAMS_MEMBERS).or_else(|| {
-            let meta = params.get("_meta").and_then(Value::as_object)?;
-            case_variant(meta, &META_MEMBERS)
+        case_variant(params, &PARAMS_READ).or_else(|| {
+            let meta = params.get(META).and_then(Value::as_object)?;
+            case_variant(meta, &META_READ)
         })
     })
 }
@@ -205,10 +242,7 @@ pub fn parse(body: &[u8], mirrored: &Mirrored) -> Result<Message, Box<LocalReply
             if items.iter().any(is_tools_call) {
                 Err(bad(400, None, rpc_code::INVALID_REQUEST, BATCH_REFUSED))
             } else {
-                Ok(other(
-                    items.iter().any(|m| carries_key(m.get("params"))),
-                    None,
-                ))
+                Ok(other(items.iter().any(|m| keyed(m.get("params"))), None))
             }
         }
         Value::Object(obj) => parse_object(obj, mirrored),
@@ -281,12 +315,12 @@ fn parse_object(
         if let Some(id) = reply_id(&obj) {
             return Ok(Message::ToolsList {
                 id: id.clone(),
-                keyed: carries_key(obj.get("params")),
+                keyed: keyed(obj.get("params")),
             });
         }
     }
     if method != "tools/call" {
-        return Ok(other(carries_key(obj.get("params")), reply_id(&obj)));
+        return Ok(other(keyed(obj.get("params")), reply_id(&obj)));
     }
     let id = match obj.get("id") {
         Some(id) if id.is_string() || id.is_number() => id.clone(),
@@ -356,15 +390,13 @@ fn parse_object(
             "HeaderMismatch: MCP 2026-07-28 requires the Mcp-Method and Mcp-Name headers on tools/call",
         ));
     }
-    let meta_key = key_field(meta.and_then(|m| m.get(META_KEY)));
-    let params_key = key_field(params.get(PARAMS_KEY));
+    let keys = BodyKeys::read(&params);
     let continuation = params.contains_key("inputResponses") || params.contains_key("requestState");
     Ok(Message::ToolCall(ToolCall {
         id,
         name,
         arguments,
-        meta_key,
-        params_key,
+        keys,
         continuation,
     }))
 }
@@ -372,6 +404,7 @@ fn parse_object(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::parse::idempotency::KeyField;
     use serde_json::json;
 
     fn refused(body: &str) -> (u32, Value) {
@@ -390,6 +423,20 @@ mod tests {
             Ok(Message::ToolCall(c)) => c,
             other => panic!("{body}: {other:?}"),
         }
+    }
+
+    /// What `params._meta["dev.atmost/idempotency-key"]` of the call holds.
+    fn meta_key(keys: &BodyKeys) -> KeyField {
+        keys.named("dev.atmost/idempotency-key")
+            .cloned()
+            .unwrap_or_else(|| panic!("no such key source"))
+    }
+
+    /// What `params.idempotencyKey` of the call holds.
+    fn params_key(keys: &BodyKeys) -> KeyField {
+        keys.named("idempotencyKey")
+            .cloned()
+            .unwrap_or_else(|| panic!("no such key source"))
     }
 
     fn passes(body: &str) {
@@ -455,11 +502,39 @@ mod tests {
     /// name it is given is ASCII.
     #[test]
     fn the_member_names_read_by_name_are_ascii() {
-        let names = MESSAGE_MEMBERS
-            .iter()
-            .chain(&PARAMS_MEMBERS)
-            .chain(&META_MEMBERS);
+        // Each name once per place it is read: of the message, of `params`, of `_meta`.
+        let distinct = |names: &[&'static str]| {
+            names
+                .iter()
+                .copied()
+                .collect::<std::collections::BTreeSet<_>>()
+        };
+        let places = [
+            distinct(&MESSAGE_MEMBERS),
+            distinct(&PARAMS_READ),
+            distinct(&META_READ),
+        ];
+        let names = places.iter().flatten();
         assert!(names.clone().count() == 15 && names.into_iter().all(|n| n.is_ascii()));
+    }
+
+    /// A key source's member is refused in another letter case only where the gateway looks
+    /// for misspellings: in `params` and in `params._meta`. A source in another object of
+    /// `params` needs that object read in `misspelled_member` too.
+    #[test]
+    fn every_key_source_sits_where_misspellings_are_looked_for() {
+        for source in &BODY_KEY_SOURCES {
+            assert!(
+                source.within.is_none() || source.within == Some(META),
+                "{source:?}"
+            );
+            assert!(PARAMS_READ.contains(&source.params_member()));
+            assert_eq!(
+                META_READ.contains(&source.name),
+                source.within.is_some(),
+                "{source:?}"
+            );
+        }
     }
 
     #[test]
@@ -488,6 +563,44 @@ mod tests {
         call(
             r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"pay","arguments":{"Method":1,"NAME":2}}}"#,
         );
+    }
+
+    /// Every key source of the table is read where it sits, and refused spelled in another
+    /// letter case, in a `tools/call` and in any other message.
+    #[test]
+    fn each_key_source_is_read_and_its_case_variants_refused() {
+        let params_with = |source: &KeyMember, name: &str| match source.within {
+            Some(object) => json!({"name": "pay", object: {name: "k1"}}),
+            None => json!({"name": "pay", name: "k1"}),
+        };
+        let message = |method: &str, params: Value| {
+            json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).to_string()
+        };
+        for source in &BODY_KEY_SOURCES {
+            let c = call(&message("tools/call", params_with(source, source.name)));
+            assert_eq!(
+                c.keys.named(source.name),
+                Some(&KeyField::Present("k1".into()))
+            );
+            assert_eq!(
+                parse(
+                    message("resources/list", params_with(source, source.name)).as_bytes(),
+                    &Mirrored::default()
+                ),
+                Ok(Message::KeyedOther(json!(1)))
+            );
+            let upper = source.name.to_ascii_uppercase();
+            for method in ["tools/call", "resources/list"] {
+                let (status, v) = refused(&message(method, params_with(source, &upper)));
+                assert_eq!((status, v["error"]["code"].clone()), (400, json!(-32600)));
+                assert!(
+                    v["error"]["message"]
+                        .as_str()
+                        .is_some_and(|m| m.contains(source.name)),
+                    "{v}"
+                );
+            }
+        }
     }
 
     #[test]
@@ -553,14 +666,14 @@ mod tests {
         assert_eq!(c.id, json!("r1"));
         assert_eq!(c.name, "pay");
         assert_eq!(Value::Object(c.arguments), json!({"a":1}));
-        assert_eq!(c.meta_key, MetaKey::Present("k1".into()));
+        assert_eq!(meta_key(&c.keys), KeyField::Present("k1".into()));
         let c = call(r#"{"jsonrpc":"2.0","method":"tools/call","id":0,"params":{"name":"pay"}}"#);
         assert!(c.arguments.is_empty());
-        assert_eq!(c.meta_key, MetaKey::Absent);
+        assert_eq!(meta_key(&c.keys), KeyField::Absent);
         let c = call(
             r#"{"jsonrpc":"2.0","method":"tools/call","id":0,"params":{"name":"pay","_meta":{"dev.atmost/idempotency-key":5}}}"#,
         );
-        assert_eq!(c.meta_key, MetaKey::NotAString);
+        assert_eq!(meta_key(&c.keys), KeyField::NotAString);
     }
 
     #[test]
@@ -568,8 +681,8 @@ mod tests {
         let c = call(
             r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"pay","idempotencyKey":"k9","arguments":{"idempotencyKey":"decoy"}}}"#,
         );
-        assert_eq!(c.params_key, MetaKey::Present("k9".into()));
-        assert_eq!(c.meta_key, MetaKey::Absent);
+        assert_eq!(params_key(&c.keys), KeyField::Present("k9".into()));
+        assert_eq!(meta_key(&c.keys), KeyField::Absent);
         assert_eq!(
             Value::Object(c.arguments),
             json!({"idempotencyKey":"decoy"})
@@ -577,9 +690,9 @@ mod tests {
         let c = call(
             r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"pay","idempotencyKey":null}}"#,
         );
-        assert_eq!(c.params_key, MetaKey::NotAString);
+        assert_eq!(params_key(&c.keys), KeyField::NotAString);
         let c = call(r#"{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"pay"}}"#);
-        assert_eq!(c.params_key, MetaKey::Absent);
+        assert_eq!(params_key(&c.keys), KeyField::Absent);
     }
 
     #[test]

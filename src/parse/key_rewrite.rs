@@ -1,33 +1,29 @@
-//! The idempotency key a client put in `params._meta["dev.atmost/idempotency-key"]` or in
-//! `params.idempotencyKey` must not reach the upstream raw when `upstream_key.mode` is `hmac`
-//! or `off`: the header is replaced, and so are these members of the body. Every other byte
-//! is forwarded as sent, so the edit works on the raw text rather than re-serialising the
-//! message.
+//! The idempotency key a client put in a member of the body ([`BODY_KEY_SOURCES`]:
+//! `params._meta["dev.atmost/idempotency-key"]`, `params.idempotencyKey`) must not reach the
+//! upstream raw when `upstream_key.mode` is `hmac` or `off`: the header is replaced, and so
+//! are these members of the body. Every other byte is forwarded as sent, so the edit works
+//! on the raw text rather than re-serialising the message.
 
-use crate::json_text::{self, first_value, member};
-use crate::mcp::{META_KEY, PARAMS_KEY};
+use crate::parse::idempotency::BODY_KEY_SOURCES;
+use crate::parse::json_text::{self, first_value, member};
 
 /// Where the member sits in the raw body, as byte offsets.
 pub type MemberSpan = json_text::Member;
 
-/// The offset of the value of member `name` of the object at `at`, if that value is an object.
-fn object_member(body: &[u8], at: usize, name: &str) -> Option<usize> {
-    member(body, at, name)
-        .filter(|m| m.value_opens(body) == Some(b'{'))
-        .map(|m| m.value_start)
-}
-
-/// Finds `params._meta["dev.atmost/idempotency-key"]` in a body that already parsed as JSON
-/// (without duplicate keys). `None` when it is not there.
-pub fn find(body: &[u8]) -> Option<MemberSpan> {
-    let params = object_member(body, first_value(body), "params")?;
-    let meta = object_member(body, params, "_meta")?;
-    member(body, meta, META_KEY)
-}
+/// The member of `params` each key source is found through, in the table's order.
+const PARAMS_MEMBERS: [&str; BODY_KEY_SOURCES.len()] = {
+    let mut names = [""; BODY_KEY_SOURCES.len()];
+    let mut i = 0;
+    while i < names.len() {
+        names[i] = BODY_KEY_SOURCES[i].params_member();
+        i += 1;
+    }
+    names
+};
 
 /// Every idempotency key member of a body that already parsed as JSON (without duplicate
-/// keys): `params._meta["dev.atmost/idempotency-key"]` and `params.idempotencyKey` of the
-/// message, or of each message of a batch. In no particular order.
+/// keys): each of [`BODY_KEY_SOURCES`] in the message, or in each message of a batch. In
+/// no particular order.
 pub fn find_all(body: &[u8]) -> Vec<MemberSpan> {
     let mut spans = Vec::new();
     let at = first_value(body);
@@ -46,16 +42,24 @@ pub fn find_all(body: &[u8]) -> Vec<MemberSpan> {
 }
 
 fn spans_of_message(body: &[u8], at: usize, out: &mut Vec<MemberSpan>) {
-    let Some(params) = object_member(body, at, "params") else {
+    let Some(params) = member(body, at, "params")
+        .filter(|m| m.value_opens(body) == Some(b'{'))
+        .map(|m| m.value_start)
+    else {
         return;
     };
-    // Both members of `params` in one walk over it.
-    let [meta, params_key] =
-        json_text::last_members(body, params, ["_meta", PARAMS_KEY]).unwrap_or_default();
-    if let Some(meta) = meta.filter(|m| m.value_opens(body) == Some(b'{')) {
-        out.extend(member(body, meta.value_start, META_KEY));
+    // Every member of `params` the sources go through, in one walk over it.
+    let found = json_text::last_members(body, params, PARAMS_MEMBERS).unwrap_or_default();
+    for (source, found) in BODY_KEY_SOURCES.iter().zip(found) {
+        let Some(found) = found else { continue };
+        match source.within {
+            None => out.push(found),
+            Some(_) if found.value_opens(body) == Some(b'{') => {
+                out.extend(member(body, found.value_start, source.name));
+            }
+            Some(_) => {}
+        }
     }
-    out.extend(params_key);
 }
 
 /// The body with each member in `spans` edited: `replacement` gets the member's raw value
@@ -113,6 +117,14 @@ pub fn rewrite(body: &[u8], span: MemberSpan, replacement: Option<&str>) -> Vec<
 mod tests {
     use super::*;
     use serde_json::{json, Value};
+
+    /// The one key member of `body`, if it holds exactly one.
+    fn find(body: &[u8]) -> Option<MemberSpan> {
+        match find_all(body).as_slice() {
+            [one] => Some(*one),
+            _ => None,
+        }
+    }
 
     fn edit(body: &str, replacement: Option<&str>) -> Value {
         let span = find(body.as_bytes()).expect("member present");
