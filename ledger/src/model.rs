@@ -346,7 +346,7 @@ pub struct Attempt {
     pub arguments: Option<String>,
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "test-support"))]
 impl Attempt {
     /// An attempt for tests of what stores do with attempts: no key, no receipt, times at 0.
     pub fn example(id: &str, permit_id: &str, tool: &str, state: AttemptState, cost: u64) -> Self {

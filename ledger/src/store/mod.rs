@@ -16,10 +16,12 @@ use crate::error::{LedgerError, ResolveError};
 use crate::model::{Attempt, AttemptState, Permit, PermitDetail};
 
 pub mod counters;
+#[cfg(feature = "postgres")]
 pub mod postgres;
 pub mod rows;
 pub mod schema;
 pub mod snapshot;
+#[cfg(feature = "sqlite")]
 pub mod sqlite;
 
 #[cfg(test)]

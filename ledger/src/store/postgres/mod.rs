@@ -37,6 +37,8 @@ mod migrations;
 mod options;
 mod outcomes;
 mod rows;
+#[cfg(feature = "postgres-tests")]
+pub mod testing;
 mod tls;
 mod writes;
 

@@ -1,7 +1,7 @@
 //! The reconciliation inbox: web pages under `/admin/` on the ledger's listener, for people
 //! who check uncertain calls with the provider and record what they found.
 //!
-//! Server-rendered (askama templates in `ledger/templates/inbox/`), one stylesheet, no
+//! Server-rendered (askama templates in `ledger/server/templates/inbox/`), one stylesheet, no
 //! scripts, no third-party host. Sign-in takes the admin token (in a form body, never a URL)
 //! and gives a signed session cookie ([`session`]); every form that changes state carries
 //! the session's CSRF token; every page is sent with a strict Content-Security-Policy.
@@ -27,12 +27,12 @@ use serde::Deserialize;
 use tracing::{error, info, warn};
 
 use crate::api::PermitShowResponse;
-use crate::clock::{self, Millis};
-use crate::decide::ResolveInput;
-use crate::error::ResolveError;
-use crate::model::{Attempt, AttemptState, Permit, ResolutionSource};
 use crate::server::AppState;
-use crate::token;
+use atmost_ledger::clock::{self, Millis};
+use atmost_ledger::decide::ResolveInput;
+use atmost_ledger::error::ResolveError;
+use atmost_ledger::model::{Attempt, AttemptState, Permit, ResolutionSource};
+use atmost_ledger::token;
 use session::{Presented, Session};
 
 type Shared = Arc<AppState>;
@@ -257,7 +257,7 @@ fn message(status: StatusCode, nav: Option<Nav>, heading: &str, text: String) ->
 }
 
 /// The store failed: the page says so (and whether to retry), the log says why.
-fn store_failed(state: &AppState, op: &str, e: &crate::error::LedgerError) -> Response {
+fn store_failed(state: &AppState, op: &str, e: &atmost_ledger::error::LedgerError) -> Response {
     state.metrics.store_errors.with_label_values(&[op]).inc();
     error!(op, error = %e, "inbox: store operation failed");
     let (status, text) = if e.is_transient() {

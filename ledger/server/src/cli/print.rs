@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use super::CliError;
 use crate::api::{AttemptView, PermitView};
-use crate::error::LedgerError;
-use crate::model::CostRule;
+use atmost_ledger::error::LedgerError;
+use atmost_ledger::model::CostRule;
 
 pub(super) fn print_json(v: &serde_json::Value) -> Result<(), CliError> {
     println!(

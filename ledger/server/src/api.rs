@@ -6,11 +6,11 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::clock::{self, Millis};
-use crate::model::{
+use crate::redact::Redaction;
+use atmost_ledger::clock::{self, Millis};
+use atmost_ledger::model::{
     Attempt, AttemptState, CostRule, GuardMode, Permit, PermitDetail, Resolution, ResolutionSource,
 };
-use crate::redact::Redaction;
 
 pub const ADMIN_PERMITS_PATH: &str = "/admin/v1/permits";
 pub const ADMIN_ATTEMPTS_PATH: &str = "/admin/v1/attempts";

@@ -1,6 +1,10 @@
 //! The inbox over HTTP, as a browser would use it (cookies kept, redirects not followed),
 //! on a ledger with a manual clock: sign-in, sessions and their expiry, CSRF, the security
 //! headers, and a resolution moving the permit's slot and budget.
+//!
+//! Served on the embedded store: built with the `sqlite` feature.
+
+#![cfg(feature = "sqlite")]
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -10,8 +14,8 @@ use serde_json::{json, Value};
 
 use super::CONTENT_SECURITY_POLICY;
 use crate::http_tests::{start_with, TestServer, ADM, SVC};
-use crate::model::AttemptState;
 use crate::redact::Redaction;
+use atmost_ledger::model::AttemptState;
 
 /// A browser's view of the inbox: the cookies it was given, sent back on every request.
 struct Browser<'a> {
@@ -439,7 +443,7 @@ async fn the_oldest_uncertain_call_is_a_metric() {
     s.clock.advance_ms(90_500);
     crate::server::sweep_once(&s.state).await;
     assert_eq!(gauge(&s).as_deref(), Some("90.5"));
-    let input = crate::decide::ResolveInput {
+    let input = atmost_ledger::decide::ResolveInput {
         executed: true,
         receipt: None,
         note: None,

@@ -24,11 +24,11 @@ use serde_json::{Map, Value};
 use tokio::sync::Semaphore;
 use tracing::{info, warn};
 
-use crate::clock::Millis;
-use crate::decide::ResolveInput;
-use crate::error::ResolveError;
-use crate::model::{Attempt, ResolutionSource};
 use crate::server::{resolved, Shared};
+use atmost_ledger::clock::Millis;
+use atmost_ledger::decide::ResolveInput;
+use atmost_ledger::error::ResolveError;
+use atmost_ledger::model::{Attempt, ResolutionSource};
 
 pub mod rules;
 #[cfg(test)]

@@ -22,15 +22,15 @@ use crate::api::{
     CreatePermitResponse, ErrorBody, PermitListResponse, PermitResponse, PermitShowResponse,
     PermitView,
 };
-use crate::clock::Clock;
-use crate::decide::{self, Notice, ResolveInput};
-use crate::error::{LedgerError, ResolveError};
 use crate::inbox::{self, InboxConfig};
 use crate::metrics::Metrics;
-use crate::model::{Attempt, AttemptState, BudgetTotals, GuardMode, Permit, Policy};
 use crate::redact::Redaction;
-use crate::store::{AttemptFilter, Store};
-use crate::token;
+use atmost_ledger::clock::Clock;
+use atmost_ledger::decide::{self, Notice, ResolveInput};
+use atmost_ledger::error::{LedgerError, ResolveError};
+use atmost_ledger::model::{Attempt, AttemptState, BudgetTotals, GuardMode, Permit, Policy};
+use atmost_ledger::store::{AttemptFilter, Store};
+use atmost_ledger::token;
 
 /// Largest request body accepted (receipts ride in outcome reports).
 pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
@@ -453,12 +453,12 @@ fn build_permit(req: CreatePermitRequest, now: i64) -> Result<(Permit, String), 
         return Err("tools must be a non-empty list of tool names, or [\"*\"]".into());
     }
     for (tool, rule) in &req.cost {
-        if let crate::model::CostRule::Pointer(p) = rule {
+        if let atmost_ledger::model::CostRule::Pointer(p) = rule {
             if !p.starts_with('/') {
                 return Err(format!("cost pointer for {tool:?} must start with '/'"));
             }
         }
-        if let crate::model::CostRule::Fixed(n) = rule {
+        if let atmost_ledger::model::CostRule::Fixed(n) = rule {
             if i64::try_from(*n).is_err() {
                 return Err(format!("cost for {tool:?} is too large"));
             }

@@ -10,7 +10,7 @@ use crate::api::{
     AttemptListResponse, AttemptResponse, CreatePermitRequest, CreatePermitResponse,
     PermitListResponse, PermitResponse, PermitShowResponse,
 };
-use crate::decide::ResolveInput;
+use atmost_ledger::decide::ResolveInput;
 
 pub(super) fn run_permit(c: &Client, json: bool, cmd: PermitCommand) -> Result<(), CliError> {
     match cmd {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::model::{AttemptState, CostRule, GuardMode};
+use atmost_ledger::model::{AttemptState, CostRule, GuardMode};
 
 #[derive(Debug, Parser)]
 #[command(
