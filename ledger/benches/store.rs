@@ -50,7 +50,7 @@ async fn permit(store: &dyn Store) -> String {
             retention_ms: 86_400_000,
         },
     };
-    store.create_permit(&p, now).await.unwrap();
+    store.create_permit(&p).await.unwrap();
     tok
 }
 

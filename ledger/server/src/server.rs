@@ -185,7 +185,7 @@ async fn readyz(State(state): State<Shared>) -> Response {
             ),
         );
     }
-    match state.store.ping(state.clock.now_ms()).await {
+    match state.store.ping().await {
         Ok(()) => (StatusCode::OK, Json(serde_json::json!({"status": "ready"}))).into_response(),
         Err(e) => {
             state
@@ -504,7 +504,7 @@ async fn create_permit(
         Ok(p) => p,
         Err(m) => return bad_request(m),
     };
-    if let Err(e) = state.store.create_permit(&permit, now).await {
+    if let Err(e) = state.store.create_permit(&permit).await {
         return internal(&state, "create_permit", &e);
     }
     state.metrics.permits_created.inc();
@@ -521,7 +521,7 @@ async fn create_permit(
 
 async fn list_permits(State(state): State<Shared>) -> Response {
     let now = state.clock.now_ms();
-    match state.store.list_permits(now).await {
+    match state.store.list_permits().await {
         Ok(ps) => Json(PermitListResponse {
             permits: ps.iter().map(|p| PermitView::new(p, now)).collect(),
         })
@@ -532,7 +532,7 @@ async fn list_permits(State(state): State<Shared>) -> Response {
 
 async fn show_permit(State(state): State<Shared>, Path(id): Path<String>) -> Response {
     let now = state.clock.now_ms();
-    match state.store.permit_detail(&id, now).await {
+    match state.store.permit_detail(&id).await {
         Ok(Some(d)) => Json(PermitShowResponse::new(&d, now)).into_response(),
         Ok(None) => not_found("unknown_permit"),
         Err(e) => internal(&state, "permit_detail", &e),
@@ -578,8 +578,7 @@ async fn list_attempts(State(state): State<Shared>, Query(q): Query<AttemptQuery
         permit_id: q.permit.filter(|p| !p.is_empty()),
         limit: q.limit,
     };
-    let now = state.clock.now_ms();
-    match state.store.list_attempts(&filter, now).await {
+    match state.store.list_attempts(&filter).await {
         Ok(list) => Json(AttemptListResponse {
             attempts: list
                 .iter()
@@ -592,7 +591,7 @@ async fn list_attempts(State(state): State<Shared>, Query(q): Query<AttemptQuery
 }
 
 async fn show_attempt(State(state): State<Shared>, Path(id): Path<String>) -> Response {
-    match state.store.get_attempt(&id, state.clock.now_ms()).await {
+    match state.store.get_attempt(&id).await {
         Ok(Some(a)) => Json(AttemptResponse {
             attempt: AttemptView::new(&a, &state.config.redaction),
         })
@@ -676,7 +675,7 @@ pub async fn sweep_once(state: &AppState) {
             error!(error = %e, "sweep failed");
         }
     }
-    match state.store.attempt_counts(now).await {
+    match state.store.attempt_counts().await {
         Ok(counts) => {
             for (s, n) in counts {
                 state
@@ -695,7 +694,7 @@ pub async fn sweep_once(state: &AppState) {
             error!(error = %e, "attempt counts failed");
         }
     }
-    match state.store.oldest_uncertain(now).await {
+    match state.store.oldest_uncertain().await {
         Ok(oldest) => {
             let ms = oldest.map_or(0, |t| now.saturating_sub(t).max(0));
             state

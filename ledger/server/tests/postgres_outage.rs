@@ -49,7 +49,7 @@ mod postgres_outage {
                 retention_ms: 24 * 3_600_000,
             },
         };
-        store.create_permit(&p, T0).await.unwrap();
+        store.create_permit(&p).await.unwrap();
         (p, tok)
     }
 
@@ -166,7 +166,7 @@ mod postgres_outage {
         o.statement_timeout = Duration::from_millis(700);
         let s = Arc::new(PgStore::connect(&o).await.unwrap());
         let (p, tok) = permit_with_a_cap_of_one(&*s).await;
-        s.ping(T0).await.unwrap();
+        s.ping().await.unwrap();
         let base = serve(s.clone()).await;
         let _ = rustls::crypto::ring::default_provider().install_default();
         let http = reqwest::Client::new();
@@ -194,7 +194,7 @@ mod postgres_outage {
             matches!(&err, atmost_ledger::error::LedgerError::Unavailable(m) if *m == deadline),
             "{err}"
         );
-        let ping = tokio::time::timeout(HANG_GUARD, s.ping(T0))
+        let ping = tokio::time::timeout(HANG_GUARD, s.ping())
             .await
             .expect("readiness never hangs");
         assert!(
@@ -233,9 +233,9 @@ mod postgres_outage {
                 Err(e) => panic!("the store did not recover: {e}"),
             }
         };
-        s.ping(T0).await.unwrap();
+        s.ping().await.unwrap();
         // Whatever the stalled attempt left, the cap of one holds: one slot at most.
-        let d = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+        let d = s.permit_detail(&p.id).await.unwrap().unwrap();
         assert_eq!(d.usage["pay"].calls_made, 1, "{:?}", decision.response);
     }
 }

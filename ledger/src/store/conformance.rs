@@ -92,7 +92,7 @@ pub async fn make_permit(store: &dyn Store, policy: Policy, expires_at: i64) -> 
         revoked_at_ms: None,
         policy,
     };
-    store.create_permit(&p, T0).await.unwrap();
+    store.create_permit(&p).await.unwrap();
     (p, tok)
 }
 
@@ -216,17 +216,17 @@ fn uncertain() -> Outcome {
 }
 
 async fn calls_made(store: &dyn Store, permit: &str, tool: &str) -> u64 {
-    let d = store.permit_detail(permit, T0).await.unwrap().unwrap();
+    let d = store.permit_detail(permit).await.unwrap().unwrap();
     d.usage.get(tool).map(|u| u.calls_made).unwrap_or(0)
 }
 
 async fn state_of(store: &dyn Store, attempt: &str) -> AttemptState {
-    store.get_attempt(attempt, T0).await.unwrap().unwrap().state
+    store.get_attempt(attempt).await.unwrap().unwrap().state
 }
 
 async fn receipt_kept(store: &dyn Store, attempt: &str) -> bool {
     store
-        .get_attempt(attempt, T0)
+        .get_attempt(attempt)
         .await
         .unwrap()
         .unwrap()
@@ -267,10 +267,7 @@ pub async fn decision_table(h: &dyn Harness) {
             }
         );
     }
-    assert_eq!(
-        s.get_attempt(&a1, now).await.unwrap().unwrap().replay_count,
-        2
-    );
+    assert_eq!(s.get_attempt(&a1).await.unwrap().unwrap().replay_count, 2);
     let r = auth(&*s, &req(&tok, "pay", Some("k1"), "B", json!({})), now).await;
     assert_eq!(denied(&r), DenialCode::IdempotencyKeyConflict);
     assert!(!serde_json::to_string(&r).unwrap().contains("R1"));
@@ -437,11 +434,11 @@ pub async fn budget_reserve_spend_release(h: &dyn Harness) {
         )
         .await,
     );
-    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    let det = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!((det.budget.spent, det.budget.reserved), (0, 5));
     // Completed: reserved → spent.
     report(&*s, &b, completed("R"), T0).await;
-    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    let det = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!((det.budget.spent, det.budget.reserved), (5, 0));
     // Uncertain: counts as spent.
     let c = dispatched(
@@ -453,7 +450,7 @@ pub async fn budget_reserve_spend_release(h: &dyn Harness) {
         .await,
     );
     report(&*s, &c, uncertain(), T0).await;
-    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    let det = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!((det.budget.spent, det.budget.reserved), (9, 0));
     assert_eq!(
         denied(
@@ -576,7 +573,7 @@ pub async fn outcome_acks(h: &dyn Harness) {
         report(&*s, &b, completed("late"), T0).await,
         OutcomeAck::Conflict
     );
-    let got = s.get_attempt(&b, T0).await.unwrap().unwrap();
+    let got = s.get_attempt(&b).await.unwrap().unwrap();
     assert_eq!((got.state, got.receipt), (AttemptState::Released, None));
 }
 
@@ -621,7 +618,7 @@ pub async fn outcome_batch(h: &dyn Harness) {
     );
     let got = |id: String| {
         let s = s.clone();
-        async move { s.get_attempt(&id, T0).await.unwrap().unwrap() }
+        async move { s.get_attempt(&id).await.unwrap().unwrap() }
     };
     let (ga, gb, gc) = (got(a).await, got(b).await, got(c).await);
     assert_eq!(
@@ -636,7 +633,7 @@ pub async fn outcome_batch(h: &dyn Harness) {
         (gc.state, gc.receipt.as_deref()),
         (AttemptState::AwaitingInput, Some("Q"))
     );
-    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    let det = s.permit_detail(&p.id).await.unwrap().unwrap();
     // a spent, c still reserved, b given back.
     assert_eq!((det.budget.spent, det.budget.reserved), (2, 2));
     assert_eq!(calls_made(&*s, &p.id, "pay").await, 2);
@@ -759,7 +756,7 @@ pub async fn race_budget(h: &dyn Harness) {
     let rs = race(h, reqs).await;
     assert_eq!(count(&rs, None), 3, "{rs:?}");
     assert_eq!(count(&rs, Some(DenialCode::PermitBudgetExceeded)), 29);
-    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    let det = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!(det.budget.reserved, 9);
 }
 
@@ -773,7 +770,7 @@ pub async fn sweeper_expires_leases_to_uncertain(h: &dyn Harness) {
     assert_eq!(s.sweep(T0 + lease - 1).await.unwrap().leases_expired, 0);
     assert_eq!(state_of(&*s, &a).await, AttemptState::InFlight);
     assert_eq!(s.sweep(T0 + lease).await.unwrap().leases_expired, 1);
-    let got = s.get_attempt(&a, T0).await.unwrap().unwrap();
+    let got = s.get_attempt(&a).await.unwrap().unwrap();
     assert_eq!(got.state, AttemptState::Uncertain);
     assert_eq!(
         got.reason.as_deref(),
@@ -803,14 +800,11 @@ pub async fn sweeper_expires_leases_to_uncertain(h: &dyn Harness) {
     assert_eq!(calls_made(&*s, &p.id, "pay").await, 2);
     assert_eq!(s.sweep(T0 + 10 * lease).await.unwrap().leases_expired, 0);
     let listed = s
-        .list_attempts(
-            &AttemptFilter {
-                state: Some(AttemptState::Uncertain),
-                permit_id: Some(p.id.clone()),
-                limit: None,
-            },
-            T0,
-        )
+        .list_attempts(&AttemptFilter {
+            state: Some(AttemptState::Uncertain),
+            permit_id: Some(p.id.clone()),
+            limit: None,
+        })
         .await
         .unwrap();
     assert_eq!(
@@ -843,7 +837,7 @@ pub async fn retention_tombstones_and_uncertain_kept(h: &dyn Harness) {
     ));
     let r = s.sweep(T0 + HOUR).await.unwrap();
     assert_eq!(r.receipts_pruned, 1);
-    let t = s.get_attempt(&a, T0).await.unwrap().unwrap();
+    let t = s.get_attempt(&a).await.unwrap().unwrap();
     assert_eq!(
         (t.state, t.receipt.is_none(), t.pruned_at_ms.is_some()),
         (AttemptState::Completed, true, true)
@@ -904,7 +898,7 @@ pub async fn resolution(h: &dyn Harness) {
         ("alice", T0 + 5, Some("found charge ch_1"))
     );
     // Stored, not just returned.
-    assert_eq!(s.get_attempt(&a, T0).await.unwrap().unwrap(), got);
+    assert_eq!(s.get_attempt(&a).await.unwrap().unwrap(), got);
     assert_eq!(
         auth(&*s, &req(&tok, "pay", Some("a"), "A", json!({})), T0 + 6).await,
         AuthorizeResponse::Replay {
@@ -940,7 +934,7 @@ pub async fn resolution(h: &dyn Harness) {
         s.resolve_attempt(&b2, &not, T0).await,
         Err(ResolveError::NotUncertain(AttemptState::InFlight))
     ));
-    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    let det = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!(
         det.attempts_by_state.get(&AttemptState::ResolvedExecuted),
         Some(&1)
@@ -976,13 +970,13 @@ pub async fn durability_across_reopen(h: &dyn Harness) {
         denied(&auth(&*s, &req(&tok, "pay", Some("c"), "C", json!({})), T0).await),
         DenialCode::PermitMaxCallsExceeded
     );
-    assert_eq!(s.list_permits(T0).await.unwrap().len(), 1);
-    assert_eq!(s.permit_detail(&p.id, T0).await.unwrap().unwrap().permit, p);
+    assert_eq!(s.list_permits().await.unwrap().len(), 1);
+    assert_eq!(s.permit_detail(&p.id).await.unwrap().unwrap().permit, p);
 }
 
 pub async fn permit_admin(h: &dyn Harness) {
     let s = h.store().await;
-    s.ping(T0).await.unwrap();
+    s.ping().await.unwrap();
     let mut pol = policy();
     pol.max_calls.insert("pay".into(), 1);
     pol.cost
@@ -990,13 +984,13 @@ pub async fn permit_admin(h: &dyn Harness) {
     pol.budget = Some(7);
     let (p1, _) = make_permit(&*s, pol, T0 + HOUR).await;
     let (p2, _) = make_permit(&*s, policy(), T0 + HOUR).await;
-    let list = s.list_permits(T0).await.unwrap();
+    let list = s.list_permits().await.unwrap();
     assert_eq!(list.len(), 2);
     assert!(list.contains(&p1) && list.contains(&p2));
-    let d = s.permit_detail(&p1.id, T0).await.unwrap().unwrap();
+    let d = s.permit_detail(&p1.id).await.unwrap().unwrap();
     assert_eq!(d.permit, p1);
     assert_eq!(d.usage.get("pay").map(|u| u.calls_made), Some(0));
-    assert!(s.permit_detail("pmt_nope", T0).await.unwrap().is_none());
+    assert!(s.permit_detail("pmt_nope").await.unwrap().is_none());
     assert_eq!(s.get_permit(&p2.id).await.unwrap(), Some(p2.clone()));
     assert!(s.get_permit("pmt_nope").await.unwrap().is_none());
     let r = s.revoke_permit(&p1.id, T0 + 1).await.unwrap().unwrap();
@@ -1008,7 +1002,7 @@ pub async fn permit_admin(h: &dyn Harness) {
         "revoking twice keeps the first time"
     );
     assert!(s.revoke_permit("pmt_nope", T0).await.unwrap().is_none());
-    let counts = s.attempt_counts(T0).await.unwrap();
+    let counts = s.attempt_counts().await.unwrap();
     assert_eq!(counts.values().sum::<u64>(), 0);
 }
 
@@ -1027,11 +1021,11 @@ pub async fn state_counts_and_pruning_per_permit_retention(h: &dyn Harness) {
     let a = dispatched(&auth(&*s, &req(&tok_short, "pay", Some("s"), "S", json!({})), T0).await);
     let b = dispatched(&auth(&*s, &req(&tok_long, "pay", Some("l"), "L", json!({})), T0).await);
     let c = dispatched(&auth(&*s, &req(&tok_long, "pay", Some("u"), "U", json!({})), T0).await);
-    let counts = s.attempt_counts(T0).await.unwrap();
+    let counts = s.attempt_counts().await.unwrap();
     assert_eq!(count(&counts, AttemptState::InFlight), 3);
     report(&*s, &a, completed("RA"), T0).await;
     report(&*s, &b, completed("RB"), T0).await;
-    let counts = s.attempt_counts(T0).await.unwrap();
+    let counts = s.attempt_counts().await.unwrap();
     assert_eq!(
         (
             count(&counts, AttemptState::InFlight),
@@ -1051,7 +1045,7 @@ pub async fn state_counts_and_pruning_per_permit_retention(h: &dyn Harness) {
     );
     assert_eq!(s.sweep(T0 + 10 * HOUR).await.unwrap().receipts_pruned, 1);
     assert!(!receipt_kept(&*s, &b).await);
-    let counts = s.attempt_counts(T0).await.unwrap();
+    let counts = s.attempt_counts().await.unwrap();
     assert_eq!(
         (
             count(&counts, AttemptState::InFlight),
@@ -1089,11 +1083,11 @@ pub async fn input_required_continuations(h: &dyn Harness) {
         report(&*s, &a, input_required("ASK"), now + 1000).await,
         OutcomeAck::Applied
     );
-    let att = s.get_attempt(&a, now).await.unwrap().unwrap();
+    let att = s.get_attempt(&a).await.unwrap().unwrap();
     assert_eq!(att.state, AttemptState::AwaitingInput);
     assert_eq!(att.lease_expires_at_ms, now + 1000 + LEASE_MS as i64);
     assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
-    let d = s.permit_detail(&p.id, now).await.unwrap().unwrap();
+    let d = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!((d.budget.reserved, d.budget.spent), (30, 0));
     assert_eq!(
         d.attempts_by_state.get(&AttemptState::AwaitingInput),
@@ -1130,16 +1124,13 @@ pub async fn input_required_continuations(h: &dyn Harness) {
     assert_eq!(again, a);
     assert_eq!(state_of(&*s, &a).await, AttemptState::InFlight);
     assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
-    let d = s.permit_detail(&p.id, now).await.unwrap().unwrap();
+    let d = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!((d.budget.reserved, d.budget.spent), (30, 0));
     assert_eq!(
-        s.list_attempts(
-            &AttemptFilter {
-                permit_id: Some(p.id.clone()),
-                ..AttemptFilter::default()
-            },
-            now
-        )
+        s.list_attempts(&AttemptFilter {
+            permit_id: Some(p.id.clone()),
+            ..AttemptFilter::default()
+        })
         .await
         .unwrap()
         .len(),
@@ -1163,7 +1154,7 @@ pub async fn input_required_continuations(h: &dyn Harness) {
             limits: None,
         }
     );
-    let d = s.permit_detail(&p.id, now).await.unwrap().unwrap();
+    let d = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!((d.budget.reserved, d.budget.spent), (0, 30));
 
     // Abandoned: the sweeper turns it uncertain after the renewed lease, never released.
@@ -1175,7 +1166,7 @@ pub async fn input_required_continuations(h: &dyn Harness) {
     assert_eq!(state_of(&*s, &b).await, AttemptState::AwaitingInput);
     let swept = s.sweep(now + 10_000 + LEASE_MS as i64).await.unwrap();
     assert_eq!(swept.leases_expired, 1);
-    let att = s.get_attempt(&b, now).await.unwrap().unwrap();
+    let att = s.get_attempt(&b).await.unwrap().unwrap();
     assert_eq!(att.state, AttemptState::Uncertain);
     assert_eq!(
         att.reason.as_deref(),
@@ -1220,7 +1211,7 @@ pub async fn accepted_task_handles(h: &dyn Harness) {
         }
     );
     assert_eq!(calls_made(&*s, &p.id, "job").await, 1);
-    let d = s.permit_detail(&p.id, now).await.unwrap().unwrap();
+    let d = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!((d.budget.reserved, d.budget.spent), (0, 40));
     assert_eq!(
         denied(&auth(&*s, &req(&tok, "job", Some("k2"), "B", json!({})), now).await),
@@ -1255,7 +1246,7 @@ pub async fn race_continuations(h: &dyn Harness) {
 /// Asserts that the permit's stored O(1) counters (slots held per tool, reserved and spent
 /// budget) equal a recount from its attempts; returns the recount.
 pub async fn counters_match_recount(store: &dyn Store, permit_id: &str) -> PermitDetail {
-    let detail = store.permit_detail(permit_id, T0).await.unwrap().unwrap();
+    let detail = store.permit_detail(permit_id).await.unwrap().unwrap();
     let counters = store.permit_counters(permit_id).await.unwrap().unwrap();
     let recount: BTreeMap<String, i64> = detail
         .usage
@@ -1443,7 +1434,7 @@ pub async fn rounds_and_capabilities(h: &dyn Harness) {
     );
     assert_eq!(state_of(&*s, &a).await, AttemptState::AwaitingInput);
     assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
-    let d = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    let d = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!((d.budget.reserved, d.budget.spent), (30, 0));
     // The key is not free again: the first request is still in progress, a new key is capped.
     assert_eq!(
@@ -1465,7 +1456,7 @@ pub async fn rounds_and_capabilities(h: &dyn Harness) {
     );
     drop(s);
     let s = h.reopen().await;
-    let att = s.get_attempt(&a, T0).await.unwrap().unwrap();
+    let att = s.get_attempt(&a).await.unwrap().unwrap();
     assert_eq!((att.state, att.round), (AttemptState::Completed, 3));
     assert_eq!(
         s.record_outcome(&done, T0 + 8).await.unwrap().ack,
@@ -1566,7 +1557,7 @@ pub async fn race_report_against_lease_expiry(h: &dyn Harness) {
             async move { y.sweep(T0 + lease).await.unwrap().leases_expired },
         )
         .await;
-        let got = s.get_attempt(&a, T0).await.unwrap().unwrap();
+        let got = s.get_attempt(&a).await.unwrap().unwrap();
         match (ack, swept, got.state) {
             (OutcomeAck::Applied, 0, state) if state == target => {}
             (OutcomeAck::Conflict, 1, AttemptState::Uncertain) => {
@@ -1613,7 +1604,7 @@ pub async fn race_conflicting_reports_from_two_handles(h: &dyn Harness) {
             (OutcomeAck::Conflict, OutcomeAck::Applied) => second,
             other => panic!("round {i}: both or neither report applied: {other:?}"),
         };
-        let got = s.get_attempt(&a, T0).await.unwrap().unwrap();
+        let got = s.get_attempt(&a).await.unwrap().unwrap();
         assert_eq!(
             got.state,
             crate::decide::outcome_state(&winner),
@@ -1717,13 +1708,10 @@ pub async fn race_revocation_against_authorization(h: &dyn Harness) {
         .await;
         assert_eq!(revoked.unwrap().revoked_at_ms, Some(T0 + 1), "round {i}");
         let attempts = s
-            .list_attempts(
-                &AttemptFilter {
-                    permit_id: Some(p.id.clone()),
-                    ..AttemptFilter::default()
-                },
-                T0,
-            )
+            .list_attempts(&AttemptFilter {
+                permit_id: Some(p.id.clone()),
+                ..AttemptFilter::default()
+            })
             .await
             .unwrap();
         let ids: Vec<String> = attempts.iter().map(|a| a.id.clone()).collect();
@@ -1899,16 +1887,12 @@ pub async fn inbox_reads(h: &dyn Harness) {
     let w = dispatched(&auth(&*s, &pay("w", "W"), T0).await);
     let f = dispatched(&auth(&*s, &pay("f", "F"), T0).await);
     let nokey = dispatched(&auth(&*s, &req(&tok, "pay", None, "N", json!({})), T0).await);
-    let got = s.get_attempt(&a, T0).await.unwrap().unwrap();
+    let got = s.get_attempt(&a).await.unwrap().unwrap();
     assert_eq!(got.forwarded_key.as_deref(), Some("fwd-a"));
     let kept: Value = serde_json::from_str(got.arguments.as_deref().unwrap()).unwrap();
     assert_eq!(kept, args);
     assert_eq!(
-        s.get_attempt(&nokey, T0)
-            .await
-            .unwrap()
-            .unwrap()
-            .forwarded_key,
+        s.get_attempt(&nokey).await.unwrap().unwrap().forwarded_key,
         None
     );
 
@@ -1920,18 +1904,18 @@ pub async fn inbox_reads(h: &dyn Harness) {
     let ids = |v: Vec<crate::model::Attempt>| v.into_iter().map(|a| a.id).collect::<Vec<_>>();
     // w has not waited long enough (since T0 + 3, stuck only from T0 + 2 back).
     assert_eq!(
-        ids(s.open_attempts(T0 + 2, 50, T0 + 20).await.unwrap()),
+        ids(s.open_attempts(T0 + 2, 50).await.unwrap()),
         [b.clone(), a.clone()]
     );
     assert_eq!(
-        ids(s.open_attempts(T0 + 3, 50, T0 + 20).await.unwrap()),
+        ids(s.open_attempts(T0 + 3, 50).await.unwrap()),
         [w.clone(), b.clone(), a.clone()]
     );
     assert_eq!(
-        ids(s.open_attempts(T0 + 3, 2, T0 + 20).await.unwrap()),
+        ids(s.open_attempts(T0 + 3, 2).await.unwrap()),
         [w.clone(), b.clone()]
     );
-    assert_eq!(s.oldest_uncertain(T0 + 20).await.unwrap(), Some(T0 + 5));
+    assert_eq!(s.oldest_uncertain().await.unwrap(), Some(T0 + 5));
 
     // The continuation says another forwarded value (say the upstream secret rotated): the
     // attempt keeps the first, which is what the provider saw when the call was first sent.
@@ -1941,7 +1925,7 @@ pub async fn inbox_reads(h: &dyn Harness) {
     ));
     assert_eq!(dispatched(&auth(&*s, &again, T0 + 6).await), w);
     assert_eq!(
-        s.get_attempt(&w, T0)
+        s.get_attempt(&w)
             .await
             .unwrap()
             .unwrap()
@@ -1950,7 +1934,7 @@ pub async fn inbox_reads(h: &dyn Harness) {
         Some("fwd-w")
     );
     assert_eq!(
-        ids(s.open_attempts(T0 + 100, 50, T0 + 20).await.unwrap()),
+        ids(s.open_attempts(T0 + 100, 50).await.unwrap()),
         [b.clone(), a.clone()]
     );
 
@@ -1963,7 +1947,7 @@ pub async fn inbox_reads(h: &dyn Harness) {
         source: ResolutionSource::Person,
     };
     s.resolve_attempt(&b, &person, T0 + 30).await.unwrap();
-    assert_eq!(s.oldest_uncertain(T0 + 40).await.unwrap(), Some(T0 + 10));
+    assert_eq!(s.oldest_uncertain().await.unwrap(), Some(T0 + 10));
     let answer = r#"{"structuredContent":{"status":"paid"}}"#;
     let reconciler = ResolveInput {
         executed: true,
@@ -1975,12 +1959,12 @@ pub async fn inbox_reads(h: &dyn Harness) {
         },
     };
     s.resolve_attempt(&a, &reconciler, T0 + 40).await.unwrap();
-    assert_eq!(s.oldest_uncertain(T0 + 50).await.unwrap(), None);
-    assert!(s.open_attempts(T0, 50, T0 + 50).await.unwrap().is_empty());
+    assert_eq!(s.oldest_uncertain().await.unwrap(), None);
+    assert!(s.open_attempts(T0, 50).await.unwrap().is_empty());
 
     drop(s);
     let s = h.reopen().await;
-    let resolved = s.resolved_attempts(10, T0 + 50).await.unwrap();
+    let resolved = s.resolved_attempts(10).await.unwrap();
     assert_eq!(ids(resolved.clone()), [a.clone(), b.clone()]);
     let ra = resolved[0].resolution.clone().unwrap();
     assert_eq!(
@@ -1994,11 +1978,11 @@ pub async fn inbox_reads(h: &dyn Harness) {
         ("ana", Some("no charge for INV-1"), ResolutionSource::Person)
     );
     assert_eq!(resolved[0].forwarded_key.as_deref(), Some("fwd-a"));
-    assert_eq!(ids(s.resolved_attempts(1, T0 + 50).await.unwrap()), [a]);
+    assert_eq!(ids(s.resolved_attempts(1).await.unwrap()), [a]);
 
     // Past retention the receipt and the arguments go; the forwarded key stays for lookups.
     assert_eq!(s.sweep(T0 + 4 + HOUR).await.unwrap().receipts_pruned, 1);
-    let pruned = s.get_attempt(&f, T0).await.unwrap().unwrap();
+    let pruned = s.get_attempt(&f).await.unwrap().unwrap();
     assert_eq!((pruned.receipt, pruned.arguments), (None, None));
     assert_eq!(pruned.forwarded_key.as_deref(), Some("fwd-f"));
 }
@@ -2017,22 +2001,22 @@ pub const VERSION_4_ROWS: &str = "\
 /// After migrating [`VERSION_4_ROWS`]: no forwarded key or arguments, the old resolution a
 /// person's, and the inbox's reads find both attempts.
 pub async fn reads_version_4_rows(s: &dyn Store) {
-    let r = s.get_attempt("r1", 0).await.unwrap().unwrap();
+    let r = s.get_attempt("r1").await.unwrap().unwrap();
     let res = r.resolution.unwrap();
     assert_eq!(
         (res.by.as_str(), res.note.as_deref(), res.source),
         ("ops", Some("found it"), ResolutionSource::Person)
     );
     assert_eq!((r.forwarded_key, r.arguments), (None, None));
-    let open = s.open_attempts(0, 10, 10).await.unwrap();
+    let open = s.open_attempts(0, 10).await.unwrap();
     assert_eq!(
         open.iter()
             .map(|a| (a.id.as_str(), a.state))
             .collect::<Vec<_>>(),
         [("u1", AttemptState::Uncertain)]
     );
-    assert_eq!(s.oldest_uncertain(10).await.unwrap(), Some(7));
-    let resolved = s.resolved_attempts(10, 10).await.unwrap();
+    assert_eq!(s.oldest_uncertain().await.unwrap(), Some(7));
+    let resolved = s.resolved_attempts(10).await.unwrap();
     assert_eq!(resolved.len(), 1);
     assert_eq!(resolved[0].id, "r1");
 }
@@ -2061,10 +2045,7 @@ pub async fn uncertain_pages(h: &dyn Harness) {
     let mut walked = Vec::new();
     let mut after: (crate::clock::Millis, String) = (crate::clock::Millis::MIN, String::new());
     for _ in 0..10 {
-        let page = s
-            .uncertain_after((after.0, &after.1), 2, T0 + 20)
-            .await
-            .unwrap();
+        let page = s.uncertain_after((after.0, &after.1), 2).await.unwrap();
         assert!(page.len() <= 2, "a page holds at most the limit");
         let Some(last) = page.last() else { break };
         after = (last.updated_at_ms, last.id.clone());
@@ -2077,7 +2058,7 @@ pub async fn uncertain_pages(h: &dyn Harness) {
     // From the middle: only what comes after that key.
     let (at, id) = &uncertain_ids[2];
     let rest: Vec<String> = s
-        .uncertain_after((*at, id), 10, T0 + 20)
+        .uncertain_after((*at, id), 10)
         .await
         .unwrap()
         .into_iter()

@@ -64,19 +64,15 @@ pub struct PermitCounters {
 #[async_trait]
 pub trait Store: Send + Sync {
     /// The store answers.
-    async fn ping(&self, now: Millis) -> Result<(), LedgerError>;
+    async fn ping(&self) -> Result<(), LedgerError>;
 
     /// Stores a new permit (its token already hashed).
-    async fn create_permit(&self, permit: &Permit, now: Millis) -> Result<(), LedgerError>;
+    async fn create_permit(&self, permit: &Permit) -> Result<(), LedgerError>;
 
-    async fn list_permits(&self, now: Millis) -> Result<Vec<Permit>, LedgerError>;
+    async fn list_permits(&self) -> Result<Vec<Permit>, LedgerError>;
 
     /// A permit with its usage per tool, budget totals and attempt counts.
-    async fn permit_detail(
-        &self,
-        id: &str,
-        now: Millis,
-    ) -> Result<Option<PermitDetail>, LedgerError>;
+    async fn permit_detail(&self, id: &str) -> Result<Option<PermitDetail>, LedgerError>;
 
     /// The permit with this id, `None` if unknown.
     async fn get_permit(&self, id: &str) -> Result<Option<Permit>, LedgerError>;
@@ -118,13 +114,9 @@ pub trait Store: Send + Sync {
     /// The permit's stored counters, `None` if unknown.
     async fn permit_counters(&self, id: &str) -> Result<Option<PermitCounters>, LedgerError>;
 
-    async fn get_attempt(&self, id: &str, now: Millis) -> Result<Option<Attempt>, LedgerError>;
+    async fn get_attempt(&self, id: &str) -> Result<Option<Attempt>, LedgerError>;
 
-    async fn list_attempts(
-        &self,
-        filter: &AttemptFilter,
-        now: Millis,
-    ) -> Result<Vec<Attempt>, LedgerError>;
+    async fn list_attempts(&self, filter: &AttemptFilter) -> Result<Vec<Attempt>, LedgerError>;
 
     /// Settles an `uncertain` attempt.
     async fn resolve_attempt(
@@ -138,8 +130,7 @@ pub trait Store: Send + Sync {
     async fn sweep(&self, now: Millis) -> Result<SweepReport, LedgerError>;
 
     /// Number of attempts per state, over all permits.
-    async fn attempt_counts(&self, now: Millis)
-        -> Result<BTreeMap<AttemptState, u64>, LedgerError>;
+    async fn attempt_counts(&self) -> Result<BTreeMap<AttemptState, u64>, LedgerError>;
 
     /// What the reconciliation inbox lists: every `uncertain` attempt, and each
     /// `awaiting_input` one that has waited since `stuck_since` or earlier, oldest first by
@@ -149,7 +140,6 @@ pub trait Store: Send + Sync {
         &self,
         stuck_since: Millis,
         limit: u32,
-        now: Millis,
     ) -> Result<Vec<Attempt>, LedgerError>;
 
     /// `uncertain` attempts in the inbox's order (when each turned so, then id) that come
@@ -160,15 +150,13 @@ pub trait Store: Send + Sync {
         &self,
         after: (Millis, &str),
         limit: u32,
-        now: Millis,
     ) -> Result<Vec<Attempt>, LedgerError>;
 
     /// Resolved attempts, the latest resolution first; at most `limit`.
-    async fn resolved_attempts(&self, limit: u32, now: Millis)
-        -> Result<Vec<Attempt>, LedgerError>;
+    async fn resolved_attempts(&self, limit: u32) -> Result<Vec<Attempt>, LedgerError>;
 
     /// When the attempt that has been `uncertain` the longest turned so; `None` when none is.
-    async fn oldest_uncertain(&self, now: Millis) -> Result<Option<Millis>, LedgerError>;
+    async fn oldest_uncertain(&self) -> Result<Option<Millis>, LedgerError>;
 }
 
 /// The inbox's one list from a store's two reads (`uncertain` ones, stuck `awaiting_input`

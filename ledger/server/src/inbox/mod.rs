@@ -475,8 +475,8 @@ async fn sign_out(
 }
 
 /// Permit labels by id, for the pages that name an attempt's permit.
-async fn labels(state: &AppState, now: Millis) -> Result<BTreeMap<String, Permit>, Response> {
-    match state.store.list_permits(now).await {
+async fn labels(state: &AppState) -> Result<BTreeMap<String, Permit>, Response> {
+    match state.store.list_permits().await {
         Ok(ps) => Ok(ps.into_iter().map(|p| (p.id.clone(), p)).collect()),
         Err(e) => Err(store_failed(state, "list_permits", &e)),
     }
@@ -549,15 +549,11 @@ async fn inbox_page(
     };
     let now = state.clock.now_ms();
     let stuck_since = now.saturating_sub(millis(state.config.inbox.stuck_after));
-    let open = match state
-        .store
-        .open_attempts(stuck_since, PAGE_LIMIT, now)
-        .await
-    {
+    let open = match state.store.open_attempts(stuck_since, PAGE_LIMIT).await {
         Ok(o) => o,
         Err(e) => return store_failed(&state, "open_attempts", &e),
     };
-    let permits = match labels(&state, now).await {
+    let permits = match labels(&state).await {
         Ok(p) => p,
         Err(r) => return r,
     };
@@ -583,12 +579,11 @@ async fn history_page(State(state): State<Shared>, headers: HeaderMap) -> Respon
         Ok(s) => s,
         Err(refused) => return refused,
     };
-    let now = state.clock.now_ms();
-    let resolved = match state.store.resolved_attempts(PAGE_LIMIT, now).await {
+    let resolved = match state.store.resolved_attempts(PAGE_LIMIT).await {
         Ok(r) => r,
         Err(e) => return store_failed(&state, "resolved_attempts", &e),
     };
-    let permits = match labels(&state, now).await {
+    let permits = match labels(&state).await {
         Ok(p) => p,
         Err(r) => return r,
     };
@@ -635,7 +630,7 @@ async fn permits_page(State(state): State<Shared>, headers: HeaderMap) -> Respon
         Err(refused) => return refused,
     };
     let now = state.clock.now_ms();
-    let mut list = match state.store.list_permits(now).await {
+    let mut list = match state.store.list_permits().await {
         Ok(l) => l,
         Err(e) => return store_failed(&state, "list_permits", &e),
     };
@@ -657,7 +652,7 @@ async fn permits_page(State(state): State<Shared>, headers: HeaderMap) -> Respon
         .iter()
         .take(usize::try_from(PAGE_LIMIT).unwrap_or(usize::MAX))
     {
-        let detail = match state.store.permit_detail(&p.id, now).await {
+        let detail = match state.store.permit_detail(&p.id).await {
             Ok(Some(d)) => d,
             Ok(None) => continue,
             Err(e) => return store_failed(&state, "permit_detail", &e),

@@ -319,7 +319,7 @@ async fn a_wrong_token_a_missing_csrf_token_and_an_expired_session_are_refused()
         assert!(refused.body.contains("nothing was changed"));
     }
     assert_eq!(unchanged().await, 1);
-    let still = s.state.store.get_attempt(&id, 0).await.unwrap().unwrap();
+    let still = s.state.store.get_attempt(&id).await.unwrap().unwrap();
     assert_eq!(still.state, AttemptState::Uncertain);
     // Without a note, or with a result that is neither, nothing happens either.
     for form in [
@@ -346,7 +346,7 @@ async fn a_wrong_token_a_missing_csrf_token_and_an_expired_session_are_refused()
         .await;
     assert_eq!(late.status, 401);
     assert_eq!(unchanged().await, 1);
-    let still = s.state.store.get_attempt(&id, 0).await.unwrap().unwrap();
+    let still = s.state.store.get_attempt(&id).await.unwrap().unwrap();
     assert_eq!(still.state, AttemptState::Uncertain);
     // Signing in again works, and the old CSRF token belongs to the old session.
     assert_eq!(b.sign_in("Ana", ADM).await.status, 303);

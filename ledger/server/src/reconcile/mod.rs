@@ -186,7 +186,7 @@ impl Reconciler {
             let page = match self
                 .state
                 .store
-                .uncertain_after((after.0, &after.1), SCAN_LIMIT, now)
+                .uncertain_after((after.0, &after.1), SCAN_LIMIT)
                 .await
             {
                 Ok(a) => a,

@@ -248,7 +248,7 @@ impl PgStore {
 
 #[async_trait]
 impl Store for PgStore {
-    async fn ping(&self, _now: Millis) -> Result<(), LedgerError> {
+    async fn ping(&self) -> Result<(), LedgerError> {
         self.timed(async |c: &mut deadpool_postgres::Object| {
             query(&*c, "SELECT 1 FROM atmost_migrations LIMIT 1", &[]).await?;
             Ok::<_, LedgerError>(())
@@ -256,7 +256,7 @@ impl Store for PgStore {
         .await
     }
 
-    async fn create_permit(&self, p: &Permit, _now: Millis) -> Result<(), LedgerError> {
+    async fn create_permit(&self, p: &Permit) -> Result<(), LedgerError> {
         let policy =
             serde_json::to_string(&p.policy).map_err(|e| LedgerError::Invalid(e.to_string()))?;
         self.timed(async |c: &mut deadpool_postgres::Object| {
@@ -281,7 +281,7 @@ impl Store for PgStore {
         .await
     }
 
-    async fn list_permits(&self, _now: Millis) -> Result<Vec<Permit>, LedgerError> {
+    async fn list_permits(&self) -> Result<Vec<Permit>, LedgerError> {
         self.timed(async |c: &mut deadpool_postgres::Object| {
             let sql = format!("SELECT {PERMIT_COLS} FROM permits ORDER BY created_at, id");
             query(&*c, &sql, &[])
@@ -293,11 +293,7 @@ impl Store for PgStore {
         .await
     }
 
-    async fn permit_detail(
-        &self,
-        id: &str,
-        _now: Millis,
-    ) -> Result<Option<PermitDetail>, LedgerError> {
+    async fn permit_detail(&self, id: &str) -> Result<Option<PermitDetail>, LedgerError> {
         self.timed(async |c: &mut deadpool_postgres::Object| {
             // One consistent snapshot for the permit, its counts and its budget.
             let tx = c
@@ -513,16 +509,12 @@ impl Store for PgStore {
         .await
     }
 
-    async fn get_attempt(&self, id: &str, _now: Millis) -> Result<Option<Attempt>, LedgerError> {
+    async fn get_attempt(&self, id: &str) -> Result<Option<Attempt>, LedgerError> {
         self.timed(async |c: &mut deadpool_postgres::Object| load_attempt(&*c, id).await)
             .await
     }
 
-    async fn list_attempts(
-        &self,
-        filter: &AttemptFilter,
-        _now: Millis,
-    ) -> Result<Vec<Attempt>, LedgerError> {
+    async fn list_attempts(&self, filter: &AttemptFilter) -> Result<Vec<Attempt>, LedgerError> {
         let state = filter.state.map(|s| s.as_str().to_string());
         let permit = filter.permit_id.clone();
         let limit = i64::from(filter.limit.unwrap_or(1000));
@@ -635,10 +627,7 @@ impl Store for PgStore {
         .await
     }
 
-    async fn attempt_counts(
-        &self,
-        _now: Millis,
-    ) -> Result<BTreeMap<AttemptState, u64>, LedgerError> {
+    async fn attempt_counts(&self) -> Result<BTreeMap<AttemptState, u64>, LedgerError> {
         self.timed(async |c: &mut deadpool_postgres::Object| {
             let rows = query(
                 &*c,
@@ -663,7 +652,6 @@ impl Store for PgStore {
         &self,
         stuck_since: Millis,
         limit: u32,
-        _now: Millis,
     ) -> Result<Vec<Attempt>, LedgerError> {
         let n = i64::from(limit);
         self.timed(async |c: &mut deadpool_postgres::Object| {
@@ -679,7 +667,6 @@ impl Store for PgStore {
         &self,
         after: (Millis, &str),
         limit: u32,
-        _now: Millis,
     ) -> Result<Vec<Attempt>, LedgerError> {
         let (at, id) = (after.0, after.1.to_string());
         let n = i64::from(limit);
@@ -690,11 +677,7 @@ impl Store for PgStore {
         .await
     }
 
-    async fn resolved_attempts(
-        &self,
-        limit: u32,
-        _now: Millis,
-    ) -> Result<Vec<Attempt>, LedgerError> {
+    async fn resolved_attempts(&self, limit: u32) -> Result<Vec<Attempt>, LedgerError> {
         let n = i64::from(limit);
         self.timed(async |c: &mut deadpool_postgres::Object| {
             query_attempts(&*c, &InboxSql::new(placeholder).resolved, &[&n]).await
@@ -702,7 +685,7 @@ impl Store for PgStore {
         .await
     }
 
-    async fn oldest_uncertain(&self, _now: Millis) -> Result<Option<Millis>, LedgerError> {
+    async fn oldest_uncertain(&self) -> Result<Option<Millis>, LedgerError> {
         self.timed(async |c: &mut deadpool_postgres::Object| {
             let rows = query(&*c, OLDEST_UNCERTAIN_SQL, &[]).await?;
             rows.first()

@@ -424,7 +424,7 @@ async fn outcome_batches_queued_together_are_applied_in_order() {
             vec![OutcomeAck::Conflict, OutcomeAck::AlreadyRecorded],
         ]
     );
-    let counts = s.attempt_counts(T0).await.unwrap();
+    let counts = s.attempt_counts().await.unwrap();
     assert_eq!(counts.get(&AttemptState::Completed), Some(&2));
     assert_eq!(counts.get(&AttemptState::Released), Some(&1));
     assert_eq!(counts.get(&AttemptState::InFlight).copied().unwrap_or(0), 0);
@@ -550,7 +550,7 @@ async fn replicas_sweeping_at_once_move_each_attempt_once() {
         expired += sw.await.unwrap().leases_expired;
     }
     assert_eq!(expired, 20);
-    let counts = s.attempt_counts(T0).await.unwrap();
+    let counts = s.attempt_counts().await.unwrap();
     assert_eq!(counts[&crate::model::AttemptState::Uncertain], 20);
 }
 

@@ -212,7 +212,7 @@ fn open_conn(path: &Path) -> Result<Connection, LedgerError> {
 
 #[async_trait]
 impl Store for SqliteStore {
-    async fn ping(&self, _now: Millis) -> Result<(), LedgerError> {
+    async fn ping(&self) -> Result<(), LedgerError> {
         // Through the writer: ready means decisions can be made.
         self.write(|c: &GroupTx<'_>| {
             c.prepare_cached("SELECT COUNT(*) FROM permits")?
@@ -222,7 +222,7 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn create_permit(&self, permit: &Permit, _now: Millis) -> Result<(), LedgerError> {
+    async fn create_permit(&self, permit: &Permit) -> Result<(), LedgerError> {
         let p = permit.clone();
         let policy =
             serde_json::to_string(&p.policy).map_err(|e| LedgerError::Invalid(e.to_string()))?;
@@ -246,7 +246,7 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn list_permits(&self, _now: Millis) -> Result<Vec<Permit>, LedgerError> {
+    async fn list_permits(&self) -> Result<Vec<Permit>, LedgerError> {
         self.read(|c| {
             let mut stmt = c.prepare(&format!(
                 "SELECT {PERMIT_COLS} FROM permits ORDER BY created_at, id"
@@ -261,11 +261,7 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn permit_detail(
-        &self,
-        id: &str,
-        _now: Millis,
-    ) -> Result<Option<PermitDetail>, LedgerError> {
+    async fn permit_detail(&self, id: &str) -> Result<Option<PermitDetail>, LedgerError> {
         let id = id.to_string();
         self.read(move |c| {
             let tx = c.transaction().map_err(sql_err)?;
@@ -393,16 +389,12 @@ impl Store for SqliteStore {
         self.read(move |c| read_counters(c, &id)).await
     }
 
-    async fn get_attempt(&self, id: &str, _now: Millis) -> Result<Option<Attempt>, LedgerError> {
+    async fn get_attempt(&self, id: &str) -> Result<Option<Attempt>, LedgerError> {
         let id = id.to_string();
         self.read(move |c| load_attempt(c, &id)).await
     }
 
-    async fn list_attempts(
-        &self,
-        filter: &AttemptFilter,
-        _now: Millis,
-    ) -> Result<Vec<Attempt>, LedgerError> {
+    async fn list_attempts(&self, filter: &AttemptFilter) -> Result<Vec<Attempt>, LedgerError> {
         let state = filter.state.map(|s| s.as_str().to_string());
         let permit = filter.permit_id.clone();
         let limit = i64::from(filter.limit.unwrap_or(1000));
@@ -488,10 +480,7 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn attempt_counts(
-        &self,
-        _now: Millis,
-    ) -> Result<BTreeMap<AttemptState, u64>, LedgerError> {
+    async fn attempt_counts(&self) -> Result<BTreeMap<AttemptState, u64>, LedgerError> {
         self.read(|c| {
             let mut stmt = c.prepare_cached("SELECT state, n FROM attempt_state_counts")?;
             let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?;
@@ -511,7 +500,6 @@ impl Store for SqliteStore {
         &self,
         stuck_since: Millis,
         limit: u32,
-        _now: Millis,
     ) -> Result<Vec<Attempt>, LedgerError> {
         let n = i64::from(limit);
         self.read(move |c| {
@@ -527,7 +515,6 @@ impl Store for SqliteStore {
         &self,
         after: (Millis, &str),
         limit: u32,
-        _now: Millis,
     ) -> Result<Vec<Attempt>, LedgerError> {
         let (at, id) = (after.0, after.1.to_string());
         let n = i64::from(limit);
@@ -538,17 +525,13 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn resolved_attempts(
-        &self,
-        limit: u32,
-        _now: Millis,
-    ) -> Result<Vec<Attempt>, LedgerError> {
+    async fn resolved_attempts(&self, limit: u32) -> Result<Vec<Attempt>, LedgerError> {
         let n = i64::from(limit);
         self.read(move |c| query_attempts(c, &InboxSql::new(placeholder).resolved, &[&n]))
             .await
     }
 
-    async fn oldest_uncertain(&self, _now: Millis) -> Result<Option<Millis>, LedgerError> {
+    async fn oldest_uncertain(&self) -> Result<Option<Millis>, LedgerError> {
         self.read(|c| {
             Ok(c.prepare_cached(OLDEST_UNCERTAIN_SQL)?
                 .query_row([], |r| r.get(0))?)

@@ -92,7 +92,7 @@ async fn a_failing_ops_counter_moves_go_with_its_savepoint() {
     assert_eq!(kept, 80);
     let c = s.permit_counters(&p.id).await.unwrap().unwrap();
     assert_eq!(c.slots_held.get("t"), Some(&80));
-    let counts = s.attempt_counts(T0).await.unwrap();
+    let counts = s.attempt_counts().await.unwrap();
     assert_eq!(counts.get(&AttemptState::InFlight), Some(&80));
 }
 
@@ -208,7 +208,7 @@ async fn migration_backfills_counters_from_existing_rows() {
         }
     }
     let s = SqliteStore::open_file(&path).unwrap();
-    let d = s.permit_detail("p1", 0).await.unwrap().unwrap();
+    let d = s.permit_detail("p1").await.unwrap().unwrap();
     let c = s.permit_counters("p1").await.unwrap().unwrap();
     assert_eq!(
         c.slots_held.get("a").copied(),
@@ -222,7 +222,7 @@ async fn migration_backfills_counters_from_existing_rows() {
     assert_eq!(c.spent, d.budget.spent as i64);
     assert!(c.reserved > 0 && c.spent > 0);
     // Version 3 counted the attempts per state from the rows.
-    let counts = s.attempt_counts(0).await.unwrap();
+    let counts = s.attempt_counts().await.unwrap();
     assert!(counts.values().all(|n| *n == 2), "{counts:?}");
     assert_eq!(counts.len(), crate::model::AttemptState::ALL.len());
     drop(s);
