@@ -15,7 +15,7 @@ mod postgres_outage {
     use atmost_ledger::model::{GuardMode, Permit, Policy};
     use atmost_ledger::store::postgres::testing::{self, Cleanup};
     use atmost_ledger::store::postgres::PgStore;
-    use atmost_ledger::store::Store;
+    use atmost_ledger::store::{Decisions, Reads, Store};
     use atmost_ledger::token;
     use atmost_protocol::AuthorizeRequest;
     use serde_json::json;

@@ -1,8 +1,9 @@
 //! The store conformance suite, written once over `Arc<dyn Store>`.
 //!
 //! A store's test module implements [`Harness`] and calls [`conformance_suite!`] once; every
-//! check below then runs against it. The SQLite instantiation sits at the bottom of
-//! `store/sqlite.rs`'s tests; a PostgreSQL store adds one more `conformance_suite!` call.
+//! check below then runs against it: SQLite's in `store/sqlite/tests.rs` (always built),
+//! PostgreSQL's in `store/postgres/tests.rs` (built with the `postgres-tests` feature). Both
+//! the decisions and the shared reads are checked through `dyn Store`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};

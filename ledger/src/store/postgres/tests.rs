@@ -17,7 +17,7 @@ use super::testing::{self, Cleanup};
 use super::{PgOptions, PgStore};
 use crate::store::conformance::{self, Harness, LEASE_MS, T0};
 use crate::store::schema::{two_versions_ahead_refusal, SCHEMA_VERSION};
-use crate::store::Store;
+use crate::store::{Decisions, Reads, Store};
 
 /// The server the PostgreSQL tests use. They never skip: without it they fail.
 pub fn database_url() -> String {
@@ -593,13 +593,22 @@ fn outage_sqlstates_are_transient_and_others_are_not() {
 /// The inbox's reads follow their partial indexes, as the sweeper's do.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn inbox_queries_read_their_partial_indexes() {
-    let sql = crate::store::rows::InboxSql::new(super::placeholder);
-    let oldest = crate::store::rows::OLDEST_UNCERTAIN_SQL.to_string();
+    let sql = crate::store::reads::ReadSql::new(super::DIALECT);
     assert_plans_use(&[
-        ("attempts_uncertain", "(bigint)", "(0)", sql.uncertain),
-        ("attempts_leased", "(bigint, bigint)", "(0, 1)", sql.stuck),
-        ("attempts_resolved", "(bigint)", "(0)", sql.resolved),
-        ("attempts_uncertain", "", "", oldest),
+        (
+            "attempts_uncertain",
+            "(bigint)",
+            "(0)",
+            sql.uncertain(0).sql,
+        ),
+        (
+            "attempts_leased",
+            "(bigint, bigint)",
+            "(0, 1)",
+            sql.stuck(0, 1).sql,
+        ),
+        ("attempts_resolved", "(bigint)", "(0)", sql.resolved(0).sql),
+        ("attempts_uncertain", "", "", sql.oldest_uncertain().sql),
     ])
     .await;
 }

@@ -4,7 +4,7 @@ use async_trait::async_trait;
 
 use super::SqliteStore;
 use crate::store::conformance::{self, Harness, T0};
-use crate::store::Store;
+use crate::store::{Decisions, Reads, Store};
 
 struct SqliteHarness {
     dir: tempfile::TempDir,
@@ -265,15 +265,12 @@ fn an_outage_is_transient_and_a_broken_constraint_is_not() {
 async fn inbox_queries_read_their_partial_indexes() {
     let dir = tempfile::tempdir().unwrap();
     let s = SqliteStore::open_dir(dir.path()).unwrap();
-    let sql = crate::store::rows::InboxSql::new(super::placeholder);
+    let sql = crate::store::reads::ReadSql::new(super::DIALECT);
     let queries = [
-        ("attempts_uncertain", sql.uncertain),
-        ("attempts_leased", sql.stuck),
-        ("attempts_resolved", sql.resolved),
-        (
-            "attempts_uncertain",
-            crate::store::rows::OLDEST_UNCERTAIN_SQL.to_string(),
-        ),
+        ("attempts_uncertain", sql.uncertain(0).sql),
+        ("attempts_leased", sql.stuck(0, 0).sql),
+        ("attempts_resolved", sql.resolved(0).sql),
+        ("attempts_uncertain", sql.oldest_uncertain().sql),
     ];
     let plans = s
         .read(move |c| {
