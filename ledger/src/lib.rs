@@ -2,8 +2,9 @@
 //!
 //! The promise is at most N dispatches per tool under one permit and one dispatch per
 //! idempotency key; an outcome that is unknown stays `uncertain` until someone resolves it.
-//! This crate holds the records ([`model`]), the pure decisions on them ([`decide`]) and the
-//! stores that keep them ([`store`]: SQLite and PostgreSQL, each behind a cargo feature). The
+//! This crate holds the records ([`model`]), what a permit may ask for ([`policy`]), the pure
+//! decisions on them ([`decide`]) and the stores that keep them ([`store`]: SQLite and
+//! PostgreSQL, each behind a cargo feature). The
 //! server (HTTP APIs, reconciliation inbox, reconciler, the `atmost` command line) is the
 //! `atmost-ledger-server` crate in `ledger/server/`.
 
@@ -11,6 +12,7 @@ pub mod clock;
 pub mod decide;
 pub mod error;
 pub mod model;
+pub mod policy;
 pub mod store;
 pub mod token;
 

@@ -28,7 +28,7 @@ use crate::redact::Redaction;
 use atmost_ledger::clock::Clock;
 use atmost_ledger::decide::{self, Notice, ResolveInput};
 use atmost_ledger::error::{LedgerError, ResolveError};
-use atmost_ledger::model::{Attempt, AttemptState, BudgetTotals, GuardMode, Permit, Policy};
+use atmost_ledger::model::{Attempt, AttemptState, BudgetTotals, GuardMode};
 use atmost_ledger::store::{AttemptFilter, Store};
 use atmost_ledger::token;
 
@@ -439,58 +439,6 @@ async fn outcomes(
     (StatusCode::OK, Json(OutcomesResponse { acks })).into_response()
 }
 
-fn build_permit(req: CreatePermitRequest, now: i64) -> Result<(Permit, String), String> {
-    let label = req.label.trim().to_string();
-    if label.is_empty() {
-        return Err("label must not be empty".into());
-    }
-    let expires_at_ms = api::parse_expiry(&req.expires, now)?;
-    if expires_at_ms <= now {
-        return Err("expiry is in the past".into());
-    }
-    let tools = req.tools.unwrap_or_else(|| vec!["*".to_string()]);
-    if tools.is_empty() || tools.iter().any(|t| t.trim().is_empty()) {
-        return Err("tools must be a non-empty list of tool names, or [\"*\"]".into());
-    }
-    for (tool, rule) in &req.cost {
-        if let atmost_ledger::model::CostRule::Pointer(p) = rule {
-            if !p.starts_with('/') {
-                return Err(format!("cost pointer for {tool:?} must start with '/'"));
-            }
-        }
-        if let atmost_ledger::model::CostRule::Fixed(n) = rule {
-            if i64::try_from(*n).is_err() {
-                return Err(format!("cost for {tool:?} is too large"));
-            }
-        }
-    }
-    let retention_ms = match req.retention.as_deref() {
-        Some(r) => api::parse_duration_ms(r)?,
-        None => i64::try_from(api::DEFAULT_RETENTION.as_millis()).unwrap_or(i64::MAX),
-    };
-    let id = token::new_permit_id().map_err(|e| e.to_string())?;
-    let tok = token::new_token(&id).map_err(|e| e.to_string())?;
-    let permit = Permit {
-        token_hash: token::sha256_hex(&tok),
-        id,
-        label,
-        created_at_ms: now,
-        expires_at_ms,
-        revoked_at_ms: None,
-        policy: Policy {
-            tools,
-            max_calls: req.max_calls,
-            max_calls_default: req.max_calls_default,
-            budget: req.budget,
-            cost: req.cost,
-            cost_default: req.cost_default.unwrap_or(0),
-            duplicate_guard: req.duplicate_guard.unwrap_or_default(),
-            retention_ms,
-        },
-    };
-    Ok((permit, tok))
-}
-
 async fn create_permit(
     State(state): State<Shared>,
     body: Result<Json<CreatePermitRequest>, JsonRejection>,
@@ -500,9 +448,9 @@ async fn create_permit(
         Err(r) => return json_rejection(r),
     };
     let now = state.clock.now_ms();
-    let (permit, tok) = match build_permit(req, now) {
+    let (permit, tok) = match req.issue(now) {
         Ok(p) => p,
-        Err(m) => return bad_request(m),
+        Err(e) => return bad_request(e.to_string()),
     };
     if let Err(e) = state.store.create_permit(&permit).await {
         return internal(&state, "create_permit", &e);

@@ -7,12 +7,11 @@
 
 #[cfg(test)]
 mod postgres_outage {
-    use std::collections::BTreeMap;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    use atmost_ledger::model::{GuardMode, Permit, Policy};
+    use atmost_ledger::model::{Permit, Policy};
     use atmost_ledger::store::postgres::testing::{self, Cleanup};
     use atmost_ledger::store::postgres::PgStore;
     use atmost_ledger::store::{Decisions, Reads, Store};
@@ -38,16 +37,10 @@ mod postgres_outage {
             created_at_ms: T0,
             expires_at_ms: T0 + 3_600_000,
             revoked_at_ms: None,
-            policy: Policy {
-                tools: vec!["*".into()],
-                max_calls: BTreeMap::from([("pay".to_string(), 1)]),
-                max_calls_default: None,
-                budget: None,
-                cost: BTreeMap::new(),
-                cost_default: 0,
-                duplicate_guard: GuardMode::Log,
-                retention_ms: 24 * 3_600_000,
-            },
+            policy: Policy::builder()
+                .max_calls("pay", 1)
+                .retention_ms(24 * 3_600_000)
+                .build(),
         };
         store.create_permit(&p).await.unwrap();
         (p, tok)

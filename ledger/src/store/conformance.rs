@@ -67,17 +67,9 @@ macro_rules! conformance_suite {
     };
 }
 
+/// Every tool, no cap, no budget, no cost, the duplicate guard logging, a day's retention.
 pub fn policy() -> Policy {
-    Policy {
-        tools: vec!["*".into()],
-        max_calls: BTreeMap::new(),
-        max_calls_default: None,
-        budget: None,
-        cost: BTreeMap::new(),
-        cost_default: 0,
-        duplicate_guard: GuardMode::Log,
-        retention_ms: 24 * HOUR,
-    }
+    Policy::builder().retention_ms(24 * HOUR).build()
 }
 
 /// Stores a permit with `policy`, returns it and its token.
@@ -238,7 +230,7 @@ async fn receipt_kept(store: &dyn Store, attempt: &str) -> bool {
 pub async fn decision_table(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 3);
+    pol.rules.max_calls.insert("pay".into(), 3);
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let now = T0;
 
@@ -358,7 +350,7 @@ pub async fn decision_table(h: &dyn Harness) {
 pub async fn expiry_scope_and_key_required(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.tools = vec!["pay".into()];
+    pol.rules.tools = vec!["pay".into()];
     let (_p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     assert_eq!(
         denied(&auth(&*s, &req(&tok, "search", None, "A", json!({})), T0).await),
@@ -388,8 +380,9 @@ pub async fn expiry_scope_and_key_required(h: &dyn Harness) {
 pub async fn budget_reserve_spend_release(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.budget = Some(10);
-    pol.cost
+    pol.rules.budget = Some(10);
+    pol.rules
+        .cost
         .insert("pay".into(), CostRule::Pointer("/amount".into()));
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let a = dispatched(
@@ -492,7 +485,7 @@ pub async fn duplicate_guard_modes(h: &dyn Harness) {
     let s = h.store().await;
     for mode in [GuardMode::Off, GuardMode::Log, GuardMode::Enforce] {
         let mut pol = policy();
-        pol.duplicate_guard = mode;
+        pol.rules.duplicate_guard = mode;
         let (_p, tok) = make_permit(&*s, pol, T0 + 100 * HOUR).await;
         let a = dispatched(&auth(&*s, &req(&tok, "pay", Some("k1"), "X", json!({})), T0).await);
         report(&*s, &a, completed("R"), T0).await;
@@ -582,8 +575,8 @@ pub async fn outcome_acks(h: &dyn Harness) {
 pub async fn outcome_batch(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.budget = Some(100);
-    pol.cost_default = 2;
+    pol.rules.budget = Some(100);
+    pol.rules.cost_default = 2;
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let a = dispatched(&auth(&*s, &req(&tok, "pay", Some("a"), "A", json!({})), T0).await);
     let b = dispatched(&auth(&*s, &req(&tok, "pay", Some("b"), "B", json!({})), T0).await);
@@ -675,7 +668,7 @@ fn count(rs: &[AuthorizeResponse], code: Option<DenialCode>) -> usize {
 async fn race_cap(h: &dyn Harness, cap: u64) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), cap);
+    pol.rules.max_calls.insert("pay".into(), cap);
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let n = 32;
     let reqs = (0..n)
@@ -726,7 +719,7 @@ pub async fn race_same_key(h: &dyn Harness) {
 pub async fn race_duplicate_guard(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.duplicate_guard = GuardMode::Enforce;
+    pol.rules.duplicate_guard = GuardMode::Enforce;
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let reqs = (0..32)
         .map(|i| req(&tok, "pay", Some(&format!("key-{i}")), "same", json!({})))
@@ -740,8 +733,8 @@ pub async fn race_duplicate_guard(h: &dyn Harness) {
 pub async fn race_budget(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.budget = Some(10);
-    pol.cost_default = 3;
+    pol.rules.budget = Some(10);
+    pol.rules.cost_default = 3;
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let reqs = (0..32)
         .map(|i| {
@@ -818,7 +811,7 @@ pub async fn retention_tombstones_and_uncertain_kept(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
     pol.retention_ms = HOUR;
-    pol.max_calls.insert("pay".into(), 5);
+    pol.rules.max_calls.insert("pay".into(), 5);
     let (p, tok) = make_permit(&*s, pol, T0 + 100 * HOUR).await;
     let a = dispatched(&auth(&*s, &req(&tok, "pay", Some("done"), "A", json!({})), T0).await);
     report(&*s, &a, completed("R"), T0).await;
@@ -876,7 +869,7 @@ pub async fn retention_tombstones_and_uncertain_kept(h: &dyn Harness) {
 pub async fn resolution(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 2);
+    pol.rules.max_calls.insert("pay".into(), 2);
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let a = dispatched(&auth(&*s, &req(&tok, "pay", Some("a"), "A", json!({})), T0).await);
     let b = dispatched(&auth(&*s, &req(&tok, "pay", Some("b"), "B", json!({})), T0).await);
@@ -951,7 +944,7 @@ pub async fn resolution(h: &dyn Harness) {
 pub async fn durability_across_reopen(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 2);
+    pol.rules.max_calls.insert("pay".into(), 2);
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let a = dispatched(&auth(&*s, &req(&tok, "pay", Some("a"), "A", json!({})), T0).await);
     report(&*s, &a, completed("R"), T0).await;
@@ -979,10 +972,11 @@ pub async fn permit_admin(h: &dyn Harness) {
     let s = h.store().await;
     s.ping().await.unwrap();
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 1);
-    pol.cost
+    pol.rules.max_calls.insert("pay".into(), 1);
+    pol.rules
+        .cost
         .insert("pay".into(), CostRule::Pointer("/a".into()));
-    pol.budget = Some(7);
+    pol.rules.budget = Some(7);
     let (p1, _) = make_permit(&*s, pol, T0 + HOUR).await;
     let (p2, _) = make_permit(&*s, policy(), T0 + HOUR).await;
     let list = s.list_permits().await.unwrap();
@@ -1073,9 +1067,9 @@ fn input_required(r: &str) -> Outcome {
 pub async fn input_required_continuations(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 1);
-    pol.budget = Some(100);
-    pol.cost.insert("pay".into(), CostRule::Fixed(30));
+    pol.rules.max_calls.insert("pay".into(), 1);
+    pol.rules.budget = Some(100);
+    pol.rules.cost.insert("pay".into(), CostRule::Fixed(30));
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let now = T0;
     let first = req(&tok, "pay", Some("k1"), "A", json!({}));
@@ -1183,9 +1177,9 @@ pub async fn input_required_continuations(h: &dyn Harness) {
 pub async fn accepted_task_handles(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("job".into(), 1);
-    pol.budget = Some(100);
-    pol.cost.insert("job".into(), CostRule::Fixed(40));
+    pol.rules.max_calls.insert("job".into(), 1);
+    pol.rules.budget = Some(100);
+    pol.rules.cost.insert("job".into(), CostRule::Fixed(40));
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let now = T0;
     let r = req(&tok, "job", Some("k1"), "A", json!({}));
@@ -1273,16 +1267,17 @@ pub async fn counters_match_recount(store: &dyn Store, permit_id: &str) -> Permi
 pub async fn counters_match_recount_after_random_operations(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 6);
-    pol.max_calls_default = Some(40);
-    pol.budget = Some(400);
-    pol.cost.insert("pay".into(), CostRule::Fixed(17));
-    pol.cost
+    pol.rules.max_calls.insert("pay".into(), 6);
+    pol.rules.max_calls_default = Some(40);
+    pol.rules.budget = Some(400);
+    pol.rules.cost.insert("pay".into(), CostRule::Fixed(17));
+    pol.rules
+        .cost
         .insert("ship".into(), CostRule::Pointer("/n".into()));
-    pol.cost_default = 3;
-    pol.duplicate_guard = GuardMode::Off;
+    pol.rules.cost_default = 3;
+    pol.rules.duplicate_guard = GuardMode::Off;
     let (p1, tok1) = make_permit(&*s, pol.clone(), T0 + 100 * HOUR).await;
-    pol.budget = None;
+    pol.rules.budget = None;
     pol.retention_ms = 10 * MIN;
     let (p2, tok2) = make_permit(&*s, pol, T0 + 100 * HOUR).await;
     // A small deterministic generator (no extra dependency).
@@ -1381,9 +1376,9 @@ pub async fn counters_match_recount_after_random_operations(h: &dyn Harness) {
 pub async fn rounds_and_capabilities(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 1);
-    pol.budget = Some(100);
-    pol.cost.insert("pay".into(), CostRule::Fixed(30));
+    pol.rules.max_calls.insert("pay".into(), 1);
+    pol.rules.budget = Some(100);
+    pol.rules.cost.insert("pay".into(), CostRule::Fixed(30));
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let first = req(&tok, "pay", Some("k1"), "A", json!({}));
     let r1 = auth(&*s, &first, T0).await;
@@ -1523,9 +1518,9 @@ where
 /// A permit with a budget and a cost, so every race moves slots and budget.
 async fn race_permit(store: &dyn Store) -> (Permit, String) {
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 1000);
-    pol.budget = Some(1_000_000);
-    pol.cost.insert("pay".into(), CostRule::Fixed(7));
+    pol.rules.max_calls.insert("pay".into(), 1000);
+    pol.rules.budget = Some(1_000_000);
+    pol.rules.cost.insert("pay".into(), CostRule::Fixed(7));
     make_permit(store, pol, T0 + 100 * HOUR).await
 }
 
@@ -1820,9 +1815,10 @@ fn figures(r: &AuthorizeResponse) -> (Option<u64>, Option<u64>) {
 pub async fn permit_limits_in_answers(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 2);
-    pol.budget = Some(100);
-    pol.cost
+    pol.rules.max_calls.insert("pay".into(), 2);
+    pol.rules.budget = Some(100);
+    pol.rules
+        .cost
         .insert("pay".into(), CostRule::Pointer("/amount".into()));
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let call = |key: &'static str, amount: u64| {

@@ -450,6 +450,7 @@ impl<S: ReadQueries + ?Sized> Reads for S {
         // Tools with a cap are listed even before their first call.
         let mut usage: BTreeMap<String, ToolUsage> = permit
             .policy
+            .rules
             .max_calls
             .keys()
             .map(|t| (t.clone(), ToolUsage::default()))

@@ -146,8 +146,8 @@ async fn one_group_of_queued_decisions_sees_its_own_earlier_decisions() {
     let h = PgHarness::new().await;
     let s = h.first.clone();
     let mut pol = conformance::policy();
-    pol.duplicate_guard = GuardMode::Enforce;
-    pol.max_calls.insert("pay".into(), 3);
+    pol.rules.duplicate_guard = GuardMode::Enforce;
+    pol.rules.max_calls.insert("pay".into(), 3);
     let (p, tok) = conformance::make_permit(&*s, pol, T0 + conformance::HOUR).await;
     let raw = hold_permit_lock(&h, &p.id).await;
     let call = |r: atmost_protocol::AuthorizeRequest| {
@@ -292,10 +292,10 @@ async fn one_group_of_several_permits_keeps_each_permits_own_keys_and_counters()
     let h = PgHarness::new().await;
     let s = h.first.clone();
     let mut pol = conformance::policy();
-    pol.duplicate_guard = GuardMode::Enforce;
-    pol.max_calls.insert("pay".into(), 2);
-    pol.budget = Some(10);
-    pol.cost_default = 4;
+    pol.rules.duplicate_guard = GuardMode::Enforce;
+    pol.rules.max_calls.insert("pay".into(), 2);
+    pol.rules.budget = Some(10);
+    pol.rules.cost_default = 4;
     let (pa, ta) = conformance::make_permit(&*s, pol.clone(), T0 + conformance::HOUR).await;
     let (pb, tb) = conformance::make_permit(&*s, pol, T0 + conformance::HOUR).await;
     let raw = hold_permit_lock(&h, &pa.id).await;
