@@ -607,6 +607,28 @@ pub struct ResolveInput {
     pub source: ResolutionSource,
 }
 
+/// What a resolution must say and does not: refused before any attempt is looked up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidResolution {
+    #[error("by must name who resolved the attempt")]
+    NoResolver,
+    #[error("a receipt only goes with executed: true")]
+    ReceiptWithoutExecution,
+}
+
+impl ResolveInput {
+    /// Someone is named, and a receipt comes only with a call that ran.
+    pub fn check(&self) -> Result<(), InvalidResolution> {
+        if self.by.trim().is_empty() {
+            return Err(InvalidResolution::NoResolver);
+        }
+        if !self.executed && self.receipt.is_some() {
+            return Err(InvalidResolution::ReceiptWithoutExecution);
+        }
+        Ok(())
+    }
+}
+
 /// Settles an `uncertain` attempt. Nothing else can be resolved. Modelled in
 /// `ledger/model/atmost.pml` (`RESOLVE`).
 pub fn resolve(a: &Attempt, input: &ResolveInput, now: Millis) -> Result<Attempt, ResolveError> {

@@ -689,6 +689,28 @@ fn resolution_effects() {
 }
 
 #[test]
+fn a_resolution_names_someone_and_a_receipt_only_with_a_call_that_ran() {
+    let input = |executed: bool, receipt: Option<&str>, by: &str| ResolveInput {
+        executed,
+        receipt: receipt.map(String::from),
+        note: None,
+        by: by.into(),
+        source: Default::default(),
+    };
+    assert_eq!(input(true, Some("R"), "alice").check(), Ok(()));
+    assert_eq!(input(false, None, "alice").check(), Ok(()));
+    let refused = input(true, None, " ").check().unwrap_err();
+    assert_eq!(refused, InvalidResolution::NoResolver);
+    assert_eq!(refused.to_string(), "by must name who resolved the attempt");
+    let refused = input(false, Some("R"), "alice").check().unwrap_err();
+    assert_eq!(refused, InvalidResolution::ReceiptWithoutExecution);
+    assert_eq!(
+        refused.to_string(),
+        "a receipt only goes with executed: true"
+    );
+}
+
+#[test]
 fn sweeper_turns_expired_leases_uncertain_never_released() {
     let mut a = attempt(AttemptState::InFlight, None, "fp");
     a.lease_expires_at_ms = NOW;

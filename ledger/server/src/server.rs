@@ -558,11 +558,8 @@ async fn resolve_attempt(
         Ok(b) => b,
         Err(r) => return json_rejection(r),
     };
-    if input.by.trim().is_empty() {
-        return bad_request("by must name who resolved the attempt");
-    }
-    if !input.executed && input.receipt.is_some() {
-        return bad_request("a receipt only goes with executed: true");
+    if let Err(e) = input.check() {
+        return bad_request(e.to_string());
     }
     let now = state.clock.now_ms();
     match state.store.resolve_attempt(&id, &input, now).await {
