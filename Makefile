@@ -105,11 +105,13 @@ oci: wasm ledger-release oci-tools
 			{ echo "oci: skopeo reads another digest for $$name" >&2; exit 1; }; \
 	done
 
+# The ledger server (`atmost`) is the crate atmost-ledger-server (ledger/server/), over the
+# library atmost-ledger (ledger/: model, decisions, stores).
 ledger:
-	$(CARGO) build -p atmost-ledger
+	$(CARGO) build -p atmost-ledger-server
 
 ledger-release:
-	$(CARGO) build --release -p atmost-ledger
+	$(CARGO) build --release -p atmost-ledger-server
 
 ## The ledger with the next schema version's rehearsal (feature schema-rehearsal: one more,
 ## additive migration), for the rolling-upgrade test: target/debug/atmost-next. The plain
@@ -117,9 +119,9 @@ ledger-release:
 ## variants, so a second run only relinks. Never part of a release (ledger-release, oci).
 LEDGER_NEXT := target/debug/atmost-next
 ledger-next:
-	$(CARGO) build -p atmost-ledger --features schema-rehearsal
+	$(CARGO) build -p atmost-ledger-server --features schema-rehearsal
 	cp target/debug/atmost $(LEDGER_NEXT)
-	$(CARGO) build -p atmost-ledger
+	$(CARGO) build -p atmost-ledger-server
 
 ## The main job: ledger + example MCP server (or UPSTREAM=host:port) + Envoy on 127.0.0.1:10000/mcp.
 run: setup-run wasm ledger-release
@@ -128,6 +130,7 @@ run: setup-run wasm ledger-release
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy --workspace --all-targets $(PG_TESTS) -- -D warnings
 	$(CARGO) clippy -p atmost-filter --target wasm32-wasip1 -- -D warnings
 	@# The fuzz and bench crates are workspaces of their own (cargo-fuzz needs that; the
 	@# bench tools stay out of the product's), but fuzz uses the filter's API: it must still
@@ -141,12 +144,16 @@ fmt:
 	cd fuzz && $(CARGO) fmt --all
 	cd bench && $(CARGO) fmt --all
 
-## The PostgreSQL store's tests need DATABASE_URL: scripts/with-postgres uses it when set, else a
-## server at 127.0.0.1:5432 (database test), else a throwaway cluster; it fails if none works.
+## The PostgreSQL tests (the store's, and the server's over it) are built with the cargo feature
+## postgres-tests of both ledger crates, so `cargo test --workspace` alone needs no database.
+## Here they are always on, and need DATABASE_URL: scripts/with-postgres uses it when set, else
+## a server at 127.0.0.1:5432 (database test), else a throwaway cluster; it fails if none
+## works (the tests never skip).
 WITH_PG := scripts/with-postgres
+PG_TESTS := --features atmost-ledger/postgres-tests,atmost-ledger-server/postgres-tests
 
 test-unit:
-	$(WITH_PG) $(CARGO) test --workspace
+	$(WITH_PG) $(CARGO) test --workspace $(PG_TESTS)
 
 test-e2e: setup ts-deps wasm ledger-next ledger oci
 	ATMOST_BIN=target/debug/atmost ATMOST_NEXT_BIN=$(LEDGER_NEXT) $(WITH_PG) $(VPY) -m pytest tests/e2e -q -p no:cacheprovider --timeout 300

@@ -91,7 +91,7 @@ def ledger_binary() -> Path:
     builds = [ROOT / "target" / p / "atmost" for p in ("release", "debug")]
     existing = [b for b in builds if b.exists()]
     if not existing:
-        raise RuntimeError("no atmost binary: run `cargo build -p atmost-ledger` first")
+        raise RuntimeError("no atmost binary: run `make ledger` (cargo build -p atmost-ledger-server) first")
     return max(existing, key=lambda b: b.stat().st_mtime)
 
 

@@ -6,7 +6,6 @@
 //! `cargo bench -p atmost-ledger --bench store`
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -39,18 +38,12 @@ async fn permit(store: &dyn Store) -> String {
         created_at_ms: now,
         expires_at_ms: now + 86_400_000,
         revoked_at_ms: None,
-        policy: Policy {
-            tools: vec!["*".into()],
-            max_calls: BTreeMap::new(),
-            max_calls_default: None,
-            budget: None,
-            cost: BTreeMap::new(),
-            cost_default: 0,
-            duplicate_guard: GuardMode::Log,
-            retention_ms: 86_400_000,
-        },
+        policy: Policy::builder()
+            .duplicate_guard(GuardMode::Log)
+            .retention_ms(86_400_000)
+            .build(),
     };
-    store.create_permit(&p, now).await.unwrap();
+    store.create_permit(&p).await.unwrap();
     tok
 }
 

@@ -1,4 +1,6 @@
-//! Injected time. Every store method takes `now` from a [`Clock`], so tests can move time.
+//! Injected time. Every store operation whose effect depends on the time (a decision, an
+//! outcome, a resolution, a revocation, the sweep) takes `now` from a [`Clock`], so tests can
+//! move time.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};

@@ -190,17 +190,17 @@ pub fn permit_limits(
     budget: BudgetTotals,
     now: Millis,
 ) -> PermitLimits {
-    let policy = &permit.policy;
-    let calls_left = if now >= permit.expires_at_ms || !policy.allows_tool(tool) {
+    let rules = &permit.policy.rules;
+    let calls_left = if now >= permit.expires_at_ms || !rules.allows_tool(tool) {
         Some(0)
     } else {
-        policy
+        rules
             .limit_for(tool)
             .map(|limit| limit.saturating_sub(calls_made))
     };
     PermitLimits {
         calls_left,
-        budget_left: policy
+        budget_left: rules
             .budget
             .map(|b| b.saturating_sub(budget.spent.saturating_add(budget.reserved))),
         expires_at: crate::clock::rfc3339(permit.expires_at_ms),
@@ -358,14 +358,14 @@ fn decide_under(
     }
 
     // 3. A new call (new key, no key, or a key whose attempt was given back).
-    let policy = &permit.policy;
+    let rules = &permit.policy.rules;
     if now >= permit.expires_at_ms {
         return Decision::deny(
             Denial::new(DenialCode::PermitExpired, "the permit has expired")
                 .with("expires_at", crate::clock::rfc3339(permit.expires_at_ms)),
         );
     }
-    if !policy.allows_tool(&req.tool) {
+    if !rules.allows_tool(&req.tool) {
         return Decision::deny(
             Denial::new(
                 DenialCode::PermitToolNotAllowed,
@@ -383,7 +383,7 @@ fn decide_under(
             .with("tool", req.tool.clone()),
         );
     }
-    if let Some(limit) = policy.limit_for(&req.tool) {
+    if let Some(limit) = rules.limit_for(&req.tool) {
         if snap.usage.calls_made >= limit {
             return Decision::deny(
                 Denial::new(
@@ -399,7 +399,7 @@ fn decide_under(
             );
         }
     }
-    let cost = match resolve_cost(&policy.cost_rule_for(&req.tool), &req.arguments) {
+    let cost = match resolve_cost(&rules.cost_rule_for(&req.tool), &req.arguments) {
         Ok(c) => c,
         Err(pointer) => {
             return Decision::deny(
@@ -414,7 +414,7 @@ fn decide_under(
             );
         }
     };
-    if let Some(budget) = policy.budget {
+    if let Some(budget) = rules.budget {
         let needed =
             u128::from(snap.budget.spent) + u128::from(snap.budget.reserved) + u128::from(cost);
         if needed > u128::from(budget) {
@@ -436,10 +436,10 @@ fn decide_under(
         let is_duplicate = dup.permit_id == permit.id
             && dup.fingerprint == req.fingerprint
             && !dup.state.gave_back()
-            && now.saturating_sub(dup.created_at_ms) <= policy.retention_ms
+            && now.saturating_sub(dup.created_at_ms) <= permit.policy.retention_ms
             && (key_hash.is_none() || dup.key_hash != key_hash);
         if is_duplicate {
-            match policy.duplicate_guard {
+            match rules.duplicate_guard {
                 GuardMode::Off => {}
                 GuardMode::Log => notices.push(Notice::DuplicateLogged {
                     earlier_attempt_id: dup.id.clone(),
@@ -607,6 +607,28 @@ pub struct ResolveInput {
     pub source: ResolutionSource,
 }
 
+/// What a resolution must say and does not: refused before any attempt is looked up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidResolution {
+    #[error("by must name who resolved the attempt")]
+    NoResolver,
+    #[error("a receipt only goes with executed: true")]
+    ReceiptWithoutExecution,
+}
+
+impl ResolveInput {
+    /// Someone is named, and a receipt comes only with a call that ran.
+    pub fn check(&self) -> Result<(), InvalidResolution> {
+        if self.by.trim().is_empty() {
+            return Err(InvalidResolution::NoResolver);
+        }
+        if !self.executed && self.receipt.is_some() {
+            return Err(InvalidResolution::ReceiptWithoutExecution);
+        }
+        Ok(())
+    }
+}
+
 /// Settles an `uncertain` attempt. Nothing else can be resolved. Modelled in
 /// `ledger/model/atmost.pml` (`RESOLVE`).
 pub fn resolve(a: &Attempt, input: &ResolveInput, now: Millis) -> Result<Attempt, ResolveError> {
@@ -724,11 +746,11 @@ pub struct Reads {
 }
 
 pub fn reads_needed(req: &AuthorizeRequest, permit: &Permit, existing: Option<&Attempt>) -> Reads {
-    let policy = &permit.policy;
+    let rules = &permit.policy.rules;
     let new_call = existing.is_none_or(|a| a.state.gave_back());
     Reads {
-        usage: policy.allows_tool(&req.tool) && policy.limit_for(&req.tool).is_some(),
-        budget: policy.budget.is_some(),
-        duplicate: new_call && policy.duplicate_guard != GuardMode::Off,
+        usage: rules.allows_tool(&req.tool) && rules.limit_for(&req.tool).is_some(),
+        budget: rules.budget.is_some(),
+        duplicate: new_call && rules.duplicate_guard != GuardMode::Off,
     }
 }

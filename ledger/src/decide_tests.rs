@@ -1,7 +1,5 @@
 //! Unit tests of the pure decision functions: every row of docs/design.md#the-decision-table.
 
-use std::collections::BTreeMap;
-
 use atmost_protocol::{
     AuthorizeRequest, AuthorizeResponse, DenialCode, Outcome, OutcomeAck, OutcomeReport,
     PermitLimits,
@@ -29,16 +27,7 @@ fn permit() -> Permit {
         created_at_ms: NOW - HOUR,
         expires_at_ms: NOW + HOUR,
         revoked_at_ms: None,
-        policy: Policy {
-            tools: vec!["*".into()],
-            max_calls: BTreeMap::new(),
-            max_calls_default: None,
-            budget: None,
-            cost: BTreeMap::new(),
-            cost_default: 0,
-            duplicate_guard: GuardMode::Log,
-            retention_ms: 24 * HOUR,
-        },
+        policy: Policy::builder().retention_ms(24 * HOUR).build(),
     }
 }
 
@@ -205,7 +194,7 @@ fn invalid_key_is_refused() {
 fn completed_same_fingerprint_replays_without_slot_even_after_expiry() {
     let mut p = permit();
     p.expires_at_ms = NOW - 1;
-    p.policy.max_calls_default = Some(1);
+    p.policy.rules.max_calls_default = Some(1);
     let mut s = snap(p);
     s.usage.calls_made = 1;
     let mut done = attempt(AttemptState::Completed, Some("k"), "fp");
@@ -302,7 +291,7 @@ fn released_and_resolved_not_executed_same_key_are_new_calls() {
             Some(DenialCode::PermitExpired)
         );
         let mut p = permit();
-        p.policy.max_calls_default = Some(1);
+        p.policy.rules.max_calls_default = Some(1);
         let mut s = snap(p);
         s.usage.calls_made = 1;
         s.existing = Some(attempt(st, Some("k"), "fp"));
@@ -357,13 +346,13 @@ fn expired_permit_denies_new_calls() {
 #[test]
 fn tool_scope() {
     let mut p = permit();
-    p.policy.tools = vec!["search".into(), "pay".into()];
+    p.policy.rules.tools = vec!["search".into(), "pay".into()];
     assert!(is_dispatch(&decide(
         &req(None, "fp"),
         &snap(p.clone()),
         &params()
     )));
-    p.policy.tools = vec!["search".into()];
+    p.policy.rules.tools = vec!["search".into()];
     let den = denial(&decide(&req(None, "fp"), &snap(p), &params()));
     assert_eq!(den.code, DenialCode::PermitToolNotAllowed);
     assert_eq!(den.data["tool"], json!("pay"));
@@ -384,8 +373,8 @@ fn key_required() {
 #[test]
 fn cap_per_tool_and_default() {
     let mut p = permit();
-    p.policy.max_calls.insert("pay".into(), 2);
-    p.policy.max_calls_default = Some(100);
+    p.policy.rules.max_calls.insert("pay".into(), 2);
+    p.policy.rules.max_calls_default = Some(100);
     let mut s = snap(p.clone());
     s.usage.calls_made = 1;
     assert!(is_dispatch(&decide(&req(None, "fp"), &s, &params())));
@@ -396,8 +385,8 @@ fn cap_per_tool_and_default() {
     assert_eq!(den.data["limit"], json!(2));
     assert_eq!(den.data["calls_made"], json!(2));
 
-    p.policy.max_calls.clear();
-    p.policy.max_calls_default = Some(0);
+    p.policy.rules.max_calls.clear();
+    p.policy.rules.max_calls_default = Some(0);
     assert_eq!(
         code(&decide(&req(None, "fp"), &snap(p), &params())),
         Some(DenialCode::PermitMaxCallsExceeded)
@@ -407,8 +396,9 @@ fn cap_per_tool_and_default() {
 #[test]
 fn budget_with_fixed_and_pointer_costs() {
     let mut p = permit();
-    p.policy.budget = Some(100);
+    p.policy.rules.budget = Some(100);
     p.policy
+        .rules
         .cost
         .insert("pay".into(), CostRule::Pointer("/amount".into()));
     let mut s = snap(p.clone());
@@ -445,8 +435,8 @@ fn budget_with_fixed_and_pointer_costs() {
         assert!(den.message.contains("/amount"));
     }
 
-    p.policy.cost.insert("pay".into(), CostRule::Fixed(7));
-    p.policy.budget = None;
+    p.policy.rules.cost.insert("pay".into(), CostRule::Fixed(7));
+    p.policy.rules.budget = None;
     let mut s = snap(p);
     s.budget = BudgetTotals {
         spent: u64::MAX / 2,
@@ -462,8 +452,8 @@ fn budget_with_fixed_and_pointer_costs() {
 #[test]
 fn cost_default_applies_to_other_tools() {
     let mut p = permit();
-    p.policy.cost_default = 3;
-    p.policy.budget = Some(5);
+    p.policy.rules.cost_default = 3;
+    p.policy.rules.budget = Some(5);
     let mut s = snap(p);
     s.budget.spent = 2;
     assert!(is_dispatch(&decide(&req(None, "fp"), &s, &params())));
@@ -476,7 +466,7 @@ fn cost_default_applies_to_other_tools() {
 
 fn dup_snapshot(mode: GuardMode) -> Snapshot {
     let mut p = permit();
-    p.policy.duplicate_guard = mode;
+    p.policy.rules.duplicate_guard = mode;
     let mut s = snap(p);
     s.recent_duplicate = Some(attempt(AttemptState::Completed, Some("k-old"), "fp"));
     s
@@ -556,10 +546,10 @@ fn order_of_new_call_checks() {
     // Expiry before scope before cap before budget.
     let mut p = permit();
     p.expires_at_ms = NOW;
-    p.policy.tools = vec!["search".into()];
-    p.policy.max_calls_default = Some(0);
-    p.policy.budget = Some(0);
-    p.policy.cost_default = 1;
+    p.policy.rules.tools = vec!["search".into()];
+    p.policy.rules.max_calls_default = Some(0);
+    p.policy.rules.budget = Some(0);
+    p.policy.rules.cost_default = 1;
     assert_eq!(
         code(&decide(&req(None, "fp"), &snap(p.clone()), &params())),
         Some(DenialCode::PermitExpired)
@@ -569,12 +559,12 @@ fn order_of_new_call_checks() {
         code(&decide(&req(None, "fp"), &snap(p.clone()), &params())),
         Some(DenialCode::PermitToolNotAllowed)
     );
-    p.policy.tools = vec!["*".into()];
+    p.policy.rules.tools = vec!["*".into()];
     assert_eq!(
         code(&decide(&req(None, "fp"), &snap(p.clone()), &params())),
         Some(DenialCode::PermitMaxCallsExceeded)
     );
-    p.policy.max_calls_default = None;
+    p.policy.rules.max_calls_default = None;
     assert_eq!(
         code(&decide(&req(None, "fp"), &snap(p), &params())),
         Some(DenialCode::PermitBudgetExceeded)
@@ -699,6 +689,28 @@ fn resolution_effects() {
 }
 
 #[test]
+fn a_resolution_names_someone_and_a_receipt_only_with_a_call_that_ran() {
+    let input = |executed: bool, receipt: Option<&str>, by: &str| ResolveInput {
+        executed,
+        receipt: receipt.map(String::from),
+        note: None,
+        by: by.into(),
+        source: Default::default(),
+    };
+    assert_eq!(input(true, Some("R"), "alice").check(), Ok(()));
+    assert_eq!(input(false, None, "alice").check(), Ok(()));
+    let refused = input(true, None, " ").check().unwrap_err();
+    assert_eq!(refused, InvalidResolution::NoResolver);
+    assert_eq!(refused.to_string(), "by must name who resolved the attempt");
+    let refused = input(false, Some("R"), "alice").check().unwrap_err();
+    assert_eq!(refused, InvalidResolution::ReceiptWithoutExecution);
+    assert_eq!(
+        refused.to_string(),
+        "a receipt only goes with executed: true"
+    );
+}
+
+#[test]
 fn sweeper_turns_expired_leases_uncertain_never_released() {
     let mut a = attempt(AttemptState::InFlight, None, "fp");
     a.lease_expires_at_ms = NOW;
@@ -765,7 +777,7 @@ fn awaiting_input_continuation_dispatches_again_under_the_same_attempt() {
     // Even at the cap: the slot is the attempt's own.
     s.usage.calls_made = 1;
     let mut p = permit();
-    p.policy.max_calls.insert("pay".into(), 1);
+    p.policy.rules.max_calls.insert("pay".into(), 1);
     s.permit = Some(p);
     let round_2 = DecideParams {
         new_capability: "cap-of-round-2".into(),
@@ -1048,9 +1060,10 @@ fn sweeper_turns_abandoned_input_uncertain_and_prunes_accepted() {
 /// A permit with a cap of 3 on `pay`, a budget of 100 and `pay` costing `/amount`.
 fn capped() -> Permit {
     let mut p = permit();
-    p.policy.max_calls.insert("pay".into(), 3);
-    p.policy.budget = Some(100);
+    p.policy.rules.max_calls.insert("pay".into(), 3);
+    p.policy.rules.budget = Some(100);
     p.policy
+        .rules
         .cost
         .insert("pay".into(), CostRule::Pointer("/amount".into()));
     p
@@ -1135,7 +1148,7 @@ fn a_continuation_takes_nothing_new() {
 fn no_calls_are_left_outside_the_scope_or_past_expiry() {
     let mut s = capped_snap();
     s.permit = s.permit.map(|mut p| {
-        p.policy.tools = vec!["echo".into()];
+        p.policy.rules.tools = vec!["echo".into()];
         p
     });
     let d = decide(&req(Some("k"), "fp"), &s, &params());
@@ -1176,7 +1189,7 @@ fn figures_are_read_whatever_decides() {
     }
     // Outside the scope, or without a cap, the slots are not read.
     let mut other = capped();
-    other.policy.tools = vec!["echo".into()];
+    other.policy.rules.tools = vec!["echo".into()];
     assert!(!reads_needed(&req(None, "fp"), &other, None).usage);
     assert!(!reads_needed(&req(None, "fp"), &permit(), None).usage);
 }

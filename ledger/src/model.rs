@@ -62,10 +62,14 @@ impl FromStr for CostRule {
     }
 }
 
-/// The policy part of a permit: everything an operator sets at creation.
+/// What calls a permit lets through and what they cost: the part of its policy that the
+/// operator writes (`POST /admin/v1/permits`), the store keeps (the policy's JSON) and the admin
+/// API shows in one shape. A field added here is taken, stored and shown with no other change;
+/// its rule goes in [`crate::decide`], and what values it refuses in [`crate::policy`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Policy {
-    /// Tool names, or `["*"]` for every tool.
+pub struct CallRules {
+    /// Tool names, or `["*"]` for every tool (the default).
+    #[serde(default = "every_tool", deserialize_with = "tools_or_every_tool")]
     pub tools: Vec<String>,
     #[serde(default)]
     pub max_calls: BTreeMap<String, u64>,
@@ -76,15 +80,47 @@ pub struct Policy {
     pub budget: Option<u64>,
     #[serde(default)]
     pub cost: BTreeMap<String, CostRule>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "default_if_null")]
     pub cost_default: u64,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "default_if_null")]
     pub duplicate_guard: GuardMode,
-    /// How long completed receipts stay replayable, in milliseconds.
-    pub retention_ms: Millis,
 }
 
-impl Policy {
+impl Default for CallRules {
+    /// What a permit created with no rules allows: every tool, no cap, no budget, no cost,
+    /// the duplicate guard logging.
+    fn default() -> Self {
+        CallRules {
+            tools: every_tool(),
+            max_calls: BTreeMap::new(),
+            max_calls_default: None,
+            budget: None,
+            cost: BTreeMap::new(),
+            cost_default: 0,
+            duplicate_guard: GuardMode::default(),
+        }
+    }
+}
+
+fn every_tool() -> Vec<String> {
+    vec!["*".to_string()]
+}
+
+/// `null` is the default, as a missing field is (the admin API has always taken `null` for
+/// these).
+fn default_if_null<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
+fn tools_or_every_tool<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    Ok(Option::<Vec<String>>::deserialize(d)?.unwrap_or_else(every_tool))
+}
+
+impl CallRules {
     pub fn allows_tool(&self, tool: &str) -> bool {
         self.tools.iter().any(|t| t == "*" || t == tool)
     }
@@ -99,6 +135,15 @@ impl Policy {
             .cloned()
             .unwrap_or(CostRule::Fixed(self.cost_default))
     }
+}
+
+/// The policy of a permit, as stored: its call rules and how long its receipts are kept.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Policy {
+    #[serde(flatten)]
+    pub rules: CallRules,
+    /// How long completed receipts stay replayable, in milliseconds.
+    pub retention_ms: Millis,
 }
 
 /// A durable authorization an agent acts under.
@@ -329,7 +374,7 @@ pub struct Attempt {
     pub arguments: Option<String>,
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "test-support"))]
 impl Attempt {
     /// An attempt for tests of what stores do with attempts: no key, no receipt, times at 0.
     pub fn example(id: &str, permit_id: &str, tool: &str, state: AttemptState, cost: u64) -> Self {

@@ -1,8 +1,9 @@
 //! The store conformance suite, written once over `Arc<dyn Store>`.
 //!
 //! A store's test module implements [`Harness`] and calls [`conformance_suite!`] once; every
-//! check below then runs against it. The SQLite instantiation sits at the bottom of
-//! `store/sqlite.rs`'s tests; a PostgreSQL store adds one more `conformance_suite!` call.
+//! check below then runs against it: SQLite's in `store/sqlite/tests.rs` (always built),
+//! PostgreSQL's in `store/postgres/tests.rs` (built with the `postgres-tests` feature). Both
+//! the decisions and the shared reads are checked through `dyn Store`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -66,17 +67,9 @@ macro_rules! conformance_suite {
     };
 }
 
+/// Every tool, no cap, no budget, no cost, the duplicate guard logging, a day's retention.
 pub fn policy() -> Policy {
-    Policy {
-        tools: vec!["*".into()],
-        max_calls: BTreeMap::new(),
-        max_calls_default: None,
-        budget: None,
-        cost: BTreeMap::new(),
-        cost_default: 0,
-        duplicate_guard: GuardMode::Log,
-        retention_ms: 24 * HOUR,
-    }
+    Policy::builder().retention_ms(24 * HOUR).build()
 }
 
 /// Stores a permit with `policy`, returns it and its token.
@@ -92,7 +85,7 @@ pub async fn make_permit(store: &dyn Store, policy: Policy, expires_at: i64) -> 
         revoked_at_ms: None,
         policy,
     };
-    store.create_permit(&p, T0).await.unwrap();
+    store.create_permit(&p).await.unwrap();
     (p, tok)
 }
 
@@ -216,17 +209,17 @@ fn uncertain() -> Outcome {
 }
 
 async fn calls_made(store: &dyn Store, permit: &str, tool: &str) -> u64 {
-    let d = store.permit_detail(permit, T0).await.unwrap().unwrap();
+    let d = store.permit_detail(permit).await.unwrap().unwrap();
     d.usage.get(tool).map(|u| u.calls_made).unwrap_or(0)
 }
 
 async fn state_of(store: &dyn Store, attempt: &str) -> AttemptState {
-    store.get_attempt(attempt, T0).await.unwrap().unwrap().state
+    store.get_attempt(attempt).await.unwrap().unwrap().state
 }
 
 async fn receipt_kept(store: &dyn Store, attempt: &str) -> bool {
     store
-        .get_attempt(attempt, T0)
+        .get_attempt(attempt)
         .await
         .unwrap()
         .unwrap()
@@ -237,7 +230,7 @@ async fn receipt_kept(store: &dyn Store, attempt: &str) -> bool {
 pub async fn decision_table(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 3);
+    pol.rules.max_calls.insert("pay".into(), 3);
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let now = T0;
 
@@ -267,10 +260,7 @@ pub async fn decision_table(h: &dyn Harness) {
             }
         );
     }
-    assert_eq!(
-        s.get_attempt(&a1, now).await.unwrap().unwrap().replay_count,
-        2
-    );
+    assert_eq!(s.get_attempt(&a1).await.unwrap().unwrap().replay_count, 2);
     let r = auth(&*s, &req(&tok, "pay", Some("k1"), "B", json!({})), now).await;
     assert_eq!(denied(&r), DenialCode::IdempotencyKeyConflict);
     assert!(!serde_json::to_string(&r).unwrap().contains("R1"));
@@ -360,7 +350,7 @@ pub async fn decision_table(h: &dyn Harness) {
 pub async fn expiry_scope_and_key_required(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.tools = vec!["pay".into()];
+    pol.rules.tools = vec!["pay".into()];
     let (_p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     assert_eq!(
         denied(&auth(&*s, &req(&tok, "search", None, "A", json!({})), T0).await),
@@ -390,8 +380,9 @@ pub async fn expiry_scope_and_key_required(h: &dyn Harness) {
 pub async fn budget_reserve_spend_release(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.budget = Some(10);
-    pol.cost
+    pol.rules.budget = Some(10);
+    pol.rules
+        .cost
         .insert("pay".into(), CostRule::Pointer("/amount".into()));
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let a = dispatched(
@@ -437,11 +428,11 @@ pub async fn budget_reserve_spend_release(h: &dyn Harness) {
         )
         .await,
     );
-    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    let det = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!((det.budget.spent, det.budget.reserved), (0, 5));
     // Completed: reserved → spent.
     report(&*s, &b, completed("R"), T0).await;
-    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    let det = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!((det.budget.spent, det.budget.reserved), (5, 0));
     // Uncertain: counts as spent.
     let c = dispatched(
@@ -453,7 +444,7 @@ pub async fn budget_reserve_spend_release(h: &dyn Harness) {
         .await,
     );
     report(&*s, &c, uncertain(), T0).await;
-    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    let det = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!((det.budget.spent, det.budget.reserved), (9, 0));
     assert_eq!(
         denied(
@@ -494,7 +485,7 @@ pub async fn duplicate_guard_modes(h: &dyn Harness) {
     let s = h.store().await;
     for mode in [GuardMode::Off, GuardMode::Log, GuardMode::Enforce] {
         let mut pol = policy();
-        pol.duplicate_guard = mode;
+        pol.rules.duplicate_guard = mode;
         let (_p, tok) = make_permit(&*s, pol, T0 + 100 * HOUR).await;
         let a = dispatched(&auth(&*s, &req(&tok, "pay", Some("k1"), "X", json!({})), T0).await);
         report(&*s, &a, completed("R"), T0).await;
@@ -576,7 +567,7 @@ pub async fn outcome_acks(h: &dyn Harness) {
         report(&*s, &b, completed("late"), T0).await,
         OutcomeAck::Conflict
     );
-    let got = s.get_attempt(&b, T0).await.unwrap().unwrap();
+    let got = s.get_attempt(&b).await.unwrap().unwrap();
     assert_eq!((got.state, got.receipt), (AttemptState::Released, None));
 }
 
@@ -584,8 +575,8 @@ pub async fn outcome_acks(h: &dyn Harness) {
 pub async fn outcome_batch(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.budget = Some(100);
-    pol.cost_default = 2;
+    pol.rules.budget = Some(100);
+    pol.rules.cost_default = 2;
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let a = dispatched(&auth(&*s, &req(&tok, "pay", Some("a"), "A", json!({})), T0).await);
     let b = dispatched(&auth(&*s, &req(&tok, "pay", Some("b"), "B", json!({})), T0).await);
@@ -621,7 +612,7 @@ pub async fn outcome_batch(h: &dyn Harness) {
     );
     let got = |id: String| {
         let s = s.clone();
-        async move { s.get_attempt(&id, T0).await.unwrap().unwrap() }
+        async move { s.get_attempt(&id).await.unwrap().unwrap() }
     };
     let (ga, gb, gc) = (got(a).await, got(b).await, got(c).await);
     assert_eq!(
@@ -636,7 +627,7 @@ pub async fn outcome_batch(h: &dyn Harness) {
         (gc.state, gc.receipt.as_deref()),
         (AttemptState::AwaitingInput, Some("Q"))
     );
-    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    let det = s.permit_detail(&p.id).await.unwrap().unwrap();
     // a spent, c still reserved, b given back.
     assert_eq!((det.budget.spent, det.budget.reserved), (2, 2));
     assert_eq!(calls_made(&*s, &p.id, "pay").await, 2);
@@ -677,7 +668,7 @@ fn count(rs: &[AuthorizeResponse], code: Option<DenialCode>) -> usize {
 async fn race_cap(h: &dyn Harness, cap: u64) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), cap);
+    pol.rules.max_calls.insert("pay".into(), cap);
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let n = 32;
     let reqs = (0..n)
@@ -728,7 +719,7 @@ pub async fn race_same_key(h: &dyn Harness) {
 pub async fn race_duplicate_guard(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.duplicate_guard = GuardMode::Enforce;
+    pol.rules.duplicate_guard = GuardMode::Enforce;
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let reqs = (0..32)
         .map(|i| req(&tok, "pay", Some(&format!("key-{i}")), "same", json!({})))
@@ -742,8 +733,8 @@ pub async fn race_duplicate_guard(h: &dyn Harness) {
 pub async fn race_budget(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.budget = Some(10);
-    pol.cost_default = 3;
+    pol.rules.budget = Some(10);
+    pol.rules.cost_default = 3;
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let reqs = (0..32)
         .map(|i| {
@@ -759,7 +750,7 @@ pub async fn race_budget(h: &dyn Harness) {
     let rs = race(h, reqs).await;
     assert_eq!(count(&rs, None), 3, "{rs:?}");
     assert_eq!(count(&rs, Some(DenialCode::PermitBudgetExceeded)), 29);
-    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    let det = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!(det.budget.reserved, 9);
 }
 
@@ -773,7 +764,7 @@ pub async fn sweeper_expires_leases_to_uncertain(h: &dyn Harness) {
     assert_eq!(s.sweep(T0 + lease - 1).await.unwrap().leases_expired, 0);
     assert_eq!(state_of(&*s, &a).await, AttemptState::InFlight);
     assert_eq!(s.sweep(T0 + lease).await.unwrap().leases_expired, 1);
-    let got = s.get_attempt(&a, T0).await.unwrap().unwrap();
+    let got = s.get_attempt(&a).await.unwrap().unwrap();
     assert_eq!(got.state, AttemptState::Uncertain);
     assert_eq!(
         got.reason.as_deref(),
@@ -803,14 +794,11 @@ pub async fn sweeper_expires_leases_to_uncertain(h: &dyn Harness) {
     assert_eq!(calls_made(&*s, &p.id, "pay").await, 2);
     assert_eq!(s.sweep(T0 + 10 * lease).await.unwrap().leases_expired, 0);
     let listed = s
-        .list_attempts(
-            &AttemptFilter {
-                state: Some(AttemptState::Uncertain),
-                permit_id: Some(p.id.clone()),
-                limit: None,
-            },
-            T0,
-        )
+        .list_attempts(&AttemptFilter {
+            state: Some(AttemptState::Uncertain),
+            permit_id: Some(p.id.clone()),
+            limit: None,
+        })
         .await
         .unwrap();
     assert_eq!(
@@ -823,7 +811,7 @@ pub async fn retention_tombstones_and_uncertain_kept(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
     pol.retention_ms = HOUR;
-    pol.max_calls.insert("pay".into(), 5);
+    pol.rules.max_calls.insert("pay".into(), 5);
     let (p, tok) = make_permit(&*s, pol, T0 + 100 * HOUR).await;
     let a = dispatched(&auth(&*s, &req(&tok, "pay", Some("done"), "A", json!({})), T0).await);
     report(&*s, &a, completed("R"), T0).await;
@@ -843,7 +831,7 @@ pub async fn retention_tombstones_and_uncertain_kept(h: &dyn Harness) {
     ));
     let r = s.sweep(T0 + HOUR).await.unwrap();
     assert_eq!(r.receipts_pruned, 1);
-    let t = s.get_attempt(&a, T0).await.unwrap().unwrap();
+    let t = s.get_attempt(&a).await.unwrap().unwrap();
     assert_eq!(
         (t.state, t.receipt.is_none(), t.pruned_at_ms.is_some()),
         (AttemptState::Completed, true, true)
@@ -881,7 +869,7 @@ pub async fn retention_tombstones_and_uncertain_kept(h: &dyn Harness) {
 pub async fn resolution(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 2);
+    pol.rules.max_calls.insert("pay".into(), 2);
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let a = dispatched(&auth(&*s, &req(&tok, "pay", Some("a"), "A", json!({})), T0).await);
     let b = dispatched(&auth(&*s, &req(&tok, "pay", Some("b"), "B", json!({})), T0).await);
@@ -904,7 +892,7 @@ pub async fn resolution(h: &dyn Harness) {
         ("alice", T0 + 5, Some("found charge ch_1"))
     );
     // Stored, not just returned.
-    assert_eq!(s.get_attempt(&a, T0).await.unwrap().unwrap(), got);
+    assert_eq!(s.get_attempt(&a).await.unwrap().unwrap(), got);
     assert_eq!(
         auth(&*s, &req(&tok, "pay", Some("a"), "A", json!({})), T0 + 6).await,
         AuthorizeResponse::Replay {
@@ -940,7 +928,7 @@ pub async fn resolution(h: &dyn Harness) {
         s.resolve_attempt(&b2, &not, T0).await,
         Err(ResolveError::NotUncertain(AttemptState::InFlight))
     ));
-    let det = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    let det = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!(
         det.attempts_by_state.get(&AttemptState::ResolvedExecuted),
         Some(&1)
@@ -956,7 +944,7 @@ pub async fn resolution(h: &dyn Harness) {
 pub async fn durability_across_reopen(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 2);
+    pol.rules.max_calls.insert("pay".into(), 2);
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let a = dispatched(&auth(&*s, &req(&tok, "pay", Some("a"), "A", json!({})), T0).await);
     report(&*s, &a, completed("R"), T0).await;
@@ -976,27 +964,28 @@ pub async fn durability_across_reopen(h: &dyn Harness) {
         denied(&auth(&*s, &req(&tok, "pay", Some("c"), "C", json!({})), T0).await),
         DenialCode::PermitMaxCallsExceeded
     );
-    assert_eq!(s.list_permits(T0).await.unwrap().len(), 1);
-    assert_eq!(s.permit_detail(&p.id, T0).await.unwrap().unwrap().permit, p);
+    assert_eq!(s.list_permits().await.unwrap().len(), 1);
+    assert_eq!(s.permit_detail(&p.id).await.unwrap().unwrap().permit, p);
 }
 
 pub async fn permit_admin(h: &dyn Harness) {
     let s = h.store().await;
-    s.ping(T0).await.unwrap();
+    s.ping().await.unwrap();
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 1);
-    pol.cost
+    pol.rules.max_calls.insert("pay".into(), 1);
+    pol.rules
+        .cost
         .insert("pay".into(), CostRule::Pointer("/a".into()));
-    pol.budget = Some(7);
+    pol.rules.budget = Some(7);
     let (p1, _) = make_permit(&*s, pol, T0 + HOUR).await;
     let (p2, _) = make_permit(&*s, policy(), T0 + HOUR).await;
-    let list = s.list_permits(T0).await.unwrap();
+    let list = s.list_permits().await.unwrap();
     assert_eq!(list.len(), 2);
     assert!(list.contains(&p1) && list.contains(&p2));
-    let d = s.permit_detail(&p1.id, T0).await.unwrap().unwrap();
+    let d = s.permit_detail(&p1.id).await.unwrap().unwrap();
     assert_eq!(d.permit, p1);
     assert_eq!(d.usage.get("pay").map(|u| u.calls_made), Some(0));
-    assert!(s.permit_detail("pmt_nope", T0).await.unwrap().is_none());
+    assert!(s.permit_detail("pmt_nope").await.unwrap().is_none());
     assert_eq!(s.get_permit(&p2.id).await.unwrap(), Some(p2.clone()));
     assert!(s.get_permit("pmt_nope").await.unwrap().is_none());
     let r = s.revoke_permit(&p1.id, T0 + 1).await.unwrap().unwrap();
@@ -1008,7 +997,7 @@ pub async fn permit_admin(h: &dyn Harness) {
         "revoking twice keeps the first time"
     );
     assert!(s.revoke_permit("pmt_nope", T0).await.unwrap().is_none());
-    let counts = s.attempt_counts(T0).await.unwrap();
+    let counts = s.attempt_counts().await.unwrap();
     assert_eq!(counts.values().sum::<u64>(), 0);
 }
 
@@ -1027,11 +1016,11 @@ pub async fn state_counts_and_pruning_per_permit_retention(h: &dyn Harness) {
     let a = dispatched(&auth(&*s, &req(&tok_short, "pay", Some("s"), "S", json!({})), T0).await);
     let b = dispatched(&auth(&*s, &req(&tok_long, "pay", Some("l"), "L", json!({})), T0).await);
     let c = dispatched(&auth(&*s, &req(&tok_long, "pay", Some("u"), "U", json!({})), T0).await);
-    let counts = s.attempt_counts(T0).await.unwrap();
+    let counts = s.attempt_counts().await.unwrap();
     assert_eq!(count(&counts, AttemptState::InFlight), 3);
     report(&*s, &a, completed("RA"), T0).await;
     report(&*s, &b, completed("RB"), T0).await;
-    let counts = s.attempt_counts(T0).await.unwrap();
+    let counts = s.attempt_counts().await.unwrap();
     assert_eq!(
         (
             count(&counts, AttemptState::InFlight),
@@ -1051,7 +1040,7 @@ pub async fn state_counts_and_pruning_per_permit_retention(h: &dyn Harness) {
     );
     assert_eq!(s.sweep(T0 + 10 * HOUR).await.unwrap().receipts_pruned, 1);
     assert!(!receipt_kept(&*s, &b).await);
-    let counts = s.attempt_counts(T0).await.unwrap();
+    let counts = s.attempt_counts().await.unwrap();
     assert_eq!(
         (
             count(&counts, AttemptState::InFlight),
@@ -1078,9 +1067,9 @@ fn input_required(r: &str) -> Outcome {
 pub async fn input_required_continuations(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 1);
-    pol.budget = Some(100);
-    pol.cost.insert("pay".into(), CostRule::Fixed(30));
+    pol.rules.max_calls.insert("pay".into(), 1);
+    pol.rules.budget = Some(100);
+    pol.rules.cost.insert("pay".into(), CostRule::Fixed(30));
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let now = T0;
     let first = req(&tok, "pay", Some("k1"), "A", json!({}));
@@ -1089,11 +1078,11 @@ pub async fn input_required_continuations(h: &dyn Harness) {
         report(&*s, &a, input_required("ASK"), now + 1000).await,
         OutcomeAck::Applied
     );
-    let att = s.get_attempt(&a, now).await.unwrap().unwrap();
+    let att = s.get_attempt(&a).await.unwrap().unwrap();
     assert_eq!(att.state, AttemptState::AwaitingInput);
     assert_eq!(att.lease_expires_at_ms, now + 1000 + LEASE_MS as i64);
     assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
-    let d = s.permit_detail(&p.id, now).await.unwrap().unwrap();
+    let d = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!((d.budget.reserved, d.budget.spent), (30, 0));
     assert_eq!(
         d.attempts_by_state.get(&AttemptState::AwaitingInput),
@@ -1130,16 +1119,13 @@ pub async fn input_required_continuations(h: &dyn Harness) {
     assert_eq!(again, a);
     assert_eq!(state_of(&*s, &a).await, AttemptState::InFlight);
     assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
-    let d = s.permit_detail(&p.id, now).await.unwrap().unwrap();
+    let d = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!((d.budget.reserved, d.budget.spent), (30, 0));
     assert_eq!(
-        s.list_attempts(
-            &AttemptFilter {
-                permit_id: Some(p.id.clone()),
-                ..AttemptFilter::default()
-            },
-            now
-        )
+        s.list_attempts(&AttemptFilter {
+            permit_id: Some(p.id.clone()),
+            ..AttemptFilter::default()
+        })
         .await
         .unwrap()
         .len(),
@@ -1163,7 +1149,7 @@ pub async fn input_required_continuations(h: &dyn Harness) {
             limits: None,
         }
     );
-    let d = s.permit_detail(&p.id, now).await.unwrap().unwrap();
+    let d = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!((d.budget.reserved, d.budget.spent), (0, 30));
 
     // Abandoned: the sweeper turns it uncertain after the renewed lease, never released.
@@ -1175,7 +1161,7 @@ pub async fn input_required_continuations(h: &dyn Harness) {
     assert_eq!(state_of(&*s, &b).await, AttemptState::AwaitingInput);
     let swept = s.sweep(now + 10_000 + LEASE_MS as i64).await.unwrap();
     assert_eq!(swept.leases_expired, 1);
-    let att = s.get_attempt(&b, now).await.unwrap().unwrap();
+    let att = s.get_attempt(&b).await.unwrap().unwrap();
     assert_eq!(att.state, AttemptState::Uncertain);
     assert_eq!(
         att.reason.as_deref(),
@@ -1191,9 +1177,9 @@ pub async fn input_required_continuations(h: &dyn Harness) {
 pub async fn accepted_task_handles(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("job".into(), 1);
-    pol.budget = Some(100);
-    pol.cost.insert("job".into(), CostRule::Fixed(40));
+    pol.rules.max_calls.insert("job".into(), 1);
+    pol.rules.budget = Some(100);
+    pol.rules.cost.insert("job".into(), CostRule::Fixed(40));
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let now = T0;
     let r = req(&tok, "job", Some("k1"), "A", json!({}));
@@ -1220,7 +1206,7 @@ pub async fn accepted_task_handles(h: &dyn Harness) {
         }
     );
     assert_eq!(calls_made(&*s, &p.id, "job").await, 1);
-    let d = s.permit_detail(&p.id, now).await.unwrap().unwrap();
+    let d = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!((d.budget.reserved, d.budget.spent), (0, 40));
     assert_eq!(
         denied(&auth(&*s, &req(&tok, "job", Some("k2"), "B", json!({})), now).await),
@@ -1255,7 +1241,7 @@ pub async fn race_continuations(h: &dyn Harness) {
 /// Asserts that the permit's stored O(1) counters (slots held per tool, reserved and spent
 /// budget) equal a recount from its attempts; returns the recount.
 pub async fn counters_match_recount(store: &dyn Store, permit_id: &str) -> PermitDetail {
-    let detail = store.permit_detail(permit_id, T0).await.unwrap().unwrap();
+    let detail = store.permit_detail(permit_id).await.unwrap().unwrap();
     let counters = store.permit_counters(permit_id).await.unwrap().unwrap();
     let recount: BTreeMap<String, i64> = detail
         .usage
@@ -1281,16 +1267,17 @@ pub async fn counters_match_recount(store: &dyn Store, permit_id: &str) -> Permi
 pub async fn counters_match_recount_after_random_operations(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 6);
-    pol.max_calls_default = Some(40);
-    pol.budget = Some(400);
-    pol.cost.insert("pay".into(), CostRule::Fixed(17));
-    pol.cost
+    pol.rules.max_calls.insert("pay".into(), 6);
+    pol.rules.max_calls_default = Some(40);
+    pol.rules.budget = Some(400);
+    pol.rules.cost.insert("pay".into(), CostRule::Fixed(17));
+    pol.rules
+        .cost
         .insert("ship".into(), CostRule::Pointer("/n".into()));
-    pol.cost_default = 3;
-    pol.duplicate_guard = GuardMode::Off;
+    pol.rules.cost_default = 3;
+    pol.rules.duplicate_guard = GuardMode::Off;
     let (p1, tok1) = make_permit(&*s, pol.clone(), T0 + 100 * HOUR).await;
-    pol.budget = None;
+    pol.rules.budget = None;
     pol.retention_ms = 10 * MIN;
     let (p2, tok2) = make_permit(&*s, pol, T0 + 100 * HOUR).await;
     // A small deterministic generator (no extra dependency).
@@ -1389,9 +1376,9 @@ pub async fn counters_match_recount_after_random_operations(h: &dyn Harness) {
 pub async fn rounds_and_capabilities(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 1);
-    pol.budget = Some(100);
-    pol.cost.insert("pay".into(), CostRule::Fixed(30));
+    pol.rules.max_calls.insert("pay".into(), 1);
+    pol.rules.budget = Some(100);
+    pol.rules.cost.insert("pay".into(), CostRule::Fixed(30));
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let first = req(&tok, "pay", Some("k1"), "A", json!({}));
     let r1 = auth(&*s, &first, T0).await;
@@ -1443,7 +1430,7 @@ pub async fn rounds_and_capabilities(h: &dyn Harness) {
     );
     assert_eq!(state_of(&*s, &a).await, AttemptState::AwaitingInput);
     assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
-    let d = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
+    let d = s.permit_detail(&p.id).await.unwrap().unwrap();
     assert_eq!((d.budget.reserved, d.budget.spent), (30, 0));
     // The key is not free again: the first request is still in progress, a new key is capped.
     assert_eq!(
@@ -1465,7 +1452,7 @@ pub async fn rounds_and_capabilities(h: &dyn Harness) {
     );
     drop(s);
     let s = h.reopen().await;
-    let att = s.get_attempt(&a, T0).await.unwrap().unwrap();
+    let att = s.get_attempt(&a).await.unwrap().unwrap();
     assert_eq!((att.state, att.round), (AttemptState::Completed, 3));
     assert_eq!(
         s.record_outcome(&done, T0 + 8).await.unwrap().ack,
@@ -1531,9 +1518,9 @@ where
 /// A permit with a budget and a cost, so every race moves slots and budget.
 async fn race_permit(store: &dyn Store) -> (Permit, String) {
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 1000);
-    pol.budget = Some(1_000_000);
-    pol.cost.insert("pay".into(), CostRule::Fixed(7));
+    pol.rules.max_calls.insert("pay".into(), 1000);
+    pol.rules.budget = Some(1_000_000);
+    pol.rules.cost.insert("pay".into(), CostRule::Fixed(7));
     make_permit(store, pol, T0 + 100 * HOUR).await
 }
 
@@ -1566,7 +1553,7 @@ pub async fn race_report_against_lease_expiry(h: &dyn Harness) {
             async move { y.sweep(T0 + lease).await.unwrap().leases_expired },
         )
         .await;
-        let got = s.get_attempt(&a, T0).await.unwrap().unwrap();
+        let got = s.get_attempt(&a).await.unwrap().unwrap();
         match (ack, swept, got.state) {
             (OutcomeAck::Applied, 0, state) if state == target => {}
             (OutcomeAck::Conflict, 1, AttemptState::Uncertain) => {
@@ -1613,7 +1600,7 @@ pub async fn race_conflicting_reports_from_two_handles(h: &dyn Harness) {
             (OutcomeAck::Conflict, OutcomeAck::Applied) => second,
             other => panic!("round {i}: both or neither report applied: {other:?}"),
         };
-        let got = s.get_attempt(&a, T0).await.unwrap().unwrap();
+        let got = s.get_attempt(&a).await.unwrap().unwrap();
         assert_eq!(
             got.state,
             crate::decide::outcome_state(&winner),
@@ -1717,13 +1704,10 @@ pub async fn race_revocation_against_authorization(h: &dyn Harness) {
         .await;
         assert_eq!(revoked.unwrap().revoked_at_ms, Some(T0 + 1), "round {i}");
         let attempts = s
-            .list_attempts(
-                &AttemptFilter {
-                    permit_id: Some(p.id.clone()),
-                    ..AttemptFilter::default()
-                },
-                T0,
-            )
+            .list_attempts(&AttemptFilter {
+                permit_id: Some(p.id.clone()),
+                ..AttemptFilter::default()
+            })
             .await
             .unwrap();
         let ids: Vec<String> = attempts.iter().map(|a| a.id.clone()).collect();
@@ -1831,9 +1815,10 @@ fn figures(r: &AuthorizeResponse) -> (Option<u64>, Option<u64>) {
 pub async fn permit_limits_in_answers(h: &dyn Harness) {
     let s = h.store().await;
     let mut pol = policy();
-    pol.max_calls.insert("pay".into(), 2);
-    pol.budget = Some(100);
-    pol.cost
+    pol.rules.max_calls.insert("pay".into(), 2);
+    pol.rules.budget = Some(100);
+    pol.rules
+        .cost
         .insert("pay".into(), CostRule::Pointer("/amount".into()));
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let call = |key: &'static str, amount: u64| {
@@ -1899,16 +1884,12 @@ pub async fn inbox_reads(h: &dyn Harness) {
     let w = dispatched(&auth(&*s, &pay("w", "W"), T0).await);
     let f = dispatched(&auth(&*s, &pay("f", "F"), T0).await);
     let nokey = dispatched(&auth(&*s, &req(&tok, "pay", None, "N", json!({})), T0).await);
-    let got = s.get_attempt(&a, T0).await.unwrap().unwrap();
+    let got = s.get_attempt(&a).await.unwrap().unwrap();
     assert_eq!(got.forwarded_key.as_deref(), Some("fwd-a"));
     let kept: Value = serde_json::from_str(got.arguments.as_deref().unwrap()).unwrap();
     assert_eq!(kept, args);
     assert_eq!(
-        s.get_attempt(&nokey, T0)
-            .await
-            .unwrap()
-            .unwrap()
-            .forwarded_key,
+        s.get_attempt(&nokey).await.unwrap().unwrap().forwarded_key,
         None
     );
 
@@ -1920,18 +1901,18 @@ pub async fn inbox_reads(h: &dyn Harness) {
     let ids = |v: Vec<crate::model::Attempt>| v.into_iter().map(|a| a.id).collect::<Vec<_>>();
     // w has not waited long enough (since T0 + 3, stuck only from T0 + 2 back).
     assert_eq!(
-        ids(s.open_attempts(T0 + 2, 50, T0 + 20).await.unwrap()),
+        ids(s.open_attempts(T0 + 2, 50).await.unwrap()),
         [b.clone(), a.clone()]
     );
     assert_eq!(
-        ids(s.open_attempts(T0 + 3, 50, T0 + 20).await.unwrap()),
+        ids(s.open_attempts(T0 + 3, 50).await.unwrap()),
         [w.clone(), b.clone(), a.clone()]
     );
     assert_eq!(
-        ids(s.open_attempts(T0 + 3, 2, T0 + 20).await.unwrap()),
+        ids(s.open_attempts(T0 + 3, 2).await.unwrap()),
         [w.clone(), b.clone()]
     );
-    assert_eq!(s.oldest_uncertain(T0 + 20).await.unwrap(), Some(T0 + 5));
+    assert_eq!(s.oldest_uncertain().await.unwrap(), Some(T0 + 5));
 
     // The continuation says another forwarded value (say the upstream secret rotated): the
     // attempt keeps the first, which is what the provider saw when the call was first sent.
@@ -1941,7 +1922,7 @@ pub async fn inbox_reads(h: &dyn Harness) {
     ));
     assert_eq!(dispatched(&auth(&*s, &again, T0 + 6).await), w);
     assert_eq!(
-        s.get_attempt(&w, T0)
+        s.get_attempt(&w)
             .await
             .unwrap()
             .unwrap()
@@ -1950,7 +1931,7 @@ pub async fn inbox_reads(h: &dyn Harness) {
         Some("fwd-w")
     );
     assert_eq!(
-        ids(s.open_attempts(T0 + 100, 50, T0 + 20).await.unwrap()),
+        ids(s.open_attempts(T0 + 100, 50).await.unwrap()),
         [b.clone(), a.clone()]
     );
 
@@ -1963,7 +1944,7 @@ pub async fn inbox_reads(h: &dyn Harness) {
         source: ResolutionSource::Person,
     };
     s.resolve_attempt(&b, &person, T0 + 30).await.unwrap();
-    assert_eq!(s.oldest_uncertain(T0 + 40).await.unwrap(), Some(T0 + 10));
+    assert_eq!(s.oldest_uncertain().await.unwrap(), Some(T0 + 10));
     let answer = r#"{"structuredContent":{"status":"paid"}}"#;
     let reconciler = ResolveInput {
         executed: true,
@@ -1975,12 +1956,12 @@ pub async fn inbox_reads(h: &dyn Harness) {
         },
     };
     s.resolve_attempt(&a, &reconciler, T0 + 40).await.unwrap();
-    assert_eq!(s.oldest_uncertain(T0 + 50).await.unwrap(), None);
-    assert!(s.open_attempts(T0, 50, T0 + 50).await.unwrap().is_empty());
+    assert_eq!(s.oldest_uncertain().await.unwrap(), None);
+    assert!(s.open_attempts(T0, 50).await.unwrap().is_empty());
 
     drop(s);
     let s = h.reopen().await;
-    let resolved = s.resolved_attempts(10, T0 + 50).await.unwrap();
+    let resolved = s.resolved_attempts(10).await.unwrap();
     assert_eq!(ids(resolved.clone()), [a.clone(), b.clone()]);
     let ra = resolved[0].resolution.clone().unwrap();
     assert_eq!(
@@ -1994,11 +1975,11 @@ pub async fn inbox_reads(h: &dyn Harness) {
         ("ana", Some("no charge for INV-1"), ResolutionSource::Person)
     );
     assert_eq!(resolved[0].forwarded_key.as_deref(), Some("fwd-a"));
-    assert_eq!(ids(s.resolved_attempts(1, T0 + 50).await.unwrap()), [a]);
+    assert_eq!(ids(s.resolved_attempts(1).await.unwrap()), [a]);
 
     // Past retention the receipt and the arguments go; the forwarded key stays for lookups.
     assert_eq!(s.sweep(T0 + 4 + HOUR).await.unwrap().receipts_pruned, 1);
-    let pruned = s.get_attempt(&f, T0).await.unwrap().unwrap();
+    let pruned = s.get_attempt(&f).await.unwrap().unwrap();
     assert_eq!((pruned.receipt, pruned.arguments), (None, None));
     assert_eq!(pruned.forwarded_key.as_deref(), Some("fwd-f"));
 }
@@ -2017,22 +1998,22 @@ pub const VERSION_4_ROWS: &str = "\
 /// After migrating [`VERSION_4_ROWS`]: no forwarded key or arguments, the old resolution a
 /// person's, and the inbox's reads find both attempts.
 pub async fn reads_version_4_rows(s: &dyn Store) {
-    let r = s.get_attempt("r1", 0).await.unwrap().unwrap();
+    let r = s.get_attempt("r1").await.unwrap().unwrap();
     let res = r.resolution.unwrap();
     assert_eq!(
         (res.by.as_str(), res.note.as_deref(), res.source),
         ("ops", Some("found it"), ResolutionSource::Person)
     );
     assert_eq!((r.forwarded_key, r.arguments), (None, None));
-    let open = s.open_attempts(0, 10, 10).await.unwrap();
+    let open = s.open_attempts(0, 10).await.unwrap();
     assert_eq!(
         open.iter()
             .map(|a| (a.id.as_str(), a.state))
             .collect::<Vec<_>>(),
         [("u1", AttemptState::Uncertain)]
     );
-    assert_eq!(s.oldest_uncertain(10).await.unwrap(), Some(7));
-    let resolved = s.resolved_attempts(10, 10).await.unwrap();
+    assert_eq!(s.oldest_uncertain().await.unwrap(), Some(7));
+    let resolved = s.resolved_attempts(10).await.unwrap();
     assert_eq!(resolved.len(), 1);
     assert_eq!(resolved[0].id, "r1");
 }
@@ -2061,10 +2042,7 @@ pub async fn uncertain_pages(h: &dyn Harness) {
     let mut walked = Vec::new();
     let mut after: (crate::clock::Millis, String) = (crate::clock::Millis::MIN, String::new());
     for _ in 0..10 {
-        let page = s
-            .uncertain_after((after.0, &after.1), 2, T0 + 20)
-            .await
-            .unwrap();
+        let page = s.uncertain_after((after.0, &after.1), 2).await.unwrap();
         assert!(page.len() <= 2, "a page holds at most the limit");
         let Some(last) = page.last() else { break };
         after = (last.updated_at_ms, last.id.clone());
@@ -2077,7 +2055,7 @@ pub async fn uncertain_pages(h: &dyn Harness) {
     // From the middle: only what comes after that key.
     let (at, id) = &uncertain_ids[2];
     let rest: Vec<String> = s
-        .uncertain_after((*at, id), 10, T0 + 20)
+        .uncertain_after((*at, id), 10)
         .await
         .unwrap()
         .into_iter()

@@ -1,9 +1,14 @@
-//! Storage of permits and attempts behind one async trait.
+//! Storage of permits and attempts: what writes ([`Decisions`], each store its own way) and
+//! what only reads ([`Reads`], written once over the SQL the stores share).
 //!
 //! Each store reads a [`Snapshot`](crate::decide::Snapshot) and applies the pure decision's
 //! [`Mutation`](crate::decide::Mutation) inside ONE transaction that serializes every
 //! decision for the same permit (SQLite: `BEGIN IMMEDIATE`; PostgreSQL: `SELECT … FOR UPDATE`
 //! on the permit row). That makes check + reserve one atomic step.
+//!
+//! A store is a module of its own behind a cargo feature (`sqlite`, `postgres`): it
+//! implements [`Decisions`] and [`ReadQueries`] (run statements, read their rows), and runs
+//! the conformance suite (`conformance.rs`) with one `conformance_suite!` call.
 
 use std::collections::BTreeMap;
 
@@ -13,14 +18,19 @@ use atmost_protocol::{AuthorizeRequest, OutcomeAck, OutcomeReport};
 use crate::clock::Millis;
 use crate::decide::{Decision, ResolveInput};
 use crate::error::{LedgerError, ResolveError};
-use crate::model::{Attempt, AttemptState, Permit, PermitDetail};
+use crate::model::{Attempt, AttemptState, Permit};
 
 pub mod counters;
+#[cfg(feature = "postgres")]
 pub mod postgres;
+pub mod reads;
 pub mod rows;
 pub mod schema;
 pub mod snapshot;
+#[cfg(feature = "sqlite")]
 pub mod sqlite;
+
+pub use reads::{ReadQueries, Reads};
 
 #[cfg(test)]
 pub mod conformance;
@@ -59,25 +69,17 @@ pub struct PermitCounters {
     pub spent: i64,
 }
 
+/// What changes the ledger: the decisions and everything else that writes, each in one
+/// transaction under the permit's serialization (see the module docs), and readiness. Each
+/// store writes these its own way; the reads that decide nothing are written once for every
+/// store ([`Reads`]).
 #[async_trait]
-pub trait Store: Send + Sync {
-    /// The store answers.
-    async fn ping(&self, now: Millis) -> Result<(), LedgerError>;
+pub trait Decisions: Send + Sync {
+    /// The store answers, and can take decisions.
+    async fn ping(&self) -> Result<(), LedgerError>;
 
     /// Stores a new permit (its token already hashed).
-    async fn create_permit(&self, permit: &Permit, now: Millis) -> Result<(), LedgerError>;
-
-    async fn list_permits(&self, now: Millis) -> Result<Vec<Permit>, LedgerError>;
-
-    /// A permit with its usage per tool, budget totals and attempt counts.
-    async fn permit_detail(
-        &self,
-        id: &str,
-        now: Millis,
-    ) -> Result<Option<PermitDetail>, LedgerError>;
-
-    /// The permit with this id, `None` if unknown.
-    async fn get_permit(&self, id: &str) -> Result<Option<Permit>, LedgerError>;
+    async fn create_permit(&self, permit: &Permit) -> Result<(), LedgerError>;
 
     /// Revokes a permit; revoking twice keeps the first time. `None` if unknown.
     async fn revoke_permit(&self, id: &str, now: Millis) -> Result<Option<Permit>, LedgerError>;
@@ -99,8 +101,9 @@ pub trait Store: Send + Sync {
     ) -> Result<OutcomeResult, LedgerError>;
 
     /// Applies the reports of one batch, in order. The default loops over
-    /// [`Store::record_outcome`]; a store may apply them all in one transaction. One answer per
-    /// report; an error of the whole call means none of them is known to be recorded.
+    /// [`Decisions::record_outcome`]; a store may apply them all in one transaction. One
+    /// answer per report; an error of the whole call means none of them is known to be
+    /// recorded.
     async fn record_outcomes(
         &self,
         reports: &[OutcomeReport],
@@ -113,17 +116,6 @@ pub trait Store: Send + Sync {
         Ok(out)
     }
 
-    /// The permit's stored counters, `None` if unknown.
-    async fn permit_counters(&self, id: &str) -> Result<Option<PermitCounters>, LedgerError>;
-
-    async fn get_attempt(&self, id: &str, now: Millis) -> Result<Option<Attempt>, LedgerError>;
-
-    async fn list_attempts(
-        &self,
-        filter: &AttemptFilter,
-        now: Millis,
-    ) -> Result<Vec<Attempt>, LedgerError>;
-
     /// Settles an `uncertain` attempt.
     async fn resolve_attempt(
         &self,
@@ -134,45 +126,10 @@ pub trait Store: Send + Sync {
 
     /// Expired leases → `uncertain`; receipts past retention → tombstones.
     async fn sweep(&self, now: Millis) -> Result<SweepReport, LedgerError>;
-
-    /// Number of attempts per state, over all permits.
-    async fn attempt_counts(&self, now: Millis)
-        -> Result<BTreeMap<AttemptState, u64>, LedgerError>;
-
-    /// What the reconciliation inbox lists: every `uncertain` attempt, and each
-    /// `awaiting_input` one that has waited since `stuck_since` or earlier, oldest first by
-    /// when it entered its state (`updated_at`, which nothing else moves in these states);
-    /// at most `limit`.
-    async fn open_attempts(
-        &self,
-        stuck_since: Millis,
-        limit: u32,
-        now: Millis,
-    ) -> Result<Vec<Attempt>, LedgerError>;
-
-    /// `uncertain` attempts in the inbox's order (when each turned so, then id) that come
-    /// after `after` (that order's key of the last one read; `(Millis::MIN, "")` for the
-    /// first); at most `limit`. The reconciler walks them page by page, so no number of
-    /// older attempts hides a newer one from it.
-    async fn uncertain_after(
-        &self,
-        after: (Millis, &str),
-        limit: u32,
-        now: Millis,
-    ) -> Result<Vec<Attempt>, LedgerError>;
-
-    /// Resolved attempts, the latest resolution first; at most `limit`.
-    async fn resolved_attempts(&self, limit: u32, now: Millis)
-        -> Result<Vec<Attempt>, LedgerError>;
-
-    /// When the attempt that has been `uncertain` the longest turned so; `None` when none is.
-    async fn oldest_uncertain(&self, now: Millis) -> Result<Option<Millis>, LedgerError>;
 }
 
-/// The inbox's one list from a store's two reads (`uncertain` ones, stuck `awaiting_input`
-/// ones): oldest first by when each entered its state, ties by id, at most `limit`.
-pub fn oldest_first(mut attempts: Vec<Attempt>, limit: u32) -> Vec<Attempt> {
-    attempts.sort_by(|a, b| (a.updated_at_ms, &a.id).cmp(&(b.updated_at_ms, &b.id)));
-    attempts.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
-    attempts
-}
+/// A store: its decisions, and the shared reads (a store provides them by running
+/// statements, [`ReadQueries`]).
+pub trait Store: Decisions + Reads {}
+
+impl<S: Decisions + Reads + ?Sized> Store for S {}

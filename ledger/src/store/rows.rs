@@ -1,12 +1,44 @@
-//! The attempt columns every store selects, and their one mapping to the model.
+//! The permit and attempt columns every store selects, and their one mapping to the model.
 //!
-//! Each store's driver reads the columns of [`ATTEMPT_COLS`] into an [`AttemptRow`] (a getter
-//! per column, nothing else); what the values mean (the state's name, the resolution's three
-//! columns, the round's range) is checked here once, so the stores cannot read an attempt
-//! differently.
+//! Each store's driver reads the columns of [`PERMIT_COLS`] into a [`PermitRow`] and those of
+//! [`ATTEMPT_COLS`] into an [`AttemptRow`] (a getter per column, nothing else); what the values
+//! mean (the policy's JSON, the state's name, the resolution's three columns, the round's
+//! range) is checked here once, so the stores cannot read a permit or an attempt differently.
 
 use crate::error::LedgerError;
-use crate::model::{Attempt, AttemptState, Resolution, ResolutionSource};
+use crate::model::{Attempt, Permit, Resolution, ResolutionSource};
+
+/// The permit columns, in the order [`PermitRow`] reads them; queries may append their own.
+pub const PERMIT_COLS: &str = "id, token_hash, label, created_at, expires_at, revoked_at, policy";
+
+/// One permit row's column values as the driver read them, in [`PERMIT_COLS`] order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PermitRow {
+    pub id: String,
+    pub token_hash: String,
+    pub label: String,
+    pub created_at: i64,
+    pub expires_at: i64,
+    pub revoked_at: Option<i64>,
+    /// The policy as JSON text.
+    pub policy: String,
+}
+
+impl TryFrom<PermitRow> for Permit {
+    type Error = LedgerError;
+
+    fn try_from(row: PermitRow) -> Result<Self, Self::Error> {
+        Ok(Permit {
+            id: row.id,
+            token_hash: row.token_hash,
+            label: row.label,
+            created_at_ms: row.created_at,
+            expires_at_ms: row.expires_at,
+            revoked_at_ms: row.revoked_at,
+            policy: serde_json::from_str(&row.policy)?,
+        })
+    }
+}
 
 /// The attempt columns, in the order [`AttemptRow`] reads them, for a query whose attempts
 /// table is aliased `a`.
@@ -14,61 +46,6 @@ pub const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerp
      a.updated_at, a.lease_expires_at, a.finished_at, a.receipt, a.reason, a.replay_count, a.pruned_at, \
      a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note, a.round, a.capability_hash, \
      a.resolution_source, a.provider_answer, a.forwarded_key, a.arguments";
-
-/// The reconciliation inbox's reads, written once for both stores; `param(n)` spells the
-/// n-th parameter in the store's dialect (`?n` or `$n`). Each reads a partial index:
-/// `attempts_uncertain`, `attempts_leased` (its literal state list, then narrowed to
-/// `awaiting_input`), `attempts_resolved`.
-#[derive(Debug, Clone)]
-pub struct InboxSql {
-    /// `uncertain` attempts, oldest first; parameter 1: how many.
-    pub uncertain: String,
-    /// `uncertain` attempts after the one that turned so at parameter 1 with id parameter 2,
-    /// in the same order; parameter 3: how many (a page of the reconciler's walk).
-    pub uncertain_after: String,
-    /// `awaiting_input` attempts waiting since parameter 1 or earlier, oldest first;
-    /// parameter 2: how many.
-    pub stuck: String,
-    /// Resolved attempts, the latest resolution first; parameter 1: how many.
-    pub resolved: String,
-}
-
-impl InboxSql {
-    pub fn new(param: fn(u8) -> String) -> Self {
-        InboxSql {
-            uncertain: format!(
-                "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.state = 'uncertain' \
-                 ORDER BY a.updated_at, a.id LIMIT {}",
-                param(1)
-            ),
-            uncertain_after: format!(
-                "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.state = 'uncertain' \
-                 AND (a.updated_at > {p1} OR (a.updated_at = {p1} AND a.id > {})) \
-                 ORDER BY a.updated_at, a.id LIMIT {}",
-                param(2),
-                param(3),
-                p1 = param(1),
-            ),
-            stuck: format!(
-                "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.state IN {} \
-                 AND a.state = 'awaiting_input' AND a.updated_at <= {} \
-                 ORDER BY a.updated_at, a.id LIMIT {}",
-                AttemptState::sql_list(AttemptState::leased),
-                param(1),
-                param(2)
-            ),
-            resolved: format!(
-                "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.resolved_at IS NOT NULL \
-                 ORDER BY a.resolved_at DESC, a.id LIMIT {}",
-                param(1)
-            ),
-        }
-    }
-}
-
-/// When the attempt uncertain the longest turned so (`attempts_uncertain`).
-pub const OLDEST_UNCERTAIN_SQL: &str =
-    "SELECT MIN(updated_at) FROM attempts WHERE state = 'uncertain'";
 
 /// A count or amount as both stores keep it (SQL's signed 64-bit integer); larger is refused.
 pub fn to_i64(n: u64) -> Result<i64, LedgerError> {

@@ -171,8 +171,6 @@ pub fn assemble(
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
-
     use serde_json::json;
 
     use super::*;
@@ -196,24 +194,21 @@ mod tests {
             created_at_ms: NOW - HOUR,
             expires_at_ms: NOW + HOUR,
             revoked_at_ms: None,
-            policy: Policy {
-                tools: vec!["*".into()],
-                max_calls: BTreeMap::new(),
-                max_calls_default: Some(10),
-                budget: Some(100),
-                cost: BTreeMap::new(),
-                cost_default: 1,
-                duplicate_guard: GuardMode::Log,
-                retention_ms: HOUR,
-            },
+            policy: Policy::builder()
+                .max_calls_default(10)
+                .budget(100)
+                .cost_default(1)
+                .duplicate_guard(GuardMode::Log)
+                .retention_ms(HOUR)
+                .build(),
         }
     }
 
     fn unguarded() -> Permit {
         let mut p = permit();
-        p.policy.max_calls_default = None;
-        p.policy.budget = None;
-        p.policy.duplicate_guard = GuardMode::Off;
+        p.policy.rules.max_calls_default = None;
+        p.policy.rules.budget = None;
+        p.policy.rules.duplicate_guard = GuardMode::Off;
         p
     }
 

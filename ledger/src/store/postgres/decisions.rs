@@ -10,7 +10,7 @@ use tokio_postgres::types::ToSql;
 use super::column_err;
 use super::group_queue::GroupQueue;
 use super::group_tx::GroupTx;
-use super::rows::{attempts_by_keys_sql, prepared, read_attempt, read_permit, PERMIT_COLS};
+use super::rows::{attempts_by_keys_sql, prepared, read_attempt, read_permit};
 use super::writes::{insert_attempts, prepare_writes, storable, update_attempts, write_counters};
 use super::{answer_group, pg_err, StateSets};
 use crate::clock::Millis;
@@ -18,7 +18,7 @@ use crate::decide::{self, DecideParams, Decision, Mutation};
 use crate::error::LedgerError;
 use crate::model::{Attempt, Permit};
 use crate::store::counters::CounterMoves;
-use crate::store::rows::{ATTEMPT_COLS, ATTEMPT_NCOLS};
+use crate::store::rows::{ATTEMPT_COLS, ATTEMPT_NCOLS, PERMIT_COLS};
 use crate::store::snapshot::{self, DuplicateLookup, PermitRead, SnapshotReads};
 use crate::token;
 

@@ -37,12 +37,13 @@ mod migrations;
 mod options;
 mod outcomes;
 mod rows;
+#[cfg(feature = "postgres-tests")]
+pub mod testing;
 mod tls;
 mod writes;
 
 pub use options::{is_postgres_url, redact_url, PgOptions};
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -52,20 +53,20 @@ use deadpool_postgres::{GenericClient, Manager, ManagerConfig, Pool, RecyclingMe
 use tokio_postgres::config::SslMode;
 
 use super::counters::CounterMoves;
-use super::{AttemptFilter, OutcomeResult, PermitCounters, Store, SweepReport};
+use super::reads::{Dialect, ReadQueries, Rows, Statement};
+use super::{Decisions, OutcomeResult, SweepReport};
 use crate::clock::Millis;
 use crate::decide::{self, DecideParams, Decision, ResolveInput, Snapshot};
 use crate::error::{LedgerError, ResolveError};
-use crate::model::{Attempt, AttemptState, Permit, PermitDetail, ToolUsage};
-use crate::store::rows::{InboxSql, ATTEMPT_COLS, OLDEST_UNCERTAIN_SQL};
+use crate::model::{Attempt, AttemptState, Permit};
+use crate::store::rows::ATTEMPT_COLS;
 use crate::token;
 use decisions::{decision_worker, AuthJob, DecisionQueue};
 use errors::{column_err, pg_err, pool_err};
 use options::{pg_config, valid_schema_name};
 use outcomes::{outcome_worker, OutcomeJob, OutcomeQueue};
 use rows::{
-    budget_totals, exec, load_attempt, load_permit, lock_permit_of_attempt, query, query_attempts,
-    read_permit, PERMIT_COLS,
+    exec, load_attempt, load_permit, lock_permit_of_attempt, query, query_attempts, run_statement,
 };
 use tls::RustlsMakeTls;
 use writes::{write_attempt, write_counters};
@@ -75,8 +76,6 @@ use writes::{write_attempt, write_counters};
 /// last word on every row.
 #[derive(Debug, Clone)]
 struct StateSets {
-    reserved: Vec<String>,
-    spent: Vec<String>,
     gave_back: Vec<String>,
 }
 
@@ -90,8 +89,6 @@ impl StateSets {
                 .collect()
         };
         StateSets {
-            reserved: names(&|s| s.reserves_budget()),
-            spent: names(&|s| s.spends_budget()),
             gave_back: names(&|s| s.gave_back()),
         }
     }
@@ -116,7 +113,7 @@ impl std::fmt::Debug for PgStore {
     }
 }
 
-use crate::store::rows::{to_i64, to_u64};
+use crate::store::rows::to_i64;
 
 /// Waits for a queued operation's answer from its group worker, at most `deadline`.
 async fn group_answer<T>(
@@ -245,8 +242,8 @@ impl PgStore {
 }
 
 #[async_trait]
-impl Store for PgStore {
-    async fn ping(&self, _now: Millis) -> Result<(), LedgerError> {
+impl Decisions for PgStore {
+    async fn ping(&self) -> Result<(), LedgerError> {
         self.timed(async |c: &mut deadpool_postgres::Object| {
             query(&*c, "SELECT 1 FROM atmost_migrations LIMIT 1", &[]).await?;
             Ok::<_, LedgerError>(())
@@ -254,7 +251,7 @@ impl Store for PgStore {
         .await
     }
 
-    async fn create_permit(&self, p: &Permit, _now: Millis) -> Result<(), LedgerError> {
+    async fn create_permit(&self, p: &Permit) -> Result<(), LedgerError> {
         let policy =
             serde_json::to_string(&p.policy).map_err(|e| LedgerError::Invalid(e.to_string()))?;
         self.timed(async |c: &mut deadpool_postgres::Object| {
@@ -279,72 +276,6 @@ impl Store for PgStore {
         .await
     }
 
-    async fn list_permits(&self, _now: Millis) -> Result<Vec<Permit>, LedgerError> {
-        self.timed(async |c: &mut deadpool_postgres::Object| {
-            let sql = format!("SELECT {PERMIT_COLS} FROM permits ORDER BY created_at, id");
-            query(&*c, &sql, &[])
-                .await?
-                .iter()
-                .map(read_permit)
-                .collect()
-        })
-        .await
-    }
-
-    async fn permit_detail(
-        &self,
-        id: &str,
-        _now: Millis,
-    ) -> Result<Option<PermitDetail>, LedgerError> {
-        self.timed(async |c: &mut deadpool_postgres::Object| {
-            // One consistent snapshot for the permit, its counts and its budget.
-            let tx = c
-                .build_transaction()
-                .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
-                .read_only(true)
-                .start()
-                .await
-                .map_err(pg_err)?;
-            let Some(permit) = load_permit(&tx, id).await? else {
-                return Ok(None);
-            };
-            let mut usage: BTreeMap<String, ToolUsage> = permit
-                .policy
-                .max_calls
-                .keys()
-                .map(|t| (t.clone(), ToolUsage::default()))
-                .collect();
-            let mut attempts_by_state = BTreeMap::new();
-            let rows = query(
-                &tx,
-                "SELECT tool, state, COUNT(*) FROM attempts WHERE permit_id = $1 GROUP BY tool, state",
-                &[&id],
-            )
-            .await?;
-            for r in &rows {
-                let tool: String = r.try_get(0).map_err(column_err)?;
-                let state: String = r.try_get(1).map_err(column_err)?;
-                let n: i64 = r.try_get(2).map_err(column_err)?;
-                let state: AttemptState = state.parse().map_err(LedgerError::Corrupt)?;
-                let n = to_u64(n);
-                *attempts_by_state.entry(state).or_insert(0) += n;
-                let u = usage.entry(tool).or_default();
-                if state.holds_slot() {
-                    u.calls_made += n;
-                }
-            }
-            let budget = budget_totals(&tx, &self.states, id).await?;
-            tx.commit().await.map_err(pg_err)?;
-            Ok(Some(PermitDetail {
-                permit,
-                usage,
-                budget,
-                attempts_by_state,
-            }))
-        })
-        .await
-    }
-
     async fn revoke_permit(&self, id: &str, now: Millis) -> Result<Option<Permit>, LedgerError> {
         self.timed(async |c: &mut deadpool_postgres::Object| {
             let tx = c.transaction().await.map_err(pg_err)?;
@@ -359,11 +290,6 @@ impl Store for PgStore {
             Ok(p)
         })
         .await
-    }
-
-    async fn get_permit(&self, id: &str) -> Result<Option<Permit>, LedgerError> {
-        self.timed(async |c: &mut deadpool_postgres::Object| load_permit(&*c, id).await)
-            .await
     }
 
     /// Decisions on one permit are queued and taken in groups: one transaction, one row lock
@@ -469,71 +395,6 @@ impl Store for PgStore {
         Ok(out)
     }
 
-    async fn permit_counters(&self, id: &str) -> Result<Option<PermitCounters>, LedgerError> {
-        self.timed(async |c: &mut deadpool_postgres::Object| {
-            let tx = c
-                .build_transaction()
-                .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
-                .read_only(true)
-                .start()
-                .await
-                .map_err(pg_err)?;
-            let rows = query(
-                &tx,
-                "SELECT reserved, spent FROM permits WHERE id = $1",
-                &[&id],
-            )
-            .await?;
-            let Some(row) = rows.first() else {
-                return Ok(None);
-            };
-            let reserved: i64 = row.try_get(0).map_err(column_err)?;
-            let spent: i64 = row.try_get(1).map_err(column_err)?;
-            let mut slots_held = BTreeMap::new();
-            for r in &query(
-                &tx,
-                "SELECT tool, slots_held FROM permit_tool_usage WHERE permit_id = $1",
-                &[&id],
-            )
-            .await?
-            {
-                let tool: String = r.try_get(0).map_err(column_err)?;
-                let n: i64 = r.try_get(1).map_err(column_err)?;
-                slots_held.insert(tool, n);
-            }
-            tx.commit().await.map_err(pg_err)?;
-            Ok(Some(PermitCounters {
-                slots_held,
-                reserved,
-                spent,
-            }))
-        })
-        .await
-    }
-
-    async fn get_attempt(&self, id: &str, _now: Millis) -> Result<Option<Attempt>, LedgerError> {
-        self.timed(async |c: &mut deadpool_postgres::Object| load_attempt(&*c, id).await)
-            .await
-    }
-
-    async fn list_attempts(
-        &self,
-        filter: &AttemptFilter,
-        _now: Millis,
-    ) -> Result<Vec<Attempt>, LedgerError> {
-        let state = filter.state.map(|s| s.as_str().to_string());
-        let permit = filter.permit_id.clone();
-        let limit = i64::from(filter.limit.unwrap_or(1000));
-        self.timed(async |c: &mut deadpool_postgres::Object| {
-            let sql = format!(
-                "SELECT {ATTEMPT_COLS} FROM attempts a WHERE ($1::TEXT IS NULL OR a.state = $1::TEXT) \
-                 AND ($2::TEXT IS NULL OR a.permit_id = $2::TEXT) ORDER BY a.created_at DESC, a.id LIMIT $3"
-            );
-            query_attempts(&*c, &sql, &[&state, &permit, &limit]).await
-        })
-        .await
-    }
-
     async fn resolve_attempt(
         &self,
         id: &str,
@@ -632,90 +493,53 @@ impl Store for PgStore {
         })
         .await
     }
+}
 
-    async fn attempt_counts(
-        &self,
-        _now: Millis,
-    ) -> Result<BTreeMap<AttemptState, u64>, LedgerError> {
+/// How the shared reads are spelled here: `$n` (typed where PostgreSQL cannot infer it), and
+/// counts per permit and state.
+pub(super) const DIALECT: Dialect = Dialect {
+    param: placeholder,
+    nullable_text,
+    state_counts: "permit_state_counts",
+};
+
+fn placeholder(n: u8) -> String {
+    format!("${n}")
+}
+
+fn nullable_text(n: u8) -> String {
+    format!("${n}::TEXT")
+}
+
+/// The shared reads run on a pooled connection under the operation deadline; a read of
+/// several statements in one read-only snapshot (REPEATABLE READ).
+#[async_trait]
+impl ReadQueries for PgStore {
+    fn dialect(&self) -> Dialect {
+        DIALECT
+    }
+
+    async fn run(&self, statements: Vec<Statement>) -> Result<Vec<Rows>, LedgerError> {
         self.timed(async |c: &mut deadpool_postgres::Object| {
-            let rows = query(
-                &*c,
-                "SELECT state, SUM(n)::BIGINT FROM permit_state_counts GROUP BY state",
-                &[],
-            )
-            .await?;
-            let mut out: BTreeMap<AttemptState, u64> =
-                AttemptState::ALL.iter().map(|s| (*s, 0)).collect();
-            for r in &rows {
-                let s: String = r.try_get(0).map_err(column_err)?;
-                let n: i64 = r.try_get(1).map_err(column_err)?;
-                let s: AttemptState = s.parse().map_err(LedgerError::Corrupt)?;
-                out.insert(s, to_u64(n));
+            if let [one] = statements.as_slice() {
+                return Ok(vec![run_statement(&*c, one).await?]);
             }
+            let tx = c
+                .build_transaction()
+                .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+                .read_only(true)
+                .start()
+                .await
+                .map_err(pg_err)?;
+            let mut out = Vec::with_capacity(statements.len());
+            for s in &statements {
+                out.push(run_statement(&tx, s).await?);
+            }
+            tx.commit().await.map_err(pg_err)?;
             Ok(out)
         })
         .await
     }
-
-    async fn open_attempts(
-        &self,
-        stuck_since: Millis,
-        limit: u32,
-        _now: Millis,
-    ) -> Result<Vec<Attempt>, LedgerError> {
-        let n = i64::from(limit);
-        self.timed(async |c: &mut deadpool_postgres::Object| {
-            let sql = InboxSql::new(placeholder);
-            let mut open = query_attempts(&*c, &sql.uncertain, &[&n]).await?;
-            open.extend(query_attempts(&*c, &sql.stuck, &[&stuck_since, &n]).await?);
-            Ok(super::oldest_first(open, limit))
-        })
-        .await
-    }
-
-    async fn uncertain_after(
-        &self,
-        after: (Millis, &str),
-        limit: u32,
-        _now: Millis,
-    ) -> Result<Vec<Attempt>, LedgerError> {
-        let (at, id) = (after.0, after.1.to_string());
-        let n = i64::from(limit);
-        self.timed(async move |c: &mut deadpool_postgres::Object| {
-            let sql = InboxSql::new(placeholder);
-            query_attempts(&*c, &sql.uncertain_after, &[&at, &id, &n]).await
-        })
-        .await
-    }
-
-    async fn resolved_attempts(
-        &self,
-        limit: u32,
-        _now: Millis,
-    ) -> Result<Vec<Attempt>, LedgerError> {
-        let n = i64::from(limit);
-        self.timed(async |c: &mut deadpool_postgres::Object| {
-            query_attempts(&*c, &InboxSql::new(placeholder).resolved, &[&n]).await
-        })
-        .await
-    }
-
-    async fn oldest_uncertain(&self, _now: Millis) -> Result<Option<Millis>, LedgerError> {
-        self.timed(async |c: &mut deadpool_postgres::Object| {
-            let rows = query(&*c, OLDEST_UNCERTAIN_SQL, &[]).await?;
-            rows.first()
-                .map(|r| r.try_get::<_, Option<i64>>(0))
-                .transpose()
-                .map_err(column_err)
-                .map(Option::flatten)
-        })
-        .await
-    }
-}
-
-/// PostgreSQL's spelling of the n-th statement parameter.
-pub(super) fn placeholder(n: u8) -> String {
-    format!("${n}")
 }
 
 #[cfg(test)]

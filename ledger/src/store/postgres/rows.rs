@@ -1,30 +1,32 @@
-//! Rows: the column lists, their mapping to the model, and the statements that read and lock them.
+//! Rows: the permit and attempt columns as PostgreSQL returns them, the statements that read
+//! and lock them for the decisions, and how the shared reads' statements are run.
 
 use deadpool_postgres::GenericClient;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
 use super::column_err;
-use super::{pg_err, to_u64, StateSets};
+use super::pg_err;
 use crate::error::LedgerError;
-use crate::model::{Attempt, BudgetTotals, Permit, Policy};
-use crate::store::rows::{AttemptRow, ATTEMPT_COLS};
+use crate::model::{Attempt, Permit};
+use crate::store::reads::{Param, RowShape, Rows, Statement};
+use crate::store::rows::{AttemptRow, PermitRow, ATTEMPT_COLS, PERMIT_COLS};
 
-pub(super) const PERMIT_COLS: &str =
-    "id, token_hash, label, created_at, expires_at, revoked_at, policy";
+/// The columns of [`PERMIT_COLS`] as PostgreSQL returns them.
+fn permit_row(row: &Row) -> Result<PermitRow, tokio_postgres::Error> {
+    Ok(PermitRow {
+        id: row.try_get(0)?,
+        token_hash: row.try_get(1)?,
+        label: row.try_get(2)?,
+        created_at: row.try_get(3)?,
+        expires_at: row.try_get(4)?,
+        revoked_at: row.try_get(5)?,
+        policy: row.try_get(6)?,
+    })
+}
 
 pub(super) fn read_permit(row: &Row) -> Result<Permit, LedgerError> {
-    let policy_json: String = row.try_get(6).map_err(column_err)?;
-    let policy: Policy = serde_json::from_str(&policy_json)?;
-    Ok(Permit {
-        id: row.try_get(0).map_err(column_err)?,
-        token_hash: row.try_get(1).map_err(column_err)?,
-        label: row.try_get(2).map_err(column_err)?,
-        created_at_ms: row.try_get(3).map_err(column_err)?,
-        expires_at_ms: row.try_get(4).map_err(column_err)?,
-        revoked_at_ms: row.try_get(5).map_err(column_err)?,
-        policy,
-    })
+    Permit::try_from(permit_row(row).map_err(column_err)?)
 }
 
 /// The permit with this id, if any.
@@ -178,24 +180,37 @@ pub(super) fn rounds(attempts: &[Attempt]) -> Vec<i32> {
         .collect()
 }
 
-pub(super) async fn budget_totals<C: GenericClient>(
+/// Runs one statement of the shared reads and reads its rows as its shape says.
+pub(super) async fn run_statement<C: GenericClient>(
     c: &C,
-    states: &StateSets,
-    permit_id: &str,
-) -> Result<BudgetTotals, LedgerError> {
-    let rows = query(
-        c,
-        "SELECT COALESCE(SUM(cost) FILTER (WHERE state = ANY($2)), 0)::BIGINT, \
-                COALESCE(SUM(cost) FILTER (WHERE state = ANY($3)), 0)::BIGINT \
-         FROM attempts WHERE permit_id = $1",
-        &[&permit_id, &states.reserved, &states.spent],
-    )
-    .await?;
-    let row = rows
-        .first()
-        .ok_or_else(|| LedgerError::Invariant("budget query returned no row".into()))?;
-    Ok(BudgetTotals {
-        reserved: to_u64(row.try_get(0).map_err(column_err)?),
-        spent: to_u64(row.try_get(1).map_err(column_err)?),
+    s: &Statement,
+) -> Result<Rows, LedgerError> {
+    let params: Vec<&(dyn ToSql + Sync)> = s
+        .params
+        .iter()
+        .map(|p| match p {
+            Param::Int(n) => n as &(dyn ToSql + Sync),
+            Param::Text(t) => t,
+            Param::NullableText(t) => t,
+        })
+        .collect();
+    let rows = query(c, &s.sql, &params).await?;
+    let rows = rows.iter();
+    Ok(match s.rows {
+        RowShape::Permit => Rows::Permits(rows.map(read_permit).collect::<Result<_, _>>()?),
+        RowShape::Attempt => Rows::Attempts(rows.map(read_attempt).collect::<Result<_, _>>()?),
+        RowShape::Count { keys } => Rows::Counts(
+            rows.map(|r| {
+                let names = (0..keys).map(|i| r.try_get(i)).collect::<Result<_, _>>()?;
+                Ok((names, r.try_get(keys)?))
+            })
+            .collect::<Result<_, tokio_postgres::Error>>()
+            .map_err(column_err)?,
+        ),
+        RowShape::Numbers { columns } => Rows::Numbers(
+            rows.map(|r| (0..columns).map(|i| r.try_get(i)).collect())
+                .collect::<Result<_, tokio_postgres::Error>>()
+                .map_err(column_err)?,
+        ),
     })
 }

@@ -1,77 +1,42 @@
-use std::sync::atomic::{AtomicBool, Ordering};
+//! The PostgreSQL store's tests: the conformance suite, the group transactions, the query
+//! plans, migrations and schema versions. They need a server (`DATABASE_URL`) and fail
+//! without one, never skip: built only with the `postgres-tests` feature, which `make
+//! test-unit` (and so `make test` and CI) turns on.
+
+#![cfg(feature = "postgres-tests")]
+
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use serde_json::json;
 
 use super::migrations::{migrations, RELEASED};
-use super::options::pg_config;
 use super::rows::{attempts_by_keys_sql, load_attempts_sql, LOCK_PERMITS_OF_ATTEMPTS};
-use super::tls::RustlsMakeTls;
+use super::testing::{self, Cleanup};
 use super::{PgOptions, PgStore};
 use crate::store::conformance::{self, Harness, LEASE_MS, T0};
 use crate::store::schema::{two_versions_ahead_refusal, SCHEMA_VERSION};
-use crate::store::Store;
-use crate::token;
+use crate::store::{Decisions, Reads, Store};
 
 /// The server the PostgreSQL tests use. They never skip: without it they fail.
 pub fn database_url() -> String {
-    match std::env::var("DATABASE_URL") {
-        Ok(u) if !u.trim().is_empty() => u,
-        _ => panic!(
-            "DATABASE_URL is not set. The PostgreSQL store tests need a server and never skip: \
-             `make test` finds or starts one (scripts/with-postgres); by hand, e.g. \
-             DATABASE_URL=postgres://postgres@127.0.0.1:5432/test cargo test -p atmost-ledger"
-        ),
-    }
+    testing::database_url().unwrap_or_else(|m| panic!("{m}"))
 }
 
 fn opts(url: &str, schema: &str) -> PgOptions {
-    PgOptions {
-        pool_size: 8,
-        connect_timeout: Duration::from_secs(10),
-        statement_timeout: Duration::from_secs(15),
-        schema: Some(schema.to_string()),
-        ..PgOptions::new(url)
-    }
+    testing::options(url, schema)
 }
 
 fn new_schema() -> String {
-    format!("atmost_test_{}", token::random_hex(6).unwrap())
+    testing::new_schema().unwrap()
 }
 
 /// A plain client on the database (no schema), for set-up and clean-up.
 async fn raw_client(url: &str) -> tokio_postgres::Client {
-    let config = pg_config(&PgOptions::new(url)).unwrap();
-    let tls = if config.get_ssl_mode() == tokio_postgres::config::SslMode::Disable {
-        RustlsMakeTls::disabled()
-    } else {
-        RustlsMakeTls::new(None).unwrap()
-    };
-    let (client, conn) = config
-        .connect(tls)
+    testing::raw_client(url)
         .await
-        .unwrap_or_else(|e| panic!("cannot connect to DATABASE_URL: {e}"));
-    tokio::spawn(conn);
-    client
-}
-
-/// Drops a test schema, from any context (also from `Drop` inside a runtime).
-fn drop_schema(url: String, schema: String) {
-    let _ = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            let c = raw_client(&url).await;
-            let _ = c
-                .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
-                .await;
-        });
-    })
-    .join();
+        .unwrap_or_else(|m| panic!("{m}"))
 }
 
 /// One fresh schema per test: `store` and `second_handle` are two pools on it (like two
@@ -101,7 +66,7 @@ impl PgHarness {
 
 impl Drop for PgHarness {
     fn drop(&mut self) {
-        drop_schema(self.url.clone(), self.schema.clone());
+        testing::drop_schema(self.url.clone(), self.schema.clone());
     }
 }
 
@@ -181,8 +146,8 @@ async fn one_group_of_queued_decisions_sees_its_own_earlier_decisions() {
     let h = PgHarness::new().await;
     let s = h.first.clone();
     let mut pol = conformance::policy();
-    pol.duplicate_guard = GuardMode::Enforce;
-    pol.max_calls.insert("pay".into(), 3);
+    pol.rules.duplicate_guard = GuardMode::Enforce;
+    pol.rules.max_calls.insert("pay".into(), 3);
     let (p, tok) = conformance::make_permit(&*s, pol, T0 + conformance::HOUR).await;
     let raw = hold_permit_lock(&h, &p.id).await;
     let call = |r: atmost_protocol::AuthorizeRequest| {
@@ -327,10 +292,10 @@ async fn one_group_of_several_permits_keeps_each_permits_own_keys_and_counters()
     let h = PgHarness::new().await;
     let s = h.first.clone();
     let mut pol = conformance::policy();
-    pol.duplicate_guard = GuardMode::Enforce;
-    pol.max_calls.insert("pay".into(), 2);
-    pol.budget = Some(10);
-    pol.cost_default = 4;
+    pol.rules.duplicate_guard = GuardMode::Enforce;
+    pol.rules.max_calls.insert("pay".into(), 2);
+    pol.rules.budget = Some(10);
+    pol.rules.cost_default = 4;
     let (pa, ta) = conformance::make_permit(&*s, pol.clone(), T0 + conformance::HOUR).await;
     let (pb, tb) = conformance::make_permit(&*s, pol, T0 + conformance::HOUR).await;
     let raw = hold_permit_lock(&h, &pa.id).await;
@@ -459,7 +424,7 @@ async fn outcome_batches_queued_together_are_applied_in_order() {
             vec![OutcomeAck::Conflict, OutcomeAck::AlreadyRecorded],
         ]
     );
-    let counts = s.attempt_counts(T0).await.unwrap();
+    let counts = s.attempt_counts().await.unwrap();
     assert_eq!(counts.get(&AttemptState::Completed), Some(&2));
     assert_eq!(counts.get(&AttemptState::Released), Some(&1));
     assert_eq!(counts.get(&AttemptState::InFlight).copied().unwrap_or(0), 0);
@@ -559,13 +524,6 @@ async fn migrations_are_versioned_idempotent_and_safe_when_replicas_start_togeth
     assert_eq!(versions, known);
 }
 
-struct Cleanup(String, String);
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        drop_schema(self.0.clone(), self.1.clone());
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn replicas_sweeping_at_once_move_each_attempt_once() {
     let h = PgHarness::new().await;
@@ -592,7 +550,7 @@ async fn replicas_sweeping_at_once_move_each_attempt_once() {
         expired += sw.await.unwrap().leases_expired;
     }
     assert_eq!(expired, 20);
-    let counts = s.attempt_counts(T0).await.unwrap();
+    let counts = s.attempt_counts().await.unwrap();
     assert_eq!(counts[&crate::model::AttemptState::Uncertain], 20);
 }
 
@@ -620,185 +578,6 @@ async fn unreachable_database_fails_at_start() {
 /// reaching it means a hang, not a slow machine.
 const HANG_GUARD: Duration = Duration::from_secs(60);
 
-/// Serves the ledger's routes on `store`; returns the base URL.
-async fn serve(store: Arc<PgStore>) -> String {
-    let state = Arc::new(crate::server::AppState {
-        store,
-        clock: Arc::new(crate::clock::SystemClock),
-        config: crate::server::ServerConfig {
-            service_token: "svc".into(),
-            admin_token: "adm".into(),
-            lease: Duration::from_secs(60),
-            redaction: Default::default(),
-            inbox: Default::default(),
-        },
-        metrics: Arc::new(crate::metrics::Metrics::new().unwrap()),
-    });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let app = crate::server::router(state);
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
-    format!("http://{addr}")
-}
-
-/// A TCP relay to the database that can stall every byte, like a database that hangs or a
-/// network partition during a failover.
-struct Relay {
-    port: u16,
-    stalled: Arc<AtomicBool>,
-}
-
-impl Relay {
-    async fn start(target: (String, u16)) -> Relay {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let stalled = Arc::new(AtomicBool::new(false));
-        let st = stalled.clone();
-        tokio::spawn(async move {
-            while let Ok((down, _)) = listener.accept().await {
-                let Ok(up) = tokio::net::TcpStream::connect((target.0.as_str(), target.1)).await
-                else {
-                    continue;
-                };
-                let (dr, dw) = down.into_split();
-                let (ur, uw) = up.into_split();
-                tokio::spawn(pump(dr, uw, st.clone()));
-                tokio::spawn(pump(ur, dw, st.clone()));
-            }
-        });
-        Relay { port, stalled }
-    }
-}
-
-async fn pump(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    stalled: Arc<AtomicBool>,
-) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        while stalled.load(Ordering::SeqCst) {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
-}
-
-/// Transient database failures fail closed: an error within the deadline (the server
-/// answers 503 → `gateway_unavailable`), never a hang and never a dispatch; readiness
-/// (`ping`) follows the database; the store recovers when the database does.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn hung_database_fails_closed_within_the_deadline_and_recovers() {
-    let url = database_url();
-    let config: tokio_postgres::Config = url.parse().unwrap();
-    let host = match config.get_hosts().first() {
-        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-        _ => "127.0.0.1".to_string(),
-    };
-    let port = config.get_ports().first().copied().unwrap_or(5432);
-    let relay = Relay::start((host.clone(), port)).await;
-    let schema = new_schema();
-    let _cleanup = Cleanup(url.clone(), schema.clone());
-    // The same URL with the relay's address.
-    let relayed = url.replacen(
-        &format!("{host}:{port}"),
-        &format!("127.0.0.1:{}", relay.port),
-        1,
-    );
-    assert_ne!(
-        relayed, url,
-        "DATABASE_URL must name host:port for this test"
-    );
-    let mut o = opts(&relayed, &schema);
-    o.pool_size = 2;
-    o.connect_timeout = Duration::from_millis(700);
-    o.statement_timeout = Duration::from_millis(700);
-    let s = Arc::new(PgStore::connect(&o).await.unwrap());
-    let mut pol = conformance::policy();
-    pol.max_calls.insert("pay".into(), 1);
-    let (p, tok) = conformance::make_permit(&*s, pol, T0 + 3_600_000).await;
-    s.ping(T0).await.unwrap();
-    let base = serve(s.clone()).await;
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let http = reqwest::Client::new();
-    assert_eq!(
-        http.get(format!("{base}/readyz"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
-
-    relay.stalled.store(true, Ordering::SeqCst);
-    let r = conformance::req(&tok, "pay", Some("k1"), "A", json!({}));
-    let err = tokio::time::timeout(HANG_GUARD, s.authorize(&r, LEASE_MS, T0))
-        .await
-        .expect("a hung database never hangs the authorize")
-        .unwrap_err();
-    // Ended by the store's own deadline (connect + two statements), not by anything else.
-    let deadline = format!(
-        "postgres did not answer within {} ms",
-        (o.connect_timeout + o.statement_timeout * 2).as_millis()
-    );
-    assert!(
-        matches!(&err, crate::error::LedgerError::Unavailable(m) if *m == deadline),
-        "{err}"
-    );
-    let ping = tokio::time::timeout(HANG_GUARD, s.ping(T0))
-        .await
-        .expect("readiness never hangs");
-    assert!(
-        matches!(&ping, Err(crate::error::LedgerError::Unavailable(m)) if *m == deadline),
-        "readiness follows the database: {ping:?}"
-    );
-    // Through the server: 503, which the filter turns into gateway_unavailable.
-    let resp = http
-        .post(format!("{base}{}", atmost_protocol::AUTHORIZE_PATH))
-        .bearer_auth("svc")
-        .json(&r)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 503);
-    let body: serde_json::Value = resp.json().await.unwrap();
-    assert_eq!(body["error"], "store_unavailable");
-    assert_eq!(
-        http.get(format!("{base}/readyz"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        503
-    );
-
-    relay.stalled.store(false, Ordering::SeqCst);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let decision = loop {
-        match s.authorize(&r, LEASE_MS, T0).await {
-            Ok(d) => break d,
-            Err(e) if Instant::now() < deadline => {
-                let _ = e;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => panic!("the store did not recover: {e}"),
-        }
-    };
-    s.ping(T0).await.unwrap();
-    // Whatever the stalled attempt left, the cap of one holds: one slot at most.
-    let d = s.permit_detail(&p.id, T0).await.unwrap().unwrap();
-    assert_eq!(d.usage["pay"].calls_made, 1, "{:?}", decision.response);
-}
-
 #[test]
 fn outage_sqlstates_are_transient_and_others_are_not() {
     for outage in [
@@ -814,13 +593,22 @@ fn outage_sqlstates_are_transient_and_others_are_not() {
 /// The inbox's reads follow their partial indexes, as the sweeper's do.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn inbox_queries_read_their_partial_indexes() {
-    let sql = crate::store::rows::InboxSql::new(super::placeholder);
-    let oldest = crate::store::rows::OLDEST_UNCERTAIN_SQL.to_string();
+    let sql = crate::store::reads::ReadSql::new(super::DIALECT);
     assert_plans_use(&[
-        ("attempts_uncertain", "(bigint)", "(0)", sql.uncertain),
-        ("attempts_leased", "(bigint, bigint)", "(0, 1)", sql.stuck),
-        ("attempts_resolved", "(bigint)", "(0)", sql.resolved),
-        ("attempts_uncertain", "", "", oldest),
+        (
+            "attempts_uncertain",
+            "(bigint)",
+            "(0)",
+            sql.uncertain(0).sql,
+        ),
+        (
+            "attempts_leased",
+            "(bigint, bigint)",
+            "(0, 1)",
+            sql.stuck(0, 1).sql,
+        ),
+        ("attempts_resolved", "(bigint)", "(0)", sql.resolved(0).sql),
+        ("attempts_uncertain", "", "", sql.oldest_uncertain().sql),
     ])
     .await;
 }

@@ -11,7 +11,6 @@ mod writes;
 
 pub use migrations::SCHEMA_VERSION;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -21,19 +20,17 @@ use atmost_protocol::{AuthorizeRequest, OutcomeReport};
 use rusqlite::config::DbConfig;
 use rusqlite::{params, Connection};
 
-use super::{AttemptFilter, OutcomeResult, PermitCounters, Store, SweepReport};
+use super::reads::{Dialect, ReadQueries, Rows, Statement};
+use super::{Decisions, OutcomeResult, SweepReport};
 use crate::clock::Millis;
 use crate::decide::{self, DecideParams, Decision, Mutation, ResolveInput};
 use crate::error::{LedgerError, ResolveError};
-use crate::model::{Attempt, AttemptState, Permit, PermitDetail, ToolUsage};
-use crate::store::rows::{InboxSql, ATTEMPT_COLS, ATTEMPT_NCOLS, OLDEST_UNCERTAIN_SQL};
+use crate::model::{Attempt, AttemptState, Permit};
+use crate::store::rows::{ATTEMPT_COLS, ATTEMPT_NCOLS};
 use crate::token;
 use migrations::migrate;
 use operations::{apply_report, load_snapshot};
-use rows::{
-    budget_totals, finish_permit, load_attempt, load_permit, query_attempts, read_attempt,
-    read_counters, read_permit, PERMIT_COLS,
-};
+use rows::{load_attempt, load_permit, query_attempts, read_attempt, run_statement};
 use writer::{writer, GroupTx, Op, Pending};
 use writes::write_attempt;
 
@@ -50,7 +47,8 @@ fn states(pred: fn(AttemptState) -> bool) -> String {
 pub struct SqliteStore {
     /// Operations for the writer thread, which owns the only writing connection.
     jobs: std::sync::mpsc::Sender<Box<dyn Op>>,
-    /// A second connection for the admin API's reads (WAL lets it read beside the writer).
+    /// A second connection for the reads that decide nothing (WAL lets it read beside the
+    /// writer).
     reader: Arc<Mutex<Connection>>,
     path: PathBuf,
 }
@@ -63,7 +61,7 @@ impl std::fmt::Debug for SqliteStore {
     }
 }
 
-use crate::store::rows::{to_i64, to_u64};
+use crate::store::rows::to_i64;
 
 fn sql_err(e: rusqlite::Error) -> LedgerError {
     LedgerError::from(e)
@@ -211,8 +209,8 @@ fn open_conn(path: &Path) -> Result<Connection, LedgerError> {
 }
 
 #[async_trait]
-impl Store for SqliteStore {
-    async fn ping(&self, _now: Millis) -> Result<(), LedgerError> {
+impl Decisions for SqliteStore {
+    async fn ping(&self) -> Result<(), LedgerError> {
         // Through the writer: ready means decisions can be made.
         self.write(|c: &GroupTx<'_>| {
             c.prepare_cached("SELECT COUNT(*) FROM permits")?
@@ -222,7 +220,7 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn create_permit(&self, permit: &Permit, _now: Millis) -> Result<(), LedgerError> {
+    async fn create_permit(&self, permit: &Permit) -> Result<(), LedgerError> {
         let p = permit.clone();
         let policy =
             serde_json::to_string(&p.policy).map_err(|e| LedgerError::Invalid(e.to_string()))?;
@@ -242,67 +240,6 @@ impl Store for SqliteStore {
                     policy
                 ])?;
             Ok(())
-        })
-        .await
-    }
-
-    async fn list_permits(&self, _now: Millis) -> Result<Vec<Permit>, LedgerError> {
-        self.read(|c| {
-            let mut stmt = c.prepare(&format!(
-                "SELECT {PERMIT_COLS} FROM permits ORDER BY created_at, id"
-            ))?;
-            let rows = stmt.query_map([], read_permit)?;
-            let mut out = Vec::new();
-            for r in rows {
-                out.push(finish_permit(r?)?);
-            }
-            Ok(out)
-        })
-        .await
-    }
-
-    async fn permit_detail(
-        &self,
-        id: &str,
-        _now: Millis,
-    ) -> Result<Option<PermitDetail>, LedgerError> {
-        let id = id.to_string();
-        self.read(move |c| {
-            let tx = c.transaction().map_err(sql_err)?;
-            let Some(permit) = load_permit(&tx, &id)? else {
-                return Ok(None);
-            };
-            let mut usage: BTreeMap<String, ToolUsage> = permit
-                .policy
-                .max_calls
-                .keys()
-                .map(|t| (t.clone(), ToolUsage::default()))
-                .collect();
-            let mut attempts_by_state = BTreeMap::new();
-            {
-                let mut stmt =
-                    tx.prepare("SELECT tool, state, COUNT(*) FROM attempts WHERE permit_id = ?1 GROUP BY tool, state")?;
-                let rows = stmt.query_map(params![id], |r| {
-                    Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))
-                })?;
-                for r in rows {
-                    let (tool, state, n) = r?;
-                    let state: AttemptState = state.parse().map_err(LedgerError::Corrupt)?;
-                    let n = to_u64(n);
-                    *attempts_by_state.entry(state).or_insert(0) += n;
-                    let u = usage.entry(tool).or_default();
-                    if state.holds_slot() {
-                        u.calls_made += n;
-                    }
-                }
-            }
-            let budget = budget_totals(&tx, &id)?;
-            Ok(Some(PermitDetail {
-                permit,
-                usage,
-                budget,
-                attempts_by_state,
-            }))
         })
         .await
     }
@@ -383,39 +320,6 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn get_permit(&self, id: &str) -> Result<Option<Permit>, LedgerError> {
-        let id = id.to_string();
-        self.read(move |c| load_permit(c, &id)).await
-    }
-
-    async fn permit_counters(&self, id: &str) -> Result<Option<PermitCounters>, LedgerError> {
-        let id = id.to_string();
-        self.read(move |c| read_counters(c, &id)).await
-    }
-
-    async fn get_attempt(&self, id: &str, _now: Millis) -> Result<Option<Attempt>, LedgerError> {
-        let id = id.to_string();
-        self.read(move |c| load_attempt(c, &id)).await
-    }
-
-    async fn list_attempts(
-        &self,
-        filter: &AttemptFilter,
-        _now: Millis,
-    ) -> Result<Vec<Attempt>, LedgerError> {
-        let state = filter.state.map(|s| s.as_str().to_string());
-        let permit = filter.permit_id.clone();
-        let limit = i64::from(filter.limit.unwrap_or(1000));
-        self.read(move |c| {
-            let sql = format!(
-                "SELECT {ATTEMPT_COLS} FROM attempts a WHERE (?1 IS NULL OR a.state = ?1) \
-                 AND (?2 IS NULL OR a.permit_id = ?2) ORDER BY a.created_at DESC, a.id LIMIT ?3"
-            );
-            query_attempts(c, &sql, &[&state, &permit, &limit])
-        })
-        .await
-    }
-
     async fn resolve_attempt(
         &self,
         id: &str,
@@ -487,79 +391,37 @@ impl Store for SqliteStore {
         })
         .await
     }
-
-    async fn attempt_counts(
-        &self,
-        _now: Millis,
-    ) -> Result<BTreeMap<AttemptState, u64>, LedgerError> {
-        self.read(|c| {
-            let mut stmt = c.prepare_cached("SELECT state, n FROM attempt_state_counts")?;
-            let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?;
-            let mut out: BTreeMap<AttemptState, u64> =
-                AttemptState::ALL.iter().map(|s| (*s, 0)).collect();
-            for r in rows {
-                let (s, n) = r?;
-                let s: AttemptState = s.parse().map_err(LedgerError::Corrupt)?;
-                out.insert(s, to_u64(n));
-            }
-            Ok(out)
-        })
-        .await
-    }
-
-    async fn open_attempts(
-        &self,
-        stuck_since: Millis,
-        limit: u32,
-        _now: Millis,
-    ) -> Result<Vec<Attempt>, LedgerError> {
-        let n = i64::from(limit);
-        self.read(move |c| {
-            let sql = InboxSql::new(placeholder);
-            let mut open = query_attempts(c, &sql.uncertain, &[&n])?;
-            open.extend(query_attempts(c, &sql.stuck, &[&stuck_since, &n])?);
-            Ok(super::oldest_first(open, limit))
-        })
-        .await
-    }
-
-    async fn uncertain_after(
-        &self,
-        after: (Millis, &str),
-        limit: u32,
-        _now: Millis,
-    ) -> Result<Vec<Attempt>, LedgerError> {
-        let (at, id) = (after.0, after.1.to_string());
-        let n = i64::from(limit);
-        self.read(move |c| {
-            let sql = InboxSql::new(placeholder);
-            query_attempts(c, &sql.uncertain_after, &[&at, &id, &n])
-        })
-        .await
-    }
-
-    async fn resolved_attempts(
-        &self,
-        limit: u32,
-        _now: Millis,
-    ) -> Result<Vec<Attempt>, LedgerError> {
-        let n = i64::from(limit);
-        self.read(move |c| query_attempts(c, &InboxSql::new(placeholder).resolved, &[&n]))
-            .await
-    }
-
-    async fn oldest_uncertain(&self, _now: Millis) -> Result<Option<Millis>, LedgerError> {
-        self.read(|c| {
-            Ok(c.prepare_cached(OLDEST_UNCERTAIN_SQL)?
-                .query_row([], |r| r.get(0))?)
-        })
-        .await
-    }
 }
 
-/// SQLite's spelling of the n-th statement parameter.
-pub(super) fn placeholder(n: u8) -> String {
+/// How the shared reads are spelled here: `?n`, and one row of counts per state.
+pub(super) const DIALECT: Dialect = Dialect {
+    param: placeholder,
+    nullable_text: placeholder,
+    state_counts: "attempt_state_counts",
+};
+
+fn placeholder(n: u8) -> String {
     format!("?{n}")
+}
+
+/// The shared reads run on the read connection (WAL lets it read beside the writer), in one
+/// transaction when a read has several statements.
+#[async_trait]
+impl ReadQueries for SqliteStore {
+    fn dialect(&self) -> Dialect {
+        DIALECT
+    }
+
+    async fn run(&self, statements: Vec<Statement>) -> Result<Vec<Rows>, LedgerError> {
+        self.read(move |c| {
+            if let [one] = statements.as_slice() {
+                return Ok(vec![run_statement(c, one)?]);
+            }
+            let tx = c.transaction()?;
+            statements.iter().map(|s| run_statement(&tx, s)).collect()
+        })
+        .await
+    }
 }
 
 #[cfg(test)]

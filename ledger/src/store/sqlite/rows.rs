@@ -1,46 +1,24 @@
-//! Rows: the column lists, their mapping to the model, and the reads of attempts and counters.
+//! Rows: the permit and attempt columns as SQLite returns them, the reads of the decisions,
+//! and how the shared reads' statements are run.
 
-use std::collections::BTreeMap;
+use rusqlite::{params, Connection, OptionalExtension, Row, ToSql};
 
-use rusqlite::{params, Connection, OptionalExtension, Row};
-
-use super::{states, to_u64};
 use crate::error::LedgerError;
-use crate::model::{Attempt, AttemptState, BudgetTotals, Permit, Policy};
-use crate::store::rows::{AttemptRow, ATTEMPT_COLS};
-use crate::store::PermitCounters;
+use crate::model::{Attempt, Permit};
+use crate::store::reads::{Param, RowShape, Rows, Statement};
+use crate::store::rows::{AttemptRow, PermitRow, ATTEMPT_COLS, PERMIT_COLS};
 
-pub(super) const PERMIT_COLS: &str =
-    "id, token_hash, label, created_at, expires_at, revoked_at, policy";
-
-pub(super) fn read_permit(row: &Row<'_>) -> rusqlite::Result<(Permit, String)> {
-    let policy_json: String = row.get(6)?;
-    Ok((
-        Permit {
-            id: row.get(0)?,
-            token_hash: row.get(1)?,
-            label: row.get(2)?,
-            created_at_ms: row.get(3)?,
-            expires_at_ms: row.get(4)?,
-            revoked_at_ms: row.get(5)?,
-            policy: Policy {
-                tools: Vec::new(),
-                max_calls: BTreeMap::new(),
-                max_calls_default: None,
-                budget: None,
-                cost: BTreeMap::new(),
-                cost_default: 0,
-                duplicate_guard: Default::default(),
-                retention_ms: 0,
-            },
-        },
-        policy_json,
-    ))
-}
-
-pub(super) fn finish_permit((mut p, policy_json): (Permit, String)) -> Result<Permit, LedgerError> {
-    p.policy = serde_json::from_str(&policy_json)?;
-    Ok(p)
+/// The columns of [`PERMIT_COLS`] as SQLite returns them.
+fn read_permit(row: &Row<'_>) -> rusqlite::Result<PermitRow> {
+    Ok(PermitRow {
+        id: row.get(0)?,
+        token_hash: row.get(1)?,
+        label: row.get(2)?,
+        created_at: row.get(3)?,
+        expires_at: row.get(4)?,
+        revoked_at: row.get(5)?,
+        policy: row.get(6)?,
+    })
 }
 
 /// The columns of [`ATTEMPT_COLS`] as SQLite returns them.
@@ -79,7 +57,7 @@ pub(super) fn load_permit(conn: &Connection, id: &str) -> Result<Option<Permit>,
     conn.prepare_cached(&sql)?
         .query_row(params![id], read_permit)
         .optional()?
-        .map(finish_permit)
+        .map(Permit::try_from)
         .transpose()
 }
 
@@ -133,50 +111,43 @@ pub(super) fn budget_counters(
         .unwrap_or((0, 0)))
 }
 
-/// Reserved and spent budget recounted from the attempts (`permit show`).
-pub(super) fn budget_totals(
-    conn: &Connection,
-    permit_id: &str,
-) -> Result<BudgetTotals, LedgerError> {
-    let (reserved, spent): (i64, i64) = conn
-        .prepare_cached(&format!(
-            "SELECT COALESCE(SUM(CASE WHEN state IN {} THEN cost END), 0), \
-                    COALESCE(SUM(CASE WHEN state IN {} THEN cost END), 0) \
-             FROM attempts WHERE permit_id = ?1",
-            states(AttemptState::reserves_budget),
-            states(AttemptState::spends_budget)
-        ))?
-        .query_row(params![permit_id], |r| Ok((r.get(0)?, r.get(1)?)))?;
-    Ok(BudgetTotals {
-        spent: to_u64(spent),
-        reserved: to_u64(reserved),
+/// Runs one statement of the shared reads and reads its rows as its shape says.
+pub(super) fn run_statement(conn: &Connection, s: &Statement) -> Result<Rows, LedgerError> {
+    let params: Vec<&dyn ToSql> = s
+        .params
+        .iter()
+        .map(|p| match p {
+            Param::Int(n) => n as &dyn ToSql,
+            Param::Text(t) => t,
+            Param::NullableText(t) => t,
+        })
+        .collect();
+    let mut stmt = conn.prepare_cached(&s.sql)?;
+    let mut rows = stmt.query(&*params)?;
+    let rows = &mut rows;
+    Ok(match s.rows {
+        RowShape::Permit => Rows::Permits(each_row(rows, |r| Permit::try_from(read_permit(r)?))?),
+        RowShape::Attempt => {
+            Rows::Attempts(each_row(rows, |r| Attempt::try_from(read_attempt(r)?))?)
+        }
+        RowShape::Count { keys } => Rows::Counts(each_row(rows, |r| {
+            let names = (0..keys).map(|i| r.get(i)).collect::<Result<_, _>>()?;
+            Ok((names, r.get(keys)?))
+        })?),
+        RowShape::Numbers { columns } => Rows::Numbers(each_row(rows, |r| {
+            Ok((0..columns).map(|i| r.get(i)).collect::<Result<_, _>>()?)
+        })?),
     })
 }
 
-/// The counters of one permit as stored (for the conformance suite's recount check).
-pub(super) fn read_counters(
-    conn: &Connection,
-    id: &str,
-) -> Result<Option<PermitCounters>, LedgerError> {
-    if load_permit(conn, id)?.is_none() {
-        return Ok(None);
+/// Every row of a query, each read by `read`.
+fn each_row<T>(
+    rows: &mut rusqlite::Rows<'_>,
+    read: impl Fn(&Row<'_>) -> Result<T, LedgerError>,
+) -> Result<Vec<T>, LedgerError> {
+    let mut out = Vec::new();
+    while let Some(row) = rows.next()? {
+        out.push(read(row)?);
     }
-    let mut usage = BTreeMap::new();
-    let mut stmt =
-        conn.prepare_cached("SELECT tool, slots_held FROM permit_tool_usage WHERE permit_id = ?1")?;
-    let rows = stmt.query_map(params![id], |r| {
-        Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?))
-    })?;
-    for r in rows {
-        let (tool, n) = r?;
-        usage.insert(tool, n);
-    }
-    let (reserved, spent): (i64, i64) = conn
-        .prepare_cached("SELECT reserved, spent FROM permits WHERE id = ?1")?
-        .query_row(params![id], |r| Ok((r.get(0)?, r.get(1)?)))?;
-    Ok(Some(PermitCounters {
-        slots_held: usage,
-        reserved,
-        spent,
-    }))
+    Ok(out)
 }

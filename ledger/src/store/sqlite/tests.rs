@@ -4,7 +4,7 @@ use async_trait::async_trait;
 
 use super::SqliteStore;
 use crate::store::conformance::{self, Harness, T0};
-use crate::store::Store;
+use crate::store::{Decisions, Reads, Store};
 
 struct SqliteHarness {
     dir: tempfile::TempDir,
@@ -92,7 +92,7 @@ async fn a_failing_ops_counter_moves_go_with_its_savepoint() {
     assert_eq!(kept, 80);
     let c = s.permit_counters(&p.id).await.unwrap().unwrap();
     assert_eq!(c.slots_held.get("t"), Some(&80));
-    let counts = s.attempt_counts(T0).await.unwrap();
+    let counts = s.attempt_counts().await.unwrap();
     assert_eq!(counts.get(&AttemptState::InFlight), Some(&80));
 }
 
@@ -208,7 +208,7 @@ async fn migration_backfills_counters_from_existing_rows() {
         }
     }
     let s = SqliteStore::open_file(&path).unwrap();
-    let d = s.permit_detail("p1", 0).await.unwrap().unwrap();
+    let d = s.permit_detail("p1").await.unwrap().unwrap();
     let c = s.permit_counters("p1").await.unwrap().unwrap();
     assert_eq!(
         c.slots_held.get("a").copied(),
@@ -222,7 +222,7 @@ async fn migration_backfills_counters_from_existing_rows() {
     assert_eq!(c.spent, d.budget.spent as i64);
     assert!(c.reserved > 0 && c.spent > 0);
     // Version 3 counted the attempts per state from the rows.
-    let counts = s.attempt_counts(0).await.unwrap();
+    let counts = s.attempt_counts().await.unwrap();
     assert!(counts.values().all(|n| *n == 2), "{counts:?}");
     assert_eq!(counts.len(), crate::model::AttemptState::ALL.len());
     drop(s);
@@ -265,15 +265,12 @@ fn an_outage_is_transient_and_a_broken_constraint_is_not() {
 async fn inbox_queries_read_their_partial_indexes() {
     let dir = tempfile::tempdir().unwrap();
     let s = SqliteStore::open_dir(dir.path()).unwrap();
-    let sql = crate::store::rows::InboxSql::new(super::placeholder);
+    let sql = crate::store::reads::ReadSql::new(super::DIALECT);
     let queries = [
-        ("attempts_uncertain", sql.uncertain),
-        ("attempts_leased", sql.stuck),
-        ("attempts_resolved", sql.resolved),
-        (
-            "attempts_uncertain",
-            crate::store::rows::OLDEST_UNCERTAIN_SQL.to_string(),
-        ),
+        ("attempts_uncertain", sql.uncertain(0).sql),
+        ("attempts_leased", sql.stuck(0, 0).sql),
+        ("attempts_resolved", sql.resolved(0).sql),
+        ("attempts_uncertain", sql.oldest_uncertain().sql),
     ];
     let plans = s
         .read(move |c| {

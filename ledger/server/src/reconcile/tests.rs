@@ -5,7 +5,7 @@ use serde_json::{json, Value};
 
 use super::rules::{self, Env, Facts, Reading};
 use super::{backoff_after, take_due};
-use crate::model::{Attempt, AttemptState};
+use atmost_ledger::model::{Attempt, AttemptState};
 
 struct FakeEnv(HashMap<&'static str, &'static str>);
 

@@ -5,7 +5,7 @@ use prometheus::{
     Opts, Registry, TextEncoder,
 };
 
-use crate::error::LedgerError;
+use atmost_ledger::error::LedgerError;
 
 pub struct Metrics {
     registry: Registry,

@@ -1,36 +1,19 @@
 //! The admin commands (`permit …`, `attempts …`): each one request, its answer printed.
 
-use std::collections::BTreeMap;
-
 use super::args::{AttemptsCommand, PermitCommand};
 use super::client::{urlencode, Client};
 use super::print::{opt, print_attempt, print_attempt_row, print_json, print_permit};
 use super::CliError;
 use crate::api::{
-    AttemptListResponse, AttemptResponse, CreatePermitRequest, CreatePermitResponse,
-    PermitListResponse, PermitResponse, PermitShowResponse,
+    AttemptListResponse, AttemptResponse, CreatePermitResponse, PermitListResponse, PermitResponse,
+    PermitShowResponse,
 };
-use crate::decide::ResolveInput;
+use atmost_ledger::decide::ResolveInput;
 
 pub(super) fn run_permit(c: &Client, json: bool, cmd: PermitCommand) -> Result<(), CliError> {
     match cmd {
         PermitCommand::Create(a) => {
-            let req = CreatePermitRequest {
-                label: a.label,
-                expires: a.expires,
-                tools: if a.tools.is_empty() {
-                    None
-                } else {
-                    Some(a.tools)
-                },
-                max_calls: a.max_calls.into_iter().collect::<BTreeMap<_, _>>(),
-                max_calls_default: a.max_calls_default,
-                budget: a.budget,
-                cost: a.cost.into_iter().collect::<BTreeMap<_, _>>(),
-                cost_default: a.cost_default,
-                duplicate_guard: a.duplicate_guard,
-                retention: a.retention,
-            };
+            let req = a.into_request();
             let (resp, raw): (CreatePermitResponse, _) =
                 c.post(crate::api::ADMIN_PERMITS_PATH, &req)?;
             if json {

@@ -1,51 +1,26 @@
 //! JSON shapes of the admin API, shared by the server and the CLI.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::clock::{self, Millis};
-use crate::model::{
-    Attempt, AttemptState, CostRule, GuardMode, Permit, PermitDetail, Resolution, ResolutionSource,
-};
 use crate::redact::Redaction;
+use atmost_ledger::clock::{self, Millis};
+use atmost_ledger::model::{
+    Attempt, AttemptState, CallRules, Permit, PermitDetail, Resolution, ResolutionSource,
+};
 
 pub const ADMIN_PERMITS_PATH: &str = "/admin/v1/permits";
 pub const ADMIN_ATTEMPTS_PATH: &str = "/admin/v1/attempts";
 
-/// Default replay retention of a permit.
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Body of `POST /admin/v1/permits`: a label, an expiry and the policy (the call rules as
+/// [`PermitView`] shows them, the retention as a duration); checked and issued by the
+/// library ([`atmost_ledger::policy::PermitRequest::issue`]).
+pub use atmost_ledger::policy::PermitRequest as CreatePermitRequest;
 
-/// Body of `POST /admin/v1/permits`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CreatePermitRequest {
-    pub label: String,
-    /// A duration from now (`24h`, `30m`) or an RFC 3339 time.
-    pub expires: String,
-    /// Tool names or `["*"]`; default `["*"]`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tools: Option<Vec<String>>,
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub max_calls: BTreeMap<String, u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_calls_default: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub budget: Option<u64>,
-    /// Tool → fixed cost or JSON pointer into the arguments.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub cost: BTreeMap<String, CostRule>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cost_default: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub duplicate_guard: Option<GuardMode>,
-    /// Replay retention as a duration (`7d`); default 7 days.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub retention: Option<String>,
-}
-
-/// A permit as the admin API shows it. The token never appears here.
+/// A permit as the admin API shows it: its record, its call rules as stored, and its
+/// retention in seconds. The token never appears here.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PermitView {
     pub id: String,
@@ -55,13 +30,8 @@ pub struct PermitView {
     pub created_at: String,
     pub expires_at: String,
     pub revoked_at: Option<String>,
-    pub tools: Vec<String>,
-    pub max_calls: BTreeMap<String, u64>,
-    pub max_calls_default: Option<u64>,
-    pub budget: Option<u64>,
-    pub cost: BTreeMap<String, CostRule>,
-    pub cost_default: u64,
-    pub duplicate_guard: GuardMode,
+    #[serde(flatten)]
+    pub rules: CallRules,
     pub retention_secs: u64,
 }
 
@@ -74,13 +44,7 @@ impl PermitView {
             created_at: clock::rfc3339(p.created_at_ms),
             expires_at: clock::rfc3339(p.expires_at_ms),
             revoked_at: p.revoked_at_ms.map(clock::rfc3339),
-            tools: p.policy.tools.clone(),
-            max_calls: p.policy.max_calls.clone(),
-            max_calls_default: p.policy.max_calls_default,
-            budget: p.policy.budget,
-            cost: p.policy.cost.clone(),
-            cost_default: p.policy.cost_default,
-            duplicate_guard: p.policy.duplicate_guard,
+            rules: p.policy.rules.clone(),
             retention_secs: u64::try_from(p.policy.retention_ms / 1000).unwrap_or(0),
         }
     }
@@ -131,7 +95,7 @@ pub struct PermitShowResponse {
 
 impl PermitShowResponse {
     pub fn new(d: &PermitDetail, now: Millis) -> Self {
-        let policy = &d.permit.policy;
+        let rules = &d.permit.policy.rules;
         let usage = d
             .usage
             .iter()
@@ -140,16 +104,16 @@ impl PermitShowResponse {
                     tool.clone(),
                     ToolUsageView {
                         calls_made: u.calls_made,
-                        limit: policy.limit_for(tool),
+                        limit: rules.limit_for(tool),
                     },
                 )
             })
             .collect();
         let budget = BudgetView {
-            budget: policy.budget,
+            budget: rules.budget,
             spent: d.budget.spent,
             reserved: d.budget.reserved,
-            left: policy
+            left: rules
                 .budget
                 .map(|b| b.saturating_sub(d.budget.spent.saturating_add(d.budget.reserved))),
         };
@@ -272,19 +236,38 @@ pub struct ErrorBody {
     pub message: Option<String>,
 }
 
-/// `24h` / `30m` from now, or an RFC 3339 time.
-pub fn parse_expiry(s: &str, now: Millis) -> Result<Millis, String> {
-    let s = s.trim();
-    if let Ok(d) = humantime::parse_duration(s) {
-        let ms = i64::try_from(d.as_millis()).map_err(|_| format!("expiry {s:?} is too far"))?;
-        return Ok(now.saturating_add(ms));
-    }
-    clock::parse_rfc3339(s)
-        .ok_or_else(|| format!("expiry must be a duration like 24h or an RFC 3339 time, not {s:?}"))
-}
+#[cfg(test)]
+mod tests {
+    use atmost_ledger::model::{CostRule, GuardMode, Policy};
 
-/// A humantime duration (`7d`, `12h`) in milliseconds.
-pub fn parse_duration_ms(s: &str) -> Result<Millis, String> {
-    let d = humantime::parse_duration(s.trim()).map_err(|e| format!("bad duration {s:?}: {e}"))?;
-    i64::try_from(d.as_millis()).map_err(|_| format!("duration {s:?} is too long"))
+    use super::*;
+
+    /// The view is the record, the call rules as stored, and the retention in seconds, in
+    /// this order: the answer's JSON is the same whatever struct holds the rules.
+    #[test]
+    fn a_permit_view_keeps_its_json() {
+        let permit = Permit {
+            id: "pmt_1".into(),
+            token_hash: "h".into(),
+            label: "agent".into(),
+            created_at_ms: 0,
+            expires_at_ms: 3_600_000,
+            revoked_at_ms: None,
+            policy: Policy::builder()
+                .tools(&["pay"])
+                .max_calls("pay", 1)
+                .budget(100)
+                .cost("pay", CostRule::Pointer("/amount".into()))
+                .duplicate_guard(GuardMode::Enforce)
+                .retention_ms(7 * 24 * 3_600_000)
+                .build(),
+        };
+        let view = PermitView::new(&permit, 0);
+        let json = serde_json::to_string(&view).unwrap();
+        assert_eq!(
+            json,
+            r#"{"id":"pmt_1","label":"agent","status":"active","created_at":"1970-01-01T00:00:00.000Z","expires_at":"1970-01-01T01:00:00.000Z","revoked_at":null,"tools":["pay"],"max_calls":{"pay":1},"max_calls_default":null,"budget":100,"cost":{"pay":"/amount"},"cost_default":0,"duplicate_guard":"enforce","retention_secs":604800}"#
+        );
+        assert_eq!(serde_json::from_str::<PermitView>(&json).unwrap(), view);
+    }
 }

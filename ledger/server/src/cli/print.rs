@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use super::CliError;
 use crate::api::{AttemptView, PermitView};
-use crate::error::LedgerError;
-use crate::model::CostRule;
+use atmost_ledger::error::LedgerError;
+use atmost_ledger::model::CostRule;
 
 pub(super) fn print_json(v: &serde_json::Value) -> Result<(), CliError> {
     println!(
@@ -28,8 +28,9 @@ pub(super) fn print_permit(p: &PermitView) {
     if let Some(r) = &p.revoked_at {
         println!("revoked    {r}");
     }
-    println!("tools      {}", p.tools.join(","));
-    let caps: Vec<String> = p
+    let rules = &p.rules;
+    println!("tools      {}", rules.tools.join(","));
+    let caps: Vec<String> = rules
         .max_calls
         .iter()
         .map(|(t, n)| format!("{t}={n}"))
@@ -41,10 +42,10 @@ pub(super) fn print_permit(p: &PermitView) {
         } else {
             caps.join(" ")
         },
-        opt(p.max_calls_default, "none")
+        opt(rules.max_calls_default, "none")
     );
-    println!("budget     {}", opt(p.budget, "no limit"));
-    let costs: Vec<String> = p
+    println!("budget     {}", opt(rules.budget, "no limit"));
+    let costs: Vec<String> = rules
         .cost
         .iter()
         .map(|(t, c)| match c {
@@ -59,9 +60,9 @@ pub(super) fn print_permit(p: &PermitView) {
         } else {
             costs.join(" ")
         },
-        p.cost_default
+        rules.cost_default
     );
-    println!("dup guard  {}", p.duplicate_guard.as_str());
+    println!("dup guard  {}", rules.duplicate_guard.as_str());
     println!(
         "retention  {}",
         humantime::format_duration(Duration::from_secs(p.retention_secs))

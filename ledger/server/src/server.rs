@@ -22,15 +22,15 @@ use crate::api::{
     CreatePermitResponse, ErrorBody, PermitListResponse, PermitResponse, PermitShowResponse,
     PermitView,
 };
-use crate::clock::Clock;
-use crate::decide::{self, Notice, ResolveInput};
-use crate::error::{LedgerError, ResolveError};
 use crate::inbox::{self, InboxConfig};
 use crate::metrics::Metrics;
-use crate::model::{Attempt, AttemptState, BudgetTotals, GuardMode, Permit, Policy};
 use crate::redact::Redaction;
-use crate::store::{AttemptFilter, Store};
-use crate::token;
+use atmost_ledger::clock::Clock;
+use atmost_ledger::decide::{self, Notice, ResolveInput};
+use atmost_ledger::error::{LedgerError, ResolveError};
+use atmost_ledger::model::{Attempt, AttemptState, BudgetTotals, GuardMode};
+use atmost_ledger::store::{AttemptFilter, Store};
+use atmost_ledger::token;
 
 /// Largest request body accepted (receipts ride in outcome reports).
 pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
@@ -185,7 +185,7 @@ async fn readyz(State(state): State<Shared>) -> Response {
             ),
         );
     }
-    match state.store.ping(state.clock.now_ms()).await {
+    match state.store.ping().await {
         Ok(()) => (StatusCode::OK, Json(serde_json::json!({"status": "ready"}))).into_response(),
         Err(e) => {
             state
@@ -418,58 +418,6 @@ async fn outcomes(
     (StatusCode::OK, Json(OutcomesResponse { acks })).into_response()
 }
 
-fn build_permit(req: CreatePermitRequest, now: i64) -> Result<(Permit, String), String> {
-    let label = req.label.trim().to_string();
-    if label.is_empty() {
-        return Err("label must not be empty".into());
-    }
-    let expires_at_ms = api::parse_expiry(&req.expires, now)?;
-    if expires_at_ms <= now {
-        return Err("expiry is in the past".into());
-    }
-    let tools = req.tools.unwrap_or_else(|| vec!["*".to_string()]);
-    if tools.is_empty() || tools.iter().any(|t| t.trim().is_empty()) {
-        return Err("tools must be a non-empty list of tool names, or [\"*\"]".into());
-    }
-    for (tool, rule) in &req.cost {
-        if let crate::model::CostRule::Pointer(p) = rule {
-            if !p.starts_with('/') {
-                return Err(format!("cost pointer for {tool:?} must start with '/'"));
-            }
-        }
-        if let crate::model::CostRule::Fixed(n) = rule {
-            if i64::try_from(*n).is_err() {
-                return Err(format!("cost for {tool:?} is too large"));
-            }
-        }
-    }
-    let retention_ms = match req.retention.as_deref() {
-        Some(r) => api::parse_duration_ms(r)?,
-        None => i64::try_from(api::DEFAULT_RETENTION.as_millis()).unwrap_or(i64::MAX),
-    };
-    let id = token::new_permit_id().map_err(|e| e.to_string())?;
-    let tok = token::new_token(&id).map_err(|e| e.to_string())?;
-    let permit = Permit {
-        token_hash: token::sha256_hex(&tok),
-        id,
-        label,
-        created_at_ms: now,
-        expires_at_ms,
-        revoked_at_ms: None,
-        policy: Policy {
-            tools,
-            max_calls: req.max_calls,
-            max_calls_default: req.max_calls_default,
-            budget: req.budget,
-            cost: req.cost,
-            cost_default: req.cost_default.unwrap_or(0),
-            duplicate_guard: req.duplicate_guard.unwrap_or_default(),
-            retention_ms,
-        },
-    };
-    Ok((permit, tok))
-}
-
 async fn create_permit(
     State(state): State<Shared>,
     body: Result<Json<CreatePermitRequest>, JsonRejection>,
@@ -479,11 +427,11 @@ async fn create_permit(
         Err(r) => return json_rejection(r),
     };
     let now = state.clock.now_ms();
-    let (permit, tok) = match build_permit(req, now) {
+    let (permit, tok) = match req.issue(now) {
         Ok(p) => p,
-        Err(m) => return bad_request(m),
+        Err(e) => return bad_request(e.to_string()),
     };
-    if let Err(e) = state.store.create_permit(&permit, now).await {
+    if let Err(e) = state.store.create_permit(&permit).await {
         return internal(&state, "create_permit", &e);
     }
     state.metrics.permits_created.inc();
@@ -500,7 +448,7 @@ async fn create_permit(
 
 async fn list_permits(State(state): State<Shared>) -> Response {
     let now = state.clock.now_ms();
-    match state.store.list_permits(now).await {
+    match state.store.list_permits().await {
         Ok(ps) => Json(PermitListResponse {
             permits: ps.iter().map(|p| PermitView::new(p, now)).collect(),
         })
@@ -511,7 +459,7 @@ async fn list_permits(State(state): State<Shared>) -> Response {
 
 async fn show_permit(State(state): State<Shared>, Path(id): Path<String>) -> Response {
     let now = state.clock.now_ms();
-    match state.store.permit_detail(&id, now).await {
+    match state.store.permit_detail(&id).await {
         Ok(Some(d)) => Json(PermitShowResponse::new(&d, now)).into_response(),
         Ok(None) => not_found("unknown_permit"),
         Err(e) => internal(&state, "permit_detail", &e),
@@ -557,8 +505,7 @@ async fn list_attempts(State(state): State<Shared>, Query(q): Query<AttemptQuery
         permit_id: q.permit.filter(|p| !p.is_empty()),
         limit: q.limit,
     };
-    let now = state.clock.now_ms();
-    match state.store.list_attempts(&filter, now).await {
+    match state.store.list_attempts(&filter).await {
         Ok(list) => Json(AttemptListResponse {
             attempts: list
                 .iter()
@@ -571,7 +518,7 @@ async fn list_attempts(State(state): State<Shared>, Query(q): Query<AttemptQuery
 }
 
 async fn show_attempt(State(state): State<Shared>, Path(id): Path<String>) -> Response {
-    match state.store.get_attempt(&id, state.clock.now_ms()).await {
+    match state.store.get_attempt(&id).await {
         Ok(Some(a)) => Json(AttemptResponse {
             attempt: AttemptView::new(&a, &state.config.redaction),
         })
@@ -590,11 +537,8 @@ async fn resolve_attempt(
         Ok(b) => b,
         Err(r) => return json_rejection(r),
     };
-    if input.by.trim().is_empty() {
-        return bad_request("by must name who resolved the attempt");
-    }
-    if !input.executed && input.receipt.is_some() {
-        return bad_request("a receipt only goes with executed: true");
+    if let Err(e) = input.check() {
+        return bad_request(e.to_string());
     }
     let now = state.clock.now_ms();
     match state.store.resolve_attempt(&id, &input, now).await {
@@ -655,7 +599,7 @@ pub async fn sweep_once(state: &AppState) {
             error!(error = %e, "sweep failed");
         }
     }
-    match state.store.attempt_counts(now).await {
+    match state.store.attempt_counts().await {
         Ok(counts) => {
             for (s, n) in counts {
                 state
@@ -674,7 +618,7 @@ pub async fn sweep_once(state: &AppState) {
             error!(error = %e, "attempt counts failed");
         }
     }
-    match state.store.oldest_uncertain(now).await {
+    match state.store.oldest_uncertain().await {
         Ok(oldest) => {
             let ms = oldest.map_or(0, |t| now.saturating_sub(t).max(0));
             state

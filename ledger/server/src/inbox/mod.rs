@@ -1,7 +1,7 @@
 //! The reconciliation inbox: web pages under `/admin/` on the ledger's listener, for people
 //! who check uncertain calls with the provider and record what they found.
 //!
-//! Server-rendered (askama templates in `ledger/templates/inbox/`), one stylesheet, no
+//! Server-rendered (askama templates in `ledger/server/templates/inbox/`), one stylesheet, no
 //! scripts, no third-party host. Sign-in takes the admin token (in a form body, never a URL)
 //! and gives a signed session cookie ([`session`]); every form that changes state carries
 //! the session's CSRF token; every page is sent with a strict Content-Security-Policy.
@@ -27,12 +27,12 @@ use serde::Deserialize;
 use tracing::{error, info, warn};
 
 use crate::api::PermitShowResponse;
-use crate::clock::{self, Millis};
-use crate::decide::ResolveInput;
-use crate::error::ResolveError;
-use crate::model::{Attempt, AttemptState, Permit, ResolutionSource};
 use crate::server::AppState;
-use crate::token;
+use atmost_ledger::clock::{self, Millis};
+use atmost_ledger::decide::ResolveInput;
+use atmost_ledger::error::ResolveError;
+use atmost_ledger::model::{Attempt, AttemptState, Permit, ResolutionSource};
+use atmost_ledger::token;
 use session::{Presented, Session};
 
 type Shared = Arc<AppState>;
@@ -257,7 +257,7 @@ fn message(status: StatusCode, nav: Option<Nav>, heading: &str, text: String) ->
 }
 
 /// The store failed: the page says so (and whether to retry), the log says why.
-fn store_failed(state: &AppState, op: &str, e: &crate::error::LedgerError) -> Response {
+fn store_failed(state: &AppState, op: &str, e: &atmost_ledger::error::LedgerError) -> Response {
     state.metrics.store_errors.with_label_values(&[op]).inc();
     error!(op, error = %e, "inbox: store operation failed");
     let (status, text) = if e.is_transient() {
@@ -475,8 +475,8 @@ async fn sign_out(
 }
 
 /// Permit labels by id, for the pages that name an attempt's permit.
-async fn labels(state: &AppState, now: Millis) -> Result<BTreeMap<String, Permit>, Response> {
-    match state.store.list_permits(now).await {
+async fn labels(state: &AppState) -> Result<BTreeMap<String, Permit>, Response> {
+    match state.store.list_permits().await {
         Ok(ps) => Ok(ps.into_iter().map(|p| (p.id.clone(), p)).collect()),
         Err(e) => Err(store_failed(state, "list_permits", &e)),
     }
@@ -549,15 +549,11 @@ async fn inbox_page(
     };
     let now = state.clock.now_ms();
     let stuck_since = now.saturating_sub(millis(state.config.inbox.stuck_after));
-    let open = match state
-        .store
-        .open_attempts(stuck_since, PAGE_LIMIT, now)
-        .await
-    {
+    let open = match state.store.open_attempts(stuck_since, PAGE_LIMIT).await {
         Ok(o) => o,
         Err(e) => return store_failed(&state, "open_attempts", &e),
     };
-    let permits = match labels(&state, now).await {
+    let permits = match labels(&state).await {
         Ok(p) => p,
         Err(r) => return r,
     };
@@ -583,12 +579,11 @@ async fn history_page(State(state): State<Shared>, headers: HeaderMap) -> Respon
         Ok(s) => s,
         Err(refused) => return refused,
     };
-    let now = state.clock.now_ms();
-    let resolved = match state.store.resolved_attempts(PAGE_LIMIT, now).await {
+    let resolved = match state.store.resolved_attempts(PAGE_LIMIT).await {
         Ok(r) => r,
         Err(e) => return store_failed(&state, "resolved_attempts", &e),
     };
-    let permits = match labels(&state, now).await {
+    let permits = match labels(&state).await {
         Ok(p) => p,
         Err(r) => return r,
     };
@@ -635,7 +630,7 @@ async fn permits_page(State(state): State<Shared>, headers: HeaderMap) -> Respon
         Err(refused) => return refused,
     };
     let now = state.clock.now_ms();
-    let mut list = match state.store.list_permits(now).await {
+    let mut list = match state.store.list_permits().await {
         Ok(l) => l,
         Err(e) => return store_failed(&state, "list_permits", &e),
     };
@@ -657,7 +652,7 @@ async fn permits_page(State(state): State<Shared>, headers: HeaderMap) -> Respon
         .iter()
         .take(usize::try_from(PAGE_LIMIT).unwrap_or(usize::MAX))
     {
-        let detail = match state.store.permit_detail(&p.id, now).await {
+        let detail = match state.store.permit_detail(&p.id).await {
             Ok(Some(d)) => d,
             Ok(None) => continue,
             Err(e) => return store_failed(&state, "permit_detail", &e),

@@ -4,14 +4,16 @@ use std::sync::Arc;
 
 use super::args::LedgerArgs;
 use super::{init_logs, CliError};
-use crate::clock::SystemClock;
 use crate::inbox::InboxConfig;
 use crate::metrics::Metrics;
 use crate::redact::Redaction;
 use crate::server::{self, AppState, ServerConfig};
-use crate::store::postgres::{self, PgOptions, PgStore};
-use crate::store::sqlite::SqliteStore;
-use crate::store::Store;
+use atmost_ledger::clock::SystemClock;
+#[cfg(feature = "postgres")]
+use atmost_ledger::store::postgres::{self, PgOptions, PgStore};
+#[cfg(feature = "sqlite")]
+use atmost_ledger::store::sqlite::SqliteStore;
+use atmost_ledger::store::Store;
 
 pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), CliError> {
     if args.service_token.trim().is_empty() || admin_token.trim().is_empty() {
@@ -94,14 +96,32 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
 }
 
 /// Opens the store `--store` names: the embedded SQLite file, or PostgreSQL (migrations run
-/// here, before the ledger listens).
+/// here, before the ledger listens). A build without one of the stores (cargo features
+/// `sqlite`, `postgres`) refuses to name it.
 pub(super) async fn open_store(args: &LedgerArgs) -> Result<Arc<dyn Store>, CliError> {
     let spec = args.store.trim();
     if spec.is_empty() || spec == "sqlite" {
-        let store = SqliteStore::open_dir(&args.data_dir)?;
-        tracing::info!(store = "sqlite", path = %store.path().display(), "store opened");
-        return Ok(Arc::new(store));
+        return open_sqlite(args);
     }
+    open_postgres(args, spec).await
+}
+
+#[cfg(feature = "sqlite")]
+fn open_sqlite(args: &LedgerArgs) -> Result<Arc<dyn Store>, CliError> {
+    let store = SqliteStore::open_dir(&args.data_dir)?;
+    tracing::info!(store = "sqlite", path = %store.path().display(), "store opened");
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "sqlite"))]
+fn open_sqlite(_: &LedgerArgs) -> Result<Arc<dyn Store>, CliError> {
+    Err(CliError::Usage(
+        "this atmost is built without the SQLite store (cargo feature `sqlite`): --store must be a postgres:// URL".into(),
+    ))
+}
+
+#[cfg(feature = "postgres")]
+async fn open_postgres(args: &LedgerArgs, spec: &str) -> Result<Arc<dyn Store>, CliError> {
     if !postgres::is_postgres_url(spec) {
         return Err(CliError::Usage(format!(
             "--store must be `sqlite` or a postgres:// / postgresql:// URL, not {}",
@@ -125,4 +145,11 @@ pub(super) async fn open_store(args: &LedgerArgs) -> Result<Arc<dyn Store>, CliE
     tracing::info!(store = "postgres", database = %store.description(), pool_size = opts.pool_size,
         "store opened, migrations applied");
     Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn open_postgres(_: &LedgerArgs, _: &str) -> Result<Arc<dyn Store>, CliError> {
+    Err(CliError::Usage(
+        "this atmost is built without the PostgreSQL store (cargo feature `postgres`): --store must be `sqlite`".into(),
+    ))
 }

@@ -1,6 +1,10 @@
 //! The inbox over HTTP, as a browser would use it (cookies kept, redirects not followed),
 //! on a ledger with a manual clock: sign-in, sessions and their expiry, CSRF, the security
 //! headers, and a resolution moving the permit's slot and budget.
+//!
+//! Served on the embedded store: built with the `sqlite` feature.
+
+#![cfg(feature = "sqlite")]
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -10,8 +14,8 @@ use serde_json::{json, Value};
 
 use super::CONTENT_SECURITY_POLICY;
 use crate::http_tests::{start_with, TestServer, ADM, SVC};
-use crate::model::AttemptState;
 use crate::redact::Redaction;
+use atmost_ledger::model::AttemptState;
 
 /// A browser's view of the inbox: the cookies it was given, sent back on every request.
 struct Browser<'a> {
@@ -315,7 +319,7 @@ async fn a_wrong_token_a_missing_csrf_token_and_an_expired_session_are_refused()
         assert!(refused.body.contains("nothing was changed"));
     }
     assert_eq!(unchanged().await, 1);
-    let still = s.state.store.get_attempt(&id, 0).await.unwrap().unwrap();
+    let still = s.state.store.get_attempt(&id).await.unwrap().unwrap();
     assert_eq!(still.state, AttemptState::Uncertain);
     // Without a note, or with a result that is neither, nothing happens either.
     for form in [
@@ -342,7 +346,7 @@ async fn a_wrong_token_a_missing_csrf_token_and_an_expired_session_are_refused()
         .await;
     assert_eq!(late.status, 401);
     assert_eq!(unchanged().await, 1);
-    let still = s.state.store.get_attempt(&id, 0).await.unwrap().unwrap();
+    let still = s.state.store.get_attempt(&id).await.unwrap().unwrap();
     assert_eq!(still.state, AttemptState::Uncertain);
     // Signing in again works, and the old CSRF token belongs to the old session.
     assert_eq!(b.sign_in("Ana", ADM).await.status, 303);
@@ -439,7 +443,7 @@ async fn the_oldest_uncertain_call_is_a_metric() {
     s.clock.advance_ms(90_500);
     crate::server::sweep_once(&s.state).await;
     assert_eq!(gauge(&s).as_deref(), Some("90.5"));
-    let input = crate::decide::ResolveInput {
+    let input = atmost_ledger::decide::ResolveInput {
         executed: true,
         receipt: None,
         note: None,

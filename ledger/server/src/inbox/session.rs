@@ -10,8 +10,8 @@ use axum::http::{header, HeaderMap};
 use axum_extra::extract::cookie::{Cookie, Key, SameSite, SignedCookieJar};
 use sha2::{Digest, Sha512};
 
-use crate::clock::Millis;
-use crate::token;
+use atmost_ledger::clock::Millis;
+use atmost_ledger::token;
 
 /// The session cookie.
 pub const SESSION_COOKIE: &str = "atmost_session";

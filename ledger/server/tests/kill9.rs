@@ -1,6 +1,6 @@
 //! The embedded store survives `kill -9`: a committed decision is there after a restart.
 
-#![cfg(unix)]
+#![cfg(all(unix, feature = "sqlite"))]
 
 #[cfg(test)]
 mod kill9 {

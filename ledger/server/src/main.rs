@@ -3,8 +3,8 @@
 
 use std::process::ExitCode;
 
-use atmost_ledger::cli::CliError;
 use atmost_ledger::error::LedgerError;
+use atmost_ledger_server::cli::CliError;
 use clap::Parser;
 
 /// glibc's allocator gave memory back to the kernel after the SQLite writer's groups
@@ -14,11 +14,11 @@ use clap::Parser;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
-    let cli = atmost_ledger::cli::Cli::parse();
-    if !matches!(cli.command, atmost_ledger::cli::Command::Ledger(_)) {
+    let cli = atmost_ledger_server::cli::Cli::parse();
+    if !matches!(cli.command, atmost_ledger_server::cli::Command::Ledger(_)) {
         stop_on_closed_output();
     }
-    match atmost_ledger::cli::run(cli) {
+    match atmost_ledger_server::cli::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         // Already the filter's own line, as Envoy would log it.
         Err(CliError::Config(line)) => {

@@ -11,8 +11,8 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use crate::clock::{rfc3339, Millis};
-use crate::model::Attempt;
+use atmost_ledger::clock::{rfc3339, Millis};
+use atmost_ledger::model::Attempt;
 
 /// Every rule and the reconciler's timings, checked.
 #[derive(Debug, Clone)]

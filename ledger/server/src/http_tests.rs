@@ -1,14 +1,18 @@
 //! HTTP tests of the server: authentication of both APIs, the admin JSON shapes, h2c.
+//!
+//! They serve the routes on the embedded store: built with the `sqlite` feature.
+
+#![cfg(feature = "sqlite")]
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::clock::ManualClock;
 use crate::metrics::Metrics;
 use crate::server::{self, AppState, ServerConfig};
-use crate::store::sqlite::SqliteStore;
+use atmost_ledger::clock::ManualClock;
+use atmost_ledger::store::sqlite::SqliteStore;
 
 pub(crate) const SVC: &str = "service-secret";
 pub(crate) const ADM: &str = "admin-secret";

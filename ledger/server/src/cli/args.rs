@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::model::{AttemptState, CostRule, GuardMode};
+use crate::api::CreatePermitRequest;
+use atmost_ledger::model::{AttemptState, CallRules, CostRule, GuardMode};
+use atmost_ledger::policy::PolicySpec;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -221,6 +223,33 @@ pub struct CreateArgs {
     /// How long completed receipts stay replayable (default 7d).
     #[arg(long)]
     pub retention: Option<String>,
+}
+
+impl CreateArgs {
+    /// The flags as the admin API's request; a flag not given leaves the API's default.
+    pub fn into_request(self) -> CreatePermitRequest {
+        let defaults = CallRules::default();
+        CreatePermitRequest {
+            label: self.label,
+            expires: self.expires,
+            policy: PolicySpec {
+                rules: CallRules {
+                    tools: if self.tools.is_empty() {
+                        defaults.tools
+                    } else {
+                        self.tools
+                    },
+                    max_calls: self.max_calls.into_iter().collect(),
+                    max_calls_default: self.max_calls_default,
+                    budget: self.budget,
+                    cost: self.cost.into_iter().collect(),
+                    cost_default: self.cost_default.unwrap_or(defaults.cost_default),
+                    duplicate_guard: self.duplicate_guard.unwrap_or(defaults.duplicate_guard),
+                },
+                retention: self.retention,
+            },
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]

@@ -17,7 +17,7 @@ use thiserror::Error;
 use admin::{run_attempts, run_permit};
 use serve::run_ledger;
 
-use crate::error::LedgerError;
+use atmost_ledger::error::LedgerError;
 
 #[derive(Debug, Error)]
 pub enum CliError {

@@ -1,7 +1,7 @@
 use clap::{CommandFactory, Parser};
 
 use super::*;
-use crate::model::{CostRule, GuardMode};
+use atmost_ledger::model::{CostRule, GuardMode};
 
 #[test]
 fn cli_definition_is_consistent() {

@@ -24,11 +24,11 @@ use serde_json::{Map, Value};
 use tokio::sync::Semaphore;
 use tracing::{info, warn};
 
-use crate::clock::Millis;
-use crate::decide::ResolveInput;
-use crate::error::ResolveError;
-use crate::model::{Attempt, ResolutionSource};
 use crate::server::{resolved, Shared};
+use atmost_ledger::clock::Millis;
+use atmost_ledger::decide::ResolveInput;
+use atmost_ledger::error::ResolveError;
+use atmost_ledger::model::{Attempt, ResolutionSource};
 
 pub mod rules;
 #[cfg(test)]
@@ -186,7 +186,7 @@ impl Reconciler {
             let page = match self
                 .state
                 .store
-                .uncertain_after((after.0, &after.1), SCAN_LIMIT, now)
+                .uncertain_after((after.0, &after.1), SCAN_LIMIT)
                 .await
             {
                 Ok(a) => a,

@@ -1,0 +1,17 @@
+//! The atmost ledger server: the service API the filter calls (`/v1/authorize`,
+//! `/v1/outcomes`, `/v1/limits`), the admin API, the reconciliation inbox, the reconciler and
+//! the sweeper, over a store of the `atmost-ledger` library; and the `atmost` command line
+//! (the server, the admin client, the offline config check).
+
+pub mod api;
+pub mod cli;
+pub mod config_check;
+pub mod drain;
+pub mod inbox;
+pub mod metrics;
+pub mod reconcile;
+pub mod redact;
+pub mod server;
+
+#[cfg(test)]
+mod http_tests;
