@@ -12,6 +12,8 @@ WASM := target/wasm32-wasip1/wasm/atmost_filter.wasm
 CARGO ?= cargo
 
 .PHONY: oci-tools k8s-tools browser-tools
+# The quick loop: `make check` (docs/development.md#which-target-when).
+.PHONY: check
 .PHONY: all run test model-check test-unit test-e2e test-e2e-wasmplugin test-faults lint fmt ts-deps wasm ledger ledger-next ledger-release setup setup-run rust-setup venv venv-test clean oci
 
 all: wasm ledger-release
@@ -126,6 +128,15 @@ ledger-next:
 ## The main job: ledger + example MCP server (or UPSTREAM=host:port) + Envoy on 127.0.0.1:10000/mcp.
 run: setup-run wasm ledger-release
 	ATMOST_BIN=target/release/atmost $(VPY) scripts/run.py
+
+## The quick loop after a change: format, clippy (native and wasm32) and every unit and
+## conformance test that needs no network service and no package install (the SQLite store's;
+## PostgreSQL's need the postgres-tests feature, which `make test-unit` turns on).
+check: rust-setup
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy -p atmost-filter --target wasm32-wasip1 -- -D warnings
+	$(CARGO) test --workspace
 
 lint:
 	$(CARGO) fmt --all -- --check
