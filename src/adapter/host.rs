@@ -24,6 +24,11 @@ pub fn headers(map: MapType) -> Vec<(String, Vec<u8>)> {
     hostcalls::get_map_bytes(map).unwrap_or_default()
 }
 
+/// The first value of one header (`name` lowercase), if present.
+pub fn header(map: MapType, name: &str) -> Option<Vec<u8>> {
+    hostcalls::get_map_value_bytes(map, name).ok().flatten()
+}
+
 pub fn buffer(kind: BufferType, len: usize) -> Vec<u8> {
     if len == 0 {
         return Vec::new();
@@ -117,15 +122,13 @@ pub fn dispatch(
     }
 }
 
-/// Reads a callout's answer ([`LedgerReply::from_callout`]); a failed callout has no headers
-/// to read.
+/// Reads a callout's answer ([`LedgerReply::from_callout`]).
 pub fn callout_reply(num_headers: usize, body_size: usize) -> LedgerReply {
-    let headers = if num_headers == 0 {
-        Vec::new()
-    } else {
-        headers(MapType::HttpCallResponseHeaders)
-    };
-    LedgerReply::from_callout(headers, buffer(BufferType::HttpCallResponseBody, body_size))
+    LedgerReply::from_callout(
+        num_headers,
+        || header(MapType::HttpCallResponseHeaders, ":status"),
+        || buffer(BufferType::HttpCallResponseBody, body_size),
+    )
 }
 
 /// `send_http_response` with `reply`; the request ends here.

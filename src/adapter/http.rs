@@ -1,7 +1,7 @@
 //! One HTTP request: reads what Envoy offers, feeds [`Call`], carries out its effects.
 //! What the headers mean, and whether a resume ticket is this request's, is decided in
 //! plain Rust ([`RequestHead::from_headers`], [`RequestHead::admit_resume`],
-//! [`ResponseHead::from_headers`]).
+//! [`ResponseHead::from_content_type`]).
 
 use super::host;
 use super::shared::Shared;
@@ -182,8 +182,9 @@ impl HttpContext for Http {
         if !self.call.watches_response_headers() {
             return Action::Continue;
         }
-        let head =
-            ResponseHead::from_headers(host::headers(MapType::HttpResponseHeaders), end_of_stream);
+        // One lookup, not the whole map: this runs for every dispatched call.
+        let content_type = host::header(MapType::HttpResponseHeaders, "content-type");
+        let head = ResponseHead::from_content_type(content_type.as_deref(), end_of_stream);
         let step = self.call.on_response_headers(head);
         self.apply(step)
     }
