@@ -658,6 +658,7 @@ impl Call {
             continuation: call.continuation,
             arguments: Value::Object(call.arguments),
             forwarded_key,
+            dispatch: None,
         };
         let body = match serde_json::to_vec(&request) {
             Ok(b) => b,

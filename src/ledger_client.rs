@@ -216,6 +216,7 @@ impl From<DispatchAnswer> for AuthorizeResponse {
             round: a.round,
             capability: a.capability,
             limits: a.limits,
+            signature: None,
         }
     }
 }

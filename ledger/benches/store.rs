@@ -58,6 +58,7 @@ fn request(tok: &str, key: &str) -> AuthorizeRequest {
         continuation: false,
         // What the filter sends under the default upstream_key mode: a 64-hex value.
         forwarded_key: Some(token::sha256_hex(&format!("fwd:{key}"))),
+        dispatch: None,
     }
 }
 

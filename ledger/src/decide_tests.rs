@@ -41,6 +41,7 @@ fn req(key: Option<&str>, fp: &str) -> AuthorizeRequest {
         key_required: false,
         continuation: false,
         forwarded_key: None,
+        dispatch: None,
     }
 }
 
@@ -125,6 +126,7 @@ fn new_key_dispatches_and_reserves() {
             round: 1,
             capability: CAP.into(),
             limits: open_limits(),
+            signature: None,
         }
     );
     let Mutation::Reserve(a) = d.mutation else {
@@ -797,6 +799,7 @@ fn awaiting_input_continuation_dispatches_again_under_the_same_attempt() {
                 calls_left: Some(0),
                 ..open_limits().unwrap()
             }),
+            signature: None,
         }
     );
     let Mutation::Update(next) = d.mutation else {

@@ -11,6 +11,7 @@
 //! sharing the sidecar's loopback can read) cannot move an attempt.
 
 pub mod closed_set;
+pub mod signature;
 pub mod token;
 
 use serde::{Deserialize, Serialize};
@@ -61,6 +62,11 @@ pub struct AuthorizeRequest {
     /// on it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forwarded_key: Option<String>,
+    /// The request as it will go upstream if dispatched: with it the ledger signs the
+    /// dispatch ([`signature`]), and refuses to dispatch unsigned. Absent when the filter
+    /// sends no signature (`request_hold: body`, where the headers leave first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatch: Option<signature::DispatchTarget>,
 }
 
 /// The ledger's answer to an [`AuthorizeRequest`].
@@ -84,6 +90,10 @@ pub enum AuthorizeResponse {
         /// What the permit still allows for the tool, this dispatch counted.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         limits: Option<PermitLimits>,
+        /// The ledger's signature over [`AuthorizeRequest::dispatch`]; present exactly when
+        /// the request named one. The filter sends nothing upstream without it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        signature: Option<signature::DispatchSignature>,
     },
     /// The same key and fingerprint completed before: answer with this receipt.
     Replay {
@@ -423,6 +433,7 @@ mod tests {
             round: 1,
             capability: "c".into(),
             limits: Some(limits()),
+            signature: None,
         };
         let json = serde_json::to_value(&dispatch).unwrap_or_default();
         assert_eq!(

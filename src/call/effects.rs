@@ -105,6 +105,7 @@ mod tests {
             round: 1,
             capability: "cap-1".into(),
             limits,
+            signature: None,
         };
         let step = call.on_ledger_reply(&LedgerReply {
             status: Some(200),

@@ -124,6 +124,7 @@ fn dispatch() -> AuthorizeResponse {
         round: 1,
         capability: "cap-1".into(),
         limits: None,
+        signature: None,
     }
 }
 

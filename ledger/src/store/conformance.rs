@@ -99,6 +99,7 @@ pub fn req(tok: &str, tool: &str, key: Option<&str>, fp: &str, args: Value) -> A
         key_required: false,
         continuation: false,
         forwarded_key: None,
+        dispatch: None,
     }
 }
 

@@ -222,6 +222,7 @@ mod tests {
             key_required: false,
             continuation: false,
             forwarded_key: None,
+            dispatch: None,
         }
     }
 
