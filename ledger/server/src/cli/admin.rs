@@ -1,12 +1,13 @@
-//! The admin commands (`permit …`, `attempts …`): each one request, its answer printed.
+//! The admin commands (`permit …`, `attempts …`, `keys …`): each one request, its answer
+//! printed.
 
-use super::args::{AttemptsCommand, PermitCommand};
+use super::args::{AttemptsCommand, KeysCommand, PermitCommand};
 use super::client::{urlencode, Client};
-use super::print::{opt, print_attempt, print_attempt_row, print_json, print_permit};
+use super::print::{opt, print_attempt, print_attempt_row, print_json, print_keys, print_permit};
 use super::CliError;
 use crate::api::{
-    AttemptListResponse, AttemptResponse, CreatePermitResponse, PermitListResponse, PermitResponse,
-    PermitShowResponse,
+    AttemptListResponse, AttemptResponse, CreatePermitResponse, KeyListResponse, KeyRotateResponse,
+    PermitListResponse, PermitResponse, PermitShowResponse,
 };
 use atmost_ledger::decide::ResolveInput;
 
@@ -157,6 +158,35 @@ pub(super) fn run_attempts(c: &Client, json: bool, cmd: AttemptsCommand) -> Resu
             }
             println!("attempt {} is now {}", resp.attempt.id, resp.attempt.state);
             print_attempt(&resp.attempt);
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn run_keys(c: &Client, json: bool, cmd: KeysCommand) -> Result<(), CliError> {
+    match cmd {
+        KeysCommand::List => {
+            let (resp, raw): (KeyListResponse, _) = c.get(crate::api::ADMIN_KEYS_PATH, &[])?;
+            if json {
+                return print_json(&raw);
+            }
+            print_keys(&resp.keys);
+        }
+        KeysCommand::Rotate => {
+            let (resp, raw): (KeyRotateResponse, _) =
+                c.post(crate::api::ADMIN_KEYS_ROTATE_PATH, &serde_json::json!({}))?;
+            if json {
+                return print_json(&raw);
+            }
+            println!("key {} signs from now on", resp.key.kid);
+            if let Some(r) = &resp.retired {
+                println!(
+                    "key {} retired at {}, published until {}",
+                    r.kid,
+                    r.retired_at.as_deref().unwrap_or("-"),
+                    r.published_until.as_deref().unwrap_or("-")
+                );
+            }
         }
     }
     Ok(())

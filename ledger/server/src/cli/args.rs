@@ -43,6 +43,11 @@ pub enum Command {
         #[command(subcommand)]
         command: AttemptsCommand,
     },
+    /// List and rotate the ledger's signing keys (admin API).
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
+    },
     /// Check the filter's plugin configuration offline.
     Config {
         #[command(subcommand)]
@@ -135,6 +140,10 @@ pub struct LedgerArgs {
     /// start. Without it, nothing is looked up.
     #[arg(long, env = "ATMOST_RECONCILE_RULES")]
     pub reconcile_rules: Option<PathBuf>,
+    /// How long this replica signs with the active signing key it read before reading it
+    /// again, so a rotation made by another replica is picked up (its own at once).
+    #[arg(long, env = "ATMOST_SIGNING_KEY_REFRESH", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub signing_key_refresh: Duration,
 }
 
 #[derive(Debug, Args)]
@@ -159,6 +168,16 @@ pub struct ClientArgs {
     /// Print the API's JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// List every signing key: its kid, status, when it was made, retired, and until when
+    /// `/v1/keys` publishes it.
+    List,
+    /// Retire the active signing key now and make a new one sign; the retired key stays
+    /// published until every signature it made has expired.
+    Rotate,
 }
 
 #[derive(Debug, Subcommand)]
