@@ -14,6 +14,7 @@ use atmost_ledger::model::{
 
 pub const ADMIN_PERMITS_PATH: &str = "/admin/v1/permits";
 pub const ADMIN_ATTEMPTS_PATH: &str = "/admin/v1/attempts";
+pub const ADMIN_ATTEMPTS_EXPORT_PATH: &str = "/admin/v1/attempts/export";
 pub const ADMIN_KEYS_PATH: &str = "/admin/v1/keys";
 pub const ADMIN_KEYS_ROTATE_PATH: &str = "/admin/v1/keys/rotate";
 
@@ -274,6 +275,14 @@ pub struct KeyListResponse {
 pub struct KeyRotateResponse {
     pub key: KeyView,
     pub retired: Option<KeyView>,
+}
+
+/// Answer of `GET /admin/v1/attempts/export`: one signed receipt (a compact JWS) per attempt
+/// the filters let through, newest first, all signed by the key `kid`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReceiptExportResponse {
+    pub kid: String,
+    pub receipts: Vec<String>,
 }
 
 /// Error body of every endpoint.

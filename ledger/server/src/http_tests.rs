@@ -70,6 +70,7 @@ async fn start_in(
         redaction: Default::default(),
         inbox: Default::default(),
         key_refresh: Duration::from_secs(5),
+        receipt_issuer: "atmost-test".into(),
     };
     configure(&mut config);
     let state = Arc::new(AppState::new(
@@ -1073,4 +1074,153 @@ async fn without_a_readable_key_a_signed_call_is_denied_and_nothing_stored() {
         &signed_call(&tok, "pay", "k1", "fp1")["dispatch"],
         &jwks(&s).await,
     );
+}
+
+/// The header and claims of a compact JWS, after checking its EdDSA signature with the
+/// published key its `kid` names.
+fn verified_receipt(jws: &str, set: &atmost_protocol::signature::Jwks) -> (Value, Value) {
+    use atmost_protocol::signature::b64url_decode;
+    use ring::signature::{UnparsedPublicKey, ED25519};
+    let parts: Vec<&str> = jws.split('.').collect();
+    assert_eq!(parts.len(), 3, "{jws}");
+    let header: Value = serde_json::from_slice(&b64url_decode(parts[0]).unwrap()).unwrap();
+    let claims: Value = serde_json::from_slice(&b64url_decode(parts[1]).unwrap()).unwrap();
+    let jwk = set
+        .keys
+        .iter()
+        .find(|k| json!(k.kid) == header["kid"])
+        .unwrap_or_else(|| panic!("{header} names no published key"));
+    let verifier = UnparsedPublicKey::new(&ED25519, jwk.ed25519_public_key().unwrap());
+    let signed = format!("{}.{}", parts[0], parts[1]);
+    verifier
+        .verify(signed.as_bytes(), &b64url_decode(parts[2]).unwrap())
+        .unwrap();
+    (header, claims)
+}
+
+/// The export signs one receipt per attempt the filters let through, with the active key:
+/// each states what the ledger recorded, resolution included, and verifies with `/v1/keys`.
+#[tokio::test]
+async fn attempts_export_as_receipts_signed_by_the_active_key() {
+    let s = start().await;
+    let (pid, tok) = s
+        .create_permit(json!({"label": "export", "expires": "1h"}))
+        .await;
+    let (_, other_tok) = s
+        .create_permit(json!({"label": "other", "expires": "1h"}))
+        .await;
+    let (_, done) = s
+        .post(
+            "/v1/authorize",
+            Some(SVC),
+            signed_call(&tok, "pay", "k1", "fp1"),
+        )
+        .await;
+    let receipt = r#"{"jsonrpc":"2.0","id":1,"result":{}}"#;
+    let (_, acks) = s
+        .post(
+            "/v1/outcomes",
+            Some(SVC),
+            json!({"reports": [{"attempt_id": done["attempt_id"], "round": 1,
+                                "capability": done["capability"], "outcome": "completed",
+                                "receipt": receipt}]}),
+        )
+        .await;
+    assert_eq!(acks, json!({"acks": ["applied"]}));
+    s.clock.advance_ms(1_000);
+    let (_, lost) = s
+        .post("/v1/authorize", Some(SVC), authz(&tok, "k2", "fp2"))
+        .await;
+    s.clock.advance_ms(61_000);
+    server::sweep_once(&s.state).await;
+    let lost_id = lost["attempt_id"].as_str().unwrap();
+    let (st, _) = s
+        .post(
+            &format!("/admin/v1/attempts/{lost_id}/resolve"),
+            Some(ADM),
+            json!({"executed": false, "by": "alice", "note": "not at the provider"}),
+        )
+        .await;
+    assert_eq!(st, 200);
+    s.post("/v1/authorize", Some(SVC), authz(&other_tok, "k3", "fp3"))
+        .await;
+
+    let set = jwks(&s).await;
+    let (st, export) = s
+        .get(
+            &format!("/admin/v1/attempts/export?permit={pid}"),
+            Some(ADM),
+        )
+        .await;
+    assert_eq!(st, 200, "{export}");
+    assert_eq!(export["kid"], json!(set.keys[0].kid));
+    let receipts: Vec<(Value, Value)> = export["receipts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| verified_receipt(r.as_str().unwrap(), &set))
+        .collect();
+    assert_eq!(receipts.len(), 2, "{export}");
+    let (header, resolved) = &receipts[0];
+    assert_eq!(
+        header,
+        &json!({"alg": "EdDSA", "kid": set.keys[0].kid, "typ": "atmost-receipt+jwt"})
+    );
+    assert_eq!(resolved["attempt_id"], json!(lost_id));
+    assert_eq!(resolved["state"], "resolved_not_executed");
+    assert_eq!(resolved["reason"], "lease_expired");
+    assert_eq!(resolved["iss"], "atmost-test");
+    assert_eq!(resolved["iat"], json!(s.clock.now_ms() / 1000));
+    assert_eq!(resolved["resolution"]["by"], "alice");
+    assert_eq!(resolved["resolution"]["executed"], false);
+    assert_eq!(resolved["resolution"]["source"], "person");
+    assert_eq!(resolved["resolution"]["note"], "not at the provider");
+    let (_, completed) = &receipts[1];
+    assert_eq!(completed["attempt_id"], done["attempt_id"]);
+    assert_eq!(
+        (
+            completed["permit_id"].as_str(),
+            completed["tool"].as_str(),
+            completed["fingerprint"].as_str()
+        ),
+        (Some(pid.as_str()), Some("pay"), Some("fp1"))
+    );
+    assert_eq!(completed["forwarded_key"], "forwarded-k1");
+    assert_eq!(
+        completed["key_sha256"],
+        json!(atmost_ledger::token::sha256_hex("k1"))
+    );
+    assert_eq!(completed["rounds"], 1);
+    assert_eq!(completed["state"], "completed");
+    assert_eq!(
+        completed["receipt_sha256"],
+        json!(atmost_ledger::token::sha256_hex(receipt))
+    );
+    assert!(completed["finished_at"].is_string());
+    assert_eq!(completed["resolution"], Value::Null);
+    // The attempts list's filters apply.
+    let (_, only) = s
+        .get("/admin/v1/attempts/export?state=completed", Some(ADM))
+        .await;
+    assert_eq!(only["receipts"].as_array().unwrap().len(), 1, "{only}");
+    let (_, all) = s.get("/admin/v1/attempts/export", Some(ADM)).await;
+    assert_eq!(all["receipts"].as_array().unwrap().len(), 3, "{all}");
+    assert_eq!(
+        s.get("/admin/v1/attempts/export?state=bogus", Some(ADM))
+            .await
+            .0,
+        400
+    );
+    for tok in [None, Some(SVC)] {
+        assert_eq!(s.get("/admin/v1/attempts/export", tok).await.0, 401);
+    }
+    // After a rotation the export is signed by the new key.
+    s.post("/admin/v1/keys/rotate", Some(ADM), json!({})).await;
+    let set = jwks(&s).await;
+    let (_, after) = s.get("/admin/v1/attempts/export", Some(ADM)).await;
+    assert_eq!(after["kid"], json!(set.keys[0].kid));
+    assert_ne!(after["kid"], export["kid"]);
+    for r in after["receipts"].as_array().unwrap() {
+        verified_receipt(r.as_str().unwrap(), &set);
+    }
 }

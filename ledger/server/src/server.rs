@@ -22,7 +22,7 @@ use tracing::{error, info, warn};
 use crate::api::{
     self, AttemptListResponse, AttemptResponse, AttemptView, CreatePermitRequest,
     CreatePermitResponse, ErrorBody, KeyListResponse, KeyRotateResponse, KeyView,
-    PermitListResponse, PermitResponse, PermitShowResponse, PermitView,
+    PermitListResponse, PermitResponse, PermitShowResponse, PermitView, ReceiptExportResponse,
 };
 use crate::inbox::{self, InboxConfig};
 use crate::metrics::Metrics;
@@ -33,6 +33,7 @@ use atmost_ledger::decide::{self, Notice, ResolveInput};
 use atmost_ledger::error::{LedgerError, ResolveError};
 use atmost_ledger::keys::PublicSigningKey;
 use atmost_ledger::model::{Attempt, AttemptState, BudgetTotals, GuardMode};
+use atmost_ledger::receipts::{sign_receipt, ReceiptClaims};
 use atmost_ledger::store::{AttemptFilter, Store};
 use atmost_ledger::{signing, token};
 
@@ -54,6 +55,8 @@ pub struct ServerConfig {
     pub inbox: InboxConfig,
     /// How long a replica signs with the active key it read before reading it again.
     pub key_refresh: Duration,
+    /// The `iss` of the receipts it signs.
+    pub receipt_issuer: String,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -65,6 +68,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("redaction", &self.redaction)
             .field("inbox", &self.inbox)
             .field("key_refresh", &self.key_refresh)
+            .field("receipt_issuer", &self.receipt_issuer)
             .finish()
     }
 }
@@ -194,6 +198,7 @@ pub fn router(state: Shared) -> Router {
         .route("/admin/v1/permits/{id}", get(show_permit))
         .route("/admin/v1/permits/{id}/revoke", post(revoke_permit))
         .route(api::ADMIN_ATTEMPTS_PATH, get(list_attempts))
+        .route(api::ADMIN_ATTEMPTS_EXPORT_PATH, get(export_attempts))
         .route("/admin/v1/attempts/{id}", get(show_attempt))
         .route("/admin/v1/attempts/{id}/resolve", post(resolve_attempt))
         .route(api::ADMIN_KEYS_PATH, get(list_keys))
@@ -635,21 +640,31 @@ struct AttemptQuery {
     limit: Option<u32>,
 }
 
+impl AttemptQuery {
+    /// The filter the query names; the message of a bad `state`.
+    fn filter(self) -> Result<AttemptFilter, String> {
+        let st = match self
+            .state
+            .as_deref()
+            .filter(|s| !s.is_empty())
+            .map(str::parse::<AttemptState>)
+        {
+            None => None,
+            Some(Ok(s)) => Some(s),
+            Some(Err(m)) => return Err(m),
+        };
+        Ok(AttemptFilter {
+            state: st,
+            permit_id: self.permit.filter(|p| !p.is_empty()),
+            limit: self.limit,
+        })
+    }
+}
+
 async fn list_attempts(State(state): State<Shared>, Query(q): Query<AttemptQuery>) -> Response {
-    let st = match q
-        .state
-        .as_deref()
-        .filter(|s| !s.is_empty())
-        .map(str::parse::<AttemptState>)
-    {
-        None => None,
-        Some(Ok(s)) => Some(s),
-        Some(Err(m)) => return bad_request(m),
-    };
-    let filter = AttemptFilter {
-        state: st,
-        permit_id: q.permit.filter(|p| !p.is_empty()),
-        limit: q.limit,
+    let filter = match q.filter() {
+        Ok(f) => f,
+        Err(m) => return bad_request(m),
     };
     match state.store.list_attempts(&filter).await {
         Ok(list) => Json(AttemptListResponse {
@@ -661,6 +676,50 @@ async fn list_attempts(State(state): State<Shared>, Query(q): Query<AttemptQuery
         .into_response(),
         Err(e) => internal(&state, "list_attempts", &e),
     }
+}
+
+/// `GET /admin/v1/attempts/export`: the attempts [`list_attempts`] would list, each as a
+/// receipt signed by the active key.
+async fn export_attempts(State(state): State<Shared>, Query(q): Query<AttemptQuery>) -> Response {
+    let filter = match q.filter() {
+        Ok(f) => f,
+        Err(m) => return bad_request(m),
+    };
+    let key = match state.signer.active(&*state.store).await {
+        Ok(k) => k,
+        Err(KeyUnavailable::Store(e)) => return internal(&state, "export_attempts", &e),
+        Err(e @ KeyUnavailable::NoActiveKey) => {
+            error!(error = %e, "receipts cannot be signed");
+            return error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no_signing_key",
+                Some(e.to_string()),
+            );
+        }
+    };
+    let attempts = match state.store.list_attempts(&filter).await {
+        Ok(list) => list,
+        Err(e) => return internal(&state, "export_attempts", &e),
+    };
+    let now = state.clock.now_ms();
+    let mut receipts = Vec::with_capacity(attempts.len());
+    for a in &attempts {
+        let claims = ReceiptClaims::new(a, &state.config.receipt_issuer, now);
+        match sign_receipt(&key, &claims) {
+            Ok(jws) => receipts.push(jws),
+            Err(e) => return internal(&state, "export_attempts", &e),
+        }
+    }
+    info!(
+        count = receipts.len(),
+        kid = key.kid(),
+        "attempts exported as signed receipts"
+    );
+    Json(ReceiptExportResponse {
+        kid: key.kid().to_string(),
+        receipts,
+    })
+    .into_response()
 }
 
 async fn show_attempt(State(state): State<Shared>, Path(id): Path<String>) -> Response {

@@ -72,6 +72,7 @@ mod postgres_outage {
                 redaction: Default::default(),
                 inbox: Default::default(),
                 key_refresh: Duration::from_secs(5),
+                receipt_issuer: "atmost-test".into(),
             },
             Arc::new(atmost_ledger_server::metrics::Metrics::new().unwrap()),
         ));

@@ -7,9 +7,10 @@ use super::print::{opt, print_attempt, print_attempt_row, print_json, print_keys
 use super::CliError;
 use crate::api::{
     AttemptListResponse, AttemptResponse, CreatePermitResponse, KeyListResponse, KeyRotateResponse,
-    PermitListResponse, PermitResponse, PermitShowResponse,
+    PermitListResponse, PermitResponse, PermitShowResponse, ReceiptExportResponse,
 };
 use atmost_ledger::decide::ResolveInput;
+use atmost_ledger::model::AttemptState;
 
 pub(super) fn run_permit(c: &Client, json: bool, cmd: PermitCommand) -> Result<(), CliError> {
     match cmd {
@@ -98,16 +99,7 @@ pub(super) fn run_attempts(c: &Client, json: bool, cmd: AttemptsCommand) -> Resu
             permit,
             limit,
         } => {
-            let mut q = Vec::new();
-            if let Some(s) = state {
-                q.push(("state", s.as_str().to_string()));
-            }
-            if let Some(p) = permit {
-                q.push(("permit", p));
-            }
-            if let Some(l) = limit {
-                q.push(("limit", l.to_string()));
-            }
+            let q = attempt_query(state, permit, limit);
             let (resp, raw): (AttemptListResponse, _) =
                 c.get(crate::api::ADMIN_ATTEMPTS_PATH, &q)?;
             if json {
@@ -119,6 +111,21 @@ pub(super) fn run_attempts(c: &Client, json: bool, cmd: AttemptsCommand) -> Resu
             );
             for a in &resp.attempts {
                 print_attempt_row(a);
+            }
+        }
+        AttemptsCommand::Export {
+            state,
+            permit,
+            limit,
+        } => {
+            let q = attempt_query(state, permit, limit);
+            let (resp, raw): (ReceiptExportResponse, _) =
+                c.get(crate::api::ADMIN_ATTEMPTS_EXPORT_PATH, &q)?;
+            if json {
+                return print_json(&raw);
+            }
+            for jws in &resp.receipts {
+                println!("{jws}");
             }
         }
         AttemptsCommand::Show { id } => {
@@ -161,6 +168,25 @@ pub(super) fn run_attempts(c: &Client, json: bool, cmd: AttemptsCommand) -> Resu
         }
     }
     Ok(())
+}
+
+/// The query of `attempts list` and `attempts export`.
+fn attempt_query(
+    state: Option<AttemptState>,
+    permit: Option<String>,
+    limit: Option<u32>,
+) -> Vec<(&'static str, String)> {
+    let mut q = Vec::new();
+    if let Some(s) = state {
+        q.push(("state", s.as_str().to_string()));
+    }
+    if let Some(p) = permit {
+        q.push(("permit", p));
+    }
+    if let Some(l) = limit {
+        q.push(("limit", l.to_string()));
+    }
+    q
 }
 
 pub(super) fn run_keys(c: &Client, json: bool, cmd: KeysCommand) -> Result<(), CliError> {

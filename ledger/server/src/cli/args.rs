@@ -144,6 +144,10 @@ pub struct LedgerArgs {
     /// again, so a rotation made by another replica is picked up (its own at once).
     #[arg(long, env = "ATMOST_SIGNING_KEY_REFRESH", default_value = "5s", value_parser = humantime::parse_duration)]
     pub signing_key_refresh: Duration,
+    /// The `iss` claim of the receipts `atmost attempts export` signs: a name for this ledger
+    /// that auditors will recognise.
+    #[arg(long, env = "ATMOST_RECEIPT_ISSUER", default_value = "atmost-ledger")]
+    pub receipt_issuer: String,
 }
 
 #[derive(Debug, Args)]
@@ -287,6 +291,19 @@ pub enum AttemptsCommand {
     },
     /// Show one attempt.
     Show { id: String },
+    /// Print one signed receipt per attempt, one per line (a compact JWS, EdDSA, checked
+    /// against `/v1/keys`), newest first; the same filters as `list`.
+    Export {
+        /// Only this state.
+        #[arg(long, value_parser = |s: &str| s.parse::<AttemptState>())]
+        state: Option<AttemptState>,
+        /// Only this permit.
+        #[arg(long)]
+        permit: Option<String>,
+        /// At most this many (default 1000).
+        #[arg(long)]
+        limit: Option<u32>,
+    },
     /// Resolve an uncertain attempt after checking the provider.
     Resolve(ResolveArgs),
 }

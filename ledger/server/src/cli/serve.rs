@@ -61,6 +61,7 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
                 secure_cookies: args.inbox_secure_cookies,
             },
             key_refresh: args.signing_key_refresh,
+            receipt_issuer: args.receipt_issuer,
         },
         Arc::new(Metrics::new()?),
     ));
