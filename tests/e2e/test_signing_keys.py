@@ -6,7 +6,8 @@ describes (method, `http://<authority><path>`, `Content-Digest` of the body, the
 ours, the PyPI `http-message-signatures` (its Ed25519 from `cryptography`), with the public
 key taken from `/v1/keys`; a changed body (so a changed digest) and a changed key are refused.
 Rotation through the CLI keeps the old key published; two replicas started together on one
-PostgreSQL schema make one key between them. The upstream and the gateway play no part: the
+PostgreSQL schema make one key between them. The receipts `atmost attempts export` writes are
+checked offline with PyPI `jwcrypto` against the same JWK Set, a changed claim refused. The upstream and the gateway play no part: the
 request is built by the test exactly as the dispatch target names it.
 """
 
@@ -201,3 +202,72 @@ def test_replicas_starting_together_on_postgres_make_one_key(log_dir, data_root,
         for r in replicas:
             r.stop()
         drop_schema(database_url, schema)
+
+
+def report(ledger: Ledger, answer: dict, outcome: dict) -> list[str]:
+    """One outcome report about the answer's round, as the gateway sends it."""
+    body = {"reports": [{"attempt_id": answer["attempt_id"], "round": answer["round"],
+                         "capability": answer["capability"], **outcome}]}
+    req = urllib.request.Request(ledger.url + "/v1/outcomes", data=json.dumps(body).encode(), method="POST",
+                                 headers={"content-type": "application/json",
+                                          "authorization": f"Bearer {ledger.service_token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())["acks"]
+
+
+def test_exported_receipts_verify_offline_with_jwcrypto(log_dir, tmp_path):
+    """`atmost attempts export` writes one compact JWS per attempt; PyPI `jwcrypto` checks each
+    against the JWK Set `/v1/keys` served, offline; a receipt with a changed claim is refused."""
+    from jwcrypto import jwk, jws
+
+    ledger = Ledger(log_dir, tmp_path / "data", name="ledger-receipts",
+                    extra_args=["--lease", "1s", "--sweep-interval", "100ms", "--receipt-issuer", "ledger-e2e"])
+    ledger.start()
+    try:
+        permit = ledger.create_permit(label="receipts")
+        body = tools_call("pay_invoice", "r-1")
+        done, forwarded = authorize_signed(ledger, permit["token"], "pay_invoice", "r-1", body)
+        receipt = '{"jsonrpc":"2.0","id":1,"result":{"content":[]}}'
+        assert report(ledger, done, {"outcome": "completed", "receipt": receipt}) == ["applied"]
+        lost, _ = authorize_signed(ledger, permit["token"], "pay_invoice", "r-2", tools_call("pay_invoice", "r-2"))
+        wait_until(lambda: ledger.cli_json("attempts", "show", lost["attempt_id"])["attempt"]["state"] == "uncertain",
+                   30, "the lease to expire")
+        ledger.cli("attempts", "resolve", lost["attempt_id"], "--not-executed", "--by", "auditor",
+                   "--note", "not at the provider")
+        lines = ledger.cli("attempts", "export", "--permit", permit["id"]).stdout.splitlines()
+        jwks_text = json.dumps(published(ledger))
+    finally:
+        ledger.stop()
+
+    # Offline from here: the export's lines and the JWK Set as served.
+    keyset = jwk.JWKSet.from_json(jwks_text)
+    (only_key,) = keyset["keys"]
+    assert only_key.thumbprint() == only_key.get('kid')  # the kid is the RFC 7638 thumbprint
+    assert len(lines) == 2, lines
+    claims = {}
+    for line in lines:
+        token = jws.JWS()
+        token.deserialize(line, key=keyset, alg="EdDSA")
+        assert token.jose_header == {"alg": "EdDSA", "kid": only_key.get('kid'), "typ": "atmost-receipt+jwt"}
+        payload = json.loads(token.payload)
+        claims[payload["attempt_id"]] = payload
+    completed = claims[done["attempt_id"]]
+    assert completed["iss"] == "ledger-e2e" and isinstance(completed["iat"], int)
+    assert (completed["permit_id"], completed["tool"], completed["state"]) == (permit["id"], "pay_invoice",
+                                                                              "completed")
+    assert completed["forwarded_key"] == forwarded and completed["rounds"] == 1
+    assert completed["key_sha256"] == hashlib.sha256(b"r-1").hexdigest()
+    assert completed["receipt_sha256"] == hashlib.sha256(receipt.encode()).hexdigest()
+    resolved = claims[lost["attempt_id"]]
+    assert resolved["state"] == "resolved_not_executed" and resolved["reason"] == "lease_expired"
+    assert {k: resolved["resolution"][k] for k in ("executed", "by", "source", "note")} == {
+        "executed": False, "by": "auditor", "source": "person", "note": "not at the provider"}
+
+    # The same signature over a changed claim is refused.
+    header, payload, signature = lines[0].split(".")
+    changed = json.loads(b64url_decode(payload))
+    changed["state"] = "released"
+    forged = ".".join([header, base64.urlsafe_b64encode(json.dumps(changed).encode()).decode().rstrip("="),
+                       signature])
+    with pytest.raises(jws.InvalidJWSSignature):
+        jws.JWS().deserialize(forged, key=only_key, alg="EdDSA")
