@@ -40,8 +40,8 @@ from tests.support.recording_upstream import RecordingUpstream
 from tests.support.stack import ROOT, Envoy, Ledger, free_port, http_get, ledger_binary, wait_until
 
 UPSTREAM_SECRET = "upgrade-upstream-secret-0123456789"
-RELEASED_SCHEMA = 5
-NEXT_SCHEMA = 6
+RELEASED_SCHEMA = 6
+NEXT_SCHEMA = 7
 WORKERS = 4
 # Calls each replica must decide after a swap before the next step: both versions served.
 CALLS_PER_STEP = 40
@@ -231,7 +231,7 @@ def test_rolling_upgrade_to_the_next_schema_under_load(log_dir, data_root, datab
         b_next = swap(b, a, log_dir, database_url, schema, next_bin, envoy, started)
         running = [a, b_next]
         assert schema_versions(database_url, schema)[-1] == (NEXT_SCHEMA, RELEASED_SCHEMA)
-        assert '"migration applied"' in b_next.log_text() and '"version":6' in b_next.log_text()
+        assert '"migration applied"' in b_next.log_text() and f'"version":{NEXT_SCHEMA}' in b_next.log_text()
         a_before = total(authorize_counts(a))
         wait_decided(running, [a_before, 0], CALLS_PER_STEP, "the old and the new build both to decide calls")
         # Step 2: A is replaced too.
@@ -304,24 +304,27 @@ def test_compatibility_rule_between_builds(log_dir, data_root, database_url):
         upgraded.start()
         upgraded.stop()
         assert schema_versions(database_url, schema)[-1] == (NEXT_SCHEMA, RELEASED_SCHEMA)
-        # The current build (schema 5) on the database at 6, whose newest migration admits 5.
+        # The current build on the database at the next version, whose newest migration admits it.
         current = replica(log_dir, data_root / f"{schema}-c", database_url, schema, "ledger-compat-current")
         current.start()
         try:
             assert current.create_permit(label="compat")["token"]
             warning = [line for line in current.log_text().splitlines() if "newer schema" in line]
-            assert warning and '"database_version":6' in warning[-1] and '"known":5' in warning[-1], warning
+            assert (warning and f'"database_version":{NEXT_SCHEMA}' in warning[-1]
+                    and f'"known":{RELEASED_SCHEMA}' in warning[-1]), warning
         finally:
             current.stop()
-        # A release after it applied a migration (7) that needs a ledger of schema 6 at least.
+        # A release after it applied a migration that needs a ledger of the next version at least.
+        beyond = NEXT_SCHEMA + 1
         psql(database_url, f"INSERT INTO {schema}.atmost_migrations (version, description, compatible_from) "
-                           f"VALUES (7, 'a contracting change', 6)")
+                           f"VALUES ({beyond}, 'a contracting change', {NEXT_SCHEMA})")
         refused = start_and_exit(ledger_binary(), database_url, schema, data_root / f"{schema}-r")
         assert refused.returncode == 3, (refused.returncode, refused.stderr)
-        assert ("atmost: schema too new: the database is at schema version 7 and needs a ledger that knows at "
-                "least 6; this ledger knows up to 5") in refused.stderr, refused.stderr
-        assert schema_versions(database_url, schema)[-1] == (7, 6)
-        # The next build knows 6: it may still serve there (with a warning).
+        assert (f"atmost: schema too new: the database is at schema version {beyond} and needs a ledger that "
+                f"knows at least {NEXT_SCHEMA}; this ledger knows up to {RELEASED_SCHEMA}") in refused.stderr, \
+            refused.stderr
+        assert schema_versions(database_url, schema)[-1] == (beyond, NEXT_SCHEMA)
+        # The next build knows the next version: it may still serve there (with a warning).
         still = replica(log_dir, data_root / f"{schema}-n2", database_url, schema, "ledger-compat-next-2",
                         binary=next_bin)
         still.start()
@@ -331,7 +334,8 @@ def test_compatibility_rule_between_builds(log_dir, data_root, database_url):
             still.stop()
         assert still.proc is not None and still.proc.returncode == 0
         warning = [line for line in still.log_text().splitlines() if "newer schema" in line]
-        assert warning and '"database_version":7' in warning[-1] and '"known":6' in warning[-1], warning
+        assert (warning and f'"database_version":{beyond}' in warning[-1]
+                and f'"known":{NEXT_SCHEMA}' in warning[-1]), warning
     finally:
         drop_schema(database_url, schema)
 

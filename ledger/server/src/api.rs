@@ -7,12 +7,16 @@ use serde_json::Value;
 
 use crate::redact::Redaction;
 use atmost_ledger::clock::{self, Millis};
+use atmost_ledger::keys::PublicSigningKey;
 use atmost_ledger::model::{
     Attempt, AttemptState, CallRules, Permit, PermitDetail, Resolution, ResolutionSource,
 };
 
 pub const ADMIN_PERMITS_PATH: &str = "/admin/v1/permits";
 pub const ADMIN_ATTEMPTS_PATH: &str = "/admin/v1/attempts";
+pub const ADMIN_ATTEMPTS_EXPORT_PATH: &str = "/admin/v1/attempts/export";
+pub const ADMIN_KEYS_PATH: &str = "/admin/v1/keys";
+pub const ADMIN_KEYS_ROTATE_PATH: &str = "/admin/v1/keys/rotate";
 
 /// Body of `POST /admin/v1/permits`: a label, an expiry and the policy (the call rules as
 /// [`PermitView`] shows them, the retention as a duration); checked and issued by the
@@ -226,6 +230,59 @@ pub struct AttemptResponse {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AttemptListResponse {
     pub attempts: Vec<AttemptView>,
+}
+
+/// A signing key as the admin API shows it: never its private half.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyView {
+    /// The RFC 7638 thumbprint: the `keyid` of its signatures, the `kid` in `/v1/keys`.
+    pub kid: String,
+    /// `active` (it signs), `retired` (it no longer signs and `/v1/keys` still lists it) or
+    /// `unpublished` (no longer listed).
+    pub status: String,
+    pub created_at: String,
+    pub retired_at: Option<String>,
+    /// Until when `/v1/keys` lists it; `None` while it signs.
+    pub published_until: Option<String>,
+}
+
+impl KeyView {
+    pub fn new(k: &PublicSigningKey, now: Millis) -> Self {
+        let status = match k.retired_at_ms {
+            None => "active",
+            Some(_) if k.is_published(now) => "retired",
+            Some(_) => "unpublished",
+        };
+        KeyView {
+            kid: k.kid.clone(),
+            status: status.to_string(),
+            created_at: clock::rfc3339(k.created_at_ms),
+            retired_at: k.retired_at_ms.map(clock::rfc3339),
+            published_until: k.published_until_ms().map(clock::rfc3339),
+        }
+    }
+}
+
+/// Answer of `GET /admin/v1/keys`: every signing key, newest first.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyListResponse {
+    pub keys: Vec<KeyView>,
+}
+
+/// Answer of `POST /admin/v1/keys/rotate`: the key that signs from now on, and the one it
+/// retired.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyRotateResponse {
+    pub key: KeyView,
+    pub retired: Option<KeyView>,
+}
+
+/// Answer of `GET /admin/v1/attempts/export`: one signed receipt (a compact JWS) per attempt
+/// the filters let through, newest first, all signed by the key `kid`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReceiptExportResponse {
+    pub kid: String,
+    pub receipts: Vec<String>,
 }
 
 /// Error body of every endpoint.

@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use crate::metrics::Metrics;
 use crate::server::{self, AppState, ServerConfig};
-use atmost_ledger::clock::ManualClock;
+use atmost_ledger::clock::{Clock, ManualClock};
 use atmost_ledger::store::sqlite::SqliteStore;
 
 pub(crate) const SVC: &str = "service-secret";
@@ -26,7 +26,9 @@ pub(crate) struct TestServer {
     pub stop_signals: tokio::sync::mpsc::Sender<()>,
     /// The server task: it ends once the drain is over and in-flight requests are done.
     pub served: tokio::task::JoinHandle<()>,
-    _dir: tempfile::TempDir,
+    /// Where its SQLite file lives (shared with the servers started beside it).
+    pub data_dir: std::path::PathBuf,
+    _dir: Option<tempfile::TempDir>,
 }
 
 /// The drain delay of the test servers: longer than any test, so only a second signal ends it.
@@ -39,8 +41,27 @@ async fn start() -> TestServer {
 /// A ledger on a loopback port with a manual clock and a fresh SQLite store; `configure`
 /// may change its config first (the tokens are [`SVC`] and [`ADM`]).
 pub(crate) async fn start_with(configure: impl FnOnce(&mut ServerConfig)) -> TestServer {
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let dir = tempfile::tempdir().unwrap();
+    start_in(dir.path().to_path_buf(), Some(dir), configure).await
+}
+
+/// Another ledger on the same SQLite file as `first`, as a second replica (its own clock,
+/// at the same time).
+pub(crate) async fn start_beside(
+    first: &TestServer,
+    configure: impl FnOnce(&mut ServerConfig),
+) -> TestServer {
+    let s = start_in(first.data_dir.clone(), None, configure).await;
+    s.clock.set(first.clock.now_ms());
+    s
+}
+
+async fn start_in(
+    data_dir: std::path::PathBuf,
+    dir: Option<tempfile::TempDir>,
+    configure: impl FnOnce(&mut ServerConfig),
+) -> TestServer {
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let clock = Arc::new(ManualClock::new(1_800_000_000_000));
     let mut config = ServerConfig {
         service_token: SVC.into(),
@@ -48,14 +69,17 @@ pub(crate) async fn start_with(configure: impl FnOnce(&mut ServerConfig)) -> Tes
         lease: Duration::from_secs(60),
         redaction: Default::default(),
         inbox: Default::default(),
+        key_refresh: Duration::from_secs(5),
+        receipt_issuer: "atmost-test".into(),
     };
     configure(&mut config);
-    let state = Arc::new(AppState {
-        store: Arc::new(SqliteStore::open_dir(dir.path()).unwrap()),
-        clock: clock.clone(),
+    let state = Arc::new(AppState::new(
+        Arc::new(SqliteStore::open_dir(&data_dir).unwrap()),
+        clock.clone(),
         config,
-        metrics: Arc::new(Metrics::new().unwrap()),
-    });
+        Arc::new(Metrics::new().unwrap()),
+    ));
+    state.start_signing().await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let app = server::router(state.clone());
@@ -73,6 +97,7 @@ pub(crate) async fn start_with(configure: impl FnOnce(&mut ServerConfig)) -> Tes
         clock,
         stop_signals,
         served,
+        data_dir,
         _dir: dir,
     }
 }
@@ -617,4 +642,585 @@ async fn a_stop_signal_turns_readiness_off_while_calls_are_still_served() {
         .await
         .expect("the server did not stop after the second signal")
         .unwrap();
+}
+
+/// The body digest every signed call below names (SHA-256 of "test").
+const BODY_SHA256: &str = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+
+/// What the filter would send upstream for a call whose upstream receives `forwarded` as its
+/// `Idempotency-Key` (none: no header).
+fn dispatch_target(forwarded: Option<&str>) -> Value {
+    let mut d = json!({"method": "POST", "authority": "tools.example:8443", "path": "/mcp",
+                       "body_sha256": BODY_SHA256, "validity_s": 30});
+    if let Some(k) = forwarded {
+        d["idempotency_key"] = json!(k);
+    }
+    d
+}
+
+/// A call with a dispatch target: the upstream receives `forwarded-<key>`.
+fn signed_call(token: &str, tool: &str, key: &str, fp: &str) -> Value {
+    let forwarded = format!("forwarded-{key}");
+    json!({"permit_token": token, "tool": tool, "idempotency_key": key, "fingerprint": fp,
+           "arguments": {"amount": 3}, "forwarded_key": forwarded,
+           "dispatch": dispatch_target(Some(&forwarded))})
+}
+
+/// `GET /v1/keys`: its JWK Set, after checking its content type and cache lifetime.
+async fn jwks(s: &TestServer) -> atmost_protocol::signature::Jwks {
+    let resp = s
+        .http
+        .get(format!(
+            "{}{}",
+            s.base,
+            atmost_protocol::signature::KEYS_PATH
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let header = |name: &str| {
+        resp.headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_string())
+    };
+    assert_eq!(
+        header("content-type").as_deref(),
+        Some("application/jwk-set+json")
+    );
+    assert_eq!(header("cache-control").as_deref(), Some("max-age=60"));
+    resp.json().await.unwrap()
+}
+
+fn kids(set: &atmost_protocol::signature::Jwks) -> Vec<String> {
+    set.keys.iter().map(|k| k.kid.clone()).collect()
+}
+
+/// Checks a Dispatch answer's signature the way a verifier does: the base rebuilt by the
+/// protocol module from the request the target describes, the key looked up by `keyid` in
+/// the published set, ring's Ed25519. Answers the parsed input; a tampered digest must fail.
+fn verify_answer(
+    answer: &Value,
+    target: &Value,
+    set: &atmost_protocol::signature::Jwks,
+) -> atmost_protocol::signature::SignatureInput {
+    use atmost_protocol::signature::{
+        content_digest_from_hex, parse_signature, SignatureInput, SignedRequest,
+    };
+    use ring::signature::{UnparsedPublicKey, ED25519};
+    assert_eq!(answer["decision"], "dispatch", "{answer}");
+    let input =
+        SignatureInput::parse(answer["signature"]["signature_input"].as_str().unwrap()).unwrap();
+    let signature = parse_signature(answer["signature"]["signature"].as_str().unwrap()).unwrap();
+    let keyid = input.string("keyid").unwrap();
+    let jwk = set
+        .keys
+        .iter()
+        .find(|k| k.kid == keyid)
+        .unwrap_or_else(|| panic!("keyid {keyid} is not published: {set:?}"));
+    let public = jwk.ed25519_public_key().unwrap();
+    let digest = content_digest_from_hex(target["body_sha256"].as_str().unwrap()).unwrap();
+    let request = SignedRequest {
+        method: target["method"].as_str().unwrap(),
+        authority: target["authority"].as_str().unwrap(),
+        path: target["path"].as_str().unwrap(),
+        content_digest: &digest,
+        idempotency_key: target["idempotency_key"].as_str(),
+    };
+    let base = request.signature_base(&input).unwrap();
+    let verifier = UnparsedPublicKey::new(&ED25519, &public);
+    assert!(
+        verifier.verify(base.as_bytes(), &signature).is_ok(),
+        "{base}"
+    );
+    let other = atmost_protocol::signature::content_digest_of(b"another body");
+    let tampered = SignedRequest {
+        content_digest: &other,
+        ..request
+    };
+    let base = tampered.signature_base(&input).unwrap();
+    assert!(verifier.verify(base.as_bytes(), &signature).is_err());
+    input
+}
+
+fn keyid(input: &atmost_protocol::signature::SignatureInput) -> String {
+    input.string("keyid").unwrap().to_string()
+}
+
+/// A call naming its dispatch target gets a signature over that request, by the key
+/// `/v1/keys` publishes, created at the ledger's clock and naming the dispatch; so does
+/// each continuation round. Replays, denials and calls without a target carry none.
+#[tokio::test]
+async fn a_dispatch_is_signed_by_the_published_key_and_verifies() {
+    let s = start().await;
+    let set = jwks(&s).await;
+    assert_eq!(set.keys.len(), 1, "{set:?}");
+    let (pid, tok) = s
+        .create_permit(json!({"label": "sig", "expires": "1h", "max_calls": {"pay": 1}}))
+        .await;
+    let call = signed_call(&tok, "pay", "k1", "fp1");
+    let (st, d) = s.post("/v1/authorize", Some(SVC), call.clone()).await;
+    assert_eq!(st, 200);
+    let input = verify_answer(&d, &call["dispatch"], &set);
+    assert_eq!(keyid(&input), set.keys[0].kid);
+    let created = u64::try_from(s.clock.now_ms() / 1000).unwrap();
+    assert_eq!(input.integer("created"), Some(created));
+    assert_eq!(input.integer("expires"), Some(created + 30));
+    let nonce =
+        atmost_protocol::signature::DispatchNonce::parse(input.string("nonce").unwrap()).unwrap();
+    assert_eq!(nonce.attempt_id, d["attempt_id"].as_str().unwrap());
+    assert_eq!(
+        (nonce.round, nonce.permit_id.as_str(), nonce.tool.as_str()),
+        (1, pid.as_str(), "pay")
+    );
+    assert!(input.components.iter().any(|c| c == "idempotency-key"));
+
+    let attempt = d["attempt_id"].as_str().unwrap();
+    let capability = d["capability"].as_str().unwrap();
+    let (_, acks) = s
+        .post(
+            "/v1/outcomes",
+            Some(SVC),
+            json!({"reports": [{"attempt_id": attempt, "round": 1, "capability": capability,
+                                "outcome": "completed", "receipt": "{}"}]}),
+        )
+        .await;
+    assert_eq!(acks, json!({"acks": ["applied"]}));
+    let (_, replay) = s.post("/v1/authorize", Some(SVC), call.clone()).await;
+    assert_eq!(replay["decision"], "replay", "{replay}");
+    assert!(replay.get("signature").is_none(), "{replay}");
+    let (_, deny) = s
+        .post(
+            "/v1/authorize",
+            Some(SVC),
+            signed_call(&tok, "pay", "k2", "fp2"),
+        )
+        .await;
+    assert_eq!(deny["code"], "permit_max_calls_exceeded", "{deny}");
+    assert!(deny.get("signature").is_none(), "{deny}");
+    // Without a target the call is answered as before signatures: dispatched, unsigned.
+    let (_, plain) = s
+        .post(
+            "/v1/authorize",
+            Some(SVC),
+            json!({"permit_token": tok, "tool": "search", "fingerprint": "f3"}),
+        )
+        .await;
+    assert_eq!(plain["decision"], "dispatch", "{plain}");
+    assert!(plain.get("signature").is_none(), "{plain}");
+
+    // A continuation is a new dispatch of the same attempt: signed again, naming round 2,
+    // and a target without a forwarded key covers no idempotency-key.
+    let first = json!({"permit_token": tok, "tool": "ask", "idempotency_key": "c1",
+                       "fingerprint": "fc", "dispatch": dispatch_target(None)});
+    let (_, d1) = s.post("/v1/authorize", Some(SVC), first.clone()).await;
+    let input1 = verify_answer(&d1, &first["dispatch"], &set);
+    assert!(!input1.components.iter().any(|c| c == "idempotency-key"));
+    let (_, acks) = s
+        .post(
+            "/v1/outcomes",
+            Some(SVC),
+            json!({"reports": [{"attempt_id": d1["attempt_id"], "round": 1,
+                                "capability": d1["capability"], "outcome": "input_required",
+                                "receipt": "{}"}]}),
+        )
+        .await;
+    assert_eq!(acks, json!({"acks": ["applied"]}));
+    s.clock.advance_ms(2_000);
+    let mut again = first.clone();
+    again["continuation"] = json!(true);
+    let (_, d2) = s.post("/v1/authorize", Some(SVC), again.clone()).await;
+    assert_eq!(
+        (d2["attempt_id"].clone(), d2["round"].clone()),
+        (d1["attempt_id"].clone(), json!(2)),
+        "{d2}"
+    );
+    let input2 = verify_answer(&d2, &again["dispatch"], &set);
+    let nonce2 =
+        atmost_protocol::signature::DispatchNonce::parse(input2.string("nonce").unwrap()).unwrap();
+    assert_eq!(nonce2.round, 2);
+    assert_eq!(input2.integer("created"), Some(created + 2));
+
+    let metrics = s.state.metrics.render().unwrap();
+    assert!(
+        metrics.contains("\natmost_dispatches_signed_total 3\n"),
+        "{metrics}"
+    );
+}
+
+/// A target the ledger could not sign as the upstream will receive it is refused before
+/// anything is decided: 400, naming what is wrong, and no slot taken.
+#[tokio::test]
+async fn a_bad_dispatch_target_is_refused_and_nothing_is_reserved() {
+    let s = start().await;
+    let (pid, tok) = s
+        .create_permit(json!({"label": "bad", "expires": "1h", "max_calls": {"pay": 1}}))
+        .await;
+    let good = signed_call(&tok, "pay", "k1", "fp1");
+    let with = |field: &str, value: Value| {
+        let mut call = good.clone();
+        call["dispatch"][field] = value;
+        call
+    };
+    for (call, named) in [
+        (with("method", json!("PO ST")), "dispatch.method"),
+        (
+            with("authority", json!("Tools.Example")),
+            "dispatch.authority",
+        ),
+        (with("path", json!("/mcp?x=1")), "dispatch.path"),
+        (with("body_sha256", json!("00")), "dispatch.body_sha256"),
+        (with("validity_s", json!(301)), "dispatch.validity_s"),
+        (with("validity_s", json!(0)), "dispatch.validity_s"),
+        (with("idempotency_key", json!("another")), "forwarded_key"),
+    ] {
+        let (st, v) = s.post("/v1/authorize", Some(SVC), call.clone()).await;
+        assert_eq!(
+            (st, v["error"].as_str()),
+            (400, Some("bad_request")),
+            "{call} → {v}"
+        );
+        assert!(v["message"].as_str().unwrap().contains(named), "{v}");
+    }
+    let (_, shown) = s.get(&format!("/admin/v1/permits/{pid}"), Some(ADM)).await;
+    assert_eq!(shown["usage"]["pay"]["calls_made"], 0);
+    let (_, d) = s.post("/v1/authorize", Some(SVC), good).await;
+    assert_eq!(d["decision"], "dispatch", "{d}");
+}
+
+/// Every stored private key, read from the database file itself.
+fn stored_private_keys(s: &TestServer) -> Vec<String> {
+    let db =
+        rusqlite::Connection::open(s.data_dir.join(atmost_ledger::store::sqlite::DB_FILE)).unwrap();
+    let mut st = db
+        .prepare("SELECT private_pkcs8 FROM signing_keys")
+        .unwrap();
+    st.query_map([], |r| r.get::<_, String>(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+}
+
+/// Two ledgers on one store sign with one key. A rotation on one: its next signature names
+/// the new key, the other picks it up on its next read of the key, `/v1/keys` lists both
+/// until the old key's signatures have all expired, then only the new one. No answer, no
+/// listing and no metric carries a private key.
+#[tokio::test]
+async fn replicas_sign_with_one_key_and_a_rotation_reaches_both() {
+    let a = start().await;
+    let b = start_beside(&a, |c| c.key_refresh = Duration::ZERO).await;
+    let (_, tok) = a
+        .create_permit(json!({"label": "two", "expires": "1h"}))
+        .await;
+    let set = jwks(&a).await;
+    assert_eq!(kids(&set), kids(&jwks(&b).await));
+    let old = set.keys[0].kid.clone();
+    let mut n = 0;
+    let mut sign_on = |s: &TestServer| {
+        n += 1;
+        let call = signed_call(&tok, "pay", &format!("k{n}"), &format!("f{n}"));
+        let (base, http) = (s.base.clone(), s.http.clone());
+        async move {
+            let d: Value = http
+                .post(format!("{base}/v1/authorize"))
+                .bearer_auth(SVC)
+                .json(&call)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            (d, call)
+        }
+    };
+    for s in [&a, &b] {
+        let (d, call) = sign_on(s).await;
+        assert_eq!(keyid(&verify_answer(&d, &call["dispatch"], &set)), old);
+    }
+
+    let (st, rotated) = a.post("/admin/v1/keys/rotate", Some(ADM), json!({})).await;
+    assert_eq!(st, 200, "{rotated}");
+    let new = rotated["key"]["kid"].as_str().unwrap().to_string();
+    assert_ne!(new, old);
+    assert_eq!(rotated["key"]["status"], "active");
+    assert_eq!(rotated["retired"]["kid"], json!(old));
+    assert_eq!(rotated["retired"]["status"], "retired");
+    let set = jwks(&a).await;
+    assert_eq!(kids(&set), vec![new.clone(), old.clone()]);
+    assert_eq!(kids(&jwks(&b).await), vec![new.clone(), old.clone()]);
+    for s in [&a, &b] {
+        let (d, call) = sign_on(s).await;
+        assert_eq!(keyid(&verify_answer(&d, &call["dispatch"], &set)), new);
+    }
+
+    // The old key's last signature (300 s at most) has expired, and the margin has passed.
+    for s in [&a, &b] {
+        s.clock.advance_ms(360_000);
+    }
+    assert_eq!(kids(&jwks(&a).await), vec![new.clone(), old.clone()]);
+    for s in [&a, &b] {
+        s.clock.advance_ms(1);
+    }
+    assert_eq!(kids(&jwks(&a).await), vec![new.clone()]);
+    let (st, listed) = a.get("/admin/v1/keys", Some(ADM)).await;
+    assert_eq!(st, 200);
+    let statuses: Vec<(String, String)> = listed["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| {
+            (
+                k["kid"].as_str().unwrap().into(),
+                k["status"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        statuses,
+        vec![
+            (new.clone(), "active".into()),
+            (old.clone(), "unpublished".into())
+        ]
+    );
+    assert_eq!(listed["keys"][0]["published_until"], Value::Null);
+    assert!(listed["keys"][1]["published_until"].is_string());
+    for tok in [None, Some(SVC)] {
+        assert_eq!(a.get("/admin/v1/keys", tok).await.0, 401);
+        assert_eq!(a.post("/admin/v1/keys/rotate", tok, json!({})).await.0, 401);
+    }
+
+    let secrets = stored_private_keys(&a);
+    assert_eq!(secrets.len(), 2);
+    let shown = [
+        serde_json::to_string(&jwks(&a).await).unwrap(),
+        listed.to_string(),
+        rotated.to_string(),
+        a.state.metrics.render().unwrap(),
+        format!("{:?} {:?}", a.state.signer, a.state.config),
+    ];
+    for secret in &secrets {
+        for text in &shown {
+            assert!(!text.contains(secret.as_str()), "{text}");
+            // The 32-byte seed (bytes 16..48 of the document; its tail is the public key).
+            assert!(!text.contains(&secret[24..60]), "{text}");
+        }
+    }
+    let metrics = a.state.metrics.render().unwrap();
+    assert!(
+        metrics.contains("\natmost_signing_key_rotations_total 1\n"),
+        "{metrics}"
+    );
+}
+
+/// A key row that holds no usable key, or no active key at all: a call naming a dispatch
+/// target is denied `gateway_unavailable` before anything is decided, and no attempt is
+/// stored. A call without a target is not signed, so it is still answered.
+#[tokio::test]
+async fn without_a_readable_key_a_signed_call_is_denied_and_nothing_stored() {
+    let s = start_with(|c| c.key_refresh = Duration::ZERO).await;
+    let (pid, tok) = s
+        .create_permit(json!({"label": "corrupt", "expires": "1h"}))
+        .await;
+    let db =
+        rusqlite::Connection::open(s.data_dir.join(atmost_ledger::store::sqlite::DB_FILE)).unwrap();
+    for damage in [
+        "UPDATE signing_keys SET private_pkcs8 = 'AAAA'",
+        "DELETE FROM signing_keys",
+    ] {
+        db.execute_batch(damage).unwrap();
+        let (st, d) = s
+            .post(
+                "/v1/authorize",
+                Some(SVC),
+                signed_call(&tok, "pay", "k1", "fp1"),
+            )
+            .await;
+        assert_eq!(st, 200);
+        assert_eq!(
+            (d["decision"].as_str(), d["code"].as_str()),
+            (Some("deny"), Some("gateway_unavailable")),
+            "{damage}: {d}"
+        );
+        let (_, listed) = s
+            .get(&format!("/admin/v1/attempts?permit={pid}"), Some(ADM))
+            .await;
+        assert_eq!(listed, json!({"attempts": []}), "{damage}");
+    }
+    let metrics = s.state.metrics.render().unwrap();
+    assert!(
+        metrics.contains(r#"atmost_authorize_total{code="gateway_unavailable",decision="deny"} 2"#),
+        "{metrics}"
+    );
+    let (_, plain) = s
+        .post(
+            "/v1/authorize",
+            Some(SVC),
+            json!({"permit_token": tok, "tool": "pay", "fingerprint": "f"}),
+        )
+        .await;
+    assert_eq!(plain["decision"], "dispatch", "{plain}");
+    // The ledger makes sure of a key again at its next start.
+    s.state.start_signing().await.unwrap();
+    let (_, d) = s
+        .post(
+            "/v1/authorize",
+            Some(SVC),
+            signed_call(&tok, "pay", "k1", "fp1"),
+        )
+        .await;
+    verify_answer(
+        &d,
+        &signed_call(&tok, "pay", "k1", "fp1")["dispatch"],
+        &jwks(&s).await,
+    );
+}
+
+/// The header and claims of a compact JWS, after checking its EdDSA signature with the
+/// published key its `kid` names.
+fn verified_receipt(jws: &str, set: &atmost_protocol::signature::Jwks) -> (Value, Value) {
+    use atmost_protocol::signature::b64url_decode;
+    use ring::signature::{UnparsedPublicKey, ED25519};
+    let parts: Vec<&str> = jws.split('.').collect();
+    assert_eq!(parts.len(), 3, "{jws}");
+    let header: Value = serde_json::from_slice(&b64url_decode(parts[0]).unwrap()).unwrap();
+    let claims: Value = serde_json::from_slice(&b64url_decode(parts[1]).unwrap()).unwrap();
+    let jwk = set
+        .keys
+        .iter()
+        .find(|k| json!(k.kid) == header["kid"])
+        .unwrap_or_else(|| panic!("{header} names no published key"));
+    let verifier = UnparsedPublicKey::new(&ED25519, jwk.ed25519_public_key().unwrap());
+    let signed = format!("{}.{}", parts[0], parts[1]);
+    verifier
+        .verify(signed.as_bytes(), &b64url_decode(parts[2]).unwrap())
+        .unwrap();
+    (header, claims)
+}
+
+/// The export signs one receipt per attempt the filters let through, with the active key:
+/// each states what the ledger recorded, resolution included, and verifies with `/v1/keys`.
+#[tokio::test]
+async fn attempts_export_as_receipts_signed_by_the_active_key() {
+    let s = start().await;
+    let (pid, tok) = s
+        .create_permit(json!({"label": "export", "expires": "1h"}))
+        .await;
+    let (_, other_tok) = s
+        .create_permit(json!({"label": "other", "expires": "1h"}))
+        .await;
+    let (_, done) = s
+        .post(
+            "/v1/authorize",
+            Some(SVC),
+            signed_call(&tok, "pay", "k1", "fp1"),
+        )
+        .await;
+    let receipt = r#"{"jsonrpc":"2.0","id":1,"result":{}}"#;
+    let (_, acks) = s
+        .post(
+            "/v1/outcomes",
+            Some(SVC),
+            json!({"reports": [{"attempt_id": done["attempt_id"], "round": 1,
+                                "capability": done["capability"], "outcome": "completed",
+                                "receipt": receipt}]}),
+        )
+        .await;
+    assert_eq!(acks, json!({"acks": ["applied"]}));
+    s.clock.advance_ms(1_000);
+    let (_, lost) = s
+        .post("/v1/authorize", Some(SVC), authz(&tok, "k2", "fp2"))
+        .await;
+    s.clock.advance_ms(61_000);
+    server::sweep_once(&s.state).await;
+    let lost_id = lost["attempt_id"].as_str().unwrap();
+    let (st, _) = s
+        .post(
+            &format!("/admin/v1/attempts/{lost_id}/resolve"),
+            Some(ADM),
+            json!({"executed": false, "by": "alice", "note": "not at the provider"}),
+        )
+        .await;
+    assert_eq!(st, 200);
+    s.post("/v1/authorize", Some(SVC), authz(&other_tok, "k3", "fp3"))
+        .await;
+
+    let set = jwks(&s).await;
+    let (st, export) = s
+        .get(
+            &format!("/admin/v1/attempts/export?permit={pid}"),
+            Some(ADM),
+        )
+        .await;
+    assert_eq!(st, 200, "{export}");
+    assert_eq!(export["kid"], json!(set.keys[0].kid));
+    let receipts: Vec<(Value, Value)> = export["receipts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| verified_receipt(r.as_str().unwrap(), &set))
+        .collect();
+    assert_eq!(receipts.len(), 2, "{export}");
+    let (header, resolved) = &receipts[0];
+    assert_eq!(
+        header,
+        &json!({"alg": "EdDSA", "kid": set.keys[0].kid, "typ": "atmost-receipt+jwt"})
+    );
+    assert_eq!(resolved["attempt_id"], json!(lost_id));
+    assert_eq!(resolved["state"], "resolved_not_executed");
+    assert_eq!(resolved["reason"], "lease_expired");
+    assert_eq!(resolved["iss"], "atmost-test");
+    assert_eq!(resolved["iat"], json!(s.clock.now_ms() / 1000));
+    assert_eq!(resolved["resolution"]["by"], "alice");
+    assert_eq!(resolved["resolution"]["executed"], false);
+    assert_eq!(resolved["resolution"]["source"], "person");
+    assert_eq!(resolved["resolution"]["note"], "not at the provider");
+    let (_, completed) = &receipts[1];
+    assert_eq!(completed["attempt_id"], done["attempt_id"]);
+    assert_eq!(
+        (
+            completed["permit_id"].as_str(),
+            completed["tool"].as_str(),
+            completed["fingerprint"].as_str()
+        ),
+        (Some(pid.as_str()), Some("pay"), Some("fp1"))
+    );
+    assert_eq!(completed["forwarded_key"], "forwarded-k1");
+    assert_eq!(
+        completed["key_sha256"],
+        json!(atmost_ledger::token::sha256_hex("k1"))
+    );
+    assert_eq!(completed["rounds"], 1);
+    assert_eq!(completed["state"], "completed");
+    assert_eq!(
+        completed["receipt_sha256"],
+        json!(atmost_ledger::token::sha256_hex(receipt))
+    );
+    assert!(completed["finished_at"].is_string());
+    assert_eq!(completed["resolution"], Value::Null);
+    // The attempts list's filters apply.
+    let (_, only) = s
+        .get("/admin/v1/attempts/export?state=completed", Some(ADM))
+        .await;
+    assert_eq!(only["receipts"].as_array().unwrap().len(), 1, "{only}");
+    let (_, all) = s.get("/admin/v1/attempts/export", Some(ADM)).await;
+    assert_eq!(all["receipts"].as_array().unwrap().len(), 3, "{all}");
+    assert_eq!(
+        s.get("/admin/v1/attempts/export?state=bogus", Some(ADM))
+            .await
+            .0,
+        400
+    );
+    for tok in [None, Some(SVC)] {
+        assert_eq!(s.get("/admin/v1/attempts/export", tok).await.0, 401);
+    }
+    // After a rotation the export is signed by the new key.
+    s.post("/admin/v1/keys/rotate", Some(ADM), json!({})).await;
+    let set = jwks(&s).await;
+    let (_, after) = s.get("/admin/v1/attempts/export", Some(ADM)).await;
+    assert_eq!(after["kid"], json!(set.keys[0].kid));
+    assert_ne!(after["kid"], export["kid"]);
+    for r in after["receipts"].as_array().unwrap() {
+        verified_receipt(r.as_str().unwrap(), &set);
+    }
 }

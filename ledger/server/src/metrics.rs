@@ -34,6 +34,10 @@ pub struct Metrics {
     pub receipts_pruned: IntCounter,
     pub permits_created: IntCounter,
     pub permits_revoked: IntCounter,
+    /// Dispatch answers this replica signed.
+    pub dispatches_signed: IntCounter,
+    /// Signing key rotations this replica made.
+    pub key_rotations: IntCounter,
     /// Attempts per state, refreshed by the sweeper.
     pub attempts: IntGaugeVec,
     /// How long the attempt uncertain the longest has been so (0 when none is), refreshed by
@@ -113,6 +117,14 @@ impl Metrics {
         )?;
         let permits_created = counter("atmost_permits_created_total", "Permits created.")?;
         let permits_revoked = counter("atmost_permits_revoked_total", "Permits revoked.")?;
+        let dispatches_signed = counter(
+            "atmost_dispatches_signed_total",
+            "Dispatch answers signed (RFC 9421) with the ledger's active key.",
+        )?;
+        let key_rotations = counter(
+            "atmost_signing_key_rotations_total",
+            "Signing key rotations made by this replica.",
+        )?;
         let authorize_seconds = m(Histogram::with_opts(
             HistogramOpts::new(
                 "atmost_authorize_seconds",
@@ -157,6 +169,8 @@ impl Metrics {
             receipts_pruned,
             permits_created,
             permits_revoked,
+            dispatches_signed,
+            key_rotations,
             attempts,
             uncertain_oldest_seconds,
             draining,

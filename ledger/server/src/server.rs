@@ -3,9 +3,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use atmost_protocol::signature::{Jwks, KEYS_PATH};
 use atmost_protocol::{
-    AuthorizeRequest, AuthorizeResponse, LimitsRequest, Outcome, OutcomeAck, OutcomesRequest,
-    OutcomesResponse, AUTHORIZE_PATH, LIMITS_PATH, MAX_LIMITS_TOOLS, OUTCOMES_PATH,
+    AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, LimitsRequest, Outcome, OutcomeAck,
+    OutcomesRequest, OutcomesResponse, AUTHORIZE_PATH, LIMITS_PATH, MAX_LIMITS_TOOLS,
+    OUTCOMES_PATH,
 };
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, Query, Request, State};
@@ -19,21 +21,28 @@ use tracing::{error, info, warn};
 
 use crate::api::{
     self, AttemptListResponse, AttemptResponse, AttemptView, CreatePermitRequest,
-    CreatePermitResponse, ErrorBody, PermitListResponse, PermitResponse, PermitShowResponse,
-    PermitView,
+    CreatePermitResponse, ErrorBody, KeyListResponse, KeyRotateResponse, KeyView,
+    PermitListResponse, PermitResponse, PermitShowResponse, PermitView, ReceiptExportResponse,
 };
 use crate::inbox::{self, InboxConfig};
 use crate::metrics::Metrics;
 use crate::redact::Redaction;
+use crate::signer::{KeyUnavailable, Signer};
 use atmost_ledger::clock::Clock;
 use atmost_ledger::decide::{self, Notice, ResolveInput};
 use atmost_ledger::error::{LedgerError, ResolveError};
+use atmost_ledger::keys::PublicSigningKey;
 use atmost_ledger::model::{Attempt, AttemptState, BudgetTotals, GuardMode};
+use atmost_ledger::receipts::{sign_receipt, ReceiptClaims};
 use atmost_ledger::store::{AttemptFilter, Store};
-use atmost_ledger::token;
+use atmost_ledger::{signing, token};
 
 /// Largest request body accepted (receipts ride in outcome reports).
 pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+
+/// How long a client may keep `GET /v1/keys`'s answer (`cache-control: max-age`). A new key
+/// signs as soon as it is made, so a verifier meeting an unknown `keyid` should fetch again.
+pub const KEYS_MAX_AGE_S: u64 = 60;
 
 /// Secrets and timings of a running ledger.
 #[derive(Clone)]
@@ -44,6 +53,10 @@ pub struct ServerConfig {
     /// Argument fields never shown (admin API, CLI, inbox).
     pub redaction: Redaction,
     pub inbox: InboxConfig,
+    /// How long a replica signs with the active key it read before reading it again.
+    pub key_refresh: Duration,
+    /// The `iss` of the receipts it signs.
+    pub receipt_issuer: String,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -54,6 +67,8 @@ impl std::fmt::Debug for ServerConfig {
             .field("lease", &self.lease)
             .field("redaction", &self.redaction)
             .field("inbox", &self.inbox)
+            .field("key_refresh", &self.key_refresh)
+            .field("receipt_issuer", &self.receipt_issuer)
             .finish()
     }
 }
@@ -63,9 +78,36 @@ pub struct AppState {
     pub clock: Arc<dyn Clock>,
     pub config: ServerConfig,
     pub metrics: Arc<Metrics>,
+    /// The active signing key as this replica holds it.
+    pub signer: Signer,
 }
 
 impl AppState {
+    /// The state of a ledger on `store`; its signer holds no key until
+    /// [`Signer::start`] (the ledger calls it before it listens).
+    pub fn new(
+        store: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+        config: ServerConfig,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let signer = Signer::new(config.key_refresh);
+        AppState {
+            store,
+            clock,
+            config,
+            metrics,
+            signer,
+        }
+    }
+
+    /// Makes sure the store has an active signing key and holds it.
+    pub async fn start_signing(&self) -> Result<(), LedgerError> {
+        let key = self.signer.start(&*self.store, self.clock.now_ms()).await?;
+        info!(kid = key.kid(), "signing key ready");
+        Ok(())
+    }
+
     fn lease_ms(&self) -> u64 {
         u64::try_from(self.config.lease.as_millis()).unwrap_or(u64::MAX)
     }
@@ -156,11 +198,15 @@ pub fn router(state: Shared) -> Router {
         .route("/admin/v1/permits/{id}", get(show_permit))
         .route("/admin/v1/permits/{id}/revoke", post(revoke_permit))
         .route(api::ADMIN_ATTEMPTS_PATH, get(list_attempts))
+        .route(api::ADMIN_ATTEMPTS_EXPORT_PATH, get(export_attempts))
         .route("/admin/v1/attempts/{id}", get(show_attempt))
         .route("/admin/v1/attempts/{id}/resolve", post(resolve_attempt))
+        .route(api::ADMIN_KEYS_PATH, get(list_keys))
+        .route(api::ADMIN_KEYS_ROTATE_PATH, post(rotate_key))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_admin));
     Router::new()
         .route("/healthz", get(healthz))
+        .route(KEYS_PATH, get(published_keys))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .merge(service)
@@ -232,17 +278,41 @@ async fn authorize(
             decide::MAX_KEY_LEN
         ));
     }
+    if let Err(e) = signing::check_dispatch(&req) {
+        return bad_request(e.to_string());
+    }
     let started = Instant::now();
+    let permit_id = token::permit_id_of(&req.permit_token).unwrap_or("-");
+    // The key comes before the decision: a dispatch the ledger cannot sign is never reserved.
+    let key = match req.dispatch {
+        None => None,
+        Some(_) => match state.signer.active(&*state.store).await {
+            Ok(key) => Some(key),
+            Err(e) => return unsignable(&state, permit_id, &req.tool, &e),
+        },
+    };
     let now = state.clock.now_ms();
     let decision = match state.store.authorize(&req, state.lease_ms(), now).await {
         Ok(d) => d,
         Err(e) => return internal(&state, "authorize", &e),
     };
+    // Signed after the store answered: no permit's lock is held while it signs.
+    let mut response = decision.response;
+    let signed_by = match key.as_deref() {
+        Some(key) => match signing::sign_answer(&req, &mut response, key, now) {
+            Ok(true) => {
+                state.metrics.dispatches_signed.inc();
+                Some(key.kid())
+            }
+            Ok(false) => None,
+            Err(e) => return internal(&state, "sign", &e),
+        },
+        None => None,
+    };
     state
         .metrics
         .authorize_seconds
         .observe(started.elapsed().as_secs_f64());
-    let permit_id = token::permit_id_of(&req.permit_token).unwrap_or("-");
     for n in &decision.notices {
         match n {
             Notice::DuplicateLogged { earlier_attempt_id } => {
@@ -265,14 +335,15 @@ async fn authorize(
             }
         }
     }
-    match &decision.response {
+    match &response {
         AuthorizeResponse::Dispatch { attempt_id, .. } => {
             state
                 .metrics
                 .authorize
                 .with_label_values(&["dispatch", "none"])
                 .inc();
-            info!(permit_id, tool = %req.tool, attempt_id = %attempt_id, decision = "dispatch", "authorize");
+            info!(permit_id, tool = %req.tool, attempt_id = %attempt_id, decision = "dispatch",
+                kid = signed_by.unwrap_or("-"), "authorize");
         }
         AuthorizeResponse::Replay { attempt_id, .. } => {
             state
@@ -291,7 +362,87 @@ async fn authorize(
             info!(permit_id, tool = %req.tool, decision = "deny", code = d.code.as_str(), "authorize");
         }
     }
-    (StatusCode::OK, Json(decision.response)).into_response()
+    (StatusCode::OK, Json(response)).into_response()
+}
+
+/// The answer to a call that names a dispatch target when no key can sign: denied
+/// `gateway_unavailable`, as when the store is down, before anything is decided or written.
+fn unsignable(state: &AppState, permit_id: &str, tool: &str, e: &KeyUnavailable) -> Response {
+    state
+        .metrics
+        .store_errors
+        .with_label_values(&["signing_key"])
+        .inc();
+    state
+        .metrics
+        .authorize
+        .with_label_values(&["deny", DenialCode::GatewayUnavailable.as_str()])
+        .inc();
+    error!(permit_id, tool, error = %e,
+        "no signing key can be read: call denied gateway_unavailable, nothing reserved");
+    let denial = Denial::new(
+        DenialCode::GatewayUnavailable,
+        "the ledger cannot sign a dispatch now; nothing was reserved or sent",
+    );
+    (StatusCode::OK, Json(AuthorizeResponse::Deny(denial))).into_response()
+}
+
+/// `GET /v1/keys`: the public keys of every published signing key, as a JWK Set. No
+/// authentication: a verifier needs nothing but this.
+async fn published_keys(State(state): State<Shared>) -> Response {
+    let now = state.clock.now_ms();
+    let keys = match state.store.published_signing_keys(now).await {
+        Ok(k) => k,
+        Err(e) => return internal(&state, "published_keys", &e),
+    };
+    let jwks = match keys.iter().map(PublicSigningKey::jwk).collect() {
+        Ok(keys) => Jwks { keys },
+        Err(e) => return internal(&state, "published_keys", &e),
+    };
+    let body = match serde_json::to_vec(&jwks) {
+        Ok(b) => b,
+        Err(e) => return internal(&state, "published_keys", &LedgerError::from(e)),
+    };
+    (
+        StatusCode::OK,
+        [
+            (header::CONTENT_TYPE, "application/jwk-set+json".to_string()),
+            (header::CACHE_CONTROL, format!("max-age={KEYS_MAX_AGE_S}")),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+async fn list_keys(State(state): State<Shared>) -> Response {
+    let now = state.clock.now_ms();
+    match state.store.signing_keys().await {
+        Ok(keys) => Json(KeyListResponse {
+            keys: keys.iter().map(|k| KeyView::new(k, now)).collect(),
+        })
+        .into_response(),
+        Err(e) => internal(&state, "signing_keys", &e),
+    }
+}
+
+async fn rotate_key(State(state): State<Shared>) -> Response {
+    let now = state.clock.now_ms();
+    match state.signer.rotate(&*state.store, now).await {
+        Ok((key, retired)) => {
+            state.metrics.key_rotations.inc();
+            info!(
+                kid = key.kid(),
+                retired_kid = retired.as_ref().map_or("-", |r| r.kid.as_str()),
+                "signing key rotated"
+            );
+            Json(KeyRotateResponse {
+                key: KeyView::new(key.public(), now),
+                retired: retired.as_ref().map(|r| KeyView::new(r, now)),
+            })
+            .into_response()
+        }
+        Err(e) => internal(&state, "rotate_key", &e),
+    }
 }
 
 /// `POST /v1/limits`: what the permit still allows for each tool a `tools/list` answer names.
@@ -489,21 +640,31 @@ struct AttemptQuery {
     limit: Option<u32>,
 }
 
+impl AttemptQuery {
+    /// The filter the query names; the message of a bad `state`.
+    fn filter(self) -> Result<AttemptFilter, String> {
+        let st = match self
+            .state
+            .as_deref()
+            .filter(|s| !s.is_empty())
+            .map(str::parse::<AttemptState>)
+        {
+            None => None,
+            Some(Ok(s)) => Some(s),
+            Some(Err(m)) => return Err(m),
+        };
+        Ok(AttemptFilter {
+            state: st,
+            permit_id: self.permit.filter(|p| !p.is_empty()),
+            limit: self.limit,
+        })
+    }
+}
+
 async fn list_attempts(State(state): State<Shared>, Query(q): Query<AttemptQuery>) -> Response {
-    let st = match q
-        .state
-        .as_deref()
-        .filter(|s| !s.is_empty())
-        .map(str::parse::<AttemptState>)
-    {
-        None => None,
-        Some(Ok(s)) => Some(s),
-        Some(Err(m)) => return bad_request(m),
-    };
-    let filter = AttemptFilter {
-        state: st,
-        permit_id: q.permit.filter(|p| !p.is_empty()),
-        limit: q.limit,
+    let filter = match q.filter() {
+        Ok(f) => f,
+        Err(m) => return bad_request(m),
     };
     match state.store.list_attempts(&filter).await {
         Ok(list) => Json(AttemptListResponse {
@@ -515,6 +676,50 @@ async fn list_attempts(State(state): State<Shared>, Query(q): Query<AttemptQuery
         .into_response(),
         Err(e) => internal(&state, "list_attempts", &e),
     }
+}
+
+/// `GET /admin/v1/attempts/export`: the attempts [`list_attempts`] would list, each as a
+/// receipt signed by the active key.
+async fn export_attempts(State(state): State<Shared>, Query(q): Query<AttemptQuery>) -> Response {
+    let filter = match q.filter() {
+        Ok(f) => f,
+        Err(m) => return bad_request(m),
+    };
+    let key = match state.signer.active(&*state.store).await {
+        Ok(k) => k,
+        Err(KeyUnavailable::Store(e)) => return internal(&state, "export_attempts", &e),
+        Err(e @ KeyUnavailable::NoActiveKey) => {
+            error!(error = %e, "receipts cannot be signed");
+            return error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no_signing_key",
+                Some(e.to_string()),
+            );
+        }
+    };
+    let attempts = match state.store.list_attempts(&filter).await {
+        Ok(list) => list,
+        Err(e) => return internal(&state, "export_attempts", &e),
+    };
+    let now = state.clock.now_ms();
+    let mut receipts = Vec::with_capacity(attempts.len());
+    for a in &attempts {
+        let claims = ReceiptClaims::new(a, &state.config.receipt_issuer, now);
+        match sign_receipt(&key, &claims) {
+            Ok(jws) => receipts.push(jws),
+            Err(e) => return internal(&state, "export_attempts", &e),
+        }
+    }
+    info!(
+        count = receipts.len(),
+        kid = key.kid(),
+        "attempts exported as signed receipts"
+    );
+    Json(ReceiptExportResponse {
+        kid: key.kid().to_string(),
+        receipts,
+    })
+    .into_response()
 }
 
 async fn show_attempt(State(state): State<Shared>, Path(id): Path<String>) -> Response {

@@ -62,18 +62,21 @@ mod postgres_outage {
 
     /// Serves the ledger's routes on `store`; returns the base URL.
     async fn serve(store: Arc<PgStore>) -> String {
-        let state = Arc::new(atmost_ledger_server::server::AppState {
+        let state = Arc::new(atmost_ledger_server::server::AppState::new(
             store,
-            clock: Arc::new(atmost_ledger::clock::SystemClock),
-            config: atmost_ledger_server::server::ServerConfig {
+            Arc::new(atmost_ledger::clock::SystemClock),
+            atmost_ledger_server::server::ServerConfig {
                 service_token: "svc".into(),
                 admin_token: "adm".into(),
                 lease: Duration::from_secs(60),
                 redaction: Default::default(),
                 inbox: Default::default(),
+                key_refresh: Duration::from_secs(5),
+                receipt_issuer: "atmost-test".into(),
             },
-            metrics: Arc::new(atmost_ledger_server::metrics::Metrics::new().unwrap()),
-        });
+            Arc::new(atmost_ledger_server::metrics::Metrics::new().unwrap()),
+        ));
+        state.start_signing().await.unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let app = atmost_ledger_server::server::router(state);

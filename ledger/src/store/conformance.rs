@@ -19,6 +19,7 @@ use super::{AttemptFilter, Store};
 use crate::clock;
 use crate::decide::{Notice, ResolveInput};
 use crate::error::ResolveError;
+use crate::keys::PUBLISHED_AFTER_RETIREMENT_MS;
 use crate::model::{
     AttemptState, CostRule, GuardMode, Permit, PermitDetail, Policy, ResolutionSource,
 };
@@ -54,7 +55,7 @@ macro_rules! conformance_suite {
             race_report_against_lease_expiry, race_conflicting_reports_from_two_handles,
             race_resolution_against_late_report, race_revocation_against_authorization,
             race_released_key_dispatched_again, permit_limits_in_answers, inbox_reads,
-            uncertain_pages);
+            uncertain_pages, signing_keys_rotation_and_publication, race_signing_keys);
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
         $(
@@ -2063,4 +2064,143 @@ pub async fn uncertain_pages(h: &dyn Harness) {
         .map(|a| a.id)
         .collect();
     assert_eq!(rest, expected[3..].to_vec());
+}
+
+/// The kids a store publishes at `now`, newest first.
+async fn published_kids(store: &dyn Store, now: i64) -> Vec<String> {
+    store
+        .published_signing_keys(now)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|k| k.kid)
+        .collect()
+}
+
+/// One key is active and shared by every handle; a rotation retires it at `now` and makes a
+/// new one active at once; the retired key stays published until its window ends (the last
+/// instant included), then not; every key stays listed, and survives a reopen.
+pub async fn signing_keys_rotation_and_publication(h: &dyn Harness) {
+    let s = h.store().await;
+    let other = h.second_handle().await;
+    assert!(s.active_signing_key().await.unwrap().is_none());
+    assert!(s.published_signing_keys(T0).await.unwrap().is_empty());
+
+    let first = s.ensure_signing_key(T0).await.unwrap();
+    let kid1 = first.kid().to_string();
+    assert_eq!(first.public().created_at_ms, T0);
+    // Making sure again, from either handle, finds the same key.
+    assert_eq!(
+        other.ensure_signing_key(T0 + MIN).await.unwrap().kid(),
+        kid1
+    );
+    assert_eq!(s.ensure_signing_key(T0 + MIN).await.unwrap().kid(), kid1);
+    assert_eq!(
+        other.active_signing_key().await.unwrap().unwrap().kid(),
+        kid1
+    );
+    assert_eq!(
+        published_kids(&*other, T0 + 1000 * HOUR).await,
+        vec![kid1.clone()]
+    );
+    let jwk = s.published_signing_keys(T0).await.unwrap()[0]
+        .jwk()
+        .unwrap();
+    assert_eq!(jwk.kid, kid1);
+
+    let retire_at = T0 + HOUR;
+    let rotation = other.rotate_signing_key(retire_at).await.unwrap();
+    let kid2 = rotation.active.kid().to_string();
+    assert_ne!(kid2, kid1);
+    let retired = rotation.retired.unwrap();
+    assert_eq!(retired.kid, kid1);
+    assert_eq!(retired.retired_at_ms, Some(retire_at));
+    assert_eq!(
+        retired.published_until_ms(),
+        Some(retire_at + PUBLISHED_AFTER_RETIREMENT_MS)
+    );
+    // Both handles sign with the new key from now on.
+    assert_eq!(s.active_signing_key().await.unwrap().unwrap().kid(), kid2);
+    assert_eq!(s.ensure_signing_key(retire_at).await.unwrap().kid(), kid2);
+    let until = retire_at + PUBLISHED_AFTER_RETIREMENT_MS;
+    for now in [retire_at, retire_at + MIN, until] {
+        assert_eq!(
+            published_kids(&*s, now).await,
+            vec![kid2.clone(), kid1.clone()],
+            "at {now}"
+        );
+    }
+    assert_eq!(published_kids(&*s, until + 1).await, vec![kid2.clone()]);
+    assert_eq!(
+        published_kids(&*other, until + HOUR).await,
+        vec![kid2.clone()]
+    );
+
+    let listed = s.signing_keys().await.unwrap();
+    assert_eq!(
+        listed
+            .iter()
+            .map(|k| (k.kid.as_str(), k.retired_at_ms))
+            .collect::<Vec<_>>(),
+        vec![(kid2.as_str(), None), (kid1.as_str(), Some(retire_at))]
+    );
+    drop((s, other));
+    let s = h.reopen().await;
+    assert_eq!(s.active_signing_key().await.unwrap().unwrap().kid(), kid2);
+    assert_eq!(s.signing_keys().await.unwrap().len(), 2);
+}
+
+/// Replicas starting together on an empty store each make sure of a key: one key results,
+/// active, and every one of them answers it. Rotations at the same time each retire the key
+/// before them: one active key remains, and every other is retired.
+pub async fn race_signing_keys(h: &dyn Harness) {
+    let sides = Sides::of(h).await;
+    let mut calls = Vec::new();
+    for i in 0..8 {
+        let (store, _) = sides.sides(i);
+        calls.push(tokio::spawn(async move {
+            store
+                .ensure_signing_key(T0)
+                .await
+                .unwrap()
+                .kid()
+                .to_string()
+        }));
+    }
+    let mut kids = Vec::new();
+    for c in calls {
+        kids.push(c.await.unwrap());
+    }
+    kids.dedup();
+    assert_eq!(kids.len(), 1, "{kids:?}");
+    let keys = sides.one.signing_keys().await.unwrap();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    assert_eq!(keys[0].retired_at_ms, None);
+
+    let mut rotations = Vec::new();
+    for i in 0..6 {
+        let (store, _) = sides.sides(i);
+        rotations.push(tokio::spawn(async move {
+            store
+                .rotate_signing_key(T0 + MIN)
+                .await
+                .unwrap()
+                .active
+                .kid()
+                .to_string()
+        }));
+    }
+    let mut new_kids = Vec::new();
+    for r in rotations {
+        new_kids.push(r.await.unwrap());
+    }
+    let keys = sides.two.signing_keys().await.unwrap();
+    assert_eq!(keys.len(), 7, "{keys:?}");
+    let active: Vec<_> = keys.iter().filter(|k| k.retired_at_ms.is_none()).collect();
+    assert_eq!(active.len(), 1, "{keys:?}");
+    assert!(new_kids.contains(&active[0].kid));
+    assert_eq!(
+        sides.one.active_signing_key().await.unwrap().unwrap().kid(),
+        active[0].kid
+    );
 }

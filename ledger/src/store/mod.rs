@@ -18,6 +18,7 @@ use atmost_protocol::{AuthorizeRequest, OutcomeAck, OutcomeReport};
 use crate::clock::Millis;
 use crate::decide::{Decision, ResolveInput};
 use crate::error::{LedgerError, ResolveError};
+use crate::keys::{Rotation, SigningKey};
 use crate::model::{Attempt, AttemptState, Permit};
 
 pub mod counters;
@@ -126,6 +127,15 @@ pub trait Decisions: Send + Sync {
 
     /// Expired leases → `uncertain`; receipts past retention → tombstones.
     async fn sweep(&self, now: Millis) -> Result<SweepReport, LedgerError>;
+
+    /// Makes sure one signing key is active, and answers it: when none is, a new key created
+    /// at `now` becomes it. Replicas starting together on one store end with one active key,
+    /// the same for all of them.
+    async fn ensure_signing_key(&self, now: Millis) -> Result<SigningKey, LedgerError>;
+
+    /// Retires the active signing key at `now` and makes a new one active, in one
+    /// transaction: there is never a moment without an active key, nor one with two.
+    async fn rotate_signing_key(&self, now: Millis) -> Result<Rotation, LedgerError>;
 }
 
 /// A store: its decisions, and the shared reads (a store provides them by running

@@ -13,8 +13,11 @@ use async_trait::async_trait;
 
 use crate::clock::Millis;
 use crate::error::LedgerError;
+use crate::keys::{PublicSigningKey, SigningKey, StoredSigningKey, PUBLISHED_AFTER_RETIREMENT_MS};
 use crate::model::{Attempt, AttemptState, BudgetTotals, Permit, PermitDetail, ToolUsage};
-use crate::store::rows::{to_u64, ATTEMPT_COLS, PERMIT_COLS};
+use crate::store::rows::{
+    to_u64, ATTEMPT_COLS, PERMIT_COLS, SIGNING_KEY_COLS, SIGNING_KEY_PUBLIC_COLS,
+};
 use crate::store::{AttemptFilter, PermitCounters};
 
 /// What a store spells its own way in the shared SQL.
@@ -51,6 +54,8 @@ pub enum RowShape {
     Count { keys: usize },
     /// `columns` BIGINT columns, each possibly NULL.
     Numbers { columns: usize },
+    /// The columns of [`SIGNING_KEY_COLS`] (the private key may be NULL).
+    SigningKey,
 }
 
 /// One statement of a read.
@@ -69,6 +74,7 @@ pub enum Rows {
     /// The key columns and the count of each row.
     Counts(Vec<(Vec<String>, i64)>),
     Numbers(Vec<Vec<Option<i64>>>),
+    SigningKeys(Vec<StoredSigningKey>),
 }
 
 impl Rows {
@@ -97,6 +103,13 @@ impl Rows {
         match self {
             Rows::Numbers(n) => Ok(n),
             other => Err(shape_mismatch("numbers", &other)),
+        }
+    }
+
+    fn signing_keys(self) -> Result<Vec<StoredSigningKey>, LedgerError> {
+        match self {
+            Rows::SigningKeys(k) => Ok(k),
+            other => Err(shape_mismatch("signing keys", &other)),
         }
     }
 }
@@ -318,6 +331,43 @@ impl ReadSql {
             rows: RowShape::Numbers { columns: 1 },
         }
     }
+
+    /// The active signing key, its private half included (at most one row: a unique index
+    /// holds the active keys).
+    pub fn active_signing_key(&self) -> Statement {
+        Statement {
+            sql: format!("SELECT {SIGNING_KEY_COLS} FROM signing_keys WHERE retired_at IS NULL"),
+            params: Vec::new(),
+            rows: RowShape::SigningKey,
+        }
+    }
+
+    /// The signing keys published at `now`, newest first, without their private halves:
+    /// the active one, and each retired one whose publication has not ended.
+    pub fn published_signing_keys(&self, now: Millis) -> Statement {
+        Statement {
+            sql: format!(
+                "SELECT {SIGNING_KEY_PUBLIC_COLS} FROM signing_keys \
+                 WHERE retired_at IS NULL OR retired_at >= {} ORDER BY created_at DESC, kid",
+                self.p(1)
+            ),
+            params: vec![Param::Int(
+                now.saturating_sub(PUBLISHED_AFTER_RETIREMENT_MS),
+            )],
+            rows: RowShape::SigningKey,
+        }
+    }
+
+    /// Every signing key, newest first, without their private halves.
+    pub fn signing_keys(&self) -> Statement {
+        Statement {
+            sql: format!(
+                "SELECT {SIGNING_KEY_PUBLIC_COLS} FROM signing_keys ORDER BY created_at DESC, kid"
+            ),
+            params: Vec::new(),
+            rows: RowShape::SigningKey,
+        }
+    }
 }
 
 /// Runs the statements of one read and answers their rows, one each.
@@ -400,6 +450,20 @@ pub trait Reads: Send + Sync {
 
     /// When the attempt that has been `uncertain` the longest turned so; `None` when none is.
     async fn oldest_uncertain(&self) -> Result<Option<Millis>, LedgerError>;
+
+    /// The signing key that signs now, `None` when no key is active. A row that does not
+    /// hold a usable key is [`LedgerError::Corrupt`].
+    async fn active_signing_key(&self) -> Result<Option<SigningKey>, LedgerError>;
+
+    /// The keys `GET /v1/keys` publishes at `now`, newest first: the active one, and every
+    /// retired one until its publication ends ([`PublicSigningKey::published_until_ms`]).
+    async fn published_signing_keys(
+        &self,
+        now: Millis,
+    ) -> Result<Vec<PublicSigningKey>, LedgerError>;
+
+    /// Every signing key ever made, newest first.
+    async fn signing_keys(&self) -> Result<Vec<PublicSigningKey>, LedgerError>;
 }
 
 #[async_trait]
@@ -537,6 +601,43 @@ impl<S: ReadQueries + ?Sized> Reads for S {
             .next()
             .and_then(|row| row.into_iter().next())
             .flatten())
+    }
+
+    async fn active_signing_key(&self) -> Result<Option<SigningKey>, LedgerError> {
+        let [rows] = run(self, [ReadSql::new(self.dialect()).active_signing_key()]).await?;
+        let mut active = rows.signing_keys()?;
+        if active.len() > 1 {
+            return Err(LedgerError::Invariant(format!(
+                "{} signing keys are active",
+                active.len()
+            )));
+        }
+        active
+            .pop()
+            .map(|row| SigningKey::from_stored(&row))
+            .transpose()
+    }
+
+    async fn published_signing_keys(
+        &self,
+        now: Millis,
+    ) -> Result<Vec<PublicSigningKey>, LedgerError> {
+        let statement = ReadSql::new(self.dialect()).published_signing_keys(now);
+        let [rows] = run(self, [statement]).await?;
+        Ok(rows
+            .signing_keys()?
+            .iter()
+            .map(StoredSigningKey::public)
+            .collect())
+    }
+
+    async fn signing_keys(&self) -> Result<Vec<PublicSigningKey>, LedgerError> {
+        let [rows] = run(self, [ReadSql::new(self.dialect()).signing_keys()]).await?;
+        Ok(rows
+            .signing_keys()?
+            .iter()
+            .map(StoredSigningKey::public)
+            .collect())
     }
 }
 

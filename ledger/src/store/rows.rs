@@ -47,6 +47,15 @@ pub const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerp
      a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note, a.round, a.capability_hash, \
      a.resolution_source, a.provider_answer, a.forwarded_key, a.arguments";
 
+/// The `signing_keys` columns, in the order a store reads them into a
+/// [`StoredSigningKey`](crate::keys::StoredSigningKey).
+pub const SIGNING_KEY_COLS: &str = "kid, public_key, private_pkcs8, created_at, retired_at";
+
+/// The same columns with NULL for the private key: every read but the active key's, so the
+/// private half leaves the store only to sign.
+pub const SIGNING_KEY_PUBLIC_COLS: &str =
+    "kid, public_key, CAST(NULL AS TEXT), created_at, retired_at";
+
 /// A count or amount as both stores keep it (SQL's signed 64-bit integer); larger is refused.
 pub fn to_i64(n: u64) -> Result<i64, LedgerError> {
     i64::try_from(n).map_err(|_| LedgerError::Invalid(format!("{n} is too large to store")))

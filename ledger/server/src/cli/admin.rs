@@ -1,14 +1,16 @@
-//! The admin commands (`permit …`, `attempts …`): each one request, its answer printed.
+//! The admin commands (`permit …`, `attempts …`, `keys …`): each one request, its answer
+//! printed.
 
-use super::args::{AttemptsCommand, PermitCommand};
+use super::args::{AttemptsCommand, KeysCommand, PermitCommand};
 use super::client::{urlencode, Client};
-use super::print::{opt, print_attempt, print_attempt_row, print_json, print_permit};
+use super::print::{opt, print_attempt, print_attempt_row, print_json, print_keys, print_permit};
 use super::CliError;
 use crate::api::{
-    AttemptListResponse, AttemptResponse, CreatePermitResponse, PermitListResponse, PermitResponse,
-    PermitShowResponse,
+    AttemptListResponse, AttemptResponse, CreatePermitResponse, KeyListResponse, KeyRotateResponse,
+    PermitListResponse, PermitResponse, PermitShowResponse, ReceiptExportResponse,
 };
 use atmost_ledger::decide::ResolveInput;
+use atmost_ledger::model::AttemptState;
 
 pub(super) fn run_permit(c: &Client, json: bool, cmd: PermitCommand) -> Result<(), CliError> {
     match cmd {
@@ -97,16 +99,7 @@ pub(super) fn run_attempts(c: &Client, json: bool, cmd: AttemptsCommand) -> Resu
             permit,
             limit,
         } => {
-            let mut q = Vec::new();
-            if let Some(s) = state {
-                q.push(("state", s.as_str().to_string()));
-            }
-            if let Some(p) = permit {
-                q.push(("permit", p));
-            }
-            if let Some(l) = limit {
-                q.push(("limit", l.to_string()));
-            }
+            let q = attempt_query(state, permit, limit);
             let (resp, raw): (AttemptListResponse, _) =
                 c.get(crate::api::ADMIN_ATTEMPTS_PATH, &q)?;
             if json {
@@ -118,6 +111,21 @@ pub(super) fn run_attempts(c: &Client, json: bool, cmd: AttemptsCommand) -> Resu
             );
             for a in &resp.attempts {
                 print_attempt_row(a);
+            }
+        }
+        AttemptsCommand::Export {
+            state,
+            permit,
+            limit,
+        } => {
+            let q = attempt_query(state, permit, limit);
+            let (resp, raw): (ReceiptExportResponse, _) =
+                c.get(crate::api::ADMIN_ATTEMPTS_EXPORT_PATH, &q)?;
+            if json {
+                return print_json(&raw);
+            }
+            for jws in &resp.receipts {
+                println!("{jws}");
             }
         }
         AttemptsCommand::Show { id } => {
@@ -157,6 +165,54 @@ pub(super) fn run_attempts(c: &Client, json: bool, cmd: AttemptsCommand) -> Resu
             }
             println!("attempt {} is now {}", resp.attempt.id, resp.attempt.state);
             print_attempt(&resp.attempt);
+        }
+    }
+    Ok(())
+}
+
+/// The query of `attempts list` and `attempts export`.
+fn attempt_query(
+    state: Option<AttemptState>,
+    permit: Option<String>,
+    limit: Option<u32>,
+) -> Vec<(&'static str, String)> {
+    let mut q = Vec::new();
+    if let Some(s) = state {
+        q.push(("state", s.as_str().to_string()));
+    }
+    if let Some(p) = permit {
+        q.push(("permit", p));
+    }
+    if let Some(l) = limit {
+        q.push(("limit", l.to_string()));
+    }
+    q
+}
+
+pub(super) fn run_keys(c: &Client, json: bool, cmd: KeysCommand) -> Result<(), CliError> {
+    match cmd {
+        KeysCommand::List => {
+            let (resp, raw): (KeyListResponse, _) = c.get(crate::api::ADMIN_KEYS_PATH, &[])?;
+            if json {
+                return print_json(&raw);
+            }
+            print_keys(&resp.keys);
+        }
+        KeysCommand::Rotate => {
+            let (resp, raw): (KeyRotateResponse, _) =
+                c.post(crate::api::ADMIN_KEYS_ROTATE_PATH, &serde_json::json!({}))?;
+            if json {
+                return print_json(&raw);
+            }
+            println!("key {} signs from now on", resp.key.kid);
+            if let Some(r) = &resp.retired {
+                println!(
+                    "key {} retired at {}, published until {}",
+                    r.kid,
+                    r.retired_at.as_deref().unwrap_or("-"),
+                    r.published_until.as_deref().unwrap_or("-")
+                );
+            }
         }
     }
     Ok(())

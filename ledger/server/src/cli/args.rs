@@ -43,6 +43,11 @@ pub enum Command {
         #[command(subcommand)]
         command: AttemptsCommand,
     },
+    /// List and rotate the ledger's signing keys (admin API).
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
+    },
     /// Check the filter's plugin configuration offline.
     Config {
         #[command(subcommand)]
@@ -135,6 +140,14 @@ pub struct LedgerArgs {
     /// start. Without it, nothing is looked up.
     #[arg(long, env = "ATMOST_RECONCILE_RULES")]
     pub reconcile_rules: Option<PathBuf>,
+    /// How long this replica signs with the active signing key it read before reading it
+    /// again, so a rotation made by another replica is picked up (its own at once).
+    #[arg(long, env = "ATMOST_SIGNING_KEY_REFRESH", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub signing_key_refresh: Duration,
+    /// The `iss` claim of the receipts `atmost attempts export` signs: a name for this ledger
+    /// that auditors will recognise.
+    #[arg(long, env = "ATMOST_RECEIPT_ISSUER", default_value = "atmost-ledger")]
+    pub receipt_issuer: String,
 }
 
 #[derive(Debug, Args)]
@@ -159,6 +172,16 @@ pub struct ClientArgs {
     /// Print the API's JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// List every signing key: its kid, status, when it was made, retired, and until when
+    /// `/v1/keys` publishes it.
+    List,
+    /// Retire the active signing key now and make a new one sign; the retired key stays
+    /// published until every signature it made has expired.
+    Rotate,
 }
 
 #[derive(Debug, Subcommand)]
@@ -268,6 +291,19 @@ pub enum AttemptsCommand {
     },
     /// Show one attempt.
     Show { id: String },
+    /// Print one signed receipt per attempt, one per line (a compact JWS, EdDSA, checked
+    /// against `/v1/keys`), newest first; the same filters as `list`.
+    Export {
+        /// Only this state.
+        #[arg(long, value_parser = |s: &str| s.parse::<AttemptState>())]
+        state: Option<AttemptState>,
+        /// Only this permit.
+        #[arg(long)]
+        permit: Option<String>,
+        /// At most this many (default 1000).
+        #[arg(long)]
+        limit: Option<u32>,
+    },
     /// Resolve an uncertain attempt after checking the provider.
     Resolve(ResolveArgs),
 }

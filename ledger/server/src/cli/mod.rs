@@ -7,14 +7,14 @@ mod print;
 mod serve;
 
 pub use args::{
-    AttemptsCommand, Cli, ClientArgs, Command, ConfigCommand, CreateArgs, LedgerArgs, LogFormat,
-    PermitCommand, ResolveArgs,
+    AttemptsCommand, Cli, ClientArgs, Command, ConfigCommand, CreateArgs, KeysCommand, LedgerArgs,
+    LogFormat, PermitCommand, ResolveArgs,
 };
 pub use client::Client;
 
 use thiserror::Error;
 
-use admin::{run_attempts, run_permit};
+use admin::{run_attempts, run_keys, run_permit};
 use serve::run_ledger;
 
 use atmost_ledger::error::LedgerError;
@@ -53,6 +53,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Attempts { command } => {
             run_attempts(&Client::new(&cli.client)?, cli.client.json, command)
         }
+        Command::Keys { command } => run_keys(&Client::new(&cli.client)?, cli.client.json, command),
         Command::Config {
             command: ConfigCommand::Check { file },
         } => match crate::config_check::check_file(&file) {

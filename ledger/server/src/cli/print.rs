@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use super::CliError;
-use crate::api::{AttemptView, PermitView};
+use crate::api::{AttemptView, KeyView, PermitView};
 use atmost_ledger::error::LedgerError;
 use atmost_ledger::model::CostRule;
 
@@ -129,5 +129,22 @@ pub(super) fn print_attempt(a: &AttemptView) {
         if let Some(answer) = &r.provider_answer {
             println!("provider   {answer}");
         }
+    }
+}
+
+/// One key per line, newest first, under a header.
+pub(super) fn print_keys(keys: &[KeyView]) {
+    let row = |kid: &str, status: &str, created: &str, retired: &str, until: &str| {
+        println!("{kid:<44} {status:<12} {created:<24} {retired:<24} {until}");
+    };
+    row("KID", "STATUS", "CREATED", "RETIRED", "PUBLISHED UNTIL");
+    for k in keys {
+        row(
+            &k.kid,
+            &k.status,
+            &k.created_at,
+            k.retired_at.as_deref().unwrap_or("-"),
+            k.published_until.as_deref().unwrap_or("-"),
+        );
     }
 }

@@ -47,10 +47,10 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
         .enable_all()
         .build()?;
     let store = rt.block_on(open_store(&args))?;
-    let state = Arc::new(AppState {
+    let state = Arc::new(AppState::new(
         store,
-        clock: Arc::new(SystemClock),
-        config: ServerConfig {
+        Arc::new(SystemClock),
+        ServerConfig {
             service_token: args.service_token,
             admin_token,
             lease: args.lease,
@@ -60,9 +60,13 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
                 stuck_after: args.inbox_stuck_after,
                 secure_cookies: args.inbox_secure_cookies,
             },
+            key_refresh: args.signing_key_refresh,
+            receipt_issuer: args.receipt_issuer,
         },
-        metrics: Arc::new(Metrics::new()?),
-    });
+        Arc::new(Metrics::new()?),
+    ));
+    // Replicas starting together on one store end with one key, the same for all.
+    rt.block_on(state.start_signing())?;
     rt.block_on(async move {
         let stop_signals = crate::drain::os_stop_signals()?;
         let listener = tokio::net::TcpListener::bind(args.listen).await?;

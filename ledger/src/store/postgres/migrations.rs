@@ -25,7 +25,8 @@ pub(super) struct Migration {
 /// Versioned migrations, applied in order, each once, recorded in `atmost_migrations`.
 /// Never edit a released one: add the next version. Versions 2 to 4 each changed what
 /// every writer must keep (counters, per-state counts, dispatch rounds), so each needs a
-/// ledger that knows it; 5 only added columns and indexes an older ledger leaves empty.
+/// ledger that knows it; 5 only added columns and indexes an older ledger leaves empty, and
+/// 6 a table an older ledger never reads.
 pub(super) const RELEASED: &[Migration] = &[
     Migration {
         version: 1,
@@ -158,6 +159,24 @@ CREATE INDEX attempts_uncertain ON attempts(updated_at) WHERE state = 'uncertain
 CREATE INDEX attempts_resolved ON attempts(resolved_at) WHERE resolved_at IS NOT NULL;
 "#,
     },
+    Migration {
+        version: 6,
+        compatible_from: 4,
+        description: "signing keys: Ed25519 keys shared by the replicas, one active",
+        // As in SQLite's version 6: the partial unique index admits one active key, so
+        // replicas starting together can never make two.
+        sql: r#"
+CREATE TABLE signing_keys (
+    kid           TEXT PRIMARY KEY,
+    public_key    TEXT NOT NULL,
+    private_pkcs8 TEXT NOT NULL,
+    created_at    BIGINT NOT NULL,
+    retired_at    BIGINT
+);
+CREATE UNIQUE INDEX signing_keys_one_active ON signing_keys((retired_at IS NULL))
+    WHERE retired_at IS NULL;
+"#,
+    },
 ];
 
 /// The rehearsal of the next schema version (feature `schema-rehearsal`, never released): an
@@ -167,8 +186,8 @@ CREATE INDEX attempts_resolved ON attempts(resolved_at) WHERE resolved_at IS NOT
 /// index.
 #[cfg(feature = "schema-rehearsal")]
 const NEXT: &[Migration] = &[Migration {
-    version: 6,
-    compatible_from: 5,
+    version: 7,
+    compatible_from: 6,
     description:
         "rehearsal: the deciding replica per attempt (nullable), attempts by permit and time",
     sql: r#"

@@ -33,6 +33,7 @@ mod decisions;
 mod errors;
 mod group_queue;
 mod group_tx;
+mod keys;
 mod migrations;
 mod options;
 mod outcomes;
@@ -58,6 +59,7 @@ use super::{Decisions, OutcomeResult, SweepReport};
 use crate::clock::Millis;
 use crate::decide::{self, DecideParams, Decision, ResolveInput, Snapshot};
 use crate::error::{LedgerError, ResolveError};
+use crate::keys::{Rotation, SigningKey};
 use crate::model::{Attempt, AttemptState, Permit};
 use crate::store::rows::ATTEMPT_COLS;
 use crate::token;
@@ -492,6 +494,37 @@ impl Decisions for PgStore {
             Ok(report)
         })
         .await
+    }
+
+    async fn ensure_signing_key(&self, now: Millis) -> Result<SigningKey, LedgerError> {
+        let (candidate, row) = SigningKey::generate(now)?;
+        let active = self
+            .timed(async |c: &mut deadpool_postgres::Object| {
+                let tx = c.transaction().await.map_err(pg_err)?;
+                keys::lock_keys(&tx).await?;
+                let active = keys::ensure_key(&tx, &row).await?;
+                tx.commit().await.map_err(pg_err)?;
+                Ok::<_, LedgerError>(active)
+            })
+            .await?;
+        if active.kid == candidate.kid() {
+            return Ok(candidate);
+        }
+        SigningKey::from_stored(&active)
+    }
+
+    async fn rotate_signing_key(&self, now: Millis) -> Result<Rotation, LedgerError> {
+        let (active, row) = SigningKey::generate(now)?;
+        let retired = self
+            .timed(async |c: &mut deadpool_postgres::Object| {
+                let tx = c.transaction().await.map_err(pg_err)?;
+                keys::lock_keys(&tx).await?;
+                let retired = keys::rotate_key(&tx, &row, now).await?;
+                tx.commit().await.map_err(pg_err)?;
+                Ok::<_, LedgerError>(retired)
+            })
+            .await?;
+        Ok(Rotation { active, retired })
     }
 }
 

@@ -8,6 +8,7 @@ use tokio_postgres::Row;
 use super::column_err;
 use super::pg_err;
 use crate::error::LedgerError;
+use crate::keys::{PrivateKeyText, StoredSigningKey};
 use crate::model::{Attempt, Permit};
 use crate::store::reads::{Param, RowShape, Rows, Statement};
 use crate::store::rows::{AttemptRow, PermitRow, ATTEMPT_COLS, PERMIT_COLS};
@@ -75,6 +76,23 @@ fn attempt_row(row: &Row) -> Result<AttemptRow, tokio_postgres::Error> {
 
 pub(super) fn read_attempt(row: &Row) -> Result<Attempt, LedgerError> {
     Attempt::try_from(attempt_row(row).map_err(column_err)?)
+}
+
+/// The columns of [`SIGNING_KEY_COLS`](crate::store::rows::SIGNING_KEY_COLS) as PostgreSQL
+/// returns them.
+pub(super) fn read_signing_key(row: &Row) -> Result<StoredSigningKey, LedgerError> {
+    let read = || -> Result<StoredSigningKey, tokio_postgres::Error> {
+        Ok(StoredSigningKey {
+            kid: row.try_get(0)?,
+            public_key: row.try_get(1)?,
+            private_pkcs8: row
+                .try_get::<_, Option<String>>(2)?
+                .map(PrivateKeyText::new),
+            created_at_ms: row.try_get(3)?,
+            retired_at_ms: row.try_get(4)?,
+        })
+    };
+    read().map_err(column_err)
 }
 
 /// Runs one query through the connection's statement cache (one round trip once prepared).
@@ -212,5 +230,8 @@ pub(super) async fn run_statement<C: GenericClient>(
                 .collect::<Result<_, tokio_postgres::Error>>()
                 .map_err(column_err)?,
         ),
+        RowShape::SigningKey => {
+            Rows::SigningKeys(rows.map(read_signing_key).collect::<Result<_, _>>()?)
+        }
     })
 }

@@ -117,10 +117,25 @@ CREATE INDEX IF NOT EXISTS attempts_uncertain ON attempts(updated_at) WHERE stat
 CREATE INDEX IF NOT EXISTS attempts_resolved ON attempts(resolved_at) WHERE resolved_at IS NOT NULL;
 "#;
 
-/// Version 6, the rehearsal of the next schema version (feature `schema-rehearsal`, never
-/// released): as PostgreSQL's version 6, additive.
+/// Version 6: the signing keys (see [`crate::keys`]). One row per key, its PKCS#8 document
+/// beside its public half; a partial unique index admits one active key (no `retired_at`),
+/// so processes sharing the file can never make two. Additive: an older ledger ignores it.
+pub(super) const MIGRATION_6: &str = r#"
+CREATE TABLE IF NOT EXISTS signing_keys (
+    kid           TEXT PRIMARY KEY,
+    public_key    TEXT NOT NULL,
+    private_pkcs8 TEXT NOT NULL,
+    created_at    INTEGER NOT NULL,
+    retired_at    INTEGER
+) WITHOUT ROWID;
+CREATE UNIQUE INDEX IF NOT EXISTS signing_keys_one_active ON signing_keys((retired_at IS NULL))
+    WHERE retired_at IS NULL;
+"#;
+
+/// Version 7, the rehearsal of the next schema version (feature `schema-rehearsal`, never
+/// released): as PostgreSQL's version 7, additive.
 #[cfg(feature = "schema-rehearsal")]
-const MIGRATION_6: &str = r#"
+const MIGRATION_7: &str = r#"
 ALTER TABLE attempts ADD COLUMN decided_by TEXT;
 CREATE INDEX IF NOT EXISTS attempts_by_permit_created ON attempts(permit_id, created_at);
 "#;
@@ -137,8 +152,9 @@ const COMPATIBLE_FROM: &[(i64, i64)] = &[
     (3, 3),
     (4, 4),
     (5, 4),
+    (6, 4),
     #[cfg(feature = "schema-rehearsal")]
-    (6, 5),
+    (7, 6),
 ];
 
 const COMPAT_TABLE: &str = "CREATE TABLE IF NOT EXISTS atmost_schema_compat (\
@@ -175,9 +191,12 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), LedgerError> {
     if version < 5 {
         tx.execute_batch(MIGRATION_5)?;
     }
-    #[cfg(feature = "schema-rehearsal")]
     if version < 6 {
         tx.execute_batch(MIGRATION_6)?;
+    }
+    #[cfg(feature = "schema-rehearsal")]
+    if version < 7 {
+        tx.execute_batch(MIGRATION_7)?;
     }
     for (v, compatible_from) in COMPATIBLE_FROM {
         tx.execute(

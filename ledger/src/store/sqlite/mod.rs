@@ -3,6 +3,7 @@
 //! which takes SQLite's write lock before the first read: check and reserve are atomic,
 //! also across processes sharing the file.
 
+mod keys;
 mod migrations;
 mod operations;
 mod rows;
@@ -25,6 +26,7 @@ use super::{Decisions, OutcomeResult, SweepReport};
 use crate::clock::Millis;
 use crate::decide::{self, DecideParams, Decision, Mutation, ResolveInput};
 use crate::error::{LedgerError, ResolveError};
+use crate::keys::{Rotation, SigningKey};
 use crate::model::{Attempt, AttemptState, Permit};
 use crate::store::rows::{ATTEMPT_COLS, ATTEMPT_NCOLS};
 use crate::token;
@@ -390,6 +392,25 @@ impl Decisions for SqliteStore {
             Ok(report)
         })
         .await
+    }
+
+    async fn ensure_signing_key(&self, now: Millis) -> Result<SigningKey, LedgerError> {
+        let (candidate, row) = SigningKey::generate(now)?;
+        let active = self
+            .write(move |tx: &GroupTx<'_>| keys::ensure_key(tx, row))
+            .await?;
+        if active.kid == candidate.kid() {
+            return Ok(candidate);
+        }
+        SigningKey::from_stored(&active)
+    }
+
+    async fn rotate_signing_key(&self, now: Millis) -> Result<Rotation, LedgerError> {
+        let (active, row) = SigningKey::generate(now)?;
+        let retired = self
+            .write(move |tx: &GroupTx<'_>| keys::rotate_key(tx, &row, now))
+            .await?;
+        Ok(Rotation { active, retired })
     }
 }
 

@@ -4,6 +4,7 @@
 use rusqlite::{params, Connection, OptionalExtension, Row, ToSql};
 
 use crate::error::LedgerError;
+use crate::keys::{PrivateKeyText, StoredSigningKey};
 use crate::model::{Attempt, Permit};
 use crate::store::reads::{Param, RowShape, Rows, Statement};
 use crate::store::rows::{AttemptRow, PermitRow, ATTEMPT_COLS, PERMIT_COLS};
@@ -49,6 +50,18 @@ pub(super) fn read_attempt(row: &Row<'_>) -> rusqlite::Result<AttemptRow> {
         provider_answer: row.get(22)?,
         forwarded_key: row.get(23)?,
         arguments: row.get(24)?,
+    })
+}
+
+/// The columns of [`SIGNING_KEY_COLS`](crate::store::rows::SIGNING_KEY_COLS) as SQLite
+/// returns them.
+pub(super) fn read_signing_key(row: &Row<'_>) -> rusqlite::Result<StoredSigningKey> {
+    Ok(StoredSigningKey {
+        kid: row.get(0)?,
+        public_key: row.get(1)?,
+        private_pkcs8: row.get::<_, Option<String>>(2)?.map(PrivateKeyText::new),
+        created_at_ms: row.get(3)?,
+        retired_at_ms: row.get(4)?,
     })
 }
 
@@ -137,6 +150,7 @@ pub(super) fn run_statement(conn: &Connection, s: &Statement) -> Result<Rows, Le
         RowShape::Numbers { columns } => Rows::Numbers(each_row(rows, |r| {
             Ok((0..columns).map(|i| r.get(i)).collect::<Result<_, _>>()?)
         })?),
+        RowShape::SigningKey => Rows::SigningKeys(each_row(rows, |r| Ok(read_signing_key(r)?))?),
     })
 }
 
