@@ -113,6 +113,15 @@ fn json_object(bytes: &[u8]) -> Result<Value, ConfigError> {
     })
 }
 
+/// `request_hold`, read alike in both roles.
+fn request_hold(top: &Obj<'_>) -> Result<RequestHold, ConfigError> {
+    match top.string("request_hold")?.as_deref() {
+        None | Some("headers") => Ok(RequestHold::Headers),
+        Some("body") => Ok(RequestHold::Body),
+        Some(_) => Err(err("request_hold", "must be `headers` or `body`")),
+    }
+}
+
 /// `denial_format`, read alike in both roles.
 fn denial_format(top: &Obj<'_>) -> Result<DenialFormat, ConfigError> {
     match top.string("denial_format")?.as_deref() {
@@ -599,11 +608,7 @@ impl Config {
             Some(_) => return Err(err("completion_reports", "must be `batched` or `per_call`")),
         };
         let tools_list_limits = top.boolean("tools_list_limits", false)?;
-        let request_hold = match top.string("request_hold")?.as_deref() {
-            None | Some("headers") => RequestHold::Headers,
-            Some("body") => RequestHold::Body,
-            Some(_) => return Err(err("request_hold", "must be `headers` or `body`")),
-        };
+        let request_hold = request_hold(&top)?;
 
         Ok(Config {
             ledger: LedgerConfig {

@@ -2,7 +2,8 @@
 //! server, refusing governed `tools/call`s without a valid dispatch signature
 //! (docs/signatures.md, "The verifier at the tool").
 
-use crate::{err, ConfigError, DenialFormat, Obj, ToolSet, DEFAULT_AUTHORITY, DEFAULT_MAX_BYTES};
+use crate::{err, ConfigError, DenialFormat, Obj, RequestHold, ToolSet};
+use crate::{DEFAULT_AUTHORITY, DEFAULT_MAX_BYTES};
 use crate::{DEFAULT_TIMEOUT_MS, MAX_MAX_BYTES};
 use atmost_protocol::signature::{Jwk, KEYS_PATH};
 use serde_json::{Map, Value};
@@ -22,9 +23,14 @@ pub const MAX_REPLAY_CACHE_ENTRIES: u64 = 4_194_304;
 pub const MAX_INLINE_KEYS: usize = 64;
 
 /// The top-level fields the verifier reads besides `role` and `verify`.
-pub const SHARED_FIELDS: [&str; 3] = ["governed_tools", "denial_format", "max_body_bytes"];
+pub const SHARED_FIELDS: [&str; 4] = [
+    "governed_tools",
+    "denial_format",
+    "max_body_bytes",
+    "request_hold",
+];
 /// The top-level fields only the gateway reads: refused in `role: "verify"`.
-pub const GATEWAY_ONLY_FIELDS: [&str; 9] = [
+pub const GATEWAY_ONLY_FIELDS: [&str; 8] = [
     "ledger",
     "permit_header",
     "key_required_tools",
@@ -33,7 +39,6 @@ pub const GATEWAY_ONLY_FIELDS: [&str; 9] = [
     "report_interval_ms",
     "completion_reports",
     "tools_list_limits",
-    "request_hold",
 ];
 
 /// The checked configuration of `role: "verify"`.
@@ -56,6 +61,12 @@ pub struct VerifyConfig {
     pub denial_format: DenialFormat,
     /// `max_body_bytes`: largest request body read.
     pub max_body_bytes: u64,
+    /// `request_hold` (`"headers"` | `"body"`, default `"headers"`): what of a POST is held
+    /// until its signature is checked. `headers`: the whole request, so nothing of a
+    /// refused call reaches the server (Envoy must allow it:
+    /// `allow_on_headers_stop_iteration: true`); `body`: the headers go on at once and only
+    /// the body is held, for deployments that cannot set that field (an Istio WasmPlugin).
+    pub request_hold: RequestHold,
 }
 
 /// One trusted public key.
@@ -152,6 +163,7 @@ pub(crate) fn parse(top: &Obj<'_>) -> Result<VerifyConfig, ConfigError> {
     }
     let denial_format = crate::denial_format(top)?;
     let max_body_bytes = top.integer("max_body_bytes", DEFAULT_MAX_BYTES, 1, MAX_MAX_BYTES)?;
+    let request_hold = crate::request_hold(top)?;
     Ok(VerifyConfig {
         keys,
         jwks,
@@ -160,6 +172,7 @@ pub(crate) fn parse(top: &Obj<'_>) -> Result<VerifyConfig, ConfigError> {
         governed_tools,
         denial_format,
         max_body_bytes,
+        request_hold,
     })
 }
 
@@ -277,6 +290,11 @@ mod tests {
         assert_eq!(c.governed_tools, ToolSet::All);
         assert_eq!(c.denial_format, crate::DenialFormat::Result);
         assert_eq!(c.max_body_bytes, 1_048_576);
+        assert_eq!(c.request_hold, crate::RequestHold::Headers);
+        let body = verify_config(
+            &json!({"role": "verify", "request_hold": "body", "verify": {"jwks": {"cluster": "l"}}}),
+        );
+        assert_eq!(body.request_hold, crate::RequestHold::Body);
     }
 
     #[test]
@@ -367,6 +385,7 @@ mod tests {
             (with(&["governed_tools"], json!([])), "governed_tools"),
             (with(&["denial_format"], json!("text")), "denial_format"),
             (with(&["max_body_bytes"], json!(0)), "max_body_bytes"),
+            (with(&["request_hold"], json!("none")), "request_hold"),
             (with(&["governd_tools"], json!(["*"])), "governd_tools"),
         ];
         for (v, field) in cases {

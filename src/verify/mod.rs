@@ -29,7 +29,7 @@ use crate::call::{
 use crate::parse::body_encoding;
 use crate::parse::mcp::{self, Message};
 use crate::stats::Stat;
-use atmost_config::VerifyConfig;
+use atmost_config::{RequestHold, VerifyConfig};
 use atmost_protocol::{Denial, DenialCode};
 use check::{Presented, Received, SignedHead};
 use keys::{KeySet, OnUnknown, Refresh};
@@ -312,7 +312,11 @@ impl VerifyCall {
             return too_large(self.config.max_body_bytes);
         }
         self.state = State::ReadingBody(Box::new((head, signed)));
-        Step::pause()
+        // `request_hold: body`: the headers go on; the body is held until the check.
+        match self.config.request_hold {
+            RequestHold::Headers => Step::pause(),
+            RequestHold::Body => Step::cont(),
+        }
     }
 
     pub fn on_request_body(&mut self, size: usize, end_of_stream: bool) -> BodyStep {

@@ -149,6 +149,8 @@ struct Tool {
     verifier: Verifier,
     store: MemorySlots,
     next_context: u32,
+    /// What the last request's headers were answered, when its body was read.
+    headers_flow: Option<Flow>,
 }
 
 impl Tool {
@@ -160,6 +162,7 @@ impl Tool {
             verifier,
             store,
             next_context: 1,
+            headers_flow: None,
         }
     }
 
@@ -170,9 +173,10 @@ impl Tool {
         let mut call = VerifyCall::new(Rc::clone(self.verifier.config()));
         let head = RequestHead::from_headers(headers.iter().cloned(), "", body.is_empty());
         let step = call.on_request_headers(head, SignedHead::from_headers(headers.iter().cloned()));
-        if step.flow == Flow::Continue || step_reply(&step).is_some() {
+        if call.state_name() != "reading_body" {
             return Verdict::Now(step);
         }
+        self.headers_flow = Some(step.flow);
         match call.on_request_body(body.len(), true) {
             BodyStep::Read { .. } => {}
             BodyStep::Done(step) => return Verdict::Now(step),
@@ -820,4 +824,25 @@ fn every_verifier_code_has_a_refusal_status() {
     ] {
         assert!((400..600).contains(&http_status(code)), "{code}");
     }
+}
+
+#[test]
+fn with_request_hold_body_the_headers_go_on_and_the_body_waits_for_the_check() {
+    let s = Signer::new(1);
+    let hold = |mode: &str| {
+        config(json!({
+            "role": "verify",
+            "request_hold": mode,
+            "verify": {"keys": {"keys": [s.jwk()]}},
+            "governed_tools": ["pay_invoice"],
+            "denial_format": "error"
+        }))
+    };
+    let mut tool = Tool::new(hold("body"));
+    verified(tool.send(&req(), &s));
+    assert_eq!(tool.headers_flow, Some(Flow::Continue));
+    assert_eq!(refused(tool.send(&req(), &s)).1, "signature_replayed");
+    let mut tool = Tool::new(hold("headers"));
+    verified(tool.send(&req(), &s));
+    assert_eq!(tool.headers_flow, Some(Flow::Pause));
 }
