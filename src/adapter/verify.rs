@@ -77,6 +77,7 @@ fn apply(metrics: &Metrics, step: Step) -> Flow {
 /// What the root shares with its HTTP contexts in this role.
 #[derive(Clone)]
 pub struct VerifyShared {
+    pub config: Rc<VerifyConfig>,
     pub verifier: Rc<RefCell<Verifier>>,
     pub metrics: Rc<Metrics>,
     pub doorbell: Option<u32>,
@@ -99,7 +100,8 @@ impl VerifyRoot {
         doorbell: Option<u32>,
         root_id: u32,
     ) -> Option<VerifyRoot> {
-        let verifier = Verifier::new(Rc::new(config));
+        let config = Rc::new(config);
+        let verifier = Verifier::new(Rc::clone(&config));
         verifier.cache().create_slots(&mut HostSlots);
         if let Some(jwks) = &verifier.config().jwks {
             let tick = jwks.refresh_ms.min(TICK_MS);
@@ -110,6 +112,7 @@ impl VerifyRoot {
         }
         let mut root = VerifyRoot {
             shared: VerifyShared {
+                config,
                 verifier: Rc::new(RefCell::new(verifier)),
                 metrics,
                 doorbell,
@@ -214,10 +217,9 @@ pub struct VerifyHttp {
 
 impl VerifyHttp {
     pub fn new(shared: VerifyShared, context_id: u32) -> VerifyHttp {
-        let config = Rc::clone(shared.verifier.borrow().config());
         VerifyHttp {
+            call: VerifyCall::new(Rc::clone(&shared.config)),
             shared,
-            call: VerifyCall::new(config),
             context_id,
         }
     }
