@@ -218,7 +218,7 @@ fn deny_step(config: &Config, denial: &Denial, id: &Value, tool: &str) -> Step {
     ))
 }
 
-fn bad_request(reply: LocalReply) -> Step {
+pub(crate) fn bad_request(reply: LocalReply) -> Step {
     Step::pause()
         .with(Effect::LocalReply(reply))
         .with(Effect::Count(Stat::BadRequest))
@@ -226,7 +226,7 @@ fn bad_request(reply: LocalReply) -> Step {
 
 /// A header named like one atmost reads, spelled otherwise: an upstream that reads `_` as
 /// `-` could take its value for the one atmost checked, so nothing of the request is sent.
-fn alias_refused(name: &str) -> Step {
+pub(crate) fn alias_refused(name: &str) -> Step {
     bad_request(LocalReply::rpc_error(
         400,
         None,
@@ -237,7 +237,7 @@ fn alias_refused(name: &str) -> Step {
     ))
 }
 
-fn too_large(max: u64) -> Step {
+pub(crate) fn too_large(max: u64) -> Step {
     bad_request(LocalReply::rpc_error(
         413,
         None,

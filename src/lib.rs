@@ -13,7 +13,9 @@
 //! - [`report`]: the root context's outcome reports (the after-the-fact queue and the
 //!   batch of completion reports whose responses are held);
 //! - [`ledger_client`]: the callouts to the ledger and reading its answers;
-//! - [`stats`]: the counters.
+//! - [`stats`]: the counters;
+//! - [`verify`]: the verifier at the tool (`role: "verify"`), which lets a governed call
+//!   through only with a valid dispatch signature by the ledger.
 //!
 //! The adapter (`src/adapter/`) only exists in the `wasm32` build: it turns Envoy's
 //! callbacks into calls on [`call::Call`] and [`report::Reporter`] and carries out the
@@ -27,6 +29,7 @@ pub mod ledger_client;
 pub mod parse;
 pub mod report;
 pub mod stats;
+pub mod verify;
 
 #[cfg(test)]
 mod test_config;

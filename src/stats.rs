@@ -77,6 +77,13 @@ stat_table! {
     /// One of Envoy's steering headers ([`crate::call::ENVOY_CONTROL_HEADERS`]) was removed
     /// from a request.
     ControlHeaderRemoved => "atmost_control_header_removed";
+    /// `role: "verify"`: a governed call whose dispatch signature verified; it went to the tool.
+    Verified => "atmost_verified";
+    /// `role: "verify"`: a fetch of the ledger's JWKS that answered a key set.
+    KeysRefreshed => "atmost_keys_refreshed";
+    /// `role: "verify"`: a fetch of the JWKS that failed (unreachable, timeout, not 200, not
+    /// a JWK Set); the keys of the last good fetch stay.
+    KeysRefreshFailed => "atmost_keys_refresh_failed";
 }
 
 impl Stat {

@@ -7,9 +7,15 @@
 //! echo a field's value (some are secrets).
 
 mod upstream_secret;
+mod verify;
 
 use serde_json::{Map, Value};
 pub use upstream_secret::UpstreamSecret;
+pub use verify::{JwksSource, VerifyConfig, VerifyKey};
+pub use verify::{
+    DEFAULT_MAX_SKEW_S, DEFAULT_REFRESH_MS, DEFAULT_REPLAY_CACHE_ENTRIES, GATEWAY_ONLY_FIELDS,
+    MAX_INLINE_KEYS, MAX_REPLAY_CACHE_ENTRIES, MAX_SKEW_S, MIN_REPLAY_CACHE_ENTRIES,
+};
 
 /// Default `permit_header`.
 pub const DEFAULT_PERMIT_HEADER: &str = "atmost-permit";
@@ -41,6 +47,89 @@ pub const HEADERS_ATMOST_READS: [&str; 9] = [
     "content-length",
     "content-encoding",
 ];
+
+/// What one plugin instance is, by its `role` (`"gateway"` by default, or `"verify"`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum PluginConfig {
+    /// `role: "gateway"` (or no `role`): asks the ledger before a governed call goes out.
+    Gateway(Config),
+    /// `role: "verify"`: in front of a tool server, refuses governed calls without a valid
+    /// dispatch signature.
+    Verify(VerifyConfig),
+}
+
+impl PluginConfig {
+    /// Parses and checks a configuration of either role; `*_env` secrets are read from the
+    /// process environment.
+    pub fn parse(bytes: &[u8]) -> Result<PluginConfig, ConfigError> {
+        PluginConfig::parse_with_env(bytes, &|name| std::env::var(name).ok())
+    }
+
+    /// [`PluginConfig::parse`] with the environment given.
+    pub fn parse_with_env(
+        bytes: &[u8],
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<PluginConfig, ConfigError> {
+        let root = json_object(bytes)?;
+        let Value::Object(map) = &root else {
+            return Err(err("", "must be a JSON object"));
+        };
+        let top = Obj { path: "", map };
+        match role(&top)? {
+            Role::Gateway => Config::parse_with_env(bytes, env).map(PluginConfig::Gateway),
+            Role::Verify => verify::parse(&top).map(PluginConfig::Verify),
+        }
+    }
+}
+
+/// `role`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Gateway,
+    Verify,
+}
+
+fn role(top: &Obj<'_>) -> Result<Role, ConfigError> {
+    match top.string("role")?.as_deref() {
+        None | Some("gateway") => Ok(Role::Gateway),
+        Some("verify") => Ok(Role::Verify),
+        Some(_) => Err(err("role", "must be `gateway` or `verify`")),
+    }
+}
+
+/// The configuration bytes as JSON; an empty or unreadable configuration is refused.
+fn json_object(bytes: &[u8]) -> Result<Value, ConfigError> {
+    if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+        return Err(err(
+            "",
+            "configuration is empty; `ledger.cluster` and `ledger.service_token` are required",
+        ));
+    }
+    serde_json::from_slice(bytes).map_err(|e| {
+        err(
+            "",
+            format!("not valid JSON (line {}, column {})", e.line(), e.column()),
+        )
+    })
+}
+
+/// `request_hold`, read alike in both roles.
+fn request_hold(top: &Obj<'_>) -> Result<RequestHold, ConfigError> {
+    match top.string("request_hold")?.as_deref() {
+        None | Some("headers") => Ok(RequestHold::Headers),
+        Some("body") => Ok(RequestHold::Body),
+        Some(_) => Err(err("request_hold", "must be `headers` or `body`")),
+    }
+}
+
+/// `denial_format`, read alike in both roles.
+fn denial_format(top: &Obj<'_>) -> Result<DenialFormat, ConfigError> {
+    match top.string("denial_format")?.as_deref() {
+        None | Some("result") => Ok(DenialFormat::Result),
+        Some("error") => Ok(DenialFormat::Error),
+        Some(_) => Err(err("denial_format", "must be `result` or `error`")),
+    }
+}
 
 /// The checked plugin configuration.
 #[derive(Debug, Clone, PartialEq)]
@@ -362,23 +451,25 @@ impl Config {
         bytes: &[u8],
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Config, ConfigError> {
-        if bytes.iter().all(|b| b.is_ascii_whitespace()) {
-            return Err(err(
-                "",
-                "configuration is empty; `ledger.cluster` and `ledger.service_token` are required",
-            ));
-        }
-        let root: Value = serde_json::from_slice(bytes).map_err(|e| {
-            err(
-                "",
-                format!("not valid JSON (line {}, column {})", e.line(), e.column()),
-            )
-        })?;
+        let root = json_object(bytes)?;
         let Value::Object(map) = &root else {
             return Err(err("", "must be a JSON object"));
         };
         let top = Obj { path: "", map };
+        if role(&top)? == Role::Verify {
+            return Err(err(
+                "role",
+                "is `verify`: this is a verifier's configuration, not a gateway's",
+            ));
+        }
+        if top.map.contains_key("verify") {
+            return Err(err(
+                "verify",
+                "is only used with role `verify`: remove it, or set `role` to `verify`",
+            ));
+        }
         top.refuse_unknown(&[
+            "role",
             "ledger",
             "permit_header",
             "governed_tools",
@@ -505,11 +596,7 @@ impl Config {
             }
         };
 
-        let denial_format = match top.string("denial_format")?.as_deref() {
-            None | Some("result") => DenialFormat::Result,
-            Some("error") => DenialFormat::Error,
-            Some(_) => return Err(err("denial_format", "must be `result` or `error`")),
-        };
+        let denial_format = denial_format(&top)?;
         let max_body_bytes = top.integer("max_body_bytes", DEFAULT_MAX_BYTES, 1, MAX_MAX_BYTES)?;
         let max_receipt_bytes =
             top.integer("max_receipt_bytes", DEFAULT_MAX_BYTES, 1, MAX_MAX_BYTES)?;
@@ -521,11 +608,7 @@ impl Config {
             Some(_) => return Err(err("completion_reports", "must be `batched` or `per_call`")),
         };
         let tools_list_limits = top.boolean("tools_list_limits", false)?;
-        let request_hold = match top.string("request_hold")?.as_deref() {
-            None | Some("headers") => RequestHold::Headers,
-            Some("body") => RequestHold::Body,
-            Some(_) => return Err(err("request_hold", "must be `headers` or `body`")),
-        };
+        let request_hold = request_hold(&top)?;
 
         Ok(Config {
             ledger: LedgerConfig {

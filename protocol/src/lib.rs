@@ -191,6 +191,26 @@ closed_set! {
         IdempotencyKeyExpired => "idempotency_key_expired", -31011;
         GatewayUnavailable => "gateway_unavailable", -31012;
         InvalidIdempotencyKey => "invalid_idempotency_key", -31013;
+        // The verifier at the tool (`role: "verify"`, docs/signatures.md): a governed call
+        // without a valid, fresh, unseen dispatch signature. Numbered from -31020 on.
+        /// No `atmost` signature (`Signature-Input` / `Signature` member).
+        SignatureMissing => "signature_missing", -31020;
+        /// The signature's headers or parameters are not the form the ledger writes.
+        SignatureMalformed => "signature_malformed", -31021;
+        /// `keyid` names no key the verifier knows, even after asking for the key set again.
+        SignatureKeyUnknown => "signature_key_unknown", -31022;
+        /// `created` is in the future or `expires` in the past, beyond the allowed skew.
+        SignatureOutsideValidity => "signature_outside_validity", -31023;
+        /// `Content-Digest` is not the SHA-256 of the body received.
+        ContentDigestMismatch => "content_digest_mismatch", -31024;
+        /// The Ed25519 signature does not verify over this request, or its nonce names
+        /// another tool than the body's `params.name`.
+        SignatureInvalid => "signature_invalid", -31025;
+        /// A signature already accepted (its nonce is in the replay cache).
+        SignatureReplayed => "signature_replayed", -31026;
+        /// The replay cache could not record the nonce (full of unexpired entries, or
+        /// contended): refused rather than accepted unrecorded.
+        ReplayCacheUnavailable => "replay_cache_unavailable", -31027;
     }
 }
 

@@ -10,6 +10,7 @@ mod host;
 mod http;
 mod root;
 mod shared;
+mod verify;
 
 use proxy_wasm::types::LogLevel;
 

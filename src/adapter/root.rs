@@ -4,10 +4,11 @@
 use super::host;
 use super::http::{Http, Refuse};
 use super::shared::Shared;
+use super::verify::{VerifyHttp, VerifyRoot};
 use crate::call::Level;
 use crate::ledger_client::{self, Callout};
 use crate::report::{self, Reporter, RootEffect, RootHost, Tasks};
-use atmost_config::Config;
+use atmost_config::{Config, PluginConfig};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType};
@@ -23,6 +24,8 @@ pub struct Root {
     shared: Option<Shared>,
     reporter: Rc<RefCell<Reporter>>,
     doorbell: Option<u32>,
+    /// `role: "verify"`: the verifier, in place of the gateway's `shared`.
+    verify: Option<VerifyRoot>,
 }
 
 /// A queue name no other VM of this vm_id uses ([`report::doorbell_queue_name`]), from WASI
@@ -76,6 +79,7 @@ impl Root {
             shared: None,
             reporter: Rc::new(RefCell::new(Reporter::new())),
             doorbell: None,
+            verify: None,
         }
     }
 
@@ -99,6 +103,10 @@ impl Context for Root {
         body_size: usize,
         _num_trailers: usize,
     ) {
+        if let Some(verify) = &mut self.verify {
+            verify.on_callout(token_id, num_headers, body_size);
+            return;
+        }
         let reply = host::callout_reply(num_headers, body_size);
         let tasks = self
             .reporter
@@ -115,23 +123,90 @@ impl RootContext for Root {
 
     fn on_configure(&mut self, plugin_configuration_size: usize) -> bool {
         let bytes = host::buffer(BufferType::PluginConfiguration, plugin_configuration_size);
-        let config = match Config::parse(&bytes) {
-            Ok(c) => c,
+        let config = match PluginConfig::parse(&bytes) {
+            Ok(PluginConfig::Gateway(c)) => c,
+            Ok(PluginConfig::Verify(c)) => {
+                // The verifier starts none of the gateway's machinery: no ledger reports.
+                let metrics = self.metrics();
+                self.ensure_doorbell();
+                self.shared = None;
+                self.verify = VerifyRoot::configure(c, metrics, self.doorbell, self.context_id);
+                return self.verify.is_some();
+            }
             Err(e) => {
                 host::log(Level::Error, &e.to_string());
                 return false;
             }
         };
-        let metrics = match &self.shared {
-            Some(s) => Rc::clone(&s.metrics),
-            None => Rc::new(host::Metrics::define()),
-        };
+        let metrics = self.metrics();
+        self.verify = None;
         if hostcalls::set_tick_period(Duration::from_millis(config.report_interval_ms)).is_err() {
             host::log(Level::Error, "atmost: could not set the tick period");
             return false;
         }
+        self.ensure_doorbell();
+        self.configure_gateway(config, metrics)
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        if self.doorbell != Some(queue_id) {
+            return;
+        }
+        for _ in 0..MAX_DOORBELL_DRAIN {
+            match hostcalls::dequeue_shared_queue(queue_id) {
+                Ok(Some(_)) => {}
+                _ => break,
+            }
+        }
+        if let Some(verify) = &mut self.verify {
+            verify.fetch_if_due();
+            return;
+        }
+        let tasks = self.reporter.borrow_mut().on_doorbell();
+        self.run(tasks);
+    }
+
+    fn on_tick(&mut self) {
+        if let Some(verify) = &mut self.verify {
+            verify.fetch_if_due();
+            return;
+        }
+        let tasks = self.reporter.borrow_mut().on_tick();
+        self.run(tasks);
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        // Returning None would panic in the SDK: without a configuration every request is
+        // refused instead.
+        if let Some(verify) = &self.verify {
+            return Some(Box::new(VerifyHttp::new(verify.shared.clone(), context_id)));
+        }
+        Some(match &self.shared {
+            Some(shared) => Box::new(Http::new(shared.clone(), context_id)),
+            None => Box::new(Refuse),
+        })
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+impl Root {
+    /// The counters, defined once per VM.
+    fn metrics(&self) -> Rc<host::Metrics> {
+        match (&self.shared, &self.verify) {
+            (Some(s), _) => Rc::clone(&s.metrics),
+            (None, Some(v)) => Rc::clone(&v.shared.metrics),
+            (None, None) => Rc::new(host::Metrics::define()),
+        }
+    }
+
+    /// Registers this VM's doorbell queue once: the root is rung by it (completion batches,
+    /// or fetches of the key set a verifier's call waits for).
+    fn ensure_doorbell(&mut self) {
         if self.doorbell.is_none() {
-            // Without a doorbell, waiting completion reports go out on the next tick.
+            // Without a doorbell, whatever waits for the root waits for the next tick.
             self.doorbell = match doorbell_name() {
                 Some(name) => match hostcalls::register_shared_queue(&name) {
                     Ok(id) => Some(id),
@@ -152,6 +227,9 @@ impl RootContext for Root {
                 }
             };
         }
+    }
+
+    fn configure_gateway(&mut self, config: Config, metrics: Rc<host::Metrics>) -> bool {
         self.reporter
             .borrow_mut()
             .configure(config.ledger.timeout_ms, config.report_interval_ms);
@@ -162,37 +240,5 @@ impl RootContext for Root {
             metrics,
         });
         true
-    }
-
-    fn on_queue_ready(&mut self, queue_id: u32) {
-        if self.doorbell != Some(queue_id) {
-            return;
-        }
-        for _ in 0..MAX_DOORBELL_DRAIN {
-            match hostcalls::dequeue_shared_queue(queue_id) {
-                Ok(Some(_)) => {}
-                _ => break,
-            }
-        }
-        let tasks = self.reporter.borrow_mut().on_doorbell();
-        self.run(tasks);
-    }
-
-    fn on_tick(&mut self) {
-        let tasks = self.reporter.borrow_mut().on_tick();
-        self.run(tasks);
-    }
-
-    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        // Returning None would panic in the SDK: without a configuration every request is
-        // refused instead.
-        Some(match &self.shared {
-            Some(shared) => Box::new(Http::new(shared.clone(), context_id)),
-            None => Box::new(Refuse),
-        })
-    }
-
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
     }
 }

@@ -16,12 +16,19 @@ GOOD = {
     "upstream_key": {"mode": "hmac", "secret": "demo-upstream-key-secret"},
 }
 
+# `role: "verify"`, its keys fetched from the ledger's cluster.
+VERIFY = {"role": "verify", "verify": {"jwks": {"cluster": "atmost_ledger"}}, "governed_tools": ["pay_invoice"]}
+
 BAD = [
     ("ledger.timeout_ms", {**GOOD, "ledger": {**GOOD["ledger"], "timeout_ms": 0}}),
     ("upstream_key.secret", {**GOOD, "upstream_key": {"mode": "hmac", "secret": "short"}}),
     ("denial_format", {**GOOD, "denial_format": "xml"}),
     ("ledger.cluster", {**GOOD, "ledger": {"service_token": "t"}}),
     ("governed_tool", {**GOOD, "governed_tool": ["pay_invoice"]}),  # a typo of governed_tools
+    # The verifier at the tool: a gateway setting in its configuration, and the reverse.
+    ("upstream_key", {**VERIFY, "upstream_key": {"mode": "off"}}),
+    ("verify", {**GOOD, "verify": VERIFY["verify"]}),
+    ("verify.jwks.refresh_ms", {**VERIFY, "verify": {"jwks": {"cluster": "atmost_ledger", "refresh_ms": 5}}}),
 ]
 
 
@@ -45,10 +52,11 @@ def config_check(tmp_path, plugin: dict):
     return result.returncode, result.stdout + result.stderr
 
 
-def test_good_config_is_accepted_by_envoy_and_by_the_check(tmp_path):
-    code, log = envoy_with_plugin_config(tmp_path, GOOD)
+@pytest.mark.parametrize("plugin", [GOOD, VERIFY], ids=["gateway", "verify"])
+def test_good_config_is_accepted_by_envoy_and_by_the_check(tmp_path, plugin):
+    code, log = envoy_with_plugin_config(tmp_path, plugin)
     assert code == 0, log[-2000:]
-    code, out = config_check(tmp_path, GOOD)
+    code, out = config_check(tmp_path, plugin)
     assert code == 0 and out.startswith("ok:"), out
 
 

@@ -4,19 +4,33 @@
 use std::io::Read;
 use std::path::Path;
 
-use atmost_config::{Config, ToolSet};
+use atmost_config::{PluginConfig, ToolSet};
+
+fn tools(set: &ToolSet) -> String {
+    match set {
+        ToolSet::All => "*".to_string(),
+        ToolSet::Only(names) => names.join(","),
+    }
+}
 
 /// What a check found: `Ok` with a one-line summary, or the filter's own error line.
 pub fn check_bytes(bytes: &[u8]) -> Result<String, String> {
-    match Config::parse(bytes) {
-        Ok(config) => Ok(format!(
+    match PluginConfig::parse(bytes) {
+        Ok(PluginConfig::Gateway(config)) => Ok(format!(
             "ok: ledger cluster `{}`, permit header `{}`, governed tools {}, denial format {:?}",
             config.ledger.cluster,
             config.permit_header,
-            match &config.governed_tools {
-                ToolSet::All => "*".to_string(),
-                ToolSet::Only(names) => names.join(","),
+            tools(&config.governed_tools),
+            config.denial_format
+        )),
+        Ok(PluginConfig::Verify(config)) => Ok(format!(
+            "ok: role verify, {} inline key(s), key set {}, governed tools {}, denial format {:?}",
+            config.keys.len(),
+            match &config.jwks {
+                Some(j) => format!("fetched from cluster `{}` at `{}`", j.cluster, j.path),
+                None => "not fetched".to_string(),
             },
+            tools(&config.governed_tools),
             config.denial_format
         )),
         Err(e) => Err(e.to_string()),
@@ -57,5 +71,20 @@ mod tests {
         );
         let line = bad.err().unwrap_or_default();
         assert!(line.contains("field `ledger.timeout_ms`"), "{line}");
+    }
+
+    #[test]
+    fn a_verifiers_config_is_checked_by_the_same_parser() {
+        let ok = check_bytes(br#"{"role":"verify","verify":{"jwks":{"cluster":"atmost_ledger"}}}"#);
+        assert!(
+            ok.as_deref()
+                .is_ok_and(|s| s.contains("role verify") && s.contains("atmost_ledger")),
+            "{ok:?}"
+        );
+        let bad = check_bytes(
+            br#"{"role":"verify","verify":{"jwks":{"cluster":"l"}},"upstream_key":{"mode":"off"}}"#,
+        );
+        let line = bad.err().unwrap_or_default();
+        assert!(line.contains("field `upstream_key`"), "{line}");
     }
 }
