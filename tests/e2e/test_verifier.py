@@ -22,15 +22,13 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from http_message_signatures import HTTPMessageSigner, HTTPSignatureKeyResolver, algorithms
 
 from tests.support.mcp_raw import RawMcp, tool_call
-from tests.support.stack import Envoy, wait_until
-
-from atmost_stack import listener_hcm  # noqa: E402  (on sys.path through tests.support.stack)
+from tests.support.stack import wait_until
+from tests.support.verifier import verifier_envoy
 
 GOVERNED = "pay_invoice"
 LIST = {"jsonrpc": "2.0", "id": "tl", "method": "tools/list", "params": {"_meta": {
@@ -107,25 +105,6 @@ class JwksServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
-
-
-def verifier_envoy(log_dir, upstream_port: int, jwks_port: int, plugin: dict, name: str) -> Envoy:
-    """The shipped sidecar's Envoy with the filter in `role: "verify"` in front of the MCP server:
-    its plugin JSON replaced by `plugin`, and its `atmost_ledger` cluster pointed at the JWKS server
-    (plain HTTP/1.1, no health check: the test server serves only the key set)."""
-    envoy = Envoy(log_dir, upstream_port, [jwks_port], name=name, wait_for_ledger=False,
-                  deployment_form="envoyfilter")
-    config = yaml.safe_load(envoy.config_path.read_text())
-    wasm = next(f for f in listener_hcm(config)["http_filters"] if f["name"] == "envoy.filters.http.wasm")
-    wasm_config = wasm["typed_config"]["config"]
-    wasm_config["configuration"]["value"] = json.dumps(plugin)
-    wasm_config["vm_config"].pop("environment_variables", None)
-    for cluster in config["static_resources"]["clusters"]:
-        if cluster["name"] == "atmost_ledger":
-            for field in ("health_checks", "common_lb_config", "typed_extension_protocol_options"):
-                cluster.pop(field, None)
-    envoy.config_path.write_text(yaml.safe_dump(config))
-    return envoy
 
 
 @pytest.fixture(scope="module")
