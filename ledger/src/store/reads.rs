@@ -16,7 +16,7 @@ use crate::error::LedgerError;
 use crate::keys::{PublicSigningKey, SigningKey, StoredSigningKey, PUBLISHED_AFTER_RETIREMENT_MS};
 use crate::model::{Attempt, AttemptState, BudgetTotals, Permit, PermitDetail, ToolUsage};
 use crate::store::rows::{
-    to_u64, ATTEMPT_COLS, PERMIT_COLS, SIGNING_KEY_COLS, SIGNING_KEY_PUBLIC_COLS,
+    to_u64, ATTEMPT_COLS, KEY_ORDER, PERMIT_COLS, SIGNING_KEY_COLS, SIGNING_KEY_PUBLIC_COLS,
 };
 use crate::store::{AttemptFilter, PermitCounters};
 
@@ -342,13 +342,14 @@ impl ReadSql {
         }
     }
 
-    /// The signing keys published at `now`, newest first, without their private halves:
-    /// the active one, and each retired one whose publication has not ended.
+    /// The signing keys published at `now`, without their private halves: the active one
+    /// first, then each retired one whose publication has not ended, last retired first
+    /// (keys made in the same millisecond still list in one order).
     pub fn published_signing_keys(&self, now: Millis) -> Statement {
         Statement {
             sql: format!(
                 "SELECT {SIGNING_KEY_PUBLIC_COLS} FROM signing_keys \
-                 WHERE retired_at IS NULL OR retired_at >= {} ORDER BY created_at DESC, kid",
+                 WHERE retired_at IS NULL OR retired_at >= {} ORDER BY {KEY_ORDER}",
                 self.p(1)
             ),
             params: vec![Param::Int(
@@ -358,12 +359,10 @@ impl ReadSql {
         }
     }
 
-    /// Every signing key, newest first, without their private halves.
+    /// Every signing key without their private halves, in [`Self::published_signing_keys`]'s order.
     pub fn signing_keys(&self) -> Statement {
         Statement {
-            sql: format!(
-                "SELECT {SIGNING_KEY_PUBLIC_COLS} FROM signing_keys ORDER BY created_at DESC, kid"
-            ),
+            sql: format!("SELECT {SIGNING_KEY_PUBLIC_COLS} FROM signing_keys ORDER BY {KEY_ORDER}"),
             params: Vec::new(),
             rows: RowShape::SigningKey,
         }

@@ -53,6 +53,9 @@ pub const SIGNING_KEY_COLS: &str = "kid, public_key, private_pkcs8, created_at, 
 
 /// The same columns with NULL for the private key: every read but the active key's, so the
 /// private half leaves the store only to sign.
+/// The order keys are listed in: the active key first, then the retired ones, last retired
+/// first; ties (keys made in one millisecond) broken by kid.
+pub const KEY_ORDER: &str = "retired_at IS NOT NULL, retired_at DESC, created_at DESC, kid";
 pub const SIGNING_KEY_PUBLIC_COLS: &str =
     "kid, public_key, CAST(NULL AS TEXT), created_at, retired_at";
 
