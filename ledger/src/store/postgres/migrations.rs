@@ -158,6 +158,17 @@ CREATE INDEX attempts_uncertain ON attempts(updated_at) WHERE state = 'uncertain
 CREATE INDEX attempts_resolved ON attempts(resolved_at) WHERE resolved_at IS NOT NULL;
 "#,
     },
+    Migration {
+        version: 6,
+        compatible_from: 4,
+        description: "where each attempt's forwarded key reached the upstream (its carriers)",
+        // As in SQLite's version 6: older attempts have none, which the reconciler takes as
+        // "reached no carrier", never as the header. Additive: an older ledger's upsert
+        // leaves the column as it was.
+        sql: r#"
+ALTER TABLE attempts ADD COLUMN forwarded_key_carriers TEXT;
+"#,
+    },
 ];
 
 /// The rehearsal of the next schema version (feature `schema-rehearsal`, never released): an
@@ -167,8 +178,8 @@ CREATE INDEX attempts_resolved ON attempts(resolved_at) WHERE resolved_at IS NOT
 /// index.
 #[cfg(feature = "schema-rehearsal")]
 const NEXT: &[Migration] = &[Migration {
-    version: 6,
-    compatible_from: 5,
+    version: 7,
+    compatible_from: 6,
     description:
         "rehearsal: the deciding replica per attempt (nullable), attempts by permit and time",
     sql: r#"

@@ -117,10 +117,18 @@ CREATE INDEX IF NOT EXISTS attempts_uncertain ON attempts(updated_at) WHERE stat
 CREATE INDEX IF NOT EXISTS attempts_resolved ON attempts(resolved_at) WHERE resolved_at IS NOT NULL;
 "#;
 
-/// Version 6, the rehearsal of the next schema version (feature `schema-rehearsal`, never
-/// released): as PostgreSQL's version 6, additive.
+/// Version 6: where each attempt's forwarded key reached the upstream (the `Idempotency-Key`
+/// header, `params._meta`, `params.idempotencyKey`), as the filter said: the carriers' names
+/// joined by `,`. Attempts written before have none, which the reconciler takes as "reached
+/// no carrier" and never as the header. Additive: an older ledger leaves the column alone.
+pub(super) const MIGRATION_6: &str = r#"
+ALTER TABLE attempts ADD COLUMN forwarded_key_carriers TEXT;
+"#;
+
+/// Version 7, the rehearsal of the next schema version (feature `schema-rehearsal`, never
+/// released): as PostgreSQL's version 7, additive.
 #[cfg(feature = "schema-rehearsal")]
-const MIGRATION_6: &str = r#"
+const MIGRATION_7: &str = r#"
 ALTER TABLE attempts ADD COLUMN decided_by TEXT;
 CREATE INDEX IF NOT EXISTS attempts_by_permit_created ON attempts(permit_id, created_at);
 "#;
@@ -137,8 +145,9 @@ const COMPATIBLE_FROM: &[(i64, i64)] = &[
     (3, 3),
     (4, 4),
     (5, 4),
+    (6, 4),
     #[cfg(feature = "schema-rehearsal")]
-    (6, 5),
+    (7, 6),
 ];
 
 const COMPAT_TABLE: &str = "CREATE TABLE IF NOT EXISTS atmost_schema_compat (\
@@ -175,9 +184,12 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), LedgerError> {
     if version < 5 {
         tx.execute_batch(MIGRATION_5)?;
     }
-    #[cfg(feature = "schema-rehearsal")]
     if version < 6 {
         tx.execute_batch(MIGRATION_6)?;
+    }
+    #[cfg(feature = "schema-rehearsal")]
+    if version < 7 {
+        tx.execute_batch(MIGRATION_7)?;
     }
     for (v, compatible_from) in COMPATIBLE_FROM {
         tx.execute(
