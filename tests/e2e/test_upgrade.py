@@ -40,8 +40,8 @@ from tests.support.recording_upstream import RecordingUpstream
 from tests.support.stack import ROOT, Envoy, Ledger, free_port, http_get, ledger_binary, wait_until
 
 UPSTREAM_SECRET = "upgrade-upstream-secret-0123456789"
-RELEASED_SCHEMA = 5
-NEXT_SCHEMA = 6
+RELEASED_SCHEMA = 6
+NEXT_SCHEMA = 7
 WORKERS = 4
 # Calls each replica must decide after a swap before the next step: both versions served.
 CALLS_PER_STEP = 40
@@ -231,7 +231,7 @@ def test_rolling_upgrade_to_the_next_schema_under_load(log_dir, data_root, datab
         b_next = swap(b, a, log_dir, database_url, schema, next_bin, envoy, started)
         running = [a, b_next]
         assert schema_versions(database_url, schema)[-1] == (NEXT_SCHEMA, RELEASED_SCHEMA)
-        assert '"migration applied"' in b_next.log_text() and '"version":6' in b_next.log_text()
+        assert '"migration applied"' in b_next.log_text() and f'"version":{NEXT_SCHEMA}' in b_next.log_text()
         a_before = total(authorize_counts(a))
         wait_decided(running, [a_before, 0], CALLS_PER_STEP, "the old and the new build both to decide calls")
         # Step 2: A is replaced too.
@@ -304,24 +304,24 @@ def test_compatibility_rule_between_builds(log_dir, data_root, database_url):
         upgraded.start()
         upgraded.stop()
         assert schema_versions(database_url, schema)[-1] == (NEXT_SCHEMA, RELEASED_SCHEMA)
-        # The current build (schema 5) on the database at 6, whose newest migration admits 5.
+        # The current build (schema 6) on the database at 7, whose newest migration admits 6.
         current = replica(log_dir, data_root / f"{schema}-c", database_url, schema, "ledger-compat-current")
         current.start()
         try:
             assert current.create_permit(label="compat")["token"]
             warning = [line for line in current.log_text().splitlines() if "newer schema" in line]
-            assert warning and '"database_version":6' in warning[-1] and '"known":5' in warning[-1], warning
+            assert warning and '"database_version":7' in warning[-1] and '"known":6' in warning[-1], warning
         finally:
             current.stop()
-        # A release after it applied a migration (7) that needs a ledger of schema 6 at least.
+        # A release after it applied a migration (8) that needs a ledger of schema 7 at least.
         psql(database_url, f"INSERT INTO {schema}.atmost_migrations (version, description, compatible_from) "
-                           f"VALUES (7, 'a contracting change', 6)")
+                           f"VALUES (8, 'a contracting change', 7)")
         refused = start_and_exit(ledger_binary(), database_url, schema, data_root / f"{schema}-r")
         assert refused.returncode == 3, (refused.returncode, refused.stderr)
-        assert ("atmost: schema too new: the database is at schema version 7 and needs a ledger that knows at "
-                "least 6; this ledger knows up to 5") in refused.stderr, refused.stderr
-        assert schema_versions(database_url, schema)[-1] == (7, 6)
-        # The next build knows 6: it may still serve there (with a warning).
+        assert ("atmost: schema too new: the database is at schema version 8 and needs a ledger that knows at "
+                "least 7; this ledger knows up to 6") in refused.stderr, refused.stderr
+        assert schema_versions(database_url, schema)[-1] == (8, 7)
+        # The next build knows 7: it may still serve there (with a warning).
         still = replica(log_dir, data_root / f"{schema}-n2", database_url, schema, "ledger-compat-next-2",
                         binary=next_bin)
         still.start()
@@ -331,7 +331,7 @@ def test_compatibility_rule_between_builds(log_dir, data_root, database_url):
             still.stop()
         assert still.proc is not None and still.proc.returncode == 0
         warning = [line for line in still.log_text().splitlines() if "newer schema" in line]
-        assert warning and '"database_version":7' in warning[-1] and '"known":6' in warning[-1], warning
+        assert warning and '"database_version":8' in warning[-1] and '"known":7' in warning[-1], warning
     finally:
         drop_schema(database_url, schema)
 
@@ -349,6 +349,6 @@ def test_released_build_has_no_rehearsal_migration(tmp_path):
     try:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == RELEASED_SCHEMA
         columns = [row[1] for row in conn.execute("PRAGMA table_info(attempts)")]
-        assert "decided_by" not in columns
+        assert "decided_by" not in columns and "forwarded_key_carriers" in columns
     finally:
         conn.close()
