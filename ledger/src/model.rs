@@ -366,7 +366,7 @@ pub struct Attempt {
     /// SHA-256 (hex) of the current round's capability; only a report carrying that
     /// capability moves the attempt. `None` for attempts stored before rounds existed.
     pub capability_hash: Option<String>,
-    /// The `Idempotency-Key` value the upstream received, as the filter said when it asked
+    /// The key's value the upstream received, as the filter said when it asked
     /// (for lookups at the provider; `None` without a key, under `upstream_key.mode: off`,
     /// or for attempts stored before it was kept).
     pub forwarded_key: Option<String>,

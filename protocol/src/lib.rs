@@ -54,8 +54,9 @@ pub struct AuthorizeRequest {
     /// under that attempt: no second slot, no second budget.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub continuation: bool,
-    /// The `Idempotency-Key` value the upstream receives if this call is dispatched, in the
-    /// gateway's `upstream_key` form (the HMAC-derived value by default, the raw key, or none
+    /// The key's value the upstream receives if this call is dispatched (in the carriers
+    /// [`forwarded_key_carriers`](Self::forwarded_key_carriers) names), in the gateway's
+    /// `upstream_key` form (the HMAC-derived value by default, the raw key, or none
     /// when the mode is `off` or the call has no key). The ledger keeps it with the attempt
     /// so an operator or a reconciler can look the call up at the provider. It is the
     /// filter's statement, for lookups only: the ledger cannot check it and decides nothing

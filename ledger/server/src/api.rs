@@ -186,7 +186,8 @@ pub struct AttemptView {
     pub replay_count: u64,
     pub pruned_at: Option<String>,
     pub resolution: Option<ResolutionView>,
-    /// The `Idempotency-Key` value the upstream received (search the provider for it).
+    /// The key's value the upstream received (search the provider for it, in the form
+    /// [`forwarded_key_carriers`](Self::forwarded_key_carriers) names).
     #[serde(default)]
     pub forwarded_key: Option<String>,
     /// Where the upstream received the forwarded key (`header`, `params._meta`,
@@ -231,7 +232,7 @@ impl AttemptView {
 pub fn key_carriers_text(forwarded_key: Option<&str>, carriers: KeyCarriers) -> String {
     match (forwarded_key, carriers.is_empty()) {
         (None, _) => "none".into(),
-        (Some(_), true) => "not recorded (taken as reaching no carrier)".into(),
+        (Some(_), true) => "none recorded (taken as reaching no carrier)".into(),
         (Some(_), false) => carriers
             .iter()
             .map(|c| c.as_str())

@@ -70,11 +70,11 @@ pub(super) fn print_permit(p: &PermitView) {
 }
 
 /// One line per attempt; the last column is where its forwarded key went (`-`: none was
-/// forwarded, `unrecorded`: the filter did not say).
+/// forwarded; `none`: a value with no carrier recorded).
 pub(super) fn print_attempt_row(a: &AttemptView) {
     let key_went = match (&a.forwarded_key, a.forwarded_key_carriers.is_empty()) {
         (None, _) => "-".to_string(),
-        (Some(_), true) => "unrecorded".to_string(),
+        (Some(_), true) => "none".to_string(),
         (Some(_), false) => a.forwarded_key_carriers.to_list(),
     };
     println!(

@@ -508,7 +508,8 @@ async fn the_attempt_shows_where_its_key_went_and_warns_when_the_lookup_form_cou
     let warned = meta_card.find("key-warning").unwrap();
     assert!(warned < meta_card.find("value=\"not_executed\"").unwrap());
     let unrecorded_card = card(&inbox, &unrecorded);
-    assert!(unrecorded_card.contains("not recorded"));
+    assert!(unrecorded_card
+        .contains(r#"<dd class="key-went">none recorded (taken as reaching no carrier)</dd>"#));
     assert!(unrecorded_card.contains(
         "did not record where this key went, so it may not have reached the provider in the Idempotency-Key header"
     ));
