@@ -658,6 +658,7 @@ impl Call {
             continuation: call.continuation,
             arguments: Value::Object(call.arguments),
             forwarded_key,
+            forwarded_key_carriers: self.forwarded_key_carriers(forwarded.as_deref(), &call.keys),
             dispatch: None,
         };
         let body = match serde_json::to_vec(&request) {

@@ -58,6 +58,8 @@ fn request(tok: &str, key: &str) -> AuthorizeRequest {
         continuation: false,
         // What the filter sends under the default upstream_key mode: a 64-hex value.
         forwarded_key: Some(token::sha256_hex(&format!("fwd:{key}"))),
+        forwarded_key_carriers: atmost_protocol::KeyCarriers::NONE
+            .with(atmost_protocol::KeyCarrier::Header),
         dispatch: None,
     }
 }

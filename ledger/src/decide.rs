@@ -119,6 +119,21 @@ pub fn valid_key(key: &str) -> bool {
     !key.is_empty() && key.len() <= MAX_KEY_LEN && !key.chars().any(char::is_control)
 }
 
+/// Checks what the filter states about the key it forwards, before anything is decided: the
+/// value must be one the ledger would accept as a key, and carriers come only with a value
+/// (a key that reached the upstream somewhere has a value to look it up by).
+pub fn check_forwarded(req: &AuthorizeRequest) -> Result<(), String> {
+    match &req.forwarded_key {
+        Some(k) if !valid_key(k) => Err(format!(
+            "forwarded_key must be 1 to {MAX_KEY_LEN} bytes without control characters"
+        )),
+        None if !req.forwarded_key_carriers.is_empty() => {
+            Err("forwarded_key_carriers needs a forwarded_key".into())
+        }
+        _ => Ok(()),
+    }
+}
+
 /// The cost of this call under the permit's rule for the tool.
 pub fn resolve_cost(rule: &CostRule, arguments: &Value) -> Result<u64, String> {
     let cost = match rule {
@@ -314,9 +329,12 @@ fn decide_under(
                 next.round = existing.round.saturating_add(1);
                 next.capability_hash = Some(token::sha256_hex(&params.new_capability));
                 // Same key, same permit: the same forwarded value, kept from the first round
-                // (an attempt stored before the value was kept learns it now).
+                // (an attempt stored before the value was kept learns it now). Where it went
+                // is kept with it, from the same round: a round that states no value says
+                // nothing about where an earlier round's value went.
                 if next.forwarded_key.is_none() {
                     next.forwarded_key = req.forwarded_key.clone();
+                    next.forwarded_key_carriers = req.forwarded_key_carriers;
                 }
                 return Decision {
                     response: AuthorizeResponse::Dispatch {
@@ -481,6 +499,7 @@ fn decide_under(
         round: 1,
         capability_hash: Some(token::sha256_hex(&params.new_capability)),
         forwarded_key: req.forwarded_key.clone(),
+        forwarded_key_carriers: req.forwarded_key_carriers,
         arguments: (!req.arguments.is_null()).then(|| req.arguments.to_string()),
     };
     Decision {

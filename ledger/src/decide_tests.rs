@@ -41,6 +41,7 @@ fn req(key: Option<&str>, fp: &str) -> AuthorizeRequest {
         key_required: false,
         continuation: false,
         forwarded_key: None,
+        forwarded_key_carriers: Default::default(),
         dispatch: None,
     }
 }
@@ -819,6 +820,75 @@ fn awaiting_input_continuation_dispatches_again_under_the_same_attempt() {
         Some(token::sha256_hex("cap-of-round-2")),
         "only the new round's capability is kept, hashed"
     );
+}
+
+/// A request whose filter forwards `value` in `carriers`.
+fn forwarded_in(mut r: AuthorizeRequest, value: &str, carriers: &[KeyCarrier]) -> AuthorizeRequest {
+    r.forwarded_key = Some(value.into());
+    r.forwarded_key_carriers = carriers.iter().copied().collect();
+    r
+}
+
+/// Where the forwarded key went is recorded with the value, from the same round: a new call
+/// takes both; a continuation keeps round 1's pair even when it says otherwise, and an
+/// attempt that had no value learns the pair together.
+#[test]
+fn the_forwarded_keys_carriers_travel_with_its_value() {
+    let reserved = |d: Decision| match d.mutation {
+        Mutation::Reserve(a) | Mutation::Update(a) => a,
+        other => panic!("expected a write of the attempt, got {other:?}"),
+    };
+    let r = forwarded_in(req(Some("k"), "fp"), "fwd-1", &[KeyCarrier::Meta]);
+    let new = reserved(decide(&r, &snap(permit()), &params()));
+    assert_eq!(new.forwarded_key.as_deref(), Some("fwd-1"));
+    assert_eq!(
+        new.forwarded_key_carriers,
+        KeyCarriers::NONE.with(KeyCarrier::Meta)
+    );
+
+    let mut s = snap(permit());
+    let mut waiting = attempt(AttemptState::AwaitingInput, Some("k"), "fp");
+    waiting.forwarded_key = Some("fwd-1".into());
+    waiting.forwarded_key_carriers = KeyCarriers::NONE.with(KeyCarrier::Meta);
+    s.existing = Some(waiting.clone());
+    let later = AuthorizeRequest {
+        continuation: true,
+        ..forwarded_in(req(Some("k"), "fp"), "fwd-2", &[KeyCarrier::Header])
+    };
+    let kept = reserved(decide(&later, &s, &params()));
+    assert_eq!(
+        (kept.forwarded_key.as_deref(), kept.forwarded_key_carriers),
+        (Some("fwd-1"), KeyCarriers::NONE.with(KeyCarrier::Meta))
+    );
+
+    // Round 1 stated nothing (an older filter): its carriers stay unknown, not the
+    // continuation's, while the value is learnt with the carriers it went in.
+    waiting.forwarded_key = None;
+    waiting.forwarded_key_carriers = KeyCarriers::NONE;
+    s.existing = Some(waiting);
+    let learnt = reserved(decide(&later, &s, &params()));
+    assert_eq!(
+        (
+            learnt.forwarded_key.as_deref(),
+            learnt.forwarded_key_carriers
+        ),
+        (Some("fwd-2"), KeyCarriers::NONE.with(KeyCarrier::Header))
+    );
+}
+
+#[test]
+fn carriers_without_a_forwarded_value_are_refused() {
+    let mut r = req(Some("k"), "fp");
+    assert_eq!(check_forwarded(&r), Ok(()));
+    r.forwarded_key_carriers = KeyCarriers::NONE.with(KeyCarrier::Header);
+    assert_eq!(
+        check_forwarded(&r),
+        Err("forwarded_key_carriers needs a forwarded_key".into())
+    );
+    r.forwarded_key = Some("fwd".into());
+    assert_eq!(check_forwarded(&r), Ok(()));
+    r.forwarded_key = Some(String::new());
+    assert!(check_forwarded(&r).is_err());
 }
 
 /// The attempt after its continuation was dispatched: round 2, in flight.

@@ -6,6 +6,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::clock::Millis;
+pub use atmost_protocol::{KeyCarrier, KeyCarriers};
 
 atmost_protocol::closed_set! {
     /// What the duplicate guard does with a new key whose fingerprint matches a recent attempt.
@@ -365,10 +366,15 @@ pub struct Attempt {
     /// SHA-256 (hex) of the current round's capability; only a report carrying that
     /// capability moves the attempt. `None` for attempts stored before rounds existed.
     pub capability_hash: Option<String>,
-    /// The `Idempotency-Key` value the upstream received, as the filter said when it asked
+    /// The key's value the upstream received, as the filter said when it asked
     /// (for lookups at the provider; `None` without a key, under `upstream_key.mode: off`,
     /// or for attempts stored before it was kept).
     pub forwarded_key: Option<String>,
+    /// Where the upstream received the forwarded key, as the filter said (kept with the
+    /// value, from the same round). Empty when it reached no carrier and when the filter did
+    /// not say (an older filter, an attempt stored before it was kept): either way no lookup
+    /// may take the key as having reached the provider in any form.
+    pub forwarded_key_carriers: KeyCarriers,
     /// `params.arguments` of the call as JSON text, as the filter sent them (shown redacted;
     /// dropped with the receipt past retention).
     pub arguments: Option<String>,
@@ -398,6 +404,7 @@ impl Attempt {
             round: 1,
             capability_hash: None,
             forwarded_key: None,
+            forwarded_key_carriers: KeyCarriers::NONE,
             arguments: None,
         }
     }

@@ -54,14 +54,23 @@ pub struct AuthorizeRequest {
     /// under that attempt: no second slot, no second budget.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub continuation: bool,
-    /// The `Idempotency-Key` value the upstream receives if this call is dispatched, in the
-    /// gateway's `upstream_key` form (the HMAC-derived value by default, the raw key, or none
+    /// The key's value the upstream receives if this call is dispatched (in the carriers
+    /// [`forwarded_key_carriers`](Self::forwarded_key_carriers) names), in the gateway's
+    /// `upstream_key` form (the HMAC-derived value by default, the raw key, or none
     /// when the mode is `off` or the call has no key). The ledger keeps it with the attempt
     /// so an operator or a reconciler can look the call up at the provider. It is the
     /// filter's statement, for lookups only: the ledger cannot check it and decides nothing
     /// on it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forwarded_key: Option<String>,
+    /// Where the upstream receives [`forwarded_key`](Self::forwarded_key) if this call is
+    /// dispatched: the carriers of the request as it leaves the gateway, not those the client
+    /// used. Empty when the key reaches the upstream nowhere (no key, `upstream_key.mode:
+    /// off`) and also when the filter does not say (a filter older than this field): the
+    /// ledger cannot tell the two apart and takes both as "the key reached no carrier",
+    /// never as the header, so nothing is looked up by a form the upstream may not have seen.
+    #[serde(default, skip_serializing_if = "KeyCarriers::is_empty")]
+    pub forwarded_key_carriers: KeyCarriers,
     /// The request as it will go upstream if dispatched: with it the ledger signs the
     /// dispatch ([`signature`]), and refuses to dispatch unsigned. Absent when the filter
     /// sends no signature (`request_hold: body`, where the headers leave first).
@@ -211,6 +220,96 @@ closed_set! {
         /// The replay cache could not record the nonce (full of unexpired entries, or
         /// contended): refused rather than accepted unrecorded.
         ReplayCacheUnavailable => "replay_cache_unavailable", -31027;
+    }
+}
+
+closed_set! {
+    /// A place in a `tools/call` request that carries the idempotency key (the header, or a
+    /// member of the body's `params`). Each has its bit in a [`KeyCarriers`] set.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+    pub enum KeyCarrier: bit -> u8 {
+        /// The `Idempotency-Key` header.
+        Header => "header", 1;
+        /// `params._meta["dev.atmost/idempotency-key"]`.
+        Meta => "params._meta", 2;
+        /// `params.idempotencyKey`.
+        IdempotencyKeyParam => "params.idempotencyKey", 4;
+    }
+}
+
+/// A set of [`KeyCarrier`]s, on the wire a JSON array of their names in table order
+/// (`["header", "params._meta"]`). Reading one, a repeated name counts once and an unknown
+/// name is refused.
+#[derive(Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct KeyCarriers(u8);
+
+impl std::fmt::Debug for KeyCarriers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.iter()).finish()
+    }
+}
+
+impl KeyCarriers {
+    /// No carrier.
+    pub const NONE: KeyCarriers = KeyCarriers(0);
+
+    pub fn is_empty(&self) -> bool {
+        self.0 == 0
+    }
+
+    pub fn contains(&self, carrier: KeyCarrier) -> bool {
+        self.0 & carrier.bit() != 0
+    }
+
+    /// This set and `carrier`.
+    #[must_use]
+    pub fn with(self, carrier: KeyCarrier) -> KeyCarriers {
+        KeyCarriers(self.0 | carrier.bit())
+    }
+
+    /// The carriers, in table order.
+    pub fn iter(&self) -> impl Iterator<Item = KeyCarrier> + '_ {
+        KeyCarrier::ALL.into_iter().filter(|c| self.contains(*c))
+    }
+
+    /// The names joined by `,` in table order (`""` when empty): how a store keeps the set in
+    /// one text column. No name holds a comma.
+    pub fn to_list(&self) -> String {
+        self.iter()
+            .map(KeyCarrier::as_str)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The inverse of [`to_list`](Self::to_list); `Err` names the first unknown name.
+    pub fn from_list(list: &str) -> Result<KeyCarriers, String> {
+        list.split(',')
+            .filter(|name| !name.is_empty())
+            .try_fold(KeyCarriers::NONE, |set, name| {
+                KeyCarrier::from_wire(name)
+                    .map(|c| set.with(c))
+                    .ok_or_else(|| format!("unknown key carrier {name:?}"))
+            })
+    }
+}
+
+impl FromIterator<KeyCarrier> for KeyCarriers {
+    fn from_iter<I: IntoIterator<Item = KeyCarrier>>(iter: I) -> Self {
+        iter.into_iter().fold(KeyCarriers::NONE, KeyCarriers::with)
+    }
+}
+
+impl Serialize for KeyCarriers {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.iter())
+    }
+}
+
+impl<'de> Deserialize<'de> for KeyCarriers {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Ok(Vec::<KeyCarrier>::deserialize(deserializer)?
+            .into_iter()
+            .collect())
     }
 }
 
@@ -434,6 +533,40 @@ mod tests {
         assert_eq!(r.as_ref().map(|r| r.continuation), Some(false));
         let json = r.map(|r| serde_json::to_value(&r).unwrap_or_default());
         assert_eq!(json.as_ref().and_then(|j| j.get("continuation")), None);
+    }
+
+    #[test]
+    fn key_carriers_travel_as_names_in_table_order_and_are_left_out_when_empty() {
+        let both: KeyCarriers = [KeyCarrier::IdempotencyKeyParam, KeyCarrier::Header]
+            .into_iter()
+            .collect();
+        assert_eq!(
+            serde_json::to_value(both).unwrap_or_default(),
+            serde_json::json!(["header", "params.idempotencyKey"])
+        );
+        let read: Option<KeyCarriers> =
+            serde_json::from_value(serde_json::json!(["params._meta", "header", "header"])).ok();
+        assert_eq!(
+            read.map(|c| c.iter().collect::<Vec<_>>()),
+            Some(vec![KeyCarrier::Header, KeyCarrier::Meta])
+        );
+        assert!(serde_json::from_value::<KeyCarriers>(serde_json::json!(["body"])).is_err());
+        assert_eq!(KeyCarriers::from_list(&both.to_list()), Ok(both));
+        assert_eq!(KeyCarriers::from_list(""), Ok(KeyCarriers::NONE));
+        assert!(KeyCarriers::from_list("header,cookie").is_err());
+
+        let v = serde_json::json!({"permit_token": "t", "tool": "x", "fingerprint": "f",
+                                   "forwarded_key": "k"});
+        let old: Option<AuthorizeRequest> = serde_json::from_value(v).ok();
+        assert_eq!(
+            old.as_ref().map(|r| r.forwarded_key_carriers),
+            Some(KeyCarriers::NONE)
+        );
+        let json = old.map(|r| serde_json::to_value(r).unwrap_or_default());
+        assert_eq!(
+            json.as_ref().and_then(|j| j.get("forwarded_key_carriers")),
+            None
+        );
     }
 
     fn limits() -> PermitLimits {

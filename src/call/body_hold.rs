@@ -26,6 +26,7 @@
 use super::*;
 use atmost_config::ToolSet;
 use atmost_protocol::token::permit_id_of;
+use atmost_protocol::KeyCarriers;
 
 /// What left with a POST's headers under `request_hold: body`.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,6 +36,9 @@ pub(super) struct Ahead {
     /// header left, or its form depends on no permit (`raw`, `off`, a header atmost could
     /// not read, which was removed).
     key_permit: Option<String>,
+    /// An `Idempotency-Key` header left with the headers (the key's upstream form); without
+    /// it a dispatch reaches the upstream with no key header, whatever the body carries.
+    key_header: bool,
     /// The upstream answered before the decision.
     answered_early: bool,
 }
@@ -70,6 +74,7 @@ impl Call {
         }
         self.ahead = Some(Ahead {
             key_permit,
+            key_header: matches!(key_effect, Some(Effect::SetRequestHeader(..))),
             answered_early: false,
         });
         self.state = State::ReadingBody(Box::new(head));
@@ -125,6 +130,23 @@ impl Call {
                 KEY_HEADER_FOR_A_PERMIT,
             ))
         })
+    }
+
+    /// Where the upstream receives the forwarded key if this call is dispatched, from what the
+    /// dispatch sends: the `Idempotency-Key` header is set by the dispatch under
+    /// `request_hold: headers`, while under `body` only a header that left with the headers is
+    /// there; the body members are rewritten to the forwarded value (or left as sent, `raw`).
+    pub(super) fn forwarded_key_carriers(
+        &self,
+        forwarded: Option<&ForwardedKey>,
+        body: &idempotency::BodyKeys,
+    ) -> KeyCarriers {
+        let key_header = self.ahead.as_ref().is_none_or(|a| a.key_header);
+        upstream_key::carriers(
+            forwarded.is_some_and(|f| f.value.is_some()),
+            key_header,
+            body,
+        )
     }
 
     /// Whether a dispatch under `permit_id` matches the key header that already left.

@@ -9,7 +9,9 @@
 //! A call without a key never carries an `Idempotency-Key` upstream.
 
 use crate::parse::fingerprint::hex;
+use crate::parse::idempotency::BodyKeys;
 use atmost_config::UpstreamKey;
+use atmost_protocol::{KeyCarrier, KeyCarriers};
 
 /// The permit id in the `hmac` derivation of traffic that passes without a ledger answer
 /// (messages other than `tools/call`, ungoverned tools). The filter cannot verify a permit
@@ -30,6 +32,21 @@ pub fn upstream_value(mode: &UpstreamKey, permit_id: &str, key: Option<&str>) ->
             b":",
             key.as_bytes(),
         ]))),
+    }
+}
+
+/// Where a dispatched call's upstream receives its forwarded key: nowhere when none is
+/// forwarded (no key, `off`); else in the `Idempotency-Key` header when `key_header` (the
+/// dispatch carries one), and in each body member that held the key, which the dispatch
+/// rewrites to the forwarded value (or, under `raw`, sends as it came).
+pub fn carriers(forwarded: bool, key_header: bool, body: &BodyKeys) -> KeyCarriers {
+    if !forwarded {
+        return KeyCarriers::NONE;
+    }
+    let body = body.carriers();
+    match key_header {
+        true => body.with(KeyCarrier::Header),
+        false => body,
     }
 }
 
@@ -60,5 +77,21 @@ mod tests {
         );
         assert_eq!(upstream_value(&UpstreamKey::Raw, "pmt_1", None), None);
         assert_eq!(upstream_value(&UpstreamKey::Off, "pmt_1", Some("k")), None);
+    }
+
+    #[test]
+    fn carriers_are_where_the_forwarded_key_goes() {
+        use crate::parse::idempotency::KeyField;
+        let meta_only = BodyKeys::from([KeyField::Present("k".into()), KeyField::Absent]);
+        let none = BodyKeys::from([KeyField::Absent, KeyField::Absent]);
+        let names = |c: KeyCarriers| c.iter().map(KeyCarrier::as_str).collect::<Vec<_>>();
+        assert_eq!(names(carriers(true, true, &none)), ["header"]);
+        assert_eq!(
+            names(carriers(true, true, &meta_only)),
+            ["header", "params._meta"]
+        );
+        assert_eq!(names(carriers(true, false, &meta_only)), ["params._meta"]);
+        assert!(carriers(true, false, &none).is_empty());
+        assert!(carriers(false, true, &meta_only).is_empty());
     }
 }

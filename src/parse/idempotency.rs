@@ -9,7 +9,7 @@
 //! each and names it in its refusals, and the rewrite for upstream
 //! ([`crate::parse::key_rewrite`]) finds each in the raw text. A new source is a new row.
 
-use atmost_protocol::{Denial, DenialCode};
+use atmost_protocol::{Denial, DenialCode, KeyCarrier, KeyCarriers};
 use serde_json::{Map, Value};
 
 /// A member of a message's `params` that may carry the idempotency key.
@@ -20,6 +20,8 @@ pub struct KeyMember {
     pub within: Option<&'static str>,
     /// The key member's name.
     pub name: &'static str,
+    /// How the ledger names this place when it records where a forwarded key went.
+    pub carrier: KeyCarrier,
 }
 
 /// Every member of a message's body that may carry the idempotency key, in the order
@@ -28,11 +30,13 @@ pub const BODY_KEY_SOURCES: [KeyMember; 2] = [
     KeyMember {
         within: Some("_meta"),
         name: "dev.atmost/idempotency-key",
+        carrier: KeyCarrier::Meta,
     },
     // The form proposed for MCP itself (SEP-3182): a string beside `name` and `arguments`.
     KeyMember {
         within: None,
         name: "idempotencyKey",
+        carrier: KeyCarrier::IdempotencyKeyParam,
     },
 ];
 
@@ -113,6 +117,14 @@ impl BodyKeys {
     /// Some member holds a string.
     pub fn any_present(&self) -> bool {
         self.0.iter().any(|f| matches!(f, KeyField::Present(_)))
+    }
+
+    /// The carriers of the members that hold a string.
+    pub fn carriers(&self) -> KeyCarriers {
+        self.iter()
+            .filter(|(_, f)| matches!(f, KeyField::Present(_)))
+            .map(|(source, _)| source.carrier)
+            .collect()
     }
 }
 

@@ -27,7 +27,13 @@ RULE_NAME = "example-payments"
 LOOKUP_TOKEN = "lookup-credential-for-tests"
 
 
-def write_rules(path, mcp_server, timeout: str = "1s"):
+def write_rules(path, mcp_server, timeout: str = "1s", authoritative: bool | None = True):
+    """The example server's rule: `lookup_payment` finds a payment by the Idempotency-Key header its
+    `pay_invoice` call carried (the default `lookup.key_carrier`). It sees every such call as soon as
+    it ran, so its "not found" is authoritative; `authoritative=None` leaves the field to its default."""
+    answer = {"pointer": "/status", "executed": ["executed"], "not_executed": ["not_found"]}
+    if authoritative is not None:
+        answer["not_found_authoritative"] = authoritative
     path.write_text(json.dumps({
         "delay": "300ms", "interval": "100ms", "timeout": timeout, "backoff_max": "1s", "concurrency": 2,
         "rules": [{
@@ -35,7 +41,7 @@ def write_rules(path, mcp_server, timeout: str = "1s"):
             "tool": "pay_invoice",
             "server": {"url": mcp_server.url + "/mcp", "credentials": {"env": "EXAMPLE_LOOKUP_TOKEN"}},
             "lookup": {"tool": "lookup_payment", "arguments": {"idempotency_key": "{{forwarded_key}}"}},
-            "answer": {"pointer": "/status", "executed": ["executed"], "not_executed": ["not_found"]},
+            "answer": answer,
         }],
     }))
     return path
@@ -80,13 +86,16 @@ def lookups(ledger: Ledger, result: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def uncertain_via_service_api(ledger: Ledger, permit: dict, forwarded_key: str, amount: int) -> str:
-    """Sent and lost, as a filter reports it: authorize with the forwarded key, then `uncertain`."""
+def uncertain_via_service_api(ledger: Ledger, permit: dict, forwarded_key: str, amount: int,
+                              carriers: list[str] | None = None) -> str:
+    """Sent and lost, as a filter reports it: authorize with the forwarded key (in the
+    Idempotency-Key header unless `carriers` says otherwise), then `uncertain`."""
     svc = {"authorization": f"Bearer {ledger.service_token}"}
     d = httpx.post(ledger.url + "/v1/authorize", headers=svc, timeout=10, json={
         "permit_token": permit["token"], "tool": "pay_invoice", "idempotency_key": new_key(),
         "fingerprint": f"f-{forwarded_key}", "arguments": {"invoice": "INV-NEVER", "amount": amount},
-        "forwarded_key": forwarded_key}).json()
+        "forwarded_key": forwarded_key,
+        "forwarded_key_carriers": ["header"] if carriers is None else carriers}).json()
     report = {"attempt_id": d["attempt_id"], "round": d["round"], "capability": d["capability"],
               "outcome": "uncertain", "reason": "upstream_reset"}
     assert httpx.post(ledger.url + "/v1/outcomes", headers=svc, timeout=10,

@@ -40,8 +40,8 @@ from tests.support.recording_upstream import RecordingUpstream
 from tests.support.stack import ROOT, Envoy, Ledger, free_port, http_get, ledger_binary, wait_until
 
 UPSTREAM_SECRET = "upgrade-upstream-secret-0123456789"
-RELEASED_SCHEMA = 6
-NEXT_SCHEMA = 7
+RELEASED_SCHEMA = 7
+NEXT_SCHEMA = 8
 WORKERS = 4
 # Calls each replica must decide after a swap before the next step: both versions served.
 CALLS_PER_STEP = 40
@@ -353,6 +353,6 @@ def test_released_build_has_no_rehearsal_migration(tmp_path):
     try:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == RELEASED_SCHEMA
         columns = [row[1] for row in conn.execute("PRAGMA table_info(attempts)")]
-        assert "decided_by" not in columns
+        assert "decided_by" not in columns and "forwarded_key_carriers" in columns
     finally:
         conn.close()

@@ -239,6 +239,9 @@ def test_each_attempt_records_the_key_its_upstream_received(request, mode, upstr
     [attempt] = ledger.cli_json("attempts", "list", "--permit", permit["id"])["attempts"]
     shown = ledger.cli_json("attempts", "show", attempt["id"])["attempt"]
     assert shown["forwarded_key"] == (sent[0] if sent else None)
+    # The key went in the header only (the body carried none), and nowhere under `off`.
+    assert shown["forwarded_key_carriers"] == (["header"] if sent else [])
     assert shown["arguments"] == body["params"]["arguments"]
     text = ledger.cli("attempts", "show", attempt["id"]).stdout
     assert f"fwd key    {sent[0] if sent else 'none sent'}" in text, text
+    assert f"key went   {'header' if sent else 'none'}" in text, text

@@ -9,7 +9,8 @@ use crate::redact::Redaction;
 use atmost_ledger::clock::{self, Millis};
 use atmost_ledger::keys::PublicSigningKey;
 use atmost_ledger::model::{
-    Attempt, AttemptState, CallRules, Permit, PermitDetail, Resolution, ResolutionSource,
+    Attempt, AttemptState, CallRules, KeyCarriers, Permit, PermitDetail, Resolution,
+    ResolutionSource,
 };
 
 pub const ADMIN_PERMITS_PATH: &str = "/admin/v1/permits";
@@ -189,9 +190,16 @@ pub struct AttemptView {
     pub replay_count: u64,
     pub pruned_at: Option<String>,
     pub resolution: Option<ResolutionView>,
-    /// The `Idempotency-Key` value the upstream received (search the provider for it).
+    /// The key's value the upstream received (search the provider for it, in the form
+    /// [`forwarded_key_carriers`](Self::forwarded_key_carriers) names).
     #[serde(default)]
     pub forwarded_key: Option<String>,
+    /// Where the upstream received the forwarded key (`header`, `params._meta`,
+    /// `params.idempotencyKey`), as the filter said. Empty: it reached no carrier, or the
+    /// filter did not say (one older than this field); the reconciler takes both as "not
+    /// reached".
+    #[serde(default)]
+    pub forwarded_key_carriers: KeyCarriers,
     /// The call's arguments, configured fields redacted (`None` once pruned, or for an
     /// attempt stored before arguments were kept).
     #[serde(default)]
@@ -217,8 +225,23 @@ impl AttemptView {
             pruned_at: a.pruned_at_ms.map(clock::rfc3339),
             resolution: a.resolution.as_ref().map(ResolutionView::from),
             forwarded_key: a.forwarded_key.clone(),
+            forwarded_key_carriers: a.forwarded_key_carriers,
             arguments: a.arguments.as_deref().map(|t| redaction.show(t)),
         }
+    }
+}
+
+/// Where an attempt's forwarded key went, in words for people (the CLI, the inbox): the
+/// carriers' names, `none` when no key was forwarded, or that the filter did not say.
+pub fn key_carriers_text(forwarded_key: Option<&str>, carriers: KeyCarriers) -> String {
+    match (forwarded_key, carriers.is_empty()) {
+        (None, _) => "none".into(),
+        (Some(_), true) => "none recorded (taken as reaching no carrier)".into(),
+        (Some(_), false) => carriers
+            .iter()
+            .map(|c| c.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
     }
 }
 

@@ -600,6 +600,51 @@ async fn the_forwarded_key_is_kept_and_shown_and_a_bad_one_refused() {
     let id = d["attempt_id"].as_str().unwrap();
     let (_, a) = s.get(&format!("/admin/v1/attempts/{id}"), Some(ADM)).await;
     assert_eq!(a["attempt"]["forwarded_key"], Value::Null);
+    assert_eq!(a["attempt"]["forwarded_key_carriers"], json!([]));
+}
+
+/// Where the upstream received the forwarded key is kept and shown with it; carriers without
+/// a value, or a carrier the ledger does not know, are refused and nothing is reserved.
+#[tokio::test]
+async fn the_forwarded_keys_carriers_are_kept_and_shown_and_bad_ones_refused() {
+    let s = start().await;
+    let (pid, tok) = s
+        .create_permit(json!({"label": "a", "expires": "1h", "max_calls": {"pay": 1}}))
+        .await;
+    let call = |forwarded: Value, carriers: Value| {
+        json!({"permit_token": tok, "tool": "pay", "idempotency_key": "k", "fingerprint": "fp",
+               "forwarded_key": forwarded, "forwarded_key_carriers": carriers})
+    };
+    for (forwarded, carriers) in [
+        (Value::Null, json!(["header"])),
+        (json!("fwd"), json!(["cookie"])),
+        (json!("fwd"), json!("header")),
+    ] {
+        let (st, v) = s
+            .post(
+                "/v1/authorize",
+                Some(SVC),
+                call(forwarded, carriers.clone()),
+            )
+            .await;
+        assert_eq!(st, 400, "{carriers} → {v}");
+    }
+    let (_, shown) = s.get(&format!("/admin/v1/permits/{pid}"), Some(ADM)).await;
+    assert_eq!(shown["usage"]["pay"]["calls_made"], 0);
+    let (st, d) = s
+        .post(
+            "/v1/authorize",
+            Some(SVC),
+            call(json!("fwd"), json!(["params.idempotencyKey", "header"])),
+        )
+        .await;
+    assert_eq!((st, &d["decision"]), (200, &json!("dispatch")), "{d}");
+    let id = d["attempt_id"].as_str().unwrap();
+    let (_, a) = s.get(&format!("/admin/v1/attempts/{id}"), Some(ADM)).await;
+    assert_eq!(
+        a["attempt"]["forwarded_key_carriers"],
+        json!(["header", "params.idempotencyKey"])
+    );
 }
 
 #[tokio::test]

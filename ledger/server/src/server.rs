@@ -268,15 +268,8 @@ async fn authorize(
         Ok(b) => b,
         Err(r) => return json_rejection(r),
     };
-    if req
-        .forwarded_key
-        .as_deref()
-        .is_some_and(|k| !decide::valid_key(k))
-    {
-        return bad_request(format!(
-            "forwarded_key must be 1 to {} bytes without control characters",
-            decide::MAX_KEY_LEN
-        ));
+    if let Err(why) = decide::check_forwarded(&req) {
+        return bad_request(why);
     }
     if let Err(e) = signing::check_dispatch(&req) {
         return bad_request(e.to_string());

@@ -56,6 +56,7 @@ mod postgres_outage {
             key_required: false,
             continuation: false,
             forwarded_key: None,
+            forwarded_key_carriers: Default::default(),
             dispatch: None,
         }
     }

@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use async_trait::async_trait;
 use atmost_protocol::{
-    AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, DispatchGrant, Outcome, OutcomeAck,
-    OutcomeReport,
+    AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, DispatchGrant, KeyCarrier,
+    KeyCarriers, Outcome, OutcomeAck, OutcomeReport,
 };
 use serde_json::{json, Value};
 
@@ -100,6 +100,7 @@ pub fn req(tok: &str, tool: &str, key: Option<&str>, fp: &str, args: Value) -> A
         key_required: false,
         continuation: false,
         forwarded_key: None,
+        forwarded_key_carriers: Default::default(),
         dispatch: None,
     }
 }
@@ -1858,14 +1859,26 @@ pub async fn permit_limits_in_answers(h: &dyn Harness) {
     assert_eq!((counters.reserved, counters.spent), (0, 30));
 }
 
+/// The request of a filter that forwards `forwarded` in the `Idempotency-Key` header.
 fn forwarding(mut r: AuthorizeRequest, forwarded: &str) -> AuthorizeRequest {
     r.forwarded_key = Some(forwarded.into());
+    r.forwarded_key_carriers = KeyCarriers::NONE.with(KeyCarrier::Header);
     r
 }
 
-/// The reconciliation inbox's reads: every attempt keeps the key its upstream received and
-/// its arguments (a continuation keeps the first round's key; past retention the arguments
-/// go with the receipt); `open_attempts` lists `uncertain` attempts and `awaiting_input`
+/// The same request with the forwarded key in `carriers` instead.
+fn carried_in(mut r: AuthorizeRequest, carriers: &[KeyCarrier]) -> AuthorizeRequest {
+    r.forwarded_key_carriers = carriers.iter().copied().collect();
+    r
+}
+
+fn carriers_of(a: &crate::model::Attempt) -> Vec<KeyCarrier> {
+    a.forwarded_key_carriers.iter().collect()
+}
+
+/// The reconciliation inbox's reads: every attempt keeps the key its upstream received, where
+/// it went, and its arguments (a continuation keeps the first round's key and carriers; past
+/// retention the arguments go with the receipt); `open_attempts` lists `uncertain` attempts and `awaiting_input`
 /// ones stuck since the given time, oldest first; `resolved_attempts` the latest resolution
 /// first, with who, when, the note and (for the reconciler) the provider's answer;
 /// `oldest_uncertain` follows. All of it survives a reopen.
@@ -1882,18 +1895,22 @@ pub async fn inbox_reads(h: &dyn Harness) {
         )
     };
     let a = dispatched(&auth(&*s, &pay("a", "A"), T0).await);
-    let b = dispatched(&auth(&*s, &pay("b", "B"), T0).await);
+    let b = dispatched(&auth(&*s, &carried_in(pay("b", "B"), &[KeyCarrier::Meta]), T0).await);
     let w = dispatched(&auth(&*s, &pay("w", "W"), T0).await);
     let f = dispatched(&auth(&*s, &pay("f", "F"), T0).await);
     let nokey = dispatched(&auth(&*s, &req(&tok, "pay", None, "N", json!({})), T0).await);
     let got = s.get_attempt(&a).await.unwrap().unwrap();
     assert_eq!(got.forwarded_key.as_deref(), Some("fwd-a"));
+    assert_eq!(carriers_of(&got), [KeyCarrier::Header]);
+    assert_eq!(
+        carriers_of(&s.get_attempt(&b).await.unwrap().unwrap()),
+        [KeyCarrier::Meta]
+    );
     let kept: Value = serde_json::from_str(got.arguments.as_deref().unwrap()).unwrap();
     assert_eq!(kept, args);
-    assert_eq!(
-        s.get_attempt(&nokey).await.unwrap().unwrap().forwarded_key,
-        None
-    );
+    let nokey_attempt = s.get_attempt(&nokey).await.unwrap().unwrap();
+    assert_eq!(nokey_attempt.forwarded_key, None);
+    assert!(nokey_attempt.forwarded_key_carriers.is_empty());
 
     // a turns uncertain last, b first; w waits for input; f completes; nokey stays in flight.
     report(&*s, &b, uncertain(), T0 + 5).await;
@@ -1918,20 +1935,15 @@ pub async fn inbox_reads(h: &dyn Harness) {
 
     // The continuation says another forwarded value (say the upstream secret rotated): the
     // attempt keeps the first, which is what the provider saw when the call was first sent.
-    let again = continued(forwarding(
-        req(&tok, "pay", Some("w"), "W", args.clone()),
-        "fwd-other",
+    // So are the carriers it went in, from the same round.
+    let again = continued(carried_in(
+        forwarding(req(&tok, "pay", Some("w"), "W", args.clone()), "fwd-other"),
+        &[KeyCarrier::IdempotencyKeyParam],
     ));
     assert_eq!(dispatched(&auth(&*s, &again, T0 + 6).await), w);
-    assert_eq!(
-        s.get_attempt(&w)
-            .await
-            .unwrap()
-            .unwrap()
-            .forwarded_key
-            .as_deref(),
-        Some("fwd-w")
-    );
+    let continued_w = s.get_attempt(&w).await.unwrap().unwrap();
+    assert_eq!(continued_w.forwarded_key.as_deref(), Some("fwd-w"));
+    assert_eq!(carriers_of(&continued_w), [KeyCarrier::Header]);
     assert_eq!(
         ids(s.open_attempts(T0 + 100, 50).await.unwrap()),
         [b.clone(), a.clone()]
@@ -1977,6 +1989,8 @@ pub async fn inbox_reads(h: &dyn Harness) {
         ("ana", Some("no charge for INV-1"), ResolutionSource::Person)
     );
     assert_eq!(resolved[0].forwarded_key.as_deref(), Some("fwd-a"));
+    assert_eq!(carriers_of(&resolved[0]), [KeyCarrier::Header]);
+    assert_eq!(carriers_of(&resolved[1]), [KeyCarrier::Meta]);
     assert_eq!(ids(s.resolved_attempts(1).await.unwrap()), [a]);
 
     // Past retention the receipt and the arguments go; the forwarded key stays for lookups.
@@ -1984,6 +1998,10 @@ pub async fn inbox_reads(h: &dyn Harness) {
     let pruned = s.get_attempt(&f).await.unwrap().unwrap();
     assert_eq!((pruned.receipt, pruned.arguments), (None, None));
     assert_eq!(pruned.forwarded_key.as_deref(), Some("fwd-f"));
+    assert_eq!(
+        pruned.forwarded_key_carriers.iter().collect::<Vec<_>>(),
+        [KeyCarrier::Header]
+    );
 }
 
 /// Rows a version 4 store held (SQL both stores run; SQLite spells `TRUE` as 1): a permit,
@@ -2007,7 +2025,9 @@ pub async fn reads_version_4_rows(s: &dyn Store) {
         ("ops", Some("found it"), ResolutionSource::Person)
     );
     assert_eq!((r.forwarded_key, r.arguments), (None, None));
+    assert!(r.forwarded_key_carriers.is_empty());
     let open = s.open_attempts(0, 10).await.unwrap();
+    assert!(open.iter().all(|a| a.forwarded_key_carriers.is_empty()));
     assert_eq!(
         open.iter()
             .map(|a| (a.id.as_str(), a.state))

@@ -6,7 +6,7 @@
 //! range) is checked here once, so the stores cannot read a permit or an attempt differently.
 
 use crate::error::LedgerError;
-use crate::model::{Attempt, Permit, Resolution, ResolutionSource};
+use crate::model::{Attempt, KeyCarriers, Permit, Resolution, ResolutionSource};
 
 /// The permit columns, in the order [`PermitRow`] reads them; queries may append their own.
 pub const PERMIT_COLS: &str = "id, token_hash, label, created_at, expires_at, revoked_at, policy";
@@ -45,7 +45,7 @@ impl TryFrom<PermitRow> for Permit {
 pub const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerprint, a.cost, a.state, a.created_at, \
      a.updated_at, a.lease_expires_at, a.finished_at, a.receipt, a.reason, a.replay_count, a.pruned_at, \
      a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note, a.round, a.capability_hash, \
-     a.resolution_source, a.provider_answer, a.forwarded_key, a.arguments";
+     a.resolution_source, a.provider_answer, a.forwarded_key, a.arguments, a.forwarded_key_carriers";
 
 /// The `signing_keys` columns, in the order a store reads them into a
 /// [`StoredSigningKey`](crate::keys::StoredSigningKey).
@@ -70,7 +70,7 @@ pub fn to_u64(n: i64) -> u64 {
 }
 
 /// How many columns [`ATTEMPT_COLS`] selects: queries append their own columns after them.
-pub const ATTEMPT_NCOLS: usize = 25;
+pub const ATTEMPT_NCOLS: usize = 26;
 
 /// One attempt row's column values as the driver read them, in [`ATTEMPT_COLS`] order, not yet
 /// checked.
@@ -101,6 +101,14 @@ pub struct AttemptRow {
     pub provider_answer: Option<String>,
     pub forwarded_key: Option<String>,
     pub arguments: Option<String>,
+    /// [`KeyCarriers::to_list`]; `NULL` (written before version 6, or empty) is none.
+    pub forwarded_key_carriers: Option<String>,
+}
+
+/// How both stores keep an attempt's [`KeyCarriers`]: their names joined by `,`, or `NULL`
+/// for none.
+pub fn carriers_column(carriers: KeyCarriers) -> Option<String> {
+    (!carriers.is_empty()).then(|| carriers.to_list())
 }
 
 /// A counter or count column as the model's unsigned number; the stores never write a
@@ -152,6 +160,10 @@ impl TryFrom<AttemptRow> for Attempt {
             })?,
             capability_hash: row.capability_hash,
             forwarded_key: row.forwarded_key,
+            forwarded_key_carriers: KeyCarriers::from_list(
+                row.forwarded_key_carriers.as_deref().unwrap_or_default(),
+            )
+            .map_err(LedgerError::Corrupt)?,
             arguments: row.arguments,
         })
     }
@@ -189,6 +201,7 @@ mod tests {
             provider_answer: None,
             forwarded_key: Some("fk".into()),
             arguments: Some(r#"{"amount":5}"#.into()),
+            forwarded_key_carriers: Some("header,params._meta".into()),
         }
     }
 
@@ -204,8 +217,37 @@ mod tests {
         assert_eq!(a.finished_at_ms, Some(4));
         assert_eq!(a.capability_hash.as_deref(), Some("ch"));
         assert_eq!(a.forwarded_key.as_deref(), Some("fk"));
+        assert_eq!(a.forwarded_key_carriers.to_list(), "header,params._meta");
         assert_eq!(a.arguments.as_deref(), Some(r#"{"amount":5}"#));
         assert_eq!(a.resolution, None);
+    }
+
+    #[test]
+    fn carriers_read_back_as_written_and_an_unknown_one_is_corrupt() {
+        use crate::model::KeyCarrier;
+        for carriers in [
+            KeyCarriers::NONE,
+            KeyCarriers::NONE.with(KeyCarrier::IdempotencyKeyParam),
+            KeyCarrier::ALL.into_iter().collect(),
+        ] {
+            let mut r = row();
+            r.forwarded_key_carriers = carriers_column(carriers);
+            let a = Attempt::try_from(r).unwrap();
+            assert_eq!(a.forwarded_key_carriers, carriers);
+        }
+        // Rows written before the column existed have none.
+        let mut r = row();
+        r.forwarded_key_carriers = None;
+        assert!(Attempt::try_from(r)
+            .unwrap()
+            .forwarded_key_carriers
+            .is_empty());
+        let mut r = row();
+        r.forwarded_key_carriers = Some("header,cookie".into());
+        assert!(matches!(
+            Attempt::try_from(r),
+            Err(LedgerError::Corrupt(m)) if m.contains("cookie")
+        ));
     }
 
     #[test]

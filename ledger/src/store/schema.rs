@@ -12,11 +12,11 @@ use crate::error::LedgerError;
 
 /// The schema version this build writes: its newest migration, in both stores.
 #[cfg(not(feature = "schema-rehearsal"))]
-pub const SCHEMA_VERSION: i64 = 6;
-/// The schema version this build writes: the rehearsal build adds version 7 (see
+pub const SCHEMA_VERSION: i64 = 7;
+/// The schema version this build writes: the rehearsal build adds version 8 (see
 /// `schema-rehearsal` in ledger/Cargo.toml), never a released one.
 #[cfg(feature = "schema-rehearsal")]
-pub const SCHEMA_VERSION: i64 = 7;
+pub const SCHEMA_VERSION: i64 = 8;
 
 /// What a ledger does on a database whose schema it found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

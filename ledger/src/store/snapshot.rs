@@ -222,6 +222,7 @@ mod tests {
             key_required: false,
             continuation: false,
             forwarded_key: None,
+            forwarded_key_carriers: Default::default(),
             dispatch: None,
         }
     }

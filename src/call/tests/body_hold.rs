@@ -3,6 +3,7 @@
 use super::*;
 use crate::call::body_hold::may_be_governed;
 use atmost_config::ToolSet;
+use atmost_protocol::{KeyCarrier, KeyCarriers};
 
 /// A well-formed token of permit `pmt_1`, the permit [`dispatch`] answers with.
 const TOKEN: &str = "atmp_pmt_1_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
@@ -423,4 +424,81 @@ fn an_answer_after_the_dispatch_is_watched_as_in_the_default_mode() {
     let s = call.on_response_headers(json_head());
     assert_eq!(s, Step::cont());
     assert_eq!(call.state_name(), "buffering_json");
+}
+
+/// The carriers a call's authorize states are where its dispatch puts the forwarded key: the
+/// header the upstream gets (set by the dispatch, or left with the headers under
+/// `request_hold: body`) and each body member that reaches it holding the forwarded value.
+/// Every combination of hold, `upstream_key` mode and the places the client used.
+#[test]
+fn authorize_states_where_the_dispatch_puts_the_forwarded_key() {
+    let meta = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"pay_invoice","arguments":{"amount":1},"_meta":{"dev.atmost/idempotency-key":"k1"}}}"#;
+    let param = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"pay_invoice","idempotencyKey":"k1","arguments":{"amount":1}}}"#;
+    let plain = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"pay_invoice","arguments":{"amount":1}}}"#;
+    let cases: [(&[&str], &str); 5] = [
+        (&["\"k1\""], plain),
+        (&[], meta),
+        (&[], param),
+        (&["\"k1\""], meta),
+        (&[], plain),
+    ];
+    let mut seen_body_only = false;
+    for hold in ["headers", "body"] {
+        for mode in ["hmac", "raw", "off"] {
+            let mut patch = json!({"request_hold": hold});
+            if mode != "hmac" {
+                patch["upstream_key"] = json!({"mode": mode});
+            }
+            let c = cfg_with(patch);
+            for (key, body) in cases {
+                let what = format!("{hold} {mode} {key:?} {body}");
+                let mut call = Call::new(Rc::clone(&c));
+                let head =
+                    call.on_request_headers(call_head(&[TOKEN], key, "pay_invoice", body.len()));
+                let asked = authorize_body(&body_after_headers(&mut call, body));
+                let dispatched = call.on_ledger_reply(&ledger(&dispatch()));
+                assert_eq!(
+                    dispatched.effects.last(),
+                    Some(&Effect::ResumeRequest),
+                    "{what}"
+                );
+                let header = [&head, &dispatched]
+                    .iter()
+                    .flat_map(|s| s.effects.iter())
+                    .filter_map(|e| match e {
+                        Effect::SetRequestHeader(h, v) if h == "idempotency-key" => Some(Some(v)),
+                        Effect::RemoveRequestHeader(h) if h == "idempotency-key" => Some(None),
+                        _ => None,
+                    })
+                    .next_back()
+                    .flatten();
+                let upstream_body = body_edit_of(&dispatched).unwrap_or_else(|| body.to_string());
+                let params: Value = serde_json::from_str::<Value>(&upstream_body)
+                    .map(|v| v["params"].clone())
+                    .unwrap_or_else(|e| panic!("{e}"));
+                let fwd = asked.forwarded_key.clone();
+                let holds = |v: &Value| fwd.is_some() && v.as_str() == fwd.as_deref();
+                let mut arrived = KeyCarriers::NONE;
+                // Every dispatch under `headers` sets or removes the header, so the last edit
+                // of it is what the upstream gets; under `body`, without one it has none.
+                if header.is_some_and(|v| Some(v.as_str()) == fwd.as_deref()) {
+                    arrived = arrived.with(KeyCarrier::Header);
+                }
+                if holds(&params["_meta"]["dev.atmost/idempotency-key"]) {
+                    arrived = arrived.with(KeyCarrier::Meta);
+                }
+                if holds(&params["idempotencyKey"]) {
+                    arrived = arrived.with(KeyCarrier::IdempotencyKeyParam);
+                }
+                assert_eq!(asked.forwarded_key_carriers, arrived, "{what}");
+                assert_eq!(asked.forwarded_key.is_some(), !arrived.is_empty(), "{what}");
+                if hold == "body" && mode == "hmac" && key.is_empty() && body == meta {
+                    // The case that must not read as a header: the key went in `_meta` only.
+                    assert_eq!(arrived, KeyCarriers::NONE.with(KeyCarrier::Meta));
+                    seen_body_only = true;
+                }
+            }
+        }
+    }
+    assert!(seen_body_only);
 }

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use super::CliError;
-use crate::api::{AttemptView, KeyView, PermitView};
+use crate::api::{key_carriers_text, AttemptView, KeyView, PermitView};
 use atmost_ledger::error::LedgerError;
 use atmost_ledger::model::CostRule;
 
@@ -69,15 +69,23 @@ pub(super) fn print_permit(p: &PermitView) {
     );
 }
 
+/// One line per attempt; the last column is where its forwarded key went (`-`: none was
+/// forwarded; `none`: a value with no carrier recorded).
 pub(super) fn print_attempt_row(a: &AttemptView) {
+    let key_went = match (&a.forwarded_key, a.forwarded_key_carriers.is_empty()) {
+        (None, _) => "-".to_string(),
+        (Some(_), true) => "none".to_string(),
+        (Some(_), false) => a.forwarded_key_carriers.to_list(),
+    };
     println!(
-        "{:<37} {:<28} {:<22} {:<24} {:>6} {}",
+        "{:<37} {:<28} {:<22} {:<24} {:>6} {} {}",
         a.id,
         a.permit_id,
         a.state.as_str(),
         a.tool,
         a.cost,
-        a.created_at
+        a.created_at,
+        key_went
     );
 }
 
@@ -107,6 +115,10 @@ pub(super) fn print_attempt(a: &AttemptView) {
     println!(
         "fwd key    {}",
         a.forwarded_key.as_deref().unwrap_or("none sent")
+    );
+    println!(
+        "key went   {}",
+        key_carriers_text(a.forwarded_key.as_deref(), a.forwarded_key_carriers)
     );
     if let Some(args) = &a.arguments {
         println!("arguments  {args}");

@@ -59,6 +59,11 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
                 session_ttl: args.inbox_session_ttl,
                 stuck_after: args.inbox_stuck_after,
                 secure_cookies: args.inbox_secure_cookies,
+                lookup_forms: reconcile_rules
+                    .iter()
+                    .flat_map(|set| &set.rules)
+                    .filter_map(|r| Some((r.tool.clone(), r.key_carrier?)))
+                    .collect(),
             },
             key_refresh: args.signing_key_refresh,
             receipt_issuer: args.receipt_issuer,

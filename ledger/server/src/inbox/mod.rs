@@ -26,12 +26,12 @@ use axum_extra::extract::cookie::Key;
 use serde::Deserialize;
 use tracing::{error, info, warn};
 
-use crate::api::PermitShowResponse;
+use crate::api::{key_carriers_text, PermitShowResponse};
 use crate::server::AppState;
 use atmost_ledger::clock::{self, Millis};
 use atmost_ledger::decide::ResolveInput;
 use atmost_ledger::error::ResolveError;
-use atmost_ledger::model::{Attempt, AttemptState, Permit, ResolutionSource};
+use atmost_ledger::model::{Attempt, AttemptState, KeyCarrier, Permit, ResolutionSource};
 use atmost_ledger::token;
 use session::{Presented, Session};
 
@@ -58,6 +58,10 @@ pub struct InboxConfig {
     /// Mark cookies `Secure` on every response, not only when a proxy says the page was
     /// reached over TLS.
     pub secure_cookies: bool,
+    /// Per tool, the form of the key its reconcile rule's lookup searches by (a rule whose
+    /// lookup names `{{forwarded_key}}`); a tool without one is taken to be searched by the
+    /// `Idempotency-Key` header.
+    pub lookup_forms: BTreeMap<String, KeyCarrier>,
 }
 
 impl Default for InboxConfig {
@@ -66,8 +70,53 @@ impl Default for InboxConfig {
             session_ttl: Duration::from_secs(3600),
             stuck_after: Duration::from_secs(60),
             secure_cookies: false,
+            lookup_forms: BTreeMap::new(),
         }
     }
+}
+
+/// How a person knows each place a key can go.
+fn carrier_label(c: KeyCarrier) -> &'static str {
+    match c {
+        KeyCarrier::Header => "the Idempotency-Key header",
+        KeyCarrier::Meta => "params._meta[\"dev.atmost/idempotency-key\"]",
+        KeyCarrier::IdempotencyKeyParam => "params.idempotencyKey",
+    }
+}
+
+/// What a person reads before choosing "not executed" when the provider could not have seen
+/// the call under its forwarded key in the form its lookup searches (`form`): a search there
+/// by that value finds nothing whether or not the call ran. `None` when the key reached that
+/// form, or no key was forwarded (there is nothing to search by).
+pub fn key_warning(a: &Attempt, form: KeyCarrier, from_rule: bool) -> Option<String> {
+    a.forwarded_key.as_ref()?;
+    if a.forwarded_key_carriers.contains(form) {
+        return None;
+    }
+    let whose = if from_rule {
+        " (where this tool's reconcile rule looks it up)"
+    } else {
+        ""
+    };
+    let what = if a.forwarded_key_carriers.is_empty() {
+        format!(
+            "The gateway did not record where this key went, so it may not have reached the provider in {}{whose}",
+            carrier_label(form)
+        )
+    } else {
+        format!(
+            "The provider received this key only in {}, not in {}{whose}",
+            a.forwarded_key_carriers
+                .iter()
+                .map(carrier_label)
+                .collect::<Vec<_>>()
+                .join(" and "),
+            carrier_label(form)
+        )
+    };
+    Some(format!(
+        "{what}: a search there by this value cannot find the call, so \"not found\" does not show that it did not run. Find it by its arguments and the time it was sent before choosing not executed."
+    ))
 }
 
 fn millis(d: Duration) -> Millis {
@@ -164,6 +213,8 @@ struct OpenItem {
     sent_at: String,
     lease_ends: String,
     forwarded_key: Option<String>,
+    key_went: String,
+    key_warning: Option<String>,
     arguments: String,
     reason: Option<String>,
     cost: u64,
@@ -195,6 +246,7 @@ struct ResolvedItem {
     provider_answer: Option<String>,
     sent_at: String,
     forwarded_key: Option<String>,
+    key_went: String,
 }
 
 #[derive(Template)]
@@ -526,6 +578,11 @@ fn open_item(
         sent_at: clock::rfc3339(a.created_at_ms),
         lease_ends: clock::rfc3339(a.lease_expires_at_ms),
         forwarded_key: a.forwarded_key.clone(),
+        key_went: key_carriers_text(a.forwarded_key.as_deref(), a.forwarded_key_carriers),
+        key_warning: match state.config.inbox.lookup_forms.get(&a.tool) {
+            Some(form) => key_warning(a, *form, true),
+            None => key_warning(a, KeyCarrier::Header, false),
+        },
         arguments,
         reason: a.reason.clone(),
         cost: a.cost,
@@ -612,6 +669,7 @@ async fn history_page(State(state): State<Shared>, headers: HeaderMap) -> Respon
                 provider_answer: r.source.provider_answer().map(str::to_string),
                 sent_at: clock::rfc3339(a.created_at_ms),
                 forwarded_key: a.forwarded_key.clone(),
+                key_went: key_carriers_text(a.forwarded_key.as_deref(), a.forwarded_key_carriers),
             })
         })
         .collect();

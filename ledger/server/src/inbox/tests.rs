@@ -129,21 +129,25 @@ impl<'a> Browser<'a> {
 /// A permit with a cap of 1 and a budget, and one call under it that was sent and whose
 /// answer was lost (reported `uncertain` by its filter); returns (permit id, attempt id).
 async fn lost_call(s: &TestServer) -> (String, String) {
+    lost_call_carried(s, None).await
+}
+
+/// [`lost_call`] whose filter said where the upstream received the forwarded key
+/// (`forwarded_key_carriers`), or said nothing (`None`, as an older filter).
+async fn lost_call_carried(s: &TestServer, carriers: Option<Value>) -> (String, String) {
     let (pid, tok) = s
         .create_permit(json!({
             "label": "billing-agent", "expires": "24h", "max_calls": {"pay": 1},
             "budget": 1000, "cost": {"pay": "/amount"}
         }))
         .await;
-    let (_, d) = s
-        .post(
-            "/v1/authorize",
-            Some(SVC),
-            json!({"permit_token": tok, "tool": "pay", "idempotency_key": "task-1",
-                   "fingerprint": "fp", "forwarded_key": "f0rwarded",
-                   "arguments": {"invoice": "INV-9", "amount": 250, "card": {"number": "4242"}}}),
-        )
-        .await;
+    let mut asked = json!({"permit_token": tok, "tool": "pay", "idempotency_key": "task-1",
+           "fingerprint": "fp", "forwarded_key": "f0rwarded",
+           "arguments": {"invoice": "INV-9", "amount": 250, "card": {"number": "4242"}}});
+    if let Some(c) = carriers {
+        asked["forwarded_key_carriers"] = c;
+    }
+    let (_, d) = s.post("/v1/authorize", Some(SVC), asked).await;
     assert_eq!(d["decision"], "dispatch", "{d}");
     let id = d["attempt_id"].as_str().unwrap().to_string();
     let (st, acks) = s
@@ -453,4 +457,79 @@ async fn the_oldest_uncertain_call_is_a_metric() {
     s.state.store.resolve_attempt(&id, &input, 0).await.unwrap();
     crate::server::sweep_once(&s.state).await;
     assert_eq!(gauge(&s).as_deref(), Some("0"));
+}
+
+/// The card of one attempt on the inbox page.
+fn card<'a>(page: &'a Page, id: &str) -> &'a str {
+    let start = page
+        .body
+        .find(&format!("id=\"{id}\""))
+        .unwrap_or_else(|| panic!("no card for {id}"));
+    let end = page.body[start..]
+        .find("</article>")
+        .map_or(page.body.len(), |e| start + e);
+    &page.body[start..end]
+}
+
+/// Before choosing "not executed" a person sees where the key went, and a warning when the
+/// provider's lookup form (the tool's reconcile rule's, else the header) could not have seen
+/// the call under it; the admin API shows the same carriers.
+#[tokio::test]
+async fn the_attempt_shows_where_its_key_went_and_warns_when_the_lookup_form_could_not_see_it() {
+    let s = start_with(|_| {}).await;
+    let (_, in_header) = lost_call_carried(&s, Some(json!(["header", "params._meta"]))).await;
+    let (_, in_meta) = lost_call_carried(&s, Some(json!(["params._meta"]))).await;
+    let (_, unrecorded) = lost_call_carried(&s, None).await;
+    let (_, shown) = s
+        .get(&format!("/admin/v1/attempts/{in_meta}"), Some(ADM))
+        .await;
+    assert_eq!(
+        shown["attempt"]["forwarded_key_carriers"],
+        json!(["params._meta"])
+    );
+    let (_, shown) = s
+        .get(&format!("/admin/v1/attempts/{unrecorded}"), Some(ADM))
+        .await;
+    assert_eq!(shown["attempt"]["forwarded_key_carriers"], json!([]));
+
+    let mut b = Browser::new(&s);
+    b.sign_in("Ana", ADM).await;
+    let inbox = b.get("/admin/").await;
+    let header_card = card(&inbox, &in_header);
+    assert!(header_card.contains(r#"<dd class="key-went">header, params._meta</dd>"#));
+    assert!(!header_card.contains("key-warning"), "{header_card}");
+    let meta_card = card(&inbox, &in_meta);
+    assert!(meta_card.contains(r#"<dd class="key-went">params._meta</dd>"#));
+    assert!(
+        meta_card.contains("received this key only in params._meta[&#34;dev.atmost/idempotency-key&#34;], not in the Idempotency-Key header: a search there by this value cannot find the call"),
+        "{meta_card}"
+    );
+    // The warning comes before the choice.
+    let warned = meta_card.find("key-warning").unwrap();
+    assert!(warned < meta_card.find("value=\"not_executed\"").unwrap());
+    let unrecorded_card = card(&inbox, &unrecorded);
+    assert!(unrecorded_card
+        .contains(r#"<dd class="key-went">none recorded (taken as reaching no carrier)</dd>"#));
+    assert!(unrecorded_card.contains(
+        "did not record where this key went, so it may not have reached the provider in the Idempotency-Key header"
+    ));
+
+    // A tool whose reconcile rule looks calls up by `params._meta`: the other way round.
+    let s = start_with(|c| {
+        c.inbox
+            .lookup_forms
+            .insert("pay".into(), atmost_ledger::model::KeyCarrier::Meta);
+    })
+    .await;
+    let (_, header_only) = lost_call_carried(&s, Some(json!(["header"]))).await;
+    let (_, in_meta) = lost_call_carried(&s, Some(json!(["params._meta"]))).await;
+    let mut b = Browser::new(&s);
+    b.sign_in("Ana", ADM).await;
+    let inbox = b.get("/admin/").await;
+    assert!(!card(&inbox, &in_meta).contains("key-warning"));
+    let header_card = card(&inbox, &header_only);
+    assert!(
+        header_card.contains("only in the Idempotency-Key header, not in params._meta[&#34;dev.atmost/idempotency-key&#34;] (where this tool&#39;s reconcile rule looks it up)"),
+        "{header_card}"
+    );
 }

@@ -6,9 +6,11 @@
 //! (Streamable HTTP, the `rmcp` client), at most `concurrency` at once, each bounded by
 //! `timeout`. A value the rule lists as executed or not executed resolves the attempt through
 //! the store's atomic resolve (`uncertain` → `resolved_*`), so when another replica or a
-//! person resolved it first, this resolution is refused and nothing changes. Anything else
-//! (an error, a timeout, an unknown value, a missing field, an attempt lacking what the
-//! arguments template names) leaves it `uncertain`, is logged and counted in
+//! person resolved it first, this resolution is refused and nothing changes; a `not_executed`
+//! value does so only when the rule calls the lookup authoritative. Anything else (an error,
+//! a timeout, an unknown value, a missing field, a "not found" the rule does not trust, an
+//! attempt lacking what the arguments template names, or whose key its upstream did not
+//! receive in the form the lookup searches) leaves it `uncertain`, is logged and counted in
 //! `atmost_reconciler_lookups_total{result}`, and the attempt is asked again after a backoff.
 
 use std::collections::{HashMap, HashSet};
@@ -283,7 +285,7 @@ impl Reconciler {
             .as_deref()
             .and_then(|t| serde_json::from_str::<Value>(t).ok());
         let facts = rules::Facts::of(a, parsed.as_ref());
-        let arguments = match rules::fill(&rule.arguments, &facts) {
+        let arguments = match rule.arguments_for(&facts) {
             Ok(args) => args,
             Err(why) => {
                 self.count("no_input");
@@ -315,6 +317,12 @@ impl Reconciler {
         let (executed, value) = match rule.read(is_error, structured.as_ref()) {
             Reading::Executed(v) => (true, v),
             Reading::NotExecuted(v) => (false, v),
+            Reading::NotFoundUnconfirmed(v) => {
+                self.count("not_found_unconfirmed");
+                warn!(attempt_id = %a.id, rule = %rule.name, pointer = %rule.pointer, value = %v,
+                    "lookup did not find the call, and the rule does not call its lookup authoritative (answer.not_found_authoritative); the attempt stays uncertain for a person");
+                return false;
+            }
             Reading::ToolError => {
                 self.count("error");
                 warn!(attempt_id = %a.id, rule = %rule.name, answer = %evidence,

@@ -12,7 +12,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use atmost_ledger::clock::{rfc3339, Millis};
-use atmost_ledger::model::Attempt;
+use atmost_ledger::model::{Attempt, KeyCarrier, KeyCarriers};
 
 /// Every rule and the reconciler's timings, checked.
 #[derive(Debug, Clone)]
@@ -40,9 +40,17 @@ pub struct Rule {
     pub credential: Option<Credential>,
     pub lookup_tool: String,
     pub arguments: Map<String, Value>,
+    /// The form of the key the provider's lookup finds a call by, when its arguments name
+    /// `{{forwarded_key}}` (`lookup.key_carrier`, `header` by default); `None` when they do
+    /// not, and the key's form does not matter to the lookup.
+    pub key_carrier: Option<KeyCarrier>,
     pub pointer: String,
     pub executed: Vec<Value>,
     pub not_executed: Vec<Value>,
+    /// The provider promises its lookup sees every call that reached it under the key's form,
+    /// with no lag (`answer.not_found_authoritative`, false by default): only then does a
+    /// `not_executed` answer give slot and budget back.
+    pub not_found_authoritative: bool,
 }
 
 /// A credential read from the environment or a file when the rule file is loaded.
@@ -113,6 +121,8 @@ struct LookupRaw {
     tool: String,
     #[serde(default)]
     arguments: Map<String, Value>,
+    #[serde(default)]
+    key_carrier: Option<KeyCarrier>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -121,6 +131,8 @@ struct AnswerRaw {
     pointer: String,
     executed: Vec<Value>,
     not_executed: Vec<Value>,
+    #[serde(default)]
+    not_found_authoritative: bool,
 }
 
 /// Where the ledger finds credentials: the process environment, or a stand-in in tests.
@@ -225,6 +237,16 @@ fn check_rule(r: RuleRaw, env: &dyn Env) -> Result<Rule, String> {
     for (name, v) in &r.lookup.arguments {
         check_template(v).map_err(|e| format!("lookup.arguments.{name}: {e}"))?;
     }
+    let by_key = r.lookup.arguments.values().any(names_forwarded_key);
+    let key_carrier = match (by_key, r.lookup.key_carrier) {
+        (true, carrier) => Some(carrier.unwrap_or(KeyCarrier::Header)),
+        (false, None) => None,
+        (false, Some(_)) => {
+            return Err(
+                "lookup.key_carrier: the lookup's arguments do not name {{forwarded_key}}".into(),
+            )
+        }
+    };
     if !(r.answer.pointer.is_empty() || r.answer.pointer.starts_with('/')) {
         return Err(format!(
             "answer.pointer {:?} is not a JSON Pointer (it starts with '/')",
@@ -251,9 +273,11 @@ fn check_rule(r: RuleRaw, env: &dyn Env) -> Result<Rule, String> {
         credential,
         lookup_tool: r.lookup.tool,
         arguments: r.lookup.arguments,
+        key_carrier,
         pointer: r.answer.pointer,
         executed: r.answer.executed,
         not_executed: r.answer.not_executed,
+        not_found_authoritative: r.answer.not_found_authoritative,
     })
 }
 
@@ -345,6 +369,19 @@ fn pieces(s: &str) -> Result<Vec<Piece>, String> {
     Ok(out)
 }
 
+/// Whether a (checked) template names `{{forwarded_key}}` anywhere.
+fn names_forwarded_key(v: &Value) -> bool {
+    match v {
+        Value::String(s) => pieces(s)
+            .unwrap_or_default()
+            .iter()
+            .any(|p| matches!(p, Piece::Hole(Placeholder::ForwardedKey))),
+        Value::Array(items) => items.iter().any(names_forwarded_key),
+        Value::Object(m) => m.values().any(names_forwarded_key),
+        _ => false,
+    }
+}
+
 fn check_template(v: &Value) -> Result<(), String> {
     match v {
         Value::String(s) => pieces(s).map(|_| ()),
@@ -357,6 +394,8 @@ fn check_template(v: &Value) -> Result<(), String> {
 /// What fills a template: one attempt.
 pub struct Facts<'a> {
     pub forwarded_key: Option<&'a str>,
+    /// Where the upstream received the forwarded key.
+    pub forwarded_key_carriers: KeyCarriers,
     pub sent_at_ms: Millis,
     /// The call's arguments, parsed; `None` when not kept (or pruned).
     pub arguments: Option<&'a Value>,
@@ -366,6 +405,7 @@ impl<'a> Facts<'a> {
     pub fn of(a: &'a Attempt, arguments: Option<&'a Value>) -> Self {
         Facts {
             forwarded_key: a.forwarded_key.as_deref(),
+            forwarded_key_carriers: a.forwarded_key_carriers,
             sent_at_ms: a.created_at_ms,
             arguments,
         }
@@ -432,6 +472,9 @@ fn fill_value(v: &Value, facts: &Facts<'_>) -> Result<Value, String> {
 pub enum Reading {
     Executed(Value),
     NotExecuted(Value),
+    /// A `not_executed` value from a lookup the rule does not call authoritative: the
+    /// provider did not find the call, which does not show that it did not run.
+    NotFoundUnconfirmed(Value),
     /// The tool answered with `isError: true`.
     ToolError,
     /// No `structuredContent`, or nothing at the pointer.
@@ -441,7 +484,30 @@ pub enum Reading {
 }
 
 impl Rule {
-    /// Reads a lookup's answer: only a value one of the lists holds settles the attempt.
+    /// The lookup's arguments for one attempt ([`fill`]), refused (`Err` says why) when the
+    /// lookup finds calls by the forwarded key in a form this attempt's upstream did not
+    /// receive it in: the provider could not have seen the call under that value, so its
+    /// answer would say nothing about it. An attempt whose carriers were not recorded is
+    /// refused alike.
+    pub fn arguments_for(&self, facts: &Facts<'_>) -> Result<Map<String, Value>, String> {
+        if let Some(carrier) = self.key_carrier {
+            if facts.forwarded_key.is_some() && !facts.forwarded_key_carriers.contains(carrier) {
+                return Err(format!(
+                    "the lookup finds calls by the key in {carrier}, and this attempt's upstream \
+                     received it in {}",
+                    if facts.forwarded_key_carriers.is_empty() {
+                        "no recorded carrier".to_string()
+                    } else {
+                        facts.forwarded_key_carriers.to_list()
+                    }
+                ));
+            }
+        }
+        fill(&self.arguments, facts)
+    }
+
+    /// Reads a lookup's answer: only a value one of the lists holds settles the attempt, and
+    /// a `not_executed` one only when the rule says the lookup is authoritative.
     pub fn read(&self, is_error: bool, structured: Option<&Value>) -> Reading {
         if is_error {
             return Reading::ToolError;
@@ -451,8 +517,10 @@ impl Rule {
         };
         if self.executed.contains(v) {
             Reading::Executed(v.clone())
-        } else if self.not_executed.contains(v) {
+        } else if self.not_executed.contains(v) && self.not_found_authoritative {
             Reading::NotExecuted(v.clone())
+        } else if self.not_executed.contains(v) {
+            Reading::NotFoundUnconfirmed(v.clone())
         } else {
             Reading::UnknownValue(v.clone())
         }

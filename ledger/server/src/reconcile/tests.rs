@@ -5,7 +5,7 @@ use serde_json::{json, Value};
 
 use super::rules::{self, Env, Facts, Reading};
 use super::{backoff_after, take_due};
-use atmost_ledger::model::{Attempt, AttemptState};
+use atmost_ledger::model::{Attempt, AttemptState, KeyCarrier, KeyCarriers};
 
 struct FakeEnv(HashMap<&'static str, &'static str>);
 
@@ -36,6 +36,10 @@ fn rule() -> Value {
         }},
         "answer": {"pointer": "/status", "executed": ["executed"], "not_executed": ["not_found"]}
     })
+}
+
+fn header() -> KeyCarriers {
+    KeyCarriers::NONE.with(KeyCarrier::Header)
 }
 
 fn with(mut base: Value, pointer: &str, v: Value) -> Value {
@@ -208,6 +212,7 @@ fn the_template_takes_the_key_the_arguments_and_the_time() {
     let args = json!({"invoice": "INV-1", "amount": 250});
     let facts = Facts {
         forwarded_key: Some("fk-1"),
+        forwarded_key_carriers: header(),
         sent_at_ms: 1_700_000_000_123,
         arguments: Some(&args),
     };
@@ -237,6 +242,7 @@ fn a_template_naming_what_the_attempt_lacks_cannot_be_filled() {
     let args = json!({"invoice": "INV-1", "amount": 1});
     let no_key = Facts {
         forwarded_key: None,
+        forwarded_key_carriers: header(),
         sent_at_ms: 0,
         arguments: Some(&args),
     };
@@ -245,6 +251,7 @@ fn a_template_naming_what_the_attempt_lacks_cannot_be_filled() {
         .contains("forwarded key"));
     let no_args = Facts {
         forwarded_key: Some("k"),
+        forwarded_key_carriers: header(),
         sent_at_ms: 0,
         arguments: None,
     };
@@ -254,6 +261,7 @@ fn a_template_naming_what_the_attempt_lacks_cannot_be_filled() {
     let other = json!({"amount": 1});
     let no_invoice = Facts {
         forwarded_key: Some("k"),
+        forwarded_key_carriers: header(),
         sent_at_ms: 0,
         arguments: Some(&other),
     };
@@ -280,9 +288,10 @@ fn only_a_listed_value_settles_an_attempt() {
         r.read(false, Some(&at(json!(true)))),
         Reading::Executed(json!(true))
     );
+    // Without the provider's promise, "not found" settles nothing (see the next test).
     assert_eq!(
         r.read(false, Some(&at(json!(404)))),
-        Reading::NotExecuted(json!(404))
+        Reading::NotFoundUnconfirmed(json!(404))
     );
     assert_eq!(
         r.read(false, Some(&at(json!("pending")))),
@@ -360,4 +369,106 @@ fn a_page_takes_due_attempts_past_those_without_a_rule() {
     let none = take_due(&page[..600], 4, ruled, too_recent);
     assert!(none.due.is_empty());
     assert_eq!((none.examined, none.too_recent), (600, false));
+}
+
+/// A "not found" gives slot and budget back only under a rule that calls the lookup
+/// authoritative; by default it is read as unconfirmed and settles nothing. Found is found
+/// either way.
+#[test]
+fn not_found_settles_only_where_the_rule_calls_the_lookup_authoritative() {
+    let answer = json!({"status": "not_found"});
+    let found = json!({"status": "executed"});
+    let default = rules::parse(&file(rule()), &env()).unwrap();
+    assert!(!default.rules[0].not_found_authoritative);
+    assert_eq!(
+        default.rules[0].read(false, Some(&answer)),
+        Reading::NotFoundUnconfirmed(json!("not_found"))
+    );
+    let mut trusted = rule();
+    trusted["answer"]["not_found_authoritative"] = json!(true);
+    let trusted = rules::parse(&file(trusted), &env()).unwrap();
+    assert_eq!(
+        trusted.rules[0].read(false, Some(&answer)),
+        Reading::NotExecuted(json!("not_found"))
+    );
+    for set in [&default, &trusted] {
+        assert_eq!(
+            set.rules[0].read(false, Some(&found)),
+            Reading::Executed(json!("executed"))
+        );
+    }
+}
+
+/// The form of the key a lookup searches by: `header` unless the rule names another, only
+/// for lookups whose arguments name the forwarded key; a form for a lookup that does not use
+/// the key, or an unknown form, is refused.
+#[test]
+fn a_rule_names_the_form_its_lookup_finds_the_key_in() {
+    let set = rules::parse(&file(rule()), &env()).unwrap();
+    assert_eq!(set.rules[0].key_carrier, Some(KeyCarrier::Header));
+    let mut meta = rule();
+    meta["lookup"]["key_carrier"] = json!("params._meta");
+    let set = rules::parse(&file(meta), &env()).unwrap();
+    assert_eq!(set.rules[0].key_carrier, Some(KeyCarrier::Meta));
+    let by_invoice = json!({"invoice": "{{arguments/invoice}}"});
+    let set = rules::parse(
+        &file(with(rule(), "/lookup/arguments", by_invoice.clone())),
+        &env(),
+    )
+    .unwrap();
+    assert_eq!(set.rules[0].key_carrier, None);
+
+    let mut keyless_with_form = with(rule(), "/lookup/arguments", by_invoice);
+    keyless_with_form["lookup"]["key_carrier"] = json!("header");
+    assert!(refused(&file(keyless_with_form))
+        .contains("lookup.key_carrier: the lookup's arguments do not name {{forwarded_key}}"));
+    let mut unknown = rule();
+    unknown["lookup"]["key_carrier"] = json!("body");
+    assert!(refused(&file(unknown)).contains("unknown variant `body`"));
+}
+
+/// An attempt is looked up by its forwarded key only when its upstream received the key in
+/// the form the lookup searches: a key that went only in `params._meta` is never looked up
+/// under a header-keyed rule, nor is one whose carriers were not recorded (an older filter),
+/// since the provider's answer would say nothing about this call.
+#[test]
+fn an_attempt_is_looked_up_only_where_its_key_reached_the_lookups_form() {
+    let args = json!({"invoice": "INV-1", "amount": 1});
+    let facts = |carriers: &[KeyCarrier]| Facts {
+        forwarded_key: Some("fk-1"),
+        forwarded_key_carriers: carriers.iter().copied().collect(),
+        sent_at_ms: 0,
+        arguments: Some(&args),
+    };
+    let by_header = rules::parse(&file(rule()), &env()).unwrap();
+    let by_header = &by_header.rules[0];
+    let mut meta_rule = rule();
+    meta_rule["lookup"]["key_carrier"] = json!("params._meta");
+    let by_meta = rules::parse(&file(meta_rule), &env()).unwrap();
+    let by_meta = &by_meta.rules[0];
+
+    let filled = by_header.arguments_for(&facts(&[KeyCarrier::Header, KeyCarrier::Meta]));
+    assert_eq!(filled.unwrap()["idempotency_key"], "fk-1");
+    let refused = by_header
+        .arguments_for(&facts(&[KeyCarrier::Meta]))
+        .unwrap_err();
+    assert!(
+        refused.contains("by the key in header") && refused.contains("params._meta"),
+        "{refused}"
+    );
+    let unrecorded = by_header.arguments_for(&facts(&[])).unwrap_err();
+    assert!(unrecorded.contains("no recorded carrier"), "{unrecorded}");
+    assert!(by_meta.arguments_for(&facts(&[KeyCarrier::Meta])).is_ok());
+    assert!(by_meta
+        .arguments_for(&facts(&[KeyCarrier::Header]))
+        .is_err());
+
+    // A lookup that does not search by the key does not care where it went.
+    let by_invoice = with(
+        rule(),
+        "/lookup/arguments",
+        json!({"invoice": "{{arguments/invoice}}"}),
+    );
+    let by_invoice = rules::parse(&file(by_invoice), &env()).unwrap();
+    assert!(by_invoice.rules[0].arguments_for(&facts(&[])).is_ok());
 }

@@ -177,6 +177,17 @@ CREATE UNIQUE INDEX signing_keys_one_active ON signing_keys((retired_at IS NULL)
     WHERE retired_at IS NULL;
 "#,
     },
+    Migration {
+        version: 7,
+        compatible_from: 4,
+        description: "where each attempt's forwarded key reached the upstream (its carriers)",
+        // As in SQLite's version 7: older attempts have none, which the reconciler takes as
+        // "reached no carrier", never as the header. Additive: an older ledger's upsert
+        // leaves the column as it was.
+        sql: r#"
+ALTER TABLE attempts ADD COLUMN forwarded_key_carriers TEXT;
+"#,
+    },
 ];
 
 /// The rehearsal of the next schema version (feature `schema-rehearsal`, never released): an
@@ -186,8 +197,8 @@ CREATE UNIQUE INDEX signing_keys_one_active ON signing_keys((retired_at IS NULL)
 /// index.
 #[cfg(feature = "schema-rehearsal")]
 const NEXT: &[Migration] = &[Migration {
-    version: 7,
-    compatible_from: 6,
+    version: 8,
+    compatible_from: 7,
     description:
         "rehearsal: the deciding replica per attempt (nullable), attempts by permit and time",
     sql: r#"

@@ -71,6 +71,7 @@ fn attempt_row(row: &Row) -> Result<AttemptRow, tokio_postgres::Error> {
         provider_answer: row.try_get(22)?,
         forwarded_key: row.try_get(23)?,
         arguments: row.try_get(24)?,
+        forwarded_key_carriers: row.try_get(25)?,
     })
 }
 

@@ -132,10 +132,18 @@ CREATE UNIQUE INDEX IF NOT EXISTS signing_keys_one_active ON signing_keys((retir
     WHERE retired_at IS NULL;
 "#;
 
-/// Version 7, the rehearsal of the next schema version (feature `schema-rehearsal`, never
-/// released): as PostgreSQL's version 7, additive.
+/// Version 7: where each attempt's forwarded key reached the upstream (the `Idempotency-Key`
+/// header, `params._meta`, `params.idempotencyKey`), as the filter said: the carriers' names
+/// joined by `,`. Attempts written before have none, which the reconciler takes as "reached
+/// no carrier" and never as the header. Additive: an older ledger leaves the column alone.
+pub(super) const MIGRATION_7: &str = r#"
+ALTER TABLE attempts ADD COLUMN forwarded_key_carriers TEXT;
+"#;
+
+/// Version 8, the rehearsal of the next schema version (feature `schema-rehearsal`, never
+/// released): as PostgreSQL's version 8, additive.
 #[cfg(feature = "schema-rehearsal")]
-const MIGRATION_7: &str = r#"
+const MIGRATION_8: &str = r#"
 ALTER TABLE attempts ADD COLUMN decided_by TEXT;
 CREATE INDEX IF NOT EXISTS attempts_by_permit_created ON attempts(permit_id, created_at);
 "#;
@@ -153,8 +161,9 @@ const COMPATIBLE_FROM: &[(i64, i64)] = &[
     (4, 4),
     (5, 4),
     (6, 4),
+    (7, 4),
     #[cfg(feature = "schema-rehearsal")]
-    (7, 6),
+    (8, 7),
 ];
 
 const COMPAT_TABLE: &str = "CREATE TABLE IF NOT EXISTS atmost_schema_compat (\
@@ -194,9 +203,12 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), LedgerError> {
     if version < 6 {
         tx.execute_batch(MIGRATION_6)?;
     }
-    #[cfg(feature = "schema-rehearsal")]
     if version < 7 {
         tx.execute_batch(MIGRATION_7)?;
+    }
+    #[cfg(feature = "schema-rehearsal")]
+    if version < 8 {
+        tx.execute_batch(MIGRATION_8)?;
     }
     for (v, compatible_from) in COMPATIBLE_FROM {
         tx.execute(

@@ -50,6 +50,7 @@ pub(super) fn read_attempt(row: &Row<'_>) -> rusqlite::Result<AttemptRow> {
         provider_answer: row.get(22)?,
         forwarded_key: row.get(23)?,
         arguments: row.get(24)?,
+        forwarded_key_carriers: row.get(25)?,
     })
 }
 

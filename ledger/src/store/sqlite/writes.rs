@@ -9,13 +9,14 @@ use super::writer::GroupTx;
 use crate::error::LedgerError;
 use crate::model::{Attempt, AttemptState};
 use crate::store::counters::CounterMoves;
+use crate::store::rows::carriers_column;
 
 pub(super) fn insert_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerError> {
     tx.prepare_cached(
         "INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, updated_at, \
          lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, round, capability_hash, \
-         forwarded_key, arguments) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)",
+         forwarded_key, arguments, forwarded_key_carriers) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20)",
     )?
     .execute(params![
         a.id,
@@ -37,6 +38,7 @@ pub(super) fn insert_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerE
         a.capability_hash,
         a.forwarded_key,
         a.arguments,
+        carriers_column(a.forwarded_key_carriers),
     ])?;
     if let Some(kh) = a.key_hash.as_ref() {
         tx.prepare_cached(
@@ -54,7 +56,8 @@ pub(super) fn update_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerE
         "UPDATE attempts SET state = ?2, updated_at = ?3, lease_expires_at = ?4, finished_at = ?5, receipt = ?6, \
          reason = ?7, replay_count = ?8, pruned_at = ?9, resolved_executed = ?10, resolved_by = ?11, \
          resolved_at = ?12, resolution_note = ?13, round = ?14, capability_hash = ?15, \
-         resolution_source = ?16, provider_answer = ?17, forwarded_key = ?18, arguments = ?19 WHERE id = ?1",
+         resolution_source = ?16, provider_answer = ?17, forwarded_key = ?18, arguments = ?19, \
+         forwarded_key_carriers = ?20 WHERE id = ?1",
     )?
     .execute(params![
         a.id,
@@ -76,6 +79,7 @@ pub(super) fn update_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerE
         r.and_then(|r| r.source.provider_answer()),
         a.forwarded_key,
         a.arguments,
+        carriers_column(a.forwarded_key_carriers),
     ])?;
     Ok(())
 }
