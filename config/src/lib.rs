@@ -107,8 +107,9 @@ pub struct Config {
     /// filter holds until the ledger has decided. `headers`: the whole request, headers
     /// included; Envoy must allow it (`allow_on_headers_stop_iteration: true` in the Wasm
     /// filter's config, which an EnvoyFilter can set). `body`: the headers go upstream at
-    /// once (permit header removed, `Idempotency-Key` already in its upstream form,
-    /// `content-length` removed) and only the body is held; a denial answers the client and
+    /// once (permit header and `content-length` removed, and the `Idempotency-Key` header of
+    /// a POST that may be a governed call under a permit: it reaches the upstream only in the
+    /// body) and only the body is held; nothing is signed; a denial answers the client and
     /// ends the upstream stream before any byte of the body left. For deployments that
     /// cannot set that Envoy field (an Istio WasmPlugin, Envoy Gateway).
     pub request_hold: RequestHold,
