@@ -13,7 +13,9 @@
 //!   │ ──no permit / bad key─────────────────────────────────────────▶ Answered (denial)
 //!   ▼ governed tools/call: ONE authorize callout
 //! Authorizing ──deny / replay / ledger unavailable──────────────────▶ Answered
-//!   │ dispatch: rewrite the key, then resume the request upstream
+//!   │ ──dispatch under another permit than the token names, or (`request_hold: headers`)
+//!   │   without a signature over what was asked: deny, report `released`──▶ Answered
+//!   │ dispatch: rewrite the key, add the ledger's signature, then resume the request
 //!   │ ──the host refused a rewrite (on_rewrite_failed): deny, report `released`──▶ Answered
 //!   ▼
 //! Dispatched(response watch) ──receipt found──▶ report `completed`, hold the chunk ──▶ Settled
@@ -27,8 +29,13 @@
 //! ([`crate::call::permit_meta`]): a local reply gets them as it is built, a dispatched call's
 //! upstream answer as an edit of its body (JSON or the SSE event), with the headers.
 //!
+//! With `request_hold: headers` (the default) nothing of a governed call leaves before the
+//! decision, so the authorize request names the exact request that will leave and the
+//! ledger signs it ([`signing`]).
+//!
 //! With `request_hold: body` ([`body_hold`]) a POST's headers go upstream at once from
-//! `Start` (edited as a dispatch would have them) and only its body waits in `ReadingBody`
+//! `Start` (without the permit header, `content-length`, or a governed call's key header,
+//! which would be derived before the ledger confirmed the permit) and only its body waits in `ReadingBody`
 //! and `Authorizing`; a response before the decision leads to `Overtaken`, where the body is
 //! held for good and a reserved attempt is released.
 
@@ -56,6 +63,7 @@ pub mod receipt;
 pub mod replay;
 pub mod reply;
 pub mod resume;
+pub mod signing;
 pub mod upstream_key;
 
 mod body_hold;
@@ -64,12 +72,13 @@ mod ledger_reply;
 mod response;
 mod step;
 
-use body_hold::{key_header_misfit, Ahead};
+use body_hold::Ahead;
 use outcome::NoReceipt;
 use permit_meta::TextAt;
 use receipt::{Passed, ResultKind, SseCapture, SseProgress};
 use reply::{rpc_code, LocalReply};
 use resume::{CallPermit, Ticket};
+use signing::Signing;
 use upstream_key::UNGOVERNED_PERMIT_ID;
 
 pub use head::{ENVOY_CONTROL_HEADERS, HEADERS_ATMOST_READS, MAX_RETRIES_HEADER};
@@ -83,26 +92,67 @@ struct Pending {
     path: String,
     key: Option<String>,
     session_id: Option<String>,
-    /// The raw body and where its body idempotency keys sit, kept only when they must be
-    /// rewritten before upstream (`upstream_key.mode` other than `raw`).
-    body_key_rewrite: Option<BodyKeyRewrite>,
-    /// The key value sent with `authorize` and the permit id it was derived for, so a
-    /// Dispatch under that permit forwards it without deriving it again.
-    forwarded: Option<Box<ForwardedKey>>,
+    /// What goes upstream if the ledger dispatches; `None` when the token names no permit
+    /// (the ledger authenticates no such token, and nothing could be derived for it).
+    upstream: Option<Box<Upstream>>,
 }
 
+/// What the filter sends upstream if the ledger dispatches the call, fixed before it asks
+/// and derived with the permit id the token names, which the Dispatch answer must name too.
+/// The authorize request states it (`forwarded_key`, and with `request_hold: headers` the
+/// `dispatch` the ledger signs), so what leaves is what the ledger was told.
 #[derive(Debug, Clone, PartialEq)]
-struct ForwardedKey {
+struct Upstream {
     permit_id: String,
-    value: Option<String>,
+    /// The key in its `upstream_key` form: the `Idempotency-Key` value (`None`: no header)
+    /// and the value of the body's key members.
+    key: Option<String>,
+    /// The body with its key members rewritten, when they are (`upstream_key` other than
+    /// `raw`).
+    body: Option<SentBody>,
+    /// `request_hold: headers`: the request the ledger is asked to sign.
+    signing: Option<Signing>,
 }
 
+/// A request body as it goes upstream after the key rewrite.
 #[derive(Debug, Clone, PartialEq)]
-struct BodyKeyRewrite {
+struct SentBody {
+    /// Bytes of the body Envoy holds, which `body` replaces.
+    original_len: usize,
     body: Vec<u8>,
-    spans: Vec<key_rewrite::MemberSpan>,
     /// The request announced a `content-length`, which must follow the new size.
     had_content_length: bool,
+}
+
+impl SentBody {
+    /// `original` with its idempotency key members (`spans`) edited: `value` gets each
+    /// member's raw JSON value and returns its upstream form, or `None` to remove it.
+    fn rewritten(
+        original: &[u8],
+        spans: &[key_rewrite::MemberSpan],
+        had_content_length: bool,
+        value: impl FnMut(&[u8]) -> Option<String>,
+    ) -> SentBody {
+        SentBody {
+            original_len: original.len(),
+            body: key_rewrite::rewrite_all(original, spans, value),
+            had_content_length,
+        }
+    }
+
+    /// The request edits that put this body in place.
+    fn effects(self) -> Vec<Effect> {
+        let length = self.had_content_length.then(|| {
+            Effect::SetRequestHeader("content-length".into(), self.body.len().to_string())
+        });
+        let mut effects = Vec::with_capacity(2);
+        effects.push(Effect::ReplaceRequestBody {
+            original_len: self.original_len,
+            body: self.body,
+        });
+        effects.extend(length);
+        effects
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -261,26 +311,6 @@ fn rewrite_refused() -> Denial {
     )
 }
 
-/// The effects replacing the body's idempotency key members: `value` gets each member's raw
-/// JSON value and returns its upstream form, or `None` to remove it.
-fn body_edit(
-    original: &[u8],
-    spans: &[key_rewrite::MemberSpan],
-    had_content_length: bool,
-    value: impl FnMut(&[u8]) -> Option<String>,
-) -> Vec<Effect> {
-    let body = key_rewrite::rewrite_all(original, spans, value);
-    let mut effects = Vec::with_capacity(2);
-    let length = had_content_length
-        .then(|| Effect::SetRequestHeader("content-length".into(), body.len().to_string()));
-    effects.push(Effect::ReplaceRequestBody {
-        original_len: original.len(),
-        body,
-    });
-    effects.extend(length);
-    effects
-}
-
 fn content_kind(content_type: Option<&str>) -> Option<bool> {
     let media = content_type?
         .split(';')
@@ -413,7 +443,7 @@ impl Call {
                 self.config.permit_header.clone(),
             ));
         }
-        for name in &head.control_headers {
+        for name in head.control_headers.iter().chain(&head.signature_headers) {
             edits.push(Effect::RemoveRequestHeader((*name).into()));
         }
         if head.method.eq_ignore_ascii_case("POST") {
@@ -473,10 +503,11 @@ impl Call {
             let spans = key_rewrite::find_all(body);
             if !spans.is_empty() {
                 let length = head.content_length.is_some();
-                step.effects.extend(body_edit(body, &spans, length, |raw| {
+                let sent = SentBody::rewritten(body, &spans, length, |raw| {
                     let key = idempotency::valid_body_key(raw);
                     upstream_key::upstream_value(mode, UNGOVERNED_PERMIT_ID, key.as_deref())
-                }));
+                });
+                step.effects.extend(sent.effects());
             }
         }
         if self.ahead.is_none() {
@@ -639,16 +670,54 @@ impl Call {
                 ))
             }
         };
-        // The key the upstream will receive if the ledger dispatches: derived with the permit
-        // id the token names, which a Dispatch answer confirms (the ledger accepts a token
+        let in_body = call.keys.any_present();
+        let hold_headers = self.config.request_hold == RequestHold::Headers;
+        // What the upstream will receive if the ledger dispatches: derived with the permit id
+        // the token names, which a Dispatch answer must confirm (the ledger accepts a token
         // only for the permit it names).
-        let forwarded = atmost_protocol::token::permit_id_of(&permit_token).map(|id| {
-            Box::new(ForwardedKey {
-                permit_id: id.to_string(),
-                value: upstream_key::upstream_value(&self.config.upstream_key, id, key.as_deref()),
+        let upstream = atmost_protocol::token::permit_id_of(&permit_token).map(|permit_id| {
+            let mode = &self.config.upstream_key;
+            let key = upstream_key::upstream_value(mode, permit_id, key.as_deref());
+            let body = match mode {
+                UpstreamKey::Raw => None,
+                _ if !in_body => None,
+                _ => Some(key_rewrite::find_all(body_bytes))
+                    .filter(|spans| !spans.is_empty())
+                    .map(|spans| {
+                        let length = head.content_length.is_some();
+                        SentBody::rewritten(body_bytes, &spans, length, |_| key.clone())
+                    }),
+            };
+            let signing = hold_headers.then(|| {
+                let line = signing::RequestLine {
+                    method: &head.method,
+                    authority: &head.authority,
+                    path: &head.path,
+                };
+                let sent = body.as_ref().map_or(body_bytes, |b| b.body.as_slice());
+                Signing::new(
+                    &line,
+                    sent,
+                    key.as_deref(),
+                    self.config.signature_validity_s,
+                )
+            });
+            Box::new(Upstream {
+                permit_id: permit_id.to_string(),
+                key,
+                body,
+                signing,
             })
         });
-        let forwarded_key = forwarded.as_ref().and_then(|f| f.value.clone());
+        // With `request_hold: body` no key header goes upstream (it would leave before the
+        // ledger confirmed the permit it is derived for): only a key in the body reaches it.
+        let forwarded_key = upstream
+            .as_ref()
+            .and_then(|u| u.key.clone())
+            .filter(|_| hold_headers || in_body);
+        // The header is set by the dispatch under `request_hold: headers` only.
+        let forwarded_key_carriers =
+            upstream_key::carriers(forwarded_key.is_some(), hold_headers, &call.keys);
         let request = AuthorizeRequest {
             permit_token,
             tool: call.name.clone(),
@@ -658,24 +727,15 @@ impl Call {
             continuation: call.continuation,
             arguments: Value::Object(call.arguments),
             forwarded_key,
-            forwarded_key_carriers: self.forwarded_key_carriers(forwarded.as_deref(), &call.keys),
-            dispatch: None,
+            forwarded_key_carriers,
+            dispatch: upstream
+                .as_ref()
+                .and_then(|u| u.signing.as_ref())
+                .map(|s| s.target.clone()),
         };
         let body = match serde_json::to_vec(&request) {
             Ok(b) => b,
             Err(_) => return deny_step(&self.config, &gateway_unavailable(), &call.id, &call.name),
-        };
-        let in_body = call.keys.any_present();
-        let body_key_rewrite = match &self.config.upstream_key {
-            UpstreamKey::Raw => None,
-            _ if !in_body => None,
-            _ => Some(key_rewrite::find_all(body_bytes))
-                .filter(|spans| !spans.is_empty())
-                .map(|spans| BodyKeyRewrite {
-                    body: body_bytes.to_vec(),
-                    spans,
-                    had_content_length: head.content_length.is_some(),
-                }),
         };
         self.state = State::Authorizing(Pending {
             permit,
@@ -684,8 +744,7 @@ impl Call {
             tool: call.name,
             key,
             session_id: head.session_id.clone(),
-            body_key_rewrite,
-            forwarded,
+            upstream,
         });
         Step {
             flow: Flow::Pause,

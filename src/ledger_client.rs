@@ -3,8 +3,9 @@
 //! expected JSON are all failures (the authorize caller then fails closed).
 
 use atmost_config::LedgerConfig;
+use atmost_protocol::signature::DispatchSignature;
 use atmost_protocol::{
-    AuthorizeResponse, LimitsRequest, LimitsResponse, OutcomeAck, OutcomesRequest,
+    AuthorizeResponse, DispatchGrant, LimitsRequest, LimitsResponse, OutcomeAck, OutcomesRequest,
     OutcomesResponse, PermitLimits,
 };
 use serde::Deserialize;
@@ -76,6 +77,10 @@ pub enum LedgerError {
     Status(u32),
     /// HTTP 200 with a body that is not the endpoint's answer.
     Unreadable(Endpoint),
+    /// An authorize answer that is a Dispatch whose attempt, round and capability read, but
+    /// not the rest (a signature of another shape, say): the call is not sent, and the round
+    /// can still be reported never sent.
+    UnreadableDispatch(Box<DispatchGrant>),
     /// An outcomes answer with a different number of acks than reports sent.
     AckCount { acked: usize, sent: usize },
     /// The host refused to dispatch the callout.
@@ -98,6 +103,11 @@ impl fmt::Display for LedgerError {
             LedgerError::Unreadable(Endpoint::Limits) => {
                 f.write_str("ledger answer to limits is not a LimitsResponse")
             }
+            LedgerError::UnreadableDispatch(g) => write!(
+                f,
+                "ledger answer to authorize dispatches attempt {} (round {}) but is not an AuthorizeResponse",
+                g.attempt_id, g.round
+            ),
             LedgerError::AckCount { acked, sent } => {
                 write!(f, "ledger acknowledged {acked} of {sent} reports")
             }
@@ -157,7 +167,16 @@ impl LedgerReply {
         if let Ok(dispatch) = serde_json::from_slice::<DispatchAnswer>(body) {
             return Ok(dispatch.into());
         }
-        serde_json::from_slice(body).map_err(|_| LedgerError::Unreadable(Endpoint::Authorize))
+        serde_json::from_slice(body).map_err(|_| {
+            match serde_json::from_slice::<DispatchGrantOf>(body) {
+                Ok(g) => LedgerError::UnreadableDispatch(Box::new(DispatchGrant {
+                    attempt_id: g.attempt_id,
+                    round: g.round,
+                    capability: g.capability,
+                })),
+                Err(_) => LedgerError::Unreadable(Endpoint::Authorize),
+            }
+        })
     }
 
     /// Reads a limits answer.
@@ -199,6 +218,22 @@ struct DispatchAnswer {
     capability: String,
     #[serde(default)]
     limits: Option<PermitLimits>,
+    /// Read as given: whether it is one the filter can send is the machine's to check
+    /// against the request it asked the ledger to sign.
+    #[serde(default)]
+    signature: Option<DispatchSignature>,
+}
+
+/// What must be read of a Dispatch answer to report on its round, when the rest of it
+/// cannot be.
+#[derive(Deserialize)]
+struct DispatchGrantOf {
+    /// Read only to be `dispatch`.
+    #[serde(rename = "decision")]
+    _decision: DispatchTag,
+    attempt_id: String,
+    round: u32,
+    capability: String,
 }
 
 #[derive(Deserialize)]
@@ -216,7 +251,7 @@ impl From<DispatchAnswer> for AuthorizeResponse {
             round: a.round,
             capability: a.capability,
             limits: a.limits,
-            signature: None,
+            signature: a.signature,
         }
     }
 }
@@ -266,6 +301,9 @@ mod tests {
             r#"{"decision":"deny","code":"permit_expired","message":"m"}"#,
             r#"{"decision":"Dispatch","attempt_id":"a","permit_id":"p","lease_ms":1,"round":2,"capability":"c"}"#,
             r#"{"decision":"dispatch","attempt_id":"a","permit_id":"p","lease_ms":1,"round":2,"capability":"c"} x"#,
+            r#"{"decision":"dispatch","attempt_id":"a","permit_id":"p","lease_ms":1,"round":2,"capability":"c","signature":{"signature_input":"atmost=()","signature":"atmost=:AA==:"}}"#,
+            r#"{"decision":"dispatch","attempt_id":"a","permit_id":"p","lease_ms":1,"round":2,"capability":"c","signature":null}"#,
+            r#"{"decision":"dispatch","attempt_id":"a","permit_id":"p","lease_ms":1,"round":2,"capability":"c","signature":{"signature":"s","signature_input":"i","x":1}}"#,
         ];
         let mut dispatches = 0;
         for body in bodies {
@@ -279,7 +317,48 @@ mod tests {
             assert_eq!(read, tagged, "{body}");
             dispatches += usize::from(matches!(read, Ok(AuthorizeResponse::Dispatch { .. })));
         }
-        assert_eq!(dispatches, 4);
+        assert_eq!(dispatches, 7);
+    }
+
+    #[test]
+    fn a_dispatch_answer_read_only_in_part_still_names_its_round() {
+        let read = |body: &str| {
+            LedgerReply {
+                status: Some(200),
+                body: body.as_bytes().to_vec(),
+            }
+            .authorize()
+        };
+        let grant = || -> Result<AuthorizeResponse, LedgerError> {
+            Err(LedgerError::UnreadableDispatch(Box::new(DispatchGrant {
+                attempt_id: "a".into(),
+                round: 2,
+                capability: "c".into(),
+            })))
+        };
+        for body in [
+            r#"{"decision":"dispatch","attempt_id":"a","permit_id":"p","lease_ms":1,"round":2,"capability":"c","signature":{"signature_input":7}}"#,
+            r#"{"decision":"dispatch","attempt_id":"a","permit_id":"p","lease_ms":1,"round":2,"capability":"c","signature":"atmost=:AA==:"}"#,
+            r#"{"decision":"dispatch","attempt_id":"a","round":2,"capability":"c"}"#,
+        ] {
+            assert_eq!(read(body), grant(), "{body}");
+        }
+        // Without what a report needs, or not a dispatch, it is simply unreadable.
+        for body in [
+            r#"{"decision":"dispatch","attempt_id":"a","permit_id":"p","lease_ms":1,"round":2,"signature":7}"#,
+            r#"{"decision":"deny","attempt_id":"a","round":2,"capability":"c"}"#,
+            r#"{"attempt_id":"a","round":2,"capability":"c"}"#,
+        ] {
+            assert_eq!(
+                read(body),
+                Err(LedgerError::Unreadable(Endpoint::Authorize)),
+                "{body}"
+            );
+        }
+        assert_eq!(
+            grant().err().map(|e| e.to_string()).as_deref(),
+            Some("ledger answer to authorize dispatches attempt a (round 2) but is not an AuthorizeResponse")
+        );
     }
 
     #[test]

@@ -74,6 +74,10 @@ stat_table! {
     /// `request_hold: body`: the upstream answered (or its connection failed) before the
     /// decision; the body was not sent and a reserved attempt was released.
     UpstreamAnsweredEarly => "atmost_upstream_answered_early";
+    /// `request_hold: headers`: a Dispatch answer without a signature the filter could send
+    /// (none, malformed, or not over this request): the call was denied
+    /// `gateway_unavailable` and its round reported never sent.
+    DispatchUnsigned => "atmost_dispatch_unsigned";
     /// One of Envoy's steering headers ([`crate::call::ENVOY_CONTROL_HEADERS`]) was removed
     /// from a request.
     ControlHeaderRemoved => "atmost_control_header_removed";

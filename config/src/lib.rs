@@ -31,12 +31,17 @@ pub const MAX_MAX_BYTES: u64 = 64 * 1_048_576;
 pub const DEFAULT_REPORT_INTERVAL_MS: u64 = 200;
 /// Shortest accepted `upstream_key.secret`, in bytes.
 pub const MIN_SECRET_BYTES: usize = 16;
+/// Default `signature_validity_s`: Envoy's default route timeout.
+pub const DEFAULT_SIGNATURE_VALIDITY_S: u64 = 15;
+/// Longest accepted `signature_validity_s`: the longest validity the ledger signs.
+pub use atmost_protocol::signature::MAX_VALIDITY_S;
 /// The request headers the filter reads or writes besides the permit header. The permit
 /// header may not be one of them, and the filter refuses a request that carries one under
 /// another spelling (`_` for `-`): WSGI, Rack and CGI servers read `Idempotency_Key` and
 /// `Idempotency-Key` as one header, so the upstream could take the alias's value for the
-/// one the filter checked.
-pub const HEADERS_ATMOST_READS: [&str; 9] = [
+/// one the filter checked. The last three are the dispatch signature's: the filter writes
+/// them on a signed dispatch and removes a client's own from every request.
+pub const HEADERS_ATMOST_READS: [&str; 12] = [
     "idempotency-key",
     "mcp-method",
     "mcp-name",
@@ -46,6 +51,9 @@ pub const HEADERS_ATMOST_READS: [&str; 9] = [
     "content-type",
     "content-length",
     "content-encoding",
+    "content-digest",
+    "signature-input",
+    "signature",
 ];
 
 /// What one plugin instance is, by its `role` (`"gateway"` by default, or `"verify"`).
@@ -188,11 +196,17 @@ pub struct Config {
     /// filter holds until the ledger has decided. `headers`: the whole request, headers
     /// included; Envoy must allow it (`allow_on_headers_stop_iteration: true` in the Wasm
     /// filter's config, which an EnvoyFilter can set). `body`: the headers go upstream at
-    /// once (permit header removed, `Idempotency-Key` already in its upstream form,
-    /// `content-length` removed) and only the body is held; a denial answers the client and
+    /// once (permit header and `content-length` removed, and the `Idempotency-Key` header of
+    /// a POST that may be a governed call under a permit: it reaches the upstream only in the
+    /// body) and only the body is held; nothing is signed; a denial answers the client and
     /// ends the upstream stream before any byte of the body left. For deployments that
     /// cannot set that Envoy field (an Istio WasmPlugin, Envoy Gateway).
     pub request_hold: RequestHold,
+    /// `signature_validity_s` (integer, default 15, 1..=300): how long the signature of a
+    /// dispatch stays valid, from the ledger's signing to `expires`. The request must reach
+    /// the tool's verifier within it, so keep it at most the route's timeout (Envoy's
+    /// default is 15 s). Only `request_hold: headers` signs.
+    pub signature_validity_s: u64,
 }
 
 /// `ledger`: the callout target.
@@ -482,6 +496,7 @@ impl Config {
             "completion_reports",
             "tools_list_limits",
             "request_hold",
+            "signature_validity_s",
         ])?;
 
         let ledger_map = top
@@ -609,6 +624,12 @@ impl Config {
         };
         let tools_list_limits = top.boolean("tools_list_limits", false)?;
         let request_hold = request_hold(&top)?;
+        let signature_validity_s = top.integer(
+            "signature_validity_s",
+            DEFAULT_SIGNATURE_VALIDITY_S,
+            1,
+            MAX_VALIDITY_S,
+        )?;
 
         Ok(Config {
             ledger: LedgerConfig {
@@ -628,6 +649,7 @@ impl Config {
             completion_reports,
             tools_list_limits,
             request_hold,
+            signature_validity_s,
         })
     }
 }
@@ -683,6 +705,27 @@ mod tests {
         assert_eq!(c.completion_reports, CompletionReports::Batched);
         assert!(!c.tools_list_limits);
         assert_eq!(c.request_hold, RequestHold::Headers);
+        assert_eq!(c.signature_validity_s, 15);
+    }
+
+    #[test]
+    fn signature_validity_is_whole_seconds_up_to_the_ledgers_longest() {
+        let mut v = minimal();
+        for ok in [1, 15, 120, MAX_VALIDITY_S] {
+            v["signature_validity_s"] = json!(ok);
+            assert_eq!(config_from(&v).signature_validity_s, ok);
+        }
+        for bad in [
+            json!(0),
+            json!(MAX_VALIDITY_S + 1),
+            json!(-1),
+            json!(1.5),
+            json!("15"),
+            json!(null),
+        ] {
+            v["signature_validity_s"] = bad.clone();
+            assert_eq!(field_of(&v), "signature_validity_s", "{bad}");
+        }
     }
 
     #[test]
@@ -879,6 +922,14 @@ mod tests {
             ),
             (
                 with(&["permit_header"], json!("content_encoding")),
+                "permit_header",
+            ),
+            (
+                with(&["permit_header"], json!("Signature_Input")),
+                "permit_header",
+            ),
+            (
+                with(&["permit_header"], json!("signature")),
                 "permit_header",
             ),
             (with(&["permit_header"], json!(1)), "permit_header"),

@@ -41,6 +41,8 @@ use atmost_filter::call::{
 };
 use atmost_filter::ledger_client::{Callout, Endpoint, LedgerReply};
 use atmost_filter::parse::mcp::{self, Message, Mirrored};
+use atmost_protocol::signature;
+use atmost_protocol::token::permit_id_of;
 use atmost_protocol::{AuthorizeRequest, Outcome};
 use serde_json::{json, Value};
 use std::rc::Rc;
@@ -51,6 +53,9 @@ const CONFIGS: [&str; 4] = [
     r#"{"ledger":{"cluster":"l","service_token":"t"},"upstream_key":{"mode":"off"},"key_required_tools":["*"],"permit_header":"x-permit"}"#,
     r#"{"ledger":{"cluster":"l","service_token":"t"},"upstream_key":{"secret":"0123456789abcdef0123"},"max_body_bytes":1,"max_receipt_bytes":1}"#,
 ];
+
+/// A token of the ledger's shape, naming permit `pmt_0123456789abcdef01234567`.
+const VALID_TOKEN: &str = "atmp_pmt_0123456789abcdef01234567_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
 
 const BODIES: [&str; 8] = [
     r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"pay","arguments":{"amount":1}}}"#,
@@ -253,6 +258,9 @@ struct Watch {
     /// The last request body read, and its JSON-RPC id.
     body_id: Option<Value>,
     raw_key: Option<String>,
+    /// The authorize request made, which a `dispatch` answer is for (its permit, and the
+    /// request it asked the ledger to sign).
+    asked: Option<AuthorizeRequest>,
     /// Outcome reports handed to the queue or sent, in order (kind names).
     reports: Vec<&'static str>,
     /// A report is out on an outcomes callout.
@@ -272,14 +280,55 @@ fn kind(o: &Outcome) -> &'static str {
     }
 }
 
-fn ledger_reply(status: &Status, body: &LedgerBody) -> (LedgerReply, bool) {
+/// What a ledger signs for `asked`: the `Signature-Input` and `Signature` of a dispatch of
+/// attempt `att_1`, round 1, under `permit_id` (the signature's bytes stand in: the filter
+/// holds no key to check them).
+fn ledger_signature(asked: &AuthorizeRequest, permit_id: &str) -> Option<Value> {
+    let target = asked.dispatch.as_ref()?;
+    let digest = signature::content_digest_from_hex(&target.body_sha256)?;
+    let request = signature::SignedRequest {
+        method: &target.method,
+        authority: &target.authority,
+        path: &target.path,
+        content_digest: &digest,
+        idempotency_key: target.idempotency_key.as_deref(),
+    };
+    let nonce = signature::DispatchNonce {
+        attempt_id: "att_1".into(),
+        round: 1,
+        permit_id: permit_id.into(),
+        tool: asked.tool.clone(),
+    };
+    let input = request.signature_params(&signature::SignatureParams {
+        created: 1_764_680_000,
+        expires: 1_764_680_000 + target.validity_s,
+        keyid: "kid".into(),
+        nonce: nonce.encode(),
+    });
+    Some(json!({
+        "signature_input": input.header_value(),
+        "signature": signature::signature_header(&[7; 64]),
+    }))
+}
+
+fn ledger_reply(
+    status: &Status,
+    body: &LedgerBody,
+    asked: Option<&AuthorizeRequest>,
+) -> (LedgerReply, bool) {
     let (bytes, dispatch) = match body {
-        LedgerBody::Dispatch => (
-            json!({"decision":"dispatch","attempt_id":"att-1","permit_id":"p-1","lease_ms":1000,"round":1,"capability":"cap-1"})
-                .to_string()
-                .into_bytes(),
-            true,
-        ),
+        LedgerBody::Dispatch => {
+            // The ledger answers for the permit the token names, signing what was asked.
+            let permit_id = asked
+                .and_then(|a| permit_id_of(&a.permit_token))
+                .unwrap_or("pmt_none");
+            let mut answer = json!({"decision":"dispatch","attempt_id":"att_1","permit_id":permit_id,
+                                    "lease_ms":1000,"round":1,"capability":"cap-1"});
+            if let Some(sig) = asked.and_then(|a| ledger_signature(a, permit_id)) {
+                answer["signature"] = sig;
+            }
+            (answer.to_string().into_bytes(), true)
+        }
         LedgerBody::Replay(r) => (
             json!({"decision":"replay","attempt_id":"att-0",
                    "receipt": String::from_utf8_lossy(r.get(&RESPONSES))})
@@ -373,7 +422,8 @@ fn observe(w: &mut Watch, cfg: &Config, done: &Done, from_ledger: bool) {
                     Ok(req) => {
                         assert!(!req.permit_token.is_empty());
                         assert_eq!(req.fingerprint.len(), 64);
-                        w.raw_key = req.idempotency_key;
+                        w.raw_key = req.idempotency_key.clone();
+                        w.asked = Some(req);
                     }
                     Err(e) => panic!("authorize callout body is not an AuthorizeRequest: {e}"),
                 }
@@ -519,7 +569,7 @@ fn run(data: &[u8]) -> (bool, usize) {
                 let head = RequestHead {
                     method: method.to_string(),
                     permit: match permits {
-                        Permit::Valid => vec![b"tok-123".to_vec()],
+                        Permit::Valid => vec![VALID_TOKEN.as_bytes().to_vec()],
                         Permit::Raw(p) => p.clone(),
                     },
                     idempotency_key: keys.clone(),
@@ -532,8 +582,10 @@ fn run(data: &[u8]) -> (bool, usize) {
                     end_of_stream,
                     session_id: session.clone(),
                     path: "/mcp".into(),
+                    authority: "mcp.example".into(),
                     last_event_id: None,
                     control_headers: Vec::new(),
+                    signature_headers: Vec::new(),
                     alias: None,
                     resume: resume.then(|| Ticket {
                         grant: atmost_protocol::DispatchGrant {
@@ -543,7 +595,9 @@ fn run(data: &[u8]) -> (bool, usize) {
                         },
                         id: json!(7),
                         tool: "pay".into(),
-                        permit_hash: atmost_filter::call::resume::permit_hash(b"tok-123"),
+                        permit_hash: atmost_filter::call::resume::permit_hash(
+                            VALID_TOKEN.as_bytes(),
+                        ),
                         path: "/mcp".into(),
                         limits: None,
                     }),
@@ -610,7 +664,7 @@ fn run(data: &[u8]) -> (bool, usize) {
                 observe(&mut w, &cfg, &done, false);
             }
             Ev::LedgerReply { status, body } => {
-                let (reply, dispatch_ok) = ledger_reply(status, body);
+                let (reply, dispatch_ok) = ledger_reply(status, body, w.asked.as_ref());
                 let authorizing = w.authorize_pending && call.state_name() == "authorizing";
                 let s = call.on_ledger_reply(&reply);
                 let done = carry_out(&mut call, s, host);
@@ -638,13 +692,15 @@ fn run(data: &[u8]) -> (bool, usize) {
                     w.request.forwarded = true;
                     dispatched_reports_start = Some(w.reports.len());
                 } else if authorizing && dispatch_ok {
-                    // A dispatch answer resumes the request, or (a refused edit) answers it.
+                    // A dispatch answer resumes the request, or answers it and reports the
+                    // round never sent: a refused edit, or a dispatch the filter cannot send
+                    // (a token naming no permit, so nothing was asked to be signed).
                     assert!(
-                        done.refused
-                            && done
-                                .effects
-                                .iter()
-                                .any(|e| matches!(e, Effect::LocalReply(_))),
+                        done.effects
+                            .iter()
+                            .any(|e| matches!(e, Effect::LocalReply(_)))
+                            && done.effects.iter().any(|e| matches!(e,
+                                Effect::Enqueue(r) if matches!(r.outcome, Outcome::Released { .. }))),
                         "a dispatch answer neither resumed the request nor answered it: {done:?}"
                     );
                 }

@@ -49,7 +49,7 @@ struct Mutation {
 
 const TOKEN: &[u8] =
     b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789!#$%&'*+-.^_`|~";
-const RESERVED: [&str; 9] = [
+const RESERVED: [&str; 12] = [
     "authorization",
     "idempotency-key",
     "host",
@@ -59,6 +59,9 @@ const RESERVED: [&str; 9] = [
     "mcp-name",
     "mcp-session-id",
     "mcp-protocol-version",
+    "content-digest",
+    "signature-input",
+    "signature",
 ];
 
 fn from_alphabet(bytes: &[u8], alphabet: &[u8]) -> String {
@@ -226,6 +229,7 @@ pub fn check(data: &[u8]) {
         tools_list_limits: false,
         completion_reports: atmost_config::CompletionReports::Batched,
         request_hold: atmost_config::RequestHold::Headers,
+        signature_validity_s: atmost_config::DEFAULT_SIGNATURE_VALIDITY_S,
     };
 
     // One mutation, and the field the refusal must name.

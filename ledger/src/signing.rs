@@ -188,6 +188,7 @@ mod tests {
             key_required: false,
             continuation: false,
             forwarded_key: dispatch.idempotency_key.clone(),
+            forwarded_key_carriers: Default::default(),
             dispatch: Some(dispatch),
         }
     }

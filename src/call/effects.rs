@@ -52,6 +52,7 @@ pub fn apply(call: &mut Call, step: Step, host: &mut impl Host) -> Flow {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::call::tests::{signed, TOKEN};
     use crate::call::RequestHead;
     use crate::ledger_client::LedgerReply;
     use crate::test_config::{config_from, minimal};
@@ -90,7 +91,7 @@ mod tests {
         let mut call = Call::new(Rc::new(config_from(&minimal())));
         call.on_request_headers(RequestHead {
             method: "POST".into(),
-            permit: vec![b"tok".to_vec()],
+            permit: vec![TOKEN.as_bytes().to_vec()],
             idempotency_key: vec![b"raw-k".to_vec()],
             content_length: Some(BODY.len() as u64),
             ..RequestHead::default()
@@ -107,6 +108,7 @@ mod tests {
             limits,
             signature: None,
         };
+        let answer = signed(&call, answer);
         let step = call.on_ledger_reply(&LedgerReply {
             status: Some(200),
             body: serde_json::to_vec(&answer).unwrap_or_default(),

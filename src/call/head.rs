@@ -4,6 +4,7 @@
 //! ([`RequestHead::admit_resume`]); and a response's ([`ResponseHead::from_content_type`]).
 //! Which value of a request header counts when it repeats is decided here, not by the host.
 
+use super::signing::SIGNATURE_HEADERS;
 use super::step::{RequestHead, ResponseHead, IDEMPOTENCY_HEADER};
 use crate::call::resume::Ticket;
 
@@ -121,6 +122,8 @@ impl RequestHead {
                 head.method = String::from_utf8_lossy(&value).into_owned();
             } else if name == ":path" {
                 head.path = String::from_utf8_lossy(&value).into_owned();
+            } else if name == ":authority" {
+                head.authority = String::from_utf8_lossy(&value).into_owned();
             } else if name == "mcp-method" || name == "mcp-name" {
                 let slot = if name == "mcp-method" {
                     &mut head.mirrored.method
@@ -155,6 +158,10 @@ impl RequestHead {
             } else if let Some(control) = control_header(&name) {
                 if !head.control_headers.contains(&control) {
                     head.control_headers.push(control);
+                }
+            } else if let Some(signature) = SIGNATURE_HEADERS.iter().find(|h| **h == name) {
+                if !head.signature_headers.contains(signature) {
+                    head.signature_headers.push(signature);
                 }
             }
         }

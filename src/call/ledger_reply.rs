@@ -2,6 +2,7 @@
 //! acknowledgement of a completion report.
 
 use super::*;
+use atmost_protocol::signature::DispatchNonce;
 
 impl Call {
     /// The callout of the last step could not even be dispatched.
@@ -105,6 +106,9 @@ impl Call {
     fn on_authorize_reply(&mut self, p: Pending, reply: &LedgerReply) -> Step {
         let cfg = Rc::clone(&self.config);
         match reply.authorize() {
+            Err(LedgerError::UnreadableDispatch(grant)) => {
+                not_sent(&cfg, &p, &grant, NotSent::Unreadable)
+            }
             Err(reason) => deny_step(&cfg, &gateway_unavailable(), &p.id, &p.tool).with(
                 Effect::Log(Level::Warn, format!("atmost: authorize failed: {reason}")),
             ),
@@ -136,6 +140,7 @@ impl Call {
                 round,
                 capability,
                 limits,
+                signature,
                 ..
             }) => {
                 let grant = DispatchGrant {
@@ -143,39 +148,39 @@ impl Call {
                     round,
                     capability,
                 };
-                if !self.key_header_fits(&permit_id) {
-                    return key_header_misfit(&cfg, &p, &grant);
+                let upstream = match &p.upstream {
+                    Some(u) if u.permit_id == permit_id => u,
+                    _ => return not_sent(&cfg, &p, &grant, NotSent::OtherPermit),
+                };
+                let mut signature_headers = None;
+                if let Some(signing) = &upstream.signing {
+                    let nonce = DispatchNonce {
+                        attempt_id: grant.attempt_id.clone(),
+                        round,
+                        permit_id,
+                        tool: p.tool.clone(),
+                    };
+                    if let Err(why) = signing.check(signature.as_ref(), &nonce) {
+                        return not_sent(&cfg, &p, &grant, NotSent::Unsigned(why));
+                    }
+                    signature_headers = signature.as_ref().map(|s| signing.headers(s));
                 }
-                let upstream_value = match p.forwarded {
-                    Some(f) if f.permit_id == permit_id => f.value,
-                    _ => upstream_key::upstream_value(
-                        &cfg.upstream_key,
-                        &permit_id,
-                        p.key.as_deref(),
-                    ),
-                };
-                // `request_hold: body`: the header left with the request's headers already.
-                let key_effect = match &upstream_value {
-                    _ if self.ahead.is_some() => None,
-                    Some(v) => Some(Effect::SetRequestHeader(
-                        IDEMPOTENCY_HEADER.into(),
-                        v.clone(),
-                    )),
-                    None => Some(Effect::RemoveRequestHeader(IDEMPOTENCY_HEADER.into())),
-                };
-                // The body copies of the key get the same treatment as the header. Every edit
-                // comes before the resume, which the adapter skips if one is refused.
+                // Every edit comes before the resume, which the adapter skips if one is
+                // refused: the body with its key members in upstream form, the key header
+                // (with `request_hold: body` none goes upstream: the headers left already),
+                // and the ledger's signature.
                 let mut step = Step::cont();
-                if let Some(edit) = p.body_key_rewrite {
-                    step.effects.extend(body_edit(
-                        &edit.body,
-                        &edit.spans,
-                        edit.had_content_length,
-                        |_| upstream_value.clone(),
-                    ));
+                if let Some(body) = upstream.body.clone() {
+                    step.effects.extend(body.effects());
+                }
+                if self.ahead.is_none() {
+                    step = step.with(match &upstream.key {
+                        Some(v) => Effect::SetRequestHeader(IDEMPOTENCY_HEADER.into(), v.clone()),
+                        None => Effect::RemoveRequestHeader(IDEMPOTENCY_HEADER.into()),
+                    });
                 }
                 let step = step
-                    .with_all(key_effect)
+                    .with_all(signature_headers.into_iter().flatten())
                     .with(Effect::Count(Stat::Dispatched))
                     .with(Effect::Log(
                         Level::Info,
@@ -201,4 +206,57 @@ impl Call {
             }
         }
     }
+}
+
+/// Why the filter does not send a call the ledger dispatched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NotSent {
+    /// A Dispatch answer whose decision, attempt, round and capability read, and nothing
+    /// more.
+    Unreadable,
+    /// The answer names another permit than the token, whose id the upstream key and the
+    /// signed request were derived with. A ledger never answers so: it accepts a token only
+    /// for the permit it names.
+    OtherPermit,
+    /// `request_hold: headers`: the answer carries no signature the filter can send.
+    Unsigned(signing::Unusable),
+}
+
+/// A dispatched call the filter does not send: denied `gateway_unavailable`, and its round
+/// reported never sent, so round 1 gives its slot back.
+fn not_sent(config: &Config, p: &Pending, grant: &DispatchGrant, why: NotSent) -> Step {
+    let (reason, message, detail) = match why {
+        NotSent::Unreadable => (
+            "dispatch_unreadable",
+            "the atmost ledger's answer could not be read; the call was not sent",
+            "an answer it could not read".to_string(),
+        ),
+        NotSent::OtherPermit => (
+            "dispatch_permit_mismatch",
+            "the atmost ledger dispatched the call under another permit than the token names; it was not sent",
+            "another permit than the token names".to_string(),
+        ),
+        NotSent::Unsigned(unusable) => (
+            "dispatch_unsigned",
+            "the atmost ledger's dispatch carried no usable signature; the call was not sent",
+            unusable.as_str().to_string(),
+        ),
+    };
+    let denial = Denial::new(DenialCode::GatewayUnavailable, message);
+    let step = deny_step(config, &denial, &p.id, &p.tool)
+        .with(Effect::Enqueue(grant.report(Outcome::Released {
+            reason: format!("never_sent: {reason}"),
+        })))
+        .with(Effect::Count(Stat::Released));
+    let step = match why {
+        NotSent::Unsigned(_) => step.with(Effect::Count(Stat::DispatchUnsigned)),
+        _ => step,
+    };
+    step.with(Effect::Log(
+        Level::Error,
+        format!(
+            "atmost: the ledger dispatched attempt {} (round {}) of `{}` with {detail}; not sent, reported never sent",
+            grant.attempt_id, grant.round, p.tool
+        ),
+    ))
 }

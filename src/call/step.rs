@@ -33,11 +33,16 @@ pub struct RequestHead {
     pub session_id: Option<String>,
     /// `:path`.
     pub path: String,
+    /// `:authority` (HTTP/1.1 `Host`), as sent.
+    pub authority: String,
     /// `Last-Event-ID`.
     pub last_event_id: Option<String>,
     /// The [`ENVOY_CONTROL_HEADERS`](super::head::ENVOY_CONTROL_HEADERS) the request
     /// carries, each once.
     pub control_headers: Vec<&'static str>,
+    /// The [`SIGNATURE_HEADERS`](super::signing::SIGNATURE_HEADERS) the request carries,
+    /// each once: a client's own, which never go upstream.
+    pub signature_headers: Vec<&'static str>,
     /// The first header named like one atmost reads but spelled otherwise
     /// ([`HEADERS_ATMOST_READS`](super::head::HEADERS_ATMOST_READS), the permit header).
     pub alias: Option<String>,

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::test_config::{config_from, minimal};
+use atmost_protocol::signature::{self, DispatchNonce, DispatchSignature, DispatchTarget};
 use atmost_protocol::OutcomeReport;
 use serde_json::json;
 
@@ -116,6 +117,12 @@ fn ledger(resp: &AuthorizeResponse) -> LedgerReply {
     }
 }
 
+/// A well-formed token of permit `pmt_1`, the permit [`dispatch`] answers with.
+pub(crate) const TOKEN: &str =
+    "atmp_pmt_1_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+/// The ledger's Dispatch answer: for `att_1`, round 1, under `pmt_1`, without a signature
+/// (see [`signed`]).
 fn dispatch() -> AuthorizeResponse {
     AuthorizeResponse::Dispatch {
         attempt_id: "att_1".into(),
@@ -126,6 +133,84 @@ fn dispatch() -> AuthorizeResponse {
         limits: None,
         signature: None,
     }
+}
+
+/// A ledger's signature over `target` for the dispatch `nonce` names, as the ledger writes
+/// it (its bytes stand in: the filter holds no key to check them).
+pub(crate) fn ledger_signature(
+    target: &DispatchTarget,
+    nonce: &DispatchNonce,
+) -> DispatchSignature {
+    let digest = signature::content_digest_from_hex(&target.body_sha256).unwrap_or_default();
+    let request = signature::SignedRequest {
+        method: &target.method,
+        authority: &target.authority,
+        path: &target.path,
+        content_digest: &digest,
+        idempotency_key: target.idempotency_key.as_deref(),
+    };
+    let input = request.signature_params(&signature::SignatureParams {
+        created: 1_764_680_000,
+        expires: 1_764_680_000 + target.validity_s,
+        keyid: "kid-test".into(),
+        nonce: nonce.encode(),
+    });
+    DispatchSignature {
+        signature_input: input.header_value(),
+        signature: signature::signature_header(&[7; 64]),
+    }
+}
+
+/// The request `call` (waiting for its authorize answer) asked the ledger to sign.
+pub(crate) fn asked_to_sign(call: &Call) -> Option<DispatchTarget> {
+    match &call.state {
+        State::Authorizing(p) => p
+            .upstream
+            .as_ref()
+            .and_then(|u| u.signing.as_ref())
+            .map(|s| s.target.clone()),
+        _ => None,
+    }
+}
+
+/// `answer` as a ledger gives it to `call`: a Dispatch carries the signature over the
+/// request the call asked to have signed, and none when it asked for none.
+pub(crate) fn signed(call: &Call, mut answer: AuthorizeResponse) -> AuthorizeResponse {
+    let tool = match &call.state {
+        State::Authorizing(p) => p.tool.clone(),
+        _ => return answer,
+    };
+    let target = asked_to_sign(call);
+    if let AuthorizeResponse::Dispatch {
+        attempt_id,
+        permit_id,
+        round,
+        signature,
+        ..
+    } = &mut answer
+    {
+        let nonce = DispatchNonce {
+            attempt_id: attempt_id.clone(),
+            round: *round,
+            permit_id: permit_id.clone(),
+            tool,
+        };
+        *signature = target.map(|t| ledger_signature(&t, &nonce));
+    }
+    answer
+}
+
+/// The values of the signature headers a step sets, in the order it sets them.
+fn signature_headers(step: &Step) -> Vec<String> {
+    step.effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::SetRequestHeader(n, v) if signing::SIGNATURE_HEADERS.contains(&n.as_str()) => {
+                Some(v.clone())
+            }
+            _ => None,
+        })
+        .collect()
 }
 
 /// What the filter keeps of [`dispatch`]: every report names its round and capability.
@@ -140,9 +225,9 @@ fn grant() -> DispatchGrant {
 /// A call dispatched upstream with a key.
 fn dispatched(c: Rc<Config>) -> Call {
     let mut call = Call::new(c);
-    let s = send(&mut call, post(&["tok"], &["\"k1\""]), PAY);
+    let s = send(&mut call, post(&[TOKEN], &["\"k1\""]), PAY);
     assert!(s.callout.is_some());
-    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    let s = call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
     assert_eq!(s.effects.last(), Some(&Effect::ResumeRequest));
     assert_eq!(call.state_name(), "dispatched");
     call
@@ -208,7 +293,7 @@ fn bodiless_post_passes() {
 fn too_large_by_content_length_or_by_body() {
     let c = cfg_with(json!({"max_body_bytes": 100}));
     let mut call = Call::new(Rc::clone(&c));
-    let mut head = post(&["tok"], &[]);
+    let mut head = post(&[TOKEN], &[]);
     head.content_length = Some(101);
     let s = call.on_request_headers(head);
     assert_eq!(s.flow, Flow::Pause);
@@ -223,7 +308,7 @@ fn too_large_by_content_length_or_by_body() {
     assert_eq!(call.state_name(), "answered");
 
     let mut call = Call::new(c);
-    call.on_request_headers(post(&["tok"], &[]));
+    call.on_request_headers(post(&[TOKEN], &[]));
     assert_eq!(done(call.on_request_body(60, false)).flow, Flow::Pause);
     let s = done(call.on_request_body(101, false));
     assert_eq!(local_reply(&s).status, 413);
@@ -244,7 +329,7 @@ fn a_body_in_another_charset_or_encoding_is_refused_before_it_is_read() {
         (&[], &["identity", "br"]),
     ] {
         let mut call = Call::new(cfg());
-        let mut head = post(&["tok"], &[]);
+        let mut head = post(&[TOKEN], &[]);
         head.content_type = content_type.iter().map(|v| v.as_bytes().to_vec()).collect();
         head.content_encoding = content_encoding
             .iter()
@@ -269,7 +354,7 @@ fn a_body_in_another_charset_or_encoding_is_refused_before_it_is_read() {
     }
     // UTF-8 declared in any spelling, and identity, are read as usual.
     let mut call = Call::new(cfg());
-    let mut head = post(&["tok"], &["\"k1\""]);
+    let mut head = post(&[TOKEN], &["\"k1\""]);
     head.content_type = vec![b"application/json; charset=\"UTF-8\"".to_vec()];
     head.content_encoding = vec![b"identity".to_vec()];
     assert_eq!(call.on_request_headers(head).flow, Flow::Pause);
@@ -289,7 +374,7 @@ fn keys_equal_under_case_folding_are_refused_before_any_decision() {
         r#"[{"jsonrpc":"2.0","id":1,"method":"tools/list","METHOD":"tools/call"}]"#,
     ] {
         let mut call = Call::new(cfg());
-        call.on_request_headers(post(&["tok"], &["\"k1\""]));
+        call.on_request_headers(post(&[TOKEN], &["\"k1\""]));
         let len = read(call.on_request_body(body.len(), true));
         let s = call.on_request_body_data(&body.as_bytes()[..len]);
         assert!(s.callout.is_none(), "{body}");
@@ -320,7 +405,7 @@ fn bad_bodies_are_local_replies() {
         ),
     ] {
         let mut call = Call::new(cfg());
-        let s = send(&mut call, post(&["tok"], &[]), body);
+        let s = send(&mut call, post(&[TOKEN], &[]), body);
         assert_eq!(s.flow, Flow::Pause);
         assert!(s.callout.is_none());
         let r = local_reply(&s);
@@ -385,7 +470,7 @@ fn key_problems_deny_locally() {
         (&["\"k1\""][..], conflict),
     ] {
         let mut call = Call::new(cfg());
-        let s = send(&mut call, post(&["tok"], keys), body);
+        let s = send(&mut call, post(&[TOKEN], keys), body);
         assert!(s.callout.is_none());
         assert_eq!(
             local_reply(&s).header("atmost-denial"),
@@ -437,7 +522,7 @@ fn authorize_failures_fail_closed() {
     ];
     for f in &failures {
         let mut call = Call::new(cfg());
-        send(&mut call, post(&["tok"], &[]), PAY);
+        send(&mut call, post(&[TOKEN], &[]), PAY);
         let s = call.on_ledger_reply(f);
         assert!(!s.effects.contains(&Effect::ResumeRequest));
         assert_eq!(
@@ -449,7 +534,7 @@ fn authorize_failures_fail_closed() {
     }
     // The callout could not even be dispatched.
     let mut call = Call::new(cfg());
-    send(&mut call, post(&["tok"], &[]), PAY);
+    send(&mut call, post(&[TOKEN], &[]), PAY);
     let s = call.on_callout_failed();
     assert_eq!(s.flow, Flow::Pause);
     assert_eq!(
@@ -462,14 +547,20 @@ fn authorize_failures_fail_closed() {
 fn dispatch_sets_the_upstream_key_and_resumes() {
     // hmac (default)
     let mut call = Call::new(cfg());
-    send(&mut call, post(&["tok"], &["\"k1\""]), PAY);
-    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    send(&mut call, post(&[TOKEN], &["\"k1\""]), PAY);
+    let s = call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
     let want = crate::call::upstream_key::upstream_value(&cfg().upstream_key, "pmt_1", Some("k1"))
         .unwrap_or_default();
+    let [digest, input, sig]: [String; 3] = signature_headers(&s)
+        .try_into()
+        .unwrap_or_else(|v| panic!("{v:?}"));
     assert_eq!(
         s.effects,
         vec![
             Effect::SetRequestHeader("idempotency-key".into(), want),
+            Effect::SetRequestHeader("content-digest".into(), digest),
+            Effect::SetRequestHeader("signature-input".into(), input),
+            Effect::SetRequestHeader("signature".into(), sig),
             Effect::Count(Stat::Dispatched),
             Effect::Log(
                 Level::Info,
@@ -480,24 +571,24 @@ fn dispatch_sets_the_upstream_key_and_resumes() {
     );
     // raw
     let mut call = Call::new(cfg_with(json!({"upstream_key": {"mode": "raw"}})));
-    send(&mut call, post(&["tok"], &["\"k1\""]), PAY);
-    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    send(&mut call, post(&[TOKEN], &["\"k1\""]), PAY);
+    let s = call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
     assert_eq!(
         s.effects[0],
         Effect::SetRequestHeader("idempotency-key".into(), "k1".into())
     );
     // off
     let mut call = Call::new(cfg_with(json!({"upstream_key": {"mode": "off"}})));
-    send(&mut call, post(&["tok"], &["\"k1\""]), PAY);
-    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    send(&mut call, post(&[TOKEN], &["\"k1\""]), PAY);
+    let s = call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
     assert_eq!(
         s.effects[0],
         Effect::RemoveRequestHeader("idempotency-key".into())
     );
     // no key at all
     let mut call = Call::new(cfg());
-    send(&mut call, post(&["tok"], &[]), PAY);
-    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    send(&mut call, post(&[TOKEN], &[]), PAY);
+    let s = call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
     assert_eq!(
         s.effects[0],
         Effect::RemoveRequestHeader("idempotency-key".into())
@@ -531,7 +622,7 @@ fn authorize_carries_the_key_the_dispatch_forwards() {
         let mut call = Call::new(config.clone());
         let keys: Vec<&str> = key.into_iter().collect();
         let asked = authorize_body(&send(&mut call, post(&[&token], &keys), PAY));
-        let sent = forwarded(&call.on_ledger_reply(&ledger(&dispatch())));
+        let sent = forwarded(&call.on_ledger_reply(&ledger(&signed(&call, dispatch()))));
         assert_eq!(
             asked.forwarded_key, sent,
             "{:?} {key:?}",
@@ -544,10 +635,12 @@ fn authorize_carries_the_key_the_dispatch_forwards() {
         };
         assert_eq!(asked.forwarded_key, expected, "{:?}", config.upstream_key);
     }
-    // A token that names no permit (the ledger will refuse it) forwards nothing to record.
+    // A token that names no permit (the ledger will refuse it) forwards nothing to record,
+    // and asks for no signature: nothing could be derived for it.
     let mut call = Call::new(cfg());
     let asked = authorize_body(&send(&mut call, post(&["tok"], &["\"k1\""]), PAY));
     assert_eq!(asked.forwarded_key, None);
+    assert_eq!(asked.dispatch, None);
 }
 
 #[test]
@@ -565,10 +658,10 @@ fn a_key_in_meta_is_rewritten_in_the_body_like_the_header() {
     let mut call = Call::new(cfg());
     let head = RequestHead {
         content_length: Some(META_PAY.len() as u64),
-        ..post(&["tok"], &[])
+        ..post(&[TOKEN], &[])
     };
     send(&mut call, head, META_PAY);
-    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    let s = call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
     let want =
         crate::call::upstream_key::upstream_value(&cfg().upstream_key, "pmt_1", Some("raw-k1"))
             .unwrap_or_default();
@@ -581,8 +674,8 @@ fn a_key_in_meta_is_rewritten_in_the_body_like_the_header() {
     )));
     // off: the member is removed, the rest stays byte for byte.
     let mut call = Call::new(cfg_with(json!({"upstream_key": {"mode": "off"}})));
-    send(&mut call, post(&["tok"], &[]), META_PAY);
-    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    send(&mut call, post(&[TOKEN], &[]), META_PAY);
+    let s = call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
     let (_, body) = body_effect(&s).expect("body rewritten");
     assert_eq!(
         body,
@@ -590,15 +683,15 @@ fn a_key_in_meta_is_rewritten_in_the_body_like_the_header() {
     );
     // raw: the body goes as sent.
     let mut call = Call::new(cfg_with(json!({"upstream_key": {"mode": "raw"}})));
-    send(&mut call, post(&["tok"], &[]), META_PAY);
-    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    send(&mut call, post(&[TOKEN], &[]), META_PAY);
+    let s = call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
     assert_eq!(body_effect(&s), None);
 }
 
 #[test]
 fn replay_and_deny_answer_locally() {
     let mut call = Call::new(cfg());
-    send(&mut call, post(&["tok"], &["k1"]), PAY);
+    send(&mut call, post(&[TOKEN], &["k1"]), PAY);
     let s = call.on_ledger_reply(&ledger(&AuthorizeResponse::Replay {
         attempt_id: "att_0".into(),
         receipt: r#"{"jsonrpc":"2.0","id":1,"result":{"content":[]}}"#.into(),
@@ -616,7 +709,7 @@ fn replay_and_deny_answer_locally() {
     assert!(!s.effects.contains(&Effect::ResumeRequest));
 
     let mut call = Call::new(cfg_with(json!({"denial_format": "error"})));
-    send(&mut call, post(&["tok"], &["k1"]), PAY);
+    send(&mut call, post(&[TOKEN], &["k1"]), PAY);
     let s = call.on_ledger_reply(&ledger(&AuthorizeResponse::Deny(
         Denial::new(DenialCode::DeliveryUncertain, "unknown").with("attempt_id", "att_0"),
     )));
@@ -994,35 +1087,32 @@ fn json_without_matching_response_is_not_a_receipt() {
 #[test]
 fn request_trailers_while_reading_are_refused() {
     let mut call = Call::new(cfg());
-    call.on_request_headers(post(&["tok"], &[]));
+    call.on_request_headers(post(&[TOKEN], &[]));
     let s = call.on_request_trailers();
     assert_eq!(local_reply(&s).status, 400);
 }
 
 #[test]
 fn logs_never_carry_secrets() {
+    const SECRET: &str = "5ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2";
+    let token = format!("atmp_pmt_1_{SECRET}");
     let mut call = Call::new(cfg());
     let mut all = Vec::new();
-    all.push(send(
-        &mut call,
-        post(&["permit-secret-tok"], &["\"key-secret\""]),
-        PAY,
-    ));
-    all.push(call.on_ledger_reply(&ledger(&dispatch())));
+    all.push(send(&mut call, post(&[&token], &["\"key-secret\""]), PAY));
+    let answer = signed(&call, dispatch());
+    all.push(call.on_ledger_reply(&ledger(&answer)));
     call.on_response_headers(json_head());
     read(call.on_response_body(RECEIPT.len(), true));
     all.push(call.on_response_body_data(RECEIPT.as_bytes(), true));
     all.push(call.on_ledger_reply(&LedgerReply::failed()));
+    // A dispatch the filter does not send logs why, without the capability either.
+    let mut unsigned = Call::new(cfg());
+    send(&mut unsigned, post(&[&token], &["\"key-secret\""]), PAY);
+    all.push(unsigned.on_ledger_reply(&ledger(&dispatch())));
     for s in &all {
         for e in &s.effects {
             if let Effect::Log(_, m) = e {
-                for secret in [
-                    "permit-secret-tok",
-                    "key-secret",
-                    "INV-1",
-                    "paid",
-                    "svc-token",
-                ] {
+                for secret in [SECRET, "cap-1", "key-secret", "INV-1", "paid", "svc-token"] {
                     assert!(!m.contains(secret), "{m}");
                 }
             }
@@ -1096,12 +1186,12 @@ fn input_required_and_task_handles_are_reported_as_such() {
 fn continuation_is_told_to_the_ledger() {
     let body = r#"{"jsonrpc":"2.0","id":8,"method":"tools/call","params":{"name":"pay_invoice","arguments":{"invoice":"INV-1","amount":1250},"inputResponses":{"q":{"action":"accept","content":{}}},"requestState":"s1"}}"#;
     let mut call = Call::new(cfg());
-    let s = send(&mut call, post(&["tok"], &["\"k1\""]), body);
+    let s = send(&mut call, post(&[TOKEN], &["\"k1\""]), body);
     let req = authorize_body(&s);
     assert!(req.continuation);
     // Same fingerprint as the first round: continuation fields are outside the arguments.
     let mut first = Call::new(cfg());
-    let first_req = authorize_body(&send(&mut first, post(&["tok"], &["\"k1\""]), PAY));
+    let first_req = authorize_body(&send(&mut first, post(&[TOKEN], &["\"k1\""]), PAY));
     assert!(!first_req.continuation);
     assert_eq!(req.fingerprint, first_req.fingerprint);
 }
@@ -1110,12 +1200,12 @@ const PRIMING: &[u8] = b"id: ev-1\nretry: 100\ndata: \n\n";
 
 #[test]
 fn resumable_stream_closed_early_stays_in_flight_and_the_resumed_get_brings_the_receipt() {
-    let mut head = post(&["tok"], &["\"k1\""]);
+    let mut head = post(&[TOKEN], &["\"k1\""]);
     head.session_id = Some("sess-1".into());
     let mut call = Call::new(cfg());
     let s = send(&mut call, head, PAY);
     assert!(s.callout.is_some());
-    call.on_ledger_reply(&ledger(&dispatch()));
+    call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
     call.on_response_headers(sse_head());
     let progress = b"id: ev-2\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{}}\n\n";
     let mut chunk = PRIMING.to_vec();
@@ -1132,7 +1222,7 @@ fn resumable_stream_closed_early_stays_in_flight_and_the_resumed_get_brings_the_
         grant: grant(),
         id: json!(7),
         tool: "pay_invoice".into(),
-        permit_hash: resume::permit_hash(b"tok"),
+        permit_hash: resume::permit_hash(TOKEN.as_bytes()),
         path: "/mcp".into(),
         limits: None,
     };
@@ -1238,14 +1328,14 @@ const PARAMS_PAY: &str = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","param
 fn params_idempotency_key_is_the_key_and_is_rewritten_like_meta() {
     let c = cfg();
     let mut call = Call::new(Rc::clone(&c));
-    let s = send(&mut call, post(&["tok"], &[]), PARAMS_PAY);
+    let s = send(&mut call, post(&[TOKEN], &[]), PARAMS_PAY);
     let asked = authorize_body(&s);
     assert_eq!(asked.idempotency_key.as_deref(), Some("raw-p"));
     // The key is not part of what the call does: same fingerprint as the call without it.
     let mut plain = Call::new(Rc::clone(&c));
-    let plain_fp = authorize_body(&send(&mut plain, post(&["tok"], &[]), PAY)).fingerprint;
+    let plain_fp = authorize_body(&send(&mut plain, post(&[TOKEN], &[]), PAY)).fingerprint;
     assert_eq!(asked.fingerprint, plain_fp);
-    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    let s = call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
     let want = derived(&c, "pmt_1", "raw-p");
     assert_eq!(
         body_edit_of(&s),
@@ -1258,8 +1348,8 @@ fn params_idempotency_key_is_the_key_and_is_rewritten_like_meta() {
     assert_eq!(s.effects.last(), Some(&Effect::ResumeRequest));
     // `off`: both members removed, nothing else changes.
     let mut call = Call::new(cfg_with(json!({"upstream_key": {"mode": "off"}})));
-    send(&mut call, post(&["tok"], &[]), PARAMS_PAY);
-    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    send(&mut call, post(&[TOKEN], &[]), PARAMS_PAY);
+    let s = call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
     assert_eq!(
         body_edit_of(&s),
         Some(
@@ -1279,10 +1369,10 @@ fn params_idempotency_key_disagreeing_with_another_source_is_denied() {
     let meta_differs = PARAMS_PAY.replace(r#"key":"raw-p"}"#, r#"key":"other"}"#);
     let not_a_string = only_params.replace(r#""raw-p""#, "5");
     for (head, body) in [
-        (post(&["tok"], &["\"other\""]), only_params.as_str()),
-        (post(&["tok"], &[]), meta_differs.as_str()),
-        (post(&["tok"], &["raw-p"]), meta_differs.as_str()),
-        (post(&["tok"], &[]), not_a_string.as_str()),
+        (post(&[TOKEN], &["\"other\""]), only_params.as_str()),
+        (post(&[TOKEN], &[]), meta_differs.as_str()),
+        (post(&[TOKEN], &["raw-p"]), meta_differs.as_str()),
+        (post(&[TOKEN], &[]), not_a_string.as_str()),
     ] {
         let mut call = Call::new(cfg());
         let s = send(&mut call, head, body);
@@ -1299,15 +1389,15 @@ fn params_idempotency_key_disagreeing_with_another_source_is_denied() {
     }
     // Header and params agreeing is one key.
     let mut call = Call::new(cfg());
-    let s = send(&mut call, post(&["tok"], &["\"raw-p\""]), &only_params);
+    let s = send(&mut call, post(&[TOKEN], &["\"raw-p\""]), &only_params);
     assert_eq!(authorize_body(&s).idempotency_key.as_deref(), Some("raw-p"));
 }
 
 #[test]
 fn a_refused_rewrite_of_a_dispatched_call_denies_it_and_releases_the_attempt() {
     let mut call = Call::new(cfg());
-    send(&mut call, post(&["tok"], &["\"raw-p\""]), PARAMS_PAY);
-    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    send(&mut call, post(&[TOKEN], &["\"raw-p\""]), PARAMS_PAY);
+    let s = call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
     assert!(body_edit_of(&s).is_some());
     // The host refused the body (or a header) write: the adapter calls this instead of
     // carrying out the rest of the step.
@@ -1401,7 +1491,7 @@ fn ungoverned_calls_forward_every_key_form_only_in_the_upstream_form() {
     let search = PARAMS_PAY.replace("pay_invoice", "search");
     let head = || RequestHead {
         content_length: Some(search.len() as u64),
-        ..post(&["tok"], &["\"raw-p\""])
+        ..post(&[TOKEN], &["\"raw-p\""])
     };
     let mut call = Call::new(Rc::clone(&hmac));
     let s = send(&mut call, head(), &search);
@@ -1542,12 +1632,12 @@ fn figures_json() -> Value {
 /// A call dispatched by a ledger that gave the permit's figures.
 fn dispatched_with_figures(c: Rc<Config>) -> Call {
     let mut call = Call::new(c);
-    send(&mut call, post(&["tok"], &["\"k1\""]), PAY);
+    send(&mut call, post(&[TOKEN], &["\"k1\""]), PAY);
     let mut answer = dispatch();
     if let AuthorizeResponse::Dispatch { limits, .. } = &mut answer {
         *limits = Some(figures());
     }
-    let s = call.on_ledger_reply(&ledger(&answer));
+    let s = call.on_ledger_reply(&ledger(&signed(&call, answer)));
     assert_eq!(s.effects.last(), Some(&Effect::ResumeRequest));
     call
 }
@@ -1683,7 +1773,7 @@ fn replays_and_ledger_denials_carry_the_figures_the_filters_own_denials_none() {
     for format in ["result", "error"] {
         let c = cfg_with(json!({"denial_format": format}));
         let mut call = Call::new(c.clone());
-        send(&mut call, post(&["tok"], &["k1"]), PAY);
+        send(&mut call, post(&[TOKEN], &["k1"]), PAY);
         let s = call.on_ledger_reply(&ledger(&AuthorizeResponse::Replay {
             attempt_id: "att_0".into(),
             receipt: RECEIPT.into(),
@@ -1696,7 +1786,7 @@ fn replays_and_ledger_denials_carry_the_figures_the_filters_own_denials_none() {
         assert_eq!(v["result"]["_meta"]["dev.atmost/replayed"], true);
 
         let mut call = Call::new(c.clone());
-        send(&mut call, post(&["tok"], &["k2"]), PAY);
+        send(&mut call, post(&[TOKEN], &["k2"]), PAY);
         let mut denial = Denial::new(DenialCode::PermitMaxCallsExceeded, "cap")
             .with("tool", "pay_invoice")
             .with("limit", 1)
@@ -1905,3 +1995,4 @@ fn a_tools_list_answer_in_an_sse_event_gains_the_figures_in_place() {
 
 mod body_hold;
 mod control_headers;
+mod signed_dispatch;

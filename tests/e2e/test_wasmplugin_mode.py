@@ -174,32 +174,41 @@ def test_no_denied_replayed_or_refused_call_delivers_a_body_byte(wp, ledger, mcp
 
 
 def test_what_the_upstream_sees_of_a_dispatched_call(wp, ledger, mcp_server):
-    """The headers leave edited as a dispatch carries them; a key sent only in `_meta` reaches
-    the upstream only in the body, since the header cannot follow once the headers are gone."""
+    """The headers leave without the permit, the length or the key header: a governed call's
+    upstream key is derived with the permit id its token names, a claim until the ledger has
+    answered, so it reaches the upstream only in the body, which leaves after the decision.
+    Nothing is signed in this mode. The ledger records as forwarded only what arrived."""
     envoy, proxy = wp
     permit = ledger.create_permit()
     key = new_key()
     status, _, _, arrived = split_call(envoy, proxy, call_headers("echo", permit["token"], key),
-                                       call_body("echo", {"text": "seen"}, 1))
+                                       call_body("echo", {"text": "header"}, 1))
     assert status == 200
-    assert arrived.headers["idempotency-key"] == derived(permit["id"], key)
+    assert "idempotency-key" not in arrived.headers
     assert "atmost-permit" not in arrived.headers and permit["token"].encode() not in arrived.head
     assert "content-length" not in arrived.headers and arrived.headers["transfer-encoding"] == "chunked"
     assert key.encode() not in arrived.head + arrived.body
+    assert not {"signature", "signature-input", "content-digest"} & set(arrived.headers)
 
     meta_key = new_key()
-    status, _, _, arrived = split_call(envoy, proxy, call_headers("echo", permit["token"], None),
-                                       call_body("echo", {"text": "seen"}, 2, meta_key=meta_key))
+    status, _, _, arrived = split_call(envoy, proxy, call_headers("echo", permit["token"], meta_key),
+                                       call_body("echo", {"text": "meta"}, 2, meta_key=meta_key))
     assert status == 200
     assert "idempotency-key" not in arrived.headers
     assert json.loads(arrived.body)["params"]["_meta"][KEY_META] == derived(permit["id"], meta_key)
-    assert meta_key.encode() not in arrived.body
+    assert meta_key.encode() not in arrived.head + arrived.body
+
+    forwarded = {}
+    for attempt in ledger.cli_json("attempts", "list", "--permit", permit["id"])["attempts"]:
+        shown = ledger.cli_json("attempts", "show", attempt["id"])["attempt"]
+        forwarded[shown["arguments"]["text"]] = shown["forwarded_key"]
+    assert forwarded == {"header": None, "meta": derived(permit["id"], meta_key)}
 
 
-def test_traffic_without_a_decision_cannot_carry_a_key_header_derived_for_a_permit(wp, ledger, mcp_server):
-    """Without Mcp-Method a POST may be a governed call, so its key header left derived for the
-    permit its token names; a tools/list cannot go on with it. With Mcp-Method it took the form
-    of traffic that passes (empty permit id) and goes on."""
+def test_traffic_without_a_decision_cannot_go_on_without_its_held_back_key_header(wp, ledger, mcp_server):
+    """Without Mcp-Method a POST may be a governed call, so its key header was held back; a
+    tools/list cannot go on without it. With Mcp-Method it took the form of traffic that passes
+    (empty permit id) and goes on."""
     envoy, proxy = wp
     permit = ledger.create_permit()
     key = new_key()
@@ -209,6 +218,7 @@ def test_traffic_without_a_decision_cannot_carry_a_key_header_derived_for_a_perm
     status, _, data, arrived = split_call(envoy, proxy, headers, listing)
     assert status == 400 and "request_hold: body" in json.loads(data)["error"]["message"], data
     assert_start_only(arrived)
+    assert "idempotency-key" not in arrived.headers
 
     status, _, data, arrived = split_call(envoy, proxy, {**headers, "mcp-method": "tools/list"}, listing)
     assert status == 200 and "pay_invoice" in data.decode(), data

@@ -5,9 +5,6 @@ use crate::call::body_hold::may_be_governed;
 use atmost_config::ToolSet;
 use atmost_protocol::{KeyCarrier, KeyCarriers};
 
-/// A well-formed token of permit `pmt_1`, the permit [`dispatch`] answers with.
-const TOKEN: &str = "atmp_pmt_1_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
-
 fn body_cfg() -> Rc<Config> {
     cfg_with(json!({"request_hold": "body"}))
 }
@@ -54,18 +51,20 @@ fn header_edits(step: &Step) -> Vec<&Effect> {
 }
 
 #[test]
-fn the_headers_go_at_once_edited_as_a_dispatch_would_carry_them() {
+fn the_headers_go_at_once_without_the_permit_the_length_or_the_key() {
     let c = body_cfg();
     let mut call = Call::new(Rc::clone(&c));
     let s = call.on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", PAY.len()));
     assert_eq!(s.flow, Flow::Continue);
+    // The key header would be derived with the permit id the token only claims, before the
+    // ledger confirmed it: it does not go upstream.
     assert_eq!(
         s.effects,
         vec![
             Effect::RemoveRequestHeader("atmost-permit".into()),
             no_retries(),
             Effect::RemoveRequestHeader("content-length".into()),
-            Effect::SetRequestHeader("idempotency-key".into(), derived(&c, "pmt_1", "k1")),
+            Effect::RemoveRequestHeader("idempotency-key".into()),
         ]
     );
     assert_eq!(call.state_name(), "reading_body");
@@ -109,7 +108,7 @@ fn the_body_waits_for_the_ledger_and_goes_without_header_edits() {
     assert_eq!(call.state_name(), "authorizing");
     // More body events while the callout is out are held too.
     assert_eq!(done(call.on_request_body(PAY.len(), true)), Step::pause());
-    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    let s = call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
     assert!(header_edits(&s).is_empty(), "{s:?}");
     assert_eq!(s.effects.last(), Some(&Effect::ResumeRequest));
     assert_eq!(call.state_name(), "dispatched");
@@ -131,7 +130,7 @@ fn a_key_only_in_meta_reaches_the_upstream_only_in_the_body() {
         authorize_body(&s).idempotency_key.as_deref(),
         Some("raw-k1")
     );
-    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    let s = call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
     assert_eq!(
         body_edit_of(&s),
         Some(META_PAY.replace("raw-k1", &derived(&c, "pmt_1", "raw-k1")))
@@ -185,40 +184,100 @@ fn denials_replays_and_refusals_after_the_headers_left_are_local_replies() {
 }
 
 #[test]
-fn a_dispatch_under_another_permit_than_the_key_header_claimed_is_not_sent() {
+fn a_dispatch_under_another_permit_than_the_token_names_is_not_sent() {
     let c = body_cfg();
-    let mut call = Call::new(Rc::clone(&c));
     let other = "atmp_pmt_2_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
-    call.on_request_headers(call_head(&[other], &["\"k1\""], "pay_invoice", PAY.len()));
-    body_after_headers(&mut call, PAY);
-    // The ledger answers for pmt_1, the header left derived for pmt_2.
-    let s = call.on_ledger_reply(&ledger(&dispatch()));
-    assert!(String::from_utf8_lossy(&local_reply(&s).body).contains("gateway_unavailable"));
-    assert!(!s.effects.contains(&Effect::ResumeRequest));
-    let reports = enqueued(&s);
-    assert_eq!(reports.len(), 1);
-    assert_eq!(reports[0].attempt_id, "att_1");
-    assert!(matches!(&reports[0].outcome,
-        Outcome::Released { reason } if reason == "never_sent: key_header_permit_mismatch"));
-    // A token that spells no permit id gets the form of traffic without a ledger answer: a
-    // dispatch under any real permit would not match it either.
-    let mut call = Call::new(Rc::clone(&c));
-    let s = call.on_request_headers(call_head(&["tok"], &["\"k1\""], "pay_invoice", PAY.len()));
-    assert!(s.effects.contains(&Effect::SetRequestHeader(
-        "idempotency-key".into(),
-        derived(&c, "", "k1")
-    )));
-    body_after_headers(&mut call, PAY);
-    let s = call.on_ledger_reply(&ledger(&dispatch()));
-    assert!(!s.effects.contains(&Effect::ResumeRequest));
+    // A token that spells no permit id at all: nothing could be derived for it either.
+    for token in [other, "tok"] {
+        let mut call = Call::new(Rc::clone(&c));
+        let h = call.on_request_headers(call_head(&[token], &["\"k1\""], "pay_invoice", PAY.len()));
+        assert!(h
+            .effects
+            .contains(&Effect::RemoveRequestHeader("idempotency-key".into())));
+        body_after_headers(&mut call, PAY);
+        // The ledger answers for pmt_1.
+        let s = call.on_ledger_reply(&ledger(&dispatch()));
+        assert!(String::from_utf8_lossy(&local_reply(&s).body).contains("gateway_unavailable"));
+        assert!(!s.effects.contains(&Effect::ResumeRequest));
+        let reports = enqueued(&s);
+        assert_eq!(reports.len(), 1, "{token}");
+        assert_eq!(reports[0].attempt_id, "att_1");
+        assert!(matches!(&reports[0].outcome,
+            Outcome::Released { reason } if reason == "never_sent: dispatch_permit_mismatch"));
+        assert!(counts(&s).contains(&Stat::Released));
+    }
+}
+
+/// Nothing is signed in this mode: the headers left before the ledger could sign them. The
+/// ledger is told the key the upstream receives, which is only a key the body carries.
+#[test]
+fn no_dispatch_is_asked_for_and_only_a_body_key_is_forwarded() {
+    const META_PAY: &str = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"pay_invoice","arguments":{"amount":1},"_meta":{"dev.atmost/idempotency-key":"k1"}}}"#;
+    for (mode, expected) in [
+        (
+            json!({"mode": "hmac", "secret": "0123456789abcdef0123"}),
+            true,
+        ),
+        (json!({"mode": "raw"}), true),
+        (json!({"mode": "off"}), false),
+    ] {
+        let c = body_cfg_with(json!({ "upstream_key": mode }));
+        let want = upstream_key::upstream_value(&c.upstream_key, "pmt_1", Some("k1"));
+        // The key only in the header: it reaches the upstream nowhere.
+        let mut call = Call::new(Rc::clone(&c));
+        call.on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", PAY.len()));
+        let asked = authorize_body(&body_after_headers(&mut call, PAY));
+        assert_eq!(asked.dispatch, None, "{mode}");
+        assert_eq!(asked.idempotency_key.as_deref(), Some("k1"));
+        assert_eq!(asked.forwarded_key, None, "{mode}");
+        let s = call.on_ledger_reply(&ledger(&dispatch()));
+        assert!(header_edits(&s).is_empty(), "{s:?}");
+        assert_eq!(body_edit_of(&s), None);
+        assert_eq!(s.effects.last(), Some(&Effect::ResumeRequest));
+        // In the body (and the header): the body form is what the upstream receives.
+        let mut call = Call::new(Rc::clone(&c));
+        call.on_request_headers(call_head(
+            &[TOKEN],
+            &["\"k1\""],
+            "pay_invoice",
+            META_PAY.len(),
+        ));
+        let asked = authorize_body(&body_after_headers(&mut call, META_PAY));
+        assert_eq!(asked.dispatch, None, "{mode}");
+        assert_eq!(
+            asked.forwarded_key,
+            want.clone().filter(|_| expected),
+            "{mode}"
+        );
+        // A ledger that signs anyway: nothing of it is added, the headers are gone.
+        let mut answer = dispatch();
+        if let AuthorizeResponse::Dispatch { signature, .. } = &mut answer {
+            *signature = Some(DispatchSignature {
+                signature_input: "atmost=()".into(),
+                signature: "atmost=:AA==:".into(),
+            });
+        }
+        let s = call.on_ledger_reply(&ledger(&answer));
+        assert!(header_edits(&s).is_empty(), "{s:?}");
+        assert_eq!(s.effects.last(), Some(&Effect::ResumeRequest));
+        let sent = body_edit_of(&s);
+        match &c.upstream_key {
+            UpstreamKey::Hmac { .. } => {
+                let v = want.unwrap_or_default();
+                assert_eq!(sent, Some(META_PAY.replace("\"k1\"", &format!("\"{v}\""))));
+            }
+            UpstreamKey::Raw => assert_eq!(sent, None),
+            UpstreamKey::Off => assert!(sent.is_some_and(|b| !b.contains("k1"))),
+        }
+    }
 }
 
 #[test]
-fn traffic_without_a_ledger_answer_after_a_permit_derived_key_header_is_refused() {
+fn traffic_without_a_ledger_answer_after_its_key_header_was_held_back_is_refused() {
     const LIST: &str = r#"{"jsonrpc":"2.0","id":3,"method":"tools/list"}"#;
     let c = body_cfg();
-    // No mirrored headers: it may be a governed call, so the key header left derived for the
-    // permit its token names. A tools/list cannot go on with it.
+    // No mirrored headers: it may be a governed call, so its key header was held back. A
+    // tools/list cannot go on without it.
     let mut call = Call::new(Rc::clone(&c));
     call.on_request_headers(RequestHead {
         content_length: Some(LIST.len() as u64),
@@ -285,27 +344,48 @@ fn an_ungoverned_call_keyed_in_its_body_passes_with_the_body_edit_only() {
 }
 
 #[test]
-fn raw_and_off_forms_leave_with_the_headers() {
-    let raw = body_cfg_with(json!({"upstream_key": {"mode": "raw"}}));
-    let s = Call::new(raw).on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", 9));
-    assert!(s.effects.contains(&Effect::SetRequestHeader(
-        "idempotency-key".into(),
-        "k1".into()
-    )));
-    let off = body_cfg_with(json!({"upstream_key": {"mode": "off"}}));
-    let mut call = Call::new(off);
-    let s = call.on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", PAY.len()));
-    assert!(s
-        .effects
-        .contains(&Effect::RemoveRequestHeader("idempotency-key".into())));
-    // Neither form depends on a permit: a tools/list after it passes.
+fn no_mode_sends_a_governed_calls_key_header_ahead() {
     const LIST: &str = r#"{"jsonrpc":"2.0","id":3,"method":"tools/list"}"#;
-    let mut call = Call::new(body_cfg_with(json!({"upstream_key": {"mode": "off"}})));
-    call.on_request_headers(RequestHead {
+    for (mode, held_back) in [
+        (json!({"mode": "raw"}), true),
+        (json!({"mode": "off"}), false),
+    ] {
+        let c = body_cfg_with(json!({ "upstream_key": mode }));
+        let s = Call::new(Rc::clone(&c)).on_request_headers(call_head(
+            &[TOKEN],
+            &["\"k1\""],
+            "pay_invoice",
+            9,
+        ));
+        assert!(
+            s.effects
+                .contains(&Effect::RemoveRequestHeader("idempotency-key".into())),
+            "{mode}"
+        );
+        // Under `off` no key header goes upstream anyway: a tools/list after it passes; the
+        // raw key would have gone as it came, so without it the message is refused.
+        let mut call = Call::new(c);
+        call.on_request_headers(RequestHead {
+            content_length: Some(LIST.len() as u64),
+            ..post(&[TOKEN], &["\"k1\""])
+        });
+        let s = body_after_headers(&mut call, LIST);
+        assert_eq!(s == Step::cont(), !held_back, "{mode}: {s:?}");
+    }
+    // A POST that says it is no governed call keeps the raw header as sent.
+    let raw = body_cfg_with(json!({"upstream_key": {"mode": "raw"}}));
+    let s = Call::new(raw).on_request_headers(RequestHead {
         content_length: Some(LIST.len() as u64),
+        mirrored: mcp::Mirrored {
+            method: Some("tools/list".into()),
+            ..mcp::Mirrored::default()
+        },
         ..post(&[TOKEN], &["\"k1\""])
     });
-    assert_eq!(body_after_headers(&mut call, LIST), Step::cont());
+    assert!(!s
+        .effects
+        .iter()
+        .any(|e| matches!(e, Effect::SetRequestHeader(n, _) | Effect::RemoveRequestHeader(n) if n == "idempotency-key")));
 }
 
 #[test]
@@ -366,7 +446,7 @@ fn an_answer_while_the_ledger_decides_is_held_and_the_dispatch_released() {
     assert_eq!(counts(&s), vec![Stat::UpstreamAnsweredEarly]);
     assert_eq!(done(call.on_response_body(10, false)), Step::pause());
     assert_eq!(done(call.on_response_trailers()), Step::pause());
-    let s = call.on_ledger_reply(&ledger(&dispatch()));
+    let s = call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
     assert!(!s.effects.contains(&Effect::ResumeRequest), "{s:?}");
     assert!(!s.effects.iter().any(|e| matches!(e, Effect::LocalReply(_))));
     assert_eq!(s.effects.last(), Some(&Effect::ResumeResponse));
@@ -420,7 +500,7 @@ fn an_answer_after_the_dispatch_is_watched_as_in_the_default_mode() {
     let mut call = Call::new(body_cfg());
     call.on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", PAY.len()));
     body_after_headers(&mut call, PAY);
-    call.on_ledger_reply(&ledger(&dispatch()));
+    call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
     let s = call.on_response_headers(json_head());
     assert_eq!(s, Step::cont());
     assert_eq!(call.state_name(), "buffering_json");
@@ -501,4 +581,24 @@ fn authorize_states_where_the_dispatch_puts_the_forwarded_key() {
         }
     }
     assert!(seen_body_only);
+}
+
+#[test]
+fn an_early_answer_then_a_dispatch_read_only_in_part_still_releases_it() {
+    let mut call = Call::new(body_cfg());
+    call.on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", PAY.len()));
+    body_after_headers(&mut call, PAY);
+    call.on_response_headers(json_head());
+    let body = br#"{"decision":"dispatch","attempt_id":"att_1","permit_id":"pmt_1","lease_ms":1,"round":1,"capability":"cap-1","limits":7}"#;
+    let s = call.on_ledger_reply(&LedgerReply {
+        status: Some(200),
+        body: body.to_vec(),
+    });
+    assert_eq!(
+        enqueued(&s),
+        vec![grant().report(Outcome::Released {
+            reason: "never_sent: upstream_answered_first".into()
+        })]
+    );
+    assert_eq!(s.effects.last(), Some(&Effect::ResumeResponse));
 }
