@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import datetime
-import json
 import socket
 import uuid
 from types import SimpleNamespace
@@ -24,7 +23,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from http_message_signatures import HTTPMessageVerifier, HTTPSignatureKeyResolver, algorithms
 
-from tests.support.mcp_raw import RawMcp, denial_code, result_text, tool_call
+from tests.support.mcp_raw import RawMcp, result_text
 from tests.support.stack import Envoy, wait_until
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.verifier import verifier_envoy
@@ -75,7 +74,7 @@ def test_a_governed_call_runs_through_the_gateway_and_a_bypass_is_refused_at_the
     client = RawMcp(agent_side.url)
     try:
         for _ in range(2):
-            response = client.call(GOVERNED, invoice(), permit=permit.token, key=f"key-{uuid.uuid4()}")
+            response = client.call(GOVERNED, invoice(), permit=permit["token"], key=f"key-{uuid.uuid4()}")
             assert response.status_code == 200, response.text
             assert "executions=" in result_text(response), response.text
     finally:
@@ -86,24 +85,25 @@ def test_a_governed_call_runs_through_the_gateway_and_a_bypass_is_refused_at_the
     # The agent goes around its sidecar: the same call, posted straight to the tool's side, with
     # and without a permit and a key (nothing the agent holds makes a signature).
     missing = tool_side.stat("wasmcustom.atmost_denied_signature_missing")
-    with httpx.Client(timeout=30) as http:
-        for permit_token, key in ((None, None), (permit.token, f"key-{uuid.uuid4()}")):
-            body, headers = tool_call(GOVERNED, invoice(), permit=permit_token, key=key)
-            response = http.post(tool_side.url, content=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json",
-                                          "accept": "application/json, text/event-stream", **headers})
+    bypass = RawMcp(tool_side.url)
+    try:
+        for permit_token, key in ((None, None), (permit["token"], f"key-{uuid.uuid4()}")):
+            response = bypass.call(GOVERNED, invoice(), permit=permit_token, key=key)
             assert response.status_code == 403, response.text
-            assert denial_code(response) == "signature_missing", response.text
+            assert response.json()["error"]["data"]["code"] == "signature_missing", response.text
+    finally:
+        bypass.close()
     assert server.executions(GOVERNED) == 2, "a bypassing call reached the tool"
     assert tool_side.stat("wasmcustom.atmost_denied_signature_missing") == missing + 2
 
     # The control: without the verifier the same bypass runs the tool.
-    with httpx.Client(timeout=30) as http:
-        body, headers = tool_call(GOVERNED, invoice(), permit=None)
-        response = http.post(server.url + "/mcp", content=json.dumps(body).encode(),
-                             headers={"content-type": "application/json",
-                                      "accept": "application/json, text/event-stream", **headers})
-    assert response.status_code == 200, response.text
+    direct = RawMcp(server.url + "/mcp")
+    try:
+        response = direct.call(GOVERNED, invoice(), permit=None)
+        assert response.status_code == 200, response.text
+        assert "executions=" in result_text(response), response.text
+    finally:
+        direct.close()
     assert server.executions(GOVERNED) == 3
 
 
@@ -146,7 +146,7 @@ def test_the_signature_that_reached_the_tool_verifies_with_another_implementatio
     arguments = invoice()
     client = RawMcp(agent_side.url)
     try:
-        response = client.call(GOVERNED, arguments, permit=permit.token, key=f"key-{uuid.uuid4()}")
+        response = client.call(GOVERNED, arguments, permit=permit["token"], key=f"key-{uuid.uuid4()}")
         assert response.status_code == 200, response.text
     finally:
         client.close()
@@ -160,7 +160,8 @@ def test_the_signature_that_reached_the_tool_verifies_with_another_implementatio
     results = verifier.verify(message, expect_tag="atmost", max_age=datetime.timedelta(seconds=60))
     assert [r.label for r in results] == ["atmost"]
     covered = list(results[0].covered_components)
-    assert covered == ['"@method"', '"@authority"', '"@path"', '"content-digest"', '"idempotency-key"'], covered
+    assert covered == ['"@method"', '"@authority"', '"@path"', '"content-digest"', '"idempotency-key"',
+                       '"@signature-params"'], covered
     digest = base64.b64encode(hashlib.sha256(sent.body).digest()).decode()
     assert sent.headers["content-digest"] == f"sha-256=:{digest}:"
     # The control: the same message with one byte of its body changed no longer matches the
@@ -180,7 +181,7 @@ def test_a_sniffed_dispatch_sent_again_around_the_gateway_is_refused(agent_side,
     arguments = invoice()
     client = RawMcp(agent_side.url)
     try:
-        response = client.call(GOVERNED, arguments, permit=permit.token, key=f"key-{uuid.uuid4()}")
+        response = client.call(GOVERNED, arguments, permit=permit["token"], key=f"key-{uuid.uuid4()}")
         assert response.status_code == 200, response.text
     finally:
         client.close()

@@ -536,7 +536,7 @@ fn authorize_states_where_the_dispatch_puts_the_forwarded_key() {
                 let head =
                     call.on_request_headers(call_head(&[TOKEN], key, "pay_invoice", body.len()));
                 let asked = authorize_body(&body_after_headers(&mut call, body));
-                let dispatched = call.on_ledger_reply(&ledger(&dispatch()));
+                let dispatched = call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
                 assert_eq!(
                     dispatched.effects.last(),
                     Some(&Effect::ResumeRequest),
