@@ -74,6 +74,20 @@ def body_gateway(log_dir, trusting_ledger, mcp_server):
     proxy.stop()
 
 
+@pytest.fixture(scope="module")
+def header_gateway(log_dir, trusting_ledger, mcp_server):
+    """The same in the standalone form (`request_hold: headers`), where a dispatch sets the
+    Idempotency-Key header (under `body` no key header goes upstream at all)."""
+    proxy = TcpProxy(mcp_server.port).start()
+    envoy = Envoy(log_dir, proxy.port, [trusting_ledger.port], name="envoy-key-location-headers",
+                  plugin_overrides={"ledger": {"service_token": trusting_ledger.service_token},
+                                    "max_receipt_bytes": MAX_RECEIPT})
+    envoy.start()
+    yield envoy, proxy
+    envoy.stop()
+    proxy.stop()
+
+
 def attempt_of(ledger: Ledger, permit_id: str) -> dict:
     [a] = ledger.cli_json("attempts", "list", "--permit", permit_id)["attempts"]
     return ledger.cli_json("attempts", "show", a["id"])["attempt"]
@@ -96,7 +110,7 @@ def lost_receipt(client: RawMcp, proxy: TcpProxy, ledger: Ledger, permit: dict, 
 
 
 def test_a_key_that_reached_the_upstream_only_in_meta_is_never_looked_up_by_the_header(
-        body_gateway, trusting_ledger, server):
+        body_gateway, header_gateway, trusting_ledger, server):
     envoy, proxy = body_gateway
     client = RawMcp(envoy.url)
     try:
@@ -135,12 +149,18 @@ def test_a_key_that_reached_the_upstream_only_in_meta_is_never_looked_up_by_the_
         finally:
             http.close()
 
-        # The control: the same rule, a call whose key went in the header. It is looked up and
+        # The control: the same rule, a call whose key went in the header (through the standalone
+        # form: under `request_hold: body` no key header goes upstream). It is looked up and
         # resolved as executed (the provider has it under that header).
         control_permit = trusting_ledger.create_permit("--max-calls", "pay_invoice=1", label="key-in-header")
         control_key = new_key()
-        control, arrived = lost_receipt(client, proxy, trusting_ledger, control_permit, control_key,
-                                        key_via="header")
+        header_envoy, header_proxy = header_gateway
+        header_client = RawMcp(header_envoy.url)
+        try:
+            control, arrived = lost_receipt(header_client, header_proxy, trusting_ledger, control_permit,
+                                            control_key, key_via="header")
+        finally:
+            header_client.close()
         assert arrived.headers["idempotency-key"] == derived(control_permit["id"], control_key)
         assert control["forwarded_key"] == derived(control_permit["id"], control_key)
         assert control["forwarded_key_carriers"] == ["header"]
