@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod reconcile;
 pub mod redact;
 pub mod server;
+pub mod tls;
 
 #[cfg(test)]
 mod http_tests;
