@@ -7,9 +7,11 @@ loopback; every wait is bounded.
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -94,7 +96,9 @@ def default_ledger_tls() -> LedgerTls:
     once in a directory of its own: a run beside `make run` never replaces that one's files."""
     global _default_ledger_tls
     if _default_ledger_tls is None:
-        _default_ledger_tls = make_ledger_tls(Path(tempfile.mkdtemp(prefix="atmost-ledger-tls-")))
+        directory = Path(tempfile.mkdtemp(prefix="atmost-ledger-tls-"))
+        atexit.register(shutil.rmtree, directory, True)
+        _default_ledger_tls = make_ledger_tls(directory)
     return _default_ledger_tls
 
 
