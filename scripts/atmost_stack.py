@@ -495,6 +495,7 @@ class Envoy(Process):
         `ledger_tls` as the ledgers serve it (Ledger's `tls`; `False`: the cleartext form)."""
         self.port = port or free_port()
         self.admin_port = admin_port or free_port()
+        self.concurrency = concurrency
         # Envoy reports ready before its first health check of a ledger has passed; on a busy
         # machine that check can time out, and with no healthy ledger every callout fails
         # (gateway_unavailable). A test that means to start without a ledger says so.
