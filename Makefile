@@ -38,12 +38,14 @@ fold-table:
 # veth links (iproute2), Istio's capture rules (iptables), processes under other users
 # (util-linux's setpriv), requests from inside the namespaces (curl), the agent's own process
 # (Debian's /usr/bin/python3: the project's virtualenv is not readable by another user).
+# tests/e2e/test_ledger_tls.py captures a pod's loopback as an agent with CAP_NET_RAW would (tcpdump).
 .PHONY: netns-tools
 netns-tools:
 	@command -v ip >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq iproute2; }
 	@command -v iptables-restore >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq iptables; }
 	@command -v setpriv >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq util-linux; }
 	@command -v curl >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq curl; }
+	@command -v tcpdump >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq tcpdump; }
 	@test -x /usr/bin/python3 || { apt-get update -qq && apt-get install -y -qq python3; }
 
 # Headless Chromium and its WebDriver (Debian's, the same version) drive the reconciliation

@@ -328,8 +328,10 @@ class Envoy(stack.Process):
         self.url = f"http://127.0.0.1:{self.port}/mcp"
         self.admin = f"http://127.0.0.1:{self.admin_port}"
         self.ledger_ports = ledger_ports
+        # The callouts in cleartext (h2c), as every published run measured them; the shipped
+        # file's TLS to the ledger is not in these numbers yet.
         config = stack.sidecar_config(self.port, self.admin_port, upstream_port, ledger_ports, plugin_overrides,
-                                      wasm=wasm or ATMOST_WASM, plain=wasm is None)
+                                      wasm=wasm or ATMOST_WASM, plain=wasm is None, ledger_tls=False)
         path = RUN / f"envoy-{name}.yaml"
         path.write_text(yaml.safe_dump(config))
         # One worker, so runs compare; warning level: a production log level, and the same
@@ -382,7 +384,7 @@ def start_ledger(name: str, store: str | None, schema: str | None = None) -> sta
     extra = ["--store", store, "--pg-schema", pg_schema(schema or name)] if store else []
     os.environ["ATMOST_BIN"] = str(LEDGER_BIN)
     ledger = stack.Ledger(RUN, data, service_token=SERVICE_TOKEN, admin_token=ADMIN_TOKEN,
-                          extra_args=extra, name=f"ledger-{name}")
+                          extra_args=extra, name=f"ledger-{name}", tls=False)
     ledger.start()
     return ledger
 

@@ -7,9 +7,11 @@ loopback; every wait is bounded.
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from local_ca import LedgerTls, make_ledger_tls
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -82,6 +86,29 @@ def wasmplugin_filter_config(plugin_json: dict, wasm: Path, host_env_keys: list[
                       "environment_variables": env},
         "failure_policy": ISTIOD_FAILURE_POLICIES[spec.get("failStrategy", "FAIL_CLOSE")],
     }
+
+
+_default_ledger_tls: LedgerTls | None = None
+
+
+def default_ledger_tls() -> LedgerTls:
+    """The CA and ledger certificate this process's ledgers serve with and its Envoys trust, made
+    once in a directory of its own: a run beside `make run` never replaces that one's files."""
+    global _default_ledger_tls
+    if _default_ledger_tls is None:
+        directory = Path(tempfile.mkdtemp(prefix="atmost-ledger-tls-"))
+        atexit.register(shutil.rmtree, directory, True)
+        _default_ledger_tls = make_ledger_tls(directory)
+    return _default_ledger_tls
+
+
+def resolve_ledger_tls(tls: LedgerTls | bool) -> LedgerTls | None:
+    """`True`: default_ledger_tls(); `False`: plain HTTP; a LedgerTls: that one."""
+    if tls is True:
+        return default_ledger_tls()
+    if tls is False:
+        return None
+    return tls
 
 
 def ledger_binary() -> Path:
@@ -182,13 +209,24 @@ class Process:
 
 class Ledger(Process):
     def __init__(self, log_dir: Path, data_dir: Path, port: int | None = None, service_token: str = "test-service-token",
-                 admin_token: str = "test-admin-token", extra_args: list[str] | None = None, name: str = "ledger"):
+                 admin_token: str = "test-admin-token", extra_args: list[str] | None = None, name: str = "ledger",
+                 tls: LedgerTls | bool = True):
+        """`tls`: serve TLS as the shipped sidecar expects (`True`: with default_ledger_tls(), a
+        LedgerTls: with that one), or plain HTTP (`False`, the form behind Istio's mTLS). Every
+        request made from here (readiness, metrics, the admin CLI) checks the certificate against
+        the CA; `ssl_context` does the same for a test's own requests."""
         self.port = port or free_port()
         self.service_token = service_token
         self.admin_token = admin_token
         self.data_dir = data_dir
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = resolve_ledger_tls(tls)
+        self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+        self.ssl_context = ssl.create_default_context(cafile=str(self.tls.ca)) if self.tls else None
+        # httpx's `verify` for a test's own client of this ledger.
+        self.http_verify: ssl.SSLContext | bool = self.ssl_context or True
         argv = [str(ledger_binary()), "ledger", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(data_dir)]
+        if self.tls:
+            argv += ["--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key)]
         argv += extra_args or []
         super().__init__(name, argv, log_dir, env={
             "ATMOST_SERVICE_TOKEN": service_token,
@@ -206,12 +244,20 @@ class Ledger(Process):
     def _ready(self) -> bool:
         if not self.alive():
             raise ProcessExited(f"ledger exited:\n{self.log_text()[-3000:]}")
-        return http_get(self.url + "/readyz")[0] == 200
+        return http_get(self.url + "/readyz", context=self.ssl_context)[0] == 200
+
+    def cli_env(self) -> dict[str, str]:
+        """What the admin CLI needs in its environment for this ledger: the admin token and,
+        over TLS, the CA to trust."""
+        env = {"ATMOST_ADMIN_TOKEN": self.admin_token}
+        if self.tls:
+            env["ATMOST_LEDGER_CA_FILE"] = str(self.tls.ca)
+        return env
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         """Runs the admin CLI against this ledger."""
         argv = [str(ledger_binary()), "--ledger", self.url, *args]
-        env = {**os.environ, "ATMOST_ADMIN_TOKEN": self.admin_token}
+        env = {**os.environ, **self.cli_env()}
         result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=30)
         if check and result.returncode != 0:
             raise RuntimeError(f"atmost {' '.join(args)} failed ({result.returncode}): {result.stderr}")
@@ -225,7 +271,10 @@ class Ledger(Process):
         return self.cli_json("permit", "create", "--label", label, "--expires", "1h", *args)
 
     def metrics(self) -> str:
-        return http_get(self.url + "/metrics")[1].decode()
+        return http_get(self.url + "/metrics", context=self.ssl_context)[1].decode()
+
+    def get(self, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+        return http_get(self.url + path, timeout=timeout, context=self.ssl_context)
 
 
 class ExampleServer(Process):
@@ -273,7 +322,7 @@ class ExampleServer(Process):
 def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger_ports: list[int],
                    plugin_overrides: dict | None = None, wasm: Path = WASM, plain: bool = False,
                    secrets_from_env: bool = False, upstream_host: str = "127.0.0.1",
-                   deployment_form: str | None = None) -> dict:
+                   deployment_form: str | None = None, ledger_tls: LedgerTls | bool = True) -> dict:
     """The shipped sidecar config with this run's ports, the absolute wasm path and plugin overrides.
 
     `plain=True` is the same proxy without the atmost filter: the baseline an MCP client must not
@@ -292,9 +341,12 @@ def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger
     renders the shipped WasmPlugin (wasmplugin_filter_config); overrides apply to its plugin JSON.
     The connection manager then loses the shipped `headers_with_underscores_action`, which a
     WasmPlugin cannot set.
+
+    `ledger_tls` (see gateway_config): the CA the ledger's certificate is checked against, or
+    `False` for the cleartext form.
     """
     config = gateway_config(ENVOY_CONFIG, listen_port, admin_port, ledger_ports, plugin_overrides, wasm, plain,
-                            secrets_from_env, deployment_form)
+                            secrets_from_env, deployment_form, ledger_tls)
     for cluster in config["static_resources"]["clusters"]:
         if cluster["name"] == "mcp_upstream":
             address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
@@ -319,13 +371,14 @@ class Provider:
 
 def external_provider_config(listen_port: int, admin_port: int, ledger_ports: list[int], provider: Provider,
                              plugin_overrides: dict | None = None, wasm: Path = WASM, plain: bool = False,
-                             secrets_from_env: bool = False, deployment_form: str | None = None) -> dict:
+                             secrets_from_env: bool = False, deployment_form: str | None = None,
+                             ledger_tls: LedgerTls | bool = True) -> dict:
     """envoy/atmost-external-provider.yaml with this run's ports and filter (as sidecar_config does
     for the sidecar) and `provider` in the places the file's header names: the provider
     cluster's address, its TLS `sni`, expected DNS name and trusted CA, and the Host every
     route rewrites to."""
     config = gateway_config(EXTERNAL_PROVIDER_CONFIG, listen_port, admin_port, ledger_ports, plugin_overrides, wasm,
-                            plain, secrets_from_env, deployment_form)
+                            plain, secrets_from_env, deployment_form, ledger_tls)
     [cluster] = [c for c in config["static_resources"]["clusters"] if c["name"] == "mcp_provider"]
     address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
     address.update(address=provider.address, port_value=provider.port)
@@ -358,10 +411,14 @@ def listener_hcm(config: dict) -> dict:
 
 def gateway_config(path: Path, listen_port: int, admin_port: int, ledger_ports: list[int],
                    plugin_overrides: dict | None, wasm: Path, plain: bool, secrets_from_env: bool,
-                   deployment_form: str | None) -> dict:
+                   deployment_form: str | None, ledger_tls: LedgerTls | bool = True) -> dict:
     """A shipped gateway config (its one listener, the atmost filter, the `atmost_ledger` cluster)
     with this run's listener, admin and ledger ports and the filter as sidecar_config describes;
-    its MCP cluster is left to the caller."""
+    its MCP cluster is left to the caller.
+
+    The ledger cluster keeps the shipped TLS (`sni`, the expected name, ALPN) with `trusted_ca`
+    pointed at `ledger_tls`'s CA (`True`: default_ledger_tls()); `False` renders the cleartext
+    form, the cluster without its transport socket (cleartext_ledger_cluster)."""
     form = deployment_form or deployment()
     if form not in DEPLOYMENTS:
         raise ValueError(f"deployment_form must be one of {', '.join(DEPLOYMENTS)} (got {form!r})")
@@ -403,8 +460,14 @@ def gateway_config(path: Path, listen_port: int, admin_port: int, ledger_ports: 
         options.pop("headers_with_underscores_action", None)
         if not options:
             hcm.pop("common_http_protocol_options", None)
+    tls = resolve_ledger_tls(ledger_tls)
     for cluster in config["static_resources"]["clusters"]:
         if cluster["name"] == "atmost_ledger":
+            if tls is None:
+                cleartext_ledger_cluster(cluster)
+            else:
+                validation = cluster["transport_socket"]["typed_config"]["common_tls_context"]["validation_context"]
+                validation["trusted_ca"] = {"filename": str(tls.ca)}
             cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
                 {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
                 for p in ledger_ports
@@ -412,18 +475,27 @@ def gateway_config(path: Path, listen_port: int, admin_port: int, ledger_ports: 
     return config
 
 
+def cleartext_ledger_cluster(cluster: dict) -> None:
+    """The shipped `atmost_ledger` cluster in its cleartext form: no transport socket, so h2c to
+    a ledger without certificate (the form a mesh's mTLS protects)."""
+    cluster.pop("transport_socket", None)
+
+
 class Envoy(Process):
     def __init__(self, log_dir: Path, upstream_port: int, ledger_ports: list[int], plugin_overrides: dict | None = None,
                  concurrency: int = 2, name: str = "envoy", port: int | None = None, plain: bool = False,
                  wait_for_ledger: bool = True, secrets_from_env: bool = False, env: dict | None = None,
                  admin_port: int | None = None, upstream_host: str = "127.0.0.1",
-                 deployment_form: str | None = None, provider: Provider | None = None):
+                 deployment_form: str | None = None, provider: Provider | None = None,
+                 ledger_tls: LedgerTls | bool = True):
         """`secrets_from_env` keeps the shipped config's env-sourced secrets (see sidecar_config);
         `env` is added to Envoy's environment (where those secrets then come from). With
         `provider`, Envoy runs envoy/atmost-external-provider.yaml for that provider
-        (external_provider_config; `upstream_port` and `upstream_host` are not used)."""
+        (external_provider_config; `upstream_port` and `upstream_host` are not used).
+        `ledger_tls` as the ledgers serve it (Ledger's `tls`; `False`: the cleartext form)."""
         self.port = port or free_port()
         self.admin_port = admin_port or free_port()
+        self.concurrency = concurrency
         # Envoy reports ready before its first health check of a ledger has passed; on a busy
         # machine that check can time out, and with no healthy ledger every callout fails
         # (gateway_unavailable). A test that means to start without a ledger says so.
@@ -434,11 +506,11 @@ class Envoy(Process):
         if provider is None:
             config = sidecar_config(self.port, self.admin_port, upstream_port, ledger_ports, plugin_overrides,
                                     plain=plain, secrets_from_env=secrets_from_env, upstream_host=upstream_host,
-                                    deployment_form=self.deployment_form)
+                                    deployment_form=self.deployment_form, ledger_tls=ledger_tls)
         else:
             config = external_provider_config(self.port, self.admin_port, ledger_ports, provider, plugin_overrides,
                                               plain=plain, secrets_from_env=secrets_from_env,
-                                              deployment_form=self.deployment_form)
+                                              deployment_form=self.deployment_form, ledger_tls=ledger_tls)
         self.config_path = Path(tempfile.mkdtemp(prefix="atmost-envoy-")) / "envoy.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         argv = [str(VENV_BIN / "envoy"), "-c", str(self.config_path), "--concurrency", str(concurrency),

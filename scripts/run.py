@@ -3,7 +3,8 @@
 UPSTREAM=host:port fronts another MCP server instead of the example one. Ctrl-C stops all.
 Demo credentials come from ATMOST_SERVICE_TOKEN / ATMOST_ADMIN_TOKEN /
 ATMOST_UPSTREAM_KEY_SECRET when set. Envoy runs the shipped configuration's form: the filter
-reads the service token and the upstream key secret from Envoy's environment.
+reads the service token and the upstream key secret from Envoy's environment, and reaches the
+ledger over TLS with a CA and certificate made afresh in .run/tls/ (scripts/local_ca.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from atmost_stack import DEMO_SECRETS, ROOT, Envoy, ExampleServer, Ledger, Process, ledger_binary  # noqa: E402
+from local_ca import make_ledger_tls  # noqa: E402
 
 LISTEN_PORT = 10000
 ADMIN_PORT = 9901
@@ -51,8 +53,10 @@ def main() -> int:
     signal.signal(signal.SIGTERM, stop_all)
 
     try:
+        # Where envoy/atmost-sidecar.yaml's `trusted_ca` looks (relative to the repository root).
+        tls = make_ledger_tls(run_dir / "tls")
         ledger = Ledger(log_dir, run_dir / "ledger-data", port=LEDGER_PORT,
-                        service_token=service_token, admin_token=admin_token)
+                        service_token=service_token, admin_token=admin_token, tls=tls)
         ledger.start()
         started.append(ledger)
 
@@ -65,7 +69,7 @@ def main() -> int:
 
         upstream_secret = os.environ.get("ATMOST_UPSTREAM_KEY_SECRET", DEMO_SECRETS["ATMOST_UPSTREAM_KEY_SECRET"])
         envoy = Envoy(log_dir, upstream[1], [LEDGER_PORT], port=LISTEN_PORT, admin_port=ADMIN_PORT,
-                      upstream_host=upstream[0], secrets_from_env=True,
+                      upstream_host=upstream[0], secrets_from_env=True, ledger_tls=tls,
                       env={"ATMOST_SERVICE_TOKEN": service_token, "ATMOST_UPSTREAM_KEY_SECRET": upstream_secret})
         envoy.start()
         started.append(envoy)
@@ -82,11 +86,13 @@ def main() -> int:
     cli = ledger_binary()
     if cli.is_relative_to(ROOT):
         cli = cli.relative_to(ROOT)
+    ca = tls.ca.relative_to(ROOT) if tls.ca.is_relative_to(ROOT) else tls.ca
     print(f"""
 atmost is running.
   MCP endpoint : http://127.0.0.1:{LISTEN_PORT}/mcp   (upstream {upstream[0]}:{upstream[1]})
-  ledger       : {ledger.url}   (admin token: {admin_token})
-  inbox        : {ledger.url}/admin/   (sign in with the admin token; uncertain calls to check)
+  ledger       : {ledger.url}   (TLS, certificate from the local CA {ca}; admin token: {admin_token})
+  inbox        : {ledger.url}/admin/   (sign in with the admin token; uncertain calls to check;
+                 a browser warns about the local CA until you trust {ca} or accept it once)
   Envoy admin  : http://127.0.0.1:{ADMIN_PORT}
   logs         : {log_dir}
 
@@ -105,7 +111,7 @@ Try it:
 Run it twice: the second answer is the first receipt, marked replayed.
 
 The admin CLI against this ledger (permits, attempts, reconciliation: docs/ledger.md):
-  export ATMOST_LEDGER_URL={ledger.url} ATMOST_ADMIN_TOKEN={admin_token}
+  export ATMOST_LEDGER_URL={ledger.url} ATMOST_LEDGER_CA_FILE={ca} ATMOST_ADMIN_TOKEN={admin_token}
   {cli} permit list
   {cli} permit create --label my-agent --expires 1h --max-calls pay_invoice=1
 

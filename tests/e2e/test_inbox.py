@@ -22,14 +22,15 @@ from tests.e2e.conftest import UPSTREAM_SECRET, new_key
 from tests.e2e.test_permits import attempts, wait_for_state
 from tests.support.browser import PHONE_WIDTH, headless_chromium
 from tests.support.mcp_raw import result_text
-from tests.support.stack import ROOT, Ledger, wait_until
+from tests.support.stack import ROOT, Ledger, default_ledger_tls, spki_sha256, wait_until
 
 ARTIFACTS = ROOT / "target" / "test-artifacts" / "inbox"
 
 
 @pytest.fixture
 def browser(log_dir):
-    driver = headless_chromium(log_dir)
+    # The suites' ledgers serve TLS with one certificate of a CA the browser does not know.
+    driver = headless_chromium(log_dir, trusted_spki=(spki_sha256(default_ledger_tls().cert),))
     yield driver
     driver.quit()
 
@@ -185,12 +186,12 @@ def _uncertain_via_service_api(ledger: Ledger) -> str:
     """An attempt sent and lost, as a filter would report it (no gateway on this ledger)."""
     permit = ledger.create_permit(label="expiry")
     svc = {"authorization": f"Bearer {ledger.service_token}"}
-    d = httpx.post(ledger.url + "/v1/authorize", headers=svc, timeout=10, json={
+    d = httpx.post(ledger.url + "/v1/authorize", headers=svc, timeout=10, verify=ledger.http_verify, json={
         "permit_token": permit["token"], "tool": "pay_invoice", "idempotency_key": "k",
         "fingerprint": "f", "arguments": {"amount": 1}, "forwarded_key": "fwd-k"}).json()
     report = {"attempt_id": d["attempt_id"], "round": d["round"], "capability": d["capability"],
               "outcome": "uncertain", "reason": "upstream_reset"}
-    assert httpx.post(ledger.url + "/v1/outcomes", headers=svc, timeout=10,
+    assert httpx.post(ledger.url + "/v1/outcomes", headers=svc, timeout=10, verify=ledger.http_verify,
                       json={"reports": [report]}).json()["acks"] == ["applied"]
     return d["attempt_id"]
 
@@ -208,7 +209,7 @@ def test_an_expired_session_is_refused(log_dir, data_root, browser):
         # Wait, bounded, for the ledger itself to refuse the session, presented by a client
         # that keeps the cookie past its Max-Age (the ledger's clock decides, not the browser).
         expired = wait_until(lambda: (r := httpx.get(short.url + "/admin/", cookies={"atmost_session": cookie},
-                                                     timeout=5)).status_code == 401 and r, 30, "the session to expire")
+                                                     timeout=5, verify=short.http_verify)).status_code == 401 and r, 30, "the session to expire")
         assert "Your session has expired" in expired.text
         # The form still open in the browser is refused too: the sign-in page, nothing changed.
         item.find_element(By.CSS_SELECTOR, "textarea[id^='note-x-']").send_keys("too late")

@@ -91,14 +91,14 @@ def uncertain_via_service_api(ledger: Ledger, permit: dict, forwarded_key: str, 
     """Sent and lost, as a filter reports it: authorize with the forwarded key (in the
     Idempotency-Key header unless `carriers` says otherwise), then `uncertain`."""
     svc = {"authorization": f"Bearer {ledger.service_token}"}
-    d = httpx.post(ledger.url + "/v1/authorize", headers=svc, timeout=10, json={
+    d = httpx.post(ledger.url + "/v1/authorize", headers=svc, timeout=10, verify=ledger.http_verify, json={
         "permit_token": permit["token"], "tool": "pay_invoice", "idempotency_key": new_key(),
         "fingerprint": f"f-{forwarded_key}", "arguments": {"invoice": "INV-NEVER", "amount": amount},
         "forwarded_key": forwarded_key,
         "forwarded_key_carriers": ["header"] if carriers is None else carriers}).json()
     report = {"attempt_id": d["attempt_id"], "round": d["round"], "capability": d["capability"],
               "outcome": "uncertain", "reason": "upstream_reset"}
-    assert httpx.post(ledger.url + "/v1/outcomes", headers=svc, timeout=10,
+    assert httpx.post(ledger.url + "/v1/outcomes", headers=svc, timeout=10, verify=ledger.http_verify,
                       json={"reports": [report]}).json()["acks"] == ["applied"]
     return d["attempt_id"]
 
@@ -128,7 +128,7 @@ def wait_resolved(ledger: Ledger, permit_id: str, state: str) -> dict:
 
 def signed_in_inbox(ledger: Ledger) -> httpx.Client:
     """An HTTP client signed in to the inbox (the form's CSRF token, then the admin token)."""
-    http = httpx.Client(base_url=ledger.url, timeout=10)
+    http = httpx.Client(base_url=ledger.url, timeout=10, verify=ledger.http_verify)
     page = http.get("/admin/")
     csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', page.text).group(1)
     signed = http.post("/admin/sign-in", data={"csrf": csrf, "name": "Ana Ops", "token": ledger.admin_token})

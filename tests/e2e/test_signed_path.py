@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import datetime
 import socket
 import uuid
 from types import SimpleNamespace
 
-import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from http_message_signatures import HTTPMessageVerifier, HTTPSignatureKeyResolver, algorithms
@@ -37,7 +37,7 @@ def tool_side(log_dir, ledger, mcp_server):
     plugin = {"role": "verify",
               "verify": {"jwks": {"cluster": "atmost_ledger", "authority": "atmost-ledger", "timeout_ms": 2000}},
               "governed_tools": [GOVERNED], "denial_format": "error"}
-    envoy = verifier_envoy(log_dir, mcp_server.port, ledger.port, plugin, "envoy-tool-side")
+    envoy = verifier_envoy(log_dir, mcp_server.port, ledger.port, plugin, "envoy-tool-side", ledger_tls=ledger.tls or False)
     envoy.start(wait_for_ledger=False)
     wait_until(lambda: envoy.stat("wasmcustom.atmost_keys_refreshed") >= 1, 30, "the verifier's first key fetch")
     yield envoy
@@ -151,7 +151,9 @@ def test_the_signature_that_reached_the_tool_verifies_with_another_implementatio
     finally:
         client.close()
     sent = signed_dispatch(wire, arguments["invoice"])
-    jwks = httpx.get(f"http://127.0.0.1:{ledger.port}/v1/keys", timeout=10).json()
+    status, served = ledger.get("/v1/keys")
+    assert status == 200
+    jwks = json.loads(served)
     # As the tool received it: the URL from its Host and request line, the body as received.
     path = sent.head.split(b" ", 2)[1].decode()
     message = SimpleNamespace(method="POST", url=f"http://{sent.headers['host']}{path}",

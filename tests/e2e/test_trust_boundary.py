@@ -84,7 +84,7 @@ class AgentWithServiceToken:
     API itself, under its own permit."""
 
     def __init__(self, ledger):
-        self.http = httpx.Client(base_url=ledger.url, timeout=10,
+        self.http = httpx.Client(base_url=ledger.url, timeout=10, verify=ledger.http_verify,
                                  headers={"authorization": f"Bearer {ledger.service_token}"})
 
     def close(self) -> None:

@@ -49,9 +49,19 @@ def early(log_dir, ledger):
     with the ledger behind a gate that can hold its answers."""
     upstream = RawUpstream().start()
     gate = FaultProxy(ledger.port, name="ledger-gate").start()
+    # One worker, so one callout connection: the call below opens it, and its TLS handshake is
+    # done before a test holds the ledger's answers at the gate (a handshake held there would
+    # keep every request from the ledger).
     envoy = Envoy(log_dir, upstream.port, [gate.port], name="envoy-wasmplugin-early", deployment_form="wasmplugin",
-                  plugin_overrides={"ledger": {"service_token": ledger.service_token}})
+                  plugin_overrides={"ledger": {"service_token": ledger.service_token}}, concurrency=1)
     envoy.start()
+    warm_up = ledger.create_permit()
+    status, _, data = Split(envoy, call_headers("pay_invoice", warm_up["token"], new_key()),
+                            json.dumps(call_body("pay_invoice", {"invoice": "warm-up", "amount": 1}, 1)).encode()
+                            ).send_body()
+    assert status == 200, data
+    upstream.wait_for_head()
+    upstream.executions.clear()
     yield envoy, upstream, gate
     envoy.stop()
     gate.stop()

@@ -95,17 +95,27 @@ class FaultStack:
 
     def warm(self, within: float = 15.0) -> None:
         """Right after Envoy says ready, a callout can still fail (seen: `InternalFailure`,
-        denied gateway_unavailable: fail closed). Calls until both workers pass governed calls."""
+        denied gateway_unavailable: fail closed). Calls until both workers pass governed calls:
+        four in a row, and every worker's callout connection open (its TLS handshake done), so a
+        scenario that holds the ledger's traffic later holds requests, not a handshake."""
         permit = self.permit()
         deadline = time.monotonic() + within
         streak = 0
-        while streak < 4:
+        while streak < 4 or not self.callout_connections_open():
             r = self.call(permit, "echo", {"warm": True}, phase="warmup")
             streak = streak + 1 if r.outcome == "ok" else 0
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the gateway did not pass governed calls within {within}s: {r}")
             if streak == 0:
                 time.sleep(0.1)
+
+    def callout_connections_open(self) -> bool:
+        """Every Envoy worker holds a connection to the ledger and no callout waits for one: the
+        TLS handshakes are done. A scenario that then holds or delays the ledger's traffic holds
+        requests; a handshake held instead would keep every request from the ledger."""
+        stats = self.envoy.stats()
+        return (stats.get("cluster.atmost_ledger.upstream_cx_active", 0) >= self.envoy.concurrency
+                and stats.get("cluster.atmost_ledger.upstream_rq_pending_active", 0) == 0)
 
     def stop(self) -> None:
         for stop in (self.envoy.stop, self.ledger.stop, self.upstream_proxy.stop, self.ledger_proxy.stop,

@@ -100,6 +100,9 @@ def test_ledger_kill9_before_during_and_after_commits_under_concurrent_load(faul
                 wait_until(lambda: [e for e in s.upstream.running("pay") if time.monotonic() - e["at"] < 0.05], 15,
                            "a tool starting to run at the upstream")
             else:
+                # The restarted ledger's connections from both workers first (see
+                # callout_connections_open): under load, calls open them again.
+                wait_until(s.callout_connections_open, 15, "every worker's callout connection open again")
                 s.ledger_proxy.set_mode("delay_reply", delay=5.0)
                 since_ms = int(time.time() * 1000)  # decided after the switch: its answer is held
                 wait_until(lambda: [r for r in s.rows() if r["state"] == "in_flight"

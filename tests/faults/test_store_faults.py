@@ -116,7 +116,7 @@ def start_ledger_unready(s, within: float = 5.0) -> str:
         if not s.ledger.alive():
             return "exited"
         try:
-            if http_get(s.ledger.url + "/readyz", timeout=0.5)[0] == 200:
+            if s.ledger.get("/readyz", timeout=0.5)[0] == 200:
                 return "ready"
         except OSError:
             pass

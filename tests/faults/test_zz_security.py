@@ -73,7 +73,7 @@ def test_admin_and_service_credentials_are_separate(sec):
         headers = {"content-type": "application/json"}
         if token is not None:
             headers["authorization"] = f"Bearer {token}"
-        with httpx.Client(timeout=5) as c:
+        with httpx.Client(timeout=5, verify=led.http_verify) as c:
             return c.request(method, led.url + path, headers=headers,
                              content=json.dumps(body) if body else None).status_code
 

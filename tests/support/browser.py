@@ -24,8 +24,11 @@ CHROMEDRIVER = Path(os.environ.get("ATMOST_CHROMEDRIVER", "/usr/bin/chromedriver
 PHONE_WIDTH = 360
 
 
-def headless_chromium(log_dir: Path, width: int = PHONE_WIDTH, height: int = 900) -> webdriver.Chrome:
-    """A fresh headless Chromium (its own profile, no cookies) with a `width` px wide window."""
+def headless_chromium(log_dir: Path, width: int = PHONE_WIDTH, height: int = 900,
+                      trusted_spki: tuple[str, ...] = ()) -> webdriver.Chrome:
+    """A fresh headless Chromium (its own profile, no cookies) with a `width` px wide window.
+    `trusted_spki`: certificates (local_ca.spki_sha256) it accepts though no root it knows
+    signed them, as a person accepts the ledger's local CA once; every other check stays."""
     for path in (CHROMIUM, CHROMEDRIVER):
         if not path.exists():
             raise RuntimeError(f"{path} is missing: `make browser-tools` installs Debian's chromium and chromium-driver")
@@ -51,6 +54,8 @@ def headless_chromium(log_dir: Path, width: int = PHONE_WIDTH, height: int = 900
         "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost, EXCLUDE 127.0.0.1",
     ):
         options.add_argument(arg)
+    if trusted_spki:
+        options.add_argument(f"--ignore-certificate-errors-spki-list={','.join(trusted_spki)}")
     # A desktop window is never narrower than 500 px: a phone's viewport is emulated instead.
     options.add_experimental_option("mobileEmulation", {"deviceMetrics": {"width": width, "height": height,
                                                                           "pixelRatio": 1}})

@@ -27,6 +27,9 @@ from atmost_stack import (  # noqa: E402,F401  (re-exported: the suites import t
     Process,
     ProcessExited,
     Provider,
+    LedgerTls,
+    cleartext_ledger_cluster,
+    default_ledger_tls,
     deployment,
     external_provider_config,
     free_port,
@@ -37,6 +40,7 @@ from atmost_stack import (  # noqa: E402,F401  (re-exported: the suites import t
     wait_until,
     wasmplugin_filter_config,
 )
+from local_ca import make_ledger_tls, spki_sha256  # noqa: E402,F401
 
 TS_DIR = ROOT / "tests" / "ts"
 

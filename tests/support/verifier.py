@@ -12,12 +12,14 @@ from tests.support.stack import Envoy
 from atmost_stack import listener_hcm  # noqa: E402  (on sys.path through tests.support.stack)
 
 
-def verifier_envoy(log_dir, upstream_port: int, jwks_port: int, plugin: dict, name: str) -> Envoy:
+def verifier_envoy(log_dir, upstream_port: int, jwks_port: int, plugin: dict, name: str,
+                   ledger_tls=False) -> Envoy:
     """The shipped sidecar's Envoy with the filter in `role: "verify"` in front of the MCP server:
     its plugin JSON replaced by `plugin`, and its `atmost_ledger` cluster pointed at the JWKS server
-    (plain HTTP/1.1, no health check: the test server serves only the key set)."""
+    (HTTP/1.1, no health check: the server may serve only the key set). `ledger_tls` as that
+    server serves it (the real ledger's TLS, or `False` for a plain test server)."""
     envoy = Envoy(log_dir, upstream_port, [jwks_port], name=name, wait_for_ledger=False,
-                  deployment_form="envoyfilter")
+                  deployment_form="envoyfilter", ledger_tls=ledger_tls)
     config = yaml.safe_load(envoy.config_path.read_text())
     wasm = next(f for f in listener_hcm(config)["http_filters"] if f["name"] == "envoy.filters.http.wasm")
     wasm_config = wasm["typed_config"]["config"]
@@ -25,7 +27,11 @@ def verifier_envoy(log_dir, upstream_port: int, jwks_port: int, plugin: dict, na
     wasm_config["vm_config"].pop("environment_variables", None)
     for cluster in config["static_resources"]["clusters"]:
         if cluster["name"] == "atmost_ledger":
-            for field in ("health_checks", "common_lb_config", "typed_extension_protocol_options"):
+            # Over TLS the cluster keeps its HTTP/2 (the ALPN it offers); a plain test server
+            # speaks HTTP/1.1.
+            drop = ("health_checks", "common_lb_config") if ledger_tls else (
+                "health_checks", "common_lb_config", "typed_extension_protocol_options")
+            for field in drop:
                 cluster.pop(field, None)
     envoy.config_path.write_text(yaml.safe_dump(config))
     return envoy

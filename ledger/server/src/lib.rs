@@ -13,6 +13,7 @@ pub mod reconcile;
 pub mod redact;
 pub mod server;
 pub mod signer;
+pub mod tls;
 
 #[cfg(test)]
 mod http_tests;

@@ -46,6 +46,12 @@ pub struct Metrics {
     /// 1 from the first stop signal on (crate::drain): /readyz reads this very value, so what
     /// is exported and what readiness answers cannot disagree.
     pub draining: IntGauge,
+    /// Reloads of the TLS certificate after its files changed, by result (ok, error).
+    pub tls_reloads: IntCounterVec,
+    /// 1 while the certificate files on disk did not load and the previous pair is served.
+    pub tls_reload_failing: IntGauge,
+    /// Connections that failed or did not finish their TLS handshake.
+    pub tls_handshake_failures: IntCounter,
 }
 
 fn m<T>(r: Result<T, prometheus::Error>) -> Result<T, LedgerError> {
@@ -153,6 +159,20 @@ impl Metrics {
             "1 while the ledger drains before a stop (/readyz answers 503), else 0.",
         ))?;
         m(registry.register(Box::new(draining.clone())))?;
+        let tls_reloads = counter_vec(
+            "atmost_tls_reloads_total",
+            "Reloads of the TLS certificate and key after their files changed, by result.",
+            &["result"],
+        )?;
+        let tls_reload_failing = m(IntGauge::new(
+            "atmost_tls_reload_failing",
+            "1 while the TLS certificate files on disk do not load and the previous certificate is served, else 0.",
+        ))?;
+        m(registry.register(Box::new(tls_reload_failing.clone())))?;
+        let tls_handshake_failures = counter(
+            "atmost_tls_handshake_failures_total",
+            "Connections that failed or did not finish their TLS handshake.",
+        )?;
         Ok(Metrics {
             registry,
             authorize,
@@ -174,6 +194,9 @@ impl Metrics {
             attempts,
             uncertain_oldest_seconds,
             draining,
+            tls_reloads,
+            tls_reload_failing,
+            tls_handshake_failures,
         })
     }
 

@@ -67,9 +67,19 @@ pub struct LedgerArgs {
     /// Log format (level via RUST_LOG, default info).
     #[arg(long, value_enum, env = "ATMOST_LOG_FORMAT", default_value = "json")]
     pub log_format: LogFormat,
-    /// Address to listen on (HTTP/1.1 and h2c).
+    /// Address to listen on: every API, the inbox, /metrics and the health checks (HTTP/1.1 and
+    /// h2c; with --tls-cert-file, TLS only).
     #[arg(long, env = "ATMOST_LISTEN", default_value = "127.0.0.1:8081")]
     pub listen: SocketAddr,
+    /// PEM file of the certificate chain the ledger serves TLS with (its own certificate
+    /// first), with --tls-key-file: --listen then takes TLS only (ALPN h2 and http/1.1). Both
+    /// files are read again when they change; a pair that does not load leaves the previous
+    /// one served. Without them, plain HTTP.
+    #[arg(long, env = "ATMOST_TLS_CERT_FILE", requires = "tls_key_file")]
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM file of the private key of --tls-cert-file's certificate (PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, env = "ATMOST_TLS_KEY_FILE", requires = "tls_cert_file")]
+    pub tls_key_file: Option<PathBuf>,
     /// Directory of the embedded store's database file (`--store sqlite`).
     #[arg(long, env = "ATMOST_DATA_DIR", default_value = "./atmost-data")]
     pub data_dir: PathBuf,
@@ -169,6 +179,10 @@ pub struct ClientArgs {
         hide_env_values = true
     )]
     pub admin_token: Option<String>,
+    /// PEM file of the CA certificates to trust for an https:// --ledger (default: the
+    /// system's roots), e.g. the CA of the ledger's --tls-cert-file.
+    #[arg(long, global = true, env = "ATMOST_LEDGER_CA_FILE")]
+    pub ledger_ca_file: Option<PathBuf>,
     /// Print the API's JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,

@@ -1,5 +1,6 @@
 //! A blocking client of the admin API.
 
+use std::path::Path;
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
@@ -28,10 +29,11 @@ impl Client {
                 )
             })?;
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let http = reqwest::blocking::Client::builder()
-            .timeout(Duration::from_secs(30))
-            .build()
-            .map_err(|e| CliError::Http(e.to_string()))?;
+        let mut builder = reqwest::blocking::Client::builder().timeout(Duration::from_secs(30));
+        if let Some(path) = &args.ledger_ca_file {
+            builder = builder.tls_certs_only(ca_certificates(path)?);
+        }
+        let http = builder.build().map_err(|e| CliError::Http(e.to_string()))?;
         Ok(Client {
             base: args.ledger.trim_end_matches('/').to_string(),
             token,
@@ -91,6 +93,18 @@ impl Client {
     ) -> Result<(T, serde_json::Value), CliError> {
         self.send(self.http.post(format!("{}{}", self.base, path)).json(body))
     }
+}
+
+/// The CA certificates of `--ledger-ca-file`: at least one, or the file is refused.
+fn ca_certificates(path: &Path) -> Result<Vec<reqwest::Certificate>, CliError> {
+    let refused =
+        |reason: String| CliError::Usage(format!("--ledger-ca-file {}: {reason}", path.display()));
+    let pem = std::fs::read(path).map_err(|e| refused(e.to_string()))?;
+    let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| refused(e.to_string()))?;
+    if certs.is_empty() {
+        return Err(refused("holds no PEM certificate".into()));
+    }
+    Ok(certs)
 }
 
 pub(super) fn urlencode(s: &str) -> String {

@@ -8,6 +8,7 @@ use crate::inbox::InboxConfig;
 use crate::metrics::Metrics;
 use crate::redact::Redaction;
 use crate::server::{self, AppState, ServerConfig};
+use crate::tls::{self, CertReloader, TlsFiles, TlsListener};
 use atmost_ledger::clock::SystemClock;
 #[cfg(feature = "postgres")]
 use atmost_ledger::store::postgres::{self, PgOptions, PgStore};
@@ -42,6 +43,10 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
         .map(|path| crate::reconcile::rules::load(path, &crate::reconcile::rules::ProcessEnv))
         .transpose()
         .map_err(CliError::Usage)?;
+    let tls = tls_files(&args)
+        .map(|files| CertReloader::load(files, Arc::new(rustls::crypto::ring::default_provider())))
+        .transpose()
+        .map_err(|e| CliError::Usage(e.to_string()))?;
     init_logs(args.log_format);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -58,7 +63,9 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
             inbox: InboxConfig {
                 session_ttl: args.inbox_session_ttl,
                 stuck_after: args.inbox_stuck_after,
-                secure_cookies: args.inbox_secure_cookies,
+                // Served over the ledger's own TLS, every response is one a browser got over
+                // https.
+                secure_cookies: args.inbox_secure_cookies || args.tls_cert_file.is_some(),
                 lookup_forms: reconcile_rules
                     .iter()
                     .flat_map(|set| &set.rules)
@@ -75,7 +82,8 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
     rt.block_on(async move {
         let stop_signals = crate::drain::os_stop_signals()?;
         let listener = tokio::net::TcpListener::bind(args.listen).await?;
-        tracing::info!(listen = %args.listen, lease_ms = state.config.lease.as_millis() as u64, "ledger listening");
+        tracing::info!(listen = %args.listen, lease_ms = state.config.lease.as_millis() as u64,
+            tls = tls.is_some(), "ledger listening");
         let sweeper = server::spawn_sweeper(state.clone(), args.sweep_interval);
         let reconciler = match reconcile_rules {
             Some(rules) => Some(
@@ -85,15 +93,32 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
             None => None,
         };
         let stop = crate::drain::drain_then_stop(stop_signals, state.metrics.clone(), args.drain_delay);
+        let metrics = state.metrics.clone();
         let app = server::router(state);
-        // Callouts are small request/response pairs on long-lived connections: without
-        // TCP_NODELAY, Nagle's algorithm holds a reply back until the previous one is acked.
-        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::warn!(error = %e, "could not set TCP_NODELAY on an accepted connection");
+        let (served, reloader) = match tls {
+            Some(reloader) => {
+                let provider = Arc::new(rustls::crypto::ring::default_provider());
+                let config = tls::server_config(provider, reloader.resolver())
+                    .map_err(std::io::Error::other)?;
+                let listener = TlsListener::new(listener, Arc::new(config), metrics.clone())?;
+                let reloading = tls::spawn_reloader(reloader, metrics);
+                (axum::serve(listener, app).with_graceful_shutdown(stop).await, Some(reloading))
             }
-        });
-        let served = axum::serve(listener, app).with_graceful_shutdown(stop).await;
+            None => {
+                // Callouts are small request/response pairs on long-lived connections: without
+                // TCP_NODELAY, Nagle's algorithm holds a reply back until the previous one is
+                // acked.
+                let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                    if let Err(e) = tcp.set_nodelay(true) {
+                        tracing::warn!(error = %e, "could not set TCP_NODELAY on an accepted connection");
+                    }
+                });
+                (axum::serve(listener, app).with_graceful_shutdown(stop).await, None)
+            }
+        };
+        if let Some(r) = reloader {
+            r.abort();
+        }
         sweeper.abort();
         if let Some(r) = reconciler {
             r.abort();
@@ -102,6 +127,17 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
         served
     })?;
     Ok(())
+}
+
+/// The pair of `--tls-cert-file` and `--tls-key-file` (clap makes either require the other).
+fn tls_files(args: &LedgerArgs) -> Option<TlsFiles> {
+    match (&args.tls_cert_file, &args.tls_key_file) {
+        (Some(cert), Some(key)) => Some(TlsFiles {
+            cert: cert.clone(),
+            key: key.clone(),
+        }),
+        _ => None,
+    }
 }
 
 /// Opens the store `--store` names: the embedded SQLite file, or PostgreSQL (migrations run

@@ -2,6 +2,7 @@ use clap::{CommandFactory, Parser};
 
 use super::*;
 use atmost_ledger::model::{CostRule, GuardMode};
+use std::path::Path;
 
 #[test]
 fn cli_definition_is_consistent() {
@@ -136,5 +137,64 @@ fn a_bad_reconcile_rule_file_stops_the_ledger_before_it_listens() {
         left,
         vec![std::ffi::OsString::from("rules.json")],
         "no store is opened before the rules are checked"
+    );
+}
+
+#[test]
+fn tls_needs_both_files_and_the_client_takes_a_ca_file() {
+    let only_cert = Cli::try_parse_from([
+        "atmost",
+        "ledger",
+        "--service-token",
+        "s",
+        "--tls-cert-file",
+        "ledger.pem",
+    ]);
+    assert!(
+        only_cert.is_err(),
+        "a certificate without its key is refused"
+    );
+    let only_key = Cli::try_parse_from([
+        "atmost",
+        "ledger",
+        "--service-token",
+        "s",
+        "--tls-key-file",
+        "ledger.key",
+    ]);
+    assert!(
+        only_key.is_err(),
+        "a key without its certificate is refused"
+    );
+    let cli = Cli::try_parse_from([
+        "atmost",
+        "ledger",
+        "--service-token",
+        "s",
+        "--tls-cert-file",
+        "ledger.pem",
+        "--tls-key-file",
+        "ledger.key",
+    ])
+    .unwrap();
+    let Command::Ledger(args) = cli.command else {
+        panic!("not ledger")
+    };
+    assert_eq!(args.tls_cert_file.as_deref(), Some(Path::new("ledger.pem")));
+    assert_eq!(args.tls_key_file.as_deref(), Some(Path::new("ledger.key")));
+
+    let cli = Cli::try_parse_from([
+        "atmost",
+        "permit",
+        "list",
+        "--ledger",
+        "https://127.0.0.1:8081",
+        "--ledger-ca-file",
+        "ca.pem",
+    ])
+    .unwrap();
+    assert_eq!(
+        cli.client.ledger_ca_file.as_deref(),
+        Some(Path::new("ca.pem"))
     );
 }

@@ -1,0 +1,379 @@
+//! The ledger serving TLS itself (`--tls-cert-file`, `--tls-key-file`): every route of its one
+//! listener, with ALPN `h2` and `http/1.1`, from a certificate chain and key read from files
+//! and read again when they change, so a renewed certificate is served without a restart.
+//!
+//! Without TLS, anything that shares the ledger's network namespace and may open a raw socket
+//! (`CAP_NET_RAW`) reads the service token and each round's capability off the filter's
+//! callouts, and can then report a call that was sent as `released`.
+
+use std::io;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, SystemTime};
+
+use rustls::crypto::CryptoProvider;
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use thiserror::Error;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_rustls::server::TlsStream;
+use tokio_rustls::TlsAcceptor;
+
+use crate::metrics::Metrics;
+
+/// How often the files are looked at for a change: a renewal is served within about this long.
+pub const RELOAD_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+
+/// A client that connects and never finishes its handshake holds a task this long at most.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Handshaken connections waiting for the server to take them: past this many, handshakes
+/// wait, as connections wait in the kernel's backlog for a plain listener.
+const ACCEPTED_QUEUE: usize = 128;
+
+/// What the ledger offers in ALPN: Envoy's callouts use h2, the admin CLI and people's
+/// browsers either.
+pub const ALPN_PROTOCOLS: [&[u8]; 2] = [b"h2", b"http/1.1"];
+
+/// The certificate chain and key files of `--tls-cert-file` and `--tls-key-file`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug, Error)]
+pub enum TlsError {
+    #[error("TLS certificate file {path}: {reason}")]
+    Certificate { path: PathBuf, reason: String },
+    #[error("TLS key file {path}: {reason}")]
+    Key { path: PathBuf, reason: String },
+    #[error("TLS certificate {cert} and key {key} do not belong together: {reason}")]
+    Mismatch {
+        cert: PathBuf,
+        key: PathBuf,
+        reason: String,
+    },
+    #[error("TLS: {0}")]
+    Config(String),
+}
+
+/// Reads and checks the pair: a chain of at least one certificate, a private key rustls can
+/// sign with, and the key being the first certificate's.
+pub fn load_certified_key(
+    files: &TlsFiles,
+    provider: &CryptoProvider,
+) -> Result<CertifiedKey, TlsError> {
+    let cert_error = |reason: String| TlsError::Certificate {
+        path: files.cert.clone(),
+        reason,
+    };
+    let chain = CertificateDer::pem_file_iter(&files.cert)
+        .map_err(|e| cert_error(e.to_string()))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| cert_error(e.to_string()))?;
+    if chain.is_empty() {
+        return Err(cert_error("holds no PEM certificate".into()));
+    }
+    let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|e| TlsError::Key {
+        path: files.key.clone(),
+        reason: e.to_string(),
+    })?;
+    CertifiedKey::from_der(chain, key, provider).map_err(|e| TlsError::Mismatch {
+        cert: files.cert.clone(),
+        key: files.key.clone(),
+        reason: e.to_string(),
+    })
+}
+
+/// What tells a changed file from an unchanged one without reading it: its modification time,
+/// length and, on Unix, inode (a Kubernetes Secret volume swaps a symlink to new files).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct FileStamp {
+    modified: Option<SystemTime>,
+    len: u64,
+    inode: u64,
+}
+
+impl FileStamp {
+    fn of(path: &Path) -> io::Result<Self> {
+        let meta = std::fs::metadata(path)?;
+        Ok(FileStamp {
+            modified: meta.modified().ok(),
+            len: meta.len(),
+            inode: inode(&meta),
+        })
+    }
+}
+
+#[cfg(unix)]
+fn inode(meta: &std::fs::Metadata) -> u64 {
+    std::os::unix::fs::MetadataExt::ino(meta)
+}
+
+#[cfg(not(unix))]
+fn inode(_: &std::fs::Metadata) -> u64 {
+    0
+}
+
+type PairStamp = (FileStamp, FileStamp);
+
+fn pair_stamp(files: &TlsFiles) -> io::Result<PairStamp> {
+    Ok((FileStamp::of(&files.cert)?, FileStamp::of(&files.key)?))
+}
+
+/// Hands every handshake the pair loaded last; the reloader swaps it.
+#[derive(Debug)]
+pub struct ReloadingCertResolver {
+    current: RwLock<Arc<CertifiedKey>>,
+}
+
+impl ReloadingCertResolver {
+    fn new(key: CertifiedKey) -> Self {
+        ReloadingCertResolver {
+            current: RwLock::new(Arc::new(key)),
+        }
+    }
+
+    /// The pair served now.
+    pub fn current(&self) -> Arc<CertifiedKey> {
+        // A writer cannot panic halfway through replacing an Arc, so a poisoned lock still
+        // holds a whole pair.
+        match self.current.read() {
+            Ok(guard) => guard.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    fn replace(&self, key: CertifiedKey) {
+        let key = Arc::new(key);
+        match self.current.write() {
+            Ok(mut guard) => *guard = key,
+            Err(poisoned) => *poisoned.into_inner() = key,
+        }
+    }
+}
+
+impl ResolvesServerCert for ReloadingCertResolver {
+    fn resolve(&self, _client_hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.current())
+    }
+}
+
+/// What one look at the files found.
+#[derive(Debug)]
+pub enum ReloadCheck {
+    /// Neither file changed since the last load or failed attempt.
+    Unchanged,
+    /// The files changed and the new pair is served from now on.
+    Reloaded,
+    /// The files changed (or cannot be read) and the new pair did not load: the previous one
+    /// is still served. Reported once per change.
+    Failed(TlsError),
+}
+
+/// Loads the pair at start and again whenever the files change.
+pub struct CertReloader {
+    files: TlsFiles,
+    provider: Arc<CryptoProvider>,
+    resolver: Arc<ReloadingCertResolver>,
+    /// The files as they were when last looked at (loaded, or failed to load).
+    seen: Option<PairStamp>,
+}
+
+impl CertReloader {
+    /// Loads the pair once: a ledger told to serve TLS does not start without a pair that loads.
+    pub fn load(files: TlsFiles, provider: Arc<CryptoProvider>) -> Result<Self, TlsError> {
+        // Stamped before reading, so a write that lands while the files are read is seen as a
+        // change at the next check rather than lost.
+        let seen = pair_stamp(&files).ok();
+        let key = load_certified_key(&files, &provider)?;
+        Ok(CertReloader {
+            files,
+            provider,
+            resolver: Arc::new(ReloadingCertResolver::new(key)),
+            seen,
+        })
+    }
+
+    pub fn resolver(&self) -> Arc<ReloadingCertResolver> {
+        self.resolver.clone()
+    }
+
+    pub fn files(&self) -> &TlsFiles {
+        &self.files
+    }
+
+    /// Looks at the files once and loads them if they changed.
+    pub fn check(&mut self) -> ReloadCheck {
+        let stamp = match pair_stamp(&self.files) {
+            Ok(stamp) => Some(stamp),
+            Err(e) => {
+                // A file missing for a moment (being replaced) is a failure once, then quiet
+                // until it comes back.
+                if self.seen.is_none() {
+                    return ReloadCheck::Unchanged;
+                }
+                self.seen = None;
+                return ReloadCheck::Failed(TlsError::Certificate {
+                    path: self.files.cert.clone(),
+                    reason: format!("cannot read the certificate or key file: {e}"),
+                });
+            }
+        };
+        if stamp == self.seen {
+            return ReloadCheck::Unchanged;
+        }
+        self.seen = stamp;
+        match load_certified_key(&self.files, &self.provider) {
+            Ok(key) => {
+                self.resolver.replace(key);
+                ReloadCheck::Reloaded
+            }
+            Err(e) => ReloadCheck::Failed(e),
+        }
+    }
+}
+
+/// Checks the files every RELOAD_CHECK_INTERVAL for as long as the ledger runs; each reload
+/// and each failed one is logged and counted.
+pub fn spawn_reloader(mut reloader: CertReloader, metrics: Arc<Metrics>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(RELOAD_CHECK_INTERVAL);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            match reloader.check() {
+                ReloadCheck::Unchanged => {}
+                ReloadCheck::Reloaded => {
+                    metrics.tls_reloads.with_label_values(&["ok"]).inc();
+                    metrics.tls_reload_failing.set(0);
+                    tracing::info!(cert = %reloader.files().cert.display(), key = %reloader.files().key.display(),
+                        "TLS certificate reloaded: new connections get the new one");
+                }
+                ReloadCheck::Failed(e) => {
+                    metrics.tls_reloads.with_label_values(&["error"]).inc();
+                    metrics.tls_reload_failing.set(1);
+                    tracing::error!(error = %e,
+                        "TLS certificate not reloaded: the previous certificate is still served");
+                }
+            }
+        }
+    })
+}
+
+/// The server side of the ledger's TLS: the reloading resolver, ALPN h2 and http/1.1, the
+/// provider's safe default protocol versions (TLS 1.2 and 1.3).
+pub fn server_config(
+    provider: Arc<CryptoProvider>,
+    resolver: Arc<ReloadingCertResolver>,
+) -> Result<rustls::ServerConfig, TlsError> {
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::Config(e.to_string()))?
+        .with_no_client_auth()
+        .with_cert_resolver(resolver);
+    config.alpn_protocols = ALPN_PROTOCOLS.iter().map(|p| p.to_vec()).collect();
+    Ok(config)
+}
+
+/// A listener whose connections have finished their TLS handshake. Handshakes run in tasks of
+/// their own, so a client that is slow to finish one delays no other connection.
+pub struct TlsListener {
+    accepted: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
+    local_addr: SocketAddr,
+    acceptor: JoinHandle<()>,
+}
+
+impl TlsListener {
+    pub fn new(
+        tcp: TcpListener,
+        config: Arc<rustls::ServerConfig>,
+        metrics: Arc<Metrics>,
+    ) -> io::Result<Self> {
+        let local_addr = tcp.local_addr()?;
+        let (sender, accepted) = mpsc::channel(ACCEPTED_QUEUE);
+        let acceptor = tokio::spawn(accept_loop(tcp, TlsAcceptor::from(config), sender, metrics));
+        Ok(TlsListener {
+            accepted,
+            local_addr,
+            acceptor,
+        })
+    }
+}
+
+impl Drop for TlsListener {
+    fn drop(&mut self) {
+        // The listening socket closes with the task: a stopped server accepts nothing more.
+        self.acceptor.abort();
+    }
+}
+
+async fn accept_loop(
+    tcp: TcpListener,
+    acceptor: TlsAcceptor,
+    sender: mpsc::Sender<(TlsStream<TcpStream>, SocketAddr)>,
+    metrics: Arc<Metrics>,
+) {
+    loop {
+        let (stream, peer) = match tcp.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                // Out of file descriptors, say: accepting again at once would spin.
+                tracing::warn!(error = %e, "could not accept a connection");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        // Callouts are small request/response pairs on long-lived connections: without
+        // TCP_NODELAY, Nagle's algorithm holds a reply back until the previous one is acked.
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::warn!(error = %e, "could not set TCP_NODELAY on an accepted connection");
+        }
+        let acceptor = acceptor.clone();
+        let sender = sender.clone();
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                Ok(Ok(tls)) => {
+                    // Only fails once the server has stopped taking connections.
+                    let _ = sender.send((tls, peer)).await;
+                }
+                Ok(Err(e)) => {
+                    metrics.tls_handshake_failures.inc();
+                    tracing::debug!(peer = %peer, error = %e, "TLS handshake failed");
+                }
+                Err(_) => {
+                    metrics.tls_handshake_failures.inc();
+                    tracing::debug!(peer = %peer, "TLS handshake timed out");
+                }
+            }
+        });
+    }
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = TlsStream<TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.accepted.recv().await {
+            Some(accepted) => accepted,
+            // The accept loop never ends while the listener lives; should it, wait for the
+            // shutdown rather than spin.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        Ok(self.local_addr)
+    }
+}
+
+#[cfg(test)]
+mod tests;
