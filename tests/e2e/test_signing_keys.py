@@ -40,7 +40,7 @@ def b64url_decode(text: str) -> bytes:
 
 def published(ledger: Ledger) -> dict:
     """`GET /v1/keys`: the JWK Set, after checking its content type and cache lifetime."""
-    with urllib.request.urlopen(ledger.url + "/v1/keys", timeout=5) as r:
+    with urllib.request.urlopen(ledger.url + "/v1/keys", timeout=5, context=ledger.ssl_context) as r:
         assert r.status == 200
         assert r.headers["content-type"] == "application/jwk-set+json"
         assert r.headers["cache-control"] == "max-age=60"
@@ -81,7 +81,7 @@ def authorize_signed(ledger: Ledger, token: str, tool: str, key: str, body: byte
     req = urllib.request.Request(ledger.url + "/v1/authorize", data=json.dumps(request).encode(), method="POST",
                                  headers={"content-type": "application/json",
                                           "authorization": f"Bearer {ledger.service_token}"})
-    with urllib.request.urlopen(req, timeout=10) as r:
+    with urllib.request.urlopen(req, timeout=10, context=ledger.ssl_context) as r:
         return json.loads(r.read()), forwarded
 
 
@@ -211,7 +211,7 @@ def report(ledger: Ledger, answer: dict, outcome: dict) -> list[str]:
     req = urllib.request.Request(ledger.url + "/v1/outcomes", data=json.dumps(body).encode(), method="POST",
                                  headers={"content-type": "application/json",
                                           "authorization": f"Bearer {ledger.service_token}"})
-    with urllib.request.urlopen(req, timeout=10) as r:
+    with urllib.request.urlopen(req, timeout=10, context=ledger.ssl_context) as r:
         return json.loads(r.read())["acks"]
 
 
