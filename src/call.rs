@@ -287,6 +287,22 @@ pub(crate) fn alias_refused(name: &str) -> Step {
     ))
 }
 
+/// The refusal of a POST whose body the filter will not read (an encoding or charset other
+/// than plain UTF-8, or a stated length past `max_body_bytes`), the same in both roles.
+pub(crate) fn unreadable_body(head: &RequestHead, max_body_bytes: u64) -> Option<Step> {
+    if let Err(refusal) = body_encoding::check(&head.content_type, &head.content_encoding) {
+        return Some(bad_request(LocalReply::rpc_error(
+            400,
+            None,
+            rpc_code::INVALID_REQUEST,
+            refusal.message(),
+        )));
+    }
+    head.content_length
+        .filter(|n| *n > max_body_bytes)
+        .map(|_| too_large(max_body_bytes))
+}
+
 pub(crate) fn too_large(max: u64) -> Step {
     bad_request(LocalReply::rpc_error(
         413,
@@ -409,21 +425,9 @@ impl Call {
                 }
             };
         }
-        if let Err(refusal) = body_encoding::check(&head.content_type, &head.content_encoding) {
+        if let Some(refusal) = unreadable_body(&head, self.config.max_body_bytes) {
             self.state = State::Answered;
-            return bad_request(LocalReply::rpc_error(
-                400,
-                None,
-                rpc_code::INVALID_REQUEST,
-                refusal.message(),
-            ));
-        }
-        if head
-            .content_length
-            .is_some_and(|n| n > self.config.max_body_bytes)
-        {
-            self.state = State::Answered;
-            return too_large(self.config.max_body_bytes);
+            return refusal;
         }
         if self.config.request_hold == RequestHold::Body {
             return self.let_headers_go(head, edits);

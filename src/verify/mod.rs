@@ -24,9 +24,9 @@ mod tests;
 use crate::call::denial;
 use crate::call::reply::{rpc_code, LocalReply};
 use crate::call::{
-    alias_refused, bad_request, too_large, BodyStep, Effect, Level, RequestHead, Step,
+    alias_refused, bad_request, too_large, unreadable_body, BodyStep, Effect, Level, RequestHead,
+    Step,
 };
-use crate::parse::body_encoding;
 use crate::parse::mcp::{self, Message};
 use crate::stats::Stat;
 use atmost_config::{RequestHold, VerifyConfig};
@@ -295,21 +295,9 @@ impl VerifyCall {
             self.state = State::Passing;
             return Step::cont();
         }
-        if let Err(refusal) = body_encoding::check(&head.content_type, &head.content_encoding) {
+        if let Some(refusal) = unreadable_body(&head, self.config.max_body_bytes) {
             self.state = State::Done;
-            return bad_request(LocalReply::rpc_error(
-                400,
-                None,
-                rpc_code::INVALID_REQUEST,
-                refusal.message(),
-            ));
-        }
-        if head
-            .content_length
-            .is_some_and(|n| n > self.config.max_body_bytes)
-        {
-            self.state = State::Done;
-            return too_large(self.config.max_body_bytes);
+            return refusal;
         }
         self.state = State::ReadingBody(Box::new((head, signed)));
         // `request_hold: body`: the headers go on; the body is held until the check.

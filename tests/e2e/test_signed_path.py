@@ -107,6 +107,18 @@ def test_a_governed_call_runs_through_the_gateway_and_a_bypass_is_refused_at_the
     assert server.executions(GOVERNED) == 3
 
 
+def call_through(agent_side: Envoy, permit: dict) -> dict:
+    """One governed call through the agent's sidecar, with a key in the header; its arguments."""
+    arguments = invoice()
+    client = RawMcp(agent_side.url)
+    try:
+        response = client.call(GOVERNED, arguments, permit=permit["token"], key=f"key-{uuid.uuid4()}")
+        assert response.status_code == 200, response.text
+    finally:
+        client.close()
+    return arguments
+
+
 def signed_dispatch(wire: TcpProxy, marker: str):
     """The one request the gateway sent for the call whose arguments carry `marker`."""
     sent = [r for r in wire.requests() if "signature" in r.headers and r.complete and marker in r.body.decode()]
@@ -143,13 +155,7 @@ class LedgerKeys(HTTPSignatureKeyResolver):
 
 def test_the_signature_that_reached_the_tool_verifies_with_another_implementation(
         agent_side, tool_side, wire, server, permit, ledger):
-    arguments = invoice()
-    client = RawMcp(agent_side.url)
-    try:
-        response = client.call(GOVERNED, arguments, permit=permit["token"], key=f"key-{uuid.uuid4()}")
-        assert response.status_code == 200, response.text
-    finally:
-        client.close()
+    arguments = call_through(agent_side, permit)
     sent = signed_dispatch(wire, arguments["invoice"])
     status, served = ledger.get("/v1/keys")
     assert status == 200
@@ -180,13 +186,7 @@ def test_the_signature_that_reached_the_tool_verifies_with_another_implementatio
 def test_a_sniffed_dispatch_sent_again_around_the_gateway_is_refused(agent_side, tool_side, wire, server, permit):
     """An agent that captured a signed dispatch on the wire and sends it again, byte for byte,
     straight to the tool; then with its body changed under the same signature."""
-    arguments = invoice()
-    client = RawMcp(agent_side.url)
-    try:
-        response = client.call(GOVERNED, arguments, permit=permit["token"], key=f"key-{uuid.uuid4()}")
-        assert response.status_code == 200, response.text
-    finally:
-        client.close()
+    arguments = call_through(agent_side, permit)
     assert server.executions(GOVERNED) == 1
     sent = signed_dispatch(wire, arguments["invoice"])
     raw = sent.head + sent.body_raw
