@@ -36,8 +36,9 @@ fn feed_chunks<'a>(max: usize, chunks: impl Iterator<Item = &'a [u8]>) -> Run {
     (events, p.last_event_id().map(str::to_string), res)
 }
 
-/// Whole-buffer reference: `(events, last event id)`.
-fn reference(stream: &[u8]) -> (Vec<String>, Option<String>) {
+/// Whole-buffer reference: `(events, last event id)`. The state machine check reads the
+/// upstream's answers with it too.
+pub(crate) fn reference(stream: &[u8]) -> (Vec<String>, Option<String>) {
     let stream = stream.strip_prefix(&[0xef, 0xbb, 0xbf]).unwrap_or(stream);
     // Complete lines only: bytes after the last line end never form a line.
     let mut lines: Vec<&[u8]> = Vec::new();

@@ -70,17 +70,64 @@ fn every_target_has_seeds() {
     }
 }
 
+/// What each committed seed of the state machine reaches.
+fn state_machine_seeds() -> Vec<atmost_fuzz::call_state_machine::Reached> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus/call_state_machine");
+    files(&root)
+        .iter()
+        .map(|f| atmost_fuzz::call_state_machine::reached(&fs::read(f).unwrap_or_default()))
+        .collect()
+}
+
 /// The state machine's seeds reach a dispatch and an outcome report, so every fuzz run
 /// starts from inputs that get past the ledger.
 #[test]
 fn state_machine_seeds_reach_dispatch() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus/call_state_machine");
-    let reached = files(&root)
-        .iter()
-        .map(|f| atmost_fuzz::call_state_machine::reach(&fs::read(f).unwrap_or_default()))
-        .any(|(dispatched, reports)| dispatched && reports > 0);
     assert!(
-        reached,
+        state_machine_seeds()
+            .iter()
+            .any(|r| r.dispatched && r.reports > 0),
         "no seed in corpus/call_state_machine dispatches and reports"
+    );
+}
+
+/// `request_hold: body`: a seed sends a governed call's body after its dispatch, and one has
+/// the upstream answer before the decision, the dispatch that follows released.
+#[test]
+fn state_machine_seeds_reach_request_hold_body() {
+    let seeds = state_machine_seeds();
+    assert!(
+        seeds.iter().any(|r| r.body_mode_dispatched),
+        "no seed in corpus/call_state_machine dispatches under request_hold: body"
+    );
+    assert!(
+        seeds.iter().any(|r| r.released_after_early_answer),
+        "no seed in corpus/call_state_machine has the upstream answer before the decision under request_hold: body"
+    );
+}
+
+/// `tools_list_limits`: seeds make the limits callout of a `tools/list` answer and reach
+/// each end of it: the figures written in, the ledger refusing, no answer, no dispatch.
+#[test]
+fn state_machine_seeds_reach_each_end_of_a_limits_callout() {
+    let seeds = state_machine_seeds();
+    type Goal = (
+        &'static str,
+        fn(&atmost_fuzz::call_state_machine::Reached) -> bool,
+    );
+    let goals: [Goal; 4] = [
+        ("figures written in", |r| r.limits_edited),
+        ("refused by the ledger", |r| r.limits_refused),
+        ("failed or timed out", |r| r.limits_timed_out),
+        ("not dispatched", |r| r.limits_not_dispatched),
+    ];
+    let missed: Vec<&str> = goals
+        .iter()
+        .filter(|(_, hit)| !seeds.iter().any(hit))
+        .map(|(name, _)| *name)
+        .collect();
+    assert!(
+        missed.is_empty(),
+        "no seed in corpus/call_state_machine reaches a limits callout {missed:?}"
     );
 }
