@@ -630,7 +630,9 @@ impl Call {
             Ok(Message::KeyedOther(id)) => return self.pass(&head, Some(body), id, None),
             Ok(Message::ToolsList { id, keyed }) => {
                 let step = self.pass(&head, keyed.then_some(body), id.clone(), None);
-                if self.config.tools_list_limits {
+                // A refused pass (`request_hold: body`) answered it: nothing to watch.
+                let passed = !matches!(self.state, State::Answered);
+                if self.config.tools_list_limits && passed {
                     // Without a readable permit there is nothing to ask: it passes unchanged.
                     if let Ok(permit_token) =
                         permit::token(&head.permit, &self.config.permit_header)

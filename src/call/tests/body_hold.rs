@@ -323,6 +323,25 @@ fn traffic_without_a_ledger_answer_after_its_key_header_was_held_back_is_refused
     assert_eq!(body_after_headers(&mut call, LIST), Step::cont());
 }
 
+/// A tools/list refused for its held-back key header is answered, not watched: with
+/// `tools_list_limits` the answer that then passes through the filter (its own refusal) is
+/// not read, and the ledger is not asked about it.
+#[test]
+fn a_tools_list_refused_after_its_headers_left_is_not_watched_for_figures() {
+    const LIST: &str = r#"{"jsonrpc":"2.0","id":3,"method":"tools/list"}"#;
+    let mut call = Call::new(body_cfg_with(json!({"tools_list_limits": true})));
+    call.on_request_headers(RequestHead {
+        content_length: Some(LIST.len() as u64),
+        ..post(&[TOKEN], &["\"k1\""])
+    });
+    let s = body_after_headers(&mut call, LIST);
+    assert_eq!(local_reply(&s).status, 400);
+    assert_eq!(call.state_name(), "answered");
+    assert!(!call.watches_response_headers());
+    assert_eq!(call.on_response_headers(json_head()), Step::cont());
+    assert_eq!(done(call.on_response_body(64, true)), Step::cont());
+}
+
 #[test]
 fn an_ungoverned_call_keyed_in_its_body_passes_with_the_body_edit_only() {
     const ECHO: &str = r#"{"jsonrpc":"2.0","id":4,"method":"tools/call","params":{"name":"echo","arguments":{},"idempotencyKey":"raw-e"}}"#;
