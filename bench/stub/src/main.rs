@@ -68,6 +68,12 @@ const CALLOUT_BODY: &str = r#"{"decision":"dispatch","attempt_id":"bench","permi
 /// request's dispatch target, when the request is an authorize naming one (the gateway sends
 /// nothing upstream under another permit or without a signature).
 fn authorize_answer(body: &[u8]) -> Vec<u8> {
+    // The reference callout filter's static request (setups S, S2) names none: answered
+    // without parsing, as before signing.
+    const DISPATCH: &[u8] = br#""dispatch""#;
+    if !body.windows(DISPATCH.len()).any(|w| w == DISPATCH) {
+        return CALLOUT_BODY.as_bytes().to_vec();
+    }
     let Some((req, target)) = serde_json::from_slice::<AuthorizeRequest>(body)
         .ok()
         .and_then(|r| r.dispatch.clone().map(|t| (r, t)))
