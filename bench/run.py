@@ -44,7 +44,7 @@ completed report pairs over h2c; one permit, and BENCH_PERMITS permits), criteri
 micro-benchmarks, the filter's instructions per call (callgrind), the module size.
 
 Signed dispatches: what a signature adds to the upstream request (the header lines of the
-first signed request the stub received, read back from it), and to an authorize exchange
+first request a ledger of the run signed, as the stub received it), and to an authorize exchange
 (one with and one without a dispatch target, sent to a bench ledger of the run); criterion
 benches of the ledger's signing and the verifier's check; callgrind of one verified call.
 
@@ -167,6 +167,8 @@ DESCRIPTION = {
 AT_THE_TOOL = {"Vp": False, "V": True}
 # The tool the bench calls, which the verifier governs.
 TOOL = "echo"
+# Setups whose ledger signs each dispatch (D0's stub stands in for the signatures).
+SIGNED_BY_LEDGER = ("D", "Dr", "E", "E2", "E1k", *AT_THE_TOOL)
 
 
 def rate_label(percent: float) -> str:
@@ -506,9 +508,16 @@ def authorize_bytes(ledger: stack.Ledger, permit: str, authority: str) -> dict:
 SIGNATURE_HEADERS = ("content-digest", "signature-input", "signature")
 
 
+def forget_signed(stub_port: int) -> None:
+    """Has the stub forget the signed request it kept, so it keeps the next one."""
+    request = urllib.request.Request(f"http://127.0.0.1:{stub_port}/_bench/signed", method="DELETE")
+    with urllib.request.urlopen(request, timeout=5) as r:
+        r.read()
+
+
 def upstream_bytes(stub_port: int) -> dict:
     """What a signed dispatch adds to the upstream request: the three header lines of the first
-    signed request the stub received in this run, as it recorded them."""
+    signed request the stub received since `forget_signed`, as it recorded them."""
     status, body = stack.http_get(f"http://127.0.0.1:{stub_port}/_bench/signed", timeout=5)
     if status != 200:
         return {"error": "the stub received no signed request in this run"}
@@ -847,8 +856,8 @@ def signing_section(res: dict, labels: list[str]) -> list[str]:
         if "error" in up:
             lines += ["", f"Bytes a signed dispatch adds upstream: not measured ({up['error']})."]
         else:
-            lines += ["", f"Bytes a signed dispatch adds to the upstream request (the first signed request the "
-                          f"stub received, {up.get('version')}): {up['name_value_bytes']} bytes of header names "
+            lines += ["", f"Bytes a signed dispatch adds to the upstream request (the first request a ledger of "
+                          f"the run signed, as the stub received it, {up.get('version')}): {up['name_value_bytes']} bytes of header names "
                           f"and values, {up['http1_line_bytes']} as HTTP/1.1 header lines:", ""]
             lines += [f"- `{n}: {v}` ({len(n) + len(v)} bytes)" for n, v in up["headers"].items()]
     au = sg.get("authorize")
@@ -1222,6 +1231,12 @@ def main() -> int:
             if name in ON_POSTGRES:
                 watch_postgres(procs, pg, pg_url)
                 reset_statements(pg_url)
+            # What a signature adds, from the first setup of the last round whose ledger signs
+            # (D0's stub only stands in for signatures).
+            measure_signing = (name in SIGNED_BY_LEDGER and last_round and "upstream" not in res["signing"]
+                               and isinstance(permit, str))
+            if measure_signing:
+                forget_signed(mcp_port)
             b = res["setups"].get("B", {}).get("ceiling_rps")
             res["setups"][name] = merge_round(res["setups"].get(name),
                                               run_setup(name, envoy, procs, b, permit, last_round))
@@ -1230,7 +1245,8 @@ def main() -> int:
                 res["setups"][name]["pg_statements"] = top_statements(pg_url)
             if tool_side:
                 res["setups"][name]["tool_stats"] = tool_side.stats("wasmcustom.", "http.mcp.downstream_rq_")
-            if name in ("D", *AT_THE_TOOL) and last_round and "authorize" not in res["signing"] and ledgers:
+            if measure_signing:
+                res["signing"]["upstream"] = upstream_bytes(mcp_port)
                 res["signing"]["authorize"] = authorize_bytes(ledgers[0], permit, f"127.0.0.1:{envoy.port}")
             if name == "B" and last_round and RATES:
                 res["oha_check"] = oha_fixed_rate(envoy.url, CALL_FRESH.replace("{SEQ}", "x"),
@@ -1238,8 +1254,6 @@ def main() -> int:
             for p in (envoy, *([tool_side] if tool_side else []), *ledgers):
                 p.stop()
                 running.remove(p)
-        if any(n in wanted for n in ("D", "Dr", "E", "E2", "E1k", *AT_THE_TOOL)):
-            res["signing"]["upstream"] = upstream_bytes(mcp_port)
         if LEDGER_ALONE:
             many = f"{PERMITS} permits"
             res["ledger_alone"]["sqlite"] = ledger_alone("sqlite", None)

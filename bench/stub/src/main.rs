@@ -7,6 +7,8 @@
 //!   It keeps the header lines of the first request that carries a dispatch signature
 //!   (a `signature` header) and answers them, as JSON, to `GET /_bench/signed`: what a
 //!   signed dispatch adds to the upstream request, read from one the run really sent.
+//!   `DELETE /_bench/signed` forgets it, so the next signed request is kept (the runner
+//!   does so before a setup whose ledger really signs: D0's signatures stand in).
 //! - `--callout PORT`: a static target for the reference callout filter: every request
 //!   gets the same small JSON body (the shape of an authorize `dispatch` answer), except
 //!   `POST /v1/outcomes`, which gets one `applied` ack per report. An authorize request
@@ -20,7 +22,8 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use atmost_protocol::signature::{self, DispatchNonce, SignatureParams, SignedRequest};
@@ -36,11 +39,13 @@ use hyper_util::server::conn::auto;
 use serde_json::Value;
 use tokio::net::TcpListener;
 
-/// The first signed request's header lines and body size, as JSON.
-static SIGNED: OnceLock<Vec<u8>> = OnceLock::new();
+/// The first signed request's header lines, as JSON, since the last `DELETE`.
+static SIGNED: Mutex<Option<Vec<u8>>> = Mutex::new(None);
+/// Whether [`SIGNED`] holds one: every request reads it, only a keeping one locks.
+static KEPT: AtomicBool = AtomicBool::new(false);
 
 fn record_signed(req: &Request<Incoming>) {
-    if SIGNED.get().is_some() || !req.headers().contains_key("signature") {
+    if KEPT.load(Ordering::Relaxed) || !req.headers().contains_key("signature") {
         return;
     }
     let headers: Vec<(String, String)> = req
@@ -59,7 +64,26 @@ fn record_signed(req: &Request<Incoming>) {
         "version": format!("{:?}", req.version()),
         "headers": headers,
     });
-    let _ = SIGNED.set(record.to_string().into_bytes());
+    if let Ok(mut kept) = SIGNED.lock() {
+        kept.get_or_insert_with(|| record.to_string().into_bytes());
+        KEPT.store(true, Ordering::Relaxed);
+    }
+}
+
+/// `GET /_bench/signed`: the kept request; `DELETE`: forget it.
+fn signed_answer(method: &hyper::Method) -> Response<Full<Bytes>> {
+    let Ok(mut kept) = SIGNED.lock() else {
+        return json(StatusCode::INTERNAL_SERVER_ERROR, b"{}".to_vec());
+    };
+    if method == hyper::Method::DELETE {
+        *kept = None;
+        KEPT.store(false, Ordering::Relaxed);
+        return json(StatusCode::OK, b"{}".to_vec());
+    }
+    match kept.as_ref() {
+        Some(record) => json(StatusCode::OK, record.clone()),
+        None => json(StatusCode::NOT_FOUND, b"{}".to_vec()),
+    }
 }
 
 const CALLOUT_BODY: &str = r#"{"decision":"dispatch","attempt_id":"bench","permit_id":"bench","lease_ms":120000,"round":1,"capability":"bench"}"#;
@@ -195,11 +219,7 @@ async fn serve(listener: TcpListener, mcp: bool) {
             let svc = service_fn(move |req: Request<Incoming>| async move {
                 let outcomes = req.uri().path() == "/v1/outcomes";
                 if mcp && req.uri().path() == "/_bench/signed" {
-                    let resp = match SIGNED.get() {
-                        Some(record) => json(StatusCode::OK, record.clone()),
-                        None => json(StatusCode::NOT_FOUND, b"{}".to_vec()),
-                    };
-                    return Ok::<_, Infallible>(resp);
+                    return Ok::<_, Infallible>(signed_answer(req.method()));
                 }
                 if mcp {
                     record_signed(&req);
