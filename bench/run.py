@@ -23,6 +23,11 @@ Every setup runs on this machine, in this run, against the same stub upstream
       ledger cluster
   E1k E with BENCH_PERMITS permits in use at once (1,000): request n goes under permit n mod
       1,000, as 1,000 agents each with its own permit
+  Vp  D with a second, plain Envoy at the tool, between the gateway and the stub: the hop alone
+  V   D with the verifier at the tool: the second Envoy runs the same module in
+      `role: "verify"` (its keys inline, read from the bench ledger's `GET /v1/keys`), so
+      every dispatch is signed by the ledger, sent with its headers and checked before the
+      stub; V - Vp is the verifier's check, V - D the hop and the check together
 
 PostgreSQL: the bench starts its own cluster (initdb under target/bench, its own loopback
 port, `shared_preload_libraries=pg_stat_statements`, fsync and synchronous_commit at their
@@ -37,6 +42,11 @@ each process's CPU per request at each rate (Envoy, stub, ledger, PostgreSQL, th
 generator) and over the ceiling run, peak RSS (VmHWM). Then the ledger alone (authorize +
 completed report pairs over h2c; one permit, and BENCH_PERMITS permits), criterion
 micro-benchmarks, the filter's instructions per call (callgrind), the module size.
+
+Signed dispatches: what a signature adds to the upstream request (the header lines of the
+first request a ledger of the run signed, as the stub received it), and to an authorize exchange
+(one with and one without a dispatch target, sent to a bench ledger of the run); criterion
+benches of the ledger's signing and the verifier's check; callgrind of one verified call.
 
 The report (target/bench/results.{md,json}) puts first the latency each setup adds over B at
 each rate (p50 and p99 minus B's of the same run), next to the floors of the same run: one
@@ -57,7 +67,8 @@ Environment (knobs):
   BENCH_LEDGER_ALONE  0 skips the ledger-alone runs
   BENCH_LEDGER_SECONDS  each ledger-alone run, seconds (default 8)
   BENCH_LEDGER_CONCURRENCY  pairs in flight in the ledger-alone runs (default 64)
-  BENCH_CRITERION     0 skips criterion
+  BENCH_CRITERION     0 skips criterion; or the benches to run, e.g. "filter,signing"
+                      (default all: filter, store, signing)
   BENCH_CALLCOST      0 skips counting the filter's instructions per call (valgrind)
   BENCH_OUT           output directory
   BENCH_LEDGER_BIN    another `atmost` build, to compare a change
@@ -69,11 +80,13 @@ Environment (knobs):
                       E1k and the ledger alone on PostgreSQL are skipped if neither is there)
 
 A quick run: BENCH_SETUPS=B,S,D,E,E2,E1k BENCH_REPEATS=1 BENCH_SECONDS=2 BENCH_RATE_SECONDS=3
-BENCH_LEDGER_SECONDS=2 BENCH_CRITERION=0 BENCH_CALLCOST=0.
+BENCH_LEDGER_SECONDS=2 BENCH_CRITERION=0 BENCH_CALLCOST=0. What signing costs:
+BENCH_SETUPS=B,D,Vp,V BENCH_LEDGER_ALONE=0 (criterion and callcost as wanted).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -129,11 +142,11 @@ LIST = '{"jsonrpc":"2.0","id":2,"method":"tools/list","params":{}}'
 CALL_FRESH = '{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"echo","arguments":{"text":"{SEQ}"},"_meta":{"dev.atmost/idempotency-key":"{SEQ}"}}}'
 CALL_REPLAY = '{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"echo","arguments":{"text":"same"},"_meta":{"dev.atmost/idempotency-key":"replay-' + STAMP + '"}}}'
 
-SETUPS = ("B", "N", "S", "S2", "C", "D0", "D", "Dr", "E", "E2", "E1k")
+SETUPS = ("B", "N", "S", "S2", "C", "D0", "D", "Dr", "E", "E2", "E1k", "Vp", "V")
 ON_POSTGRES = ("E", "E2", "E1k")
 BODIES = {"B": [CALL_FRESH], "N": [CALL_FRESH], "S": [CALL_FRESH], "S2": [CALL_FRESH], "C": [INIT, LIST],
           "D0": [CALL_FRESH], "D": [CALL_FRESH], "Dr": [CALL_REPLAY], "E": [CALL_FRESH], "E2": [CALL_FRESH],
-          "E1k": [CALL_FRESH]}
+          "E1k": [CALL_FRESH], "Vp": [CALL_FRESH], "V": [CALL_FRESH]}
 DESCRIPTION = {
     "B": "plain Envoy",
     "N": "Envoy + no-op wasm filter",
@@ -146,7 +159,16 @@ DESCRIPTION = {
     "E": "atmost, tools/call, fresh keys, ledger on PostgreSQL",
     "E2": "E with two ledger replicas on the same PostgreSQL, both in Envoy's ledger cluster",
     "E1k": f"E with {PERMITS} permits in use at once, each request under one of them in turn",
+    "Vp": "D with a second, plain Envoy at the tool (the hop alone)",
+    "V": "D with the verifier at the tool: a second Envoy running the module in role verify",
 }
+# Setups with a second Envoy at the tool, between the gateway and the stub: True when it runs
+# the verifier, False when it is plain.
+AT_THE_TOOL = {"Vp": False, "V": True}
+# The tool the bench calls, which the verifier governs.
+TOOL = "echo"
+# Setups whose ledger signs each dispatch (D0's stub stands in for the signatures).
+SIGNED_BY_LEDGER = ("D", "Dr", "E", "E2", "E1k", *AT_THE_TOOL)
 
 
 def rate_label(percent: float) -> str:
@@ -322,7 +344,10 @@ class Procs:
 
 class Envoy(stack.Process):
     def __init__(self, name: str, wasm: Path | None, upstream_port: int, ledger_ports: list[int],
-                 plugin_overrides: dict | None = None):
+                 plugin_overrides: dict | None = None, plugin: dict | None = None):
+        """`plugin`: the module's whole configuration instead of the shipped one with
+        `plugin_overrides` (the verifier's); its `atmost_ledger` cluster then has no health
+        checks, since nothing but a key fetch would use it."""
         self.port = stack.free_port()
         self.admin_port = stack.free_port()
         self.url = f"http://127.0.0.1:{self.port}/mcp"
@@ -332,6 +357,15 @@ class Envoy(stack.Process):
         # file's TLS to the ledger is not in these numbers yet.
         config = stack.sidecar_config(self.port, self.admin_port, upstream_port, ledger_ports, plugin_overrides,
                                       wasm=wasm or ATMOST_WASM, plain=wasm is None, ledger_tls=False)
+        if plugin is not None:
+            wasm_filter = next(f for f in stack.listener_hcm(config)["http_filters"]
+                               if f["name"] == "envoy.filters.http.wasm")
+            wasm_filter["typed_config"]["config"]["configuration"]["value"] = json.dumps(plugin)
+            wasm_filter["typed_config"]["config"]["vm_config"].pop("environment_variables", None)
+            for cluster in config["static_resources"]["clusters"]:
+                if cluster["name"] == "atmost_ledger":
+                    cluster.pop("health_checks", None)
+                    cluster.pop("common_lb_config", None)
         path = RUN / f"envoy-{name}.yaml"
         path.write_text(yaml.safe_dump(config))
         # One worker, so runs compare; warning level: a production log level, and the same
@@ -419,6 +453,83 @@ def drop_pg_schemas(url: str, names) -> None:
     for n in names:
         subprocess.run(["psql", url, "-qc", f"DROP SCHEMA IF EXISTS {pg_schema(n)} CASCADE"],
                        capture_output=True, timeout=60)
+
+
+# ---------------------------------------------------------------- signed dispatches
+
+def verifier_plugin(ledger: stack.Ledger) -> dict:
+    """The verifier's configuration: the bench's tool governed, the ledger's public keys
+    inline as its `GET /v1/keys` lists them."""
+    status, body = stack.http_get(ledger.url + "/v1/keys", timeout=10)
+    if status != 200:
+        raise RuntimeError(f"GET /v1/keys answered {status}")
+    return {"role": "verify", "verify": {"keys": {"keys": json.loads(body)["keys"]}},
+            "governed_tools": [TOOL]}
+
+
+def authorize_bytes(ledger: stack.Ledger, permit: str, authority: str) -> dict:
+    """What signing adds to an authorize exchange, from two real ones with `ledger`: the same
+    request as the gateway sends it for the bench's call (fresh key, the default upstream_key
+    form of a 64-hex forwarded key), once without and once with the `dispatch` target the
+    gateway names when it asks for a signature. Both dispatch; the request grows by its
+    `dispatch` member, the Dispatch answer by its `signature` member. The bodies are JSON
+    alike over HTTP/1.1 here and over h2c from Envoy."""
+    out: dict = {}
+    for signed in (False, True):
+        key = f"bytes-{STAMP}-{'signed' if signed else 'unsigned'}"
+        call = CALL_FRESH.replace("{SEQ}", key)
+        forwarded = hashlib.sha256(f"fwd:{key}".encode()).hexdigest()
+        req = {"permit_token": permit, "tool": TOOL, "idempotency_key": key,
+               "fingerprint": hashlib.sha256(call.encode()).hexdigest(), "arguments": {"text": key},
+               "key_required": False, "forwarded_key": forwarded}
+        if signed:
+            req["dispatch"] = {"method": "POST", "authority": authority, "path": "/mcp",
+                               "body_sha256": hashlib.sha256(call.encode()).hexdigest(),
+                               "idempotency_key": forwarded, "validity_s": 15}
+        data = json.dumps(req, separators=(",", ":")).encode()
+        request = urllib.request.Request(ledger.url + "/v1/authorize", data=data, method="POST", headers={
+            "content-type": "application/json", "authorization": f"Bearer {SERVICE_TOKEN}"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as r:
+                answer = r.read()
+        except OSError as e:
+            return {"error": f"authorize: {e}"}
+        decision = json.loads(answer)
+        if decision.get("decision") != "dispatch" or bool(decision.get("signature")) != signed:
+            return {"error": f"authorize answered {answer[:300]!r}"}
+        out["signed" if signed else "unsigned"] = {"request_bytes": len(data), "answer_bytes": len(answer)}
+        if signed:
+            out["signature"] = decision["signature"]
+    out["request_grew_bytes"] = out["signed"]["request_bytes"] - out["unsigned"]["request_bytes"]
+    out["answer_grew_bytes"] = out["signed"]["answer_bytes"] - out["unsigned"]["answer_bytes"]
+    return out
+
+
+SIGNATURE_HEADERS = ("content-digest", "signature-input", "signature")
+
+
+def forget_signed(stub_port: int) -> None:
+    """Has the stub forget the signed request it kept, so it keeps the next one."""
+    request = urllib.request.Request(f"http://127.0.0.1:{stub_port}/_bench/signed", method="DELETE")
+    with urllib.request.urlopen(request, timeout=5) as r:
+        r.read()
+
+
+def upstream_bytes(stub_port: int) -> dict:
+    """What a signed dispatch adds to the upstream request: the three header lines of the first
+    signed request the stub received since `forget_signed`, as it recorded them."""
+    status, body = stack.http_get(f"http://127.0.0.1:{stub_port}/_bench/signed", timeout=5)
+    if status != 200:
+        return {"error": "the stub received no signed request in this run"}
+    record = json.loads(body)
+    added = [(n, v) for n, v in record["headers"] if n.lower() in SIGNATURE_HEADERS]
+    if len(added) != len(SIGNATURE_HEADERS):
+        return {"error": f"the signed request carried {[n for n, _ in added]}"}
+    return {"headers": {n: v for n, v in added},
+            "name_value_bytes": sum(len(n) + len(v) for n, v in added),
+            # name ": " value CRLF, as an HTTP/1.1 request carries each line.
+            "http1_line_bytes": sum(len(n) + len(v) + 4 for n, v in added),
+            "all_header_lines": len(record["headers"]), "version": record.get("version")}
 
 
 # ---------------------------------------------------------------- load
@@ -600,23 +711,32 @@ def call_instructions() -> dict:
         return {}
     if not shutil.which("valgrind") or not CALLCOST.exists():
         return {"error": "valgrind or the call-cost driver is missing (make bench-tools)"}
-    counts = []
-    for n in (100, 1100):
-        r = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", str(CALLCOST), str(n)],
-                           capture_output=True, text=True, timeout=600)
-        m = re.search(r"Collected\s*:\s*(\d+)", r.stderr) or re.search(r"I\s+refs:\s+([\d,]+)", r.stderr)
-        if r.returncode != 0 or not m:
-            return {"error": (r.stderr or r.stdout)[-500:]}
-        counts.append(int(m.group(1).replace(",", "")))
-    return {"instructions_per_call": round((counts[1] - counts[0]) / 1000)}
+    out = {}
+    # The gateway's call, then a signed call through the verifier (`role: "verify"`).
+    for field, mode in (("instructions_per_call", []), ("verify_instructions_per_call", ["verify"])):
+        counts = []
+        for n in (100, 1100):
+            r = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", str(CALLCOST),
+                                *mode, str(n)], capture_output=True, text=True, timeout=600)
+            m = re.search(r"Collected\s*:\s*(\d+)", r.stderr) or re.search(r"I\s+refs:\s+([\d,]+)", r.stderr)
+            if r.returncode != 0 or not m:
+                return {**out, "error": (r.stderr or r.stdout)[-500:]}
+            counts.append(int(m.group(1).replace(",", "")))
+        out[field] = round((counts[1] - counts[0]) / 1000)
+    return out
 
 
 def criterion() -> dict:
     """Runs the criterion benches (short) and reads their estimates."""
-    if os.environ.get("BENCH_CRITERION", "1") == "0":
+    chosen = os.environ.get("BENCH_CRITERION", "1")
+    if chosen == "0":
         return {}
     args = ["--", "--warm-up-time", "1", "--measurement-time", "3", "--noplot"]
-    for pkg, bench in (("atmost-filter", "filter"), ("atmost-ledger", "store")):
+    benches = (("atmost-filter", "filter"), ("atmost-ledger", "store"), ("atmost-ledger", "signing"))
+    if chosen != "1":
+        names = {n.strip() for n in chosen.split(",")}
+        benches = tuple(b for b in benches if b[1] in names)
+    for pkg, bench in benches:
         r = subprocess.run(["cargo", "bench", "-q", "-p", pkg, "--bench", bench, *args], cwd=ROOT,
                            capture_output=True, text=True, timeout=900)
         if r.returncode != 0:
@@ -683,7 +803,7 @@ LEDGER_ALONE_TARGETS = {"sqlite": 15000, "postgres": 6000}
 # Envoy's CPU per governed call at the ceiling, at most this times S's.
 ENVOY_CPU_VS_S = 2.0
 GOVERNED = ("D", "E")
-PROCESS_ORDER = ("envoy", "ledger", "postgres", "loadgen", "stub")
+PROCESS_ORDER = ("envoy", "envoy@tool", "ledger", "postgres", "loadgen", "stub")
 
 
 def added_ms(setup: dict, b: dict, rate: str, key: str) -> float | None:
@@ -699,6 +819,62 @@ def added_cell(setup: dict, b: dict, rate: str, key: str) -> str:
     if d is None:
         return "error" if "error" in setup.get("rates", {}).get(rate, {}) else ""
     return f"{d:+.2f}" + (" (overloaded)" if setup["rates"][rate].get("overloaded") else "")
+
+
+def signing_section(res: dict, labels: list[str]) -> list[str]:
+    """What signing dispatches costs a call: V against D and Vp, the verifier Envoy's CPU, the
+    bytes added, the micro-benchmarks of signing and checking."""
+    s, sg = res["setups"], res.get("signing", {})
+    crit = {k: v for k, v in res.get("criterion", {}).items() if k.startswith(("signing", "verify"))}
+    cc = res.get("callcost", {})
+    if not (sg or crit or "verify_instructions_per_call" in cc or any(k in s for k in AT_THE_TOOL)):
+        return []
+    lines = ["", "## Signed dispatches: what signing and verifying cost a call", ""]
+    pairs = [(a, b) for a, b in (("V", "D"), ("V", "Vp"), ("Vp", "D")) if a in s and b in s]
+    if pairs:
+        lines += ["Latency one setup adds over another at the same rate (ms, p50 / p99); V − D is the "
+                  "verifier at the tool with its Envoy hop, V − Vp the verifier's check alone.", "",
+                  "| | " + " | ".join(f"{lb} of B: p50 | {lb}: p99" for lb in labels) + " |",
+                  "|---|" + "---:|" * (2 * len(labels))]
+        for a, b in pairs:
+            lines.append(f"| {a} − {b} | " + " | ".join(
+                f"{added_cell(s[a], s[b], lb, 'p50_us')} | {added_cell(s[a], s[b], lb, 'p99_us')}" for lb in labels) + " |")
+        lines += ["", "CPU-ms per call of the Envoy at the tool, of the gateway's Envoy and of the ledger, at each rate:", ""]
+        for k in ("D", "Vp", "V"):
+            if k not in s:
+                continue
+            cells = []
+            for lb in labels:
+                c = s[k]["rates"].get(lb, {}).get("cpu_s_per_1000", {})
+                cells.append(f"{lb}: " + ", ".join(f"{p} {c[p]:.3f}" for p in ("envoy@tool", "envoy", "ledger") if p in c))
+            stats = s[k].get("tool_stats", {})
+            verified = (f" (verifier: {stats.get('wasmcustom.atmost_verified', 0)} calls verified, "
+                        f"{stats.get('wasmcustom.atmost_denied', 0)} refused)") if k == "V" else ""
+            lines.append(f"- {k}: " + "; ".join(cells) + verified)
+    up = sg.get("upstream")
+    if up:
+        if "error" in up:
+            lines += ["", f"Bytes a signed dispatch adds upstream: not measured ({up['error']})."]
+        else:
+            lines += ["", f"Bytes a signed dispatch adds to the upstream request (the first request a ledger of "
+                          f"the run signed, as the stub received it, {up.get('version')}): {up['name_value_bytes']} bytes of header names "
+                          f"and values, {up['http1_line_bytes']} as HTTP/1.1 header lines:", ""]
+            lines += [f"- `{n}: {v}` ({len(n) + len(v)} bytes)" for n, v in up["headers"].items()]
+    au = sg.get("authorize")
+    if au:
+        if "error" in au:
+            lines += ["", f"Authorize exchange: not measured ({au['error'][:300]})."]
+        else:
+            lines += ["", f"One authorize exchange with the bench ledger, with and without a dispatch target: the "
+                          f"request grew by {au['request_grew_bytes']} bytes ({au['unsigned']['request_bytes']} → "
+                          f"{au['signed']['request_bytes']}), the Dispatch answer by {au['answer_grew_bytes']} "
+                          f"({au['unsigned']['answer_bytes']} → {au['signed']['answer_bytes']})."]
+    if crit:
+        lines += ["", "Micro-benchmarks (criterion mean, µs): " + "; ".join(f"{k} {v}" for k, v in crit.items()) + "."]
+    if "verify_instructions_per_call" in cc:
+        lines += ["", f"Verifier instructions per signed governed tools/call (native, callgrind, opt-level s): "
+                      f"{cc['verify_instructions_per_call']:,}."]
+    return lines
 
 
 def write_report(res: dict) -> list[tuple[str, bool, str]]:
@@ -758,6 +934,9 @@ def write_report(res: dict) -> list[tuple[str, bool, str]]:
     for k, v in s.items():
         denied = v["envoy_stats"].get("wasmcustom.atmost_denied", 0)
         failed = sum(r.get("non2xx", 0) + r.get("errors", 0) for r in v["rates"].values()) + v["ceiling"].get("non2xx", 0)
+        refused = v.get("tool_stats", {}).get("wasmcustom.atmost_denied", 0)
+        if refused:
+            warnings.append(f"{k}: the verifier at the tool refused {refused} calls (see its Envoy's log)")
         if denied or failed:
             warnings.append(f"{k}: {denied} calls denied by the gateway, {failed} requests failed; its figures "
                             "are not those of governed calls (see Envoy's log in the run directory)")
@@ -809,6 +988,7 @@ def write_report(res: dict) -> list[tuple[str, bool, str]]:
         for k, v in s.items():
             c = v["rates"].get(cpu_rate, {}).get("cpu_s_per_1000", {})
             lines.append(f"| {k} | " + " | ".join(f"{c[p]:.3f}" if p in c else "" for p in names) + " |")
+    lines += signing_section(res, labels)
     lines += ["", "## Targets", ""]
     lines += [f"- {'PASS' if ok else 'FAIL'}: {label} ({detail})" for label, ok, detail in checks]
     lines += [f"- PENDING: {p}" for p in pending]
@@ -956,21 +1136,29 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     RUN.mkdir(parents=True, exist_ok=True)
     os.environ["RUST_LOG"] = "warn"
-    for path in (STUB, LOAD, NOOP_WASM, CALLOUT_WASM, ATMOST_WASM, LEDGER_BIN):
+    wanted = [w.strip() for w in os.environ.get("BENCH_SETUPS", ",".join(SETUPS)).split(",") if w.strip()]
+    unknown = [w for w in wanted if w not in SETUPS]
+    if unknown:
+        log(f"unknown setups {unknown}: choose among {', '.join(SETUPS)}")
+        return 2
+    # What the chosen setups run.
+    needed = [STUB, LOAD, ATMOST_WASM]
+    if LEDGER_ALONE or any(n not in ("B", "N", "S", "S2", "D0") for n in wanted):
+        needed.append(LEDGER_BIN)
+    if "N" in wanted:
+        needed.append(NOOP_WASM)
+    if "S" in wanted or "S2" in wanted:
+        needed.append(CALLOUT_WASM)
+    for path in needed:
         if not path.exists():
             log(f"missing {path}: run `make bench`")
             return 2
     if not shutil.which("wrk"):
         log("wrk is missing (Debian: apt-get install wrk)")
         return 2
-    wanted = [w.strip() for w in os.environ.get("BENCH_SETUPS", ",".join(SETUPS)).split(",") if w.strip()]
-    unknown = [w for w in wanted if w not in SETUPS]
-    if unknown:
-        log(f"unknown setups {unknown}: choose among {', '.join(SETUPS)}")
-        return 2
     res: dict = {"machine": machine(), "setups": {}, "ledger_alone": {}, "pending": [],
                  "wasm_bytes": ATMOST_WASM.stat().st_size, "rates_percent_of_b": list(RATES), "permits": PERMITS,
-                 "postgres": {"server": "none"}}
+                 "postgres": {"server": "none"}, "signing": {}}
     log(f"machine: {res['machine']}")
     running: list = []
     pg: OwnPostgres | None = None
@@ -995,7 +1183,7 @@ def main() -> int:
             ledgers: list[stack.Ledger] = []
             permit: Permit = None
             procs = Procs()
-            if name in ("C", "D", "Dr", "E", "E2", "E1k"):
+            if name in ("C", "D", "Dr", "E", "E2", "E1k", *AT_THE_TOOL):
                 store = pg_url if name in ON_POSTGRES else None
                 ledgers.append(start_ledger(name, store))
                 running.append(ledgers[0])
@@ -1007,7 +1195,9 @@ def main() -> int:
                 else:
                     permit = ledgers[0].create_permit("--tools", "*", label=f"bench-{name}")["token"]
             elif name == "D0":
-                permit = "bench-d0-permit"  # the stub checks nothing
+                # The stub checks nothing, but the gateway sends a call only under the permit its
+                # token names, which the stub answers: a token of the ledger's shape.
+                permit = "atmp_pmt_0123456789abcdef01234567_" + "0" * 64
             wasm = {"B": None, "N": NOOP_WASM, "S": CALLOUT_WASM, "S2": CALLOUT_WASM}.get(name, ATMOST_WASM)
             overrides = {"ledger": {"service_token": SERVICE_TOKEN}}
             if name == "S2":
@@ -1016,26 +1206,52 @@ def main() -> int:
                 # Extra atmost plugin settings, e.g. '{"completion_reports": "per_call"}'.
                 overrides.update(json.loads(os.environ["BENCH_PLUGIN"]))
             ledger_ports = [lg.port for lg in ledgers] or [callout_port]
-            envoy = Envoy(name, wasm, mcp_port, ledger_ports, overrides)
+            upstream_port = mcp_port
+            tool_side: Envoy | None = None
+            if name in AT_THE_TOOL:
+                # The tool's side: the verifier keyed from this setup's ledger, or (Vp) a plain
+                # Envoy, health-checking the static stub as B's does.
+                if AT_THE_TOOL[name]:
+                    tool_side = Envoy(f"{name}-tool", ATMOST_WASM, mcp_port, ledger_ports,
+                                      plugin=verifier_plugin(ledgers[0]))
+                else:
+                    tool_side = Envoy(f"{name}-tool", None, mcp_port, [callout_port])
+                tool_side.start()
+                running.append(tool_side)
+                upstream_port = tool_side.port
+            envoy = Envoy(name, wasm, upstream_port, ledger_ports, overrides)
             envoy.start()
             running.append(envoy)
             procs.add("envoy", [envoy.proc.pid])
+            if tool_side:
+                procs.add("envoy@tool", [tool_side.proc.pid])
             procs.add("stub", [stub.proc.pid])
             if ledgers:
                 procs.add("ledger", [lg.proc.pid for lg in ledgers])
             if name in ON_POSTGRES:
                 watch_postgres(procs, pg, pg_url)
                 reset_statements(pg_url)
+            # What a signature adds, from the first setup of the last round whose ledger signs
+            # (D0's stub only stands in for signatures).
+            measure_signing = (name in SIGNED_BY_LEDGER and last_round and "upstream" not in res["signing"]
+                               and isinstance(permit, str))
+            if measure_signing:
+                forget_signed(mcp_port)
             b = res["setups"].get("B", {}).get("ceiling_rps")
             res["setups"][name] = merge_round(res["setups"].get(name),
                                               run_setup(name, envoy, procs, b, permit, last_round))
             if name in ON_POSTGRES and last_round:
                 # Since the reset: this round's ceiling and fixed-rate runs.
                 res["setups"][name]["pg_statements"] = top_statements(pg_url)
+            if tool_side:
+                res["setups"][name]["tool_stats"] = tool_side.stats("wasmcustom.", "http.mcp.downstream_rq_")
+            if measure_signing:
+                res["signing"]["upstream"] = upstream_bytes(mcp_port)
+                res["signing"]["authorize"] = authorize_bytes(ledgers[0], permit, f"127.0.0.1:{envoy.port}")
             if name == "B" and last_round and RATES:
                 res["oha_check"] = oha_fixed_rate(envoy.url, CALL_FRESH.replace("{SEQ}", "x"),
                                                   res["setups"]["B"]["ceiling_rps"] * RATES[0] / 100)
-            for p in (envoy, *ledgers):
+            for p in (envoy, *([tool_side] if tool_side else []), *ledgers):
                 p.stop()
                 running.remove(p)
         if LEDGER_ALONE:

@@ -1,7 +1,10 @@
 //! Micro-benchmarks of the filter's per-call work, natively (the wasm build runs the same
 //! code in V8, slower by a constant factor): parsing an MCP body, the RFC 8785
 //! fingerprint, and one governed `tools/call` through the whole state machine (request →
-//! authorize callout → dispatch → JSON response → completed report).
+//! authorize callout → dispatch → JSON response → completed report); and the verifier at
+//! the tool (`role: "verify"`): the check of one signed governed call (its headers read, the
+//! body's digest, the Ed25519 signature with ed25519-compact as the module runs it), that
+//! signature alone, and the call through the verifier's whole machine.
 //!
 //! `cargo bench -p atmost-filter --bench filter`
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -19,6 +22,10 @@ use serde_json::{json, Map, Value};
 #[path = "../bench/callcost/src/one_call.rs"]
 mod one_call;
 use one_call::{one_call, CALL, CONFIG};
+// The same signed call as `atmost-bench-callcost verify`.
+#[path = "../bench/callcost/src/one_verify.rs"]
+mod one_verify;
+use one_verify::SignedCall;
 
 const LIST: &[u8] = br#"{"jsonrpc":"2.0","id":2,"method":"tools/list","params":{}}"#;
 
@@ -62,5 +69,23 @@ fn whole_call(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, parse, fingerprints, whole_call);
+fn verifier(c: &mut Criterion) {
+    let mut signed = SignedCall::new().unwrap();
+    assert!(signed.check(), "the bench's signed call does not verify");
+    c.bench_function("verify/check_signed_call", |b| {
+        b.iter(|| assert!(black_box(&signed).check()))
+    });
+    c.bench_function("verify/read_without_signature", |b| {
+        b.iter(|| black_box(&signed).read().unwrap())
+    });
+    let presented = signed.read().unwrap();
+    c.bench_function("verify/ed25519_signature_only", |b| {
+        b.iter(|| black_box(&presented).verify(&signed.public_key).unwrap())
+    });
+    c.bench_function("verify/tools_call_through_the_verifier", |b| {
+        b.iter(|| assert!(signed.one_verify()))
+    });
+}
+
+criterion_group!(benches, parse, fingerprints, whole_call, verifier);
 criterion_main!(benches);

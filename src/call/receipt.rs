@@ -409,21 +409,24 @@ pub enum SseProgress {
 pub struct SseCapture {
     parser: SseParser,
     id: Value,
-    /// The start of an unfinished event, held back from the stream by [`SseCapture::pass`].
-    held: Vec<u8>,
-    /// Holding gave up (an unfinished event grew past the limit, or the host refused an
-    /// edit): chunks go on as they come.
+    /// How many bytes at the start of Envoy's body buffer were scanned already: Envoy keeps
+    /// them for the filter ([`SseCapture::pass`] answered `hold`), and offers them again,
+    /// followed by what came since, in its next body or trailers callback.
+    held: usize,
+    /// Holding gave up (what Envoy would keep grew past the event limit, or the host refused
+    /// an edit): the stream goes on as it comes.
     unheld: bool,
 }
 
-/// A chunk of a watched stream, as it is to go on (see [`SseCapture::pass`]).
+/// What [`SseCapture::pass`] found in Envoy's body buffer, and whether Envoy is to keep it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Passed {
     pub progress: SseProgress,
-    /// The bytes Envoy's buffer must hold instead of the chunk; `None`: the chunk as it came.
-    pub release: Option<Vec<u8>>,
-    /// With [`SseProgress::Found`], when the response's event stands whole in the released
-    /// bytes: the event, and the stream offset of the first released byte.
+    /// The buffer ends inside an event not seen whole yet: Envoy is to keep all of it
+    /// (`Pause`) until more of the stream arrives, or the stream ends.
+    pub hold: bool,
+    /// With [`SseProgress::Found`], when the response's event stands whole in the buffer:
+    /// the event, and the stream offset of the buffer's first byte.
     pub found: Option<(Event, u64)>,
 }
 
@@ -432,7 +435,7 @@ impl SseCapture {
         SseCapture {
             parser: SseParser::new(max_event_bytes),
             id,
-            held: Vec::new(),
+            held: 0,
             unheld: false,
         }
     }
@@ -440,6 +443,12 @@ impl SseCapture {
     /// The stream's last event id so far (see [`SseParser::last_event_id`]).
     pub fn last_event_id(&self) -> Option<&str> {
         self.parser.last_event_id()
+    }
+
+    /// How many bytes Envoy keeps for this watch (see [`SseCapture::pass`]); 0 when the
+    /// stream went on as it came.
+    pub fn held(&self) -> usize {
+        self.held
     }
 
     /// Feeds a copy of one chunk.
@@ -461,48 +470,42 @@ impl SseCapture {
         }
     }
 
-    /// Feeds one chunk of a stream whose response the filter edits, and says what goes on in
-    /// its place: an unfinished event at the end of the stream so far is held back (no
-    /// client can use half an event) and put in front of the next chunk, so that the
-    /// response's event stands whole in one buffer when it is found. Once it is found,
-    /// nothing more is held. Holding stops for good (everything held goes on) when the held
-    /// bytes would pass the event limit, and at the end of the stream.
-    pub fn pass(&mut self, chunk: &[u8], end_of_stream: bool) -> Passed {
-        let base = self.parser.position() - self.held.len() as u64;
-        let (progress, event) = self.scan(chunk);
-        let had_held = !self.held.is_empty();
-        let mut bytes = std::mem::take(&mut self.held);
-        bytes.extend_from_slice(chunk);
-        let keep_from = match (&progress, self.parser.pending_start()) {
-            (SseProgress::Pending, Some(start)) if !end_of_stream && !self.unheld => {
-                usize::try_from(start - base).ok()
-            }
-            _ => None,
-        };
-        if let Some(from) = keep_from {
-            if bytes.len() - from > self.parser_limit() {
+    /// Scans Envoy's body buffer of a stream whose response the filter edits, and says
+    /// whether Envoy is to keep it: a buffer that ends inside an event is held (no client
+    /// can use half an event), so that the response's event stands whole in one buffer when
+    /// it is found. Envoy keeps the held bytes itself and offers them again, followed by the
+    /// next chunk, in its next body callback, or alone in its trailers callback: what the
+    /// filter holds is never the filter's to lose (a stream that ends with trailers has no
+    /// body callback at its end). `buffer` starts with the bytes held last time, which are
+    /// not scanned twice. Once the response is found, nothing more is held. Holding stops for
+    /// good when Envoy would keep more than the event limit, and nothing is held at the end
+    /// of the stream.
+    pub fn pass(&mut self, buffer: &[u8], end_of_stream: bool) -> Passed {
+        let seen = std::mem::take(&mut self.held).min(buffer.len());
+        let base = self.parser.position() - seen as u64;
+        let (progress, event) = self.scan(buffer.get(seen..).unwrap_or_default());
+        let unfinished = matches!(progress, SseProgress::Pending)
+            && self.parser.pending_start().is_some()
+            && !end_of_stream
+            && !self.unheld;
+        if unfinished {
+            if buffer.len() > self.parser.max_event_bytes() {
                 self.unheld = true;
             } else {
-                self.held = bytes.split_off(from);
+                self.held = buffer.len();
             }
         }
         let found = event.filter(|e| e.start >= base).map(|e| (e, base));
-        let release = (had_held || !self.held.is_empty()).then_some(bytes);
         Passed {
             progress,
-            release,
+            hold: self.held > 0,
             found,
         }
     }
 
-    fn parser_limit(&self) -> usize {
-        self.parser.max_event_bytes()
-    }
-
-    /// The host refused to put the released bytes in place: whatever was held is lost to
-    /// this stream, and nothing more is held.
+    /// The host refused an edit of the stream: nothing more is held. What Envoy keeps now
+    /// goes on when the filter lets the stream continue.
     pub fn stop_holding(&mut self) {
-        self.held = Vec::new();
         self.unheld = true;
     }
 }
@@ -681,27 +684,32 @@ mod tests {
         );
     }
 
-    /// What the chunk that found the response released, the event, and the stream offset of
-    /// the released bytes.
+    /// The buffer in which the response was found, the event, and the stream offset of the
+    /// buffer's first byte.
     type FoundIn = (Vec<u8>, Event, u64);
 
-    /// Passes `stream` cut at `cuts` through a capture for id 9: every chunk as released,
-    /// and where the response was found.
+    /// Passes `stream` cut at `cuts` through a capture for id 9 the way Envoy offers it: a
+    /// held buffer comes back with the next chunk after it. Returns what went on at each
+    /// callback, and where the response was found.
     fn pass_all(stream: &[u8], cuts: &[usize]) -> (Vec<Vec<u8>>, Option<FoundIn>) {
         let mut cap = SseCapture::new(json!(9), 1 << 20);
         let mut out = Vec::new();
         let mut found = None;
+        let mut buffer = Vec::new();
         let mut from = 0;
         let ends: Vec<usize> = cuts.iter().copied().chain([stream.len()]).collect();
         for (n, &to) in ends.iter().enumerate() {
-            let chunk = &stream[from..to];
+            buffer.extend_from_slice(&stream[from..to]);
             from = to;
-            let p = cap.pass(chunk, n + 1 == ends.len());
-            let released = p.release.clone().unwrap_or_else(|| chunk.to_vec());
+            let p = cap.pass(&buffer, n + 1 == ends.len());
             if let (SseProgress::Found(_), Some((e, base))) = (&p.progress, p.found) {
-                found = Some((released.clone(), e, base));
+                found = Some((buffer.clone(), e, base));
             }
-            out.push(released);
+            if p.hold {
+                out.push(Vec::new());
+            } else {
+                out.push(std::mem::take(&mut buffer));
+            }
         }
         (out, found)
     }
@@ -716,12 +724,12 @@ mod tests {
         for cut in 1..bytes.len() {
             let (out, found) = pass_all(bytes, &[cut]);
             assert_eq!(out.concat(), bytes, "cut at {cut}");
-            let (released, e, base) = found.unwrap_or_else(|| panic!("not found, cut at {cut}"));
-            // The whole event is in the released bytes, at the offsets the event gives.
+            let (buffer, e, base) = found.unwrap_or_else(|| panic!("not found, cut at {cut}"));
+            // The whole event is in the buffer, at the offsets the event gives.
             let start = usize::try_from(e.start - base).unwrap_or(usize::MAX);
             let end = usize::try_from(e.end - base).unwrap_or(usize::MAX);
             assert_eq!(
-                &released[start..end],
+                &buffer[start..end],
                 &bytes[second..second + (end - start)],
                 "cut at {cut}"
             );
@@ -729,9 +737,9 @@ mod tests {
                 e.data,
                 "{\"jsonrpc\":\"2.0\",\"id\":9,\n\"result\":{\"content\":[]}}"
             );
-            if cut >= second {
-                // The first event went out whole with the first chunk: nothing complete waits.
-                assert!(out[0].starts_with(&bytes[..second]), "cut at {cut}");
+            // A first chunk that ends between events goes on at once.
+            if cut == second {
+                assert_eq!(out[0], &bytes[..second]);
             }
         }
     }
@@ -741,51 +749,74 @@ mod tests {
         let mut cap = SseCapture::new(json!(9), 1 << 20);
         let p = cap.pass(b"data: {\"jsonrpc\":\"2.0\",\"method\":\"x\"}\n\n", false);
         assert_eq!(
-            (p.progress, p.release, p.found),
-            (SseProgress::Pending, None, None)
+            (p.progress, p.hold, p.found),
+            (SseProgress::Pending, false, None)
         );
-        // A partial event is held back, and goes on in front of the next chunk.
+        assert_eq!(cap.held(), 0);
+        // A buffer ending in a partial event is held, and is not scanned twice when it comes
+        // back with the next chunk.
         let p = cap.pass(b"data: {\"jsonrpc\"", false);
-        assert_eq!(p.release, Some(Vec::new()));
-        let p = cap.pass(b":\"2.0\",\"method\":\"y\"}\n\n", false);
-        assert_eq!(
-            p.release.as_deref(),
-            Some(&b"data: {\"jsonrpc\":\"2.0\",\"method\":\"y\"}\n\n"[..])
+        assert!(p.hold);
+        assert_eq!(cap.held(), 16);
+        let p = cap.pass(
+            b"data: {\"jsonrpc\":\"2.0\",\"id\":9,\"result\":{}}\n\n",
+            false,
         );
+        assert!(!p.hold);
+        assert!(matches!(p.progress, SseProgress::Found(_)));
+        assert_eq!(p.found.map(|(e, base)| (e.start, base)), Some((38, 38)));
         // At the end of the stream nothing is held.
+        let mut cap = SseCapture::new(json!(9), 1 << 20);
         let p = cap.pass(b"data: {\"unfinished\"", true);
-        assert_eq!(p.release, None);
+        assert!(!p.hold);
+        assert_eq!(cap.held(), 0);
+    }
+
+    #[test]
+    fn the_trailers_end_a_held_stream_without_scanning_it_again() {
+        let mut cap = SseCapture::new(json!(9), 1 << 20);
+        assert!(cap.pass(b"id: 3\ndata: {\"jsonrpc\"", false).hold);
+        let p = cap.pass(b"id: 3\ndata: {\"jsonrpc\"", true);
+        assert_eq!(
+            (p.progress, p.hold, p.found),
+            (SseProgress::Pending, false, None)
+        );
+        assert_eq!(cap.held(), 0);
+        assert_eq!(cap.last_event_id(), None, "the unfinished event set no id");
     }
 
     #[test]
     fn holding_gives_up_past_the_event_limit_and_then_finds_no_whole_event() {
         let mut cap = SseCapture::new(json!(9), 64);
         // Comment lines do not count against the event's data, but the held bytes do.
-        let p = cap.pass(b"id: 1\n", false);
-        assert_eq!(p.release, Some(Vec::new()));
+        let mut buffer = b"id: 1\n".to_vec();
+        assert!(cap.pass(&buffer, false).hold);
         let comment = format!(": {}\n", "x".repeat(37));
-        let p = cap.pass(comment.as_bytes(), false);
-        assert_eq!(p.release, Some(Vec::new()), "46 bytes held");
-        let p = cap.pass(comment.as_bytes(), false);
-        assert_eq!(p.release.map(|r| r.len()), Some(6 + 2 * comment.len()));
+        buffer.extend_from_slice(comment.as_bytes());
+        assert!(cap.pass(&buffer, false).hold, "46 bytes held");
+        buffer.extend_from_slice(comment.as_bytes());
+        let p = cap.pass(&buffer, false);
+        assert!(!p.hold, "86 bytes would be held: they go on");
+        assert_eq!(cap.held(), 0);
         let p = cap.pass(
             b"data: {\"jsonrpc\":\"2.0\",\"id\":9,\"result\":{}}\n\n",
             false,
         );
         assert!(matches!(p.progress, SseProgress::Found(_)));
         assert_eq!(
-            (p.release, p.found),
-            (None, None),
+            (p.hold, p.found),
+            (false, None),
             "the event began in bytes already gone"
         );
     }
 
     #[test]
-    fn a_refused_release_stops_holding() {
+    fn a_refused_edit_stops_holding() {
         let mut cap = SseCapture::new(json!(9), 1 << 20);
-        assert_eq!(cap.pass(b"data: {", false).release, Some(Vec::new()));
+        assert!(cap.pass(b"data: {", false).hold);
         cap.stop_holding();
-        let p = cap.pass(b"}\n\ndata: {", false);
-        assert_eq!(p.release, None);
+        let p = cap.pass(b"data: {}\n\ndata: {", false);
+        assert!(!p.hold);
+        assert_eq!(cap.held(), 0);
     }
 }

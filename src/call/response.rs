@@ -127,14 +127,18 @@ impl Call {
         if self.holds_early_response() {
             return BodyStep::Done(Step::pause());
         }
+        // Trailers end the stream: a watched body is read as at its end. An SSE stream reads
+        // what Envoy still keeps of it (see `SseCapture::pass`), which goes on before them.
         match &self.state {
             State::Dispatched(d) => match &d.watch {
                 Watch::BufferingJson { size } => BodyStep::Read { len: *size },
+                Watch::StreamingSse(cap) => BodyStep::Read { len: cap.held() },
                 Watch::Reporting { .. } => BodyStep::Done(Step::pause()),
                 _ => BodyStep::Done(Step::cont()),
             },
             State::Listing(l) => match &l.watch {
                 ListWatch::BufferingJson { size } => BodyStep::Read { len: *size },
+                ListWatch::StreamingSse(cap) => BodyStep::Read { len: cap.held() },
                 ListWatch::Asking(_) => BodyStep::Done(Step::pause()),
                 _ => BodyStep::Done(Step::cont()),
             },
@@ -150,8 +154,9 @@ impl Call {
         let State::Dispatched(d) = &mut self.state else {
             return Step::cont();
         };
-        // The figures go into the answer's body; an SSE stream may release other bytes
-        // than the chunk as it came (see `SseCapture::pass`).
+        // The figures go into the answer's body; an SSE stream is held by Envoy while it
+        // ends inside an event, so the answer's event is whole when found (see
+        // `SseCapture::pass`).
         let limits = d.limits.as_ref().filter(|_| d.edit_body);
         let (found, body) = match &mut d.watch {
             Watch::BufferingJson { .. } => match receipt::from_json_body(bytes, &d.id) {
@@ -171,39 +176,36 @@ impl Call {
                     Some(_) => cap.pass(bytes, end_of_stream),
                     None => Passed {
                         progress: cap.feed(bytes),
-                        release: None,
+                        hold: false,
                         found: None,
                     },
                 };
-                let mut body = passed.release;
+                let mut body = None;
                 if let (Some(l), Some((event, base))) = (limits, passed.found) {
                     let at = TextAt::Event(event, base);
                     let edits = permit_meta::response_edits(at.text(&[]), &d.id, l);
-                    body = at.edited(body.as_deref().unwrap_or(bytes), &edits).or(body);
+                    body = at.edited(bytes, &edits);
                 }
-                let release = body.clone().map(|body| Effect::ReplaceResponseBody {
-                    original_len: bytes.len(),
-                    body,
-                });
                 match passed.progress {
                     SseProgress::Found(r) => (r, body),
                     SseProgress::TooLarge => {
                         d.watch = Watch::NoReceipt(NoReceipt::TooLarge);
-                        return receipt_too_large(&d.grant.attempt_id).with_all(release);
+                        return receipt_too_large(&d.grant.attempt_id);
                     }
+                    SseProgress::Pending if passed.hold => return Step::pause(),
                     SseProgress::Pending => {
                         if !end_of_stream {
-                            return Step::cont().with_all(release);
+                            return Step::cont();
                         }
                         // Ended without the answer. With event ids the client may resume the
                         // stream (GET + Last-Event-ID) and get the answer there.
                         let Some(last) = cap.last_event_id().map(str::to_string) else {
                             d.watch = Watch::NoReceipt(NoReceipt::NoMatchingResponse);
-                            return Step::cont().with_all(release);
+                            return Step::cont();
                         };
                         d.watch = Watch::NoReceipt(NoReceipt::StreamClosedResumable);
                         let key = resume::key(d.session_id.as_deref(), &last);
-                        return Step::cont().with_all(release).with(Effect::SaveResume(
+                        return Step::cont().with(Effect::SaveResume(
                             key,
                             Ticket {
                                 grant: d.grant.clone(),
@@ -265,47 +267,37 @@ impl Call {
         let State::Listing(l) = &mut self.state else {
             return Step::cont();
         };
-        let (held, release) = match &mut l.watch {
+        let (body, at) = match &mut l.watch {
             ListWatch::BufferingJson { .. } => {
                 // Only a body that is JSON is edited.
                 if serde_json::from_slice::<Value>(bytes).is_err() {
                     l.watch = ListWatch::Done;
                     return Step::cont();
                 }
-                ((bytes.to_vec(), TextAt::Whole), None)
+                (bytes.to_vec(), TextAt::Whole)
             }
             ListWatch::StreamingSse(cap) => {
                 let passed = cap.pass(bytes, end_of_stream);
-                let release = passed
-                    .release
-                    .clone()
-                    .map(|body| Effect::ReplaceResponseBody {
-                        original_len: bytes.len(),
-                        body,
-                    });
                 match (passed.progress, passed.found) {
                     (SseProgress::Found(_), Some((event, base))) => {
-                        let body = passed.release.unwrap_or_else(|| bytes.to_vec());
-                        ((body, TextAt::Event(event, base)), release)
+                        (bytes.to_vec(), TextAt::Event(event, base))
                     }
-                    (SseProgress::Pending, _) if !end_of_stream => {
-                        return Step::cont().with_all(release)
-                    }
+                    (SseProgress::Pending, _) if passed.hold => return Step::pause(),
+                    (SseProgress::Pending, _) if !end_of_stream => return Step::cont(),
                     _ => {
                         l.watch = ListWatch::Done;
-                        return Step::cont().with_all(release);
+                        return Step::cont();
                     }
                 }
             }
             _ => return Step::cont(),
         };
-        let (body, at) = held;
         let mut tools =
             permit_meta::listed_tools(at.text(&body), &l.id, |t| config.governed_tools.contains(t));
         tools.truncate(MAX_LIMITS_TOOLS);
         if tools.is_empty() {
             l.watch = ListWatch::Done;
-            return Step::cont().with_all(release);
+            return Step::cont();
         }
         let callout = Callout::limits(&LimitsRequest {
             permit_token: l.permit_token.clone(),
@@ -314,7 +306,7 @@ impl Call {
         l.watch = ListWatch::Asking(Box::new((body, at)));
         Step {
             flow: Flow::Pause,
-            effects: release.into_iter().collect(),
+            effects: Vec::new(),
             callout: Some(callout),
         }
     }

@@ -113,13 +113,17 @@ H2_UPSTREAM = ROOT / "tests" / "support" / "h2_upstream.mjs"
 
 class H2Upstream(Process):
     """tests/support/h2_upstream.mjs: an MCP upstream over HTTP/2 without TLS (h2c) that records
-    every tools/call it runs and resets the stream of each call to a tool in `reset`."""
+    every tools/call it runs, resets the stream of each call to a tool in `reset`, and answers
+    each call to a tool in `sse_trailers` with an SSE stream that ends with trailers."""
 
-    def __init__(self, log_dir: Path, reset: tuple[str, ...] = (), name: str = "h2-upstream"):
+    def __init__(self, log_dir: Path, reset: tuple[str, ...] = (), name: str = "h2-upstream",
+                 sse_trailers: tuple[str, ...] = ()):
         self.port = free_port()
         argv = ["node", str(H2_UPSTREAM), "--port", str(self.port)]
         for tool in reset:
             argv += ["--reset", tool]
+        for tool in sse_trailers:
+            argv += ["--sse-trailers", tool]
         self._log_from = 0
         super().__init__(name, argv, log_dir)
 
@@ -135,6 +139,26 @@ class H2Upstream(Process):
         lines = self.log_text()[self._log_from:].splitlines()
         ran = [json.loads(line)["execution"] for line in lines if line.startswith('{"execution"')]
         return [{**e, "rpc_id": None if e.get("id") is None else str(e["id"])} for e in ran]
+
+    def sse_sent(self, rpc_id) -> list[str]:
+        """Every SSE stream it sent in answer to the call with JSON-RPC id `rpc_id`, as sent."""
+        lines = self.log_text()[self._log_from:].splitlines()
+        sent = [json.loads(line)["sse_sent"] for line in lines if line.startswith('{"sse_sent"')]
+        return [s["stream"] for s in sent if s["id"] == rpc_id]
+
+
+H2_CLIENT = ROOT / "tests" / "support" / "h2_client.mjs"
+
+
+def h2_post(url: str, body: bytes, headers: dict) -> dict:
+    """One POST to `url` over HTTP/2 without TLS (tests/support/h2_client.mjs): the response's
+    status, headers, body (UTF-8 text) and trailers (None when none came)."""
+    request = json.dumps({"headers": headers, "body": body.decode()})
+    result = subprocess.run(["node", str(H2_CLIENT), url], input=request, capture_output=True, text=True,
+                            timeout=60)
+    if result.returncode != 0:
+        raise RuntimeError(f"HTTP/2 client failed ({result.returncode}): {result.stderr[-3000:]}")
+    return json.loads(result.stdout)
 
 
 def ts_script(script: str, *args: str) -> dict:

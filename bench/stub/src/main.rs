@@ -4,16 +4,30 @@
 //! - `--mcp PORT`: a minimal MCP upstream over Streamable HTTP with JSON responses. It
 //!   answers `initialize`, `tools/list` and `tools/call` (echoing the request's `id`),
 //!   and 202 to notifications. Enough for the gateway to see real JSON-RPC responses.
+//!   It keeps the header lines of the first request that carries a dispatch signature
+//!   (a `signature` header) and answers them, as JSON, to `GET /_bench/signed`: what a
+//!   signed dispatch adds to the upstream request, read from one the run really sent.
+//!   `DELETE /_bench/signed` forgets it, so the next signed request is kept (the runner
+//!   does so before a setup whose ledger really signs: D0's signatures stand in).
 //! - `--callout PORT`: a static target for the reference callout filter: every request
 //!   gets the same small JSON body (the shape of an authorize `dispatch` answer), except
-//!   `POST /v1/outcomes`, which gets one `applied` ack per report. That is enough for
-//!   atmost itself to run against it as a ledger that decides nothing and stores nothing
-//!   (setup D0: the gateway's own cost).
+//!   `POST /v1/outcomes`, which gets one `applied` ack per report. An authorize request
+//!   naming a dispatch target is answered with a signature over it in the ledger's form
+//!   (`atmost_protocol::signature`), its 64 bytes standing in: the gateway checks the
+//!   form, not the bytes, which are the verifier's to check. That is enough for atmost
+//!   itself to run against it as a ledger that decides nothing, stores nothing and signs
+//!   for free (setup D0: the gateway's own cost).
 //!
 //! Both speak HTTP/1.1 and HTTP/2 with prior knowledge (h2c), like the ledger.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use atmost_protocol::signature::{self, DispatchNonce, SignatureParams, SignedRequest};
+use atmost_protocol::{token, AuthorizeRequest};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -25,7 +39,112 @@ use hyper_util::server::conn::auto;
 use serde_json::Value;
 use tokio::net::TcpListener;
 
+/// The first signed request's header lines, as JSON, since the last `DELETE`.
+static SIGNED: Mutex<Option<Vec<u8>>> = Mutex::new(None);
+/// Whether [`SIGNED`] holds one: every request reads it, only a keeping one locks.
+static KEPT: AtomicBool = AtomicBool::new(false);
+
+fn record_signed(req: &Request<Incoming>) {
+    if KEPT.load(Ordering::Relaxed) || !req.headers().contains_key("signature") {
+        return;
+    }
+    let headers: Vec<(String, String)> = req
+        .headers()
+        .iter()
+        .map(|(n, v)| {
+            (
+                n.as_str().to_string(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
+        .collect();
+    let record = serde_json::json!({
+        "method": req.method().as_str(),
+        "uri": req.uri().to_string(),
+        "version": format!("{:?}", req.version()),
+        "headers": headers,
+    });
+    if let Ok(mut kept) = SIGNED.lock() {
+        kept.get_or_insert_with(|| record.to_string().into_bytes());
+        KEPT.store(true, Ordering::Relaxed);
+    }
+}
+
+/// `GET /_bench/signed`: the kept request; `DELETE`: forget it.
+fn signed_answer(method: &hyper::Method) -> Response<Full<Bytes>> {
+    let Ok(mut kept) = SIGNED.lock() else {
+        return json(StatusCode::INTERNAL_SERVER_ERROR, b"{}".to_vec());
+    };
+    if method == hyper::Method::DELETE {
+        *kept = None;
+        KEPT.store(false, Ordering::Relaxed);
+        return json(StatusCode::OK, b"{}".to_vec());
+    }
+    match kept.as_ref() {
+        Some(record) => json(StatusCode::OK, record.clone()),
+        None => json(StatusCode::NOT_FOUND, b"{}".to_vec()),
+    }
+}
+
 const CALLOUT_BODY: &str = r#"{"decision":"dispatch","attempt_id":"bench","permit_id":"bench","lease_ms":120000,"round":1,"capability":"bench"}"#;
+
+/// The static Dispatch answer, under the permit the token names and signed over the
+/// request's dispatch target, when the request is an authorize naming one (the gateway sends
+/// nothing upstream under another permit or without a signature).
+fn authorize_answer(body: &[u8]) -> Vec<u8> {
+    // The reference callout filter's static request (setups S, S2) names none: answered
+    // without parsing, as before signing.
+    const DISPATCH: &[u8] = br#""dispatch""#;
+    if !body.windows(DISPATCH.len()).any(|w| w == DISPATCH) {
+        return CALLOUT_BODY.as_bytes().to_vec();
+    }
+    let Some((req, target)) = serde_json::from_slice::<AuthorizeRequest>(body)
+        .ok()
+        .and_then(|r| r.dispatch.clone().map(|t| (r, t)))
+    else {
+        return CALLOUT_BODY.as_bytes().to_vec();
+    };
+    let (Some(digest), Some(permit_id)) = (
+        signature::content_digest_from_hex(&target.body_sha256),
+        token::permit_id_of(&req.permit_token),
+    ) else {
+        return CALLOUT_BODY.as_bytes().to_vec();
+    };
+    let request = SignedRequest {
+        method: &target.method,
+        authority: &target.authority,
+        path: &target.path,
+        content_digest: &digest,
+        idempotency_key: target.idempotency_key.as_deref(),
+    };
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let input = request.signature_params(&SignatureParams {
+        created,
+        expires: created + target.validity_s,
+        keyid: "bench".into(),
+        nonce: DispatchNonce {
+            attempt_id: "bench".into(),
+            round: 1,
+            permit_id: permit_id.into(),
+            tool: req.tool.clone(),
+        }
+        .encode(),
+    });
+    let signed = serde_json::json!({
+        "signature_input": input.header_value(),
+        "signature": signature::signature_header(&[7; 64]),
+    });
+    let mut answer: Value = match serde_json::from_str(CALLOUT_BODY) {
+        Ok(v) => v,
+        Err(_) => return CALLOUT_BODY.as_bytes().to_vec(),
+    };
+    answer["permit_id"] = Value::from(permit_id);
+    answer["signature"] = signed;
+    answer.to_string().into_bytes()
+}
 
 fn json(status: StatusCode, body: Vec<u8>) -> Response<Full<Bytes>> {
     let mut resp = Response::new(Full::new(Bytes::from(body)));
@@ -99,6 +218,12 @@ async fn serve(listener: TcpListener, mcp: bool) {
         tokio::spawn(async move {
             let svc = service_fn(move |req: Request<Incoming>| async move {
                 let outcomes = req.uri().path() == "/v1/outcomes";
+                if mcp && req.uri().path() == "/_bench/signed" {
+                    return Ok::<_, Infallible>(signed_answer(req.method()));
+                }
+                if mcp {
+                    record_signed(&req);
+                }
                 let body = match req.into_body().collect().await {
                     Ok(b) => b.to_bytes(),
                     Err(_) => Bytes::new(),
@@ -108,7 +233,7 @@ async fn serve(listener: TcpListener, mcp: bool) {
                 } else if outcomes {
                     outcomes_answer(&body)
                 } else {
-                    json(StatusCode::OK, CALLOUT_BODY.as_bytes().to_vec())
+                    json(StatusCode::OK, authorize_answer(&body))
                 };
                 Ok::<_, Infallible>(resp)
             });

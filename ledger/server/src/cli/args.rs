@@ -32,7 +32,8 @@ pub enum LogFormat {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the ledger server.
-    Ledger(LedgerArgs),
+    // Boxed: its flags outweigh every admin command's, and the enum is as large as its largest.
+    Ledger(Box<LedgerArgs>),
     /// Create, show, list and revoke permits (admin API).
     Permit {
         #[command(subcommand)]

@@ -45,7 +45,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::Ledger(args) => {
             let admin_token = cli.client.admin_token.clone().unwrap_or_default();
-            run_ledger(args, admin_token)
+            run_ledger(*args, admin_token)
         }
         Command::Permit { command } => {
             run_permit(&Client::new(&cli.client)?, cli.client.json, command)
