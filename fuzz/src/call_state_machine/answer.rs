@@ -177,7 +177,7 @@ fn with_figures(mut message: Value, id: &Value, figures: &BTreeMap<String, Permi
 
 /// Where the last complete event of a stream ends: after it comes only what no client can
 /// read yet (a line or event the stream did not finish).
-pub(super) fn end_of_events(stream: &[u8]) -> usize {
+fn end_of_events(stream: &[u8]) -> usize {
     let mut end = 0;
     let mut line_start = 0;
     let mut i = 0;
