@@ -454,26 +454,13 @@ fn edits_request_header(e: &Effect) -> bool {
 /// holds no key to check them).
 fn ledger_signature(asked: &AuthorizeRequest, permit_id: &str) -> Option<(String, String)> {
     let target = asked.dispatch.as_ref()?;
-    let digest = signature::content_digest_from_hex(&target.body_sha256)?;
-    let request = signature::SignedRequest {
-        method: &target.method,
-        authority: &target.authority,
-        path: &target.path,
-        content_digest: &digest,
-        idempotency_key: target.idempotency_key.as_deref(),
-    };
     let nonce = signature::DispatchNonce {
         attempt_id: "att_1".into(),
         round: 1,
         permit_id: permit_id.into(),
         tool: asked.tool.clone(),
     };
-    let input = request.signature_params(&signature::SignatureParams {
-        created: 1_764_680_000,
-        expires: 1_764_680_000 + target.validity_s,
-        keyid: "kid".into(),
-        nonce: nonce.encode(),
-    });
+    let (input, _) = target.to_sign(1_764_680_000, "kid", &nonce)?;
     Some((input.header_value(), signature::signature_header(&[7; 64])))
 }
 

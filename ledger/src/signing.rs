@@ -3,8 +3,7 @@
 //! ([`sign_answer`]), in the one form `atmost_protocol::signature` defines.
 
 use atmost_protocol::signature::{
-    content_digest_from_hex, signature_header, DispatchNonce, DispatchSignature, DispatchTarget,
-    SignatureParams, SignedRequest, MAX_VALIDITY_S,
+    signature_header, DispatchNonce, DispatchSignature, DispatchTarget, MAX_VALIDITY_S,
 };
 use atmost_protocol::{AuthorizeRequest, AuthorizeResponse};
 use thiserror::Error;
@@ -108,23 +107,8 @@ pub fn sign_dispatch(
 ) -> Result<DispatchSignature, LedgerError> {
     let unsignable =
         |what: &str| LedgerError::Invariant(format!("a checked dispatch target {what}"));
-    let content_digest = content_digest_from_hex(&target.body_sha256)
-        .ok_or_else(|| unsignable("has no body digest"))?;
-    let request = SignedRequest {
-        method: &target.method,
-        authority: &target.authority,
-        path: &target.path,
-        content_digest: &content_digest,
-        idempotency_key: target.idempotency_key.as_deref(),
-    };
-    let input = request.signature_params(&SignatureParams {
-        created: created_s,
-        expires: created_s.saturating_add(target.validity_s),
-        keyid: key.kid().to_string(),
-        nonce: nonce.encode(),
-    });
-    let base = request
-        .signature_base(&input)
+    let (input, base) = target
+        .to_sign(created_s, key.kid(), nonce)
         .ok_or_else(|| unsignable("makes no signature base"))?;
     Ok(DispatchSignature {
         signature_input: input.header_value(),
@@ -169,7 +153,8 @@ pub fn sign_answer(
 #[cfg(test)]
 mod tests {
     use atmost_protocol::signature::{
-        b64url_decode, parse_signature, SignatureInput, KEY_COMPONENT,
+        b64url_decode, content_digest_from_hex, parse_signature, SignatureInput, SignedRequest,
+        KEY_COMPONENT,
     };
     use ring::signature::{UnparsedPublicKey, ED25519};
     use serde_json::json;

@@ -59,6 +59,37 @@ pub struct DispatchTarget {
     pub validity_s: u64,
 }
 
+impl DispatchTarget {
+    /// What a signer signs for the dispatch of this target that `nonce` names, created at
+    /// `created` (Unix seconds) and valid for `validity_s`: the signature input (its
+    /// [`SignatureInput::header_value`] is the `Signature-Input` header) and the signature
+    /// base. `None` when `body_sha256` is not 64 hex digits, or a covered value cannot be
+    /// signed (a line break).
+    pub fn to_sign(
+        &self,
+        created: u64,
+        keyid: &str,
+        nonce: &DispatchNonce,
+    ) -> Option<(SignatureInput, String)> {
+        let content_digest = content_digest_from_hex(&self.body_sha256)?;
+        let request = SignedRequest {
+            method: &self.method,
+            authority: &self.authority,
+            path: &self.path,
+            content_digest: &content_digest,
+            idempotency_key: self.idempotency_key.as_deref(),
+        };
+        let input = request.signature_params(&SignatureParams {
+            created,
+            expires: created.saturating_add(self.validity_s),
+            keyid: keyid.to_string(),
+            nonce: nonce.encode(),
+        });
+        let base = request.signature_base(&input)?;
+        Some((input, base))
+    }
+}
+
 /// The two header values a signed dispatch carries besides `Content-Digest`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DispatchSignature {

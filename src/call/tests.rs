@@ -141,20 +141,9 @@ pub(crate) fn ledger_signature(
     target: &DispatchTarget,
     nonce: &DispatchNonce,
 ) -> DispatchSignature {
-    let digest = signature::content_digest_from_hex(&target.body_sha256).unwrap_or_default();
-    let request = signature::SignedRequest {
-        method: &target.method,
-        authority: &target.authority,
-        path: &target.path,
-        content_digest: &digest,
-        idempotency_key: target.idempotency_key.as_deref(),
-    };
-    let input = request.signature_params(&signature::SignatureParams {
-        created: 1_764_680_000,
-        expires: 1_764_680_000 + target.validity_s,
-        keyid: "kid-test".into(),
-        nonce: nonce.encode(),
-    });
+    let (input, _) = target
+        .to_sign(1_764_680_000, "kid-test", nonce)
+        .unwrap_or_else(|| panic!("an unsignable target: {target:?}"));
     DispatchSignature {
         signature_input: input.header_value(),
         signature: signature::signature_header(&[7; 64]),

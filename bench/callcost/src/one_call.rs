@@ -8,7 +8,7 @@ use std::rc::Rc;
 use atmost_config::Config;
 use atmost_filter::call::{BodyStep, Call, RequestHead, ResponseHead};
 use atmost_filter::ledger_client::LedgerReply;
-use atmost_protocol::signature::{self, DispatchNonce, SignatureParams, SignedRequest};
+use atmost_protocol::signature::{self, DispatchNonce};
 use atmost_protocol::AuthorizeRequest;
 use serde_json::{json, Value};
 
@@ -33,26 +33,17 @@ fn dispatch_answer(asked: &[u8]) -> Vec<u8> {
         .ok()
         .and_then(|asked| {
             let target = asked.dispatch?;
-            let digest = signature::content_digest_from_hex(&target.body_sha256)?;
-            let request = SignedRequest {
-                method: &target.method,
-                authority: &target.authority,
-                path: &target.path,
-                content_digest: &digest,
-                idempotency_key: target.idempotency_key.as_deref(),
-            };
             let nonce = DispatchNonce {
                 attempt_id: "att_1".into(),
                 round: 1,
                 permit_id: PERMIT_ID.into(),
                 tool: asked.tool,
             };
-            let input = request.signature_params(&SignatureParams {
-                created: 1_764_680_000,
-                expires: 1_764_680_000 + target.validity_s,
-                keyid: "kPrK_qmxVWaYVA9wwBF6Iuo3vVzz7TxHCTwXBygrS4k".into(),
-                nonce: nonce.encode(),
-            });
+            let (input, _) = target.to_sign(
+                1_764_680_000,
+                "kPrK_qmxVWaYVA9wwBF6Iuo3vVzz7TxHCTwXBygrS4k",
+                &nonce,
+            )?;
             Some(json!({"signature_input": input.header_value(),
                         "signature": signature::signature_header(&[7; 64])}))
         })

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use atmost_protocol::signature::{self, DispatchNonce, SignatureParams, SignedRequest};
+use atmost_protocol::signature::{self, DispatchNonce};
 use atmost_protocol::{token, AuthorizeRequest};
 
 use bytes::Bytes;
@@ -104,35 +104,22 @@ fn authorize_answer(body: &[u8]) -> Vec<u8> {
     else {
         return CALLOUT_BODY.as_bytes().to_vec();
     };
-    let (Some(digest), Some(permit_id)) = (
-        signature::content_digest_from_hex(&target.body_sha256),
-        token::permit_id_of(&req.permit_token),
-    ) else {
+    let Some(permit_id) = token::permit_id_of(&req.permit_token) else {
         return CALLOUT_BODY.as_bytes().to_vec();
-    };
-    let request = SignedRequest {
-        method: &target.method,
-        authority: &target.authority,
-        path: &target.path,
-        content_digest: &digest,
-        idempotency_key: target.idempotency_key.as_deref(),
     };
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let input = request.signature_params(&SignatureParams {
-        created,
-        expires: created + target.validity_s,
-        keyid: "bench".into(),
-        nonce: DispatchNonce {
-            attempt_id: "bench".into(),
-            round: 1,
-            permit_id: permit_id.into(),
-            tool: req.tool.clone(),
-        }
-        .encode(),
-    });
+    let nonce = DispatchNonce {
+        attempt_id: "bench".into(),
+        round: 1,
+        permit_id: permit_id.into(),
+        tool: req.tool.clone(),
+    };
+    let Some((input, _)) = target.to_sign(created, "bench", &nonce) else {
+        return CALLOUT_BODY.as_bytes().to_vec();
+    };
     let signed = serde_json::json!({
         "signature_input": input.header_value(),
         "signature": signature::signature_header(&[7; 64]),
