@@ -287,6 +287,17 @@ pub(crate) fn alias_refused(name: &str) -> Step {
     ))
 }
 
+/// The refusal of request trailers on a POST whose body is read: what they would add is
+/// read by no check, in either role.
+pub(crate) fn trailers_refused() -> Step {
+    bad_request(LocalReply::rpc_error(
+        400,
+        None,
+        rpc_code::INVALID_REQUEST,
+        "request trailers are not accepted by atmost",
+    ))
+}
+
 /// The refusal of a POST whose body the filter will not read (an encoding or charset other
 /// than plain UTF-8, or a stated length past `max_body_bytes`), the same in both roles.
 pub(crate) fn unreadable_body(head: &RequestHead, max_body_bytes: u64) -> Option<Step> {
@@ -605,12 +616,7 @@ impl Call {
         match &self.state {
             State::ReadingBody(_) => {
                 self.state = State::Answered;
-                bad_request(LocalReply::rpc_error(
-                    400,
-                    None,
-                    rpc_code::INVALID_REQUEST,
-                    "request trailers are not accepted by atmost",
-                ))
+                trailers_refused()
             }
             State::Authorizing(_) | State::Answered | State::Overtaken => Step::pause(),
             _ => Step::cont(),

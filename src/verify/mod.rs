@@ -22,10 +22,9 @@ pub mod replay;
 mod tests;
 
 use crate::call::denial;
-use crate::call::reply::{rpc_code, LocalReply};
 use crate::call::{
-    alias_refused, bad_request, too_large, unreadable_body, BodyStep, Effect, Level, RequestHead,
-    Step,
+    alias_refused, bad_request, too_large, trailers_refused, unreadable_body, BodyStep, Effect,
+    Level, RequestHead, Step,
 };
 use crate::parse::mcp::{self, Message};
 use crate::stats::Stat;
@@ -328,12 +327,7 @@ impl VerifyCall {
         match &self.state {
             State::ReadingBody(_) => {
                 self.state = State::Done;
-                bad_request(LocalReply::rpc_error(
-                    400,
-                    None,
-                    rpc_code::INVALID_REQUEST,
-                    "request trailers are not accepted by atmost",
-                ))
+                trailers_refused()
             }
             State::Waiting => Step::pause(),
             _ => Step::cont(),

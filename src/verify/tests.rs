@@ -3,6 +3,7 @@
 //! protocol's one signature-base builder, as the ledger signs.
 
 use super::*;
+use crate::call::reply::LocalReply;
 use crate::call::{BodyStep, Flow};
 use atmost_config::{PluginConfig, VerifyConfig};
 use atmost_protocol::signature::{
