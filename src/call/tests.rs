@@ -1987,6 +1987,7 @@ fn a_tools_list_answer_in_an_sse_event_gains_the_figures_in_place() {
     assert_eq!(s.effects.last(), Some(&Effect::ResumeResponse));
 }
 
+mod answer_release;
 mod body_hold;
 mod control_headers;
 mod signed_dispatch;
