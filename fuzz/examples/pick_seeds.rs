@@ -21,9 +21,10 @@ const GOALS: [Goal; 9] = [
         r.limits_not_dispatched
     }),
     ("tools_list_limits: asked", |r| r.limits_asked),
-    ("answer_release at_once: answer released before its report", |r| {
-        r.released_unwaited
-    }),
+    (
+        "answer_release at_once: answer released before its report",
+        |r| r.released_unwaited,
+    ),
 ];
 
 fn main() {

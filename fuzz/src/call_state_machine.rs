@@ -644,7 +644,10 @@ fn observe(w: &mut Watch, cfg: &Config, a: &Answer, done: &Done, from_ledger: bo
                     "an answer released before its report without answer_release: at_once"
                 );
                 assert!(
-                    matches!(r.outcome, Outcome::Completed { .. } | Outcome::Accepted { .. }),
+                    matches!(
+                        r.outcome,
+                        Outcome::Completed { .. } | Outcome::Accepted { .. }
+                    ),
                     "a {} answer released before its report",
                     kind(&r.outcome)
                 );
