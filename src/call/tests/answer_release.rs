@@ -12,13 +12,10 @@ fn at_once() -> Rc<Config> {
 
 /// The reports a step hands to the root without holding anything for them.
 fn unwaited(step: &Step) -> Vec<OutcomeReport> {
-    step.effects
-        .iter()
-        .filter_map(|e| match e {
-            Effect::CompleteUnwaited(r) => Some(r.clone()),
-            _ => None,
-        })
-        .collect()
+    picked(step, |e| match e {
+        Effect::CompleteUnwaited(r) => Some(r.clone()),
+        _ => None,
+    })
 }
 
 /// Every report a step makes, whichever way it goes (root batch, queue, own callout).
@@ -28,16 +25,13 @@ fn all_reports(step: &Step) -> usize {
         .as_ref()
         .filter(|c| c.endpoint == Endpoint::Outcomes)
         .map_or(0, |_| 1);
-    own + step
-        .effects
-        .iter()
-        .filter(|e| {
-            matches!(
-                e,
-                Effect::Complete(_) | Effect::CompleteUnwaited(_) | Effect::Enqueue(_)
-            )
-        })
-        .count()
+    let handed = picked(step, |e| match e {
+        Effect::Complete(r) | Effect::CompleteUnwaited(r) | Effect::Enqueue(r) => {
+            Some(r.attempt_id.clone())
+        }
+        _ => None,
+    });
+    own + handed.len()
 }
 
 fn completed() -> OutcomeReport {
