@@ -1,7 +1,8 @@
 //! The root context's reporting, in plain Rust: the VM's after-the-fact outcome report
 //! queue ([`outcome_queue`], sent on every tick) and, with `completion_reports: batched`,
 //! its batch of completion reports whose responses are held ([`completion_batch`], sent when an HTTP context rings the
-//! doorbell, and again as soon as the previous batch is answered). At most one callout
+//! doorbell, and again as soon as the previous batch is answered), which with
+//! `answer_release: at_once` also carries reports whose answers already went on. At most one callout
 //! of each kind is out; one whose answer never comes is given up on after a number of
 //! ticks, so a lost callback cannot stall either list.
 //!

@@ -204,7 +204,7 @@ pub struct Config {
     /// per worker; a lone call goes out at once), so under load many calls share one
     /// callout. `per_call`: each call sends its own report. Either way the answer is held
     /// until the ledger acknowledges (or, if it cannot be reached, the report is queued
-    /// for retry and the answer released).
+    /// for retry and the answer released), unless `answer_release` is `at_once`.
     pub completion_reports: CompletionReports,
     /// `answer_release` (`"after_receipt"` | `"at_once"`, default `"after_receipt"`): when
     /// the answer of a dispatched call whose report is `completed` or `accepted` reaches the
