@@ -32,7 +32,7 @@ import yaml
 
 from tests.e2e.conftest import new_key
 from tests.support.mcp_raw import RawMcp, denial_code
-from tests.support.stack import ROOT, Envoy, ExampleServer, Ledger, Process, free_port, wait_until
+from tests.support.stack import ROOT, Envoy, ExampleServer, Ledger, Process, ProcessExited, free_port, wait_until
 from tests.support.tcp_proxy import TcpProxy
 
 MONITORING = ROOT / "monitoring"
@@ -163,7 +163,7 @@ class Prometheus(Process):
 
     def _ready(self) -> bool:
         if not self.alive():
-            raise RuntimeError(f"prometheus exited:\n{self.log_text()[-3000:]}")
+            raise ProcessExited(f"prometheus exited:\n{self.log_text()[-3000:]}")
         try:
             return httpx.get(self.url + "/-/ready", timeout=2).status_code == 200
         except httpx.HTTPError:
