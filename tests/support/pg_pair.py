@@ -252,20 +252,29 @@ class PgPair:
         wait_until(lambda: not self.primary.streaming_standbys() and not self.primary.streaming_standbys("catchup"),
                    20, f"{self.primary.name} without a standby")
 
-    def fail_over(self) -> tuple[PgNode, float, float]:
-        """kill -9 the primary, promote the standby, and clear its inherited
-        `synchronous_standby_names` (the standby it names is gone). Returns the new primary,
-        the moment of the kill and the moment it accepts commits (time.monotonic())."""
+    def kill_primary(self) -> float:
+        """kill -9 the primary; returns the moment it was dead (time.monotonic())."""
+        self.primary.kill9()
+        return time.monotonic()
+
+    def promote_standby(self) -> PgNode:
+        """Promotes the standby and clears the `synchronous_standby_names` it inherited (the
+        standby it names is gone, or is itself): it is the primary now, the dead one its
+        standby to be."""
         old, new = self.primary, self.standby
-        old.kill9()
-        killed = time.monotonic()
         new.promote()
         new.set_synchronous_standby("")
         if new.link is not None:
             new.link.stop()
             new.link = None
         self.primary, self.standby = new, old
-        return new, killed, time.monotonic()
+        return new
+
+    def fail_over(self) -> tuple[PgNode, float]:
+        """kill -9 the primary and promote the standby at once: the new primary and the
+        moment of the kill."""
+        killed = self.kill_primary()
+        return self.promote_standby(), killed
 
     def stop(self) -> None:
         for node in (self.a, self.b):
