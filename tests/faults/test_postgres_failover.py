@@ -59,7 +59,7 @@ def switch(s, pair, label: str) -> dict:
     wait_until(lambda: len([r for r in s.history.inside(window) if r.outcome == "denied"]) >= 3, 20,
                f"three calls refused after the kill ({label})")
     promoting = time.monotonic()
-    new = pair.promote_standby()
+    new, promoted, cleared = pair.promote_standby()
     first = wait_until(lambda: next((r for r in list(s.history.calls) if r.started > promoting and r.outcome == "ok"),
                                     None), FAILOVER_BOUND, f"a call answered after the {label} (promoted {new.name})")
     window.end = first.started
@@ -67,6 +67,9 @@ def switch(s, pair, label: str) -> dict:
     return {
         "switch": label,
         "kill_to_promote_s": round(promoting - killed, 2),
+        "promotion_s": round(promoted - promoting, 2),
+        "clearing_s": round(cleared - promoted, 2),
+        "cleared_to_first_answer_s": round(first.ended - cleared, 2),
         "promote_to_first_answer_s": round(first.ended - promoting, 2),
         "kill_to_first_answer_s": round(first.ended - killed, 2),
         "denied_during": sum(1 for r in during if r.outcome == "denied" and r.code == "gateway_unavailable"),

@@ -257,24 +257,27 @@ class PgPair:
         self.primary.kill9()
         return time.monotonic()
 
-    def promote_standby(self) -> PgNode:
+    def promote_standby(self) -> tuple[PgNode, float, float]:
         """Promotes the standby and clears the `synchronous_standby_names` it inherited (the
         standby it names is gone, or is itself): it is the primary now, the dead one its
-        standby to be."""
+        standby to be. Returns it, the moment it left recovery and the moment the setting
+        was cleared (time.monotonic())."""
         old, new = self.primary, self.standby
         new.promote()
+        promoted = time.monotonic()
         new.set_synchronous_standby("")
+        cleared = time.monotonic()
         if new.link is not None:
             new.link.stop()
             new.link = None
         self.primary, self.standby = new, old
-        return new
+        return new, promoted, cleared
 
     def fail_over(self) -> tuple[PgNode, float]:
         """kill -9 the primary and promote the standby at once: the new primary and the
         moment of the kill."""
         killed = self.kill_primary()
-        return self.promote_standby(), killed
+        return self.promote_standby()[0], killed
 
     def stop(self) -> None:
         for node in (self.a, self.b):
