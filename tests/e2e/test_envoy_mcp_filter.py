@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -21,7 +22,8 @@ import yaml
 from tests.e2e.conftest import new_key
 from tests.e2e.test_parser_differentials import CORPUS, Upstream, _calls_decided, _headers
 from tests.support.mcp_raw import RawMcp, denial_code, result_text, tool_call
-from tests.support.stack import ENVOY_MCP_FILTER, Envoy, EnvoyMcpFilter, GoUpstream, go_upstream_binary, wait_until
+from tests.support.stack import (ENVOY_MCP_FILTER, Envoy, EnvoyMcpFilter, GoUpstream, deployment, go_upstream_binary,
+                                 listener_hcm, wait_until)
 
 # Where Envoy's MCP filter sits, relative to atmost.
 ORDERS = ["before", "after"]
@@ -68,13 +70,45 @@ def _chain(log_dir, ledger, upstream_port: int, order: str, name: str, filters: 
                                                  else shipped_filters() + [RBAC_NO_ECHO]))
 
 
+def _log_requests(envoy: Envoy, path: Path) -> None:
+    """Gives `envoy` an access log at `path`: per request, a JSON line with the request's `x-tag`,
+    the status, atmost's denial code and the MCP filter's metadata, as a team's logging reads them."""
+    config = yaml.safe_load(envoy.config_path.read_text())
+    listener_hcm(config)["access_log"] = [{
+        "name": "envoy.access_loggers.file",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": str(path),
+            "log_format": {"json_format": {"tag": "%REQ(x-tag)%", "status": "%RESPONSE_CODE%",
+                                           "denial": "%RESP(atmost-denial)%",
+                                           "mcp": "%DYNAMIC_METADATA(envoy.filters.http.mcp)%"}},
+        },
+    }]
+    envoy.config_path.write_text(yaml.safe_dump(config))
+
+
+def logged(envoy: Envoy, tag: str) -> dict:
+    """The access log line of the request sent with `x-tag: tag` (waits until Envoy has written it)."""
+    def line():
+        if envoy.access_log.exists():
+            for text in envoy.access_log.read_text().splitlines():
+                entry = json.loads(text)
+                if entry["tag"] == tag:
+                    return entry
+        return None
+    return wait_until(line, 30, f"the access log line of {tag}")
+
+
 @pytest.fixture(scope="module")
 def chains(log_dir, ledger, mcp_server):
-    """order → Envoy in front of the example server, with the MCP filter and RBAC `order` atmost."""
+    """order → Envoy in front of the example server, with the MCP filter and RBAC `order` atmost,
+    and an access log (`access_log`)."""
     envoys = {}
     try:
         for order in ORDERS:
             envoys[order] = _chain(log_dir, ledger, mcp_server.port, order, f"envoy-mcp-filter-{order}")
+            envoys[order].access_log = envoys[order].config_path.parent / "access.log"
+            _log_requests(envoys[order], envoys[order].access_log)
             envoys[order].start()
         yield envoys
     finally:
@@ -143,9 +177,13 @@ def test_what_the_mcp_filter_or_rbac_refuses_never_runs(chains, server, ledger, 
         assert _attempts(ledger, permit) == []
     else:
         # atmost asked the ledger first; the call never left Envoy, so its attempt is released
-        # and its slot given back.
-        wait_until(lambda: _attempts(ledger, permit) == [("pay_invoice", "released"), ("echo", "released")], 30,
-                   "the refused calls' attempts released")
+        # and its slot given back. With request_hold: body atmost passes the headers on at
+        # once, and the MCP filter refuses the one without text/event-stream on them, before
+        # atmost has read the body: the ledger is not asked for that one.
+        released = [("echo", "released")]
+        if deployment() == "envoyfilter":
+            released.insert(0, ("pay_invoice", "released"))
+        wait_until(lambda: _attempts(ledger, permit) == released, 30, f"the refused calls' attempts {released}")
     assert _calls_made(ledger, permit) == {}
 
 
@@ -172,6 +210,46 @@ def test_what_atmost_refuses_stays_refused_with_its_code(chains, server, ledger,
     assert server.executions("pay_invoice") == 1 and server.executions("echo") == 0
     assert _attempts(ledger, permit) == [("pay_invoice", "completed")]
     assert _calls_made(ledger, permit) == {"pay_invoice": 1}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_the_mcp_metadata_of_an_atmost_denial_is_logged_only_in_front_of_atmost(chains, server, ledger, order):
+    client = RawMcp(chains[order].url)
+    permit = _permit(ledger, "--max-calls", "pay_invoice=1")
+    tags = {name: f"{name}-{uuid.uuid4()}" for name in ("ran", "denied")}
+    client.call("pay_invoice", {"invoice": "inv-9", "amount": 1}, permit["token"], new_key(),
+                extra_headers={"x-tag": tags["ran"]})
+    denied = client.call("pay_invoice", {"invoice": "inv-10", "amount": 1}, permit["token"], new_key(),
+                         extra_headers={"x-tag": tags["denied"]})
+    assert denial_code(denied) == "permit_max_calls_exceeded"
+    ran, refused = logged(chains[order], tags["ran"]), logged(chains[order], tags["denied"])
+    assert (ran["mcp"]["method"], ran["mcp"]["params"]["name"]) == ("tools/call", "pay_invoice")
+    assert refused["denial"] == "permit_max_calls_exceeded"
+    if order == "before":
+        assert (refused["mcp"]["method"], refused["mcp"]["params"]["name"]) == ("tools/call", "pay_invoice")
+    else:
+        # atmost answered before the MCP filter had read the body: nothing for the log.
+        assert refused["mcp"] is None, refused
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_replay_meets_the_mcp_filter_only_in_front_of_atmost(chains, server, ledger, order):
+    """A replay is atmost's own answer: a filter behind atmost sees the replays only of what it has
+    not read yet. With the EnvoyFilter form that is the whole request; with request_hold: body
+    atmost lets the headers go on first, so the MCP filter still refuses on them."""
+    client = RawMcp(chains[order].url)
+    permit = _permit(ledger, "--max-calls", "pay_invoice=10")
+    key = new_key()
+    first = client.call("pay_invoice", {"invoice": "inv-11", "amount": 1}, permit["token"], key)
+    assert "executions=1" in result_text(first)
+    again = client.call("pay_invoice", {"invoice": "inv-11", "amount": 1}, permit["token"], key,
+                        extra_headers={"accept": "application/json"})
+    if order == "after" and deployment() == "envoyfilter":
+        assert again.status_code == 200 and again.headers.get("idempotent-replayed") == "true", again.text
+        assert result_text(again) == result_text(first)
+    else:
+        assert (again.status_code, again.text) == (400, "Only MCP traffic is allowed")
+    assert server.executions("pay_invoice") == 1
 
 
 @pytest.fixture(scope="module")

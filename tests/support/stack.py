@@ -38,6 +38,7 @@ from atmost_stack import (  # noqa: E402,F401  (re-exported: the suites import t
     http_get,
     http_post_json,
     ledger_binary,
+    listener_hcm,
     sidecar_config,
     wait_until,
     wasmplugin_filter_config,
