@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import uuid
 from pathlib import Path
 
@@ -22,8 +23,8 @@ import yaml
 from tests.e2e.conftest import new_key
 from tests.e2e.test_parser_differentials import CORPUS, Upstream, _calls_decided, _headers
 from tests.support.mcp_raw import RawMcp, denial_code, result_text, tool_call
-from tests.support.stack import (ENVOY_MCP_FILTER, Envoy, EnvoyMcpFilter, GoUpstream, deployment, go_upstream_binary,
-                                 listener_hcm, wait_until)
+from tests.support.stack import (ENVOY_CONFIG, ENVOY_MCP_FILTER, ROOT, Envoy, EnvoyMcpFilter, GoUpstream, deployment,
+                                 go_upstream_binary, listener_hcm, wait_until)
 
 # Where Envoy's MCP filter sits, relative to atmost.
 ORDERS = ["before", "after"]
@@ -361,3 +362,18 @@ def test_the_mcp_filter_default_body_limit_loses_big_answers(log_dir, ledger, se
     finally:
         envoy.stop()
 
+
+def test_the_documented_entries_are_the_ones_tested():
+    """docs/envoy-mcp-filter.md shows the shipped entry and this file's RBAC rule, as they are."""
+    text = (ROOT / "docs" / "envoy-mcp-filter.md").read_text()
+    blocks = [yaml.safe_load("\n".join(line[3:] for line in block.splitlines()))
+              for block in re.findall(r"^   ```yaml\n(.*?)^   ```$", text, re.M | re.S)]
+    assert blocks == [shipped_filters(), [RBAC_NO_ECHO]], blocks
+
+
+def test_the_shipped_body_limit_is_the_listeners_buffer_limit():
+    """What keeps the MCP filter from lowering the stream's buffer limit below the listener's."""
+    [entry] = shipped_filters()
+    sidecar = yaml.safe_load(ENVOY_CONFIG.read_text())
+    listener = sidecar["static_resources"]["listeners"][0]
+    assert entry["typed_config"]["max_request_body_size"] == listener["per_connection_buffer_limit_bytes"]
