@@ -189,7 +189,8 @@ test-e2e: setup ts-deps wasm ledger-next ledger oci
 ## The other files check configuration and manifests, the same in both deployments.
 E2E_BOTH_DEPLOYMENTS := $(addprefix tests/e2e/,test_idempotency.py test_permits.py test_fail_closed.py \
 	test_trust_boundary.py test_mcp_versions.py test_upstream_key_forms.py test_tasks.py test_ts_interop.py \
-	test_parser_differentials.py test_replicas.py test_external_provider.py test_control_headers.py)
+	test_parser_differentials.py test_replicas.py test_external_provider.py test_control_headers.py \
+	test_envoy_mcp_filter.py)
 
 test-e2e-wasmplugin: setup ts-deps wasm ledger
 	ATMOST_DEPLOYMENT=wasmplugin ATMOST_BIN=target/debug/atmost $(WITH_PG) $(VPY) -m pytest $(E2E_BOTH_DEPLOYMENTS) -q -p no:cacheprovider --timeout 300
