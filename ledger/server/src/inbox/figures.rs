@@ -269,7 +269,7 @@ fn outcome_words(a: &Attempt) -> (String, String) {
     let why = a
         .reason
         .as_deref()
-        .map(|r| format!(": {r}"))
+        .map(|r| format!(" ({r})"))
         .unwrap_or_default();
     let round = a.round;
     match a.state {
@@ -287,11 +287,11 @@ fn outcome_words(a: &Attempt) -> (String, String) {
         ),
         AttemptState::Released => (
             "released".into(),
-            format!("Released{why}: the slot and budget came back"),
+            format!("Released: the slot and budget came back{why}"),
         ),
         AttemptState::Uncertain => (
             "uncertain".into(),
-            format!("Uncertain{why}: sent, its answer lost"),
+            format!("Uncertain: sent, its answer lost{why}"),
         ),
         other => (other.as_str().into(), other.as_str().into()),
     }
@@ -559,7 +559,7 @@ mod tests {
         assert_eq!(t.marks[2].from_x, Pct(2600));
         assert_eq!(
             t.marks[1].detail,
-            "Uncertain: upstream_reset: sent, its answer lost"
+            "Uncertain: sent, its answer lost (upstream_reset)"
         );
         assert_eq!(t.marks[1].after, "+20s");
         assert_eq!(t.length, "1m 20s");

@@ -621,7 +621,7 @@ async fn the_permits_page_draws_each_cap_and_the_budget_as_bars() {
         "{pay}"
     );
     assert!(
-        pay.contains(r#"<rect class="part used" x="0" y="0" width="66.66%""#),
+        pay.contains(r#"<rect class="part part-used" x="0" y="0" width="66.66%""#),
         "{pay}"
     );
     assert!(pay.contains(r#"<svg class="bar" "#));
@@ -636,8 +636,8 @@ async fn the_permits_page_draws_each_cap_and_the_budget_as_bars() {
         r#"<span class="reserved">200</span> reserved"#,
         r#"<span class="left">700</span> left"#,
         r#"aria-label="Budget 1000: 100 spent, 200 reserved, 700 left""#,
-        r#"<rect class="part spent" x="0" y="0" width="10.00%""#,
-        r#"<rect class="part reserved" x="10.00%" y="0" width="20.00%""#,
+        r#"<rect class="part part-spent" x="0" y="0" width="10.00%""#,
+        r#"<rect class="part part-reserved" x="10.00%" y="0" width="20.00%""#,
     ] {
         assert!(budget.contains(shown), "{shown} in {budget}");
     }
@@ -647,14 +647,15 @@ async fn the_permits_page_draws_each_cap_and_the_budget_as_bars() {
     let search = part(card, "data-tool=\"search\"", "</div>");
     assert!(search.contains(r#"<span class="used">1</span> of <span class="limit">no cap</span>"#));
     assert!(!card.contains("<svg"), "{card}");
-    assert!(card.contains(r#"<span class="left">no limit</span>"#));
+    assert!(card.contains(r#"Budget: <span class="total">no limit</span>; <span class="spent">0</span> spent, <span class="reserved">0</span> reserved"#), "{card}");
+    assert!(!card.contains("class=\"left\""));
 
     // Everything used: full bars.
     let card = part(&page.body, &format!("id=\"{full}\""), "</article>");
     assert!(card.contains(r#"<svg class="bar full" "#));
-    assert!(card.contains(r#"<rect class="part used" x="0" y="0" width="100.00%""#));
-    assert!(card.contains(r#"<rect class="part spent" x="0" y="0" width="100.00%""#));
-    assert!(card.contains(r#"<rect class="part reserved" x="100.00%" y="0" width="0.00%""#));
+    assert!(card.contains(r#"<rect class="part part-used" x="0" y="0" width="100.00%""#));
+    assert!(card.contains(r#"<rect class="part part-spent" x="0" y="0" width="100.00%""#));
+    assert!(card.contains(r#"<rect class="part part-reserved" x="100.00%" y="0" width="0.00%""#));
     assert!(card.contains(r#"<span class="left">0</span> left"#));
 }
 
@@ -734,7 +735,7 @@ async fn an_attempts_page_draws_its_life_on_a_time_scale() {
     assert!(outcome.contains("+1m 20s"));
     // What the filter said is escaped.
     assert!(
-        outcome.contains("Uncertain: &#60;b&#62;reset&#60;/b&#62;: sent, its answer lost"),
+        outcome.contains("Uncertain: sent, its answer lost (&#60;b&#62;reset&#60;/b&#62;)"),
         "{outcome}"
     );
     assert!(!page.body.contains("<b>reset"));
