@@ -568,7 +568,7 @@ mod tests {
             ("2026-01-01T00:00:00.000Z", "2026-01-01T00:01:20.000Z")
         );
         assert_eq!(t.now_x, Some(Pct(9800)));
-        assert!(t.marks[1].label_left == false && t.marks[2].label_left);
+        assert!(!t.marks[1].label_left && t.marks[2].label_left);
         assert_eq!(
             t.marks.iter().map(|m| m.y).collect::<Vec<_>>(),
             [14, 40, 66]
