@@ -49,7 +49,7 @@ netns-tools:
 	@test -x /usr/bin/python3 || { apt-get update -qq && apt-get install -y -qq python3; }
 
 # Headless Chromium and its WebDriver (Debian's, the same version) drive the reconciliation
-# inbox in tests/e2e/test_inbox.py, through Selenium (requirements-test.txt); no browser is
+# inbox in tests/e2e/test_inbox.py and test_inbox_figures.py, through Selenium (requirements-test.txt); no browser is
 # downloaded.
 browser-tools:
 	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || \
