@@ -224,6 +224,14 @@ OHA_VERSION := 1.16.0
 bench: setup-run wasm ledger-release bench-tools
 	$(WITH_PG) $(VPY) bench/run.py
 
+## What a call costs as the store grows (bench/scale.py, docs/performance.md#as-the-store-grows): each
+## store filled to 10^4, 10^6 and 10^7 attempts over 10^5 permits, at each size the calls at 1 % of
+## B's ceiling, the ledger alone, table and index sizes; the statements' plans at the largest size.
+## Writes target/bench/scale/results.md and results.json. About half an hour on two cores.
+.PHONY: bench-scale
+bench-scale: setup-run wasm ledger-release bench-tools
+	$(WITH_PG) $(VPY) bench/scale.py
+
 # wrk (Debian) for the ceilings; oha (crates.io, pinned) to cross-check the fixed-rate
 # latencies; valgrind (Debian) to count the filter's instructions per call; the stubs, the
 # load generator, the call-cost driver and the two reference wasm filters (bench/).

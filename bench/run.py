@@ -249,7 +249,10 @@ class OwnPostgres:
     """The bench's own PostgreSQL cluster, so that every postgres process's CPU is the bench's:
     initdb in a fresh directory under the output directory, its own loopback port,
     pg_stat_statements loaded; fsync and synchronous_commit stay at their defaults (on), as a
-    production server has them. As root it runs as the `postgres` user (PostgreSQL refuses root)."""
+    production server has them. As root it runs as the `postgres` user (PostgreSQL refuses root).
+    `PRELOAD`: bench/scale.py adds auto_explain (off until it turns it on)."""
+
+    PRELOAD = "pg_stat_statements"
 
     def __init__(self, bindir: Path):
         self.bindir = bindir
@@ -272,7 +275,7 @@ class OwnPostgres:
         # --no-sync only spares initdb's own final flush; the server's settings are untouched.
         self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-sync")
         options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir} -c max_connections=200 "
-                   "-c shared_preload_libraries=pg_stat_statements")
+                   f"-c shared_preload_libraries={self.PRELOAD}")
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "server.log"), "-w", "-t", "60",
                   "-o", options, "start")
         self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "bench")
@@ -415,12 +418,14 @@ class Envoy(stack.Process):
 SCHEMAS_USED: set[str] = set()
 
 
-def start_ledger(name: str, store: str | None, schema: str | None = None) -> stack.Ledger:
+def start_ledger(name: str, store: str | None, schema: str | None = None, keep: bool = False) -> stack.Ledger:
     """A ledger on SQLite (`store` None) or on the PostgreSQL of `store`, in the schema of
-    `schema` (default: its own name), fresh like the fresh SQLite file (dropped at the end)."""
+    `schema` (default: its own name), fresh like the fresh SQLite file (dropped at the end);
+    `keep`: on the SQLite file a ledger of the same name left (bench/scale.py fills it)."""
     data = RUN / f"data-{name}"
-    shutil.rmtree(data, ignore_errors=True)
-    data.mkdir(parents=True)
+    if not keep:
+        shutil.rmtree(data, ignore_errors=True)
+    data.mkdir(parents=True, exist_ok=True)
     if store:
         SCHEMAS_USED.add(schema or name)
     extra = ["--store", store, "--pg-schema", pg_schema(schema or name)] if store else []
@@ -678,37 +683,43 @@ def ledger_alone(name: str, store: str | None, permits: int = 1, batched: bool =
     ledger = start_ledger(f"alone-{name}", store)
     try:
         tokens = permit_file(f"alone-{name}", create_permits(ledger, permits, f"bench-{name}"))
-        procs = Procs()
-        procs.add("ledger", [ledger.proc.pid])
-        if store:
-            watch_postgres(procs, pg, store)
-            reset_statements(store)
-        before = procs.cpu()
-        children = resource.getrusage(resource.RUSAGE_CHILDREN)
-        r = subprocess.run([str(LOAD), "ledger", "--url", ledger.url, "--service-token", SERVICE_TOKEN,
-                            "--permit-file", str(tokens), "--concurrency", str(LEDGER_CONCURRENCY),
-                            "--connections", "2",
-                            "--duration", f"{LEDGER_SECONDS:g}", "--key-prefix", f"alone-{name}-{STAMP}"]
-                           + (["--batched-completions"] if batched else []),
-                           capture_output=True, text=True, timeout=LEDGER_SECONDS + 60)
-        after = procs.cpu()
-        if r.returncode != 0:
-            return {"error": r.stderr.strip()}
-        out = json.loads(r.stdout)
-        pairs = max(out.get("pairs", 0), 1)
-        out["cpu_s_per_1000_pairs"] = {p: round((after[p] - before[p]) / pairs * 1000, 4) for p in after}
-        # The load generator runs on the same two cores.
-        done = resource.getrusage(resource.RUSAGE_CHILDREN)
-        loader = (done.ru_utime + done.ru_stime) - (children.ru_utime + children.ru_stime)
-        out["cpu_s_per_1000_pairs"]["loader"] = round(loader / pairs * 1000, 4)
-        out["peak_rss_mib"] = procs.hwm_mib()
-        if store:
-            out["pg_statements"] = top_statements(store)
-        log(f"ledger alone ({name}, {permits} permit(s)): {out['pairs_per_s']:.0f} authorize+complete pairs/s, "
-            f"p50 {out['p50_us'] / 1000:.2f} ms, failed {out['failed']}")
-        return out
+        return ledger_pairs(name, ledger, tokens, store, batched, pg)
     finally:
         ledger.stop()
+
+
+def ledger_pairs(name: str, ledger: stack.Ledger, tokens: Path, store: str | None, batched: bool = True,
+                 pg: OwnPostgres | None = None) -> dict:
+    """The ledger-alone run against a running ledger, under the permits of `tokens`."""
+    procs = Procs()
+    procs.add("ledger", [ledger.proc.pid])
+    if store:
+        watch_postgres(procs, pg, store)
+        reset_statements(store)
+    before = procs.cpu()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = subprocess.run([str(LOAD), "ledger", "--url", ledger.url, "--service-token", SERVICE_TOKEN,
+                        "--permit-file", str(tokens), "--concurrency", str(LEDGER_CONCURRENCY),
+                        "--connections", "2",
+                        "--duration", f"{LEDGER_SECONDS:g}", "--key-prefix", f"alone-{name}-{STAMP}"]
+                       + (["--batched-completions"] if batched else []),
+                       capture_output=True, text=True, timeout=LEDGER_SECONDS + 60)
+    after = procs.cpu()
+    if r.returncode != 0:
+        return {"error": r.stderr.strip()}
+    out = json.loads(r.stdout)
+    pairs = max(out.get("pairs", 0), 1)
+    out["cpu_s_per_1000_pairs"] = {p: round((after[p] - before[p]) / pairs * 1000, 4) for p in after}
+    # The load generator runs on the same two cores.
+    done = resource.getrusage(resource.RUSAGE_CHILDREN)
+    loader = (done.ru_utime + done.ru_stime) - (children.ru_utime + children.ru_stime)
+    out["cpu_s_per_1000_pairs"]["loader"] = round(loader / pairs * 1000, 4)
+    out["peak_rss_mib"] = procs.hwm_mib()
+    if store:
+        out["pg_statements"] = top_statements(store)
+    log(f"ledger alone ({name}): {out['pairs_per_s']:.0f} authorize+complete pairs/s, "
+        f"p50 {out['p50_us'] / 1000:.2f} ms, failed {out['failed']}")
+    return out
 
 
 def call_instructions() -> dict:
