@@ -30,6 +30,7 @@ import tempfile
 import uuid
 from functools import lru_cache
 from pathlib import Path
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -42,12 +43,12 @@ from tests.e2e.test_manifests import (
     FORMATS,
     HEX_RE,
     KUBECTL,
-    OBJECT_META,
     OCI_DIR,
     SECRET_ENV,
-    _structural_to_jsonschema,
     built,
+    crd_schemas,
     kubernetes_errors,
+    run_digest_steps,
 )
 from tests.e2e.test_permits import usage, wait_for_state
 from tests.support.envoy_gateway import (
@@ -65,10 +66,10 @@ from tests.support.stack import (
     ROOT,
     VENV_BIN,
     WASM,
+    Envoy,
     ExampleServer,
     Ledger,
     Process,
-    ProcessExited,
     free_port,
     http_get,
     ledger_binary,
@@ -143,28 +144,11 @@ def mcp(rendered) -> list[dict]:
 
 
 @lru_cache(maxsize=1)
-def crd_schemas() -> dict[tuple[str, str], tuple[dict, dict]]:
-    """(apiVersion, kind) -> (JSON Schema, the CRD's openAPIV3Schema), every served version of every
-    kept CRD."""
-    schemas = {}
-    for path in CRD_FILES:
-        for crd in yaml.safe_load_all(path.read_text()):
-            if not crd or crd.get("kind") != "CustomResourceDefinition":
-                continue
-            group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
-            for version in crd["spec"]["versions"]:
-                if not version.get("served"):
-                    continue
-                api_version = f"{group}/{version['name']}"
-                structural = version["schema"]["openAPIV3Schema"]
-                schema = _structural_to_jsonschema(structural)
-                schema["properties"] = {**schema["properties"], "apiVersion": {"const": api_version},
-                                        "kind": {"const": kind}, "metadata": OBJECT_META}
-                schema["required"] = sorted(set(schema.get("required", [])) | {"apiVersion", "kind", "metadata"})
-                schema["additionalProperties"] = False
-                # Status is the controller's to write; no manifest carries one.
-                schema["properties"].pop("status", None)
-                schemas[(api_version, kind)] = (schema, structural)
+def kept_schemas() -> dict[tuple[str, str], tuple[dict, dict]]:
+    schemas = crd_schemas(*CRD_FILES)
+    for schema, _ in schemas.values():
+        # Status is the controller's to write; no manifest carries one.
+        schema["properties"].pop("status", None)
     return schemas
 
 
@@ -204,9 +188,9 @@ def cel_errors(node: dict, value, path: str) -> list[str]:
 
 def crd_errors(doc: dict) -> list[str]:
     key = (doc.get("apiVersion"), doc.get("kind"))
-    if key not in crd_schemas():
+    if key not in kept_schemas():
         return [f"no served CRD version for {key} in {', '.join(p.name for p in CRD_FILES)}"]
-    schema, structural = crd_schemas()[key]
+    schema, structural = kept_schemas()[key]
     validator = jsonschema.Draft7Validator(schema, format_checker=FORMATS)
     errors = [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(doc)]
     if errors:
@@ -450,25 +434,7 @@ def test_doc_steps_apply_the_kustomizations():
 
 
 def test_doc_step_writes_the_digests_where_the_test_puts_them(tmp_path):
-    [block] = [b for b in doc_blocks() if "sed -i" in b]
-    commands = [line for line in block.splitlines() if line.startswith("sed -i")]
-    assert len(commands) == 2, commands
-    by_docs, by_test = tmp_path / "docs", tmp_path / "test"
-    for tree in (by_docs, by_test):
-        (tree / "target" / "oci").mkdir(parents=True)
-        shutil.copytree(EG_DIR, tree / "envoy" / "gateway", ignore=shutil.ignore_patterns("ledger.env"))
-        for name in ("atmost-ledger", "atmost-filter"):
-            shutil.copy(OCI_DIR / f"{name}.digest", tree / "target" / "oci")
-    for command in commands:
-        result = subprocess.run(["bash", "-ec", command], cwd=by_docs, capture_output=True, text=True, timeout=30)
-        assert result.returncode == 0, result.stderr
-    set_gateway_digests(by_test / "envoy" / "gateway", built()["ledger"], built()["filter"])
-    changed = 0
-    for path in (by_test / "envoy" / "gateway").rglob("*"):
-        if path.is_file():
-            assert path.read_bytes() == (by_docs / path.relative_to(by_test)).read_bytes(), path
-            changed += path.read_bytes() != (EG_DIR / path.relative_to(by_test / "envoy" / "gateway")).read_bytes()
-    assert changed == 2
+    assert run_digest_steps(EG_DOC.read_text(), EG_DIR, tmp_path, set_gateway_digests) == 2
 
 
 # ---------------------------------------------------------------- Envoy as Envoy Gateway configures it
@@ -517,32 +483,26 @@ def test_rendered_config_passes_envoy_validate(mcp, module_server, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-class GatewayEnvoy(Process):
-    """Envoy with a configuration rendered as Envoy Gateway renders it."""
+class GatewayEnvoy(Envoy):
+    """Envoy with a configuration rendered as Envoy Gateway renders it; started and watched as the
+    stack's Envoy is, its ledger cluster by the name the patch policy gives it."""
 
-    def __init__(self, log_dir: Path, config: dict, env: dict, ledger_cluster: str, name: str = "envoy-gateway"):
+    def __init__(self, log_dir: Path, config: dict, env: dict, ledger_cluster: str, ledger_ports: list[int],
+                 name: str = "envoy-gateway"):
         listener = config["static_resources"]["listeners"][0]["address"]["socket_address"]
-        self.url = f"http://127.0.0.1:{listener['port_value']}/mcp"
+        self.port = listener["port_value"]
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
         self.admin_url = f"http://127.0.0.1:{config['admin']['address']['socket_address']['port_value']}"
         self.ledger_cluster = ledger_cluster
+        self.ledger_hosts = [f"127.0.0.1:{p}" for p in ledger_ports]
         self.config_path = Path(tempfile.mkdtemp(prefix="atmost-envoy-gateway-")) / "envoy.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
-        super().__init__(name, [str(VENV_BIN / "envoy"), "-c", str(self.config_path), "--concurrency", "2",
-                                "--use-dynamic-base-id", "-l", "info"], log_dir, env=env)
+        Process.__init__(self, name, [str(VENV_BIN / "envoy"), "-c", str(self.config_path), "--concurrency", "2",
+                                      "--use-dynamic-base-id", "-l", "info"], log_dir, env=env)
 
-    def start(self) -> None:
-        super().start()
-        wait_until(self._ready, 60, f"{self.name} ready (log: {self.log_path})")
-        wait_until(lambda: "::health_flags::healthy" in self._ledger_hosts(), 30, f"the ledger healthy in {self.name}")
-
-    def _ready(self) -> bool:
-        if not self.alive():
-            raise ProcessExited(f"{self.name} exited:\n{self.log_text()[-3000:]}")
-        return http_get(self.admin_url + "/ready")[0] == 200
-
-    def _ledger_hosts(self) -> str:
-        text = http_get(self.admin_url + "/clusters")[1].decode()
-        return "\n".join(line for line in text.splitlines() if line.startswith(self.ledger_cluster + "::"))
+    def ledgers_healthy(self) -> bool:
+        clusters = http_get(self.admin_url + "/clusters")[1].decode()
+        return all(f"{self.ledger_cluster}::{host}::health_flags::healthy" in clusters for host in self.ledger_hosts)
 
 
 @pytest.fixture(scope="module")
@@ -557,10 +517,11 @@ def eg(log_dir, mcp, module_server, tmp_path_factory):
     server.start()
     proxy = TcpProxy(server.port).start()
     config = rendered_config(mcp, module_server, proxy.port, [ledger.port], tls.ca)
-    envoy = GatewayEnvoy(log_dir, config, secret_env(mcp, ledger.service_token), ledger_config["cluster"])
+    envoy = GatewayEnvoy(log_dir, config, secret_env(mcp, ledger.service_token), ledger_config["cluster"],
+                         [ledger.port])
     try:
         envoy.start()
-        yield ledger, server, proxy, envoy
+        yield SimpleNamespace(ledger=ledger, server=server, proxy=proxy, envoy=envoy, ca=tls.ca)
     finally:
         envoy.stop()
         proxy.stop()
@@ -570,10 +531,9 @@ def eg(log_dir, mcp, module_server, tmp_path_factory):
 
 @pytest.fixture
 def eg_client(eg):
-    ledger, server, proxy, envoy = eg
-    server.reset()
-    proxy.mode = "pass"
-    client = RawMcp(envoy.url)
+    eg.server.reset()
+    eg.proxy.mode = "pass"
+    client = RawMcp(eg.envoy.url)
     yield client
     client.close()
 
@@ -583,7 +543,7 @@ def test_envoy_fetched_the_module_over_http(eg, module_server):
 
 
 def test_a_call_runs_once_replays_on_its_key_and_stops_at_the_cap(eg, eg_client):
-    ledger, server, proxy, envoy = eg
+    ledger, server, proxy = eg.ledger, eg.server, eg.proxy
     permit = ledger.create_permit("--max-calls", "pay_invoice=1")
     args = {"invoice": "INV-EG-1", "amount": 250}
     key = new_key()
@@ -603,7 +563,7 @@ def test_a_call_runs_once_replays_on_its_key_and_stops_at_the_cap(eg, eg_client)
 def test_a_lost_answer_is_never_sent_again(eg, eg_client):
     """No retry on the route: the call whose answer was cut reaches the server once, and every
     retry of its key is `delivery_uncertain`."""
-    ledger, server, proxy, envoy = eg
+    ledger, server, proxy = eg.ledger, eg.server, eg.proxy
     permit = ledger.create_permit("--max-calls", "pay_invoice=2")
     args = {"invoice": "INV-EG-2", "amount": 10}
     key = new_key()
@@ -620,7 +580,7 @@ def test_a_lost_answer_is_never_sent_again(eg, eg_client):
 
 
 def test_an_unpermitted_call_never_reaches_the_tool(eg, eg_client):
-    ledger, server, proxy, envoy = eg
+    ledger, server, proxy = eg.ledger, eg.server, eg.proxy
     refused = eg_client.call("pay_invoice", {"invoice": "INV-EG-3", "amount": 1}, None, new_key())
     assert denial_code(refused) == "permit_invalid"
     assert server.executions("pay_invoice") == 0
@@ -633,7 +593,7 @@ def big_echo(client: RawMcp, token: str, size: int):
 
 def test_a_call_larger_than_envoy_gateways_default_buffer_is_decided(eg, eg_client):
     """Body and receipt of 256 KiB, past Envoy Gateway's 32 KiB default, within the filter's 1 MiB."""
-    ledger, server, proxy, envoy = eg
+    ledger, server, proxy = eg.ledger, eg.server, eg.proxy
     permit = ledger.create_permit()
     answer, text = big_echo(eg_client, permit["token"], 256 * 1024)
     assert answer.status_code == 200, answer.text[:500]
@@ -644,13 +604,13 @@ def test_a_call_larger_than_envoy_gateways_default_buffer_is_decided(eg, eg_clie
 def test_without_the_client_traffic_policy_the_same_call_fails_at_envoy(eg, mcp, module_server, log_dir):
     """What the ClientTrafficPolicy's bufferLimit is for: at Envoy Gateway's default the filter
     cannot hold the body, Envoy answers 413 and the tool does not run."""
-    ledger, server, proxy, _ = eg
+    ledger, server, proxy = eg.ledger, eg.server, eg.proxy
     server.reset()
     without = [o for o in mcp if o["kind"] != "ClientTrafficPolicy"]
-    tls_ca = Path(one_cluster_ca(envoy_config_of(eg)))
-    config = rendered_config(without, module_server, proxy.port, [ledger.port], tls_ca)
+    config = rendered_config(without, module_server, proxy.port, [ledger.port], eg.ca)
     envoy = GatewayEnvoy(log_dir, config, secret_env(mcp, ledger.service_token),
-                         plugin_of(mcp)["config"]["ledger"]["cluster"], name="envoy-gateway-default-buffer")
+                         plugin_of(mcp)["config"]["ledger"]["cluster"], [ledger.port],
+                         name="envoy-gateway-default-buffer")
     envoy.start()
     client = RawMcp(envoy.url)
     try:
@@ -661,12 +621,3 @@ def test_without_the_client_traffic_policy_the_same_call_fails_at_envoy(eg, mcp,
         client.close()
         envoy.stop()
 
-
-def envoy_config_of(eg) -> dict:
-    return yaml.safe_load(eg[3].config_path.read_text())
-
-
-def one_cluster_ca(config: dict) -> str:
-    [ca] = [c["transport_socket"]["typed_config"]["common_tls_context"]["validation_context"]["trusted_ca"]["filename"]
-            for c in config["static_resources"]["clusters"] if "transport_socket" in c]
-    return ca
