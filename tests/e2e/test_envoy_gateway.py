@@ -53,6 +53,7 @@ from tests.e2e.test_manifests import (
 from tests.e2e.test_permits import usage, wait_for_state
 from tests.support.envoy_gateway import (
     WasmServer,
+    duration_seconds,
     of_kind,
     point_ledger_cluster_at,
     quantity_bytes,
@@ -349,12 +350,6 @@ def lease_default() -> float:
     return float(value)
 
 
-def seconds(duration: str) -> float:
-    match = re.fullmatch(r"(\d+)(ms|s|m|h)", duration)
-    assert match, duration
-    return int(match.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[match.group(2)]
-
-
 def test_route_timeout_fits_the_ledger_lease(mcp):
     """docs/design.md: the lease must outlast `ledger.timeout_ms` plus the route timeout. Only the
     GET route (server-to-client streams, never a tools/call) has none."""
@@ -362,7 +357,7 @@ def test_route_timeout_fits_the_ledger_lease(mcp):
     ledger_timeout = plugin_of(mcp)["config"]["ledger"]["timeout_ms"] / 1000
     lease = lease_default()
     for rule in route["spec"]["rules"]:
-        timeout = seconds(rule["timeouts"]["request"])
+        timeout = duration_seconds(rule["timeouts"]["request"])
         if timeout == 0:
             assert [m.get("method") for m in rule["matches"]] == ["GET"], rule
         else:
@@ -481,6 +476,29 @@ def test_rendered_config_passes_envoy_validate(mcp, module_server, tmp_path):
     path.write_text(yaml.safe_dump(config))
     result = validate_envoy_config(path, env=secret_env(mcp, "validation-service-token"))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def routes_and_plugin(config: dict) -> tuple[list[dict], dict]:
+    hcm = config["static_resources"]["listeners"][0]["default_filter_chain"]["filters"][0]["typed_config"]
+    [wasm] = [f for f in hcm["http_filters"] if f["name"].startswith("envoy.filters.http.wasm/")]
+    plugin = json.loads(wasm["typed_config"]["config"]["configuration"]["value"])
+    return hcm["route_config"]["virtual_hosts"][0]["routes"], plugin
+
+
+def test_the_rendered_config_follows_the_manifests(mcp, module_server, tmp_path):
+    """The configuration is the manifests' own: change them, and it changes."""
+    ca = make_ledger_tls(tmp_path / "tls").ca
+    routes, plugin = routes_and_plugin(rendered_config(mcp, module_server, free_port(), [free_port()], ca))
+    assert plugin == plugin_of(mcp)["config"]
+    assert [r["route"]["timeout"] for r in routes] == [rule["timeouts"]["request"]
+                                                       for rule in one(mcp, "HTTPRoute")["spec"]["rules"]]
+    changed = copy.deepcopy([o for o in mcp if o["kind"] != "BackendTrafficPolicy"])
+    one(changed, "HTTPRoute")["spec"]["rules"][1]["timeouts"]["request"] = "60s"
+    plugin_of(changed)["config"]["request_hold"] = "headers"
+    routes, plugin = routes_and_plugin(rendered_config(changed, module_server, free_port(), [free_port()], ca))
+    assert plugin["request_hold"] == "headers"
+    assert [r["route"]["timeout"] for r in routes] == ["0s", "60s"]
+    assert not [r for r in routes if "retry_policy" in r["route"]]
 
 
 class GatewayEnvoy(Envoy):

@@ -15,7 +15,7 @@ its source:
   retries from 1 s to 30 s;
 - routes (internal/xds/translator/route.go): a route per HTTPRoute match named
   `httproute/<ns>/<name>/rule/<i>/match/<j>/<host>`, its cluster `httproute/<ns>/<name>/rule/<i>`,
-  `timeout` from the rule's `timeouts.request`, a `retry_policy` only where a
+  `timeout` from the rule's `timeouts.request` (and `idle_timeout` after it), a `retry_policy` only where a
   BackendTrafficPolicy sets `retry` (its defaults for what `retry` leaves out), a PathPrefix other
   than `/` as `path_separated_prefix`, a method as a `:method` header match, routes with a method
   ahead of routes without;
@@ -73,6 +73,14 @@ def quantity_bytes(value) -> int:
     if not match:
         raise ValueError(f"not a buffer limit quantity: {value!r}")
     return int(match.group(1)) * QUANTITY_UNITS[match.group(2)]
+
+
+def duration_seconds(value: str) -> int:
+    """A Gateway API duration (`120s`, `2m`, `1h30m`, `0s`) in whole seconds."""
+    parts = re.findall(r"(\d+)(ms|s|m|h)", value)
+    if not parts or "".join(n + u for n, u in parts) != value:
+        raise ValueError(f"not a Gateway API duration: {value!r}")
+    return int(sum(int(n) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[u] for n, u in parts))
 
 
 def of_kind(objects: list[dict], kind: str) -> list[dict]:
@@ -262,6 +270,10 @@ def render(objects: list[dict], *, listen_port: int, admin_port: int, upstream_p
                 action = {"cluster": cluster, "upgrade_configs": [{"upgrade_type": "websocket"}]}
                 if "request" in rule.get("timeouts", {}):
                     action["timeout"] = rule["timeouts"]["request"]
+                    # The stream idle timeout follows: an hour, the request timeout if longer, none
+                    # where the request has none (route.go, idleTimeout).
+                    timeout = duration_seconds(rule["timeouts"]["request"])
+                    action["idle_timeout"] = f"{0 if timeout == 0 else max(3600, timeout)}s"
                 if retry is not None:
                     action["retry_policy"] = retry_policy(retry)
                 out = {"name": f"httproute/{r_ns}/{r_name}/rule/{i}/match/{j}/*", "match": route_match(match),
