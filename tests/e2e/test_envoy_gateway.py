@@ -617,6 +617,8 @@ def test_a_call_larger_than_envoy_gateways_default_buffer_is_decided(eg, eg_clie
     assert answer.status_code == 200, answer.text[:500]
     assert answer.json()["result"]["content"][0]["text"] == text
     assert server.executions("echo") == 1
+    # Decided by the ledger, not passed through.
+    assert usage(ledger, permit["id"], "echo")["calls_made"] == 1
 
 
 def test_without_the_client_traffic_policy_the_same_call_fails_at_envoy(eg, mcp, module_server, log_dir):
