@@ -393,6 +393,7 @@ def test_ledger_overlay_serves_tls_admits_the_gateway_and_drops_istio_kinds(rend
     volumes = {v["name"]: v for v in one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]}
     assert volumes["tls"]["secret"]["secretName"] == "atmost-ledger-tls"
     assert container["readinessProbe"]["httpGet"]["scheme"] == container["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert one(objects, "Deployment")["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
     secret = one(objects, "Secret")
     assert {k: base64.b64decode(v).decode() for k, v in secret["data"].items()} == ledger_env
     gateway = one(mcp, "Gateway")
