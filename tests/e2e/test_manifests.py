@@ -306,7 +306,7 @@ def errors_of(doc: dict) -> list[str]:
 
 
 def test_kustomizations_present():
-    assert set(BASES) == {"ledger", "agent", "agent-envoyfilter", "agent-wasmplugin", "agent-egress"}
+    assert set(BASES) == {"ledger", "ledger-serviceentry", "agent", "agent-envoyfilter", "agent-wasmplugin", "agent-egress"}
     assert set(OVERLAYS) == {LEDGER_POSTGRES, LEDGER_SQLITE, AGENT_ENVOYFILTER, AGENT_WASMPLUGIN, EXTERNAL_PROVIDER}
 
 
@@ -329,7 +329,7 @@ def rendered_objects() -> list[tuple[str, int]]:
 
 
 def expected_count(kustomization: str) -> int:
-    counts = {"ledger": 7, "agent": 1, "agent-envoyfilter": 1, "agent-wasmplugin": 1, LEDGER_POSTGRES: 8,
+    counts = {"ledger": 6, "ledger-serviceentry": 1, "agent": 1, "agent-envoyfilter": 1, "agent-wasmplugin": 1, LEDGER_POSTGRES: 8,
               LEDGER_SQLITE: 8, AGENT_ENVOYFILTER: 1, AGENT_WASMPLUGIN: 1, "agent-egress": 1, EXTERNAL_PROVIDER: 6}
     return counts[kustomization]
 
