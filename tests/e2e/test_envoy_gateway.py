@@ -45,6 +45,7 @@ from tests.e2e.test_manifests import (
     KUBECTL,
     OCI_DIR,
     SECRET_ENV,
+    assert_no_committed_secret,
     built,
     crd_schemas,
     kubernetes_errors,
@@ -413,6 +414,12 @@ def test_ledger_overlay_serves_tls_admits_the_gateway_and_drops_istio_kinds(rend
     service = one(objects, "Service")
     host = address["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["address"]
     assert host == f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local"
+
+
+def test_no_committed_file_holds_a_secret():
+    """ledger.env, where the operator writes the ledger's secrets, is ignored by git; no tracked file
+    under envoy/gateway/ holds one."""
+    assert_no_committed_secret("envoy/gateway", f"envoy/gateway/{LEDGER_OVERLAY}/ledger.env")
 
 
 # ---------------------------------------------------------------- the docs' steps

@@ -571,7 +571,13 @@ def test_credentials_come_from_a_secret(rendered, kustomization):
 def test_no_committed_file_holds_a_secret():
     """No store URL and no generator literal in any file under envoy/istio/ (ledger.env, where
     the operator puts them, is ignored by git)."""
-    tracked = subprocess.run(["git", "ls-files", "envoy/istio"], capture_output=True, text=True, cwd=ROOT,
+    assert_no_committed_secret("envoy/istio", f"envoy/istio/{LEDGER_POSTGRES}/ledger.env")
+
+
+def assert_no_committed_secret(directory: str, ledger_env: str) -> None:
+    """No tracked file under `directory` holds a store URL with a password, a secretGenerator
+    literal, or is a ledger.env; the overlay's `ledger_env` is ignored by git."""
+    tracked = subprocess.run(["git", "ls-files", directory], capture_output=True, text=True, cwd=ROOT,
                              timeout=30).stdout.split()
     assert tracked
     for rel in tracked:
@@ -579,8 +585,7 @@ def test_no_committed_file_holds_a_secret():
         assert not re.search(r"postgres(ql)?://[^\s/@]+:[^\s/@]+@", text), f"{rel}: a store URL with a password"
         assert "literals:" not in text, f"{rel}: a secretGenerator literal"
         assert not rel.endswith("ledger.env"), f"{rel}: committed secrets"
-    ignored = subprocess.run(["git", "check-ignore", "-q", f"envoy/istio/{LEDGER_POSTGRES}/ledger.env"],
-                             cwd=ROOT, timeout=30)
+    ignored = subprocess.run(["git", "check-ignore", "-q", ledger_env], cwd=ROOT, timeout=30)
     assert ignored.returncode == 0, "ledger.env must be ignored by git"
 
 
