@@ -436,6 +436,23 @@ def test_doc_steps_apply_the_kustomizations():
     assert "enableEnvoyPatchPolicy: true" in EG_DOC.read_text()
 
 
+def test_doc_network_policy_admits_only_this_gateway_to_the_server(mcp):
+    """The NetworkPolicy docs/envoy-gateway.md gives for the MCP server is a valid object that
+    admits the pods of the shipped Gateway, on the port its route sends to."""
+    [block] = [b for b in re.findall(r"```yaml\n(.*?)```", EG_DOC.read_text(), re.S) if "NetworkPolicy" in b]
+    policy = yaml.safe_load(re.sub(r"(?m)^  ", "", block))
+    assert kubernetes_errors(policy) == []
+    gateway, route = one(mcp, "Gateway"), one(mcp, "HTTPRoute")
+    [backend] = {(b["namespace"], b["port"]) for rule in route["spec"]["rules"] for b in rule["backendRefs"]}
+    assert policy["metadata"]["namespace"] == backend[0]
+    [rule] = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": backend[1]}]
+    [source] = rule["from"]
+    assert source["podSelector"]["matchLabels"] == {
+        "gateway.envoyproxy.io/owning-gateway-name": gateway["metadata"]["name"],
+        "gateway.envoyproxy.io/owning-gateway-namespace": gateway["metadata"]["namespace"]}
+
+
 def test_doc_step_writes_the_digests_where_the_test_puts_them(tmp_path):
     assert run_digest_steps(EG_DOC.read_text(), EG_DIR, tmp_path, set_gateway_digests) == 2
 
