@@ -60,7 +60,6 @@ from tests.support.envoy_gateway import (
     quantity_bytes,
     render,
     targets,
-    wasm_filter_name,
     wasm_from_oci_layout,
 )
 from tests.support.mcp_raw import RawMcp, denial, denial_code
@@ -492,7 +491,8 @@ def test_rendered_config_passes_envoy_validate(mcp, module_server, tmp_path):
     config = rendered_config(mcp, module_server, free_port(), [free_port()], make_ledger_tls(tmp_path / "tls").ca)
     hcm = config["static_resources"]["listeners"][0]["default_filter_chain"]["filters"][0]["typed_config"]
     [wasm, router] = hcm["http_filters"]
-    assert wasm["name"] == wasm_filter_name(one(mcp, "EnvoyExtensionPolicy"), 0) and wasm["disabled"] is True
+    assert wasm["name"] == "envoy.filters.http.wasm/envoyextensionpolicy/atmost-gateway/atmost/wasm/0"
+    assert wasm["disabled"] is True
     assert router["name"] == "envoy.filters.http.router"
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     assert [r["route"]["retry_policy"]["num_retries"] for r in routes] == [0, 0]

@@ -49,16 +49,14 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from tests.support.stack import envoygateway_retry_policy, envoygateway_route_enable, envoygateway_wasm_filter
+
 WASM_CLUSTER = "wasm_cluster"
-WASM_FILTER_PREFIX = "envoy.filters.http.wasm"
 ROUTER = {"name": "envoy.filters.http.router",
           "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router",
                            "suppress_envoy_headers": True}}
 # Envoy Gateway's defaults where no policy says otherwise.
 DEFAULT_BUFFER_LIMIT = 32768
-DEFAULT_RETRY_ON = "connect-failure,refused-stream,unavailable,cancelled,retriable-status-codes"
-DEFAULT_RETRIABLE_STATUS = 503
-DEFAULT_NUM_RETRIES = 2
 UNDERSCORES = {"RejectRequest": "REJECT_REQUEST", "DropHeader": "DROP_HEADER", "Allow": "ALLOW"}
 WASM_FETCH_TIMEOUT = "10s"
 PATCH_CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
@@ -93,11 +91,6 @@ def targets(policy: dict, kind: str, name: str, namespace: str) -> bool:
     refs = spec.get("targetRefs", []) + ([spec["targetRef"]] if "targetRef" in spec else [])
     return policy["metadata"]["namespace"] == namespace and any(
         r.get("kind") == kind and r.get("name") == name for r in refs)
-
-
-def wasm_filter_name(policy: dict, index: int) -> str:
-    meta = policy["metadata"]
-    return f"{WASM_FILTER_PREFIX}/envoyextensionpolicy/{meta['namespace']}/{meta['name']}/wasm/{index}"
 
 
 def wasm_from_oci_layout(layout: Path, manifest_digest: str) -> bytes:
@@ -154,6 +147,14 @@ class WasmServer:
         self.url = f"http://127.0.0.1:{self.port}{self.path}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
+    def remote_code(self) -> dict:
+        """The VM's code as Envoy Gateway gives it: fetched over HTTP through `wasm_cluster`, checked
+        against the module's SHA-256, ten retries from 1 s to 30 s."""
+        return {"remote": {"http_uri": {"uri": self.url, "cluster": WASM_CLUSTER, "timeout": WASM_FETCH_TIMEOUT},
+                           "sha256": self.sha256,
+                           "retry_policy": {"num_retries": 10,
+                                            "retry_back_off": {"base_interval": "1s", "max_interval": "30s"}}}}
+
     def start(self) -> "WasmServer":
         self.thread.start()
         return self
@@ -171,22 +172,6 @@ def static_cluster(name: str, port: int, **extra) -> dict:
             **extra}
 
 
-def retry_policy(retry: dict) -> dict:
-    """A BackendTrafficPolicy's `retry` as Envoy Gateway renders it (buildRetryPolicy)."""
-    policy = {"retry_on": DEFAULT_RETRY_ON, "retriable_status_codes": [DEFAULT_RETRIABLE_STATUS],
-              "num_retries": retry.get("numRetries", DEFAULT_NUM_RETRIES),
-              "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
-                  "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}],
-              "host_selection_retry_max_attempts": 5}
-    triggers = retry.get("retryOn", {}).get("triggers")
-    if triggers:
-        policy["retry_on"] = ",".join(triggers)
-    codes = retry.get("retryOn", {}).get("httpStatusCodes")
-    if codes:
-        policy["retriable_status_codes"] = codes
-    return policy
-
-
 def route_match(match: dict) -> dict:
     path = match.get("path", {"type": "PathPrefix", "value": "/"})
     if path["type"] == "PathPrefix":
@@ -202,29 +187,6 @@ def route_match(match: dict) -> dict:
     if headers:
         out["headers"] = headers
     return out
-
-
-def wasm_filter(policy: dict, index: int, entry: dict, module_url: str, module_sha256: str) -> dict:
-    name = wasm_filter_name(policy, index)
-    vm_config = {"vm_id": name.removeprefix(WASM_FILTER_PREFIX + "/"), "runtime": "envoy.wasm.runtime.v8",
-                 "code": {"remote": {
-                     "http_uri": {"uri": module_url, "cluster": WASM_CLUSTER, "timeout": WASM_FETCH_TIMEOUT},
-                     "sha256": module_sha256,
-                     "retry_policy": {"num_retries": 10,
-                                      "retry_back_off": {"base_interval": "1s", "max_interval": "30s"}}}}}
-    host_keys = entry.get("env", {}).get("hostKeys")
-    if host_keys:
-        vm_config["environment_variables"] = {"host_env_keys": list(host_keys)}
-    config = {"name": entry.get("name", name.removeprefix(WASM_FILTER_PREFIX + "/")),
-              "vm_config": vm_config,
-              "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
-                                "value": json.dumps(entry["config"]) if "config" in entry else ""},
-              "fail_open": bool(entry.get("failOpen", False))}
-    if "rootID" in entry:
-        config["root_id"] = entry["rootID"]
-    return {"name": name, "disabled": True,
-            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-                             "config": config}}
 
 
 def render(objects: list[dict], *, listen_port: int, admin_port: int, upstream_port: int, module: WasmServer) -> dict:
@@ -254,13 +216,12 @@ def render(objects: list[dict], *, listen_port: int, admin_port: int, upstream_p
                    and p.get("sectionName", listener["name"]) == listener["name"] for p in route["spec"]["parentRefs"]):
             continue
         extensions = [p for p in of_kind(objects, "EnvoyExtensionPolicy") if targets(p, "HTTPRoute", r_name, r_ns)]
-        enabled = {}
+        enabled = []
         for policy in extensions:
-            for index, entry in enumerate(policy["spec"].get("wasm", [])):
-                wasm = wasm_filter(policy, index, entry, module.url, module.sha256)
+            for index in range(len(policy["spec"].get("wasm", []))):
+                wasm = envoygateway_wasm_filter(policy, index, module.remote_code())
                 http_filters.append(wasm)
-                enabled[wasm["name"]] = {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
-                                         "config": {}}
+                enabled.append(wasm["name"])
         backend = [p for p in of_kind(objects, "BackendTrafficPolicy") if targets(p, "HTTPRoute", r_name, r_ns)]
         retry = next((p["spec"]["retry"] for p in backend if "retry" in p["spec"]), None)
         for i, rule in enumerate(route["spec"]["rules"]):
@@ -275,11 +236,11 @@ def render(objects: list[dict], *, listen_port: int, admin_port: int, upstream_p
                     timeout = duration_seconds(rule["timeouts"]["request"])
                     action["idle_timeout"] = f"{0 if timeout == 0 else max(3600, timeout)}s"
                 if retry is not None:
-                    action["retry_policy"] = retry_policy(retry)
+                    action["retry_policy"] = envoygateway_retry_policy(retry)
                 out = {"name": f"httproute/{r_ns}/{r_name}/rule/{i}/match/{j}/*", "match": route_match(match),
                        "route": action}
-                if enabled:
-                    out["typed_per_filter_config"] = copy.deepcopy(enabled)
+                for name in enabled:
+                    envoygateway_route_enable(out, name)
                 routes.append(out)
     # More specific first: a method match ahead of none (Envoy Gateway's route sorting).
     routes.sort(key=lambda r: not r["match"].get("headers"))
