@@ -4,19 +4,16 @@ configuration the tests run.
 
 What follows Envoy Gateway v1.9.0 (the release whose CRD schemas tests/e2e/schemas/ keeps), by
 its source:
-- the Wasm filter (internal/xds/translator/wasm.go): one HTTP filter per Wasm entry of an
-  EnvoyExtensionPolicy, named `envoy.filters.http.wasm/envoyextensionpolicy/<ns>/<name>/wasm/<i>`,
-  `disabled: true` in the connection manager and enabled on each route of the policy's target by
-  an empty `envoy.config.route.v3.FilterConfig`; `config.name` the entry's `name`, `root_id` its
-  `rootID`, `configuration` its `config` as a StringValue of JSON, `fail_open` its `failOpen`;
-  the VM with `vm_id` the filter's own name, V8, `environment_variables.host_env_keys` from
-  `env.hostKeys`, and the code `remote`: fetched over HTTP through the cluster `wasm_cluster` from
-  Envoy Gateway's Wasm cache, checked against the SHA-256 of the module (not of the image), ten
-  retries from 1 s to 30 s;
+- the Wasm filter (internal/xds/translator/wasm.go; envoygateway_wasm_filter in
+  scripts/atmost_stack.py, which the `envoygateway` deployment form of the suites uses too): one
+  HTTP filter per Wasm entry of an EnvoyExtensionPolicy, disabled in the connection manager and
+  enabled on each route of the policy's target; here its code is `remote`, as Envoy Gateway gives
+  it: fetched over HTTP through the cluster `wasm_cluster` from Envoy Gateway's Wasm cache, checked
+  against the SHA-256 of the module (not of the image), ten retries from 1 s to 30 s;
 - routes (internal/xds/translator/route.go): a route per HTTPRoute match named
   `httproute/<ns>/<name>/rule/<i>/match/<j>/<host>`, its cluster `httproute/<ns>/<name>/rule/<i>`,
-  `timeout` from the rule's `timeouts.request` (and `idle_timeout` after it), a `retry_policy` only where a
-  BackendTrafficPolicy sets `retry` (its defaults for what `retry` leaves out), a PathPrefix other
+  `timeout` from the rule's `timeouts.request` (and `idle_timeout` after it), a `retry_policy` only
+  where a BackendTrafficPolicy sets `retry` (envoygateway_retry_policy), a PathPrefix other
   than `/` as `path_separated_prefix`, a method as a `:method` header match, routes with a method
   ahead of routes without;
 - the listener and connection manager (internal/xds/translator/listener.go and its test data
