@@ -74,6 +74,7 @@ Environment (knobs):
   BENCH_LEDGER_BIN    another `atmost` build, to compare a change
   BENCH_PLUGIN        JSON merged into atmost's plugin configuration,
                       e.g. '{"completion_reports": "per_call"}'
+                      (setups Da and Ea add answer_release at_once to it)
   BENCH_PG_BINDIR     PostgreSQL's binaries for the bench's own cluster
                       (default /usr/lib/postgresql/15/bin)
   DATABASE_URL        the PostgreSQL server used only when the binaries are missing (E, E2,
@@ -81,7 +82,8 @@ Environment (knobs):
 
 A quick run: BENCH_SETUPS=B,S,D,E,E2,E1k BENCH_REPEATS=1 BENCH_SECONDS=2 BENCH_RATE_SECONDS=3
 BENCH_LEDGER_SECONDS=2 BENCH_CRITERION=0 BENCH_CALLCOST=0. What signing costs:
-BENCH_SETUPS=B,D,Vp,V BENCH_LEDGER_ALONE=0 (criterion and callcost as wanted).
+BENCH_SETUPS=B,D,Vp,V BENCH_LEDGER_ALONE=0 (criterion and callcost as wanted). What releasing
+the answer before its report gives: BENCH_SETUPS=B,S,D,Da,E,Ea BENCH_LEDGER_ALONE=0.
 """
 
 from __future__ import annotations
@@ -142,10 +144,14 @@ LIST = '{"jsonrpc":"2.0","id":2,"method":"tools/list","params":{}}'
 CALL_FRESH = '{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"echo","arguments":{"text":"{SEQ}"},"_meta":{"dev.atmost/idempotency-key":"{SEQ}"}}}'
 CALL_REPLAY = '{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"echo","arguments":{"text":"same"},"_meta":{"dev.atmost/idempotency-key":"replay-' + STAMP + '"}}}'
 
-SETUPS = ("B", "N", "S", "S2", "C", "D0", "D", "Dr", "E", "E2", "E1k", "Vp", "V")
-ON_POSTGRES = ("E", "E2", "E1k")
+SETUPS = ("B", "N", "S", "S2", "C", "D0", "D", "Da", "Dr", "E", "Ea", "E2", "E1k", "Vp", "V")
+ON_POSTGRES = ("E", "Ea", "E2", "E1k")
+# Setups whose gateway releases a completed answer before the ledger has its report
+# (`answer_release: at_once`): D and E otherwise.
+ANSWER_AT_ONCE = ("Da", "Ea")
 BODIES = {"B": [CALL_FRESH], "N": [CALL_FRESH], "S": [CALL_FRESH], "S2": [CALL_FRESH], "C": [INIT, LIST],
-          "D0": [CALL_FRESH], "D": [CALL_FRESH], "Dr": [CALL_REPLAY], "E": [CALL_FRESH], "E2": [CALL_FRESH],
+          "D0": [CALL_FRESH], "D": [CALL_FRESH], "Da": [CALL_FRESH], "Dr": [CALL_REPLAY], "E": [CALL_FRESH],
+          "Ea": [CALL_FRESH], "E2": [CALL_FRESH],
           "E1k": [CALL_FRESH], "Vp": [CALL_FRESH], "V": [CALL_FRESH]}
 DESCRIPTION = {
     "B": "plain Envoy",
@@ -155,8 +161,10 @@ DESCRIPTION = {
     "C": "atmost, non-tool MCP traffic (initialize, tools/list)",
     "D0": "atmost, tools/call, fresh keys, ledger replaced by the static stub (no store)",
     "D": "atmost, tools/call, fresh keys, ledger on SQLite",
+    "Da": "D with answer_release at_once: the answer goes on before the ledger has its report",
     "Dr": "atmost, tools/call, one repeated key (replays), SQLite",
     "E": "atmost, tools/call, fresh keys, ledger on PostgreSQL",
+    "Ea": "E with answer_release at_once",
     "E2": "E with two ledger replicas on the same PostgreSQL, both in Envoy's ledger cluster",
     "E1k": f"E with {PERMITS} permits in use at once, each request under one of them in turn",
     "Vp": "D with a second, plain Envoy at the tool (the hop alone)",
@@ -168,7 +176,7 @@ AT_THE_TOOL = {"Vp": False, "V": True}
 # The tool the bench calls, which the verifier governs.
 TOOL = "echo"
 # Setups whose ledger signs each dispatch (D0's stub stands in for the signatures).
-SIGNED_BY_LEDGER = ("D", "Dr", "E", "E2", "E1k", *AT_THE_TOOL)
+SIGNED_BY_LEDGER = ("D", "Da", "Dr", "E", "Ea", "E2", "E1k", *AT_THE_TOOL)
 
 
 def rate_label(percent: float) -> str:
@@ -1002,7 +1010,8 @@ def write_report(res: dict) -> list[tuple[str, bool, str]]:
         lines.append(f"| {k} | {v['description']} | {v['ceiling_rps']:.0f} | {v['ceiling_rps'] / B:.2f} | "
                      + (f"{v['ceiling_rps'] / n:.2f}" if n else "") + " | "
                      + (f"{v['ceiling_rps'] / sv:.2f}" if sv else "") + f" | {runs(v)} |")
-    ratios = [f"{a}/{d} = {ceil[a] / ceil[d]:.3f}" for a, d in (("C", "N"), ("D", "S"), ("E", "S"), ("D0", "S"))
+    ratios = [f"{a}/{d} = {ceil[a] / ceil[d]:.3f}" for a, d in (("C", "N"), ("D", "S"), ("E", "S"), ("D0", "S"),
+                                                                      ("Da", "D"), ("Ea", "E"))
               if a in ceil and ceil.get(d)]
     if ratios:
         lines += ["", "Ratios: " + ", ".join(ratios) + "."]
@@ -1183,7 +1192,7 @@ def main() -> int:
             ledgers: list[stack.Ledger] = []
             permit: Permit = None
             procs = Procs()
-            if name in ("C", "D", "Dr", "E", "E2", "E1k", *AT_THE_TOOL):
+            if name in ("C", "D", "Da", "Dr", "E", "Ea", "E2", "E1k", *AT_THE_TOOL):
                 store = pg_url if name in ON_POSTGRES else None
                 ledgers.append(start_ledger(name, store))
                 running.append(ledgers[0])
@@ -1205,6 +1214,8 @@ def main() -> int:
             if wasm == ATMOST_WASM and os.environ.get("BENCH_PLUGIN"):
                 # Extra atmost plugin settings, e.g. '{"completion_reports": "per_call"}'.
                 overrides.update(json.loads(os.environ["BENCH_PLUGIN"]))
+            if name in ANSWER_AT_ONCE:
+                overrides["answer_release"] = "at_once"
             ledger_ports = [lg.port for lg in ledgers] or [callout_port]
             upstream_port = mcp_port
             tool_side: Envoy | None = None
