@@ -18,7 +18,10 @@ pub(crate) const SVC: &str = "service-secret";
 pub(crate) const ADM: &str = "admin-secret";
 
 pub(crate) struct TestServer {
+    /// The API listener (`--listen`).
     pub base: String,
+    /// The admin listener (`--admin-listen`): the admin API and the inbox.
+    pub admin: String,
     pub http: reqwest::Client,
     pub state: Arc<AppState>,
     pub clock: Arc<ManualClock>,
@@ -26,6 +29,8 @@ pub(crate) struct TestServer {
     pub stop_signals: tokio::sync::mpsc::Sender<()>,
     /// The server task: it ends once the drain is over and in-flight requests are done.
     pub served: tokio::task::JoinHandle<()>,
+    /// The admin listener's task, which stops with the same drain.
+    pub admin_served: tokio::task::JoinHandle<()>,
     /// Where its SQLite file lives (shared with the servers started beside it).
     pub data_dir: std::path::PathBuf,
     _dir: Option<tempfile::TempDir>,
@@ -80,31 +85,71 @@ async fn start_in(
         Arc::new(Metrics::new().unwrap()),
     ));
     state.start_signing().await.unwrap();
+    crate::readiness::check_once(&state).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = server::router(state.clone());
+    let admin_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let admin_addr = admin_listener.local_addr().unwrap();
+    let app = server::api_router(state.clone())
+        .into_make_service_with_connect_info::<std::net::SocketAddr>();
+    let admin_app = server::admin_router(state.clone())
+        .into_make_service_with_connect_info::<std::net::SocketAddr>();
     let (stop_signals, received) = tokio::sync::mpsc::channel(4);
-    let stop = crate::drain::drain_then_stop(received, state.metrics.clone(), TEST_DRAIN_DELAY);
-    let served = tokio::spawn(async move {
-        let _ = axum::serve(listener, app)
-            .with_graceful_shutdown(stop)
-            .await;
+    let (stopping, stopped) = tokio::sync::watch::channel(false);
+    let drain = crate::drain::drain_then_stop(received, state.metrics.clone(), TEST_DRAIN_DELAY);
+    tokio::spawn(async move {
+        drain.await;
+        let _ = stopping.send(true);
+    });
+    let stop = move || {
+        let mut stopped = stopped.clone();
+        async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }
+    };
+    let served = tokio::spawn({
+        let stop = stop();
+        async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(stop)
+                .await;
+        }
+    });
+    let admin_served = tokio::spawn({
+        let stop = stop();
+        async move {
+            let _ = axum::serve(admin_listener, admin_app)
+                .with_graceful_shutdown(stop)
+                .await;
+        }
     });
     TestServer {
         base: format!("http://{addr}"),
+        admin: format!("http://{admin_addr}"),
         http: reqwest::Client::new(),
         state,
         clock,
         stop_signals,
         served,
+        admin_served,
         data_dir,
         _dir: dir,
     }
 }
 
 impl TestServer {
+    /// The listener that serves `path`: the admin one for `/admin…`, else the API one.
+    pub fn url(&self, path: &str) -> String {
+        let base = if path.starts_with("/admin") {
+            &self.admin
+        } else {
+            &self.base
+        };
+        format!("{base}{path}")
+    }
+
     pub async fn post(&self, path: &str, token: Option<&str>, body: Value) -> (u16, Value) {
-        let mut rb = self.http.post(format!("{}{path}", self.base)).json(&body);
+        let mut rb = self.http.post(self.url(path)).json(&body);
         if let Some(t) = token {
             rb = rb.bearer_auth(t);
         }
@@ -114,7 +159,7 @@ impl TestServer {
     }
 
     pub async fn get(&self, path: &str, token: Option<&str>) -> (u16, Value) {
-        let mut rb = self.http.get(format!("{}{path}", self.base));
+        let mut rb = self.http.get(self.url(path));
         if let Some(t) = token {
             rb = rb.bearer_auth(t);
         }

@@ -27,7 +27,8 @@ use serde::Deserialize;
 use tracing::{error, info, warn};
 
 use crate::api::{key_carriers_text, PermitShowResponse};
-use crate::server::AppState;
+use crate::auth_limit::Verdict;
+use crate::server::{failed_authentication, AppState, Peer};
 use atmost_ledger::clock::{self, Millis};
 use atmost_ledger::decide::ResolveInput;
 use atmost_ledger::error::ResolveError;
@@ -418,6 +419,7 @@ struct SignInForm {
 
 async fn sign_in(
     State(state): State<Shared>,
+    Peer(peer): Peer,
     headers: HeaderMap,
     Form(form): Form<SignInForm>,
 ) -> Response {
@@ -438,19 +440,30 @@ async fn sign_in(
         );
     }
     if form.token.is_empty() || !token::secrets_equal(&form.token, &state.config.admin_token) {
-        state
-            .metrics
-            .unauthorized
-            .with_label_values(&["inbox"])
-            .inc();
         warn!("inbox: sign-in refused: wrong admin token");
-        return sign_in_form(
-            &state,
-            &headers,
-            StatusCode::UNAUTHORIZED,
-            Some("That is not the admin token."),
-            &form.name,
-        );
+        return match failed_authentication(&state, "inbox", peer) {
+            Verdict::Refuse => sign_in_form(
+                &state,
+                &headers,
+                StatusCode::UNAUTHORIZED,
+                Some("That is not the admin token."),
+                &form.name,
+            ),
+            Verdict::TooMany { retry_after_s } => {
+                let mut page = sign_in_form(
+                    &state,
+                    &headers,
+                    StatusCode::TOO_MANY_REQUESTS,
+                    Some(&format!(
+                        "Too many failed sign-ins from this address. Try again in {retry_after_s} seconds."
+                    )),
+                    &form.name,
+                );
+                page.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+                page
+            }
+        };
     }
     let Some(name) = session::valid_name(&form.name) else {
         return sign_in_form(

@@ -104,12 +104,12 @@ impl<'a> Browser<'a> {
     }
 
     async fn get(&mut self, path: &str) -> Page {
-        let rb = self.http.get(format!("{}{path}", self.s.base));
+        let rb = self.http.get(format!("{}{path}", self.s.admin));
         self.finish(rb).await
     }
 
     async fn post(&mut self, path: &str, form: &[(&str, &str)]) -> Page {
-        let rb = self.http.post(format!("{}{path}", self.s.base)).form(form);
+        let rb = self.http.post(format!("{}{path}", self.s.admin)).form(form);
         self.finish(rb).await
     }
 
