@@ -133,8 +133,8 @@ PERMITS = int(os.environ.get("BENCH_PERMITS", "1000"))
 PG_BINDIR = Path(os.environ.get("BENCH_PG_BINDIR", "/usr/lib/postgresql/15/bin"))
 LEDGER_ALONE = os.environ.get("BENCH_LEDGER_ALONE", "1") != "0"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-SERVICE_TOKEN = "bench-service-token"
-ADMIN_TOKEN = "bench-admin-token"
+SERVICE_TOKEN = "bench-service-token-of-32-bytes-or-more"
+ADMIN_TOKEN = "bench-admin-token-of-32-bytes-or-more"
 STAMP = str(int(time.time()))
 
 INIT = '{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"bench","version":"0"}}}'
@@ -433,7 +433,7 @@ def create_permits(ledger: stack.Ledger, count: int, label: str) -> list[str]:
     tokens = []
     for i in range(count):
         req = urllib.request.Request(
-            ledger.url + "/admin/v1/permits", method="POST",
+            ledger.admin_url + "/admin/v1/permits", method="POST",
             data=json.dumps({"label": f"{label}-{i}", "expires": "2h", "tools": ["*"]}).encode(),
             headers={"content-type": "application/json", "authorization": f"Bearer {ADMIN_TOKEN}"})
         with urllib.request.urlopen(req, timeout=30) as r:

@@ -70,6 +70,8 @@ def cluster_port(name: str) -> int:
 
 
 LEDGER_PORT = cluster_port("atmost_ledger")
+# The ledger's admin listener, as `atmost ledger` has it by default (8082, beside 8081).
+LEDGER_ADMIN_PORT = 8082
 UPSTREAM_PORT = cluster_port("mcp_upstream")
 LEDGER_NAME = CLUSTERS["atmost_ledger"]["transport_socket"]["typed_config"]["sni"]
 
@@ -217,7 +219,7 @@ def capture_a_governed_call(log_dir: Path, tag: str, tls: bool) -> CallCaptured:
                    f"tcpdump in the pod (log: {tcpdump_log})")
 
         ledger_argv = [str(ledger_binary()), "ledger", "--listen", f"127.0.0.1:{LEDGER_PORT}",
-                       "--data-dir", str(data_dir)]
+                       "--admin-listen", f"127.0.0.1:{LEDGER_ADMIN_PORT}", "--data-dir", str(data_dir)]
         if ledger_tls:
             ledger_argv += ["--tls-cert-file", str(ledger_tls.cert), "--tls-key-file", str(ledger_tls.key)]
         ledger = Process(f"ledger-{tag}", pod.argv(ledger_argv), log_dir, env={
@@ -225,6 +227,7 @@ def capture_a_governed_call(log_dir: Path, tag: str, tls: bool) -> CallCaptured:
         ledger.start()
         started.append(ledger)
         ledger_url = f"{'https' if ledger_tls else 'http'}://127.0.0.1:{LEDGER_PORT}"
+        admin_url = f"{'https' if ledger_tls else 'http'}://127.0.0.1:{LEDGER_ADMIN_PORT}"
         ca_args = ["--cacert", str(ledger_tls.ca)] if ledger_tls else []
 
         def ledger_ready() -> bool:
@@ -264,7 +267,7 @@ def capture_a_governed_call(log_dir: Path, tag: str, tls: bool) -> CallCaptured:
 
         wait_until(ledger_healthy, 30, f"Envoy in the pod to see the ledger healthy (log: {envoy.log_path})")
 
-        cli = [str(ledger_binary()), "--ledger", ledger_url, "--json"]
+        cli = [str(ledger_binary()), "--ledger", admin_url, "--json"]
         cli_env = {**os.environ, "ATMOST_ADMIN_TOKEN": admin_token}
         if ledger_tls:
             cli_env["ATMOST_LEDGER_CA_FILE"] = str(ledger_tls.ca)

@@ -26,6 +26,24 @@ pub const WINDOW: Duration = Duration::from_secs(60);
 /// Most sources tracked at once.
 pub const MAX_SOURCES: usize = 10_000;
 
+/// The limit's settings: [`MAX_FAILURES`] in [`WINDOW`], [`MAX_SOURCES`] tracked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AuthLimit {
+    pub max_failures: u32,
+    pub window: Duration,
+    pub max_sources: usize,
+}
+
+impl Default for AuthLimit {
+    fn default() -> Self {
+        AuthLimit {
+            max_failures: MAX_FAILURES,
+            window: WINDOW,
+            max_sources: MAX_SOURCES,
+        }
+    }
+}
+
 /// What a failed authentication is answered with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
@@ -50,9 +68,9 @@ pub struct FailureLimiter {
     sources: Mutex<HashMap<IpAddr, Window>>,
 }
 
-impl Default for FailureLimiter {
-    fn default() -> Self {
-        FailureLimiter::new(MAX_FAILURES, WINDOW, MAX_SOURCES)
+impl From<AuthLimit> for FailureLimiter {
+    fn from(l: AuthLimit) -> Self {
+        FailureLimiter::new(l.max_failures, l.window, l.max_sources)
     }
 }
 

@@ -76,6 +76,7 @@ async fn start_in(
         inbox: Default::default(),
         key_refresh: Duration::from_secs(5),
         receipt_issuer: "atmost-test".into(),
+        auth_limit: Default::default(),
     };
     configure(&mut config);
     let state = Arc::new(AppState::new(
@@ -216,7 +217,8 @@ async fn service_api_needs_the_service_token() {
 
 #[tokio::test]
 async fn admin_api_needs_the_admin_token() {
-    let s = start().await;
+    // More wrong tokens than the per-source limit lets through with 401.
+    let s = start_with(|c| c.auth_limit.max_failures = 1000).await;
     for tok in [None, Some("wrong"), Some(SVC)] {
         assert_eq!(s.get("/admin/v1/permits", tok).await.0, 401);
         assert_eq!(s.get("/admin/v1/attempts", tok).await.0, 401);
@@ -724,13 +726,18 @@ async fn a_stop_signal_turns_readiness_off_while_calls_are_still_served() {
         .await;
     assert_eq!((st, v["decision"].as_str()), (200, Some("dispatch")), "{v}");
     assert_eq!(s.get("/healthz", None).await.0, 200);
+    assert_eq!(s.get("/admin/v1/permits", Some(ADM)).await.0, 200);
     let metrics = s.state.metrics.render().unwrap();
     assert!(metrics.contains("\natmost_draining 1\n"), "{metrics}");
-    // A second signal skips the hour-long delay: the server shuts down and its task ends.
+    // A second signal skips the hour-long delay: both listeners shut down and their tasks end.
     s.stop_signals.send(()).await.unwrap();
     tokio::time::timeout(Duration::from_secs(60), s.served)
         .await
         .expect("the server did not stop after the second signal")
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(60), s.admin_served)
+        .await
+        .expect("the admin listener did not stop after the second signal")
         .unwrap();
 }
 
@@ -1313,4 +1320,101 @@ async fn attempts_export_as_receipts_signed_by_the_active_key() {
     for r in after["receipts"].as_array().unwrap() {
         verified_receipt(r.as_str().unwrap(), &set);
     }
+}
+
+#[tokio::test]
+async fn the_api_listener_has_no_admin_door_and_the_admin_listener_no_filter_api() {
+    let s = start().await;
+    for path in ["/admin", "/admin/", "/admin/sign-in", "/admin/v1/permits"] {
+        let resp = s
+            .http
+            .get(format!("{}{path}", s.base))
+            .bearer_auth(ADM)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 404, "{path}");
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(v["error"], "admin_elsewhere", "{path}");
+    }
+    for path in ["/v1/authorize", "/v1/outcomes", "/v1/limits"] {
+        let resp = s
+            .http
+            .post(format!("{}{path}", s.admin))
+            .bearer_auth(SVC)
+            .json(&json!({}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 404, "{path}");
+    }
+    for path in ["/readyz", "/metrics"] {
+        let status = s
+            .http
+            .get(format!("{}{path}", s.admin))
+            .send()
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status.as_u16(), 404, "{path}");
+    }
+    assert_eq!(s.get("/admin/v1/permits", Some(ADM)).await.0, 200);
+}
+
+#[tokio::test]
+async fn wrong_tokens_past_the_limit_get_429_and_the_right_one_always_passes() {
+    let s = start_with(|c| c.auth_limit.max_failures = 3).await;
+    let body = json!({"permit_token": "x", "tool": "t", "fingerprint": "f"});
+    for _ in 0..3 {
+        assert_eq!(
+            s.post("/v1/authorize", Some("wrong"), body.clone()).await.0,
+            401
+        );
+    }
+    let resp = s
+        .http
+        .post(format!("{}/v1/authorize", s.base))
+        .bearer_auth("wrong")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 429);
+    let retry: u64 = resp.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&retry), "{retry}");
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["error"], "too_many_failures");
+    // The right tokens, from the same source, are never limited.
+    let (st, v) = s.post("/v1/authorize", Some(SVC), body.clone()).await;
+    assert_eq!((st, v["code"].as_str()), (200, Some("permit_invalid")));
+    // The admin API counts against the same source.
+    assert_eq!(s.get("/admin/v1/permits", None).await.0, 429);
+    assert_eq!(s.get("/admin/v1/permits", Some(ADM)).await.0, 200);
+    let limited = |api: &str| s.state.metrics.auth_limited.with_label_values(&[api]).get();
+    assert_eq!((limited("service"), limited("admin")), (1, 1));
+}
+
+#[tokio::test]
+async fn readyz_answers_from_the_background_check_without_reading_the_store() {
+    let s = start().await;
+    let checks = || {
+        s.state
+            .metrics
+            .readiness_checks
+            .with_label_values(&["ok"])
+            .get()
+    };
+    let before = checks();
+    assert_eq!(before, 1, "one check before the listener answers");
+    for _ in 0..500 {
+        assert_eq!(s.get("/readyz", None).await.0, 200);
+    }
+    // No background task runs in the test server: every answer came from the one check.
+    assert_eq!(checks(), before);
+    crate::readiness::check_once(&s.state).await;
+    assert_eq!(checks(), before + 1);
 }

@@ -25,8 +25,9 @@ use crate::api::{
     self, AttemptListResponse, AttemptResponse, AttemptView, CreatePermitRequest,
     CreatePermitResponse, ErrorBody, KeyListResponse, KeyRotateResponse, KeyView,
     PermitListResponse, PermitResponse, PermitShowResponse, PermitView, ReceiptExportResponse,
+    SessionsRevokeResponse,
 };
-use crate::auth_limit::{FailureLimiter, Verdict};
+use crate::auth_limit::{AuthLimit, FailureLimiter, Verdict};
 use crate::inbox::{self, InboxConfig};
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
@@ -61,6 +62,8 @@ pub struct ServerConfig {
     pub key_refresh: Duration,
     /// The `iss` of the receipts it signs.
     pub receipt_issuer: String,
+    /// Failed authentications per source before 429 (crate::auth_limit).
+    pub auth_limit: AuthLimit,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -73,6 +76,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("inbox", &self.inbox)
             .field("key_refresh", &self.key_refresh)
             .field("receipt_issuer", &self.receipt_issuer)
+            .field("auth_limit", &self.auth_limit)
             .finish()
     }
 }
@@ -100,6 +104,7 @@ impl AppState {
         metrics: Arc<Metrics>,
     ) -> Self {
         let signer = Signer::new(config.key_refresh);
+        let auth_failures = FailureLimiter::from(config.auth_limit);
         AppState {
             store,
             clock,
@@ -107,7 +112,7 @@ impl AppState {
             metrics,
             signer,
             readiness: Readiness::default(),
-            auth_failures: FailureLimiter::default(),
+            auth_failures,
         }
     }
 
@@ -271,6 +276,7 @@ pub fn api_router(state: Shared) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/admin", any(admin_elsewhere))
+        .route("/admin/", any(admin_elsewhere))
         .route("/admin/{*rest}", any(admin_elsewhere))
         .merge(service)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -292,6 +298,10 @@ pub fn admin_router(state: Shared) -> Router {
         .route("/admin/v1/attempts/{id}/resolve", post(resolve_attempt))
         .route(api::ADMIN_KEYS_PATH, get(list_keys))
         .route(api::ADMIN_KEYS_ROTATE_PATH, post(rotate_key))
+        .route(
+            api::ADMIN_INBOX_SESSIONS_REVOKE_PATH,
+            post(revoke_inbox_sessions),
+        )
         .route_layer(middleware::from_fn_with_state(state.clone(), require_admin))
         .merge(inbox::routes())
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -511,6 +521,19 @@ async fn rotate_key(State(state): State<Shared>) -> Response {
             .into_response()
         }
         Err(e) => internal(&state, "rotate_key", &e),
+    }
+}
+
+/// `POST /admin/v1/inbox/sessions/revoke`: ends every inbox session, on every replica (the
+/// store holds them); each person signs in again.
+async fn revoke_inbox_sessions(State(state): State<Shared>) -> Response {
+    let now = state.clock.now_ms();
+    match state.store.end_all_inbox_sessions(now).await {
+        Ok(revoked) => {
+            info!(revoked, "inbox sessions revoked");
+            Json(SessionsRevokeResponse { revoked }).into_response()
+        }
+        Err(e) => internal(&state, "inbox_sessions_revoke", &e),
     }
 }
 

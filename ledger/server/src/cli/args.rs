@@ -49,6 +49,11 @@ pub enum Command {
         #[command(subcommand)]
         command: KeysCommand,
     },
+    /// The reconciliation inbox's sessions (admin API).
+    Inbox {
+        #[command(subcommand)]
+        command: InboxCommand,
+    },
     /// Check the filter's plugin configuration offline.
     Config {
         #[command(subcommand)]
@@ -193,6 +198,25 @@ pub struct ClientArgs {
     /// Print the API's JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum InboxCommand {
+    /// The inbox's signed-in sessions.
+    Sessions {
+        #[command(subcommand)]
+        command: SessionsCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SessionsCommand {
+    /// End inbox sessions on every replica: each person signs in again.
+    Revoke {
+        /// Every session (the only choice: sessions are not listed).
+        #[arg(long, required = true)]
+        all: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
