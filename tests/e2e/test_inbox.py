@@ -1,7 +1,8 @@
 """The reconciliation inbox in a real browser (headless Chromium, Debian's, driven by
 Selenium), against the real ledger: a call the lost-response path left uncertain through the
 real gateway is found, resolved, and its slot comes back; a wrong token, a form without the
-CSRF token and an expired session are each refused. Screenshots at phone width go to
+CSRF token and an expired session are each refused; signing out or revoking every session
+ends it on the ledger, for every copy of its cookie. Screenshots at phone width go to
 target/test-artifacts/inbox/.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import uuid
 from pathlib import Path
 
@@ -180,6 +182,38 @@ def test_a_resolution_without_the_csrf_token_is_refused(gateway, server, ledger,
     assert "Refused" in browser.title
     assert "nothing was changed" in browser.page_source
     assert [a["id"] for a in attempts(ledger, permit["id"], "uncertain")] == [attempt["id"]]
+
+
+def test_signing_out_ends_the_session_for_every_copy_of_its_cookie(ledger, browser):
+    sign_in(browser, ledger, "Ana Ops", ledger.admin_token)
+    copied = session_cookie(browser)
+    assert copied
+
+    def with_copy():
+        return httpx.get(ledger.admin_url + "/admin/", cookies={"atmost_session": copied}, timeout=5,
+                         verify=ledger.http_verify)
+
+    assert with_copy().status_code == 200
+    submit(browser, browser.find_element(By.CSS_SELECTOR, "form[action='/admin/sign-out'] button"))
+    assert "Sign in" in browser.title and session_cookie(browser) is None
+    # The ledger ended the session itself: the copy taken before sign-out is refused.
+    refused = with_copy()
+    assert refused.status_code == 401 and "Your session has ended" in refused.text
+
+
+def test_revoking_every_session_signs_every_browser_out(ledger, browser):
+    sign_in(browser, ledger, "Ana Ops", ledger.admin_token)
+    browser.get(ledger.admin_url + "/admin/permits")
+    assert browser.find_elements(By.CSS_SELECTOR, "form[action='/admin/sign-out']")
+    revoked = ledger.cli("inbox", "sessions", "revoke", "--all")
+    assert re.fullmatch(r"[1-9]\d* inbox session\(s\) ended; everyone signs in again\n", revoked.stdout), revoked.stdout
+    browser.get(ledger.admin_url + "/admin/permits")
+    assert "Your session has ended" in browser.page_source
+    assert browser.find_elements(By.CSS_SELECTOR, "form[action='/admin/sign-in']")
+    assert not browser.find_elements(By.CSS_SELECTOR, "article.permit")
+    # `--all` is required: nothing is ended by accident.
+    bare = ledger.cli("inbox", "sessions", "revoke", check=False)
+    assert bare.returncode == 2 and "--all" in bare.stderr
 
 
 def _uncertain_via_service_api(ledger: Ledger) -> str:
