@@ -4,6 +4,7 @@
 
 #![cfg(feature = "sqlite")]
 
+use std::future::IntoFuture;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,9 +29,9 @@ pub(crate) struct TestServer {
     /// One value is one SIGTERM, as the ledger's signal handler forwards it (crate::drain).
     pub stop_signals: tokio::sync::mpsc::Sender<()>,
     /// The server task: it ends once the drain is over and in-flight requests are done.
-    pub served: tokio::task::JoinHandle<()>,
+    pub served: tokio::task::JoinHandle<std::io::Result<()>>,
     /// The admin listener's task, which stops with the same drain.
-    pub admin_served: tokio::task::JoinHandle<()>,
+    pub admin_served: tokio::task::JoinHandle<std::io::Result<()>>,
     /// Where its SQLite file lives (shared with the servers started beside it).
     pub data_dir: std::path::PathBuf,
     _dir: Option<tempfile::TempDir>,
@@ -96,34 +97,21 @@ async fn start_in(
     let admin_app = server::admin_router(state.clone())
         .into_make_service_with_connect_info::<std::net::SocketAddr>();
     let (stop_signals, received) = tokio::sync::mpsc::channel(4);
-    let (stopping, stopped) = tokio::sync::watch::channel(false);
-    let drain = crate::drain::drain_then_stop(received, state.metrics.clone(), TEST_DRAIN_DELAY);
-    tokio::spawn(async move {
-        drain.await;
-        let _ = stopping.send(true);
-    });
-    let stop = move || {
-        let mut stopped = stopped.clone();
-        async move {
-            let _ = stopped.wait_for(|s| *s).await;
-        }
-    };
-    let served = tokio::spawn({
-        let stop = stop();
-        async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(stop)
-                .await;
-        }
-    });
-    let admin_served = tokio::spawn({
-        let stop = stop();
-        async move {
-            let _ = axum::serve(admin_listener, admin_app)
-                .with_graceful_shutdown(stop)
-                .await;
-        }
-    });
+    let shutdown = crate::drain::Shutdown::after(crate::drain::drain_then_stop(
+        received,
+        state.metrics.clone(),
+        TEST_DRAIN_DELAY,
+    ));
+    let served = tokio::spawn(
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown.signal())
+            .into_future(),
+    );
+    let admin_served = tokio::spawn(
+        axum::serve(admin_listener, admin_app)
+            .with_graceful_shutdown(shutdown.signal())
+            .into_future(),
+    );
     TestServer {
         base: format!("http://{addr}"),
         admin: format!("http://{admin_addr}"),
@@ -734,10 +722,12 @@ async fn a_stop_signal_turns_readiness_off_while_calls_are_still_served() {
     tokio::time::timeout(Duration::from_secs(60), s.served)
         .await
         .expect("the server did not stop after the second signal")
+        .unwrap()
         .unwrap();
     tokio::time::timeout(Duration::from_secs(60), s.admin_served)
         .await
         .expect("the admin listener did not stop after the second signal")
+        .unwrap()
         .unwrap();
 }
 

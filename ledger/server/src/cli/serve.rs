@@ -129,18 +129,11 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
             None => None,
         };
         // Both listeners stop together, after one drain.
-        let (stopping, stopped) = tokio::sync::watch::channel(false);
-        let drain = crate::drain::drain_then_stop(stop_signals, state.metrics.clone(), args.drain_delay);
-        tokio::spawn(async move {
-            drain.await;
-            let _ = stopping.send(true);
-        });
-        let stop = move || {
-            let mut stopped = stopped.clone();
-            async move {
-                let _ = stopped.wait_for(|s| *s).await;
-            }
-        };
+        let shutdown = crate::drain::Shutdown::after(crate::drain::drain_then_stop(
+            stop_signals,
+            state.metrics.clone(),
+            args.drain_delay,
+        ));
         let metrics = state.metrics.clone();
         let (tls_config, reloader) = match tls {
             Some(reloader) => {
@@ -152,8 +145,8 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
             None => (None, None),
         };
         let served = tokio::try_join!(
-            serve(listener, server::api_router(state.clone()), tls_config.clone(), metrics.clone(), stop()),
-            serve(admin_listener, server::admin_router(state), tls_config, metrics, stop()),
+            serve(listener, server::api_router(state.clone()), tls_config.clone(), metrics.clone(), shutdown.signal()),
+            serve(admin_listener, server::admin_router(state), tls_config, metrics, shutdown.signal()),
         );
         if let Some(r) = reloader {
             r.abort();
