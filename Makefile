@@ -2,7 +2,7 @@
 # Both install what they need: the wasm32-wasip1 target and a project-local virtualenv
 # (`make run` the packages of requirements.txt; the tests those of requirements-test.txt,
 # plus Debian's skopeo, umoci, kubernetes-client (kubectl), golang-go, chromium and
-# chromium-driver, and iproute2, iptables, curl and python3 where missing).
+# chromium-driver, prometheus, and iproute2, iptables, curl and python3 where missing).
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -11,7 +11,7 @@ VPY := $(VENV)/bin/python
 WASM := target/wasm32-wasip1/wasm/atmost_filter.wasm
 CARGO ?= cargo
 
-.PHONY: oci-tools k8s-tools browser-tools
+.PHONY: oci-tools k8s-tools browser-tools prometheus-tools prometheusrule
 # The quick loop: `make check` (docs/development.md#which-target-when).
 .PHONY: check
 .PHONY: all run test model-check test-unit test-e2e test-e2e-wasmplugin test-faults lint fmt ts-deps wasm ledger ledger-next ledger-release setup setup-run rust-setup venv venv-test clean oci
@@ -21,7 +21,7 @@ all: wasm ledger-release
 # What `make run` (and `make bench`) needs; `setup` is what the suites need on top.
 setup-run: rust-setup venv
 
-setup: setup-run venv-test oci-tools k8s-tools go-tools browser-tools netns-tools
+setup: setup-run venv-test oci-tools k8s-tools go-tools browser-tools netns-tools prometheus-tools
 
 # Go (Debian's golang-go) builds tests/support/go_upstream, an encoding/json upstream for the
 # parser-differential tests; standard library only, so it builds offline.
@@ -49,11 +49,24 @@ netns-tools:
 	@test -x /usr/bin/python3 || { apt-get update -qq && apt-get install -y -qq python3; }
 
 # Headless Chromium and its WebDriver (Debian's, the same version) drive the reconciliation
-# inbox in tests/e2e/test_inbox.py, through Selenium (requirements-test.txt); no browser is
+# inbox in tests/e2e/test_inbox.py and test_inbox_figures.py, through Selenium (requirements-test.txt); no browser is
 # downloaded.
 browser-tools:
 	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || \
 		{ apt-get update -qq && apt-get install -y -qq chromium chromium-driver; }
+
+# Debian's prometheus gives `promtool` (checks and unit-tests monitoring/atmost-rules.yml) and the
+# Prometheus that tests/e2e/test_monitoring.py starts on a loopback port of its own. Without
+# recommends (no node exporter). The package enables a prometheus service; the tests never use
+# it, and where the install starts it (a machine with systemd and no policy-rc.d) it is stopped.
+prometheus-tools:
+	@command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || { \
+		apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus && \
+		{ ! command -v systemctl >/dev/null 2>&1 || systemctl stop prometheus.service 2>/dev/null || true; }; }
+
+## monitoring/prometheusrule.yaml (the Prometheus Operator's form) from monitoring/atmost-rules.yml.
+prometheusrule: venv
+	$(VPY) scripts/gen_prometheusrule.py > monitoring/prometheusrule.yaml
 
 # umoci (Debian) builds the OCI images, skopeo (Debian) reads and copies them: it checks what
 # `make oci` builds. The ledger image takes its CA certificates from Debian's ca-certificates.
@@ -176,7 +189,8 @@ test-e2e: setup ts-deps wasm ledger-next ledger oci
 ## The other files check configuration and manifests, the same in both deployments.
 E2E_BOTH_DEPLOYMENTS := $(addprefix tests/e2e/,test_idempotency.py test_permits.py test_fail_closed.py \
 	test_trust_boundary.py test_mcp_versions.py test_upstream_key_forms.py test_tasks.py test_ts_interop.py \
-	test_parser_differentials.py test_replicas.py test_external_provider.py test_control_headers.py)
+	test_parser_differentials.py test_replicas.py test_external_provider.py test_control_headers.py \
+	test_envoy_mcp_filter.py)
 
 test-e2e-wasmplugin: setup ts-deps wasm ledger
 	ATMOST_DEPLOYMENT=wasmplugin ATMOST_BIN=target/debug/atmost $(WITH_PG) $(VPY) -m pytest $(E2E_BOTH_DEPLOYMENTS) -q -p no:cacheprovider --timeout 300
@@ -209,6 +223,14 @@ OHA_VERSION := 1.16.0
 
 bench: setup-run wasm ledger-release bench-tools
 	$(WITH_PG) $(VPY) bench/run.py
+
+## What a call costs as the store grows (bench/scale.py, docs/performance.md#as-the-store-grows): each
+## store filled to 10^4, 10^6 and 10^7 attempts over 10^5 permits, at each size the calls at 1 % of
+## B's ceiling, the ledger alone, table and index sizes; the statements' plans at the largest size.
+## Writes target/bench/scale/results.md and results.json. About half an hour on two cores.
+.PHONY: bench-scale
+bench-scale: setup-run wasm ledger-release bench-tools
+	$(WITH_PG) $(VPY) bench/scale.py
 
 # wrk (Debian) for the ceilings; oha (crates.io, pinned) to cross-check the fixed-rate
 # latencies; valgrind (Debian) to count the filter's instructions per call; the stubs, the

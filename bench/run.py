@@ -74,6 +74,7 @@ Environment (knobs):
   BENCH_LEDGER_BIN    another `atmost` build, to compare a change
   BENCH_PLUGIN        JSON merged into atmost's plugin configuration,
                       e.g. '{"completion_reports": "per_call"}'
+                      (setups Da and Ea add answer_release at_once to it)
   BENCH_PG_BINDIR     PostgreSQL's binaries for the bench's own cluster
                       (default /usr/lib/postgresql/15/bin)
   DATABASE_URL        the PostgreSQL server used only when the binaries are missing (E, E2,
@@ -81,7 +82,8 @@ Environment (knobs):
 
 A quick run: BENCH_SETUPS=B,S,D,E,E2,E1k BENCH_REPEATS=1 BENCH_SECONDS=2 BENCH_RATE_SECONDS=3
 BENCH_LEDGER_SECONDS=2 BENCH_CRITERION=0 BENCH_CALLCOST=0. What signing costs:
-BENCH_SETUPS=B,D,Vp,V BENCH_LEDGER_ALONE=0 (criterion and callcost as wanted).
+BENCH_SETUPS=B,D,Vp,V BENCH_LEDGER_ALONE=0 (criterion and callcost as wanted). What releasing
+the answer before its report gives: BENCH_SETUPS=B,S,D,Da,E,Ea BENCH_LEDGER_ALONE=0.
 """
 
 from __future__ import annotations
@@ -142,10 +144,14 @@ LIST = '{"jsonrpc":"2.0","id":2,"method":"tools/list","params":{}}'
 CALL_FRESH = '{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"echo","arguments":{"text":"{SEQ}"},"_meta":{"dev.atmost/idempotency-key":"{SEQ}"}}}'
 CALL_REPLAY = '{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"echo","arguments":{"text":"same"},"_meta":{"dev.atmost/idempotency-key":"replay-' + STAMP + '"}}}'
 
-SETUPS = ("B", "N", "S", "S2", "C", "D0", "D", "Dr", "E", "E2", "E1k", "Vp", "V")
-ON_POSTGRES = ("E", "E2", "E1k")
+SETUPS = ("B", "N", "S", "S2", "C", "D0", "D", "Da", "Dr", "E", "Ea", "E2", "E1k", "Vp", "V")
+ON_POSTGRES = ("E", "Ea", "E2", "E1k")
+# Setups whose gateway releases a completed answer before the ledger has its report
+# (`answer_release: at_once`): D and E otherwise.
+ANSWER_AT_ONCE = ("Da", "Ea")
 BODIES = {"B": [CALL_FRESH], "N": [CALL_FRESH], "S": [CALL_FRESH], "S2": [CALL_FRESH], "C": [INIT, LIST],
-          "D0": [CALL_FRESH], "D": [CALL_FRESH], "Dr": [CALL_REPLAY], "E": [CALL_FRESH], "E2": [CALL_FRESH],
+          "D0": [CALL_FRESH], "D": [CALL_FRESH], "Da": [CALL_FRESH], "Dr": [CALL_REPLAY], "E": [CALL_FRESH],
+          "Ea": [CALL_FRESH], "E2": [CALL_FRESH],
           "E1k": [CALL_FRESH], "Vp": [CALL_FRESH], "V": [CALL_FRESH]}
 DESCRIPTION = {
     "B": "plain Envoy",
@@ -155,8 +161,10 @@ DESCRIPTION = {
     "C": "atmost, non-tool MCP traffic (initialize, tools/list)",
     "D0": "atmost, tools/call, fresh keys, ledger replaced by the static stub (no store)",
     "D": "atmost, tools/call, fresh keys, ledger on SQLite",
+    "Da": "D with answer_release at_once: the answer goes on before the ledger has its report",
     "Dr": "atmost, tools/call, one repeated key (replays), SQLite",
     "E": "atmost, tools/call, fresh keys, ledger on PostgreSQL",
+    "Ea": "E with answer_release at_once",
     "E2": "E with two ledger replicas on the same PostgreSQL, both in Envoy's ledger cluster",
     "E1k": f"E with {PERMITS} permits in use at once, each request under one of them in turn",
     "Vp": "D with a second, plain Envoy at the tool (the hop alone)",
@@ -168,7 +176,7 @@ AT_THE_TOOL = {"Vp": False, "V": True}
 # The tool the bench calls, which the verifier governs.
 TOOL = "echo"
 # Setups whose ledger signs each dispatch (D0's stub stands in for the signatures).
-SIGNED_BY_LEDGER = ("D", "Dr", "E", "E2", "E1k", *AT_THE_TOOL)
+SIGNED_BY_LEDGER = ("D", "Da", "Dr", "E", "Ea", "E2", "E1k", *AT_THE_TOOL)
 
 
 def rate_label(percent: float) -> str:
@@ -241,7 +249,10 @@ class OwnPostgres:
     """The bench's own PostgreSQL cluster, so that every postgres process's CPU is the bench's:
     initdb in a fresh directory under the output directory, its own loopback port,
     pg_stat_statements loaded; fsync and synchronous_commit stay at their defaults (on), as a
-    production server has them. As root it runs as the `postgres` user (PostgreSQL refuses root)."""
+    production server has them. As root it runs as the `postgres` user (PostgreSQL refuses root).
+    `PRELOAD`: bench/scale.py adds auto_explain (off until it turns it on)."""
+
+    PRELOAD = "pg_stat_statements"
 
     def __init__(self, bindir: Path):
         self.bindir = bindir
@@ -264,7 +275,7 @@ class OwnPostgres:
         # --no-sync only spares initdb's own final flush; the server's settings are untouched.
         self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-sync")
         options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir} -c max_connections=200 "
-                   "-c shared_preload_libraries=pg_stat_statements")
+                   f"-c shared_preload_libraries={self.PRELOAD}")
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "server.log"), "-w", "-t", "60",
                   "-o", options, "start")
         self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "bench")
@@ -407,12 +418,14 @@ class Envoy(stack.Process):
 SCHEMAS_USED: set[str] = set()
 
 
-def start_ledger(name: str, store: str | None, schema: str | None = None) -> stack.Ledger:
+def start_ledger(name: str, store: str | None, schema: str | None = None, keep: bool = False) -> stack.Ledger:
     """A ledger on SQLite (`store` None) or on the PostgreSQL of `store`, in the schema of
-    `schema` (default: its own name), fresh like the fresh SQLite file (dropped at the end)."""
+    `schema` (default: its own name), fresh like the fresh SQLite file (dropped at the end);
+    `keep`: on the SQLite file a ledger of the same name left (bench/scale.py fills it)."""
     data = RUN / f"data-{name}"
-    shutil.rmtree(data, ignore_errors=True)
-    data.mkdir(parents=True)
+    if not keep:
+        shutil.rmtree(data, ignore_errors=True)
+    data.mkdir(parents=True, exist_ok=True)
     if store:
         SCHEMAS_USED.add(schema or name)
     extra = ["--store", store, "--pg-schema", pg_schema(schema or name)] if store else []
@@ -670,37 +683,43 @@ def ledger_alone(name: str, store: str | None, permits: int = 1, batched: bool =
     ledger = start_ledger(f"alone-{name}", store)
     try:
         tokens = permit_file(f"alone-{name}", create_permits(ledger, permits, f"bench-{name}"))
-        procs = Procs()
-        procs.add("ledger", [ledger.proc.pid])
-        if store:
-            watch_postgres(procs, pg, store)
-            reset_statements(store)
-        before = procs.cpu()
-        children = resource.getrusage(resource.RUSAGE_CHILDREN)
-        r = subprocess.run([str(LOAD), "ledger", "--url", ledger.url, "--service-token", SERVICE_TOKEN,
-                            "--permit-file", str(tokens), "--concurrency", str(LEDGER_CONCURRENCY),
-                            "--connections", "2",
-                            "--duration", f"{LEDGER_SECONDS:g}", "--key-prefix", f"alone-{name}-{STAMP}"]
-                           + (["--batched-completions"] if batched else []),
-                           capture_output=True, text=True, timeout=LEDGER_SECONDS + 60)
-        after = procs.cpu()
-        if r.returncode != 0:
-            return {"error": r.stderr.strip()}
-        out = json.loads(r.stdout)
-        pairs = max(out.get("pairs", 0), 1)
-        out["cpu_s_per_1000_pairs"] = {p: round((after[p] - before[p]) / pairs * 1000, 4) for p in after}
-        # The load generator runs on the same two cores.
-        done = resource.getrusage(resource.RUSAGE_CHILDREN)
-        loader = (done.ru_utime + done.ru_stime) - (children.ru_utime + children.ru_stime)
-        out["cpu_s_per_1000_pairs"]["loader"] = round(loader / pairs * 1000, 4)
-        out["peak_rss_mib"] = procs.hwm_mib()
-        if store:
-            out["pg_statements"] = top_statements(store)
-        log(f"ledger alone ({name}, {permits} permit(s)): {out['pairs_per_s']:.0f} authorize+complete pairs/s, "
-            f"p50 {out['p50_us'] / 1000:.2f} ms, failed {out['failed']}")
-        return out
+        return ledger_pairs(name, ledger, tokens, store, batched, pg)
     finally:
         ledger.stop()
+
+
+def ledger_pairs(name: str, ledger: stack.Ledger, tokens: Path, store: str | None, batched: bool = True,
+                 pg: OwnPostgres | None = None) -> dict:
+    """The ledger-alone run against a running ledger, under the permits of `tokens`."""
+    procs = Procs()
+    procs.add("ledger", [ledger.proc.pid])
+    if store:
+        watch_postgres(procs, pg, store)
+        reset_statements(store)
+    before = procs.cpu()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = subprocess.run([str(LOAD), "ledger", "--url", ledger.url, "--service-token", SERVICE_TOKEN,
+                        "--permit-file", str(tokens), "--concurrency", str(LEDGER_CONCURRENCY),
+                        "--connections", "2",
+                        "--duration", f"{LEDGER_SECONDS:g}", "--key-prefix", f"alone-{name}-{STAMP}"]
+                       + (["--batched-completions"] if batched else []),
+                       capture_output=True, text=True, timeout=LEDGER_SECONDS + 60)
+    after = procs.cpu()
+    if r.returncode != 0:
+        return {"error": r.stderr.strip()}
+    out = json.loads(r.stdout)
+    pairs = max(out.get("pairs", 0), 1)
+    out["cpu_s_per_1000_pairs"] = {p: round((after[p] - before[p]) / pairs * 1000, 4) for p in after}
+    # The load generator runs on the same two cores.
+    done = resource.getrusage(resource.RUSAGE_CHILDREN)
+    loader = (done.ru_utime + done.ru_stime) - (children.ru_utime + children.ru_stime)
+    out["cpu_s_per_1000_pairs"]["loader"] = round(loader / pairs * 1000, 4)
+    out["peak_rss_mib"] = procs.hwm_mib()
+    if store:
+        out["pg_statements"] = top_statements(store)
+    log(f"ledger alone ({name}): {out['pairs_per_s']:.0f} authorize+complete pairs/s, "
+        f"p50 {out['p50_us'] / 1000:.2f} ms, failed {out['failed']}")
+    return out
 
 
 def call_instructions() -> dict:
@@ -1002,7 +1021,8 @@ def write_report(res: dict) -> list[tuple[str, bool, str]]:
         lines.append(f"| {k} | {v['description']} | {v['ceiling_rps']:.0f} | {v['ceiling_rps'] / B:.2f} | "
                      + (f"{v['ceiling_rps'] / n:.2f}" if n else "") + " | "
                      + (f"{v['ceiling_rps'] / sv:.2f}" if sv else "") + f" | {runs(v)} |")
-    ratios = [f"{a}/{d} = {ceil[a] / ceil[d]:.3f}" for a, d in (("C", "N"), ("D", "S"), ("E", "S"), ("D0", "S"))
+    ratios = [f"{a}/{d} = {ceil[a] / ceil[d]:.3f}" for a, d in (("C", "N"), ("D", "S"), ("E", "S"), ("D0", "S"),
+                                                                      ("Da", "D"), ("Ea", "E"))
               if a in ceil and ceil.get(d)]
     if ratios:
         lines += ["", "Ratios: " + ", ".join(ratios) + "."]
@@ -1183,7 +1203,7 @@ def main() -> int:
             ledgers: list[stack.Ledger] = []
             permit: Permit = None
             procs = Procs()
-            if name in ("C", "D", "Dr", "E", "E2", "E1k", *AT_THE_TOOL):
+            if name in ("C", "D", "Da", "Dr", "E", "Ea", "E2", "E1k", *AT_THE_TOOL):
                 store = pg_url if name in ON_POSTGRES else None
                 ledgers.append(start_ledger(name, store))
                 running.append(ledgers[0])
@@ -1205,6 +1225,8 @@ def main() -> int:
             if wasm == ATMOST_WASM and os.environ.get("BENCH_PLUGIN"):
                 # Extra atmost plugin settings, e.g. '{"completion_reports": "per_call"}'.
                 overrides.update(json.loads(os.environ["BENCH_PLUGIN"]))
+            if name in ANSWER_AT_ONCE:
+                overrides["answer_release"] = "at_once"
             ledger_ports = [lg.port for lg in ledgers] or [callout_port]
             upstream_port = mcp_port
             tool_side: Envoy | None = None

@@ -54,6 +54,24 @@ WASMPLUGIN_MANIFEST = ROOT / "envoy" / "istio" / "agent-wasmplugin" / "wasmplugi
 ISTIOD_PULL_POLICY_ENV = "ISTIO_META_WASM_IMAGE_PULL_POLICY"
 ISTIOD_RESOURCE_VERSION_ENV = "ISTIO_META_WASM_PLUGIN_RESOURCE_VERSION"
 ISTIOD_FAILURE_POLICIES = {"FAIL_CLOSE": "FAIL_CLOSED", "FAIL_OPEN": "FAIL_OPEN", "FAIL_RELOAD": "FAIL_RELOAD"}
+# Envoy's own MCP filter as docs/envoy-mcp-filter.md has a team add it beside atmost.
+ENVOY_MCP_FILTER = ROOT / "envoy" / "envoy-mcp-filter.yaml"
+ENVOY_MCP_FILTER_PLACES = ("before", "after")
+
+
+@dataclass
+class EnvoyMcpFilter:
+    """Envoy's MCP filter in the gateway's chain: `filters` (http_filters entries; None: those of
+    envoy/envoy-mcp-filter.yaml) go right `before` or right `after` the atmost filter. In a
+    `plain` gateway (no atmost) they go where atmost would be."""
+
+    place: str
+    filters: list[dict] | None = None
+
+    def entries(self) -> list[dict]:
+        if self.place not in ENVOY_MCP_FILTER_PLACES:
+            raise ValueError(f"place must be one of {', '.join(ENVOY_MCP_FILTER_PLACES)} (got {self.place!r})")
+        return self.filters if self.filters is not None else yaml.safe_load(ENVOY_MCP_FILTER.read_text())
 
 
 def deployment() -> str:
@@ -330,7 +348,8 @@ class ExampleServer(Process):
 def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger_ports: list[int],
                    plugin_overrides: dict | None = None, wasm: Path = WASM, plain: bool = False,
                    secrets_from_env: bool = False, upstream_host: str = "127.0.0.1",
-                   deployment_form: str | None = None, ledger_tls: LedgerTls | bool = True) -> dict:
+                   deployment_form: str | None = None, ledger_tls: LedgerTls | bool = True,
+                   envoy_mcp_filter: EnvoyMcpFilter | None = None) -> dict:
     """The shipped sidecar config with this run's ports, the absolute wasm path and plugin overrides.
 
     `plain=True` is the same proxy without the atmost filter: the baseline an MCP client must not
@@ -351,10 +370,10 @@ def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger
     WasmPlugin cannot set.
 
     `ledger_tls` (see gateway_config): the CA the ledger's certificate is checked against, or
-    `False` for the cleartext form.
+    `False` for the cleartext form. `envoy_mcp_filter` adds Envoy's own MCP filter to the chain.
     """
     config = gateway_config(ENVOY_CONFIG, listen_port, admin_port, ledger_ports, plugin_overrides, wasm, plain,
-                            secrets_from_env, deployment_form, ledger_tls)
+                            secrets_from_env, deployment_form, ledger_tls, envoy_mcp_filter)
     for cluster in config["static_resources"]["clusters"]:
         if cluster["name"] == "mcp_upstream":
             address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
@@ -380,13 +399,13 @@ class Provider:
 def external_provider_config(listen_port: int, admin_port: int, ledger_ports: list[int], provider: Provider,
                              plugin_overrides: dict | None = None, wasm: Path = WASM, plain: bool = False,
                              secrets_from_env: bool = False, deployment_form: str | None = None,
-                             ledger_tls: LedgerTls | bool = True) -> dict:
+                             ledger_tls: LedgerTls | bool = True, envoy_mcp_filter: EnvoyMcpFilter | None = None) -> dict:
     """envoy/atmost-external-provider.yaml with this run's ports and filter (as sidecar_config does
     for the sidecar) and `provider` in the places the file's header names: the provider
     cluster's address, its TLS `sni`, expected DNS name and trusted CA, and the Host every
     route rewrites to."""
     config = gateway_config(EXTERNAL_PROVIDER_CONFIG, listen_port, admin_port, ledger_ports, plugin_overrides, wasm,
-                            plain, secrets_from_env, deployment_form, ledger_tls)
+                            plain, secrets_from_env, deployment_form, ledger_tls, envoy_mcp_filter)
     [cluster] = [c for c in config["static_resources"]["clusters"] if c["name"] == "mcp_provider"]
     address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
     address.update(address=provider.address, port_value=provider.port)
@@ -419,14 +438,16 @@ def listener_hcm(config: dict) -> dict:
 
 def gateway_config(path: Path, listen_port: int, admin_port: int, ledger_ports: list[int],
                    plugin_overrides: dict | None, wasm: Path, plain: bool, secrets_from_env: bool,
-                   deployment_form: str | None, ledger_tls: LedgerTls | bool = True) -> dict:
+                   deployment_form: str | None, ledger_tls: LedgerTls | bool = True,
+                   envoy_mcp_filter: EnvoyMcpFilter | None = None) -> dict:
     """A shipped gateway config (its one listener, the atmost filter, the `atmost_ledger` cluster)
     with this run's listener, admin and ledger ports and the filter as sidecar_config describes;
     its MCP cluster is left to the caller.
 
     The ledger cluster keeps the shipped TLS (`sni`, the expected name, ALPN) with `trusted_ca`
     pointed at `ledger_tls`'s CA (`True`: default_ledger_tls()); `False` renders the cleartext
-    form, the cluster without its transport socket (cleartext_ledger_cluster)."""
+    form, the cluster without its transport socket (cleartext_ledger_cluster). `envoy_mcp_filter`
+    puts Envoy's MCP filter before or after atmost (EnvoyMcpFilter)."""
     form = deployment_form or deployment()
     if form not in DEPLOYMENTS:
         raise ValueError(f"deployment_form must be one of {', '.join(DEPLOYMENTS)} (got {form!r})")
@@ -436,6 +457,9 @@ def gateway_config(path: Path, listen_port: int, admin_port: int, ledger_ports: 
     listener["address"]["socket_address"]["port_value"] = listen_port
     hcm = listener_hcm(config)
     wasm_filter = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm")
+    if envoy_mcp_filter is not None:
+        at = hcm["http_filters"].index(wasm_filter) + (envoy_mcp_filter.place == "after")
+        hcm["http_filters"][at:at] = envoy_mcp_filter.entries()
     if plain:
         hcm["http_filters"] = [f for f in hcm["http_filters"] if f is not wasm_filter]
     plugin = wasm_filter["typed_config"]["config"]
@@ -495,12 +519,13 @@ class Envoy(Process):
                  wait_for_ledger: bool = True, secrets_from_env: bool = False, env: dict | None = None,
                  admin_port: int | None = None, upstream_host: str = "127.0.0.1",
                  deployment_form: str | None = None, provider: Provider | None = None,
-                 ledger_tls: LedgerTls | bool = True):
+                 ledger_tls: LedgerTls | bool = True, envoy_mcp_filter: EnvoyMcpFilter | None = None):
         """`secrets_from_env` keeps the shipped config's env-sourced secrets (see sidecar_config);
         `env` is added to Envoy's environment (where those secrets then come from). With
         `provider`, Envoy runs envoy/atmost-external-provider.yaml for that provider
         (external_provider_config; `upstream_port` and `upstream_host` are not used).
-        `ledger_tls` as the ledgers serve it (Ledger's `tls`; `False`: the cleartext form)."""
+        `ledger_tls` as the ledgers serve it (Ledger's `tls`; `False`: the cleartext form).
+        `envoy_mcp_filter`: Envoy's own MCP filter before or after atmost (EnvoyMcpFilter)."""
         self.port = port or free_port()
         self.admin_port = admin_port or free_port()
         self.concurrency = concurrency
@@ -514,11 +539,13 @@ class Envoy(Process):
         if provider is None:
             config = sidecar_config(self.port, self.admin_port, upstream_port, ledger_ports, plugin_overrides,
                                     plain=plain, secrets_from_env=secrets_from_env, upstream_host=upstream_host,
-                                    deployment_form=self.deployment_form, ledger_tls=ledger_tls)
+                                    deployment_form=self.deployment_form, ledger_tls=ledger_tls,
+                                    envoy_mcp_filter=envoy_mcp_filter)
         else:
             config = external_provider_config(self.port, self.admin_port, ledger_ports, provider, plugin_overrides,
                                               plain=plain, secrets_from_env=secrets_from_env,
-                                              deployment_form=self.deployment_form, ledger_tls=ledger_tls)
+                                              deployment_form=self.deployment_form, ledger_tls=ledger_tls,
+                                              envoy_mcp_filter=envoy_mcp_filter)
         self.config_path = Path(tempfile.mkdtemp(prefix="atmost-envoy-")) / "envoy.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         argv = [str(VENV_BIN / "envoy"), "-c", str(self.config_path), "--concurrency", str(concurrency),

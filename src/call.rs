@@ -19,6 +19,8 @@
 //!   │ ──the host refused a rewrite (on_rewrite_failed): deny, report `released`──▶ Answered
 //!   ▼
 //! Dispatched(response watch) ──receipt found──▶ report `completed`, hold the chunk ──▶ Settled
+//!   │ (`answer_release: at_once`, `completed` / `accepted`: the report to the root's batch,
+//!   │  nothing held ──▶ Settled at once)
 //!   └─ on_log without an acknowledged report ──▶ queue completed / released / uncertain
 //!
 //! ReadingBody ──tools/list with a permit, `tools_list_limits` on──▶ Listing(response watch)
@@ -46,7 +48,7 @@ use crate::parse::idempotency;
 use crate::parse::key_rewrite;
 use crate::parse::mcp::{self, Message};
 use crate::stats::Stat;
-use atmost_config::{CompletionReports, Config, RequestHold, UpstreamKey};
+use atmost_config::{AnswerRelease, CompletionReports, Config, RequestHold, UpstreamKey};
 use atmost_protocol::{
     AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, DispatchGrant, LimitsRequest,
     LimitsResponse, Outcome, OutcomeAck, OutcomesRequest, PermitLimits, MAX_LIMITS_TOOLS,

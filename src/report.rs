@@ -1,7 +1,8 @@
 //! The root context's reporting, in plain Rust: the VM's after-the-fact outcome report
 //! queue ([`outcome_queue`], sent on every tick) and, with `completion_reports: batched`,
 //! its batch of completion reports whose responses are held ([`completion_batch`], sent when an HTTP context rings the
-//! doorbell, and again as soon as the previous batch is answered). At most one callout
+//! doorbell, and again as soon as the previous batch is answered), which with
+//! `answer_release: at_once` also carries reports whose answers already went on. At most one callout
 //! of each kind is out; one whose answer never comes is given up on after a number of
 //! ticks, so a lost callback cannot stall either list.
 //!
@@ -114,11 +115,12 @@ impl Reporter {
         tasks.effects
     }
 
-    /// Adds context `context_id`'s completion report to the batch. Returns whether the
+    /// Adds a completion report to the batch, with the context whose response it holds
+    /// (`None` with `answer_release: at_once`: nothing waits for it). Returns whether the
     /// root must be woken (ring the doorbell); if ringing fails, call
     /// [`Reporter::doorbell_failed`] and the next tick sends it instead.
-    pub fn complete(&mut self, context_id: u32, report: OutcomeReport) -> bool {
-        self.completions.push(context_id, report)
+    pub fn complete(&mut self, held: Option<u32>, report: OutcomeReport) -> bool {
+        self.completions.push(held, report)
     }
 
     pub fn doorbell_failed(&mut self) {
@@ -320,17 +322,17 @@ impl Reporter {
     }
 }
 
-/// Hands context `context_id`'s completion report to the batch and, when the root must be
-/// woken for it, rings the doorbell with `ring` (answering whether it rang). A doorbell
-/// that did not ring leaves the report to the next tick. The reporter is not borrowed while
-/// `ring` runs.
+/// Hands a completion report to the batch (with the context whose response it holds, if
+/// any) and, when the root must be woken for it, rings the doorbell with `ring` (answering
+/// whether it rang). A doorbell that did not ring leaves the report to the next tick. The
+/// reporter is not borrowed while `ring` runs.
 pub fn complete(
     reporter: &RefCell<Reporter>,
-    context_id: u32,
+    held: Option<u32>,
     report: OutcomeReport,
     ring: impl FnOnce() -> bool,
 ) {
-    let must_ring = reporter.borrow_mut().complete(context_id, report);
+    let must_ring = reporter.borrow_mut().complete(held, report);
     if must_ring && !ring() {
         reporter.borrow_mut().doorbell_failed();
     }

@@ -139,6 +139,27 @@ fn denial_format(top: &Obj<'_>) -> Result<DenialFormat, ConfigError> {
     }
 }
 
+/// `answer_release`, read from [`ANSWER_RELEASE`].
+fn answer_release(top: &Obj<'_>) -> Result<AnswerRelease, ConfigError> {
+    let Some(name) = top.string("answer_release")? else {
+        return Ok(AnswerRelease::AfterReceipt);
+    };
+    ANSWER_RELEASE
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, mode)| *mode)
+        .ok_or_else(|| {
+            let names: Vec<String> = ANSWER_RELEASE
+                .iter()
+                .map(|(n, _)| format!("`{n}`"))
+                .collect();
+            err(
+                "answer_release",
+                format!("must be one of {}", names.join(", ")),
+            )
+        })
+}
+
 /// The checked plugin configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -183,8 +204,17 @@ pub struct Config {
     /// per worker; a lone call goes out at once), so under load many calls share one
     /// callout. `per_call`: each call sends its own report. Either way the answer is held
     /// until the ledger acknowledges (or, if it cannot be reached, the report is queued
-    /// for retry and the answer released).
+    /// for retry and the answer released), unless `answer_release` is `at_once`.
     pub completion_reports: CompletionReports,
+    /// `answer_release` (`"after_receipt"` | `"at_once"`, default `"after_receipt"`): when
+    /// the answer of a dispatched call whose report is `completed` or `accepted` reaches the
+    /// client. `after_receipt`: once the ledger has acknowledged the report (as
+    /// `completion_reports` says). `at_once`: as soon as the upstream's answer is whole; the
+    /// report goes to the root's batch all the same and is retried when it fails, but a
+    /// same-key retry that comes before it lands gets `idempotency_in_progress`, and an
+    /// Envoy that dies before it lands leaves the attempt to its lease (`uncertain`). An
+    /// `input_required` answer is held in both modes. Needs `completion_reports: batched`.
+    pub answer_release: AnswerRelease,
     /// `tools_list_limits` (boolean, default `false`): a `tools/list` answer passing through
     /// for a request that carried a permit gains, under each governed tool's `_meta`, the
     /// permit's figures for that tool (`_meta["dev.atmost/permit"]`: calls left, budget
@@ -271,6 +301,22 @@ pub enum CompletionReports {
     Batched,
     PerCall,
 }
+
+/// `answer_release`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnswerRelease {
+    /// The answer waits until the ledger has acknowledged its report (or the report could
+    /// not be delivered and was queued).
+    AfterReceipt,
+    /// The answer goes on as soon as it is whole; its report follows through the root.
+    AtOnce,
+}
+
+/// The names of `answer_release`, first the default: the one table the parser reads.
+pub const ANSWER_RELEASE: [(&str, AnswerRelease); 2] = [
+    ("after_receipt", AnswerRelease::AfterReceipt),
+    ("at_once", AnswerRelease::AtOnce),
+];
 
 /// `denial_format`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -494,6 +540,7 @@ impl Config {
             "max_receipt_bytes",
             "report_interval_ms",
             "completion_reports",
+            "answer_release",
             "tools_list_limits",
             "request_hold",
             "signature_validity_s",
@@ -622,6 +669,17 @@ impl Config {
             Some("per_call") => CompletionReports::PerCall,
             Some(_) => return Err(err("completion_reports", "must be `batched` or `per_call`")),
         };
+        let answer_release = answer_release(&top)?;
+        if answer_release == AnswerRelease::AtOnce
+            && completion_reports == CompletionReports::PerCall
+        {
+            // A per-call report is the request's own callout, which Envoy cancels when the
+            // request ends: released at once, the request may end before its report leaves.
+            return Err(err(
+                "answer_release",
+                "`at_once` sends each report through the root's batch, so it needs `completion_reports: batched` (a request's own callout is cancelled when its answer has gone)",
+            ));
+        }
         let tools_list_limits = top.boolean("tools_list_limits", false)?;
         let request_hold = request_hold(&top)?;
         let signature_validity_s = top.integer(
@@ -647,6 +705,7 @@ impl Config {
             max_receipt_bytes,
             report_interval_ms,
             completion_reports,
+            answer_release,
             tools_list_limits,
             request_hold,
             signature_validity_s,
@@ -835,6 +894,30 @@ mod tests {
     }
 
     #[test]
+    fn answer_release_modes() {
+        let mut v = minimal();
+        assert_eq!(config_from(&v).answer_release, AnswerRelease::AfterReceipt);
+        for (name, mode) in ANSWER_RELEASE {
+            v["answer_release"] = json!(name);
+            assert_eq!(config_from(&v).answer_release, mode);
+        }
+        v["answer_release"] = json!("at_once");
+        v["completion_reports"] = json!("per_call");
+        let refused = Config::parse(v.to_string().as_bytes()).err();
+        assert_eq!(
+            refused.as_ref().map(|e| e.field.as_str()),
+            Some("answer_release")
+        );
+        assert!(refused.is_some_and(|e| e.message.contains("completion_reports: batched")));
+        v["answer_release"] = json!("sometimes");
+        let refused = Config::parse(v.to_string().as_bytes()).err();
+        assert_eq!(
+            refused.map(|e| e.to_string()),
+            Some("atmost: bad plugin configuration: field `answer_release`: must be one of `after_receipt`, `at_once`".into())
+        );
+    }
+
+    #[test]
     fn full_example_parses() {
         let c = config_from(&json!({
           "ledger": {"cluster": "atmost_ledger", "authority": "ledger.local", "timeout_ms": 250, "service_token": "t"},
@@ -973,6 +1056,8 @@ mod tests {
                 with(&["completion_reports"], json!(true)),
                 "completion_reports",
             ),
+            (with(&["answer_release"], json!("later")), "answer_release"),
+            (with(&["answer_release"], json!(false)), "answer_release"),
             (with(&["request_hold"], json!("none")), "request_hold"),
             (with(&["request_hold"], json!(1)), "request_hold"),
             (with(&["max_body_bytes"], json!(0)), "max_body_bytes"),

@@ -30,7 +30,7 @@ pub const SHARED_FIELDS: [&str; 4] = [
     "request_hold",
 ];
 /// The top-level fields only the gateway reads: refused in `role: "verify"`.
-pub const GATEWAY_ONLY_FIELDS: [&str; 8] = [
+pub const GATEWAY_ONLY_FIELDS: [&str; 9] = [
     "ledger",
     "permit_header",
     "key_required_tools",
@@ -38,6 +38,7 @@ pub const GATEWAY_ONLY_FIELDS: [&str; 8] = [
     "max_receipt_bytes",
     "report_interval_ms",
     "completion_reports",
+    "answer_release",
     "tools_list_limits",
 ];
 

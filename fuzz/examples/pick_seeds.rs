@@ -5,7 +5,7 @@ use atmost_fuzz::call_state_machine::{reached, Reached};
 
 type Goal = (&'static str, fn(&Reached) -> bool);
 
-const GOALS: [Goal; 8] = [
+const GOALS: [Goal; 9] = [
     ("dispatch and report", |r| r.dispatched && r.reports > 0),
     ("request_hold body: dispatch", |r| r.body_mode_dispatched),
     (
@@ -21,6 +21,10 @@ const GOALS: [Goal; 8] = [
         r.limits_not_dispatched
     }),
     ("tools_list_limits: asked", |r| r.limits_asked),
+    (
+        "answer_release at_once: answer released before its report",
+        |r| r.released_unwaited,
+    ),
 ];
 
 fn main() {

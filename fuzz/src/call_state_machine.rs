@@ -55,6 +55,9 @@
 //!   lists, and with its `content-length` removed when its length changed. (Not judged
 //!   after what Envoy never does, which the events still drive for robustness:
 //!   `on_callout_failed` out of turn, a ledger answer while no callout is out.)
+//! - `answer_release: at_once`: a `completed` or `accepted` report goes to the root's batch
+//!   unwaited, in a step that lets the answer go on; an `input_required` answer is held for
+//!   its report as under `after_receipt`, which holds every answer for its report;
 //! - every local reply is JSON; a denial answers with the request's JSON-RPC id;
 //! - at most one outcome report per dispatched attempt is handed to the root queue, and a
 //!   receipt-bearing report (`completed`, …) is never followed by `released`.
@@ -62,7 +65,7 @@
 use crate::plain;
 use answer::Answer;
 use arbitrary::{Arbitrary, Unstructured};
-use atmost_config::{Config, RequestHold, UpstreamKey};
+use atmost_config::{AnswerRelease, Config, RequestHold, UpstreamKey};
 use atmost_filter::call::effects::{self, Refused};
 use atmost_filter::call::resume::Ticket;
 use atmost_filter::call::{
@@ -85,7 +88,7 @@ mod answer;
 const CONFIGS: [&str; 8] = [
     r#"{"ledger":{"cluster":"l","service_token":"t"},"upstream_key":{"secret":"0123456789abcdef0123"}}"#,
     r#"{"ledger":{"cluster":"l","service_token":"t"},"upstream_key":{"mode":"raw"},"denial_format":"error","max_body_bytes":64,"max_receipt_bytes":48,"governed_tools":["pay"]}"#,
-    r#"{"ledger":{"cluster":"l","service_token":"t"},"upstream_key":{"mode":"off"},"key_required_tools":["*"],"permit_header":"x-permit"}"#,
+    r#"{"ledger":{"cluster":"l","service_token":"t"},"upstream_key":{"mode":"off"},"key_required_tools":["*"],"permit_header":"x-permit","answer_release":"at_once"}"#,
     r#"{"ledger":{"cluster":"l","service_token":"t"},"upstream_key":{"secret":"0123456789abcdef0123"},"max_body_bytes":1,"max_receipt_bytes":1}"#,
     r#"{"ledger":{"cluster":"l","service_token":"t"},"upstream_key":{"secret":"0123456789abcdef0123"},"request_hold":"body","completion_reports":"per_call"}"#,
     r#"{"ledger":{"cluster":"l","service_token":"t"},"upstream_key":{"mode":"raw"},"request_hold":"body","tools_list_limits":true,"governed_tools":["pay","refund"],"denial_format":"error"}"#,
@@ -388,6 +391,8 @@ pub struct Reached {
     pub limits_timed_out: bool,
     /// The host would not dispatch it.
     pub limits_not_dispatched: bool,
+    /// `answer_release: at_once`: an answer went on before its report was acknowledged.
+    pub released_unwaited: bool,
 }
 
 #[derive(Default)]
@@ -624,6 +629,34 @@ fn observe(w: &mut Watch, cfg: &Config, a: &Answer, done: &Done, from_ledger: bo
             Effect::Complete(r) => {
                 w.reports.push(kind(&r.outcome));
                 w.batch_pending = true;
+                assert!(
+                    cfg.answer_release == AnswerRelease::AfterReceipt
+                        || matches!(r.outcome, Outcome::InputRequired { .. }),
+                    "answer_release: at_once held the answer for a {} report",
+                    kind(&r.outcome)
+                );
+            }
+            Effect::CompleteUnwaited(r) => {
+                w.reports.push(kind(&r.outcome));
+                assert_eq!(
+                    cfg.answer_release,
+                    AnswerRelease::AtOnce,
+                    "an answer released before its report without answer_release: at_once"
+                );
+                assert!(
+                    matches!(
+                        r.outcome,
+                        Outcome::Completed { .. } | Outcome::Accepted { .. }
+                    ),
+                    "a {} answer released before its report",
+                    kind(&r.outcome)
+                );
+                assert_eq!(
+                    done.flow,
+                    Flow::Continue,
+                    "answer_release: at_once held the answer it reported unwaited"
+                );
+                w.reached.released_unwaited = true;
             }
             _ => {}
         }

@@ -228,6 +228,7 @@ pub fn check(data: &[u8]) {
         report_interval_ms: report.unwrap_or(DEFAULT_REPORT_INTERVAL_MS),
         tools_list_limits: false,
         completion_reports: atmost_config::CompletionReports::Batched,
+        answer_release: atmost_config::AnswerRelease::AfterReceipt,
         request_hold: atmost_config::RequestHold::Headers,
         signature_validity_s: atmost_config::DEFAULT_SIGNATURE_VALIDITY_S,
     };

@@ -106,6 +106,15 @@ fn state_machine_seeds_reach_request_hold_body() {
     );
 }
 
+/// `answer_release: at_once`: a seed has an answer go on before its report was acknowledged.
+#[test]
+fn state_machine_seeds_reach_an_answer_released_before_its_report() {
+    assert!(
+        state_machine_seeds().iter().any(|r| r.released_unwaited),
+        "no seed in corpus/call_state_machine releases an answer under answer_release: at_once"
+    );
+}
+
 /// `tools_list_limits`: seeds make the limits callout of a `tools/list` answer and reach
 /// each end of it: the figures written in, the ledger refusing, no answer, no dispatch.
 #[test]

@@ -81,6 +81,33 @@ pub struct Decision {
     pub response: AuthorizeResponse,
     pub mutation: Mutation,
     pub notices: Vec<Notice>,
+    /// What a new reservation left of the permit's limits; `None` unless this decision
+    /// reserves a new attempt.
+    pub headroom: Option<Headroom>,
+}
+
+/// The share of a permit's limits still free after a new reservation, from 0 (that call took
+/// the last of it) to 1: of the tool's call cap, and of the permit's budget (`None`: no such
+/// limit). Read from the figures the answer carries, so the ledger's metrics cost no read.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Headroom {
+    pub calls: Option<f64>,
+    pub budget: Option<f64>,
+}
+
+impl Headroom {
+    fn of(permit: &Permit, tool: &str, limits: &PermitLimits) -> Self {
+        let rules = &permit.policy.rules;
+        let share = |left: Option<u64>, of: Option<u64>| match (left, of) {
+            (Some(left), Some(of)) if of > 0 => Some((left as f64 / of as f64).min(1.0)),
+            (Some(_), Some(_)) => Some(0.0),
+            _ => None,
+        };
+        Headroom {
+            calls: share(limits.calls_left, rules.limit_for(tool)),
+            budget: share(limits.budget_left, rules.budget),
+        }
+    }
 }
 
 impl Decision {
@@ -89,6 +116,7 @@ impl Decision {
             response: AuthorizeResponse::Deny(d),
             mutation: Mutation::None,
             notices: Vec::new(),
+            headroom: None,
         }
     }
 }
@@ -183,6 +211,9 @@ pub fn decide(req: &AuthorizeRequest, snap: &Snapshot, params: &DecideParams) ->
         },
         snap.now_ms,
     );
+    if matches!(decision.mutation, Mutation::Reserve(_)) {
+        decision.headroom = Some(Headroom::of(permit, &req.tool, &limits));
+    }
     match &mut decision.response {
         AuthorizeResponse::Dispatch { limits: l, .. }
         | AuthorizeResponse::Replay { limits: l, .. } => *l = Some(limits),
@@ -288,6 +319,7 @@ fn decide_under(
                             },
                             mutation: Mutation::Update(replayed),
                             notices: Vec::new(),
+                            headroom: None,
                         }
                     }
                     None => Decision::deny(
@@ -348,6 +380,7 @@ fn decide_under(
                     },
                     mutation: Mutation::Update(next),
                     notices: Vec::new(),
+                    headroom: None,
                 };
             }
             AttemptState::AwaitingInput => {
@@ -514,6 +547,7 @@ fn decide_under(
         },
         mutation: Mutation::Reserve(attempt),
         notices,
+        headroom: None,
     }
 }
 

@@ -1180,6 +1180,46 @@ fn a_dispatch_shows_what_is_left_after_its_own_reservation() {
 }
 
 #[test]
+fn a_new_reservation_reports_the_share_of_each_limit_it_left() {
+    // Cap 3 with this call's slot: 1 of 3 left; budget 100 with this call's 5: 80 left.
+    let d = decide(&req(Some("k"), "fp"), &capped_snap(), &params());
+    assert!(is_dispatch(&d));
+    assert_eq!(
+        d.headroom,
+        Some(Headroom {
+            calls: Some(1.0 / 3.0),
+            budget: Some(0.8),
+        })
+    );
+    // The last slot: nothing left.
+    let mut last = capped_snap();
+    last.usage.calls_made = 2;
+    let d = decide(&req(Some("k"), "fp"), &last, &params());
+    assert_eq!(d.headroom.and_then(|h| h.calls), Some(0.0));
+    // A permit without cap or budget has neither share.
+    let open = decide(&req(Some("k"), "fp"), &snap(permit()), &params());
+    assert_eq!(
+        open.headroom,
+        Some(Headroom {
+            calls: None,
+            budget: None
+        })
+    );
+    // Replays and denials reserve nothing, so they report none.
+    let mut s = capped_snap();
+    let mut done = attempt(AttemptState::Completed, Some("k"), "fp");
+    done.receipt = Some("R".into());
+    s.existing = Some(done);
+    assert_eq!(decide(&req(Some("k"), "fp"), &s, &params()).headroom, None);
+    let mut full = capped_snap();
+    full.usage.calls_made = 3;
+    assert_eq!(
+        decide(&req(Some("k2"), "fp"), &full, &params()).headroom,
+        None
+    );
+}
+
+#[test]
 fn replays_and_denials_show_the_counters_as_they_stand() {
     let mut s = capped_snap();
     let mut done = attempt(AttemptState::Completed, Some("k"), "fp");

@@ -10,6 +10,7 @@ use crate::call::reply::LocalReply;
 use crate::call::{BodyStep, Call, Effect, Flow, Level, LogProps, RequestHead, ResponseHead, Step};
 use crate::ledger_client::{self, Callout};
 use crate::report;
+use atmost_protocol::OutcomeReport;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
@@ -69,6 +70,17 @@ struct Exec<'a> {
     context_id: u32,
 }
 
+impl Exec<'_> {
+    /// Hands a completion report to the root's batch and rings its doorbell.
+    fn complete(&self, held: Option<u32>, completed: OutcomeReport) {
+        let doorbell = self.shared.doorbell;
+        report::complete(&self.shared.reporter, held, completed, || {
+            doorbell
+                .is_some_and(|q| hostcalls::enqueue_shared_queue(q, Some(b"!".as_slice())).is_ok())
+        });
+    }
+}
+
 impl effects::Host for Exec<'_> {
     fn effect(&mut self, effect: Effect) -> Result<(), Refused> {
         match effect {
@@ -117,14 +129,8 @@ impl effects::Host for Exec<'_> {
                     self.shared.root_effect(effect);
                 }
             }
-            Effect::Complete(completed) => {
-                let doorbell = self.shared.doorbell;
-                report::complete(&self.shared.reporter, self.context_id, completed, || {
-                    doorbell.is_some_and(|q| {
-                        hostcalls::enqueue_shared_queue(q, Some(b"!".as_slice())).is_ok()
-                    })
-                });
-            }
+            Effect::Complete(completed) => self.complete(Some(self.context_id), completed),
+            Effect::CompleteUnwaited(completed) => self.complete(None, completed),
             Effect::SaveResume(key, ticket) => host::set_shared(&key, &ticket.to_bytes()),
             Effect::Count(stat) => self.shared.metrics.inc(stat),
             Effect::Log(level, message) => host::log(level, &message),

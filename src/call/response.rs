@@ -229,7 +229,6 @@ impl Call {
             ResultKind::Task => (Outcome::Accepted { receipt }, Stat::Accepted),
         };
         let report = d.grant.report(outcome.clone());
-        d.watch = Watch::Reporting { outcome };
         // The answer as the client gets it (the receipt stays the upstream's own text).
         let mut effects: Vec<Effect> = body
             .map(|body| Effect::ReplaceResponseBody {
@@ -240,6 +239,17 @@ impl Call {
             .collect();
         effects.push(Effect::Count(stat));
         effects.extend(resumed_stat);
+        if released_unwaited(self.config.answer_release, &outcome) {
+            // The root's batch owns the report from here; nothing is held for it.
+            d.watch = Watch::Settled;
+            effects.push(Effect::CompleteUnwaited(report));
+            return Step {
+                flow: Flow::Continue,
+                effects,
+                callout: None,
+            };
+        }
+        d.watch = Watch::Reporting { outcome };
         match self.config.completion_reports {
             CompletionReports::Batched => {
                 self.in_completion_batch = true;
@@ -451,6 +461,18 @@ impl Call {
             _ => Step::cont(),
         }
     }
+}
+
+/// Whether the answer carrying `outcome` goes on before the ledger has its report
+/// (`answer_release: at_once`; docs/design.md#releasing-the-answer-before-its-report).
+/// `input_required` always waits: its continuation is the client's very next request, and
+/// the ledger dispatches it only once the attempt is `awaiting_input`.
+fn released_unwaited(release: AnswerRelease, outcome: &Outcome) -> bool {
+    release == AnswerRelease::AtOnce
+        && matches!(
+            outcome,
+            Outcome::Completed { .. } | Outcome::Accepted { .. }
+        )
 }
 
 /// A `tools/list` answer goes on without figures, for `why`.

@@ -122,6 +122,11 @@ pub enum Effect {
     /// `Pause`) until the root resumes it. Tell the machine with
     /// [`Call::on_completion_settled`] once the batch is done.
     Complete(OutcomeReport),
+    /// `answer_release: at_once`: hand this `completed` or `accepted` report to the root's
+    /// batch as [`Effect::Complete`] does, but hold nothing for it: the answer goes on in
+    /// the same step (its flow is `Continue`) and the root alone sees the report through
+    /// (sent, or queued for retry when it fails). The machine hears nothing more of it.
+    CompleteUnwaited(OutcomeReport),
     /// Store a resume ticket in shared data under this key (see [`crate::call::resume`]).
     SaveResume(String, Ticket),
     Count(Stat),

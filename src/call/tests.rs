@@ -91,14 +91,16 @@ fn counts(step: &Step) -> Vec<Stat> {
         .collect()
 }
 
+/// What `pick` takes out of a step's effects, in order.
+fn picked<T>(step: &Step, pick: impl Fn(&Effect) -> Option<T>) -> Vec<T> {
+    step.effects.iter().filter_map(pick).collect()
+}
+
 fn enqueued(step: &Step) -> Vec<OutcomeReport> {
-    step.effects
-        .iter()
-        .filter_map(|e| match e {
-            Effect::Enqueue(r) => Some(r.clone()),
-            _ => None,
-        })
-        .collect()
+    picked(step, |e| match e {
+        Effect::Enqueue(r) => Some(r.clone()),
+        _ => None,
+    })
 }
 
 fn authorize_body(step: &Step) -> AuthorizeRequest {
@@ -1987,6 +1989,7 @@ fn a_tools_list_answer_in_an_sse_event_gains_the_figures_in_place() {
     assert_eq!(s.effects.last(), Some(&Effect::ResumeResponse));
 }
 
+mod answer_release;
 mod body_hold;
 mod control_headers;
 mod signed_dispatch;

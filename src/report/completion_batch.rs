@@ -11,6 +11,10 @@
 //! response is resumed; reports of a batch that failed go to the after-the-fact
 //! [`crate::report::outcome_queue::ReportQueue`] (as a failed per-call report does) and their responses
 //! are resumed too.
+//!
+//! With `answer_release: at_once` a report joins the same list with no context: its answer
+//! went on when it was found, so nothing is resumed for it and no context waits on it; it is
+//! sent, or requeued when its batch fails, like any other.
 
 use crate::ledger_client::LedgerError;
 use atmost_protocol::{OutcomeAck, OutcomeReport, OutcomesRequest};
@@ -35,8 +39,9 @@ pub struct Finished {
 /// The VM's list of completion reports waiting for the ledger.
 #[derive(Debug, Default)]
 pub struct Completions {
-    pending: VecDeque<(u32, OutcomeReport)>,
-    in_flight: Vec<(u32, OutcomeReport)>,
+    /// Each report with the context whose response it holds (`None`: nothing is held).
+    pending: VecDeque<(Option<u32>, OutcomeReport)>,
+    in_flight: Vec<(Option<u32>, OutcomeReport)>,
     /// Contexts with a report pending or in flight.
     waiting: HashSet<u32>,
     /// A doorbell message is on its way to the root and not yet handled.
@@ -48,11 +53,12 @@ impl Completions {
         Completions::default()
     }
 
-    /// Adds the report of context `context_id`. Returns whether the root must be woken
-    /// (no batch out and no doorbell already on its way).
-    pub fn push(&mut self, context_id: u32, report: OutcomeReport) -> bool {
-        self.pending.push_back((context_id, report));
-        self.waiting.insert(context_id);
+    /// Adds a report, with the context whose response waits for it (`None` when none
+    /// does). Returns whether the root must be woken (no batch out and no doorbell already
+    /// on its way).
+    pub fn push(&mut self, held: Option<u32>, report: OutcomeReport) -> bool {
+        self.pending.push_back((held, report));
+        self.waiting.extend(held);
         if self.busy() || self.rung {
             false
         } else {
@@ -106,9 +112,9 @@ impl Completions {
             resume: Vec::with_capacity(batch.len()),
             ..Finished::default()
         };
-        for (ctx, _) in &batch {
-            self.waiting.remove(ctx);
-            done.resume.push(*ctx);
+        for ctx in batch.iter().filter_map(|(ctx, _)| *ctx) {
+            self.waiting.remove(&ctx);
+            done.resume.push(ctx);
         }
         match acks {
             Ok(acks) => {
@@ -152,7 +158,7 @@ mod tests {
     fn lone_call_rings_and_goes_out_at_once() {
         let mut c = Completions::new();
         assert!(c.next_batch().is_none());
-        assert!(c.push(7, report(1)), "first report wakes the root");
+        assert!(c.push(Some(7), report(1)), "first report wakes the root");
         assert!(c.is_waiting(7));
         c.answered_doorbell();
         let b = c.next_batch().map(|b| ids(&b));
@@ -168,13 +174,13 @@ mod tests {
     #[test]
     fn one_doorbell_until_answered_none_while_busy() {
         let mut c = Completions::new();
-        assert!(c.push(1, report(1)));
-        assert!(!c.push(2, report(2)), "doorbell already on its way");
+        assert!(c.push(Some(1), report(1)));
+        assert!(!c.push(Some(2), report(2)), "doorbell already on its way");
         c.answered_doorbell();
         assert_eq!(c.next_batch().map(|b| b.reports.len()), Some(2));
         // While a batch is out, reports wait without ringing; the answer sends them.
-        assert!(!c.push(3, report(3)));
-        assert!(!c.push(4, report(4)));
+        assert!(!c.push(Some(3), report(3)));
+        assert!(!c.push(Some(4), report(4)));
         assert!(c.next_batch().is_none(), "one batch out at a time");
         assert!(c.is_waiting(3) && c.is_waiting(1));
         let done = c.finish_batch(Ok(vec![OutcomeAck::Applied, OutcomeAck::AlreadyRecorded]));
@@ -187,14 +193,14 @@ mod tests {
         assert_eq!(c.in_flight_len(), 2);
         // Idle again: the next report rings.
         c.finish_batch(Ok(vec![OutcomeAck::Applied; 2]));
-        assert!(c.push(5, report(5)));
+        assert!(c.push(Some(5), report(5)));
     }
 
     #[test]
     fn batches_hold_at_most_max_batch() {
         let mut c = Completions::new();
         for i in 0..250 {
-            c.push(i, report(i));
+            c.push(Some(i), report(i));
         }
         assert_eq!(c.next_batch().map(|b| b.reports.len()), Some(MAX_BATCH));
         let done = c.finish_batch(Ok(vec![OutcomeAck::Applied; MAX_BATCH]));
@@ -210,8 +216,8 @@ mod tests {
     #[test]
     fn failed_batch_resumes_and_requeues_everything() {
         let mut c = Completions::new();
-        c.push(1, report(1));
-        c.push(2, report(2));
+        c.push(Some(1), report(1));
+        c.push(Some(2), report(2));
         c.next_batch();
         let done = c.finish_batch(Err(LedgerError::Unreachable));
         assert_eq!(done.resume, vec![1, 2]);
@@ -231,7 +237,7 @@ mod tests {
     fn not_applied_are_named_and_still_resumed() {
         let mut c = Completions::new();
         for i in 0..3 {
-            c.push(i, report(i));
+            c.push(Some(i), report(i));
         }
         c.next_batch();
         let done = c.finish_batch(Ok(vec![
@@ -251,9 +257,31 @@ mod tests {
     }
 
     #[test]
+    fn unheld_reports_are_sent_and_requeued_but_never_resumed_nor_waited_on() {
+        let mut c = Completions::new();
+        assert!(
+            c.push(None, report(1)),
+            "an unheld report wakes the root too"
+        );
+        assert!(!c.push(Some(2), report(2)));
+        assert!(!c.is_waiting(1), "no context waits on the unheld report");
+        c.answered_doorbell();
+        let b = c.next_batch().map(|b| ids(&b));
+        assert_eq!(b, Some(vec!["a1".to_string(), "a2".to_string()]));
+        let done = c.finish_batch(Err(LedgerError::Unreachable));
+        assert_eq!(done.resume, vec![2], "only the held response is resumed");
+        let requeued: Vec<&str> = done.requeue.iter().map(|r| r.attempt_id.as_str()).collect();
+        assert_eq!(
+            requeued,
+            vec!["a1", "a2"],
+            "a failed unheld report is retried"
+        );
+    }
+
+    #[test]
     fn finishing_with_nothing_out_is_harmless() {
         let mut c = Completions::new();
-        c.push(9, report(9));
+        c.push(Some(9), report(9));
         let done = c.finish_batch(Err(LedgerError::NoAnswer));
         assert!(done.resume.is_empty() && done.requeue.is_empty());
         assert!(c.is_waiting(9), "pending report untouched");

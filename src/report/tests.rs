@@ -70,7 +70,7 @@ fn logs(tasks: &Tasks) -> Vec<String> {
 fn nothing_is_sent_before_configuration() {
     let mut r = Reporter::new();
     assert!(r.enqueue(report(1)).is_empty());
-    assert!(r.complete(7, report(2)));
+    assert!(r.complete(Some(7), report(2)));
     assert_eq!(r.on_tick(), Tasks::default());
     assert_eq!(r.on_doorbell(), Tasks::default());
     r.configure(1000, 200);
@@ -190,14 +190,17 @@ fn full_queue_drops_the_oldest_and_says_so() {
 #[test]
 fn doorbell_sends_completions_and_the_answer_resumes_and_sends_the_next() {
     let mut r = configured();
-    assert!(r.complete(1, report(1)), "the first report rings");
-    assert!(!r.complete(2, report(2)), "a doorbell is on its way");
+    assert!(r.complete(Some(1), report(1)), "the first report rings");
+    assert!(!r.complete(Some(2), report(2)), "a doorbell is on its way");
     let t = r.on_doorbell();
     assert_eq!(t.sends.len(), 1);
     assert_eq!(t.sends[0].0, Batch::Completions);
     assert_eq!(attempts(&t.sends[0].1), vec!["a1", "a2"]);
     r.on_dispatched(Batch::Completions, 3);
-    assert!(!r.complete(3, report(3)), "no ring while a batch is out");
+    assert!(
+        !r.complete(Some(3), report(3)),
+        "no ring while a batch is out"
+    );
     assert!(r.is_waiting(1) && r.is_waiting(3));
     let t = r.on_callout_reply(3, &acks(2));
     assert_eq!(counts(&t), vec![Stat::ReportBatchSent]);
@@ -210,8 +213,8 @@ fn doorbell_sends_completions_and_the_answer_resumes_and_sends_the_next() {
 #[test]
 fn failed_completion_batch_requeues_its_reports_then_resumes() {
     let mut r = configured();
-    r.complete(1, report(1));
-    r.complete(2, report(2));
+    r.complete(Some(1), report(1));
+    r.complete(Some(2), report(2));
     r.on_doorbell();
     r.on_dispatched(Batch::Completions, 3);
     let t = r.on_callout_reply(
@@ -244,10 +247,39 @@ fn failed_completion_batch_requeues_its_reports_then_resumes() {
     assert_eq!(attempts(&t.sends[0].1), vec!["a1", "a2"]);
 }
 
+/// `answer_release: at_once`: a report whose answer already went on travels the same
+/// batch; it resumes nothing, and a failed batch hands it to the queue, which sends it again
+/// until the ledger answers.
+#[test]
+fn an_unheld_completion_report_is_sent_retried_and_resumes_nothing() {
+    let mut r = configured();
+    assert!(r.complete(None, report(1)), "it rings like a held one");
+    let t = r.on_doorbell();
+    assert_eq!(attempts(&t.sends[0].1), vec!["a1"]);
+    r.on_dispatched(Batch::Completions, 3);
+    let failed = LedgerReply {
+        status: None,
+        body: Vec::new(),
+    };
+    let t = r.on_callout_reply(3, &failed);
+    assert!(resumed(&t).is_empty(), "no response was held: {t:?}");
+    assert_eq!(r.queued(), 1);
+    let t = r.on_tick();
+    assert_eq!(t.sends[0].0, Batch::Reports);
+    assert_eq!(attempts(&t.sends[0].1), vec!["a1"], "sent again");
+    r.on_dispatched(Batch::Reports, 4);
+    assert_eq!(
+        counts(&r.on_callout_reply(4, &acks(1))),
+        vec![Stat::ReportBatchSent]
+    );
+    assert_eq!(r.queued(), 0, "delivered once, then gone");
+    assert!(r.on_tick().sends.is_empty());
+}
+
 #[test]
 fn a_lost_completion_batch_is_given_up_and_its_responses_resumed() {
     let mut r = configured();
-    r.complete(1, report(1));
+    r.complete(Some(1), report(1));
     r.on_doorbell();
     r.on_dispatched(Batch::Completions, 3);
     for _ in 0..LIMIT {
@@ -271,7 +303,7 @@ fn a_lost_completion_batch_is_given_up_and_its_responses_resumed() {
 #[test]
 fn the_tick_sends_completions_a_doorbell_could_not_announce() {
     let mut r = configured();
-    assert!(r.complete(1, report(1)));
+    assert!(r.complete(Some(1), report(1)));
     r.doorbell_failed();
     let t = r.on_tick();
     assert_eq!(t.sends.len(), 1);
@@ -279,7 +311,7 @@ fn the_tick_sends_completions_a_doorbell_could_not_announce() {
     // Answered: the next report rings again.
     r.on_dispatched(Batch::Completions, 4);
     r.on_callout_reply(4, &acks(1));
-    assert!(r.complete(2, report(2)));
+    assert!(r.complete(Some(2), report(2)));
 }
 
 #[test]
@@ -290,10 +322,10 @@ fn a_completion_report_rings_the_doorbell_only_when_the_root_must_wake() {
         rings.set(rings.get() + 1);
         rang
     };
-    complete(&r, 1, report(1), || ring(true));
+    complete(&r, Some(1), report(1), || ring(true));
     assert_eq!(rings.get(), 1);
     // A doorbell is on its way: the next report does not ring.
-    complete(&r, 2, report(2), || ring(true));
+    complete(&r, Some(2), report(2), || ring(true));
     assert_eq!(rings.get(), 1);
     assert!(r.borrow().is_waiting(1) && r.borrow().is_waiting(2));
     let t = r.borrow_mut().on_doorbell();
@@ -301,7 +333,7 @@ fn a_completion_report_rings_the_doorbell_only_when_the_root_must_wake() {
     r.borrow_mut().on_dispatched(Batch::Completions, 4);
     r.borrow_mut().on_callout_reply(4, &acks(2));
     // A doorbell that did not ring: the tick sends the report instead.
-    complete(&r, 3, report(3), || ring(false));
+    complete(&r, Some(3), report(3), || ring(false));
     assert_eq!(rings.get(), 2);
     let t = r.borrow_mut().on_tick();
     assert_eq!(t.sends.len(), 1);
@@ -369,7 +401,7 @@ fn apply_hands_tokens_back_so_answers_are_recognised() {
 fn apply_finishes_undispatchable_completion_batches_until_none_wait() {
     let r = RefCell::new(configured());
     for i in 0..250 {
-        r.borrow_mut().complete(i, report(i));
+        r.borrow_mut().complete(Some(i), report(i));
     }
     let mut host = Recorder::refusing(usize::MAX);
     let t = r.borrow_mut().on_doorbell();
@@ -407,7 +439,7 @@ fn apply_finishes_undispatchable_completion_batches_until_none_wait() {
 fn apply_after_one_refused_completion_dispatch_sends_the_rest() {
     let r = RefCell::new(configured());
     for i in 0..150 {
-        r.borrow_mut().complete(i, report(i));
+        r.borrow_mut().complete(Some(i), report(i));
     }
     let mut host = Recorder::refusing(1);
     let t = r.borrow_mut().on_doorbell();

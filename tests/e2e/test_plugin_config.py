@@ -25,6 +25,9 @@ BAD = [
     ("denial_format", {**GOOD, "denial_format": "xml"}),
     ("ledger.cluster", {**GOOD, "ledger": {"service_token": "t"}}),
     ("governed_tool", {**GOOD, "governed_tool": ["pay_invoice"]}),  # a typo of governed_tools
+    ("answer_release", {**GOOD, "answer_release": "later"}),
+    # Released at once, a request's own report callout would die with the request.
+    ("answer_release", {**GOOD, "answer_release": "at_once", "completion_reports": "per_call"}),
     # The verifier at the tool: a gateway setting in its configuration, and the reverse.
     ("upstream_key", {**VERIFY, "upstream_key": {"mode": "off"}}),
     ("verify", {**GOOD, "verify": VERIFY["verify"]}),
@@ -52,7 +55,8 @@ def config_check(tmp_path, plugin: dict):
     return result.returncode, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("plugin", [GOOD, VERIFY], ids=["gateway", "verify"])
+@pytest.mark.parametrize("plugin", [GOOD, {**GOOD, "answer_release": "at_once"}, VERIFY],
+                         ids=["gateway", "gateway-answer-at-once", "verify"])
 def test_good_config_is_accepted_by_envoy_and_by_the_check(tmp_path, plugin):
     code, log = envoy_with_plugin_config(tmp_path, plugin)
     assert code == 0, log[-2000:]

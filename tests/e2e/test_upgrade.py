@@ -35,7 +35,7 @@ import pytest
 
 from tests.e2e.test_replicas import authorize_counts, database_url, drop_schema, total  # noqa: F401 (fixture)
 from tests.support.history import (History, Permit, acked_completions, assert_invariants, pg_rows, psql,
-                                   row_owners, wait_settled)
+                                   recount_mismatches, row_owners, wait_settled)
 from tests.support.recording_upstream import RecordingUpstream
 from tests.support.stack import ROOT, Envoy, Ledger, free_port, http_get, ledger_binary, wait_until
 
@@ -89,38 +89,6 @@ def replica(log_dir: Path, data_dir: Path, url: str, schema: str, name: str, por
 def schema_versions(url: str, schema: str) -> list[tuple[int, int]]:
     out = psql(url, f"SELECT version, compatible_from FROM {schema}.atmost_migrations ORDER BY version")
     return [tuple(int(x) for x in line.split("|")) for line in out.split()]
-
-
-def recount_mismatches(url: str, schema: str) -> list[str]:
-    """The O(1) counters against a recount from the attempts (the state lists of
-    AttemptState::holds_slot, reserves_budget, spends_budget): every mismatching row."""
-    slots = "('in_flight','completed','uncertain','resolved_executed','awaiting_input','accepted')"
-    sql = f"""
-    SELECT 'slots ' || coalesce(u.permit_id, r.permit_id) || ' ' || coalesce(u.tool, r.tool)
-           || ': stored ' || coalesce(u.slots_held, 0) || ', recount ' || coalesce(r.n, 0)
-    FROM {schema}.permit_tool_usage u
-    FULL JOIN (SELECT permit_id, tool, count(*) AS n FROM {schema}.attempts WHERE state IN {slots}
-               GROUP BY permit_id, tool) r ON r.permit_id = u.permit_id AND r.tool = u.tool
-    WHERE coalesce(u.slots_held, 0) <> coalesce(r.n, 0)
-    UNION ALL
-    SELECT 'budget ' || p.id || ': stored ' || p.reserved || '/' || p.spent || ', recount '
-           || coalesce(b.reserved, 0) || '/' || coalesce(b.spent, 0)
-    FROM {schema}.permits p
-    LEFT JOIN (SELECT permit_id,
-                      sum(cost) FILTER (WHERE state IN ('in_flight','awaiting_input')) AS reserved,
-                      sum(cost) FILTER (WHERE state IN ('completed','uncertain','resolved_executed',
-                                                        'accepted')) AS spent
-               FROM {schema}.attempts GROUP BY permit_id) b ON b.permit_id = p.id
-    WHERE p.reserved <> coalesce(b.reserved, 0) OR p.spent <> coalesce(b.spent, 0)
-    UNION ALL
-    SELECT 'states ' || coalesce(c.permit_id, r.permit_id) || ' ' || coalesce(c.state, r.state)
-           || ': stored ' || coalesce(c.n, 0) || ', recount ' || coalesce(r.n, 0)
-    FROM {schema}.permit_state_counts c
-    FULL JOIN (SELECT permit_id, state, count(*) AS n FROM {schema}.attempts GROUP BY permit_id, state) r
-        ON r.permit_id = c.permit_id AND r.state = c.state
-    WHERE coalesce(c.n, 0) <> coalesce(r.n, 0)
-    """
-    return [line for line in psql(url, sql).splitlines() if line]
 
 
 class Load:

@@ -128,3 +128,11 @@ def test_a_window_that_holds_too_few_calls_is_a_violation():
     assert any("window empty: 0 calls" in x for x in v), v
     assert any("window two of three: 5 calls" in x for x in v), v
     assert any("window two of three: call k1 got ok" in x for x in v), v
+
+
+def test_an_executed_key_without_its_attempt_is_a_lost_decision():
+    h, executions, rows = good_history()
+    rows = [r for r in rows if r["id"] != "att_2"]  # k2 executed; its attempt is gone
+    v = violations(h, executions, rows, {"att_1"})
+    assert v == ["key k2 executed (executions [2]) but the store holds no attempt of it: the decision to dispatch "
+                 "was lost"], v

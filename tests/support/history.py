@@ -19,7 +19,8 @@ it, so every execution is tied to the one call that caused it.
 4. no acknowledged receipt lost: every attempt the ledger acknowledged `completed` (its
    log says `ack=applied`) is still `completed` with its receipt in the final store;
 5. the ledger's final states agree with reality: every attempt row of the history's
-   permits belongs to a key the history called (key hashing is checked, not assumed); an
+   permits belongs to a key the history called (key hashing is checked, not assumed), and
+   every key that executed has its attempt (the decision that dispatched it); an
    executed key is never `released` / `resolved_not_executed` (its slot would come back
    for a call that ran); a `completed` key executed one time with that execution's
    answer as receipt; after the settle time nothing is left `in_flight`; probes after
@@ -231,6 +232,38 @@ def pg_rows(url: str, schema: str) -> list[dict]:
                                 f"(SELECT {columns} FROM {schema}.attempts) t") or "[]")
 
 
+def recount_mismatches(url: str, schema: str) -> list[str]:
+    """The O(1) counters against a recount from the attempts (the state lists of
+    AttemptState::holds_slot, reserves_budget, spends_budget): every mismatching row."""
+    slots = "('in_flight','completed','uncertain','resolved_executed','awaiting_input','accepted')"
+    sql = f"""
+    SELECT 'slots ' || coalesce(u.permit_id, r.permit_id) || ' ' || coalesce(u.tool, r.tool)
+           || ': stored ' || coalesce(u.slots_held, 0) || ', recount ' || coalesce(r.n, 0)
+    FROM {schema}.permit_tool_usage u
+    FULL JOIN (SELECT permit_id, tool, count(*) AS n FROM {schema}.attempts WHERE state IN {slots}
+               GROUP BY permit_id, tool) r ON r.permit_id = u.permit_id AND r.tool = u.tool
+    WHERE coalesce(u.slots_held, 0) <> coalesce(r.n, 0)
+    UNION ALL
+    SELECT 'budget ' || p.id || ': stored ' || p.reserved || '/' || p.spent || ', recount '
+           || coalesce(b.reserved, 0) || '/' || coalesce(b.spent, 0)
+    FROM {schema}.permits p
+    LEFT JOIN (SELECT permit_id,
+                      sum(cost) FILTER (WHERE state IN ('in_flight','awaiting_input')) AS reserved,
+                      sum(cost) FILTER (WHERE state IN ('completed','uncertain','resolved_executed',
+                                                        'accepted')) AS spent
+               FROM {schema}.attempts GROUP BY permit_id) b ON b.permit_id = p.id
+    WHERE p.reserved <> coalesce(b.reserved, 0) OR p.spent <> coalesce(b.spent, 0)
+    UNION ALL
+    SELECT 'states ' || coalesce(c.permit_id, r.permit_id) || ' ' || coalesce(c.state, r.state)
+           || ': stored ' || coalesce(c.n, 0) || ', recount ' || coalesce(r.n, 0)
+    FROM {schema}.permit_state_counts c
+    FULL JOIN (SELECT permit_id, state, count(*) AS n FROM {schema}.attempts GROUP BY permit_id, state) r
+        ON r.permit_id = c.permit_id AND r.state = c.state
+    WHERE coalesce(c.n, 0) <> coalesce(r.n, 0)
+    """
+    return [line for line in psql(url, sql).splitlines() if line]
+
+
 def acked_completions(ledger_logs: list[Path]) -> set[str]:
     """Attempt ids whose `completed` report the ledger acknowledged (committed, then logged)."""
     acked = set()
@@ -372,6 +405,13 @@ def _check_store(history: History, att: Attribution, permits: list[Permit], rows
         elif row["state"] not in ("completed", "resolved_executed") or not row["receipt"]:
             v.append(f"acknowledged completion of {attempt_id} lost: now {row['state']}")
     owners = row_owners(history, rows)
+    # A dispatch is decided by a committed attempt: an executed key without one is a decision
+    # the store lost (a failover to a standby the commit never reached).
+    held = set(owners.values())
+    for (permit_id, key), es in sorted(att.by_key.items(), key=lambda kv: str(kv[0])):
+        if key is not None and permit_id in permit_ids and (permit_id, key) not in held:
+            v.append(f"key {key} executed (executions {[e['n'] for e in es]}) but the store holds no attempt "
+                     f"of it: the decision to dispatch was lost")
     calls_by_key: dict[tuple[str, str | None], list[CallRecord]] = defaultdict(list)
     for r in history.calls:
         calls_by_key[(r.permit_id, r.key)].append(r)

@@ -1408,3 +1408,42 @@ async fn readyz_answers_from_the_background_check_without_reading_the_store() {
     crate::readiness::check_once(&s.state).await;
     assert_eq!(checks(), before + 1);
 }
+
+#[tokio::test]
+async fn each_new_reservation_is_counted_by_the_share_of_each_limit_it_left() {
+    let s = start().await;
+    let (_, tok) = s
+        .create_permit(
+            json!({"label": "l", "expires": "1h", "max_calls": {"pay": 2},
+                              "budget": 10, "cost": {"pay": "/amount"}}),
+        )
+        .await;
+    // 3 each: calls 1 of 2 and budget 7 of 10 left, then 0 of 2 and 4 of 10.
+    for key in ["k1", "k2", "k1"] {
+        let (st, v) = s
+            .post("/v1/authorize", Some(SVC), authz(&tok, key, "f"))
+            .await;
+        assert_eq!(st, 200, "{v}");
+    }
+    // Denied past the cap: nothing reserved, nothing counted.
+    let (_, v) = s
+        .post("/v1/authorize", Some(SVC), authz(&tok, "k3", "f3"))
+        .await;
+    assert_eq!(v["code"], "permit_max_calls_exceeded", "{v}");
+    let metrics = s.state.metrics.render().unwrap();
+    for line in [
+        r#"atmost_permit_left_ratio_bucket{limit="calls",le="0"} 1"#,
+        r#"atmost_permit_left_ratio_bucket{limit="calls",le="0.25"} 1"#,
+        r#"atmost_permit_left_ratio_bucket{limit="calls",le="0.5"} 2"#,
+        r#"atmost_permit_left_ratio_count{limit="calls"} 2"#,
+        r#"atmost_permit_left_ratio_bucket{limit="budget",le="0.25"} 0"#,
+        r#"atmost_permit_left_ratio_bucket{limit="budget",le="0.5"} 1"#,
+        r#"atmost_permit_left_ratio_bucket{limit="budget",le="1"} 2"#,
+        r#"atmost_permit_left_ratio_count{limit="budget"} 2"#,
+    ] {
+        assert!(
+            metrics.contains(&format!("\n{line}\n")),
+            "{line}\n{metrics}"
+        );
+    }
+}

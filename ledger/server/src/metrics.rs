@@ -1,17 +1,25 @@
 //! Prometheus metrics of the ledger.
 
 use prometheus::{
-    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
-    Opts, Registry, TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+use atmost_ledger::decide::Headroom;
 use atmost_ledger::error::LedgerError;
+
+/// The buckets of `atmost_permit_left_ratio`: an alert picks its threshold among them
+/// (`le="0.1"`: a reservation left a tenth or less).
+pub const PERMIT_LEFT_BUCKETS: [f64; 6] = [0.0, 0.05, 0.1, 0.25, 0.5, 1.0];
 
 pub struct Metrics {
     registry: Registry,
     /// Authorize answers by decision (dispatch, replay, deny) and denial code ("none" otherwise).
     pub authorize: IntCounterVec,
     pub authorize_seconds: Histogram,
+    /// The share of a limit each new reservation left, by limit (`calls`: the tool's cap,
+    /// `budget`: the permit's budget): what an alert on a permit near its limit reads.
+    pub permit_left_ratio: HistogramVec,
     /// Outcome reports by kind (completed, released, uncertain) and ack.
     pub outcomes: IntCounterVec,
     /// Reports without the capability of the attempt's current round (forged, or from a
@@ -153,6 +161,15 @@ impl Metrics {
             ]),
         ))?;
         m(registry.register(Box::new(authorize_seconds.clone())))?;
+        let permit_left_ratio = m(HistogramVec::new(
+            HistogramOpts::new(
+                "atmost_permit_left_ratio",
+                "Share of the tool's call cap (limit=calls) or of the permit's budget (limit=budget) left after each new reservation, 0 to 1.",
+            )
+            .buckets(PERMIT_LEFT_BUCKETS.to_vec()),
+            &["limit"],
+        ))?;
+        m(registry.register(Box::new(permit_left_ratio.clone())))?;
         let attempts = m(IntGaugeVec::new(
             Opts::new(
                 "atmost_attempts",
@@ -189,6 +206,7 @@ impl Metrics {
             registry,
             authorize,
             authorize_seconds,
+            permit_left_ratio,
             outcomes,
             outcomes_refused,
             duplicates,
@@ -219,6 +237,17 @@ impl Metrics {
         let mut buf = Vec::new();
         m(TextEncoder::new().encode(&self.registry.gather(), &mut buf))?;
         String::from_utf8(buf).map_err(|e| LedgerError::Invalid(e.to_string()))
+    }
+
+    /// Records what a new reservation left of its permit's limits.
+    pub fn observe_headroom(&self, headroom: &Headroom) {
+        for (limit, share) in [("calls", headroom.calls), ("budget", headroom.budget)] {
+            if let Some(share) = share {
+                self.permit_left_ratio
+                    .with_label_values(&[limit])
+                    .observe(share);
+            }
+        }
     }
 
     /// Whether a stop signal has come: the ledger reports not ready while it drains.

@@ -392,6 +392,9 @@ async fn authorize(
         .metrics
         .authorize_seconds
         .observe(started.elapsed().as_secs_f64());
+    if let Some(headroom) = &decision.headroom {
+        state.metrics.observe_headroom(headroom);
+    }
     for n in &decision.notices {
         match n {
             Notice::DuplicateLogged { earlier_attempt_id } => {

@@ -30,6 +30,8 @@ struct Envoy {
     client: Vec<u8>,
     client_trailers: bool,
     callouts: Vec<Callout>,
+    /// Reports handed to the root with nothing held for them (`answer_release: at_once`).
+    unwaited: Vec<Outcome>,
 }
 
 impl effects::Host for Envoy {
@@ -44,6 +46,7 @@ impl effects::Host for Envoy {
                 self.body.extend(rest);
             }
             Effect::ResumeResponse => self.send(),
+            Effect::CompleteUnwaited(report) => self.unwaited.push(report.outcome),
             _ => {}
         }
         Ok(())
@@ -159,13 +162,19 @@ fn editing_call() -> Call {
     call
 }
 
-#[test]
-fn an_answer_split_over_chunks_before_the_trailers_is_edited_and_nothing_is_lost() {
-    let stream = format!("{PROGRESS}event: message\ndata: {ANSWER}\n\n");
-    let want = format!(
+/// A progress event then the answer's: as the upstream sends it, and as the client gets it.
+fn progress_then_answer() -> (String, String) {
+    let sent = format!("{PROGRESS}event: message\ndata: {ANSWER}\n\n");
+    let got = format!(
         "{PROGRESS}event: message\ndata: {}\n\n",
         answer_with_figures()
     );
+    (sent, got)
+}
+
+#[test]
+fn an_answer_split_over_chunks_before_the_trailers_is_edited_and_nothing_is_lost() {
+    let (stream, want) = progress_then_answer();
     for chunks in cuts(stream.as_bytes()) {
         let mut call = editing_call();
         let mut envoy = Envoy::default();
@@ -190,6 +199,40 @@ fn an_answer_split_over_chunks_before_the_trailers_is_edited_and_nothing_is_lost
             shown(&chunks)
         );
         assert!(envoy.client_trailers, "{:?}", shown(&chunks));
+        assert_eq!(call.on_log(LogProps::default()), Step::cont());
+    }
+}
+
+/// `answer_release: at_once`: the answer's event, the figures written in, reaches the client
+/// with the chunk that completes it, before the ledger has heard anything; the trailers
+/// follow at once, and the report goes to the root's batch once.
+#[test]
+fn released_at_once_the_edited_answer_and_the_trailers_reach_the_client_before_any_report() {
+    let (stream, want) = progress_then_answer();
+    for chunks in cuts(stream.as_bytes()) {
+        let mut call = dispatched_with_figures(cfg_with(json!({"answer_release": "at_once"})));
+        call.on_response_headers(sse_head());
+        let mut envoy = Envoy::default();
+        for chunk in &chunks {
+            envoy.data(&mut call, chunk, false);
+        }
+        assert_eq!(
+            String::from_utf8_lossy(&envoy.client),
+            want,
+            "{:?}",
+            shown(&chunks)
+        );
+        envoy.trailers(&mut call);
+        assert!(envoy.client_trailers, "{:?}", shown(&chunks));
+        assert!(envoy.callouts.is_empty(), "no callout of the request's own");
+        assert_eq!(
+            envoy.unwaited,
+            vec![Outcome::Completed {
+                receipt: ANSWER.into()
+            }],
+            "{:?}",
+            shown(&chunks)
+        );
         assert_eq!(call.on_log(LogProps::default()), Step::cont());
     }
 }

@@ -8,6 +8,7 @@
 //! Resolving goes through the store's one resolve operation, so slots and budget move
 //! exactly as for `atmost attempts resolve`.
 
+pub mod figures;
 pub mod session;
 #[cfg(test)]
 mod tests;
@@ -34,6 +35,7 @@ use atmost_ledger::decide::ResolveInput;
 use atmost_ledger::error::ResolveError;
 use atmost_ledger::model::{Attempt, AttemptState, KeyCarrier, Permit, ResolutionSource};
 use atmost_ledger::token;
+use figures::{PermitFigures, Timeline};
 use session::{Presented, Session};
 
 type Shared = Arc<AppState>;
@@ -133,6 +135,7 @@ pub fn routes() -> Router<Shared> {
         .route("/admin/sign-out", post(sign_out))
         .route("/admin/history", get(history_page))
         .route("/admin/permits", get(permits_page))
+        .route("/admin/attempts/{id}", get(attempt_page))
         .route("/admin/attempts/{id}/resolve", post(resolve))
         .route("/admin/inbox.css", get(stylesheet))
         .layer(axum::middleware::map_response(security_headers))
@@ -257,23 +260,38 @@ struct HistoryPage {
     items: Vec<ResolvedItem>,
 }
 
-struct UsageRow {
-    tool: String,
-    used: u64,
-    limit: String,
-}
-
 struct PermitItem {
     id: String,
     label: String,
     status: String,
     expires_at: String,
-    usage: Vec<UsageRow>,
-    budget: String,
-    spent: u64,
-    reserved: u64,
-    left: String,
+    figures: PermitFigures,
     open: u64,
+}
+
+/// One attempt on its own page.
+struct AttemptDetail {
+    id: String,
+    tool: String,
+    permit_id: String,
+    permit_label: String,
+    state: &'static str,
+    uncertain: bool,
+    sent_at: String,
+    cost: u64,
+    reason: Option<String>,
+    forwarded_key: Option<String>,
+    key_went: String,
+    arguments: String,
+    resolution_note: Option<String>,
+}
+
+#[derive(Template)]
+#[template(path = "inbox/attempt.html")]
+struct AttemptPage {
+    nav: Option<Nav>,
+    a: AttemptDetail,
+    timeline: Timeline,
 }
 
 #[derive(Template)]
@@ -597,13 +615,6 @@ fn open_item(
     now: Millis,
 ) -> OpenItem {
     let uncertain = a.state == AttemptState::Uncertain;
-    let arguments = match a.arguments.as_deref() {
-        Some(text) => {
-            let shown = state.config.redaction.show(text);
-            serde_json::to_string_pretty(&shown).unwrap_or_else(|_| shown.to_string())
-        }
-        None => "(not kept)".into(),
-    };
     OpenItem {
         id: a.id.clone(),
         tool: a.tool.clone(),
@@ -626,10 +637,21 @@ fn open_item(
             Some(form) => key_warning(a, *form, true),
             None => key_warning(a, KeyCarrier::Header, false),
         },
-        arguments,
+        arguments: shown_arguments(a, state),
         reason: a.reason.clone(),
         cost: a.cost,
         round: a.round,
+    }
+}
+
+/// An attempt's arguments as a page shows them: redacted as configured, indented.
+fn shown_arguments(a: &Attempt, state: &AppState) -> String {
+    match a.arguments.as_deref() {
+        Some(text) => {
+            let shown = state.config.redaction.show(text);
+            serde_json::to_string_pretty(&shown).unwrap_or_else(|_| shown.to_string())
+        }
+        None => "(not kept)".into(),
     }
 }
 
@@ -768,25 +790,7 @@ async fn permits_page(State(state): State<Shared>, headers: HeaderMap) -> Respon
             label: shown.permit.label.clone(),
             status: shown.permit.status.clone(),
             expires_at: shown.permit.expires_at.clone(),
-            usage: shown
-                .usage
-                .iter()
-                .map(|(tool, u)| UsageRow {
-                    tool: tool.clone(),
-                    used: u.calls_made,
-                    limit: u.limit.map_or_else(|| "no cap".into(), |n| n.to_string()),
-                })
-                .collect(),
-            budget: shown
-                .budget
-                .budget
-                .map_or_else(|| "no limit".into(), |n| n.to_string()),
-            spent: shown.budget.spent,
-            reserved: shown.budget.reserved,
-            left: shown
-                .budget
-                .left
-                .map_or_else(|| "no limit".into(), |n| n.to_string()),
+            figures: PermitFigures::new(&shown),
             open,
         });
     }
@@ -795,6 +799,57 @@ async fn permits_page(State(state): State<Shared>, headers: HeaderMap) -> Respon
         &PermitsPage {
             nav: Nav::new("permits", &s),
             permits,
+        },
+    )
+}
+
+async fn attempt_page(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let s = match signed_in(&state, &headers).await {
+        Ok(s) => s,
+        Err(refused) => return refused,
+    };
+    let a = match state.store.get_attempt(&id).await {
+        Ok(Some(a)) => a,
+        Ok(None) => {
+            return message(
+                StatusCode::NOT_FOUND,
+                Nav::new("attempt", &s),
+                "Not found",
+                format!("No attempt has the id {id}."),
+            )
+        }
+        Err(e) => return store_failed(&state, "get_attempt", &e),
+    };
+    let permit_label = match state.store.get_permit(&a.permit_id).await {
+        Ok(p) => p.map_or_else(|| a.permit_id.clone(), |p| p.label),
+        Err(e) => return store_failed(&state, "get_permit", &e),
+    };
+    let now = state.clock.now_ms();
+    let detail = AttemptDetail {
+        id: a.id.clone(),
+        tool: a.tool.clone(),
+        permit_id: a.permit_id.clone(),
+        permit_label,
+        state: a.state.as_str(),
+        uncertain: a.state == AttemptState::Uncertain,
+        sent_at: clock::rfc3339(a.created_at_ms),
+        cost: a.cost,
+        reason: a.reason.clone(),
+        forwarded_key: a.forwarded_key.clone(),
+        key_went: key_carriers_text(a.forwarded_key.as_deref(), a.forwarded_key_carriers),
+        arguments: shown_arguments(&a, &state),
+        resolution_note: a.resolution.as_ref().and_then(|r| r.note.clone()),
+    };
+    html(
+        StatusCode::OK,
+        &AttemptPage {
+            nav: Nav::new("attempt", &s),
+            timeline: Timeline::new(&a, now),
+            a: detail,
         },
     )
 }

@@ -263,10 +263,12 @@ async fn a_person_signs_in_sees_the_lost_call_and_resolves_it() {
         assert!(history.body.contains(shown), "{shown} in the history");
     }
     let permits = b.get("/admin/permits").await;
+    assert!(permits.body.contains(
+        r#"<span class="tool">pay</span> <span><span class="used">0</span> of <span class="limit">1</span></span>"#
+    ));
     assert!(permits
         .body
-        .contains(r#"<td>pay</td><td class="used">0</td><td class="limit">1</td>"#));
-    assert!(permits.body.contains(r#"<td class="left">1000</td>"#));
+        .contains(r#"<span class="left">1000</span> left"#));
 
     // Signing out ends the session in this browser.
     let csrf = b.get("/admin/").await.csrf();
@@ -620,4 +622,247 @@ async fn wrong_sign_ins_past_the_limit_get_429_and_the_right_token_still_signs_i
     assert!((1..=60).contains(&retry), "{retry}");
     assert_eq!(b.sign_in("Ana Ops", ADM).await.status, 303);
     assert_eq!(b.get("/admin/").await.status, 200);
+}
+
+/// Asks for a call under `token` as a filter would; returns the dispatch (attempt id, round,
+/// capability).
+async fn dispatch(s: &TestServer, token: &str, tool: &str, key: &str, amount: u64) -> Value {
+    let (_, d) = s
+        .post(
+            "/v1/authorize",
+            Some(SVC),
+            json!({"permit_token": token, "tool": tool, "idempotency_key": key,
+                   "fingerprint": format!("fp-{key}"), "arguments": {"amount": amount}}),
+        )
+        .await;
+    assert_eq!(d["decision"], "dispatch", "{d}");
+    d
+}
+
+async fn report(s: &TestServer, d: &Value, outcome: Value) {
+    let mut r =
+        json!({"attempt_id": d["attempt_id"], "round": d["round"], "capability": d["capability"]});
+    for (k, v) in outcome.as_object().unwrap() {
+        r[k] = v.clone();
+    }
+    let (st, acks) = s
+        .post("/v1/outcomes", Some(SVC), json!({"reports": [r]}))
+        .await;
+    assert_eq!((st, &acks["acks"][0]), (200, &json!("applied")), "{acks}");
+}
+
+/// The part of the page from `from` to the end of its element `until`.
+fn part<'a>(body: &'a str, from: &str, until: &str) -> &'a str {
+    let start = body.find(from).unwrap_or_else(|| panic!("no {from}"));
+    let end = body[start..]
+        .find(until)
+        .map_or(body.len(), |e| start + e + until.len());
+    &body[start..end]
+}
+
+#[tokio::test]
+async fn the_permits_page_draws_each_cap_and_the_budget_as_bars() {
+    let s = start_with(|_| {}).await;
+    let (capped, tok) = s
+        .create_permit(json!({
+            "label": "<script>alert('x')</script> & co", "expires": "24h",
+            "max_calls": {"pay": 3, "refund": 0}, "budget": 1000, "cost": {"pay": "/amount"}
+        }))
+        .await;
+    let done = dispatch(&s, &tok, "pay", "k1", 100).await;
+    report(&s, &done, json!({"outcome": "completed", "receipt": "{}"})).await;
+    // In flight: its slot is held and its cost reserved.
+    dispatch(&s, &tok, "pay", "k2", 200).await;
+    let (open, tok) = s
+        .create_permit(json!({"label": "free", "expires": "24h"}))
+        .await;
+    let d = dispatch(&s, &tok, "search", "k3", 0).await;
+    report(&s, &d, json!({"outcome": "completed", "receipt": "{}"})).await;
+    let (full, tok) = s
+        .create_permit(
+            json!({"label": "spent", "expires": "24h", "max_calls": {"pay": 1},
+                              "budget": 50, "cost": {"pay": "/amount"}}),
+        )
+        .await;
+    let d = dispatch(&s, &tok, "pay", "k4", 50).await;
+    report(&s, &d, json!({"outcome": "completed", "receipt": "{}"})).await;
+
+    let mut b = Browser::new(&s);
+    b.sign_in("Ana", ADM).await;
+    let page = b.get("/admin/permits").await;
+    assert_eq!(page.status, 200);
+    assert_eq!(
+        page.headers["content-security-policy"],
+        CONTENT_SECURITY_POLICY
+    );
+    assert!(!page.body.contains("<script") && !page.body.contains("style="));
+    assert!(page
+        .body
+        .contains("&#60;script&#62;alert(&#39;x&#39;)&#60;/script&#62; &#38; co"));
+
+    // pay: 2 of 3, two thirds filled; refund: capped at 0, nothing used, drawn empty.
+    let card = part(&page.body, &format!("id=\"{capped}\""), "</article>");
+    let pay = part(card, "data-tool=\"pay\"", "</div>");
+    assert!(pay.contains(r#"<span class="used">2</span> of <span class="limit">3</span>"#));
+    assert!(
+        pay.contains(r#"aria-label="pay: 2 of 3 calls used""#),
+        "{pay}"
+    );
+    assert!(
+        pay.contains(r#"<rect class="part part-used" x="0" y="0" width="66.66%""#),
+        "{pay}"
+    );
+    assert!(pay.contains(r#"<svg class="bar" "#));
+    let refund = part(card, "data-tool=\"refund\"", "</div>");
+    assert!(refund.contains(r#"<svg class="bar full" "#), "{refund}");
+    assert!(refund.contains(r#"width="0.00%""#));
+    // Budget 1000: 100 spent, 200 reserved after it, 700 left.
+    let budget = part(card, "class=\"figure budget\"", "</section>");
+    for shown in [
+        r#"<span class="total">1000</span>"#,
+        r#"<span class="spent">100</span> spent"#,
+        r#"<span class="reserved">200</span> reserved"#,
+        r#"<span class="left">700</span> left"#,
+        r#"aria-label="Budget 1000: 100 spent, 200 reserved, 700 left""#,
+        r#"<rect class="part part-spent" x="0" y="0" width="10.00%""#,
+        r#"<rect class="part part-reserved" x="10.00%" y="0" width="20.00%""#,
+    ] {
+        assert!(budget.contains(shown), "{shown} in {budget}");
+    }
+
+    // No cap and no budget: the figures, no bar.
+    let card = part(&page.body, &format!("id=\"{open}\""), "</article>");
+    let search = part(card, "data-tool=\"search\"", "</div>");
+    assert!(search.contains(r#"<span class="used">1</span> of <span class="limit">no cap</span>"#));
+    assert!(!card.contains("<svg"), "{card}");
+    assert!(card.contains(r#"Budget: <span class="total">no limit</span>; <span class="spent">0</span> spent, <span class="reserved">0</span> reserved"#), "{card}");
+    assert!(!card.contains("class=\"left\""));
+
+    // Everything used: full bars.
+    let card = part(&page.body, &format!("id=\"{full}\""), "</article>");
+    assert!(card.contains(r#"<svg class="bar full" "#));
+    assert!(card.contains(r#"<rect class="part part-used" x="0" y="0" width="100.00%""#));
+    assert!(card.contains(r#"<rect class="part part-spent" x="0" y="0" width="100.00%""#));
+    assert!(card.contains(r#"<rect class="part part-reserved" x="100.00%" y="0" width="0.00%""#));
+    assert!(card.contains(r#"<span class="left">0</span> left"#));
+}
+
+#[tokio::test]
+async fn an_attempts_page_draws_its_life_on_a_time_scale() {
+    let s = start_with(|_| {}).await;
+    let (pid, tok) = s
+        .create_permit(json!({"label": "approver", "expires": "24h"}))
+        .await;
+    let first = dispatch(&s, &tok, "approve", "k", 5).await;
+    let id = first["attempt_id"].as_str().unwrap().to_string();
+    s.clock.advance_ms(20_000);
+    report(
+        &s,
+        &first,
+        json!({"outcome": "input_required", "receipt": "{}"}),
+    )
+    .await;
+    s.clock.advance_ms(20_000);
+    let (_, second) = s
+        .post(
+            "/v1/authorize",
+            Some(SVC),
+            json!({"permit_token": tok, "tool": "approve", "idempotency_key": "k",
+                   "fingerprint": "fp-k", "arguments": {"amount": 5}, "continuation": true}),
+        )
+        .await;
+    assert_eq!(
+        (second["decision"].as_str(), second["round"].as_u64()),
+        (Some("dispatch"), Some(2)),
+        "{second}"
+    );
+    s.clock.advance_ms(40_000);
+    report(
+        &s,
+        &second,
+        json!({"outcome": "uncertain", "reason": "<b>reset</b>"}),
+    )
+    .await;
+    s.clock.advance_ms(80_000);
+
+    let mut b = Browser::new(&s);
+    b.sign_in("Ana", ADM).await;
+    // The inbox's card links to the attempt's page.
+    assert!(b
+        .get("/admin/")
+        .await
+        .body
+        .contains(&format!("href=\"/admin/attempts/{id}\"")));
+    let page = b.get(&format!("/admin/attempts/{id}")).await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    assert_eq!(
+        page.headers["content-security-policy"],
+        CONTENT_SECURITY_POLICY
+    );
+    assert!(!page.body.contains("<script") && !page.body.contains("style="));
+    // Sent at 0 s, uncertain at 80 s (the continuation's dispatch at 40 s is not kept once
+    // it has an outcome), drawn at 160 s: 2%, 2% + 96% × 80/160, 98%.
+    for (kind, x) in [("sent", "2.00%"), ("outcome", "50.00%"), ("now", "98.00%")] {
+        let mark = part(&page.body, &format!("<g class=\"mark {kind}\""), "</g>");
+        assert!(
+            mark.contains(&format!("<circle cx=\"{x}\"")),
+            "{kind} at {x}: {mark}"
+        );
+    }
+    let (_, shown) = s.get(&format!("/admin/v1/attempts/{id}"), Some(ADM)).await;
+    let created = shown["attempt"]["created_at"].as_str().unwrap();
+    let updated = shown["attempt"]["updated_at"].as_str().unwrap();
+    assert!(page.body.contains(&format!(
+        r#"<time class="scale-start" datetime="{created}">"#
+    )));
+    let outcome = part(&page.body, "<li class=\"event outcome\"", "</li>");
+    assert!(
+        outcome.contains(&format!("<time datetime=\"{updated}\">")),
+        "{outcome}"
+    );
+    assert!(outcome.contains("+1m 20s"));
+    // What the filter said is escaped.
+    assert!(
+        outcome.contains("Uncertain: sent, its answer lost (&#60;b&#62;reset&#60;/b&#62;)"),
+        "{outcome}"
+    );
+    assert!(!page.body.contains("<b>reset"));
+    assert!(page.body.contains("over 2m 40s, 2 round(s)"));
+    assert!(page.body.contains(
+        "<p class=\"hint untimed\">Round 2 was dispatched between the first dispatch and the latest change;"
+    ));
+    assert!(page.body.contains(&format!("/admin/permits#{pid}")));
+
+    // Resolved: the scale ends at the resolution, no now line.
+    let csrf = page.csrf();
+    assert_eq!(
+        b.post(
+            &format!("/admin/attempts/{id}/resolve"),
+            &[
+                ("csrf", &csrf),
+                ("result", "executed"),
+                ("note", "charged once")
+            ],
+        )
+        .await
+        .status,
+        303
+    );
+    s.clock.advance_ms(1_000_000);
+    let page = b.get(&format!("/admin/attempts/{id}")).await;
+    let resolved = part(&page.body, "<g class=\"mark resolved\"", "</g>");
+    assert!(resolved.contains("<circle cx=\"98.00%\""), "{resolved}");
+    assert!(!page.body.contains("now-line"));
+    assert!(page.body.contains("Resolved by Ana: executed"));
+    assert!(page.body.contains("charged once"));
+
+    // Unknown ids, and no session.
+    assert_eq!(b.get("/admin/attempts/att_nope").await.status, 404);
+    assert_eq!(
+        Browser::new(&s)
+            .get(&format!("/admin/attempts/{id}"))
+            .await
+            .status,
+        401
+    );
 }

@@ -1,0 +1,691 @@
+//! What the inbox's figures show, computed in one place: a permit's use against its caps and
+//! budget (bars on the permits page) and an attempt's life on a time scale (the timeline on
+//! its page). The templates only place what is here; every width and position is a
+//! [`Pct`] of the figure's width, so a figure drawn at 100% of any screen keeps its text at
+//! the text's size. Integer arithmetic throughout: no division by zero, no NaN.
+
+use atmost_ledger::clock::{self, Millis};
+use atmost_ledger::model::{Attempt, AttemptState};
+
+use crate::api::PermitShowResponse;
+
+/// A share of a figure's width, in hundredths of a percent (0 to 10 000); shown as SVG
+/// length text, `37.50%`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub struct Pct(u32);
+
+impl Pct {
+    pub const FULL: Pct = Pct(10_000);
+
+    /// `part` of `whole`, at most the whole. A whole of 0 is full when anything is used of
+    /// it (a cap of 0 that was passed) and empty otherwise.
+    pub fn share(part: u64, whole: u64) -> Pct {
+        if whole == 0 {
+            return if part > 0 { Pct::FULL } else { Pct(0) };
+        }
+        let hundredths = u128::from(part.min(whole)) * 10_000 / u128::from(whole);
+        Pct(u32::try_from(hundredths).unwrap_or(10_000))
+    }
+
+    /// Where `t` falls between `start` and `end`, inside the margins a mark needs at either
+    /// edge ([`EDGE`]); a scale of no length puts everything at its start.
+    fn on_scale(t: Millis, start: Millis, end: Millis) -> Pct {
+        let length = i128::from(end) - i128::from(start);
+        let inner = i128::from(10_000 - 2 * EDGE.0);
+        let offset = if length <= 0 {
+            0
+        } else {
+            ((i128::from(t) - i128::from(start)).clamp(0, length) * inner) / length
+        };
+        Pct(EDGE.0 + u32::try_from(offset).unwrap_or(0))
+    }
+
+    fn minus(self, other: Pct) -> Pct {
+        Pct(self.0.saturating_sub(other.0))
+    }
+
+    /// In hundredths of a percent (for tests).
+    pub fn hundredths(self) -> u32 {
+        self.0
+    }
+}
+
+impl std::fmt::Display for Pct {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{:02}%", self.0 / 100, self.0 % 100)
+    }
+}
+
+/// The margin left at each end of a time scale, so marks at its ends are drawn whole.
+pub const EDGE: Pct = Pct(200);
+
+/// One tool's calls against its cap.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolMeter {
+    pub tool: String,
+    pub used: u64,
+    /// The cap as text: the number, or `no cap`.
+    pub limit: String,
+    /// The used part of the bar; `None` for a tool without a cap (nothing to fill).
+    pub bar: Option<Pct>,
+    /// Every slot is taken: the next new call is denied.
+    pub full: bool,
+    /// What the bar says, in words (its accessible name).
+    pub summary: String,
+}
+
+impl ToolMeter {
+    pub fn new(tool: &str, used: u64, cap: Option<u64>) -> ToolMeter {
+        let summary = match cap {
+            Some(c) => format!("{tool}: {used} of {c} calls used"),
+            None => format!("{tool}: {used} calls used, no cap"),
+        };
+        ToolMeter {
+            tool: tool.to_string(),
+            used,
+            limit: cap.map_or_else(|| "no cap".into(), |c| c.to_string()),
+            bar: cap.map(|c| Pct::share(used, c)),
+            full: cap.is_some_and(|c| used >= c),
+            summary,
+        }
+    }
+}
+
+/// The budget's parts, stacked in one bar: spent, then reserved, then what is left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BudgetBar {
+    pub spent: Pct,
+    /// Where the reserved part starts (the end of the spent part).
+    pub reserved_x: Pct,
+    pub reserved: Pct,
+    pub left_x: Pct,
+    pub left: Pct,
+}
+
+/// A permit's budget: the figures as text, and the bar when there is a budget to fill.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BudgetMeter {
+    /// The budget as text: the number, or `no limit`.
+    pub total: String,
+    pub spent: u64,
+    pub reserved: u64,
+    /// What is left as text: the number, or `no limit`.
+    pub left: String,
+    pub bar: Option<BudgetBar>,
+    pub summary: String,
+}
+
+impl BudgetMeter {
+    pub fn new(budget: Option<u64>, spent: u64, reserved: u64) -> BudgetMeter {
+        let Some(total) = budget else {
+            return BudgetMeter {
+                total: "no limit".into(),
+                spent,
+                reserved,
+                left: "no limit".into(),
+                bar: None,
+                summary: format!("No budget limit: {spent} spent, {reserved} reserved"),
+            };
+        };
+        let left = total.saturating_sub(spent.saturating_add(reserved));
+        let spent_part = Pct::share(spent, total);
+        // What the spent part leaves of the bar bounds the reserved part, so the two never
+        // draw past its end.
+        let reserved_part = Pct::share(reserved, total).min(Pct::FULL.minus(spent_part));
+        let left_x = Pct(spent_part.0 + reserved_part.0);
+        BudgetMeter {
+            total: total.to_string(),
+            spent,
+            reserved,
+            left: left.to_string(),
+            bar: Some(BudgetBar {
+                spent: spent_part,
+                reserved_x: spent_part,
+                reserved: reserved_part,
+                left_x,
+                left: Pct::share(left, total).min(Pct::FULL.minus(left_x)),
+            }),
+            summary: format!("Budget {total}: {spent} spent, {reserved} reserved, {left} left"),
+        }
+    }
+}
+
+/// A permit's figures, as its card on the permits page draws them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PermitFigures {
+    pub tools: Vec<ToolMeter>,
+    pub budget: BudgetMeter,
+}
+
+impl PermitFigures {
+    pub fn new(shown: &PermitShowResponse) -> PermitFigures {
+        PermitFigures {
+            tools: shown
+                .usage
+                .iter()
+                .map(|(tool, u)| ToolMeter::new(tool, u.calls_made, u.limit))
+                .collect(),
+            budget: BudgetMeter::new(
+                shown.budget.budget,
+                shown.budget.spent,
+                shown.budget.reserved,
+            ),
+        }
+    }
+}
+
+atmost_protocol::closed_set! {
+    /// What a mark on an attempt's timeline stands for (its class on the page).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum MarkKind {
+        /// Round 1 dispatched: the attempt was created.
+        Sent => "sent";
+        /// A continuation round dispatched (known for the current round while in flight).
+        Dispatched => "dispatched";
+        /// The current round's outcome: the state the attempt entered.
+        Outcome => "outcome";
+        /// A person or the reconciler settled the uncertain attempt.
+        Resolved => "resolved";
+        /// When the current lease runs out (the sweeper then turns it uncertain).
+        LeaseEnds => "lease-ends";
+        /// Its receipt was dropped past retention.
+        Pruned => "pruned";
+        /// The time the page was drawn (an attempt still open).
+        Now => "now";
+    }
+}
+
+/// One mark on the timeline, on a row of its own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mark {
+    pub kind: MarkKind,
+    /// Drawn beside the mark (a few words).
+    pub label: String,
+    /// Said in the list under the figure.
+    pub detail: String,
+    pub at_ms: Millis,
+    /// RFC 3339.
+    pub at: String,
+    /// Time since the first dispatch, as people read it.
+    pub after: String,
+    pub x: Pct,
+    /// The previous mark's position: the row's line runs from there to this mark.
+    pub from_x: Pct,
+    pub y: u32,
+    /// Its label goes left of the mark (past the middle) or right of it.
+    pub label_left: bool,
+    /// Not yet reached (a lease still running).
+    pub ahead: bool,
+}
+
+impl Mark {
+    pub fn kind_name(&self) -> &'static str {
+        self.kind.as_str()
+    }
+}
+
+/// Height of one row of the timeline, in px.
+const ROW: u32 = 26;
+/// The first row's centre, in px.
+const TOP: u32 = 14;
+
+/// An attempt's life on one time scale, from its first dispatch to its last recorded change
+/// (to now while it is open).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Timeline {
+    pub marks: Vec<Mark>,
+    pub start: String,
+    pub end: String,
+    /// The scale's length, as people read it.
+    pub length: String,
+    pub axis_y: u32,
+    pub height: u32,
+    /// Where [`MarkKind::Now`] is, for the line drawn across every row.
+    pub now_x: Option<Pct>,
+    /// The attempt's current round (1: never continued).
+    pub rounds: u32,
+    /// Rounds whose dispatch time the ledger does not keep (it keeps the first dispatch and
+    /// the latest change): said under the figure.
+    pub untimed_rounds: Option<String>,
+    /// What the figure says in words (its accessible name).
+    pub summary: String,
+}
+
+/// Why a timeline has no mark for some rounds.
+const KEPT_TIMES: &str =
+    "the ledger keeps the time of the first dispatch and of the latest change only.";
+
+/// `Round 2 was` or `Rounds 2 to n were`.
+fn rounds_were(last: u32) -> String {
+    if last <= 2 {
+        "Round 2 was".into()
+    } else {
+        format!("Rounds 2 to {last} were")
+    }
+}
+
+/// The words for an attempt's current state on its timeline: (label, detail).
+fn outcome_words(a: &Attempt) -> (String, String) {
+    let why = a
+        .reason
+        .as_deref()
+        .map(|r| format!(" ({r})"))
+        .unwrap_or_default();
+    let round = a.round;
+    match a.state {
+        AttemptState::Completed => (
+            "completed".into(),
+            format!("Round {round} answered: completed, its receipt kept"),
+        ),
+        AttemptState::Accepted => (
+            "accepted".into(),
+            format!("Round {round} answered: accepted as a task"),
+        ),
+        AttemptState::AwaitingInput => (
+            "input required".into(),
+            format!("Round {round} answered input_required: waiting for the continuation"),
+        ),
+        AttemptState::Released => (
+            "released".into(),
+            format!("Released: the slot and budget came back{why}"),
+        ),
+        AttemptState::Uncertain => (
+            "uncertain".into(),
+            format!("Uncertain: sent, its answer lost{why}"),
+        ),
+        other => (other.as_str().into(), other.as_str().into()),
+    }
+}
+
+impl Timeline {
+    pub fn new(a: &Attempt, now: Millis) -> Timeline {
+        let mut marks: Vec<(MarkKind, String, String, Millis)> = vec![(
+            MarkKind::Sent,
+            "sent".into(),
+            "Round 1 dispatched to the upstream".into(),
+            a.created_at_ms,
+        )];
+        match a.state {
+            AttemptState::InFlight if a.round > 1 => marks.push((
+                MarkKind::Dispatched,
+                format!("round {}", a.round),
+                format!("Round {} (a continuation) dispatched", a.round),
+                a.updated_at_ms,
+            )),
+            AttemptState::InFlight => {}
+            AttemptState::ResolvedExecuted | AttemptState::ResolvedNotExecuted => {
+                if let Some(r) = &a.resolution {
+                    let (label, what) = if r.executed {
+                        ("resolved: ran", "executed")
+                    } else {
+                        ("resolved: not run", "not executed")
+                    };
+                    let by = match r.source.provider_answer() {
+                        Some(_) => format!("{} (reconciler)", r.by),
+                        None => r.by.clone(),
+                    };
+                    marks.push((
+                        MarkKind::Resolved,
+                        label.into(),
+                        format!("Resolved by {by}: {what}"),
+                        r.at_ms,
+                    ));
+                }
+            }
+            AttemptState::Completed | AttemptState::Accepted => {
+                let (label, detail) = outcome_words(a);
+                marks.push((
+                    MarkKind::Outcome,
+                    label,
+                    detail,
+                    // A pruned attempt's last change is the pruning.
+                    a.finished_at_ms.unwrap_or(a.updated_at_ms),
+                ));
+            }
+            AttemptState::Released | AttemptState::Uncertain | AttemptState::AwaitingInput => {
+                let (label, detail) = outcome_words(a);
+                marks.push((MarkKind::Outcome, label, detail, a.updated_at_ms));
+            }
+        }
+        if a.state.leased() {
+            let ran_out = a.lease_expires_at_ms <= now;
+            marks.push((
+                MarkKind::LeaseEnds,
+                "lease ends".into(),
+                if ran_out {
+                    "The lease ran out (the next sweep turns the attempt uncertain)".into()
+                } else {
+                    "The lease runs out: without an outcome by then, the attempt turns uncertain"
+                        .into()
+                },
+                a.lease_expires_at_ms,
+            ));
+        }
+        if let Some(at) = a.pruned_at_ms {
+            marks.push((
+                MarkKind::Pruned,
+                "receipt dropped".into(),
+                "Its receipt and arguments were dropped past the permit's retention".into(),
+                at,
+            ));
+        }
+        let open = matches!(
+            a.state,
+            AttemptState::InFlight | AttemptState::AwaitingInput | AttemptState::Uncertain
+        );
+        if open {
+            marks.push((
+                MarkKind::Now,
+                "now".into(),
+                "This page was drawn".into(),
+                now,
+            ));
+        }
+        // In time order; marks at the same time keep the order they happened in.
+        marks.sort_by_key(|m| m.3);
+
+        let start = a.created_at_ms;
+        let end = marks.iter().map(|m| m.3).max().unwrap_or(start).max(start);
+        let mut from_x = EDGE;
+        let placed: Vec<Mark> = marks
+            .into_iter()
+            .zip(0u32..)
+            .map(|((kind, label, detail, at_ms), row)| {
+                let x = Pct::on_scale(at_ms, start, end);
+                let mark = Mark {
+                    kind,
+                    label,
+                    detail,
+                    at_ms,
+                    at: clock::rfc3339(at_ms),
+                    after: format!("+{}", super::span(at_ms.saturating_sub(start))),
+                    x,
+                    from_x,
+                    y: TOP + row * ROW,
+                    label_left: x > Pct(5_000),
+                    ahead: at_ms > now,
+                };
+                from_x = x;
+                mark
+            })
+            .collect();
+        let rows = u32::try_from(placed.len()).unwrap_or(0);
+        let axis_y = TOP + rows * ROW - ROW / 2;
+        let untimed_rounds = match (a.round, a.state) {
+            (0 | 1, _) | (2, AttemptState::InFlight) => None,
+            (n, AttemptState::InFlight) => Some(format!(
+                "{} dispatched before round {n}; {KEPT_TIMES}",
+                rounds_were(n - 1)
+            )),
+            (n, _) => Some(format!(
+                "{} dispatched between the first dispatch and the latest change; {KEPT_TIMES}",
+                rounds_were(n)
+            )),
+        };
+        let length = super::span(end.saturating_sub(start));
+        Timeline {
+            now_x: placed.iter().find(|m| m.kind == MarkKind::Now).map(|m| m.x),
+            summary: format!(
+                "Timeline over {length}: {}",
+                placed
+                    .iter()
+                    .map(|m| format!("{} at +{}", m.label, m.after.trim_start_matches('+')))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            marks: placed,
+            start: clock::rfc3339(start),
+            end: clock::rfc3339(end),
+            length,
+            axis_y,
+            height: axis_y + 22,
+            rounds: a.round,
+            untimed_rounds,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use atmost_ledger::model::{Resolution, ResolutionSource};
+
+    #[test]
+    fn shares_are_exact_bounded_and_never_divide_by_zero() {
+        assert_eq!(Pct::share(1, 4).to_string(), "25.00%");
+        assert_eq!(Pct::share(2, 3).to_string(), "66.66%");
+        assert_eq!(Pct::share(0, 7).to_string(), "0.00%");
+        assert_eq!(Pct::share(7, 7), Pct::FULL);
+        // Past the whole: drawn full, never wider.
+        assert_eq!(Pct::share(9, 7), Pct::FULL);
+        // A whole of zero: empty, or full once anything is used of it.
+        assert_eq!(Pct::share(0, 0), Pct(0));
+        assert_eq!(Pct::share(1, 0), Pct::FULL);
+        // The largest figures do not overflow.
+        assert_eq!(Pct::share(u64::MAX, u64::MAX), Pct::FULL);
+        assert_eq!(Pct::share(u64::MAX / 2, u64::MAX).to_string(), "49.99%");
+        assert_eq!(Pct(5).to_string(), "0.05%");
+    }
+
+    #[test]
+    fn a_tool_meter_fills_used_over_cap_and_has_no_bar_without_a_cap() {
+        let m = ToolMeter::new("pay", 2, Some(3));
+        assert_eq!(m.bar, Some(Pct(6666)));
+        assert_eq!(
+            (m.limit.as_str(), m.full, m.summary.as_str()),
+            ("3", false, "pay: 2 of 3 calls used")
+        );
+        assert!(ToolMeter::new("pay", 3, Some(3)).full);
+        let over = ToolMeter::new("pay", 5, Some(3));
+        assert_eq!((over.bar, over.full), (Some(Pct::FULL), true));
+        let zero = ToolMeter::new("blocked", 0, Some(0));
+        assert_eq!((zero.bar, zero.full), (Some(Pct(0)), true));
+        let free = ToolMeter::new("search", 12, None);
+        assert_eq!(
+            (free.bar, free.full, free.limit.as_str()),
+            (None, false, "no cap")
+        );
+        assert_eq!(free.summary, "search: 12 calls used, no cap");
+    }
+
+    #[test]
+    fn the_budget_bar_stacks_spent_reserved_and_left_to_the_whole() {
+        let m = BudgetMeter::new(Some(1000), 350, 200);
+        let bar = m.bar.unwrap();
+        assert_eq!(
+            (
+                bar.spent,
+                bar.reserved_x,
+                bar.reserved,
+                bar.left_x,
+                bar.left
+            ),
+            (Pct(3500), Pct(3500), Pct(2000), Pct(5500), Pct(4500))
+        );
+        assert_eq!((m.total.as_str(), m.left.as_str()), ("1000", "450"));
+        assert_eq!(m.summary, "Budget 1000: 350 spent, 200 reserved, 450 left");
+        // Nothing used: all left.
+        let fresh = BudgetMeter::new(Some(10), 0, 0).bar.unwrap();
+        assert_eq!((fresh.spent, fresh.left), (Pct(0), Pct::FULL));
+        // More taken than the budget: the parts still end at the bar's end.
+        let over = BudgetMeter::new(Some(100), 80, 50);
+        let bar = over.bar.unwrap();
+        assert_eq!(
+            (bar.spent, bar.reserved, bar.left_x, bar.left),
+            (Pct(8000), Pct(2000), Pct::FULL, Pct(0))
+        );
+        assert_eq!(over.left, "0");
+        // A budget of 0: no part has any width.
+        let zero = BudgetMeter::new(Some(0), 0, 0).bar.unwrap();
+        assert_eq!(
+            (zero.spent, zero.reserved, zero.left),
+            (Pct(0), Pct(0), Pct(0))
+        );
+        // No budget: figures, no bar.
+        let none = BudgetMeter::new(None, 40, 5);
+        assert_eq!(none.bar, None);
+        assert_eq!(
+            (none.total.as_str(), none.left.as_str()),
+            ("no limit", "no limit")
+        );
+        assert_eq!(none.summary, "No budget limit: 40 spent, 5 reserved");
+    }
+
+    const T0: Millis = 1_767_225_600_000; // 2026-01-01T00:00:00Z
+
+    fn attempt(state: AttemptState) -> Attempt {
+        let mut a = Attempt::example("att-1", "pmt-1", "pay", state, 10);
+        a.created_at_ms = T0;
+        a.updated_at_ms = T0;
+        a.lease_expires_at_ms = T0 + 30_000;
+        a
+    }
+
+    fn kinds(t: &Timeline) -> Vec<&'static str> {
+        t.marks.iter().map(Mark::kind_name).collect()
+    }
+
+    #[test]
+    fn an_uncertain_attempt_runs_from_its_dispatch_to_now() {
+        let mut a = attempt(AttemptState::Uncertain);
+        a.updated_at_ms = T0 + 20_000;
+        a.reason = Some("upstream_reset".into());
+        let t = Timeline::new(&a, T0 + 80_000);
+        assert_eq!(kinds(&t), ["sent", "outcome", "now"]);
+        let x: Vec<u32> = t.marks.iter().map(|m| m.x.hundredths()).collect();
+        // 2% + 96% × 20/80 = 26%.
+        assert_eq!(x, [200, 2600, 9800]);
+        assert_eq!(t.marks[1].from_x, Pct(200));
+        assert_eq!(t.marks[2].from_x, Pct(2600));
+        assert_eq!(
+            t.marks[1].detail,
+            "Uncertain: sent, its answer lost (upstream_reset)"
+        );
+        assert_eq!(t.marks[1].after, "+20s");
+        assert_eq!(t.length, "1m 20s");
+        assert_eq!(
+            (t.start.as_str(), t.end.as_str()),
+            ("2026-01-01T00:00:00.000Z", "2026-01-01T00:01:20.000Z")
+        );
+        assert_eq!(t.now_x, Some(Pct(9800)));
+        assert!(!t.marks[1].label_left && t.marks[2].label_left);
+        assert_eq!(
+            t.marks.iter().map(|m| m.y).collect::<Vec<_>>(),
+            [14, 40, 66]
+        );
+        assert_eq!((t.axis_y, t.height), (79, 101));
+        assert_eq!(t.untimed_rounds, None);
+        assert_eq!(
+            t.summary,
+            "Timeline over 1m 20s: sent at +0s, uncertain at +20s, now at +1m 20s"
+        );
+    }
+
+    #[test]
+    fn a_continued_attempt_in_flight_shows_its_round_and_its_lease_ahead() {
+        let mut a = attempt(AttemptState::InFlight);
+        a.round = 2;
+        a.updated_at_ms = T0 + 10_000;
+        a.lease_expires_at_ms = T0 + 40_000;
+        let t = Timeline::new(&a, T0 + 20_000);
+        assert_eq!(kinds(&t), ["sent", "dispatched", "now", "lease-ends"]);
+        assert_eq!(t.marks[1].label, "round 2");
+        let lease = &t.marks[3];
+        assert!(lease.ahead && !t.marks[2].ahead);
+        // The scale reaches the lease's end; now is half way.
+        assert_eq!(t.now_x, Some(Pct(200 + 4800)));
+        assert_eq!(lease.x, Pct(9800));
+        assert_eq!(t.untimed_rounds, None);
+        a.round = 4;
+        assert_eq!(
+            Timeline::new(&a, T0 + 20_000).untimed_rounds.as_deref(),
+            Some("Rounds 2 to 3 were dispatched before round 4; the ledger keeps the time of the first dispatch and of the latest change only.")
+        );
+        a.round = 3;
+        assert_eq!(
+            Timeline::new(&a, T0 + 20_000).untimed_rounds.as_deref(),
+            Some("Round 2 was dispatched before round 3; the ledger keeps the time of the first dispatch and of the latest change only.")
+        );
+    }
+
+    #[test]
+    fn a_resolved_attempt_ends_at_its_resolution_and_names_who_resolved_it() {
+        let mut a = attempt(AttemptState::ResolvedNotExecuted);
+        a.round = 3;
+        a.updated_at_ms = T0 + 90_000;
+        a.resolution = Some(Resolution {
+            executed: false,
+            by: "<b>Ana</b>".into(),
+            at_ms: T0 + 90_000,
+            note: None,
+            source: ResolutionSource::Person,
+        });
+        let t = Timeline::new(&a, T0 + 500_000);
+        assert_eq!(kinds(&t), ["sent", "resolved"]);
+        assert_eq!(t.marks[1].detail, "Resolved by <b>Ana</b>: not executed");
+        assert_eq!(t.marks[1].x, Pct(9800));
+        assert_eq!(t.now_x, None);
+        assert!(t
+            .untimed_rounds
+            .unwrap()
+            .starts_with("Rounds 2 to 3 were dispatched"));
+        // By the reconciler.
+        a.state = AttemptState::ResolvedExecuted;
+        a.resolution = Some(Resolution {
+            executed: true,
+            by: "stripe-lookup".into(),
+            at_ms: T0 + 90_000,
+            note: None,
+            source: ResolutionSource::Reconciler {
+                provider_answer: "{}".into(),
+            },
+        });
+        let t = Timeline::new(&a, T0 + 500_000);
+        assert_eq!(t.marks[1].label, "resolved: ran");
+        assert_eq!(
+            t.marks[1].detail,
+            "Resolved by stripe-lookup (reconciler): executed"
+        );
+    }
+
+    #[test]
+    fn a_scale_of_no_length_puts_every_mark_at_its_start() {
+        // Released in the same millisecond it was sent: nothing to divide by.
+        let mut a = attempt(AttemptState::Released);
+        a.reason = Some("upstream_refused".into());
+        let t = Timeline::new(&a, T0);
+        assert_eq!(kinds(&t), ["sent", "outcome"]);
+        assert!(t.marks.iter().all(|m| m.x == EDGE && m.from_x == EDGE));
+        assert_eq!(t.length, "0s");
+        // A clock that went back: still on the scale.
+        let mut a = attempt(AttemptState::Uncertain);
+        a.updated_at_ms = T0 - 5_000;
+        let t = Timeline::new(&a, T0 - 10_000);
+        assert!(t.marks.iter().all(|m| m.x == EDGE), "{:?}", t.marks);
+    }
+
+    #[test]
+    fn a_completed_and_pruned_attempt_keeps_its_finish_time() {
+        let mut a = attempt(AttemptState::Completed);
+        a.finished_at_ms = Some(T0 + 1_000);
+        a.pruned_at_ms = Some(T0 + 3_000);
+        a.updated_at_ms = T0 + 3_000;
+        let t = Timeline::new(&a, T0 + 9_000);
+        assert_eq!(kinds(&t), ["sent", "outcome", "pruned"]);
+        assert_eq!(t.marks[1].at_ms, T0 + 1_000);
+        assert_eq!(t.marks[1].x, Pct(200 + 3200));
+        assert_eq!(t.end, "2026-01-01T00:00:03.000Z");
+    }
+
+    #[test]
+    fn a_waiting_attempt_shows_the_input_asked_and_its_lease() {
+        let mut a = attempt(AttemptState::AwaitingInput);
+        a.updated_at_ms = T0 + 2_000;
+        a.lease_expires_at_ms = T0 + 32_000;
+        let t = Timeline::new(&a, T0 + 60_000);
+        assert_eq!(kinds(&t), ["sent", "outcome", "lease-ends", "now"]);
+        assert_eq!(t.marks[1].label, "input required");
+        assert!(t.marks[2].detail.starts_with("The lease ran out"));
+        assert!(!t.marks[2].ahead);
+    }
+}
