@@ -385,8 +385,8 @@ def metric(ledger: Ledger, line_start: str) -> float | None:
 
 def test_a_renewed_certificate_is_served_without_a_restart_and_a_broken_one_leaves_it(log_dir, tmp_path):
     """The ledger reads its certificate files again when they change: a new pair is what the
-    next connection gets; a pair that does not load is logged and counted, and the previous one
-    stays served."""
+    next connection gets, on both its ports; a pair that does not load is logged and counted,
+    and the previous one stays served."""
     first = make_ledger_tls(tmp_path / "first")
     second = make_ledger_tls(tmp_path / "second")
     live = tmp_path / "live"
@@ -404,6 +404,7 @@ def test_a_renewed_certificate_is_served_without_a_restart_and_a_broken_one_leav
         first_der = ssl.PEM_cert_to_DER_cert(first.cert.read_text())
         second_der = ssl.PEM_cert_to_DER_cert(second.cert.read_text())
         assert served_certificate(ledger.port, context) == first_der
+        assert served_certificate(ledger.admin_port, context) == first_der
 
         # A renewal as a Secret volume or cert-manager does it: new files in place of the old.
         for source, target in ((second.key, files.key), (second.cert, files.cert)):
@@ -411,6 +412,7 @@ def test_a_renewed_certificate_is_served_without_a_restart_and_a_broken_one_leav
             os.replace(target.with_name(target.name + ".new"), target)
         wait_until(lambda: served_certificate(ledger.port, context) == second_der, 20,
                    "the renewed certificate to be served")
+        assert served_certificate(ledger.admin_port, context) == second_der
         assert metric(ledger, 'atmost_tls_reloads_total{result="ok"}') >= 1
 
         files.cert.write_text("not a certificate\n")
@@ -418,6 +420,7 @@ def test_a_renewed_certificate_is_served_without_a_restart_and_a_broken_one_leav
                    "the broken certificate to be refused")
         assert metric(ledger, "atmost_tls_reload_failing") == 1
         assert served_certificate(ledger.port, context) == second_der
+        assert served_certificate(ledger.admin_port, context) == second_der
         assert "TLS certificate not reloaded: the previous certificate is still served" in ledger.log_text()
         # The admin CLI still reaches it through the certificate it serves.
         ledger.tls = second
