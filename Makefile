@@ -14,7 +14,7 @@ CARGO ?= cargo
 .PHONY: oci-tools k8s-tools browser-tools prometheus-tools prometheusrule
 # The quick loop: `make check` (docs/development.md#which-target-when).
 .PHONY: check
-.PHONY: all run test model-check test-unit test-e2e test-e2e-wasmplugin test-faults lint fmt ts-deps wasm ledger ledger-next ledger-release setup setup-run rust-setup venv venv-test clean oci
+.PHONY: all run test model-check test-unit test-e2e test-e2e-wasmplugin test-e2e-envoygateway test-faults lint fmt ts-deps wasm ledger ledger-next ledger-release setup setup-run rust-setup venv venv-test clean oci
 
 all: wasm ledger-release
 
@@ -186,22 +186,29 @@ test-e2e: setup ts-deps wasm ledger-next ledger oci
 
 ## The suites that carry calls, again with the filter deployed as istiod renders the shipped
 ## WasmPlugin (ATMOST_DEPLOYMENT=wasmplugin: request_hold body, no allow_on_headers_stop_iteration).
-## The other files check configuration and manifests, the same in both deployments.
-E2E_BOTH_DEPLOYMENTS := $(addprefix tests/e2e/,test_idempotency.py test_permits.py test_fail_closed.py \
+## The other files check configuration and manifests, the same in every deployment.
+E2E_EVERY_DEPLOYMENT := $(addprefix tests/e2e/,test_idempotency.py test_permits.py test_fail_closed.py \
 	test_trust_boundary.py test_mcp_versions.py test_upstream_key_forms.py test_tasks.py test_ts_interop.py \
 	test_parser_differentials.py test_replicas.py test_external_provider.py test_control_headers.py \
 	test_envoy_mcp_filter.py)
 
 test-e2e-wasmplugin: setup ts-deps wasm ledger
-	ATMOST_DEPLOYMENT=wasmplugin ATMOST_BIN=target/debug/atmost $(WITH_PG) $(VPY) -m pytest $(E2E_BOTH_DEPLOYMENTS) -q -p no:cacheprovider --timeout 300
+	ATMOST_DEPLOYMENT=wasmplugin ATMOST_BIN=target/debug/atmost $(WITH_PG) $(VPY) -m pytest $(E2E_EVERY_DEPLOYMENT) -q -p no:cacheprovider --timeout 300
+
+## The same suites with the filter and its routes as Envoy Gateway renders the shipped
+## EnvoyExtensionPolicy and BackendTrafficPolicy (ATMOST_DEPLOYMENT=envoygateway: request_hold body,
+## the filter enabled per route, zero retries); tests/e2e/test_envoy_gateway.py runs the rest of
+## what Envoy Gateway renders (its listener, the ledger cluster, the module served over HTTP).
+test-e2e-envoygateway: setup ts-deps wasm ledger
+	ATMOST_DEPLOYMENT=envoygateway ATMOST_BIN=target/debug/atmost $(WITH_PG) $(VPY) -m pytest $(E2E_EVERY_DEPLOYMENT) -q -p no:cacheprovider --timeout 300
 
 ## The protocol model (ledger/model/atmost.pml): spin must verify it and refute each mutant.
 model-check:
 	ledger/model/check.sh
 
-# One PostgreSQL for both suites (a throwaway one is started once and stopped at the end).
+# One PostgreSQL for all the suites (a throwaway one is started once and stopped at the end).
 test: setup lint model-check
-	$(WITH_PG) $(MAKE) --no-print-directory test-unit test-e2e test-e2e-wasmplugin
+	$(WITH_PG) $(MAKE) --no-print-directory test-unit test-e2e test-e2e-wasmplugin test-e2e-envoygateway
 
 ## The fault suite: real processes under kill -9, a slow or silent ledger, upstream resets and timeouts,
 ## client hang-ups, Envoy killed, reloaded or drained mid-call, a failed VM, a full or read-only store,

@@ -47,9 +47,15 @@ DEMO_SECRETS = {"ATMOST_SERVICE_TOKEN": "demo-service-token-not-for-production",
 SECRET_FIELDS = (("ledger", "service_token"), ("upstream_key", "secret"))
 # ATMOST_DEPLOYMENT picks how the filter sits in Envoy: `envoyfilter` (default), the Wasm filter of
 # envoy/atmost-sidecar.yaml as an EnvoyFilter delivers it (allow_on_headers_stop_iteration: true);
-# `wasmplugin`, the same filter as istiod renders the shipped WasmPlugin (wasmplugin_filter_config).
-DEPLOYMENTS = ("envoyfilter", "wasmplugin")
+# `wasmplugin`, the same filter as istiod renders the shipped WasmPlugin (wasmplugin_filter_config);
+# `envoygateway`, the filter and its routes as Envoy Gateway renders the shipped EnvoyExtensionPolicy
+# and BackendTrafficPolicy (envoygateway_form).
+DEPLOYMENTS = ("envoyfilter", "wasmplugin", "envoygateway")
+# The forms whose filter holds only a POST's body (`request_hold: body`): their manifests cannot
+# set allow_on_headers_stop_iteration.
+BODY_HOLD_FORMS = ("wasmplugin", "envoygateway")
 WASMPLUGIN_MANIFEST = ROOT / "envoy" / "istio" / "agent-wasmplugin" / "wasmplugin.yaml"
+ENVOY_GATEWAY_DIR = ROOT / "envoy" / "gateway" / "mcp"
 # What istiod itself puts into the VM's environment (pilot/pkg/model/extensions.go, buildVMConfig).
 ISTIOD_PULL_POLICY_ENV = "ISTIO_META_WASM_IMAGE_PULL_POLICY"
 ISTIOD_RESOURCE_VERSION_ENV = "ISTIO_META_WASM_PLUGIN_RESOURCE_VERSION"
@@ -75,7 +81,7 @@ class EnvoyMcpFilter:
 
 
 def deployment() -> str:
-    """ATMOST_DEPLOYMENT, checked: `envoyfilter` (default) or `wasmplugin`."""
+    """ATMOST_DEPLOYMENT, checked: `envoyfilter` (default), `wasmplugin` or `envoygateway`."""
     value = os.environ.get("ATMOST_DEPLOYMENT") or "envoyfilter"
     if value not in DEPLOYMENTS:
         raise ValueError(f"ATMOST_DEPLOYMENT must be one of {', '.join(DEPLOYMENTS)} (got {value!r})")
@@ -107,6 +113,86 @@ def wasmplugin_filter_config(plugin_json: dict, wasm: Path, host_env_keys: list[
                       "environment_variables": env},
         "failure_policy": ISTIOD_FAILURE_POLICIES[spec.get("failStrategy", "FAIL_CLOSE")],
     }
+
+
+# Envoy Gateway v1.9.0's rendering (internal/xds/translator/wasm.go and route.go).
+ENVOY_GATEWAY_WASM_FILTER = "envoy.filters.http.wasm"
+ENVOY_GATEWAY_RETRY_ON = "connect-failure,refused-stream,unavailable,cancelled,retriable-status-codes"
+ENVOY_GATEWAY_RETRIABLE_STATUS = 503
+ENVOY_GATEWAY_NUM_RETRIES = 2
+
+
+def envoygateway_wasm_filter(policy: dict, index: int, code: dict, config: dict | None = None) -> dict:
+    """Entry `index` of an EnvoyExtensionPolicy's `wasm` as Envoy Gateway renders it into the
+    connection manager: named `envoy.filters.http.wasm/envoyextensionpolicy/<ns>/<name>/wasm/<i>`,
+    `disabled` there (each route of the policy's target enables it, envoygateway_route_enable);
+    `config.name` the entry's `name`, `root_id` its `rootID`, its `config` as a StringValue of
+    JSON (`config`, when given, stands in for it), `fail_open` its `failOpen`; the VM's `vm_id` the
+    filter's own name, V8, `environment_variables.host_env_keys` from `env.hostKeys`. `code` is
+    the VM's code: Envoy Gateway's is `remote`, served by its Wasm cache."""
+    meta, entry = policy["metadata"], policy["spec"]["wasm"][index]
+    ir_name = f"envoyextensionpolicy/{meta['namespace']}/{meta['name']}/wasm/{index}"
+    plugin_json = entry.get("config") if config is None else config
+    vm_config = {"vm_id": ir_name, "runtime": "envoy.wasm.runtime.v8", "code": code}
+    if entry.get("env", {}).get("hostKeys"):
+        vm_config["environment_variables"] = {"host_env_keys": list(entry["env"]["hostKeys"])}
+    wasm_config = {"name": entry.get("name", ir_name), "vm_config": vm_config,
+                   "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
+                                     "value": "" if plugin_json is None else json.dumps(plugin_json)},
+                   "fail_open": bool(entry.get("failOpen", False))}
+    if "rootID" in entry:
+        wasm_config["root_id"] = entry["rootID"]
+    return {"name": f"{ENVOY_GATEWAY_WASM_FILTER}/{ir_name}", "disabled": True,
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                             "config": wasm_config}}
+
+
+def envoygateway_route_enable(route: dict, filter_name: str) -> None:
+    """Enables a filter Envoy Gateway left disabled in the connection manager on one route: an
+    empty FilterConfig under the filter's name."""
+    route.setdefault("typed_per_filter_config", {})[filter_name] = {
+        "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "config": {}}
+
+
+def envoygateway_retry_policy(retry: dict) -> dict:
+    """A BackendTrafficPolicy's `retry` as Envoy Gateway renders it (route.go, buildRetryPolicy);
+    without a `retry`, Envoy Gateway sets no retry policy at all."""
+    policy = {"retry_on": ENVOY_GATEWAY_RETRY_ON, "retriable_status_codes": [ENVOY_GATEWAY_RETRIABLE_STATUS],
+              "num_retries": retry.get("numRetries", ENVOY_GATEWAY_NUM_RETRIES),
+              "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
+                  "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}],
+              "host_selection_retry_max_attempts": 5}
+    if retry.get("retryOn", {}).get("triggers"):
+        policy["retry_on"] = ",".join(retry["retryOn"]["triggers"])
+    if retry.get("retryOn", {}).get("httpStatusCodes"):
+        policy["retriable_status_codes"] = retry["retryOn"]["httpStatusCodes"]
+    return policy
+
+
+def envoygateway_form(hcm: dict, wasm_filter: dict, plugin_json: dict, wasm: Path, host_env_keys: list[str]) -> None:
+    """The shipped gateway's filter and routes changed into what Envoy Gateway renders for the
+    shipped objects (envoy/gateway/mcp/): the Wasm filter of the EnvoyExtensionPolicy, disabled in
+    the connection manager and enabled on every route; each route's retry policy from the
+    BackendTrafficPolicy; the router with `suppress_envoy_headers`. The plugin JSON takes
+    `request_hold` from the policy's `config` unless it sets one; the rest is this stack's (its
+    ledger cluster and secrets). The module is a local file here, where Envoy Gateway serves it
+    from its Wasm cache (tests/e2e/test_envoy_gateway.py runs that part)."""
+    policy = yaml.safe_load((ENVOY_GATEWAY_DIR / "envoyextensionpolicy.yaml").read_text())
+    [entry] = policy["spec"]["wasm"]
+    plugin_json = {"request_hold": entry["config"]["request_hold"], **plugin_json}
+    if host_env_keys:
+        entry["env"] = {"hostKeys": host_env_keys}
+    rendered = envoygateway_wasm_filter(policy, 0, {"local": {"filename": str(wasm)}}, plugin_json)
+    retry = yaml.safe_load((ENVOY_GATEWAY_DIR / "backendtrafficpolicy.yaml").read_text())["spec"].get("retry")
+    hcm["http_filters"] = [rendered if f is wasm_filter else f for f in hcm["http_filters"]]
+    for virtual_host in hcm["route_config"]["virtual_hosts"]:
+        for route in virtual_host["routes"]:
+            envoygateway_route_enable(route, rendered["name"])
+            if retry is not None:
+                route["route"]["retry_policy"] = envoygateway_retry_policy(retry)
+    for f in hcm["http_filters"]:
+        if f["name"] == "envoy.filters.http.router":
+            f["typed_config"]["suppress_envoy_headers"] = True
 
 
 _default_ledger_tls: LedgerTls | None = None
@@ -365,7 +451,8 @@ def sidecar_config(listen_port: int, admin_port: int, upstream_port: int, ledger
     then resolves it (STRICT_DNS).
 
     `deployment_form` (default: ATMOST_DEPLOYMENT) `wasmplugin` renders the Wasm filter as istiod
-    renders the shipped WasmPlugin (wasmplugin_filter_config); overrides apply to its plugin JSON.
+    renders the shipped WasmPlugin (wasmplugin_filter_config), `envoygateway` as Envoy Gateway
+    renders the shipped EnvoyExtensionPolicy (envoygateway_form); overrides apply to the plugin JSON.
     The connection manager then loses the shipped `headers_with_underscores_action`, which a
     WasmPlugin cannot set.
 
@@ -492,6 +579,11 @@ def gateway_config(path: Path, listen_port: int, admin_port: int, ledger_ports: 
         options.pop("headers_with_underscores_action", None)
         if not options:
             hcm.pop("common_http_protocol_options", None)
+    if form == "envoygateway" and not plain:
+        # Envoy Gateway's connection manager refuses headers with `_` by default
+        # (ClientTrafficPolicy `withUnderscoresAction`), as the shipped one does: kept.
+        host_env_keys = plugin["vm_config"].get("environment_variables", {}).get("host_env_keys", [])
+        envoygateway_form(hcm, wasm_filter, plugin_json, wasm, host_env_keys)
     tls = resolve_ledger_tls(ledger_tls)
     for cluster in config["static_resources"]["clusters"]:
         if cluster["name"] == "atmost_ledger":

@@ -20,7 +20,7 @@ import pytest
 from tests.e2e.conftest import new_key
 from tests.support.certificates import issue, make_ca
 from tests.support.mcp_raw import RawMcp, denial_code, result_text
-from tests.support.stack import Envoy, ExampleServer, Provider, deployment, http_get, wait_until
+from tests.support.stack import BODY_HOLD_FORMS, Envoy, ExampleServer, Provider, deployment, http_get, wait_until
 
 PROVIDER_HOST = "mcp.provider.test"
 UPSTREAM_SECRET = "external-provider-upstream-secret"
@@ -102,7 +102,7 @@ def test_governed_call_goes_to_the_provider_over_verified_tls_and_the_ledger_dec
         # (deployed as a WasmPlugin, a governed call's key header does not leave ahead of the
         # decision, and this key is only a header).
         derived = hmac.new(UPSTREAM_SECRET.encode(), f"{permit['id']}:{key}".encode(), hashlib.sha256).hexdigest()
-        assert seen["headers"].get("idempotency-key") == (None if deployment() == "wasmplugin" else derived)
+        assert seen["headers"].get("idempotency-key") == (None if deployment() in BODY_HOLD_FORMS else derived)
         [attempt] = attempts(ledger, permit["id"])
         assert attempt["state"] == "completed" and attempt["tool"] == "pay_invoice", attempt
         assert calls_made(ledger, permit["id"]) == 1

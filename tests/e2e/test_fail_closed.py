@@ -11,7 +11,7 @@ import pytest
 
 from tests.e2e.conftest import new_key
 from tests.support.mcp_raw import RawMcp, denial_code
-from tests.support.stack import Envoy, Ledger
+from tests.support.stack import BODY_HOLD_FORMS, Envoy, Ledger
 from tests.support.tcp_proxy import TcpProxy
 
 TAG = "x-atmost-test-call"
@@ -58,7 +58,7 @@ def test_denied_calls_never_reach_the_upstream(isolated, mcp_server):
                                           new_key())
     assert denial_code(denied_by_ledger) == "permit_tool_not_allowed"
     assert mcp_server.executions("pay_invoice") == 0
-    if envoy.deployment_form == "wasmplugin":
+    if envoy.deployment_form in BODY_HOLD_FORMS:
         assert_nothing_of_the_body_left(proxy, [tag_local, tag_ledger])
     else:
         assert proxy.connection_count() == 0
@@ -69,7 +69,7 @@ def test_denied_calls_never_reach_the_upstream(isolated, mcp_server):
     assert allowed.json()["result"]["content"][0]["text"] == "hi"
     [sent] = proxy.ended_requests_with(TAG, tag_allowed)
     assert sent.complete and b'"hi"' in sent.body
-    if envoy.deployment_form != "wasmplugin":
+    if envoy.deployment_form not in BODY_HOLD_FORMS:
         assert proxy.connection_count() == 1
 
 
@@ -84,7 +84,7 @@ def test_ledger_down_means_denied_and_nothing_executes(isolated, mcp_server):
         assert response.status_code == 200
         assert denial_code(response) == "gateway_unavailable"
     assert mcp_server.executions("pay_invoice") == 0
-    if envoy.deployment_form == "wasmplugin":
+    if envoy.deployment_form in BODY_HOLD_FORMS:
         assert_nothing_of_the_body_left(proxy, tags)
     else:
         assert proxy.connection_count() == 0

@@ -221,25 +221,34 @@ OBJECT_META = {
 }
 
 
+def crd_schemas(*paths: Path) -> dict[tuple[str, str], tuple[dict, dict]]:
+    """(apiVersion, kind) -> (JSON Schema, the CRD's openAPIV3Schema), for every served version of
+    every CRD in the files: the object's own apiVersion, kind and metadata required, nothing else
+    beside its schema's fields."""
+    schemas = {}
+    for path in paths:
+        for crd in yaml.safe_load_all(path.read_text()):
+            if not crd or crd.get("kind") != "CustomResourceDefinition":
+                continue
+            group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+            for version in crd["spec"]["versions"]:
+                if not version.get("served"):
+                    continue
+                api_version = f"{group}/{version['name']}"
+                structural = version["schema"]["openAPIV3Schema"]
+                schema = _structural_to_jsonschema(structural)
+                schema["properties"] = {**schema["properties"], "apiVersion": {"const": api_version},
+                                        "kind": {"const": kind}, "metadata": OBJECT_META}
+                schema["required"] = sorted(set(schema.get("required", [])) | {"apiVersion", "kind", "metadata"})
+                schema["additionalProperties"] = False
+                schemas[(api_version, kind)] = (schema, structural)
+    return schemas
+
+
 @lru_cache(maxsize=1)
 def istio_schemas() -> dict[tuple[str, str], dict]:
     """(apiVersion, kind) -> JSON Schema, for every served version of every Istio CRD."""
-    schemas = {}
-    for crd in yaml.safe_load_all(ISTIO_CRDS.read_text()):
-        if not crd or crd.get("kind") != "CustomResourceDefinition":
-            continue
-        group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
-        for version in crd["spec"]["versions"]:
-            if not version.get("served"):
-                continue
-            api_version = f"{group}/{version['name']}"
-            schema = _structural_to_jsonschema(version["schema"]["openAPIV3Schema"])
-            schema["properties"] = {**schema["properties"], "apiVersion": {"const": api_version},
-                                    "kind": {"const": kind}, "metadata": OBJECT_META}
-            schema["required"] = sorted(set(schema.get("required", [])) | {"apiVersion", "kind", "metadata"})
-            schema["additionalProperties"] = False
-            schemas[(api_version, kind)] = schema
-    return schemas
+    return {key: schema for key, (schema, _) in crd_schemas(ISTIO_CRDS).items()}
 
 
 def is_istio(doc: dict) -> bool:
@@ -297,7 +306,7 @@ def errors_of(doc: dict) -> list[str]:
 
 
 def test_kustomizations_present():
-    assert set(BASES) == {"ledger", "agent", "agent-envoyfilter", "agent-wasmplugin", "agent-egress"}
+    assert set(BASES) == {"ledger", "ledger-serviceentry", "agent", "agent-envoyfilter", "agent-wasmplugin", "agent-egress"}
     assert set(OVERLAYS) == {LEDGER_POSTGRES, LEDGER_SQLITE, AGENT_ENVOYFILTER, AGENT_WASMPLUGIN, EXTERNAL_PROVIDER}
 
 
@@ -320,7 +329,7 @@ def rendered_objects() -> list[tuple[str, int]]:
 
 
 def expected_count(kustomization: str) -> int:
-    counts = {"ledger": 7, "agent": 1, "agent-envoyfilter": 1, "agent-wasmplugin": 1, LEDGER_POSTGRES: 8,
+    counts = {"ledger": 6, "ledger-serviceentry": 1, "agent": 1, "agent-envoyfilter": 1, "agent-wasmplugin": 1, LEDGER_POSTGRES: 8,
               LEDGER_SQLITE: 8, AGENT_ENVOYFILTER: 1, AGENT_WASMPLUGIN: 1, "agent-egress": 1, EXTERNAL_PROVIDER: 6}
     return counts[kustomization]
 
@@ -563,7 +572,13 @@ def test_credentials_come_from_a_secret(rendered, kustomization):
 def test_no_committed_file_holds_a_secret():
     """No store URL and no generator literal in any file under envoy/istio/ (ledger.env, where
     the operator puts them, is ignored by git)."""
-    tracked = subprocess.run(["git", "ls-files", "envoy/istio"], capture_output=True, text=True, cwd=ROOT,
+    assert_no_committed_secret("envoy/istio", f"envoy/istio/{LEDGER_POSTGRES}/ledger.env")
+
+
+def assert_no_committed_secret(directory: str, ledger_env: str) -> None:
+    """No tracked file under `directory` holds a store URL with a password, a secretGenerator
+    literal, or is a ledger.env; the overlay's `ledger_env` is ignored by git."""
+    tracked = subprocess.run(["git", "ls-files", directory], capture_output=True, text=True, cwd=ROOT,
                              timeout=30).stdout.split()
     assert tracked
     for rel in tracked:
@@ -571,8 +586,7 @@ def test_no_committed_file_holds_a_secret():
         assert not re.search(r"postgres(ql)?://[^\s/@]+:[^\s/@]+@", text), f"{rel}: a store URL with a password"
         assert "literals:" not in text, f"{rel}: a secretGenerator literal"
         assert not rel.endswith("ledger.env"), f"{rel}: committed secrets"
-    ignored = subprocess.run(["git", "check-ignore", "-q", f"envoy/istio/{LEDGER_POSTGRES}/ledger.env"],
-                             cwd=ROOT, timeout=30)
+    ignored = subprocess.run(["git", "check-ignore", "-q", ledger_env], cwd=ROOT, timeout=30)
     assert ignored.returncode == 0, "ledger.env must be ignored by git"
 
 
@@ -909,26 +923,35 @@ def test_rollout_steps_write_the_digests_where_the_test_puts_them(tmp_path):
     """Step 0's commands put the digests `make oci` printed into the overlays, as set_digests does
     here: run them on a copy and compare."""
     steps = istio_doc_section("Adding atmost to an existing Istio mesh")
+    changed = run_digest_steps(steps, ISTIO_DIR, tmp_path, set_digests)
+    # Both store overlays and both agent overlays got the digests.
+    assert changed == 4
+
+
+def run_digest_steps(steps: str, tree: Path, tmp_path: Path, set_digests_by_test) -> int:
+    """Runs the two `sed -i` commands of a doc's step 0 on a copy of `tree` (a directory under
+    envoy/), and `set_digests_by_test` on another copy; both copies must end alike. Returns how
+    many files the commands changed."""
     [block] = [b for b in re.findall(r"```sh\n(.*?)```", steps, re.S) if "sed -i" in b]
     commands = [line for line in block.splitlines() if line.startswith("sed -i")]
     assert len(commands) == 2, commands
+    where = tree.relative_to(ROOT)
     by_docs, by_test = tmp_path / "docs", tmp_path / "test"
-    for tree in (by_docs, by_test):
-        (tree / "target" / "oci").mkdir(parents=True)
-        shutil.copytree(ISTIO_DIR, tree / "envoy" / "istio", ignore=shutil.ignore_patterns("ledger.env"))
+    for copy_root in (by_docs, by_test):
+        (copy_root / "target" / "oci").mkdir(parents=True)
+        shutil.copytree(tree, copy_root / where, ignore=shutil.ignore_patterns("ledger.env"))
         for name in ("atmost-ledger", "atmost-filter"):
-            shutil.copy(OCI_DIR / f"{name}.digest", tree / "target" / "oci")
+            shutil.copy(OCI_DIR / f"{name}.digest", copy_root / "target" / "oci")
     for command in commands:
         result = subprocess.run(["bash", "-ec", command], cwd=by_docs, capture_output=True, text=True, timeout=30)
         assert result.returncode == 0, result.stderr
-    set_digests(by_test / "envoy" / "istio", built()["ledger"], built()["filter"])
+    set_digests_by_test(by_test / where, built()["ledger"], built()["filter"])
     changed = 0
-    for path in (by_test / "envoy" / "istio").rglob("*"):
+    for path in (by_test / where).rglob("*"):
         if path.is_file():
             assert path.read_bytes() == (by_docs / path.relative_to(by_test)).read_bytes(), path
-            changed += path.read_bytes() != (ISTIO_DIR / path.relative_to(by_test / "envoy" / "istio")).read_bytes()
-    # Both store overlays and both agent overlays got the digests.
-    assert changed == 4
+            changed += path.read_bytes() != (tree / path.relative_to(by_test / where)).read_bytes()
+    return changed
 
 
 def test_istio_doc_proxy_entry_feeds_the_variables_the_manifests_name(objs):

@@ -19,7 +19,7 @@ from mcp_types import ElicitResult
 
 from tests.e2e.conftest import new_key
 from tests.support.mcp_raw import KEY_META, RawMcp, denial_code, result_text
-from tests.support.stack import Envoy, ExampleServer, wait_until
+from tests.support.stack import BODY_HOLD_FORMS, Envoy, ExampleServer, wait_until
 
 MODES = ["auto", "legacy"]  # auto → 2026-07-28 with these servers; legacy → 2025-11-25 handshake
 
@@ -302,7 +302,7 @@ def test_bad_bodies_get_documented_errors_and_nothing_is_dispatched(stacks, perm
         assert r.json()["error"]["code"] == code
         # Nothing of it reached the server; deployed as a WasmPlugin, only its request start may.
         assert not [q for q in server.state()["requests"][before:] if q["body_bytes"]]
-        if gateway.deployment_form != "wasmplugin":
+        if gateway.deployment_form not in BODY_HOLD_FORMS:
             assert len(server.state()["requests"]) == before
     finally:
         client.close()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.support.stack import ROOT, Envoy, ExampleServer, GoUpstream, TsServer, go_upstream_binary
+from tests.support.stack import ROOT, BODY_HOLD_FORMS, Envoy, ExampleServer, GoUpstream, TsServer, go_upstream_binary
 
 # Versions before 2026-07-28 do not mirror the method into headers, so the body alone says
 # what the message is: the case a parser differential exploits.
@@ -190,7 +190,7 @@ def test_every_hostile_body_is_refused_before_any_upstream(upstreams, ledger, ki
             body = case.body.replace(b"k-a", str(uuid.uuid4()).encode()).replace(b"k-b", str(uuid.uuid4()).encode())
             r = http.post(gateway.url, content=body, headers=_headers(permit["token"], case))
             after = upstream.seen()
-            if gateway.deployment_form == "wasmplugin":
+            if gateway.deployment_form in BODY_HOLD_FORMS:
                 # The request's headers went first (request_hold: body): a start may arrive.
                 before, after = before[:2], after[:2]
             try:

@@ -5,7 +5,7 @@ import pytest
 from tests.e2e.conftest import new_key
 from tests.support.mcp_raw import (OpenCall, RawMcp, denial, denial_code, race_new_keys, result_text,
                                    worker_connections)
-from tests.support.stack import Envoy, free_port, wait_until
+from tests.support.stack import BODY_HOLD_FORMS, Envoy, free_port, wait_until
 from tests.support.tcp_proxy import TcpProxy
 
 
@@ -72,7 +72,7 @@ def test_connection_refused_releases_the_slot(log_dir, ledger, mcp_server):
     try:
         refused = client.call("pay_invoice", {"invoice": "r", "amount": 1}, permit["token"], new_key())
         assert refused.status_code == 503
-        if envoy.deployment_form == "wasmplugin":
+        if envoy.deployment_form in BODY_HOLD_FORMS:
             # The headers left first: the connection failed either before the ledger was asked
             # (nothing reserved) or while it decided (the answer was held until then and the
             # dispatch released). Either way nothing stays in flight.

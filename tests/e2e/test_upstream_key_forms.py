@@ -14,7 +14,7 @@ import yaml
 from tests.e2e.conftest import new_key
 from tests.support.mcp_raw import KEY_META, PROTOCOL_VERSION, RawMcp, denial_code
 from tests.support.recording_upstream import RecordingUpstream
-from tests.support.stack import Envoy, deployment, http_get, wait_until
+from tests.support.stack import BODY_HOLD_FORMS, Envoy, deployment, http_get, wait_until
 
 SECRET = "key-forms-upstream-secret-0123456789"
 GOVERNED = "pay"
@@ -40,7 +40,7 @@ def _gateway(log_dir, ledger, upstream, mode: dict, name: str):
     # Overrides merge into the shipped `upstream_key` object; this test sets it whole.
     config = yaml.safe_load(envoy.config_path.read_text())
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    wasm = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm")
+    wasm = next(f for f in hcm["http_filters"] if f["name"].split("/")[0] == "envoy.filters.http.wasm")
     configuration = wasm["typed_config"]["config"]["configuration"]
     plugin = json.loads(configuration["value"])
     plugin["upstream_key"] = mode
@@ -127,7 +127,7 @@ def test_ungoverned_call_forwards_only_the_derived_key_in_header_and_meta(mcp, u
     # Every other byte of the body arrives as sent, and content-length follows the new size
     # (deployed as a WasmPlugin it went with the headers, before the body was read: chunked).
     assert got["body"] == json.dumps(body).replace(json.dumps(key), json.dumps(expected))
-    if deployment() == "wasmplugin":
+    if deployment() in BODY_HOLD_FORMS:
         assert header(got, "content-length") == [] and header(got, "transfer-encoding") == ["chunked"]
     else:
         assert header(got, "content-length") == [str(len(got["body"].encode()))]
@@ -186,7 +186,7 @@ def test_governed_call_reads_params_idempotency_key_and_forwards_the_derived_one
     expected = derived(permit["id"], key)
     # Deployed as a WasmPlugin the headers left before the body was read: a key that only the
     # body carries reaches the upstream only in the body.
-    assert header(got, "idempotency-key") == ([] if deployment() == "wasmplugin" else [expected])
+    assert header(got, "idempotency-key") == ([] if deployment() in BODY_HOLD_FORMS else [expected])
     assert json.loads(got["body"])["params"]["idempotencyKey"] == expected
     assert key not in json.dumps(got)
     # The ledger records the value the upstream received, in either deployment.
@@ -242,7 +242,7 @@ def test_each_attempt_records_the_key_its_upstream_received(request, mode, upstr
     # Deployed as a WasmPlugin the headers leave before the ledger confirmed the permit, so a
     # governed call's key header stays behind in every mode, and nothing is recorded forwarded.
     expected = {"hmac": [derived(permit["id"], key)], "raw": [key], "off": []}[mode]
-    assert sent == ([] if deployment() == "wasmplugin" else expected)
+    assert sent == ([] if deployment() in BODY_HOLD_FORMS else expected)
     [attempt] = ledger.cli_json("attempts", "list", "--permit", permit["id"])["attempts"]
     shown = ledger.cli_json("attempts", "show", attempt["id"])["attempt"]
     assert shown["forwarded_key"] == (sent[0] if sent else None)

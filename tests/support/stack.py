@@ -13,6 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 from atmost_stack import (  # noqa: E402,F401  (re-exported: the suites import them from here)
+    BODY_HOLD_FORMS,
     DEMO_SECRETS,
     ENVOY_CONFIG,
     EXAMPLE_SERVER,
@@ -33,6 +34,9 @@ from atmost_stack import (  # noqa: E402,F401  (re-exported: the suites import t
     cleartext_ledger_cluster,
     default_ledger_tls,
     deployment,
+    envoygateway_retry_policy,
+    envoygateway_route_enable,
+    envoygateway_wasm_filter,
     external_provider_config,
     free_port,
     http_get,
