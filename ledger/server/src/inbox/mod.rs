@@ -390,8 +390,8 @@ fn sign_in_form(
 }
 
 /// The signed-in session of a request, or the response that refuses it: the sign-in page
-/// (HTTP 401), saying so when the session has expired or was ended. (The refusal is the response itself,
-/// returned at once by the handler; boxing it would buy nothing.)
+/// (HTTP 401), saying so when the session has expired or was ended. (The refusal is the
+/// response itself, returned at once by the handler; boxing it would buy nothing.)
 #[allow(clippy::result_large_err)]
 async fn signed_in(state: &AppState, headers: &HeaderMap) -> Result<Session, Response> {
     let Some(key) = session_key(state) else {
