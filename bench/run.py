@@ -18,6 +18,10 @@ Every setup runs on this machine, in this run, against the same stub upstream
       answers `dispatch` and acks every completion): the gateway's own cost, no store
   D   atmost + ledger on the embedded store (SQLite), tools/call with fresh keys
   Dr  D with one repeated key (replays)
+  Df  D while a flood from the same address hits its ledger: wrong service tokens (answered
+      429 past the ledger's failure limit) and /readyz (answered from a background check),
+      each on FLOOD_CONNECTIONS keep-alive connections as fast as they are answered
+      (`bench/run.py flood URL`); the flood's own CPU is not counted
   E   D with the ledger on PostgreSQL
   E2  E with two ledger replicas on the same PostgreSQL schema, both endpoints of Envoy's
       ledger cluster
@@ -135,8 +139,8 @@ PERMITS = int(os.environ.get("BENCH_PERMITS", "1000"))
 PG_BINDIR = Path(os.environ.get("BENCH_PG_BINDIR", "/usr/lib/postgresql/15/bin"))
 LEDGER_ALONE = os.environ.get("BENCH_LEDGER_ALONE", "1") != "0"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-SERVICE_TOKEN = "bench-service-token"
-ADMIN_TOKEN = "bench-admin-token"
+SERVICE_TOKEN = "bench-service-token-of-32-bytes-or-more"
+ADMIN_TOKEN = "bench-admin-token-of-32-bytes-or-more"
 STAMP = str(int(time.time()))
 
 INIT = '{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"bench","version":"0"}}}'
@@ -144,13 +148,13 @@ LIST = '{"jsonrpc":"2.0","id":2,"method":"tools/list","params":{}}'
 CALL_FRESH = '{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"echo","arguments":{"text":"{SEQ}"},"_meta":{"dev.atmost/idempotency-key":"{SEQ}"}}}'
 CALL_REPLAY = '{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"echo","arguments":{"text":"same"},"_meta":{"dev.atmost/idempotency-key":"replay-' + STAMP + '"}}}'
 
-SETUPS = ("B", "N", "S", "S2", "C", "D0", "D", "Da", "Dr", "E", "Ea", "E2", "E1k", "Vp", "V")
+SETUPS = ("B", "N", "S", "S2", "C", "D0", "D", "Da", "Dr", "Df", "E", "Ea", "E2", "E1k", "Vp", "V")
 ON_POSTGRES = ("E", "Ea", "E2", "E1k")
 # Setups whose gateway releases a completed answer before the ledger has its report
 # (`answer_release: at_once`): D and E otherwise.
 ANSWER_AT_ONCE = ("Da", "Ea")
 BODIES = {"B": [CALL_FRESH], "N": [CALL_FRESH], "S": [CALL_FRESH], "S2": [CALL_FRESH], "C": [INIT, LIST],
-          "D0": [CALL_FRESH], "D": [CALL_FRESH], "Da": [CALL_FRESH], "Dr": [CALL_REPLAY], "E": [CALL_FRESH],
+          "D0": [CALL_FRESH], "D": [CALL_FRESH], "Da": [CALL_FRESH], "Dr": [CALL_REPLAY], "Df": [CALL_FRESH], "E": [CALL_FRESH],
           "Ea": [CALL_FRESH], "E2": [CALL_FRESH],
           "E1k": [CALL_FRESH], "Vp": [CALL_FRESH], "V": [CALL_FRESH]}
 DESCRIPTION = {
@@ -163,6 +167,7 @@ DESCRIPTION = {
     "D": "atmost, tools/call, fresh keys, ledger on SQLite",
     "Da": "D with answer_release at_once: the answer goes on before the ledger has its report",
     "Dr": "atmost, tools/call, one repeated key (replays), SQLite",
+    "Df": "D while wrong service tokens and /readyz flood its ledger from the same address",
     "E": "atmost, tools/call, fresh keys, ledger on PostgreSQL",
     "Ea": "E with answer_release at_once",
     "E2": "E with two ledger replicas on the same PostgreSQL, both in Envoy's ledger cluster",
@@ -170,6 +175,9 @@ DESCRIPTION = {
     "Vp": "D with a second, plain Envoy at the tool (the hop alone)",
     "V": "D with the verifier at the tool: a second Envoy running the module in role verify",
 }
+# Setups whose ledger is flooded while they run, and the connections of each flood kind.
+FLOODED = ("Df",)
+FLOOD_CONNECTIONS = 2
 # Setups with a second Envoy at the tool, between the gateway and the stub: True when it runs
 # the verifier, False when it is plain.
 AT_THE_TOOL = {"Vp": False, "V": True}
@@ -418,6 +426,57 @@ class Envoy(stack.Process):
 SCHEMAS_USED: set[str] = set()
 
 
+def ledger_counters(ledger: stack.Ledger) -> dict[str, float]:
+    """What a flood shows in the ledger's metrics: refusals answered 429 and background store
+    checks (`/readyz` never reads the store itself)."""
+    text = ledger.metrics()
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+    return {"answered_429": total("atmost_auth_failures_limited_total"),
+            "store_checks": total("atmost_readiness_checks_total")}
+
+
+def flood(base: str) -> int:
+    """`bench/run.py flood URL`: setup Df's flood of the ledger at URL (plain HTTP), until
+    SIGTERM: FLOOD_CONNECTIONS connections sending wrong service tokens to /v1/authorize and
+    as many asking /readyz, each as fast as it is answered; prints the answers it got."""
+    import http.client
+    import threading
+    import urllib.parse
+
+    where = urllib.parse.urlsplit(base)
+    stop = threading.Event()
+    answers: dict[str, int] = {}
+
+    def hammer(method: str, path: str, headers: dict, body: bytes | None) -> None:
+        conn = None
+        while not stop.is_set():
+            try:
+                conn = conn or http.client.HTTPConnection(where.hostname, where.port, timeout=10)
+                conn.request(method, path, body=body, headers=headers)
+                r = conn.getresponse()
+                r.read()
+                key = f"{path} {r.status}"
+                answers[key] = answers.get(key, 0) + 1
+            except (OSError, http.client.HTTPException):
+                # A refusal may close the connection before the body is read: open another.
+                conn = None
+
+    wrong = {"authorization": "Bearer not-the-service-token", "content-type": "application/json"}
+    threads = [threading.Thread(target=hammer, args=args, daemon=True)
+               for args in [("POST", "/v1/authorize", wrong, b"{}"), ("GET", "/readyz", {}, None)]
+               for _ in range(FLOOD_CONNECTIONS)]
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    for t in threads:
+        t.start()
+    while not stop.wait(0.5):
+        pass
+    print(json.dumps(answers, sort_keys=True), flush=True)
+    return 0
+
+
 def start_ledger(name: str, store: str | None, schema: str | None = None, keep: bool = False) -> stack.Ledger:
     """A ledger on SQLite (`store` None) or on the PostgreSQL of `store`, in the schema of
     `schema` (default: its own name), fresh like the fresh SQLite file (dropped at the end);
@@ -446,7 +505,7 @@ def create_permits(ledger: stack.Ledger, count: int, label: str) -> list[str]:
     tokens = []
     for i in range(count):
         req = urllib.request.Request(
-            ledger.url + "/admin/v1/permits", method="POST",
+            ledger.admin_url + "/admin/v1/permits", method="POST",
             data=json.dumps({"label": f"{label}-{i}", "expires": "2h", "tools": ["*"]}).encode(),
             headers={"content-type": "application/json", "authorization": f"Bearer {ADMIN_TOKEN}"})
         with urllib.request.urlopen(req, timeout=30) as r:
@@ -1049,6 +1108,12 @@ def write_report(res: dict) -> list[tuple[str, bool, str]]:
     for k, v in s.items():
         lines.append(f"| {k} | " + " | ".join(str(v["cpu_s_per_1000"].get(p, "")) for p in names) + " | "
                      + " | ".join(str(v["peak_rss_mib"].get(p, "")) for p in names) + " |")
+    for k in FLOODED:
+        if "flood" in s.get(k, {}):
+            f = s[k]["flood"]
+            lines += ["", f"{k}'s flood while it ran: {f['answered_429']:.0f} wrong tokens answered 429, "
+                          f"{f['store_checks']:.0f} store reads for /readyz (the background check's, once a "
+                          "second); compare its latency with D's above."]
     for lb in labels[1:]:
         lines += ["", f"CPU-ms per request at {lb} of B: " + "; ".join(
             f"{k} " + ", ".join(f"{p} {c:.3f}" for p, c in v["rates"].get(lb, {}).get("cpu_s_per_1000", {}).items())
@@ -1203,7 +1268,7 @@ def main() -> int:
             ledgers: list[stack.Ledger] = []
             permit: Permit = None
             procs = Procs()
-            if name in ("C", "D", "Da", "Dr", "E", "Ea", "E2", "E1k", *AT_THE_TOOL):
+            if name in ("C", "D", "Da", "Dr", *FLOODED, "E", "Ea", "E2", "E1k", *AT_THE_TOOL):
                 store = pg_url if name in ON_POSTGRES else None
                 ledgers.append(start_ledger(name, store))
                 running.append(ledgers[0])
@@ -1259,9 +1324,21 @@ def main() -> int:
                                and isinstance(permit, str))
             if measure_signing:
                 forget_signed(mcp_port)
+            flooding = None
+            if name in FLOODED:
+                flooding = stack.Process(f"{name}-flood", [sys.executable, str(Path(__file__).resolve()), "flood",
+                                                          ledgers[0].url], RUN)
+                flooding.start()
+                running.append(flooding)
+                flooded_from = ledger_counters(ledgers[0])
             b = res["setups"].get("B", {}).get("ceiling_rps")
             res["setups"][name] = merge_round(res["setups"].get(name),
                                               run_setup(name, envoy, procs, b, permit, last_round))
+            if flooding:
+                flooding.stop()
+                running.remove(flooding)
+                res["setups"][name]["flood"] = {k: v - flooded_from[k]
+                                                for k, v in ledger_counters(ledgers[0]).items()}
             if name in ON_POSTGRES and last_round:
                 # Since the reset: this round's ceiling and fixed-rate runs.
                 res["setups"][name]["pg_statements"] = top_statements(pg_url)
@@ -1312,4 +1389,6 @@ def main() -> int:
     return 0
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["flood"] and len(sys.argv) == 3:
+        sys.exit(flood(sys.argv[2]))
     sys.exit(main())

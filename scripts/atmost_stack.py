@@ -39,7 +39,10 @@ WASM = Path(os.environ.get("ATMOST_WASM") or ROOT / "target" / "wasm32-wasip1" /
 EXAMPLE_SERVER = ROOT / "examples" / "mcp_server.py"
 # The shipped sidecar names its secrets by environment variable; these are the demo's values
 # (the ones its header comment shows).
-DEMO_SECRETS = {"ATMOST_SERVICE_TOKEN": "demo-service-token", "ATMOST_UPSTREAM_KEY_SECRET": "demo-upstream-key-secret"}
+# Tokens of the test ledgers: the ledger refuses any shorter than 32 bytes.
+TEST_SERVICE_TOKEN = "test-service-token-of-32-bytes-or-more"
+TEST_ADMIN_TOKEN = "test-admin-token-of-32-bytes-or-more"
+DEMO_SECRETS = {"ATMOST_SERVICE_TOKEN": "demo-service-token-not-for-production", "ATMOST_UPSTREAM_KEY_SECRET": "demo-upstream-key-secret"}
 # (object in the plugin JSON, field): the secrets that may be given in place or as `<field>_env`.
 SECRET_FIELDS = (("ledger", "service_token"), ("upstream_key", "secret"))
 # ATMOST_DEPLOYMENT picks how the filter sits in Envoy: `envoyfilter` (default), the Wasm filter of
@@ -312,23 +315,28 @@ class Process:
 
 
 class Ledger(Process):
-    def __init__(self, log_dir: Path, data_dir: Path, port: int | None = None, service_token: str = "test-service-token",
-                 admin_token: str = "test-admin-token", extra_args: list[str] | None = None, name: str = "ledger",
-                 tls: LedgerTls | bool = True):
+    def __init__(self, log_dir: Path, data_dir: Path, port: int | None = None,
+                 service_token: str = TEST_SERVICE_TOKEN, admin_token: str = TEST_ADMIN_TOKEN,
+                 extra_args: list[str] | None = None, name: str = "ledger",
+                 tls: LedgerTls | bool = True, admin_port: int | None = None):
         """`tls`: serve TLS as the shipped sidecar expects (`True`: with default_ledger_tls(), a
         LedgerTls: with that one), or plain HTTP (`False`, the form behind Istio's mTLS). Every
         request made from here (readiness, metrics, the admin CLI) checks the certificate against
         the CA; `ssl_context` does the same for a test's own requests."""
         self.port = port or free_port()
+        # The admin API and the inbox: a port of their own (`--admin-listen`).
+        self.admin_port = admin_port or free_port()
         self.service_token = service_token
         self.admin_token = admin_token
         self.data_dir = data_dir
         self.tls = resolve_ledger_tls(tls)
         self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+        self.admin_url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.admin_port}"
         self.ssl_context = ssl.create_default_context(cafile=str(self.tls.ca)) if self.tls else None
         # httpx's `verify` for a test's own client of this ledger.
         self.http_verify: ssl.SSLContext | bool = self.ssl_context or True
-        argv = [str(ledger_binary()), "ledger", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(data_dir)]
+        argv = [str(ledger_binary()), "ledger", "--listen", f"127.0.0.1:{self.port}",
+                "--admin-listen", f"127.0.0.1:{self.admin_port}", "--data-dir", str(data_dir)]
         if self.tls:
             argv += ["--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key)]
         argv += extra_args or []
@@ -360,7 +368,7 @@ class Ledger(Process):
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         """Runs the admin CLI against this ledger."""
-        argv = [str(ledger_binary()), "--ledger", self.url, *args]
+        argv = [str(ledger_binary()), "--ledger", self.admin_url, *args]
         env = {**os.environ, **self.cli_env()}
         result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=30)
         if check and result.returncode != 0:

@@ -31,7 +31,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 # requires in the certificate (`match_typed_subject_alt_names`), the plugin's `ledger.authority`.
 LEDGER_SERVER_NAME = "atmost-ledger"
 # Besides that name, the certificate names what local clients connect to: the admin CLI, the
-# suites and a browser at https://127.0.0.1:8081/admin/ or https://localhost:8081/admin/.
+# suites and a browser at https://127.0.0.1:8082/admin/ or https://localhost:8082/admin/.
 LOCAL_NAMES = ("localhost",)
 LOCAL_ADDRESSES = ("127.0.0.1", "::1")
 

@@ -23,6 +23,7 @@ from local_ca import make_ledger_tls  # noqa: E402
 LISTEN_PORT = 10000
 ADMIN_PORT = 9901
 LEDGER_PORT = 8081
+LEDGER_ADMIN_PORT = 8082
 EXAMPLE_PORT = 8000
 
 
@@ -40,8 +41,8 @@ def main() -> int:
     run_dir = ROOT / ".run"
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    service_token = os.environ.get("ATMOST_SERVICE_TOKEN", "demo-service-token")
-    admin_token = os.environ.get("ATMOST_ADMIN_TOKEN", "demo-admin-token")
+    service_token = os.environ.get("ATMOST_SERVICE_TOKEN", DEMO_SECRETS["ATMOST_SERVICE_TOKEN"])
+    admin_token = os.environ.get("ATMOST_ADMIN_TOKEN", "demo-admin-token-not-for-production")
     started: list[Process] = []
 
     def stop_all(*_):
@@ -55,7 +56,7 @@ def main() -> int:
     try:
         # Where envoy/atmost-sidecar.yaml's `trusted_ca` looks (relative to the repository root).
         tls = make_ledger_tls(run_dir / "tls")
-        ledger = Ledger(log_dir, run_dir / "ledger-data", port=LEDGER_PORT,
+        ledger = Ledger(log_dir, run_dir / "ledger-data", port=LEDGER_PORT, admin_port=LEDGER_ADMIN_PORT,
                         service_token=service_token, admin_token=admin_token, tls=tls)
         ledger.start()
         started.append(ledger)
@@ -90,8 +91,9 @@ def main() -> int:
     print(f"""
 atmost is running.
   MCP endpoint : http://127.0.0.1:{LISTEN_PORT}/mcp   (upstream {upstream[0]}:{upstream[1]})
-  ledger       : {ledger.url}   (TLS, certificate from the local CA {ca}; admin token: {admin_token})
-  inbox        : {ledger.url}/admin/   (sign in with the admin token; uncertain calls to check;
+  ledger       : {ledger.url}   (TLS, certificate from the local CA {ca}: the filter's API, /metrics)
+  ledger admin : {ledger.admin_url}   (admin API and inbox; admin token: {admin_token})
+  inbox        : {ledger.admin_url}/admin/   (sign in with the admin token; uncertain calls to check;
                  a browser warns about the local CA until you trust {ca} or accept it once)
   Envoy admin  : http://127.0.0.1:{ADMIN_PORT}
   logs         : {log_dir}
@@ -111,7 +113,7 @@ Try it:
 Run it twice: the second answer is the first receipt, marked replayed.
 
 The admin CLI against this ledger (permits, attempts, reconciliation: docs/ledger.md):
-  export ATMOST_LEDGER_URL={ledger.url} ATMOST_LEDGER_CA_FILE={ca} ATMOST_ADMIN_TOKEN={admin_token}
+  export ATMOST_LEDGER_URL={ledger.admin_url} ATMOST_LEDGER_CA_FILE={ca} ATMOST_ADMIN_TOKEN={admin_token}
   {cli} permit list
   {cli} permit create --label my-agent --expires 1h --max-calls pay_invoice=1
 

@@ -1,7 +1,8 @@
 """The reconciliation inbox in a real browser (headless Chromium, Debian's, driven by
 Selenium), against the real ledger: a call the lost-response path left uncertain through the
 real gateway is found, resolved, and its slot comes back; a wrong token, a form without the
-CSRF token and an expired session are each refused. Screenshots at phone width go to
+CSRF token and an expired session are each refused; signing out or revoking every session
+ends it on the ledger, for every copy of its cookie. Screenshots at phone width go to
 target/test-artifacts/inbox/.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import uuid
 from pathlib import Path
 
@@ -62,7 +64,7 @@ def submit(driver, button) -> None:
 
 
 def sign_in(driver, ledger: Ledger, name: str, token: str) -> None:
-    driver.get(ledger.url + "/admin/")
+    driver.get(ledger.admin_url + "/admin/")
     driver.find_element(By.ID, "name").send_keys(name)
     driver.find_element(By.ID, "token").send_keys(token)
     submit(driver, driver.find_element(By.CSS_SELECTOR, "form[action='/admin/sign-in'] button"))
@@ -73,7 +75,7 @@ def session_cookie(driver) -> str | None:
 
 
 def permit_card(driver, ledger: Ledger, permit_id: str):
-    driver.get(ledger.url + "/admin/permits")
+    driver.get(ledger.admin_url + "/admin/permits")
     return driver.find_element(By.ID, permit_id)
 
 
@@ -114,7 +116,7 @@ def test_a_person_finds_the_lost_call_resolves_it_and_the_slot_comes_back(
     attempt, forwarded = lost_call(client, server, upstream_proxy, ledger, permit, args)
 
     sign_in(browser, ledger, "Ana Ops", ledger.admin_token)
-    assert browser.current_url == ledger.url + "/admin/"
+    assert browser.current_url == ledger.admin_url + "/admin/"
     assert session_cookie(browser)
     # No token in any URL the browser was sent to.
     assert ledger.admin_token not in browser.current_url
@@ -124,7 +126,7 @@ def test_a_person_finds_the_lost_call_resolves_it_and_the_slot_comes_back(
     assert (cell(card, ".spent"), cell(card, ".left")) == ("250", "750")
     screenshot(browser, "permits-before")
 
-    browser.get(ledger.url + "/admin/")
+    browser.get(ledger.admin_url + "/admin/")
     item = browser.find_element(By.ID, attempt["id"])
     text = item.text
     for shown in (label, "pay_invoice", forwarded, "INV-INBOX-1", "uncertain for"):
@@ -145,7 +147,7 @@ def test_a_person_finds_the_lost_call_resolves_it_and_the_slot_comes_back(
     assert (cell(card, ".spent"), cell(card, ".left")) == ("0", "1000")
     assert fits_the_phone(browser)
     screenshot(browser, "permits-after")
-    browser.get(ledger.url + "/admin/history")
+    browser.get(ledger.admin_url + "/admin/history")
     entry = browser.find_element(By.ID, attempt["id"])
     assert (cell(entry, ".by"), cell(entry, ".note")) == ("Ana Ops", note)
     assert "not executed" in entry.text and forwarded in entry.text
@@ -162,7 +164,7 @@ def test_a_wrong_token_gives_no_session(ledger, browser):
     assert session_cookie(browser) is None
     sign_in(browser, ledger, "Mallory", ledger.service_token)
     assert session_cookie(browser) is None
-    browser.get(ledger.url + "/admin/permits")
+    browser.get(ledger.admin_url + "/admin/permits")
     assert browser.find_elements(By.CSS_SELECTOR, "form[action='/admin/sign-in']")
     assert not browser.find_elements(By.CSS_SELECTOR, "article.permit")
 
@@ -180,6 +182,38 @@ def test_a_resolution_without_the_csrf_token_is_refused(gateway, server, ledger,
     assert "Refused" in browser.title
     assert "nothing was changed" in browser.page_source
     assert [a["id"] for a in attempts(ledger, permit["id"], "uncertain")] == [attempt["id"]]
+
+
+def test_signing_out_ends_the_session_for_every_copy_of_its_cookie(ledger, browser):
+    sign_in(browser, ledger, "Ana Ops", ledger.admin_token)
+    copied = session_cookie(browser)
+    assert copied
+
+    def with_copy():
+        return httpx.get(ledger.admin_url + "/admin/", cookies={"atmost_session": copied}, timeout=5,
+                         verify=ledger.http_verify)
+
+    assert with_copy().status_code == 200
+    submit(browser, browser.find_element(By.CSS_SELECTOR, "form[action='/admin/sign-out'] button"))
+    assert "Sign in" in browser.title and session_cookie(browser) is None
+    # The ledger ended the session itself: the copy taken before sign-out is refused.
+    refused = with_copy()
+    assert refused.status_code == 401 and "Your session has ended" in refused.text
+
+
+def test_revoking_every_session_signs_every_browser_out(ledger, browser):
+    sign_in(browser, ledger, "Ana Ops", ledger.admin_token)
+    browser.get(ledger.admin_url + "/admin/permits")
+    assert browser.find_elements(By.CSS_SELECTOR, "form[action='/admin/sign-out']")
+    revoked = ledger.cli("inbox", "sessions", "revoke", "--all")
+    assert re.fullmatch(r"[1-9]\d* inbox session\(s\) ended; everyone signs in again\n", revoked.stdout), revoked.stdout
+    browser.get(ledger.admin_url + "/admin/permits")
+    assert "Your session has ended" in browser.page_source
+    assert browser.find_elements(By.CSS_SELECTOR, "form[action='/admin/sign-in']")
+    assert not browser.find_elements(By.CSS_SELECTOR, "article.permit")
+    # `--all` is required: nothing is ended by accident.
+    bare = ledger.cli("inbox", "sessions", "revoke", check=False)
+    assert bare.returncode == 2 and "--all" in bare.stderr
 
 
 def _uncertain_via_service_api(ledger: Ledger) -> str:
@@ -208,7 +242,7 @@ def test_an_expired_session_is_refused(log_dir, data_root, browser):
         assert cookie
         # Wait, bounded, for the ledger itself to refuse the session, presented by a client
         # that keeps the cookie past its Max-Age (the ledger's clock decides, not the browser).
-        expired = wait_until(lambda: (r := httpx.get(short.url + "/admin/", cookies={"atmost_session": cookie},
+        expired = wait_until(lambda: (r := httpx.get(short.admin_url + "/admin/", cookies={"atmost_session": cookie},
                                                      timeout=5, verify=short.http_verify)).status_code == 401 and r, 30, "the session to expire")
         assert "Your session has expired" in expired.text
         # The form still open in the browser is refused too: the sign-in page, nothing changed.

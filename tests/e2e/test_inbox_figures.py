@@ -99,7 +99,7 @@ def test_the_permits_page_draws_use_against_caps_and_budget(
 
 
 def check_permits_page(browser, ledger: Ledger, width: int, capped: dict, unlimited: dict, shown: dict) -> None:
-    browser.get(ledger.url + "/admin/permits")
+    browser.get(ledger.admin_url + "/admin/permits")
     card = browser.find_element(By.ID, capped["id"])
     pay = card.find_element(By.CSS_SELECTOR, "[data-tool='pay_invoice']")
     usage = shown["usage"]["pay_invoice"]
@@ -132,7 +132,7 @@ def check_permits_page(browser, ledger: Ledger, width: int, capped: dict, unlimi
 
 def check_attempt_page(browser, ledger: Ledger, width: int, attempt: dict) -> None:
     """The lost call's own page: sent, uncertain, now, on one time scale."""
-    browser.get(ledger.url + f"/admin/attempts/{attempt['id']}")
+    browser.get(ledger.admin_url + f"/admin/attempts/{attempt['id']}")
     start = browser.find_element(By.CSS_SELECTOR, "time.scale-start").get_attribute("datetime")
     end = browser.find_element(By.CSS_SELECTOR, "time.scale-end").get_attribute("datetime")
     assert start == attempt["created_at"]
@@ -202,13 +202,13 @@ def test_a_continued_call_in_flight_shows_its_rounds_its_lease_and_its_reservati
 
 
 def check_in_flight(browser, ledger: Ledger, width: int, permit: dict, attempt: dict) -> None:
-    browser.get(ledger.url + "/admin/permits")
+    browser.get(ledger.admin_url + "/admin/permits")
     budget = browser.find_element(By.ID, permit["id"]).find_element(By.CSS_SELECTOR, ".budget .meter")
     assert budget.find_element(By.CSS_SELECTOR, ".reserved").text == "30"
     check_bar(budget, "reserved", check_bar(budget, "spent", 0, 0.0), 0.30)
     screenshot(browser, f"permits-reserved-{width}")
 
-    browser.get(ledger.url + f"/admin/attempts/{attempt['id']}")
+    browser.get(ledger.admin_url + f"/admin/attempts/{attempt['id']}")
     end = browser.find_element(By.CSS_SELECTOR, "time.scale-end").get_attribute("datetime")
     # The scale reaches the lease's end, an hour ahead; the page was drawn before it.
     assert end == attempt["lease_expires_at"]

@@ -70,6 +70,8 @@ def cluster_port(name: str) -> int:
 
 
 LEDGER_PORT = cluster_port("atmost_ledger")
+# The ledger's admin listener, as `atmost ledger` has it by default (8082, beside 8081).
+LEDGER_ADMIN_PORT = 8082
 UPSTREAM_PORT = cluster_port("mcp_upstream")
 LEDGER_NAME = CLUSTERS["atmost_ledger"]["transport_socket"]["typed_config"]["sni"]
 
@@ -217,7 +219,7 @@ def capture_a_governed_call(log_dir: Path, tag: str, tls: bool) -> CallCaptured:
                    f"tcpdump in the pod (log: {tcpdump_log})")
 
         ledger_argv = [str(ledger_binary()), "ledger", "--listen", f"127.0.0.1:{LEDGER_PORT}",
-                       "--data-dir", str(data_dir)]
+                       "--admin-listen", f"127.0.0.1:{LEDGER_ADMIN_PORT}", "--data-dir", str(data_dir)]
         if ledger_tls:
             ledger_argv += ["--tls-cert-file", str(ledger_tls.cert), "--tls-key-file", str(ledger_tls.key)]
         ledger = Process(f"ledger-{tag}", pod.argv(ledger_argv), log_dir, env={
@@ -225,6 +227,7 @@ def capture_a_governed_call(log_dir: Path, tag: str, tls: bool) -> CallCaptured:
         ledger.start()
         started.append(ledger)
         ledger_url = f"{'https' if ledger_tls else 'http'}://127.0.0.1:{LEDGER_PORT}"
+        admin_url = f"{'https' if ledger_tls else 'http'}://127.0.0.1:{LEDGER_ADMIN_PORT}"
         ca_args = ["--cacert", str(ledger_tls.ca)] if ledger_tls else []
 
         def ledger_ready() -> bool:
@@ -264,7 +267,7 @@ def capture_a_governed_call(log_dir: Path, tag: str, tls: bool) -> CallCaptured:
 
         wait_until(ledger_healthy, 30, f"Envoy in the pod to see the ledger healthy (log: {envoy.log_path})")
 
-        cli = [str(ledger_binary()), "--ledger", ledger_url, "--json"]
+        cli = [str(ledger_binary()), "--ledger", admin_url, "--json"]
         cli_env = {**os.environ, "ATMOST_ADMIN_TOKEN": admin_token}
         if ledger_tls:
             cli_env["ATMOST_LEDGER_CA_FILE"] = str(ledger_tls.ca)
@@ -382,8 +385,8 @@ def metric(ledger: Ledger, line_start: str) -> float | None:
 
 def test_a_renewed_certificate_is_served_without_a_restart_and_a_broken_one_leaves_it(log_dir, tmp_path):
     """The ledger reads its certificate files again when they change: a new pair is what the
-    next connection gets; a pair that does not load is logged and counted, and the previous one
-    stays served."""
+    next connection gets, on both its ports; a pair that does not load is logged and counted,
+    and the previous one stays served."""
     first = make_ledger_tls(tmp_path / "first")
     second = make_ledger_tls(tmp_path / "second")
     live = tmp_path / "live"
@@ -401,6 +404,7 @@ def test_a_renewed_certificate_is_served_without_a_restart_and_a_broken_one_leav
         first_der = ssl.PEM_cert_to_DER_cert(first.cert.read_text())
         second_der = ssl.PEM_cert_to_DER_cert(second.cert.read_text())
         assert served_certificate(ledger.port, context) == first_der
+        assert served_certificate(ledger.admin_port, context) == first_der
 
         # A renewal as a Secret volume or cert-manager does it: new files in place of the old.
         for source, target in ((second.key, files.key), (second.cert, files.cert)):
@@ -408,6 +412,7 @@ def test_a_renewed_certificate_is_served_without_a_restart_and_a_broken_one_leav
             os.replace(target.with_name(target.name + ".new"), target)
         wait_until(lambda: served_certificate(ledger.port, context) == second_der, 20,
                    "the renewed certificate to be served")
+        assert served_certificate(ledger.admin_port, context) == second_der
         assert metric(ledger, 'atmost_tls_reloads_total{result="ok"}') >= 1
 
         files.cert.write_text("not a certificate\n")
@@ -415,6 +420,7 @@ def test_a_renewed_certificate_is_served_without_a_restart_and_a_broken_one_leav
                    "the broken certificate to be refused")
         assert metric(ledger, "atmost_tls_reload_failing") == 1
         assert served_certificate(ledger.port, context) == second_der
+        assert served_certificate(ledger.admin_port, context) == second_der
         assert "TLS certificate not reloaded: the previous certificate is still served" in ledger.log_text()
         # The admin CLI still reaches it through the certificate it serves.
         ledger.tls = second

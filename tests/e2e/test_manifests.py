@@ -488,7 +488,8 @@ def test_deployment_runs_the_image_as_built(objs):
     assert list(config["Volumes"]) == [env["ATMOST_DATA_DIR"]]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     port = int(env["ATMOST_LISTEN"].rsplit(":", 1)[1])
-    assert [p["containerPort"] for p in container["ports"]] == [port]
+    admin_port = int(env["ATMOST_ADMIN_LISTEN"].rsplit(":", 1)[1])
+    assert [p["containerPort"] for p in container["ports"]] == [port, admin_port]
     assert f"{port}/tcp" in config["ExposedPorts"]
 
 
@@ -830,8 +831,13 @@ def test_networkpolicy_admits_only_sidecars_and_admins(objs):
     sidecars, admins = policy["ingress"]
     for rule in (sidecars, admins):
         assert rule.get("from"), "an ingress rule without `from` admits everyone"
-        assert rule["ports"] == [{"protocol": "TCP", "port": 8081}]
         assert all("ipBlock" not in peer for peer in rule["from"])
+    # Sidecars reach the filter's API only; the admin API and the inbox listen on a port of
+    # their own, which only admins reach.
+    env = {e["name"]: e.get("value") for e in objs["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["ATMOST_LISTEN"] == "0.0.0.0:8081" and env["ATMOST_ADMIN_LISTEN"] == "0.0.0.0:8082"
+    assert sidecars["ports"] == [{"protocol": "TCP", "port": 8081}]
+    assert admins["ports"] == [{"protocol": "TCP", "port": 8082}]
 
     # Sidecars: pods that carry the label the filter's selector uses, in any namespace.
     assert sidecars["from"] == [{"namespaceSelector": {}, "podSelector": {
@@ -851,7 +857,7 @@ def test_ledger_deployment_service_and_pdb(objs):
     service = objs["Service"]["spec"]
     assert service["clusterIP"] == "None", "headless Service"
     assert service["selector"].items() <= pod_labels.items()
-    assert [p["port"] for p in service["ports"]] == [8081]
+    assert [(p["name"], p["port"]) for p in service["ports"]] == [("http2-api", 8081), ("http-admin", 8082)]
 
     entry = objs["ServiceEntry"]["spec"]
     assert entry["workloadSelector"]["labels"].items() <= pod_labels.items()

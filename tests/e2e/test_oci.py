@@ -366,8 +366,9 @@ def launch_image_ledger(spec: dict, tmp_path: Path, env: dict[str, str] | None =
     data.mkdir(mode=0o700)
     os.chown(data, UID, UID)
     port = free_port()
-    env = process_env(spec, {"ATMOST_LISTEN": f"127.0.0.1:{port}", "ATMOST_SERVICE_TOKEN": "image-test-service-token",
-                             "ATMOST_ADMIN_TOKEN": "image-test-admin-token", "ATMOST_LOG_FORMAT": "text",
+    env = process_env(spec, {"ATMOST_LISTEN": f"127.0.0.1:{port}", "ATMOST_ADMIN_LISTEN": f"127.0.0.1:{free_port()}",
+                             "ATMOST_SERVICE_TOKEN": "image-test-service-token-of-32-bytes-or-more",
+                             "ATMOST_ADMIN_TOKEN": "image-test-admin-token-of-32-bytes-or-more", "ATMOST_LOG_FORMAT": "text",
                              "ATMOST_DRAIN_DELAY": "0s",
                              **(env or {})})
     log = tmp_path / "ledger.log"

@@ -55,8 +55,8 @@ from tests.support.stack import ROOT, ledger_binary, wait_until
 from test_admission_policy import admission, agent, agent_pod, set_in  # noqa: E402
 from test_manifests import kustomize  # noqa: E402
 
-SERVICE_TOKEN = "pod-test-service-token"
-ADMIN_TOKEN = "pod-test-admin-token"
+SERVICE_TOKEN = "pod-test-service-token-of-32-bytes-or-more"
+ADMIN_TOKEN = "pod-test-admin-token-of-32-bytes-or-more"
 UPSTREAM_SECRET = "pod-test-upstream-key-secret"
 
 
@@ -66,11 +66,14 @@ class Pod:
     def __init__(self, net: PodNetwork, pki: Pki, log_dir: Path):
         self.net, self.pki, self.log_dir = net, pki, log_dir
         self.ledger_url = f"http://{MESH_POD}:{LEDGER_PORT}"
+        # The admin listener answers on the pod's loopback only, where the CLI runs.
+        self.admin_url = f"http://127.0.0.1:{LEDGER_PORT + 1}"
         self.processes: list = []
 
     def start(self, data_dir: Path) -> None:
         ledger = NsProcess(self.net, self.net.mesh, "pod-ledger", [
-            str(ledger_binary()), "ledger", "--listen", f"0.0.0.0:{LEDGER_PORT}", "--data-dir", str(data_dir)],
+            str(ledger_binary()), "ledger", "--listen", f"0.0.0.0:{LEDGER_PORT}",
+            "--admin-listen", f"127.0.0.1:{LEDGER_PORT + 1}", "--data-dir", str(data_dir)],
             self.log_dir, env={"ATMOST_SERVICE_TOKEN": SERVICE_TOKEN, "ATMOST_ADMIN_TOKEN": ADMIN_TOKEN,
                                "ATMOST_DRAIN_DELAY": "0s"})
         self.mesh_server = McpServer(self.net, self.net.mesh, "pod-mcp-server", MESH_POD, MCP_POD_PORT, self.log_dir)
@@ -100,7 +103,7 @@ class Pod:
             p.stop()
 
     def cli(self, *args: str):
-        argv = self.net.exec_argv(self.net.mesh, [str(ledger_binary()), "--ledger", self.ledger_url, "--json", *args])
+        argv = self.net.exec_argv(self.net.mesh, [str(ledger_binary()), "--ledger", self.admin_url, "--json", *args])
         return json.loads(run(argv, env={**os.environ, "ATMOST_ADMIN_TOKEN": ADMIN_TOKEN}).stdout)
 
     def permit(self, *args: str) -> dict:

@@ -128,7 +128,7 @@ def wait_resolved(ledger: Ledger, permit_id: str, state: str) -> dict:
 
 def signed_in_inbox(ledger: Ledger) -> httpx.Client:
     """An HTTP client signed in to the inbox (the form's CSRF token, then the admin token)."""
-    http = httpx.Client(base_url=ledger.url, timeout=10, verify=ledger.http_verify)
+    http = httpx.Client(base_url=ledger.admin_url, timeout=10, verify=ledger.http_verify)
     page = http.get("/admin/")
     csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', page.text).group(1)
     signed = http.post("/admin/sign-in", data={"csrf": csrf, "name": "Ana Ops", "token": ledger.admin_token})

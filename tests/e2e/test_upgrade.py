@@ -40,8 +40,8 @@ from tests.support.recording_upstream import RecordingUpstream
 from tests.support.stack import ROOT, Envoy, Ledger, free_port, http_get, ledger_binary, wait_until
 
 UPSTREAM_SECRET = "upgrade-upstream-secret-0123456789"
-RELEASED_SCHEMA = 7
-NEXT_SCHEMA = 8
+RELEASED_SCHEMA = 8
+NEXT_SCHEMA = 9
 WORKERS = 4
 # Calls each replica must decide after a swap before the next step: both versions served.
 CALLS_PER_STEP = 40
@@ -254,10 +254,11 @@ def test_rolling_upgrade_to_the_next_schema_under_load(log_dir, data_root, datab
 
 def start_and_exit(binary: Path, url: str, schema: str, data_dir: Path) -> subprocess.CompletedProcess:
     """Runs `atmost ledger` until it exits by itself (a refusal at start)."""
-    argv = [str(binary), "ledger", "--listen", f"127.0.0.1:{free_port()}", "--data-dir", str(data_dir),
+    argv = [str(binary), "ledger", "--listen", f"127.0.0.1:{free_port()}",
+            "--admin-listen", f"127.0.0.1:{free_port()}", "--data-dir", str(data_dir),
             "--pg-schema", schema]
-    env = {**os.environ, "ATMOST_STORE": url, "ATMOST_SERVICE_TOKEN": "compat-service",
-           "ATMOST_ADMIN_TOKEN": "compat-admin"}
+    env = {**os.environ, "ATMOST_STORE": url, "ATMOST_SERVICE_TOKEN": "compat-service-token-of-32-bytes-or-more",
+           "ATMOST_ADMIN_TOKEN": "compat-admin-token-of-32-bytes-or-more"}
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
 
 

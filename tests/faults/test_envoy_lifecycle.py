@@ -20,6 +20,7 @@ import urllib.request
 import pytest
 import yaml
 
+from scripts.atmost_stack import TEST_SERVICE_TOKEN
 from tests.faults.fault_stack import UPSTREAM_SECRET, new_key
 from tests.support.history import Permit, key_hash, upstream_key
 from tests.faults.test_ledger_faults import LOAD_CODES
@@ -63,7 +64,7 @@ def authorizations(ledger) -> float:
 
 @pytest.fixture
 def lds_stack(fault_stack, tmp_path):
-    s = fault_stack(plugin={"ledger": {"service_token": "test-service-token", "timeout_ms": PATIENT_CALLOUT_MS}},
+    s = fault_stack(plugin={"ledger": {"service_token": TEST_SERVICE_TOKEN, "timeout_ms": PATIENT_CALLOUT_MS}},
                     route_timeout="40s")
     s.envoy.stop()
     s.envoy = s.new_envoy(f"envoy-{s.name}-lds")

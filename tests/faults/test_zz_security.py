@@ -73,8 +73,9 @@ def test_admin_and_service_credentials_are_separate(sec):
         headers = {"content-type": "application/json"}
         if token is not None:
             headers["authorization"] = f"Bearer {token}"
+        base = led.admin_url if path.startswith("/admin") else led.url
         with httpx.Client(timeout=5, verify=led.http_verify) as c:
-            return c.request(method, led.url + path, headers=headers,
+            return c.request(method, base + path, headers=headers,
                              content=json.dumps(body) if body else None).status_code
 
     authorize = {"permit_token": "atmp_x", "tool": "pay", "fingerprint": "0" * 64, "arguments": {}}
@@ -87,12 +88,13 @@ def test_admin_and_service_credentials_are_separate(sec):
     assert status("GET", "/admin/v1/attempts", None) == 401
     assert status("GET", "/admin/v1/permits", led.admin_token) == 200
     # The ledger refuses to run with one token for both.
+    same_token = "same-token-for-both-of-32-bytes-or-more"
     same = subprocess.run([str(ledger_binary()), "ledger", "--listen", f"127.0.0.1:{free_port()}",
-                           "--data-dir", str(sec.data_dir) + "-same"],
-                          env={"ATMOST_SERVICE_TOKEN": "same-token-123", "ATMOST_ADMIN_TOKEN": "same-token-123",
+                           "--admin-listen", f"127.0.0.1:{free_port()}", "--data-dir", str(sec.data_dir) + "-same"],
+                          env={"ATMOST_SERVICE_TOKEN": same_token, "ATMOST_ADMIN_TOKEN": same_token,
                                "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=20)
-    assert same.returncode != 0
-    assert "same-token-123" not in same.stdout + same.stderr
+    assert same.returncode != 0 and "--admin-token must differ from --service-token" in same.stderr
+    assert same_token not in same.stdout + same.stderr
 
 
 def test_permit_header_never_reaches_the_upstream(sec):

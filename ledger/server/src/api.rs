@@ -18,6 +18,7 @@ pub const ADMIN_ATTEMPTS_PATH: &str = "/admin/v1/attempts";
 pub const ADMIN_ATTEMPTS_EXPORT_PATH: &str = "/admin/v1/attempts/export";
 pub const ADMIN_KEYS_PATH: &str = "/admin/v1/keys";
 pub const ADMIN_KEYS_ROTATE_PATH: &str = "/admin/v1/keys/rotate";
+pub const ADMIN_INBOX_SESSIONS_REVOKE_PATH: &str = "/admin/v1/inbox/sessions/revoke";
 
 /// Body of `POST /admin/v1/permits`: a label, an expiry and the policy (the call rules as
 /// [`PermitView`] shows them, the retention as a duration); checked and issued by the
@@ -298,6 +299,12 @@ pub struct KeyListResponse {
 pub struct KeyRotateResponse {
     pub key: KeyView,
     pub retired: Option<KeyView>,
+}
+
+/// Answer of `POST /admin/v1/inbox/sessions/revoke`: how many open inbox sessions it ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionsRevokeResponse {
+    pub revoked: u64,
 }
 
 /// Answer of `GET /admin/v1/attempts/export`: one signed receipt (a compact JWS) per attempt

@@ -4,10 +4,11 @@
 //! does the server stop accepting and finish what is in flight. Stopping at the first signal
 //! would deny the calls a gateway still sends here before it has noticed (`gateway_unavailable`).
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tracing::info;
 
 use crate::metrics::Metrics;
@@ -32,6 +33,32 @@ pub async fn drain_then_stop(
     tokio::select! {
         () = tokio::time::sleep(drain_delay) => {}
         Some(()) = stop_signals.recv() => info!("second stop signal: the rest of the drain delay is skipped"),
+    }
+}
+
+/// One drain for both listeners (the API's and the admin's): each shuts down gracefully when
+/// the drain it was made from ends.
+#[derive(Debug, Clone)]
+pub struct Shutdown(watch::Receiver<bool>);
+
+impl Shutdown {
+    /// Runs `drain` (e.g. [`drain_then_stop`]) in a task of its own.
+    pub fn after(drain: impl Future<Output = ()> + Send + 'static) -> Self {
+        let (stopping, stopped) = watch::channel(false);
+        tokio::spawn(async move {
+            drain.await;
+            let _ = stopping.send(true);
+        });
+        Shutdown(stopped)
+    }
+
+    /// Completes once the drain has ended: a listener's graceful shutdown.
+    pub fn signal(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut stopped = self.0.clone();
+        async move {
+            // An error means the drain task is gone without saying so: stop as well.
+            let _ = stopped.wait_for(|s| *s).await;
+        }
     }
 }
 

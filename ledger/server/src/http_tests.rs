@@ -4,6 +4,7 @@
 
 #![cfg(feature = "sqlite")]
 
+use std::future::IntoFuture;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,14 +19,19 @@ pub(crate) const SVC: &str = "service-secret";
 pub(crate) const ADM: &str = "admin-secret";
 
 pub(crate) struct TestServer {
+    /// The API listener (`--listen`).
     pub base: String,
+    /// The admin listener (`--admin-listen`): the admin API and the inbox.
+    pub admin: String,
     pub http: reqwest::Client,
     pub state: Arc<AppState>,
     pub clock: Arc<ManualClock>,
     /// One value is one SIGTERM, as the ledger's signal handler forwards it (crate::drain).
     pub stop_signals: tokio::sync::mpsc::Sender<()>,
     /// The server task: it ends once the drain is over and in-flight requests are done.
-    pub served: tokio::task::JoinHandle<()>,
+    pub served: tokio::task::JoinHandle<std::io::Result<()>>,
+    /// The admin listener's task, which stops with the same drain.
+    pub admin_served: tokio::task::JoinHandle<std::io::Result<()>>,
     /// Where its SQLite file lives (shared with the servers started beside it).
     pub data_dir: std::path::PathBuf,
     _dir: Option<tempfile::TempDir>,
@@ -71,6 +77,7 @@ async fn start_in(
         inbox: Default::default(),
         key_refresh: Duration::from_secs(5),
         receipt_issuer: "atmost-test".into(),
+        auth_limit: Default::default(),
     };
     configure(&mut config);
     let state = Arc::new(AppState::new(
@@ -80,31 +87,58 @@ async fn start_in(
         Arc::new(Metrics::new().unwrap()),
     ));
     state.start_signing().await.unwrap();
+    crate::readiness::check_once(&state).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = server::router(state.clone());
+    let admin_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let admin_addr = admin_listener.local_addr().unwrap();
+    let app = server::api_router(state.clone())
+        .into_make_service_with_connect_info::<std::net::SocketAddr>();
+    let admin_app = server::admin_router(state.clone())
+        .into_make_service_with_connect_info::<std::net::SocketAddr>();
     let (stop_signals, received) = tokio::sync::mpsc::channel(4);
-    let stop = crate::drain::drain_then_stop(received, state.metrics.clone(), TEST_DRAIN_DELAY);
-    let served = tokio::spawn(async move {
-        let _ = axum::serve(listener, app)
-            .with_graceful_shutdown(stop)
-            .await;
-    });
+    let shutdown = crate::drain::Shutdown::after(crate::drain::drain_then_stop(
+        received,
+        state.metrics.clone(),
+        TEST_DRAIN_DELAY,
+    ));
+    let served = tokio::spawn(
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown.signal())
+            .into_future(),
+    );
+    let admin_served = tokio::spawn(
+        axum::serve(admin_listener, admin_app)
+            .with_graceful_shutdown(shutdown.signal())
+            .into_future(),
+    );
     TestServer {
         base: format!("http://{addr}"),
+        admin: format!("http://{admin_addr}"),
         http: reqwest::Client::new(),
         state,
         clock,
         stop_signals,
         served,
+        admin_served,
         data_dir,
         _dir: dir,
     }
 }
 
 impl TestServer {
+    /// The listener that serves `path`: the admin one for `/admin…`, else the API one.
+    pub fn url(&self, path: &str) -> String {
+        let base = if path.starts_with("/admin") {
+            &self.admin
+        } else {
+            &self.base
+        };
+        format!("{base}{path}")
+    }
+
     pub async fn post(&self, path: &str, token: Option<&str>, body: Value) -> (u16, Value) {
-        let mut rb = self.http.post(format!("{}{path}", self.base)).json(&body);
+        let mut rb = self.http.post(self.url(path)).json(&body);
         if let Some(t) = token {
             rb = rb.bearer_auth(t);
         }
@@ -114,7 +148,7 @@ impl TestServer {
     }
 
     pub async fn get(&self, path: &str, token: Option<&str>) -> (u16, Value) {
-        let mut rb = self.http.get(format!("{}{path}", self.base));
+        let mut rb = self.http.get(self.url(path));
         if let Some(t) = token {
             rb = rb.bearer_auth(t);
         }
@@ -171,7 +205,8 @@ async fn service_api_needs_the_service_token() {
 
 #[tokio::test]
 async fn admin_api_needs_the_admin_token() {
-    let s = start().await;
+    // More wrong tokens than the per-source limit lets through with 401.
+    let s = start_with(|c| c.auth_limit.max_failures = 1000).await;
     for tok in [None, Some("wrong"), Some(SVC)] {
         assert_eq!(s.get("/admin/v1/permits", tok).await.0, 401);
         assert_eq!(s.get("/admin/v1/attempts", tok).await.0, 401);
@@ -679,13 +714,20 @@ async fn a_stop_signal_turns_readiness_off_while_calls_are_still_served() {
         .await;
     assert_eq!((st, v["decision"].as_str()), (200, Some("dispatch")), "{v}");
     assert_eq!(s.get("/healthz", None).await.0, 200);
+    assert_eq!(s.get("/admin/v1/permits", Some(ADM)).await.0, 200);
     let metrics = s.state.metrics.render().unwrap();
     assert!(metrics.contains("\natmost_draining 1\n"), "{metrics}");
-    // A second signal skips the hour-long delay: the server shuts down and its task ends.
+    // A second signal skips the hour-long delay: both listeners shut down and their tasks end.
     s.stop_signals.send(()).await.unwrap();
     tokio::time::timeout(Duration::from_secs(60), s.served)
         .await
         .expect("the server did not stop after the second signal")
+        .unwrap()
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(60), s.admin_served)
+        .await
+        .expect("the admin listener did not stop after the second signal")
+        .unwrap()
         .unwrap();
 }
 
@@ -1268,6 +1310,103 @@ async fn attempts_export_as_receipts_signed_by_the_active_key() {
     for r in after["receipts"].as_array().unwrap() {
         verified_receipt(r.as_str().unwrap(), &set);
     }
+}
+
+#[tokio::test]
+async fn the_api_listener_has_no_admin_door_and_the_admin_listener_no_filter_api() {
+    let s = start().await;
+    for path in ["/admin", "/admin/", "/admin/sign-in", "/admin/v1/permits"] {
+        let resp = s
+            .http
+            .get(format!("{}{path}", s.base))
+            .bearer_auth(ADM)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 404, "{path}");
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(v["error"], "admin_elsewhere", "{path}");
+    }
+    for path in ["/v1/authorize", "/v1/outcomes", "/v1/limits"] {
+        let resp = s
+            .http
+            .post(format!("{}{path}", s.admin))
+            .bearer_auth(SVC)
+            .json(&json!({}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 404, "{path}");
+    }
+    for path in ["/readyz", "/metrics"] {
+        let status = s
+            .http
+            .get(format!("{}{path}", s.admin))
+            .send()
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status.as_u16(), 404, "{path}");
+    }
+    assert_eq!(s.get("/admin/v1/permits", Some(ADM)).await.0, 200);
+}
+
+#[tokio::test]
+async fn wrong_tokens_past_the_limit_get_429_and_the_right_one_always_passes() {
+    let s = start_with(|c| c.auth_limit.max_failures = 3).await;
+    let body = json!({"permit_token": "x", "tool": "t", "fingerprint": "f"});
+    for _ in 0..3 {
+        assert_eq!(
+            s.post("/v1/authorize", Some("wrong"), body.clone()).await.0,
+            401
+        );
+    }
+    let resp = s
+        .http
+        .post(format!("{}/v1/authorize", s.base))
+        .bearer_auth("wrong")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 429);
+    let retry: u64 = resp.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&retry), "{retry}");
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["error"], "too_many_failures");
+    // The right tokens, from the same source, are never limited.
+    let (st, v) = s.post("/v1/authorize", Some(SVC), body.clone()).await;
+    assert_eq!((st, v["code"].as_str()), (200, Some("permit_invalid")));
+    // The admin API counts against the same source.
+    assert_eq!(s.get("/admin/v1/permits", None).await.0, 429);
+    assert_eq!(s.get("/admin/v1/permits", Some(ADM)).await.0, 200);
+    let limited = |api: &str| s.state.metrics.auth_limited.with_label_values(&[api]).get();
+    assert_eq!((limited("service"), limited("admin")), (1, 1));
+}
+
+#[tokio::test]
+async fn readyz_answers_from_the_background_check_without_reading_the_store() {
+    let s = start().await;
+    let checks = || {
+        s.state
+            .metrics
+            .readiness_checks
+            .with_label_values(&["ok"])
+            .get()
+    };
+    let before = checks();
+    assert_eq!(before, 1, "one check before the listener answers");
+    for _ in 0..500 {
+        assert_eq!(s.get("/readyz", None).await.0, 200);
+    }
+    // No background task runs in the test server: every answer came from the one check.
+    assert_eq!(checks(), before);
+    crate::readiness::check_once(&s.state).await;
+    assert_eq!(checks(), before + 1);
 }
 
 #[tokio::test]

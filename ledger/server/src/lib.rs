@@ -4,11 +4,13 @@
 //! (the server, the admin client, the offline config check).
 
 pub mod api;
+pub mod auth_limit;
 pub mod cli;
 pub mod config_check;
 pub mod drain;
 pub mod inbox;
 pub mod metrics;
+pub mod readiness;
 pub mod reconcile;
 pub mod redact;
 pub mod server;

@@ -35,6 +35,8 @@ pub struct Metrics {
     pub reconciler_lookups: IntCounterVec,
     /// Requests refused for a missing or wrong bearer token, by api (service, admin).
     pub unauthorized: IntCounterVec,
+    pub auth_limited: IntCounterVec,
+    pub readiness_checks: IntCounterVec,
     /// Store failures by operation.
     pub store_errors: IntCounterVec,
     pub sweeps: IntCounter,
@@ -114,6 +116,16 @@ impl Metrics {
             "atmost_unauthorized_requests_total",
             "Requests refused for a missing or wrong bearer token.",
             &["api"],
+        )?;
+        let auth_limited = counter_vec(
+            "atmost_auth_failures_limited_total",
+            "Failed authentications answered 429 because their source passed the failure limit.",
+            &["api"],
+        )?;
+        let readiness_checks = counter_vec(
+            "atmost_readiness_checks_total",
+            "Store reads made in the background for /readyz, by result.",
+            &["result"],
         )?;
         let store_errors = counter_vec(
             "atmost_store_errors_total",
@@ -201,6 +213,8 @@ impl Metrics {
             resolutions,
             reconciler_lookups,
             unauthorized,
+            auth_limited,
+            readiness_checks,
             store_errors,
             sweeps,
             leases_expired,

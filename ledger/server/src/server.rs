@@ -1,5 +1,6 @@
 //! The ledger's HTTP server (HTTP/1.1 and h2c prior knowledge) and its sweeper.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,11 +11,12 @@ use atmost_protocol::{
     OUTCOMES_PATH,
 };
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{Path, Query, Request, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::extract::{ConnectInfo, FromRequestParts, Path, Query, Request, State};
+use axum::http::request::Parts;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use tracing::{error, info, warn};
@@ -23,9 +25,12 @@ use crate::api::{
     self, AttemptListResponse, AttemptResponse, AttemptView, CreatePermitRequest,
     CreatePermitResponse, ErrorBody, KeyListResponse, KeyRotateResponse, KeyView,
     PermitListResponse, PermitResponse, PermitShowResponse, PermitView, ReceiptExportResponse,
+    SessionsRevokeResponse,
 };
+use crate::auth_limit::{AuthLimit, FailureLimiter, Verdict};
 use crate::inbox::{self, InboxConfig};
 use crate::metrics::Metrics;
+use crate::readiness::Readiness;
 use crate::redact::Redaction;
 use crate::signer::{KeyUnavailable, Signer};
 use atmost_ledger::clock::Clock;
@@ -57,6 +62,8 @@ pub struct ServerConfig {
     pub key_refresh: Duration,
     /// The `iss` of the receipts it signs.
     pub receipt_issuer: String,
+    /// Failed authentications per source before 429 (crate::auth_limit).
+    pub auth_limit: AuthLimit,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -69,6 +76,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("inbox", &self.inbox)
             .field("key_refresh", &self.key_refresh)
             .field("receipt_issuer", &self.receipt_issuer)
+            .field("auth_limit", &self.auth_limit)
             .finish()
     }
 }
@@ -80,6 +88,10 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// The active signing key as this replica holds it.
     pub signer: Signer,
+    /// The latest background store check, which `/readyz` answers from.
+    pub readiness: Readiness,
+    /// Failed authentications per source (bearer tokens, inbox sign-ins).
+    pub auth_failures: FailureLimiter,
 }
 
 impl AppState {
@@ -92,12 +104,15 @@ impl AppState {
         metrics: Arc<Metrics>,
     ) -> Self {
         let signer = Signer::new(config.key_refresh);
+        let auth_failures = FailureLimiter::from(config.auth_limit);
         AppState {
             store,
             clock,
             config,
             metrics,
             signer,
+            readiness: Readiness::default(),
+            auth_failures,
         }
     }
 
@@ -161,27 +176,92 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
     Some(rest.trim())
 }
 
-fn unauthorized(state: &AppState, api: &str) -> Response {
+/// The address a request came from, as the listener saw it (none for a router served without
+/// connection info: nothing is then counted per source).
+pub fn peer(req: &Request) -> Option<SocketAddr> {
+    req.extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0)
+}
+
+/// [`peer`] as a handler's extractor.
+pub struct Peer(pub Option<SocketAddr>);
+
+impl<S: Send + Sync> FromRequestParts<S> for Peer {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(Peer(
+            parts
+                .extensions
+                .get::<ConnectInfo<SocketAddr>>()
+                .map(|c| c.0),
+        ))
+    }
+}
+
+/// Counts a failed authentication of `api` from `peer`: what to answer it with
+/// ([`crate::auth_limit`]).
+pub fn failed_authentication(state: &AppState, api: &str, peer: Option<SocketAddr>) -> Verdict {
     state.metrics.unauthorized.with_label_values(&[api]).inc();
-    error_response(StatusCode::UNAUTHORIZED, "unauthorized", None)
+    let verdict = match peer {
+        Some(p) => state.auth_failures.fail(p.ip(), Instant::now()),
+        None => Verdict::Refuse,
+    };
+    if let Verdict::TooMany { .. } = verdict {
+        state.metrics.auth_limited.with_label_values(&[api]).inc();
+    }
+    verdict
+}
+
+/// HTTP 429 `too_many_failures` with `Retry-After`.
+pub fn too_many_failures(retry_after_s: u64) -> Response {
+    let mut resp = error_response(
+        StatusCode::TOO_MANY_REQUESTS,
+        "too_many_failures",
+        Some(format!(
+            "too many failed authentications from this address; retry after {retry_after_s} s"
+        )),
+    );
+    resp.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+    resp
+}
+
+fn unauthorized(state: &AppState, api: &str, peer: Option<SocketAddr>) -> Response {
+    match failed_authentication(state, api, peer) {
+        Verdict::Refuse => error_response(StatusCode::UNAUTHORIZED, "unauthorized", None),
+        Verdict::TooMany { retry_after_s } => too_many_failures(retry_after_s),
+    }
 }
 
 async fn require_service(State(state): State<Shared>, req: Request, next: Next) -> Response {
     match bearer(req.headers()) {
         Some(t) if token::secrets_equal(t, &state.config.service_token) => next.run(req).await,
-        _ => unauthorized(&state, "service"),
+        _ => unauthorized(&state, "service", peer(&req)),
     }
 }
 
 async fn require_admin(State(state): State<Shared>, req: Request, next: Next) -> Response {
     match bearer(req.headers()) {
         Some(t) if token::secrets_equal(t, &state.config.admin_token) => next.run(req).await,
-        _ => unauthorized(&state, "admin"),
+        _ => unauthorized(&state, "admin", peer(&req)),
     }
 }
 
-/// All routes of the ledger.
-pub fn router(state: Shared) -> Router {
+/// What the API listener answers under `/admin`: the admin API and the inbox are served on the
+/// admin listener only (`--admin-listen`).
+async fn admin_elsewhere() -> Response {
+    error_response(
+        StatusCode::NOT_FOUND,
+        "admin_elsewhere",
+        Some("the admin API and the inbox answer on the ledger's admin listener (--admin-listen), not on this one".into()),
+    )
+}
+
+/// The routes of the API listener (`--listen`): the filter's API, `/v1/keys`, `/metrics` and
+/// the health checks.
+pub fn api_router(state: Shared) -> Router {
     let service = Router::new()
         .route(AUTHORIZE_PATH, post(authorize))
         .route(OUTCOMES_PATH, post(outcomes))
@@ -190,7 +270,22 @@ pub fn router(state: Shared) -> Router {
             state.clone(),
             require_service,
         ));
-    let admin = Router::new()
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route(KEYS_PATH, get(published_keys))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/admin", any(admin_elsewhere))
+        .route("/admin/", any(admin_elsewhere))
+        .route("/admin/{*rest}", any(admin_elsewhere))
+        .merge(service)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+/// The routes of the admin listener (`--admin-listen`): the admin API and the inbox.
+pub fn admin_router(state: Shared) -> Router {
+    Router::new()
         .route(
             api::ADMIN_PERMITS_PATH,
             post(create_permit).get(list_permits),
@@ -203,14 +298,11 @@ pub fn router(state: Shared) -> Router {
         .route("/admin/v1/attempts/{id}/resolve", post(resolve_attempt))
         .route(api::ADMIN_KEYS_PATH, get(list_keys))
         .route(api::ADMIN_KEYS_ROTATE_PATH, post(rotate_key))
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_admin));
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route(KEYS_PATH, get(published_keys))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .merge(service)
-        .merge(admin)
+        .route(
+            api::ADMIN_INBOX_SESSIONS_REVOKE_PATH,
+            post(revoke_inbox_sessions),
+        )
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_admin))
         .merge(inbox::routes())
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
@@ -231,17 +323,11 @@ async fn readyz(State(state): State<Shared>) -> Response {
             ),
         );
     }
-    match state.store.ping().await {
-        Ok(()) => (StatusCode::OK, Json(serde_json::json!({"status": "ready"}))).into_response(),
-        Err(e) => {
-            state
-                .metrics
-                .store_errors
-                .with_label_values(&["ping"])
-                .inc();
-            warn!(error = %e, "store not ready");
-            error_response(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", None)
-        }
+    // The background check's answer (crate::readiness): a probe never reaches the store.
+    if state.readiness.store_ready(Instant::now()) {
+        (StatusCode::OK, Json(serde_json::json!({"status": "ready"}))).into_response()
+    } else {
+        error_response(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", None)
     }
 }
 
@@ -438,6 +524,19 @@ async fn rotate_key(State(state): State<Shared>) -> Response {
             .into_response()
         }
         Err(e) => internal(&state, "rotate_key", &e),
+    }
+}
+
+/// `POST /admin/v1/inbox/sessions/revoke`: ends every inbox session, on every replica (the
+/// store holds them); each person signs in again.
+async fn revoke_inbox_sessions(State(state): State<Shared>) -> Response {
+    let now = state.clock.now_ms();
+    match state.store.end_all_inbox_sessions(now).await {
+        Ok(revoked) => {
+            info!(revoked, "inbox sessions revoked");
+            Json(SessionsRevokeResponse { revoked }).into_response()
+        }
+        Err(e) => internal(&state, "inbox_sessions_revoke", &e),
     }
 }
 

@@ -10,8 +10,8 @@ mod kill9 {
 
     use serde_json::{json, Value};
 
-    const SVC: &str = "svc-token-kill9";
-    const ADM: &str = "adm-token-kill9";
+    const SVC: &str = "svc-token-kill9-of-32-bytes-or-more";
+    const ADM: &str = "adm-token-kill9-of-32-bytes-or-more";
 
     fn free_port() -> u16 {
         TcpListener::bind("127.0.0.1:0")
@@ -22,12 +22,14 @@ mod kill9 {
     }
 
     #[allow(clippy::zombie_processes)] // the caller kills and waits
-    fn start(port: u16, dir: &std::path::Path) -> Child {
+    fn start(port: u16, admin_port: u16, dir: &std::path::Path) -> Child {
         let child = Command::new(env!("CARGO_BIN_EXE_atmost"))
             .args([
                 "ledger",
                 "--listen",
                 &format!("127.0.0.1:{port}"),
+                "--admin-listen",
+                &format!("127.0.0.1:{admin_port}"),
                 "--data-dir",
             ])
             .arg(dir)
@@ -67,9 +69,10 @@ mod kill9 {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
-        let mut child = start(port, dir.path());
+        let admin_port = free_port();
+        let mut child = start(port, admin_port, dir.path());
         let created = post(
-            port,
+            admin_port,
             "/admin/v1/permits",
             ADM,
             json!({"label": "k9", "expires": "1h", "max_calls": {"pay": 2}}),
@@ -98,7 +101,7 @@ mod kill9 {
         child.wait().unwrap();
 
         let port = free_port();
-        let mut child = start(port, dir.path());
+        let mut child = start(port, free_port(), dir.path());
         let done = ask(port, "done");
         assert_eq!(
             done,

@@ -69,6 +69,7 @@ mod postgres_outage {
             atmost_ledger_server::server::ServerConfig {
                 service_token: "svc".into(),
                 admin_token: "adm".into(),
+                auth_limit: Default::default(),
                 lease: Duration::from_secs(60),
                 redaction: Default::default(),
                 inbox: Default::default(),
@@ -78,9 +79,12 @@ mod postgres_outage {
             Arc::new(atmost_ledger_server::metrics::Metrics::new().unwrap()),
         ));
         state.start_signing().await.unwrap();
+        // /readyz answers from the background check, as the ledger runs it.
+        atmost_ledger_server::readiness::check_once(&state).await;
+        atmost_ledger_server::readiness::spawn_checks(state.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let app = atmost_ledger_server::server::router(state);
+        let app = atmost_ledger_server::server::api_router(state);
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
@@ -210,14 +214,22 @@ mod postgres_outage {
         assert_eq!(resp.status(), 503);
         let body: serde_json::Value = resp.json().await.unwrap();
         assert_eq!(body["error"], "store_unavailable");
-        assert_eq!(
-            http.get(format!("{base}/readyz"))
+        // The background check sees the hang within its deadline (or the last good check
+        // grows too old), and /readyz follows.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let status = http
+                .get(format!("{base}/readyz"))
                 .send()
                 .await
                 .unwrap()
-                .status(),
-            503
-        );
+                .status();
+            if status == 503 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "/readyz still answers {status}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
 
         relay.stalled.store(false, Ordering::SeqCst);
         let deadline = Instant::now() + Duration::from_secs(20);

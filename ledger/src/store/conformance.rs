@@ -55,7 +55,8 @@ macro_rules! conformance_suite {
             race_report_against_lease_expiry, race_conflicting_reports_from_two_handles,
             race_resolution_against_late_report, race_revocation_against_authorization,
             race_released_key_dispatched_again, permit_limits_in_answers, inbox_reads,
-            uncertain_pages, signing_keys_rotation_and_publication, race_signing_keys);
+            uncertain_pages, signing_keys_rotation_and_publication, race_signing_keys,
+            inbox_sessions);
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
         $(
@@ -2223,4 +2224,39 @@ pub async fn race_signing_keys(h: &dyn Harness) {
         sides.one.active_signing_key().await.unwrap().unwrap().kid(),
         active[0].kid
     );
+}
+
+/// Inbox sessions: open until they expire, end one by one or all at once, seen by every
+/// handle; expired ones are dropped when a new one opens.
+pub async fn inbox_sessions(h: &dyn Harness) {
+    let s = h.store().await;
+    let other = h.second_handle().await;
+    assert!(!s.inbox_session_open("a", T0).await.unwrap());
+    s.open_inbox_session("a", T0, T0 + HOUR).await.unwrap();
+    s.open_inbox_session("b", T0, T0 + MIN).await.unwrap();
+    assert!(other.inbox_session_open("a", T0 + 1).await.unwrap());
+    assert!(other.inbox_session_open("b", T0 + 1).await.unwrap());
+    assert!(
+        !s.inbox_session_open("b", T0 + MIN).await.unwrap(),
+        "expired"
+    );
+    // One ends (its sign-out): gone for every handle; ending it again finds nothing.
+    assert!(other.end_inbox_session("a").await.unwrap());
+    assert!(!s.inbox_session_open("a", T0 + 1).await.unwrap());
+    assert!(!s.end_inbox_session("a").await.unwrap());
+    // Every one ends: only those still open are counted.
+    s.open_inbox_session("c", T0 + 2 * MIN, T0 + HOUR)
+        .await
+        .unwrap();
+    s.open_inbox_session("d", T0 + 2 * MIN, T0 + HOUR)
+        .await
+        .unwrap();
+    assert_eq!(other.end_all_inbox_sessions(T0 + 2 * MIN).await.unwrap(), 2);
+    for id in ["b", "c", "d"] {
+        assert!(
+            !s.inbox_session_open(id, T0 + 2 * MIN).await.unwrap(),
+            "{id}"
+        );
+    }
+    assert_eq!(s.end_all_inbox_sessions(T0 + 2 * MIN).await.unwrap(), 0);
 }

@@ -136,6 +136,24 @@ pub trait Decisions: Send + Sync {
     /// Retires the active signing key at `now` and makes a new one active, in one
     /// transaction: there is never a moment without an active key, nor one with two.
     async fn rotate_signing_key(&self, now: Millis) -> Result<Rotation, LedgerError>;
+
+    /// Records an inbox session (by the SHA-256 of its id, hex) open until `expires_at`;
+    /// sessions expired at `now` are dropped on the way, so the table holds open ones only.
+    async fn open_inbox_session(
+        &self,
+        id_hash: &str,
+        now: Millis,
+        expires_at: Millis,
+    ) -> Result<(), LedgerError>;
+
+    /// Whether the inbox session is open at `now`: recorded, not ended, not expired.
+    async fn inbox_session_open(&self, id_hash: &str, now: Millis) -> Result<bool, LedgerError>;
+
+    /// Ends one inbox session (its sign-out); whether it was recorded.
+    async fn end_inbox_session(&self, id_hash: &str) -> Result<bool, LedgerError>;
+
+    /// Ends every inbox session; how many were open at `now`.
+    async fn end_all_inbox_sessions(&self, now: Millis) -> Result<u64, LedgerError>;
 }
 
 /// A store: its decisions, and the shared reads (a store provides them by running

@@ -1,13 +1,14 @@
-//! The admin commands (`permit …`, `attempts …`, `keys …`): each one request, its answer
-//! printed.
+//! The admin commands (`permit …`, `attempts …`, `keys …`, `inbox …`): each one request, its
+//! answer printed.
 
-use super::args::{AttemptsCommand, KeysCommand, PermitCommand};
+use super::args::{AttemptsCommand, InboxCommand, KeysCommand, PermitCommand, SessionsCommand};
 use super::client::{urlencode, Client};
 use super::print::{opt, print_attempt, print_attempt_row, print_json, print_keys, print_permit};
 use super::CliError;
 use crate::api::{
     AttemptListResponse, AttemptResponse, CreatePermitResponse, KeyListResponse, KeyRotateResponse,
     PermitListResponse, PermitResponse, PermitShowResponse, ReceiptExportResponse,
+    SessionsRevokeResponse,
 };
 use atmost_ledger::decide::ResolveInput;
 use atmost_ledger::model::AttemptState;
@@ -213,6 +214,27 @@ pub(super) fn run_keys(c: &Client, json: bool, cmd: KeysCommand) -> Result<(), C
                     r.published_until.as_deref().unwrap_or("-")
                 );
             }
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn run_inbox(c: &Client, json: bool, cmd: InboxCommand) -> Result<(), CliError> {
+    match cmd {
+        InboxCommand::Sessions {
+            command: SessionsCommand::Revoke { all: _ },
+        } => {
+            let (resp, raw): (SessionsRevokeResponse, _) = c.post(
+                crate::api::ADMIN_INBOX_SESSIONS_REVOKE_PATH,
+                &serde_json::json!({}),
+            )?;
+            if json {
+                return print_json(&raw);
+            }
+            println!(
+                "{} inbox session(s) ended; everyone signs in again",
+                resp.revoked
+            );
         }
     }
     Ok(())

@@ -49,6 +49,11 @@ pub enum Command {
         #[command(subcommand)]
         command: KeysCommand,
     },
+    /// The reconciliation inbox's sessions (admin API).
+    Inbox {
+        #[command(subcommand)]
+        command: InboxCommand,
+    },
     /// Check the filter's plugin configuration offline.
     Config {
         #[command(subcommand)]
@@ -68,10 +73,15 @@ pub struct LedgerArgs {
     /// Log format (level via RUST_LOG, default info).
     #[arg(long, value_enum, env = "ATMOST_LOG_FORMAT", default_value = "json")]
     pub log_format: LogFormat,
-    /// Address to listen on: every API, the inbox, /metrics and the health checks (HTTP/1.1 and
-    /// h2c; with --tls-cert-file, TLS only).
+    /// Address of the filter's API, /v1/keys, /metrics and the health checks (HTTP/1.1 and
+    /// h2c; with --tls-cert-file, TLS only). The admin API and the inbox are not served here.
     #[arg(long, env = "ATMOST_LISTEN", default_value = "127.0.0.1:8081")]
     pub listen: SocketAddr,
+    /// Address of the admin API and the reconciliation inbox (`/admin/…`), a port of its own
+    /// so that a network policy can open it to admins only; the same TLS as --listen. The
+    /// default answers on this host only.
+    #[arg(long, env = "ATMOST_ADMIN_LISTEN", default_value = "127.0.0.1:8082")]
+    pub admin_listen: SocketAddr,
     /// PEM file of the certificate chain the ledger serves TLS with (its own certificate
     /// first), with --tls-key-file: --listen then takes TLS only (ALPN h2 and http/1.1). Both
     /// files are read again when they change; a pair that does not load leaves the previous
@@ -111,7 +121,8 @@ pub struct LedgerArgs {
     /// the system's roots).
     #[arg(long, env = "ATMOST_PG_CA_FILE")]
     pub pg_ca_file: Option<PathBuf>,
-    /// Bearer token the filter presents on /v1/authorize and /v1/outcomes.
+    /// Bearer token the filter presents on /v1/authorize and /v1/outcomes: at least 32 bytes
+    /// (`openssl rand -hex 32` makes one).
     #[arg(long, env = "ATMOST_SERVICE_TOKEN", hide_env_values = true)]
     pub service_token: String,
     /// How long an in_flight attempt waits for its outcome before it turns uncertain. Keep it
@@ -163,16 +174,16 @@ pub struct LedgerArgs {
 
 #[derive(Debug, Args)]
 pub struct ClientArgs {
-    /// Base URL of the ledger.
+    /// Base URL of the ledger's admin listener (`atmost ledger --admin-listen`).
     #[arg(
         long,
         global = true,
         env = "ATMOST_LEDGER_URL",
-        default_value = "http://127.0.0.1:8081"
+        default_value = "http://127.0.0.1:8082"
     )]
     pub ledger: String,
-    /// Admin bearer token: the admin CLI sends it; `atmost ledger` requires it (it must differ
-    /// from the service token).
+    /// Admin bearer token: the admin CLI sends it; `atmost ledger` requires it (at least 32
+    /// bytes, and not the service token).
     #[arg(
         long,
         global = true,
@@ -187,6 +198,25 @@ pub struct ClientArgs {
     /// Print the API's JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum InboxCommand {
+    /// The inbox's signed-in sessions.
+    Sessions {
+        #[command(subcommand)]
+        command: SessionsCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SessionsCommand {
+    /// End inbox sessions on every replica: each person signs in again.
+    Revoke {
+        /// Every session (the only choice: sessions are not listed).
+        #[arg(long, required = true)]
+        all: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]

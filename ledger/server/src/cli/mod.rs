@@ -7,14 +7,14 @@ mod print;
 mod serve;
 
 pub use args::{
-    AttemptsCommand, Cli, ClientArgs, Command, ConfigCommand, CreateArgs, KeysCommand, LedgerArgs,
-    LogFormat, PermitCommand, ResolveArgs,
+    AttemptsCommand, Cli, ClientArgs, Command, ConfigCommand, CreateArgs, InboxCommand,
+    KeysCommand, LedgerArgs, LogFormat, PermitCommand, ResolveArgs, SessionsCommand,
 };
 pub use client::Client;
 
 use thiserror::Error;
 
-use admin::{run_attempts, run_keys, run_permit};
+use admin::{run_attempts, run_inbox, run_keys, run_permit};
 use serve::run_ledger;
 
 use atmost_ledger::error::LedgerError;
@@ -54,6 +54,9 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
             run_attempts(&Client::new(&cli.client)?, cli.client.json, command)
         }
         Command::Keys { command } => run_keys(&Client::new(&cli.client)?, cli.client.json, command),
+        Command::Inbox { command } => {
+            run_inbox(&Client::new(&cli.client)?, cli.client.json, command)
+        }
         Command::Config {
             command: ConfigCommand::Check { file },
         } => match crate::config_check::check_file(&file) {

@@ -1,6 +1,10 @@
 //! `atmost ledger`: opens the store and serves the API until a signal stops it.
 
+use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
+
+use axum::Router;
 
 use super::args::LedgerArgs;
 use super::{init_logs, CliError};
@@ -16,17 +20,44 @@ use atmost_ledger::store::postgres::{self, PgOptions, PgStore};
 use atmost_ledger::store::sqlite::SqliteStore;
 use atmost_ledger::store::Store;
 
-pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), CliError> {
-    if args.service_token.trim().is_empty() || admin_token.trim().is_empty() {
+/// Shortest service or admin token the ledger starts with, in bytes: 32 random bytes
+/// (`openssl rand -hex 32` prints 64 characters) are out of any guesser's reach.
+pub const MIN_TOKEN_BYTES: usize = 32;
+
+/// Refuses a missing, short or shared pair of tokens, naming the flag at fault.
+pub(super) fn check_tokens(service_token: &str, admin_token: &str) -> Result<(), CliError> {
+    if service_token.trim().is_empty() || admin_token.trim().is_empty() {
         return Err(CliError::Usage(
             "--service-token (ATMOST_SERVICE_TOKEN) and --admin-token (ATMOST_ADMIN_TOKEN) are required"
                 .into(),
         ));
     }
-    if args.service_token == admin_token {
+    for (flag, token) in [
+        ("--service-token (ATMOST_SERVICE_TOKEN)", service_token),
+        ("--admin-token (ATMOST_ADMIN_TOKEN)", admin_token),
+    ] {
+        if token.len() < MIN_TOKEN_BYTES {
+            return Err(CliError::Usage(format!(
+                "{flag} is {} bytes long; it must be at least {MIN_TOKEN_BYTES} (make one with `openssl rand -hex 32`)",
+                token.len()
+            )));
+        }
+    }
+    if service_token == admin_token {
         return Err(CliError::Usage(
             "--admin-token must differ from --service-token".into(),
         ));
+    }
+    Ok(())
+}
+
+pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), CliError> {
+    check_tokens(&args.service_token, &admin_token)?;
+    if args.listen == args.admin_listen {
+        return Err(CliError::Usage(format!(
+            "--admin-listen must differ from --listen (both are {}): the admin API and the inbox have a port of their own",
+            args.listen
+        )));
     }
     if args.lease.is_zero() {
         return Err(CliError::Usage("--lease must be positive".into()));
@@ -74,6 +105,7 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
             },
             key_refresh: args.signing_key_refresh,
             receipt_issuer: args.receipt_issuer,
+            auth_limit: Default::default(),
         },
         Arc::new(Metrics::new()?),
     ));
@@ -81,10 +113,14 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
     rt.block_on(state.start_signing())?;
     rt.block_on(async move {
         let stop_signals = crate::drain::os_stop_signals()?;
+        // The first answer of /readyz is a real check; then one a second, in the background.
+        crate::readiness::check_once(&state).await;
         let listener = tokio::net::TcpListener::bind(args.listen).await?;
-        tracing::info!(listen = %args.listen, lease_ms = state.config.lease.as_millis() as u64,
-            tls = tls.is_some(), "ledger listening");
+        let admin_listener = tokio::net::TcpListener::bind(args.admin_listen).await?;
+        tracing::info!(listen = %args.listen, admin_listen = %args.admin_listen,
+            lease_ms = state.config.lease.as_millis() as u64, tls = tls.is_some(), "ledger listening");
         let sweeper = server::spawn_sweeper(state.clone(), args.sweep_interval);
+        let readiness = crate::readiness::spawn_checks(state.clone());
         let reconciler = match reconcile_rules {
             Some(rules) => Some(
                 crate::reconcile::spawn(state.clone(), rules)
@@ -92,41 +128,75 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
             ),
             None => None,
         };
-        let stop = crate::drain::drain_then_stop(stop_signals, state.metrics.clone(), args.drain_delay);
+        // Both listeners stop together, after one drain.
+        let shutdown = crate::drain::Shutdown::after(crate::drain::drain_then_stop(
+            stop_signals,
+            state.metrics.clone(),
+            args.drain_delay,
+        ));
         let metrics = state.metrics.clone();
-        let app = server::router(state);
-        let (served, reloader) = match tls {
+        let (tls_config, reloader) = match tls {
             Some(reloader) => {
                 let provider = Arc::new(rustls::crypto::ring::default_provider());
                 let config = tls::server_config(provider, reloader.resolver())
                     .map_err(std::io::Error::other)?;
-                let listener = TlsListener::new(listener, Arc::new(config), metrics.clone())?;
-                let reloading = tls::spawn_reloader(reloader, metrics);
-                (axum::serve(listener, app).with_graceful_shutdown(stop).await, Some(reloading))
+                (Some(Arc::new(config)), Some(tls::spawn_reloader(reloader, metrics.clone())))
             }
-            None => {
-                // Callouts are small request/response pairs on long-lived connections: without
-                // TCP_NODELAY, Nagle's algorithm holds a reply back until the previous one is
-                // acked.
-                let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-                    if let Err(e) = tcp.set_nodelay(true) {
-                        tracing::warn!(error = %e, "could not set TCP_NODELAY on an accepted connection");
-                    }
-                });
-                (axum::serve(listener, app).with_graceful_shutdown(stop).await, None)
-            }
+            None => (None, None),
         };
+        let served = tokio::try_join!(
+            serve(listener, server::api_router(state.clone()), tls_config.clone(), metrics.clone(), shutdown.signal()),
+            serve(admin_listener, server::admin_router(state), tls_config, metrics, shutdown.signal()),
+        );
         if let Some(r) = reloader {
             r.abort();
         }
         sweeper.abort();
+        readiness.abort();
         if let Some(r) = reconciler {
             r.abort();
         }
         tracing::info!("ledger stopped");
-        served
+        served.map(|_| ())
     })?;
     Ok(())
+}
+
+/// Serves `app` on `listener` until `stop` completes, over TLS when `tls` is given; handlers
+/// see each connection's peer address (`ConnectInfo`).
+async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    metrics: Arc<Metrics>,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = app.into_make_service_with_connect_info::<SocketAddr>();
+    match tls {
+        Some(config) => {
+            // Tapped for nothing: axum gives a tapped listener's connections their peer address.
+            let listener = axum::serve::ListenerExt::tap_io(
+                TlsListener::new(listener, config, metrics)?,
+                |_| {},
+            );
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop)
+                .await
+        }
+        None => {
+            // Callouts are small request/response pairs on long-lived connections: without
+            // TCP_NODELAY, Nagle's algorithm holds a reply back until the previous one is
+            // acked.
+            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::warn!(error = %e, "could not set TCP_NODELAY on an accepted connection");
+                }
+            });
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop)
+                .await
+        }
+    }
 }
 
 /// The pair of `--tls-cert-file` and `--tls-key-file` (clap makes either require the other).

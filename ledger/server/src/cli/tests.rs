@@ -110,10 +110,10 @@ fn a_bad_reconcile_rule_file_stops_the_ledger_before_it_listens() {
     let cli = Cli::try_parse_from([
         "atmost",
         "--admin-token",
-        "admin",
+        "admin-token-of-32-bytes-or-more-0",
         "ledger",
         "--service-token",
-        "svc",
+        "service-token-of-32-bytes-or-more",
         "--listen",
         "127.0.0.1:1",
         "--data-dir",

@@ -28,7 +28,8 @@ use serde::Deserialize;
 use tracing::{error, info, warn};
 
 use crate::api::{key_carriers_text, PermitShowResponse};
-use crate::server::AppState;
+use crate::auth_limit::Verdict;
+use crate::server::{failed_authentication, AppState, Peer};
 use atmost_ledger::clock::{self, Millis};
 use atmost_ledger::decide::ResolveInput;
 use atmost_ledger::error::ResolveError;
@@ -389,15 +390,26 @@ fn sign_in_form(
 }
 
 /// The signed-in session of a request, or the response that refuses it: the sign-in page
-/// (HTTP 401), saying so when the session has expired. (The refusal is the response itself,
-/// returned at once by the handler; boxing it would buy nothing.)
+/// (HTTP 401), saying so when the session has expired or was ended. (The refusal is the
+/// response itself, returned at once by the handler; boxing it would buy nothing.)
 #[allow(clippy::result_large_err)]
-fn signed_in(state: &AppState, headers: &HeaderMap) -> Result<Session, Response> {
+async fn signed_in(state: &AppState, headers: &HeaderMap) -> Result<Session, Response> {
     let Some(key) = session_key(state) else {
         return Err(key_failed());
     };
-    match session::presented(headers, &key, state.clock.now_ms()) {
-        Presented::Valid(s) => Ok(s),
+    let now = state.clock.now_ms();
+    match session::presented(headers, &key, now) {
+        Presented::Valid(s) => match state.store.inbox_session_open(&s.id_hash(), now).await {
+            Ok(true) => Ok(s),
+            Ok(false) => Err(sign_in_form(
+                state,
+                headers,
+                StatusCode::UNAUTHORIZED,
+                Some("Your session has ended: it was signed out or revoked. Sign in again."),
+                "",
+            )),
+            Err(e) => Err(store_failed(state, "inbox_session", &e)),
+        },
         Presented::Expired => Err(sign_in_form(
             state,
             headers,
@@ -417,8 +429,11 @@ fn signed_in(state: &AppState, headers: &HeaderMap) -> Result<Session, Response>
 
 async fn sign_in_page(State(state): State<Shared>, headers: HeaderMap) -> Response {
     if let Some(key) = session_key(&state) {
-        if let Presented::Valid(_) = session::presented(&headers, &key, state.clock.now_ms()) {
-            return Redirect::to("/admin/").into_response();
+        let now = state.clock.now_ms();
+        if let Presented::Valid(s) = session::presented(&headers, &key, now) {
+            if let Ok(true) = state.store.inbox_session_open(&s.id_hash(), now).await {
+                return Redirect::to("/admin/").into_response();
+            }
         }
     }
     sign_in_form(&state, &headers, StatusCode::OK, None, "")
@@ -436,6 +451,7 @@ struct SignInForm {
 
 async fn sign_in(
     State(state): State<Shared>,
+    Peer(peer): Peer,
     headers: HeaderMap,
     Form(form): Form<SignInForm>,
 ) -> Response {
@@ -456,19 +472,30 @@ async fn sign_in(
         );
     }
     if form.token.is_empty() || !token::secrets_equal(&form.token, &state.config.admin_token) {
-        state
-            .metrics
-            .unauthorized
-            .with_label_values(&["inbox"])
-            .inc();
         warn!("inbox: sign-in refused: wrong admin token");
-        return sign_in_form(
-            &state,
-            &headers,
-            StatusCode::UNAUTHORIZED,
-            Some("That is not the admin token."),
-            &form.name,
-        );
+        return match failed_authentication(&state, "inbox", peer) {
+            Verdict::Refuse => sign_in_form(
+                &state,
+                &headers,
+                StatusCode::UNAUTHORIZED,
+                Some("That is not the admin token."),
+                &form.name,
+            ),
+            Verdict::TooMany { retry_after_s } => {
+                let mut page = sign_in_form(
+                    &state,
+                    &headers,
+                    StatusCode::TOO_MANY_REQUESTS,
+                    Some(&format!(
+                        "Too many failed sign-ins from this address. Try again in {retry_after_s} seconds."
+                    )),
+                    &form.name,
+                );
+                page.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+                page
+            }
+        };
     }
     let Some(name) = session::valid_name(&form.name) else {
         return sign_in_form(
@@ -479,15 +506,23 @@ async fn sign_in(
             "",
         );
     };
-    let csrf = match token::random_hex(32) {
-        Ok(c) => c,
-        Err(e) => return store_failed(&state, "random", &e),
+    let (csrf, id) = match (token::random_hex(32), token::random_hex(32)) {
+        (Ok(c), Ok(i)) => (c, i),
+        (Err(e), _) | (_, Err(e)) => return store_failed(&state, "random", &e),
     };
     let s = Session {
         name,
+        id,
         csrf,
         expires_at_ms: now.saturating_add(millis(state.config.inbox.session_ttl)),
     };
+    if let Err(e) = state
+        .store
+        .open_inbox_session(&s.id_hash(), now, s.expires_at_ms)
+        .await
+    {
+        return store_failed(&state, "inbox_session", &e);
+    }
     let secure = session::over_tls(&headers, state.config.inbox.secure_cookies);
     info!(by = %s.name, expires_at = %clock::rfc3339(s.expires_at_ms), "inbox: signed in");
     let jar = session::jar(
@@ -509,8 +544,12 @@ struct CsrfForm {
 /// The session of a form that changes state, or the refusal: the sign-in page (HTTP 401)
 /// without a valid session, HTTP 403 when the form does not carry the session's CSRF token.
 #[allow(clippy::result_large_err)]
-fn signed_in_form(state: &AppState, headers: &HeaderMap, csrf: &str) -> Result<Session, Response> {
-    let s = signed_in(state, headers)?;
+async fn signed_in_form(
+    state: &AppState,
+    headers: &HeaderMap,
+    csrf: &str,
+) -> Result<Session, Response> {
+    let s = signed_in(state, headers).await?;
     if s.csrf_matches(csrf) {
         return Ok(s);
     }
@@ -528,13 +567,17 @@ async fn sign_out(
     headers: HeaderMap,
     Form(form): Form<CsrfForm>,
 ) -> Response {
-    let s = match signed_in_form(&state, &headers, &form.csrf) {
+    let s = match signed_in_form(&state, &headers, &form.csrf).await {
         Ok(s) => s,
         Err(refused) => return refused,
     };
     let Some(key) = session_key(&state) else {
         return key_failed();
     };
+    // Ended in the store first: the cookie is no good anywhere from now on, even a copy.
+    if let Err(e) = state.store.end_inbox_session(&s.id_hash()).await {
+        return store_failed(&state, "inbox_session", &e);
+    }
     let secure = session::over_tls(&headers, state.config.inbox.secure_cookies);
     info!(by = %s.name, "inbox: signed out");
     let jar = session::jar(
@@ -622,7 +665,7 @@ async fn inbox_page(
     headers: HeaderMap,
     Query(q): Query<InboxQuery>,
 ) -> Response {
-    let s = match signed_in(&state, &headers) {
+    let s = match signed_in(&state, &headers).await {
         Ok(s) => s,
         Err(refused) => return refused,
     };
@@ -654,7 +697,7 @@ async fn inbox_page(
 }
 
 async fn history_page(State(state): State<Shared>, headers: HeaderMap) -> Response {
-    let s = match signed_in(&state, &headers) {
+    let s = match signed_in(&state, &headers).await {
         Ok(s) => s,
         Err(refused) => return refused,
     };
@@ -705,7 +748,7 @@ async fn history_page(State(state): State<Shared>, headers: HeaderMap) -> Respon
 }
 
 async fn permits_page(State(state): State<Shared>, headers: HeaderMap) -> Response {
-    let s = match signed_in(&state, &headers) {
+    let s = match signed_in(&state, &headers).await {
         Ok(s) => s,
         Err(refused) => return refused,
     };
@@ -765,7 +808,7 @@ async fn attempt_page(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let s = match signed_in(&state, &headers) {
+    let s = match signed_in(&state, &headers).await {
         Ok(s) => s,
         Err(refused) => return refused,
     };
@@ -827,7 +870,7 @@ async fn resolve(
     headers: HeaderMap,
     Form(form): Form<ResolveForm>,
 ) -> Response {
-    let s = match signed_in_form(&state, &headers, &form.csrf) {
+    let s = match signed_in_form(&state, &headers, &form.csrf).await {
         Ok(s) => s,
         Err(refused) => return refused,
     };

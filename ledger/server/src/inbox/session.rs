@@ -1,14 +1,18 @@
-//! The inbox's sessions: signed cookies, no server-side table.
+//! The inbox's sessions: signed cookies, each also recorded in the store.
 //!
 //! Signing in with the admin token gives a cookie holding the person's name, the session's
-//! expiry and its CSRF token, signed (HMAC-SHA256) with a key derived from the admin token.
-//! Any replica with the same admin token accepts it; changing the admin token ends every
-//! session. Its expiry is checked against the ledger's clock, whatever the browser keeps.
+//! id, expiry and CSRF token, signed (HMAC-SHA256) with a key derived from the admin token,
+//! and records the session in the store (the SHA-256 of its id). A request's session must be
+//! both: a cookie this admin token signed, and a session the store still holds. Signing out
+//! deletes it from the store, `atmost inbox sessions revoke --all` deletes every one, so a
+//! copied cookie stops working on every replica at once; changing the admin token ends
+//! every session too. Its expiry is checked against the ledger's clock, whatever the browser
+//! keeps.
 //! The sign-in form has a CSRF token of its own, in a short-lived cookie signed the same way.
 
 use axum::http::{header, HeaderMap};
 use axum_extra::extract::cookie::{Cookie, Key, SameSite, SignedCookieJar};
-use sha2::{Digest, Sha512};
+use sha2::{Digest, Sha256, Sha512};
 
 use atmost_ledger::clock::Millis;
 use atmost_ledger::token;
@@ -39,6 +43,8 @@ pub fn key(admin_token: &str) -> Option<Key> {
 pub struct Session {
     /// Who resolves (recorded as the resolution's `by`).
     pub name: String,
+    /// Random; the store holds its SHA-256 ([`Session::id_hash`]) while the session is open.
+    pub id: String,
     /// Every state-changing form of the session must carry it.
     pub csrf: String,
     pub expires_at_ms: Millis,
@@ -57,23 +63,31 @@ pub enum Presented {
 impl Session {
     fn encode(&self) -> String {
         format!(
-            "{}.{}.{}",
+            "{}.{}.{}.{}",
             self.expires_at_ms,
             self.csrf,
+            self.id,
             hex::encode(self.name.as_bytes())
         )
     }
 
     fn decode(value: &str) -> Option<Session> {
-        let mut parts = value.splitn(3, '.');
+        let mut parts = value.splitn(4, '.');
         let expires_at_ms = parts.next()?.parse().ok()?;
         let csrf = parts.next()?.to_string();
+        let id = parts.next()?.to_string();
         let name = String::from_utf8(hex::decode(parts.next()?).ok()?).ok()?;
-        Some(Session {
+        (!id.is_empty()).then_some(Session {
             name,
+            id,
             csrf,
             expires_at_ms,
         })
+    }
+
+    /// What the store keeps of the session's id.
+    pub fn id_hash(&self) -> String {
+        hex::encode(Sha256::digest(self.id.as_bytes()))
     }
 
     /// Whether a form's CSRF token is this session's (compared in constant time).
@@ -193,6 +207,7 @@ mod tests {
         let key = key("admin-token").unwrap();
         let s = Session {
             name: "Ana Müller".into(),
+            id: "5e551011".into(),
             csrf: "c0ffee".into(),
             expires_at_ms: 1_000,
         };
@@ -206,7 +221,7 @@ mod tests {
         let mut forged = HeaderMap::new();
         forged.insert(
             header::COOKIE,
-            HeaderValue::from_static("atmost_session=99999999999999.c0ffee.6576696c"),
+            HeaderValue::from_static("atmost_session=99999999999999.c0ffee.5e551011.6576696c"),
         );
         assert_eq!(presented(&forged, &key, 0), Presented::None);
         assert!(s.csrf_matches("c0ffee"));
@@ -217,6 +232,7 @@ mod tests {
     fn cookies_are_http_only_strict_and_secure_over_tls() {
         let s = Session {
             name: "n".into(),
+            id: "i".into(),
             csrf: "c".into(),
             expires_at_ms: 3_600_000,
         };

@@ -104,12 +104,12 @@ impl<'a> Browser<'a> {
     }
 
     async fn get(&mut self, path: &str) -> Page {
-        let rb = self.http.get(format!("{}{path}", self.s.base));
+        let rb = self.http.get(format!("{}{path}", self.s.admin));
         self.finish(rb).await
     }
 
     async fn post(&mut self, path: &str, form: &[(&str, &str)]) -> Page {
-        let rb = self.http.post(format!("{}{path}", self.s.base)).form(form);
+        let rb = self.http.post(format!("{}{path}", self.s.admin)).form(form);
         self.finish(rb).await
     }
 
@@ -534,6 +534,94 @@ async fn the_attempt_shows_where_its_key_went_and_warns_when_the_lookup_form_cou
         header_card.contains("only in the Idempotency-Key header, not in params._meta[&#34;dev.atmost/idempotency-key&#34;] (where this tool&#39;s reconcile rule looks it up)"),
         "{header_card}"
     );
+}
+
+#[tokio::test]
+async fn signing_out_ends_the_session_even_for_a_copied_cookie() {
+    let s = start_with(|_| {}).await;
+    let mut b = Browser::new(&s);
+    assert_eq!(b.sign_in("Ana Ops", ADM).await.status, 303);
+    // Someone copies the session cookie.
+    let mut copy = Browser::new(&s);
+    copy.cookies = b.cookies.clone();
+    assert_eq!(copy.get("/admin/").await.status, 200);
+    let csrf = b.get("/admin/").await.csrf();
+    assert_eq!(
+        b.post("/admin/sign-out", &[("csrf", &csrf)]).await.status,
+        303
+    );
+    // The copy is as signed out as the browser that signed out.
+    let refused = copy.get("/admin/").await;
+    assert_eq!(refused.status, 401);
+    assert!(
+        refused.body.contains("Your session has ended"),
+        "{}",
+        refused.body
+    );
+    assert_eq!(copy.get("/admin/history").await.status, 401);
+    // And it cannot resolve anything either.
+    assert_eq!(
+        copy.post(
+            "/admin/attempts/att_x/resolve",
+            &[("csrf", &csrf), ("executed", "true")]
+        )
+        .await
+        .status,
+        401
+    );
+}
+
+#[tokio::test]
+async fn revoking_every_session_ends_them_on_every_replica() {
+    let a = start_with(|_| {}).await;
+    let b = crate::http_tests::start_beside(&a, |_| {}).await;
+    let mut on_a = Browser::new(&a);
+    let mut on_b = Browser::new(&b);
+    assert_eq!(on_a.sign_in("Ana Ops", ADM).await.status, 303);
+    assert_eq!(on_b.sign_in("Bo Ops", ADM).await.status, 303);
+    // A session signed in on one replica is good on the other (one store).
+    let mut crossed = Browser::new(&b);
+    crossed.cookies = on_a.cookies.clone();
+    assert_eq!(crossed.get("/admin/").await.status, 200);
+
+    // The admin API needs the admin token.
+    let (st, _) = a
+        .post("/admin/v1/inbox/sessions/revoke", Some(SVC), json!({}))
+        .await;
+    assert_eq!(st, 401);
+    let (st, v) = a
+        .post("/admin/v1/inbox/sessions/revoke", Some(ADM), json!({}))
+        .await;
+    assert_eq!((st, v), (200, json!({"revoked": 2})));
+    for browser in [&mut on_a, &mut on_b, &mut crossed] {
+        assert_eq!(browser.get("/admin/").await.status, 401);
+    }
+    // Signing in again works; nothing was left to revoke but the new session.
+    assert_eq!(on_b.sign_in("Bo Ops", ADM).await.status, 303);
+    assert_eq!(on_b.get("/admin/").await.status, 200);
+    let (_, v) = b
+        .post("/admin/v1/inbox/sessions/revoke", Some(ADM), json!({}))
+        .await;
+    assert_eq!(v, json!({"revoked": 1}));
+}
+
+#[tokio::test]
+async fn wrong_sign_ins_past_the_limit_get_429_and_the_right_token_still_signs_in() {
+    let s = start_with(|c| c.auth_limit.max_failures = 2).await;
+    let mut b = Browser::new(&s);
+    assert_eq!(b.sign_in("M", "wrong").await.status, 401);
+    assert_eq!(b.sign_in("M", "wrong").await.status, 401);
+    let limited = b.sign_in("M", "wrong").await;
+    assert_eq!(limited.status, 429);
+    assert!(limited.body.contains("Too many failed sign-ins"));
+    let retry: u64 = limited.headers["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&retry), "{retry}");
+    assert_eq!(b.sign_in("Ana Ops", ADM).await.status, 303);
+    assert_eq!(b.get("/admin/").await.status, 200);
 }
 
 /// Asks for a call under `token` as a filter would; returns the dispatch (attempt id, round,

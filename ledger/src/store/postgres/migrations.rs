@@ -188,6 +188,19 @@ CREATE UNIQUE INDEX signing_keys_one_active ON signing_keys((retired_at IS NULL)
 ALTER TABLE attempts ADD COLUMN forwarded_key_carriers TEXT;
 "#,
     },
+    Migration {
+        version: 8,
+        compatible_from: 4,
+        description: "inbox sessions: one row per signed-in session, ended by sign-out or revocation",
+        // As in SQLite's version 8. Additive: an older ledger never reads the table.
+        sql: r#"
+CREATE TABLE inbox_sessions (
+    id_hash    TEXT PRIMARY KEY,
+    created_at BIGINT NOT NULL,
+    expires_at BIGINT NOT NULL
+);
+"#,
+    },
 ];
 
 /// The rehearsal of the next schema version (feature `schema-rehearsal`, never released): an
@@ -197,8 +210,8 @@ ALTER TABLE attempts ADD COLUMN forwarded_key_carriers TEXT;
 /// index.
 #[cfg(feature = "schema-rehearsal")]
 const NEXT: &[Migration] = &[Migration {
-    version: 8,
-    compatible_from: 7,
+    version: 9,
+    compatible_from: 8,
     description:
         "rehearsal: the deciding replica per attempt (nullable), attempts by permit and time",
     sql: r#"

@@ -526,6 +526,77 @@ impl Decisions for PgStore {
             .await?;
         Ok(Rotation { active, retired })
     }
+
+    async fn open_inbox_session(
+        &self,
+        id_hash: &str,
+        now: Millis,
+        expires_at: Millis,
+    ) -> Result<(), LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let tx = c.transaction().await.map_err(pg_err)?;
+            exec(
+                &tx,
+                "DELETE FROM inbox_sessions WHERE expires_at <= $1",
+                &[&now],
+            )
+            .await?;
+            exec(
+                &tx,
+                "INSERT INTO inbox_sessions (id_hash, created_at, expires_at) VALUES ($1, $2, $3) \
+                 ON CONFLICT (id_hash) DO UPDATE SET created_at = $2, expires_at = $3",
+                &[&id_hash, &now, &expires_at],
+            )
+            .await?;
+            tx.commit().await.map_err(pg_err)?;
+            Ok::<_, LedgerError>(())
+        })
+        .await
+    }
+
+    async fn inbox_session_open(&self, id_hash: &str, now: Millis) -> Result<bool, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let rows = query(
+                &*c,
+                "SELECT 1 FROM inbox_sessions WHERE id_hash = $1 AND expires_at > $2",
+                &[&id_hash, &now],
+            )
+            .await?;
+            Ok::<_, LedgerError>(!rows.is_empty())
+        })
+        .await
+    }
+
+    async fn end_inbox_session(&self, id_hash: &str) -> Result<bool, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let n = exec(
+                &*c,
+                "DELETE FROM inbox_sessions WHERE id_hash = $1",
+                &[&id_hash],
+            )
+            .await?;
+            Ok::<_, LedgerError>(n > 0)
+        })
+        .await
+    }
+
+    async fn end_all_inbox_sessions(&self, now: Millis) -> Result<u64, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let rows = query(
+                &*c,
+                "WITH ended AS (DELETE FROM inbox_sessions RETURNING expires_at) \
+                 SELECT COUNT(*) FILTER (WHERE expires_at > $1) FROM ended",
+                &[&now],
+            )
+            .await?;
+            let open: i64 = match rows.first() {
+                Some(row) => row.try_get(0).map_err(pg_err)?,
+                None => 0,
+            };
+            Ok::<_, LedgerError>(u64::try_from(open).unwrap_or(0))
+        })
+        .await
+    }
 }
 
 /// How the shared reads are spelled here: `$n` (typed where PostgreSQL cannot infer it), and

@@ -140,10 +140,22 @@ pub(super) const MIGRATION_7: &str = r#"
 ALTER TABLE attempts ADD COLUMN forwarded_key_carriers TEXT;
 "#;
 
-/// Version 8, the rehearsal of the next schema version (feature `schema-rehearsal`, never
-/// released): as PostgreSQL's version 8, additive.
+/// Version 8: the inbox's sessions, one row per signed-in session (the SHA-256 of its id),
+/// so that signing out or `atmost inbox sessions revoke --all` ends a session on every
+/// replica whatever its cookie says. Additive: an older ledger never reads it (its sessions
+/// are its cookies alone).
+pub(super) const MIGRATION_8: &str = r#"
+CREATE TABLE IF NOT EXISTS inbox_sessions (
+    id_hash    TEXT PRIMARY KEY,
+    created_at INTEGER NOT NULL,
+    expires_at INTEGER NOT NULL
+) WITHOUT ROWID;
+"#;
+
+/// Version 9, the rehearsal of the next schema version (feature `schema-rehearsal`, never
+/// released): as PostgreSQL's version 9, additive.
 #[cfg(feature = "schema-rehearsal")]
-const MIGRATION_8: &str = r#"
+const MIGRATION_9: &str = r#"
 ALTER TABLE attempts ADD COLUMN decided_by TEXT;
 CREATE INDEX IF NOT EXISTS attempts_by_permit_created ON attempts(permit_id, created_at);
 "#;
@@ -162,8 +174,9 @@ const COMPATIBLE_FROM: &[(i64, i64)] = &[
     (5, 4),
     (6, 4),
     (7, 4),
+    (8, 4),
     #[cfg(feature = "schema-rehearsal")]
-    (8, 7),
+    (9, 8),
 ];
 
 const COMPAT_TABLE: &str = "CREATE TABLE IF NOT EXISTS atmost_schema_compat (\
@@ -206,9 +219,12 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), LedgerError> {
     if version < 7 {
         tx.execute_batch(MIGRATION_7)?;
     }
-    #[cfg(feature = "schema-rehearsal")]
     if version < 8 {
         tx.execute_batch(MIGRATION_8)?;
+    }
+    #[cfg(feature = "schema-rehearsal")]
+    if version < 9 {
+        tx.execute_batch(MIGRATION_9)?;
     }
     for (v, compatible_from) in COMPATIBLE_FROM {
         tx.execute(

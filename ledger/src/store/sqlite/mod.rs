@@ -412,6 +412,61 @@ impl Decisions for SqliteStore {
             .await?;
         Ok(Rotation { active, retired })
     }
+
+    async fn open_inbox_session(
+        &self,
+        id_hash: &str,
+        now: Millis,
+        expires_at: Millis,
+    ) -> Result<(), LedgerError> {
+        let id_hash = id_hash.to_string();
+        self.write(move |tx: &GroupTx<'_>| {
+            tx.prepare_cached("DELETE FROM inbox_sessions WHERE expires_at <= ?1")?
+                .execute(params![now])?;
+            tx.prepare_cached(
+                "INSERT OR REPLACE INTO inbox_sessions (id_hash, created_at, expires_at) VALUES (?1, ?2, ?3)",
+            )?
+            .execute(params![id_hash, now, expires_at])?;
+            Ok::<_, LedgerError>(())
+        })
+        .await
+    }
+
+    async fn inbox_session_open(&self, id_hash: &str, now: Millis) -> Result<bool, LedgerError> {
+        let id_hash = id_hash.to_string();
+        self.write(move |tx: &GroupTx<'_>| {
+            let n: i64 = tx
+                .prepare_cached(
+                    "SELECT COUNT(*) FROM inbox_sessions WHERE id_hash = ?1 AND expires_at > ?2",
+                )?
+                .query_row(params![id_hash, now], |r| r.get(0))?;
+            Ok::<_, LedgerError>(n > 0)
+        })
+        .await
+    }
+
+    async fn end_inbox_session(&self, id_hash: &str) -> Result<bool, LedgerError> {
+        let id_hash = id_hash.to_string();
+        self.write(move |tx: &GroupTx<'_>| {
+            let n = tx
+                .prepare_cached("DELETE FROM inbox_sessions WHERE id_hash = ?1")?
+                .execute(params![id_hash])?;
+            Ok::<_, LedgerError>(n > 0)
+        })
+        .await
+    }
+
+    async fn end_all_inbox_sessions(&self, now: Millis) -> Result<u64, LedgerError> {
+        self.write(move |tx: &GroupTx<'_>| {
+            let open: i64 = tx
+                .prepare_cached("SELECT COUNT(*) FROM inbox_sessions WHERE expires_at > ?1")?
+                .query_row(params![now], |r| r.get(0))?;
+            tx.prepare_cached("DELETE FROM inbox_sessions")?
+                .execute([])?;
+            Ok::<_, LedgerError>(u64::try_from(open).unwrap_or(0))
+        })
+        .await
+    }
 }
 
 /// How the shared reads are spelled here: `?n`, and one row of counts per state.
