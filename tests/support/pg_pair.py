@@ -86,6 +86,7 @@ class PgNode:
         self.port = free_port()
         self.bindir = bindir
         self.link: FaultProxy | None = None  # standby → primary, when this node is a standby
+        self.starts = 0
 
     @property
     def url(self) -> str:
@@ -107,8 +108,16 @@ class PgNode:
 
     def start(self) -> None:
         # Per node on the command line (a base backup copies the configuration files, and a
-        # command-line setting wins over ALTER SYSTEM).
-        options = f"-c port={self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.root}"
+        # command-line setting wins over ALTER SYSTEM). Each start gets a socket directory of
+        # its own: a postmaster killed by kill9() stays a zombie until whoever adopted it reaps
+        # it, and PostgreSQL, finding the socket's lock file, takes a zombie's pid for a live
+        # postmaster and refuses to start on the same port.
+        self.starts += 1
+        sockets = self.root / f"{self.name}-sockets-{self.starts}"
+        sockets.mkdir()
+        if _as_pg():
+            shutil.chown(sockets, user="postgres")
+        options = f"-c port={self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={sockets}"
         self.run("pg_ctl", "-D", str(self.data), "-l", str(self.log_path), "-w", "-t", "60", "-o", options, "start")
 
     def sql(self, statement: str, database: str = DATABASE) -> str:
