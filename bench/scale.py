@@ -137,6 +137,16 @@ class PgStore:
             raise RuntimeError(f"psql: {r.stderr.strip()[-800:]}")
         return r.stdout.strip()
 
+    def each(self, statements: list[str]) -> None:
+        """Statements one after another in one session, each in a transaction of its own
+        (VACUUM cannot run inside one)."""
+        argv = ["psql", self.url, "-XAtq", "-v", "ON_ERROR_STOP=1", "-c", f"SET search_path TO {self.schema}"]
+        for statement in statements:
+            argv += ["-c", statement]
+        r = subprocess.run(argv, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"psql: {r.stderr.strip()[-800:]}")
+
     def columns(self, table: str) -> list[str]:
         out = bench.psql(self.url, "SELECT string_agg(column_name, ',' ORDER BY ordinal_position) FROM "
                                    f"information_schema.columns WHERE table_schema = '{self.schema}' "
@@ -160,21 +170,26 @@ class PgStore:
         if have < permits_wanted:
             statements.append(
                 f"INSERT INTO permits ({','.join(pcols)}) SELECT {','.join(permit_columns(pcols, 'pg'))} "
-                f"FROM permits p, generate_series({have + 1}, {permits_wanted}) g WHERE p.id = '{template_permit}'")
+                f"FROM permits p, generate_series({have + 1}::bigint, {permits_wanted}::bigint) g WHERE p.id = '{template_permit}'")
         acols = self.columns("attempts")
         statements += [f"DROP INDEX {name}" for name, _ in indexes]
         statements.append(
             f"INSERT INTO attempts ({','.join(acols)}) SELECT {','.join(attempt_columns(acols, now_ms, 'pg'))} "
             f"FROM (SELECT * FROM attempts WHERE permit_id = '{template_permit}' AND state = 'completed' "
-            f"ORDER BY created_at LIMIT 1) a, generate_series({first}, {last}) g")
+            f"ORDER BY created_at LIMIT 1) a, generate_series({first}::bigint, {last}::bigint) g")
         statements.append(
             "INSERT INTO idempotency_keys (permit_id, key_hash, attempt_id) SELECT permit_id, key_hash, id "
             f"FROM attempts WHERE id >= 'att_' || lpad(to_hex({first}), 32, '0') "
             f"AND id <= 'att_' || lpad(to_hex({last}), 32, '0') AND key_hash IS NOT NULL")
         statements += [definition for _, definition in indexes]
         statements += self.recount()
-        statements.append("ANALYZE")
         self.sql("; ".join(statements))
+        # What a store that grew over days has had done to it: its new rows vacuumed (hint
+        # bits, visibility map) and analyzed, and written out by a checkpoint. Without this the
+        # first measurement after a fill meets autovacuum and the checkpointer working
+        # through gigabytes the fill just wrote.
+        self.each([f"VACUUM (ANALYZE) {t}" for t in ("attempts", "idempotency_keys", "permits", "permit_tool_usage",
+                                                    "permit_state_counts")] + ["CHECKPOINT"])
 
     def recount(self) -> list[str]:
         """The counters of the generated permits, from their rows."""
@@ -257,6 +272,8 @@ class SqliteStore:
                        f"WHERE a.permit_id = permits.id AND a.state IN ({held})) WHERE label LIKE 'scale-fill-%'")
             db.execute("COMMIT")
             db.execute("ANALYZE")
+            # As a store that grew over days: its write-ahead log folded into the file.
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         finally:
             db.close()
 
