@@ -62,16 +62,8 @@ struct Window {
 /// The failures of every tracked source.
 #[derive(Debug)]
 pub struct FailureLimiter {
-    max_failures: u32,
-    window: Duration,
-    max_sources: usize,
+    limit: AuthLimit,
     sources: Mutex<HashMap<IpAddr, Window>>,
-}
-
-impl From<AuthLimit> for FailureLimiter {
-    fn from(l: AuthLimit) -> Self {
-        FailureLimiter::new(l.max_failures, l.window, l.max_sources)
-    }
 }
 
 /// The address a source is counted under: an IPv6 address's /64 (an IPv4-mapped one as IPv4).
@@ -89,11 +81,12 @@ pub fn source_key(ip: IpAddr) -> IpAddr {
 }
 
 impl FailureLimiter {
-    pub fn new(max_failures: u32, window: Duration, max_sources: usize) -> Self {
+    pub fn new(limit: AuthLimit) -> Self {
         FailureLimiter {
-            max_failures,
-            window,
-            max_sources: max_sources.max(1),
+            limit: AuthLimit {
+                max_sources: limit.max_sources.max(1),
+                ..limit
+            },
             sources: Mutex::new(HashMap::new()),
         }
     }
@@ -107,16 +100,16 @@ impl FailureLimiter {
             .sources
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !sources.contains_key(&key) && sources.len() >= self.max_sources {
-            let window = self.window;
+        if !sources.contains_key(&key) && sources.len() >= self.limit.max_sources {
+            let window = self.limit.window;
             sources.retain(|_, w| now.saturating_duration_since(w.started) < window);
-            if sources.len() >= self.max_sources {
+            if sources.len() >= self.limit.max_sources {
                 // The oldest tenth at once, so a flood of new sources sorts the table once per
                 // tenth of it rather than scanning it for every request.
                 let mut by_age: Vec<(Instant, IpAddr)> =
                     sources.iter().map(|(k, w)| (w.started, *k)).collect();
                 by_age.sort_unstable();
-                for (_, k) in by_age.iter().take((self.max_sources / 10).max(1)) {
+                for (_, k) in by_age.iter().take((self.limit.max_sources / 10).max(1)) {
                     sources.remove(k);
                 }
             }
@@ -125,17 +118,18 @@ impl FailureLimiter {
             started: now,
             failures: 0,
         });
-        if now.saturating_duration_since(w.started) >= self.window {
+        if now.saturating_duration_since(w.started) >= self.limit.window {
             *w = Window {
                 started: now,
                 failures: 0,
             };
         }
         w.failures = w.failures.saturating_add(1);
-        if w.failures <= self.max_failures {
+        if w.failures <= self.limit.max_failures {
             return Verdict::Refuse;
         }
         let left = self
+            .limit
             .window
             .saturating_sub(now.saturating_duration_since(w.started));
         Verdict::TooMany {
@@ -157,13 +151,21 @@ mod tests {
     use super::*;
     use std::net::Ipv4Addr;
 
+    fn limit(max_failures: u32, max_sources: usize) -> AuthLimit {
+        AuthLimit {
+            max_failures,
+            window: Duration::from_secs(60),
+            max_sources,
+        }
+    }
+
     fn v4(last: u8) -> IpAddr {
         IpAddr::V4(Ipv4Addr::new(10, 0, 0, last))
     }
 
     #[test]
     fn the_failure_past_the_limit_is_told_when_to_retry() {
-        let limiter = FailureLimiter::new(3, Duration::from_secs(60), 100);
+        let limiter = FailureLimiter::new(limit(3, 100));
         let t0 = Instant::now();
         for _ in 0..3 {
             assert_eq!(limiter.fail(v4(1), t0), Verdict::Refuse);
@@ -187,7 +189,7 @@ mod tests {
 
     #[test]
     fn ipv6_counts_per_64_and_mapped_ipv4_as_ipv4() {
-        let limiter = FailureLimiter::new(1, Duration::from_secs(60), 100);
+        let limiter = FailureLimiter::new(limit(1, 100));
         let t0 = Instant::now();
         let a: IpAddr = "2001:db8:1:2::1".parse().unwrap();
         let b: IpAddr = "2001:db8:1:2:ffff::9".parse().unwrap();
@@ -202,7 +204,7 @@ mod tests {
 
     #[test]
     fn a_flood_from_many_sources_stays_within_the_bound() {
-        let limiter = FailureLimiter::new(3, Duration::from_secs(60), 1000);
+        let limiter = FailureLimiter::new(limit(3, 1000));
         let t0 = Instant::now();
         for i in 0..5_000u32 {
             let ip = IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i));

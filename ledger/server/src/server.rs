@@ -104,7 +104,7 @@ impl AppState {
         metrics: Arc<Metrics>,
     ) -> Self {
         let signer = Signer::new(config.key_refresh);
-        let auth_failures = FailureLimiter::from(config.auth_limit);
+        let auth_failures = FailureLimiter::new(config.auth_limit);
         AppState {
             store,
             clock,
