@@ -131,6 +131,13 @@ pub struct LedgerArgs {
     /// uncertain even if its answer then arrives.
     #[arg(long, env = "ATMOST_LEASE", default_value = "300s", value_parser = humantime::parse_duration)]
     pub lease: Duration,
+    /// How long the filter waits for an authorize, for a filter that does not say so in its
+    /// request (a filter sends its `ledger.timeout_ms` in the `atmost-callout-timeout-ms`
+    /// header; set this to it for filters older than that header). No decision is
+    /// committed after its caller gave up; PostgreSQL sessions keep their statement, lock
+    /// and idle-in-transaction timeouts at half of this.
+    #[arg(long, env = "ATMOST_CALLOUT_TIMEOUT", default_value = "1s", value_parser = humantime::parse_duration)]
+    pub callout_timeout: Duration,
     /// On SIGTERM or Ctrl-C, how long the ledger keeps serving while /readyz answers 503
     /// `draining`, so that health checks and endpoint removal move traffic elsewhere first;
     /// then it stops accepting, finishes what is in flight and exits. A second signal skips
