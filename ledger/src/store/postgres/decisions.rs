@@ -115,7 +115,7 @@ pub(super) async fn decision_worker(
         })
         .await;
         let cut_off = if limit < op_timeout {
-            LedgerError::deadline_passed("the group committed", deadline)
+            LedgerError::deadline_passed("its group could commit", deadline)
         } else {
             LedgerError::Unavailable(format!(
                 "postgres did not answer within {} ms",
