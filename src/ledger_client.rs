@@ -65,6 +65,11 @@ pub fn headers(cfg: &LedgerConfig, endpoint: Endpoint) -> Vec<(String, String)> 
             "authorization".into(),
             format!("Bearer {}", cfg.service_token),
         ),
+        // The ledger commits no decision after this much time (see the protocol's docs).
+        (
+            atmost_protocol::CALLOUT_TIMEOUT_HEADER.into(),
+            cfg.timeout_ms.to_string(),
+        ),
     ]
 }
 
@@ -281,6 +286,7 @@ mod tests {
         assert_eq!(get(":authority"), Some("atmost-ledger"));
         assert_eq!(get("content-type"), Some("application/json"));
         assert_eq!(get("authorization"), Some("Bearer svc"));
+        assert_eq!(get("atmost-callout-timeout-ms"), Some("1000"));
         assert_eq!(headers(&cfg, Endpoint::Outcomes)[1].1, "/v1/outcomes");
     }
 

@@ -8,7 +8,9 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
+use atmost_ledger::clock::Deadline;
 use atmost_ledger::model::{GuardMode, Permit, Policy};
 use atmost_ledger::store::postgres::{PgOptions, PgStore};
 use atmost_ledger::store::sqlite::SqliteStore;
@@ -66,7 +68,12 @@ fn request(tok: &str, key: &str) -> AuthorizeRequest {
 
 async fn pair(store: &dyn Store, tok: &str, key: &str) {
     let d = store
-        .authorize(&request(tok, key), LEASE_MS, now_ms())
+        .authorize(
+            &request(tok, key),
+            LEASE_MS,
+            now_ms(),
+            Deadline::after(Duration::from_secs(60)),
+        )
         .await
         .unwrap();
     let AuthorizeResponse::Dispatch {
@@ -104,8 +111,13 @@ fn bench_store(c: &mut Criterion, name: &str, rt: &tokio::runtime::Runtime, stor
     let req = request(&tok, &replay_key);
     c.bench_function(&format!("{name}/authorize_replay"), |b| {
         b.iter(|| {
-            rt.block_on(store.authorize(&req, LEASE_MS, now_ms()))
-                .unwrap()
+            rt.block_on(store.authorize(
+                &req,
+                LEASE_MS,
+                now_ms(),
+                Deadline::after(Duration::from_secs(60)),
+            ))
+            .unwrap()
         })
     });
 }

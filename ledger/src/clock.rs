@@ -3,7 +3,7 @@
 //! move time.
 
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Milliseconds since the Unix epoch.
 pub type Millis = i64;
@@ -54,6 +54,48 @@ impl Clock for ManualClock {
     }
 }
 
+/// The moment (monotonic) after which an operation's caller no longer waits for its answer:
+/// a decision not committed by then is not committed at all (the caller was told nothing
+/// was reserved). Measured on this process's monotonic clock, so a wall clock step moves it
+/// not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Deadline(Instant);
+
+/// Longest part of a callout's timeout kept for the answer's trip back to the filter.
+pub const MAX_REPLY_MARGIN: Duration = Duration::from_millis(100);
+
+impl Deadline {
+    pub fn at(instant: Instant) -> Self {
+        Deadline(instant)
+    }
+
+    /// `d` from now.
+    pub fn after(d: Duration) -> Self {
+        Deadline(Instant::now() + d)
+    }
+
+    /// The deadline of a callout that arrived at `arrival` from a caller waiting `timeout`
+    /// for it: the answer must leave early enough to travel back, so a tenth of the timeout
+    /// (at most [`MAX_REPLY_MARGIN`]) is kept for the trips there and back.
+    pub fn of_callout(arrival: Instant, timeout: Duration) -> Self {
+        let margin = (timeout / 10).min(MAX_REPLY_MARGIN);
+        Deadline(arrival + timeout.saturating_sub(margin))
+    }
+
+    /// Time left (zero once passed).
+    pub fn remaining(&self) -> Duration {
+        self.0.saturating_duration_since(Instant::now())
+    }
+
+    pub fn passed(&self) -> bool {
+        Instant::now() >= self.0
+    }
+
+    pub fn instant(&self) -> Instant {
+        self.0
+    }
+}
+
 /// RFC 3339 text (UTC, millisecond precision) for a timestamp.
 pub fn rfc3339(ms: Millis) -> String {
     let ms = u64::try_from(ms.max(0)).unwrap_or(0);
@@ -76,6 +118,26 @@ mod tests {
     fn rfc3339_round_trips() {
         let ms = 1_767_225_600_123;
         assert_eq!(parse_rfc3339(&rfc3339(ms)), Some(ms));
+    }
+
+    #[test]
+    fn a_callout_deadline_keeps_a_tenth_of_the_timeout_for_the_reply_at_most_100_ms() {
+        let t0 = Instant::now();
+        let ms = |d: Deadline| d.instant().duration_since(t0).as_millis();
+        assert_eq!(
+            ms(Deadline::of_callout(t0, Duration::from_millis(1000))),
+            900
+        );
+        assert_eq!(
+            ms(Deadline::of_callout(t0, Duration::from_millis(200))),
+            180
+        );
+        assert_eq!(
+            ms(Deadline::of_callout(t0, Duration::from_secs(30))),
+            29_900
+        );
+        assert!(Deadline::of_callout(t0, Duration::ZERO).passed());
+        assert_eq!(Deadline::at(t0).remaining(), Duration::ZERO);
     }
 
     #[test]

@@ -13,6 +13,10 @@ pub enum LedgerError {
     /// locked, read-only, disk full, pool exhausted, restarting. Transient.
     #[error("store unavailable: {0}")]
     Unavailable(String),
+    /// The caller's deadline passed before the decision could be committed: nothing was
+    /// committed, and the caller (which no longer waits) is answered as for an outage.
+    #[error("deadline passed: {0}")]
+    DeadlinePassed(String),
     /// A store task ended without an answer (its worker or thread is gone).
     #[error("store task failed: {0}")]
     Join(String),
@@ -44,7 +48,21 @@ impl LedgerError {
     /// True when the same operation may succeed later without anything being fixed (HTTP 503
     /// `store_unavailable`); false for a bug or bad data (HTTP 500 `internal`).
     pub fn is_transient(&self) -> bool {
-        matches!(self, LedgerError::Unavailable(_) | LedgerError::Join(_))
+        matches!(
+            self,
+            LedgerError::Unavailable(_) | LedgerError::Join(_) | LedgerError::DeadlinePassed(_)
+        )
+    }
+}
+
+impl LedgerError {
+    /// The error of an operation whose caller's `deadline` passed before `what`.
+    pub fn deadline_passed(what: &str, deadline: crate::clock::Deadline) -> Self {
+        let late = std::time::Instant::now().saturating_duration_since(deadline.instant());
+        LedgerError::DeadlinePassed(format!(
+            "the caller's deadline passed {} ms before {what}; nothing was committed",
+            late.as_millis()
+        ))
     }
 }
 

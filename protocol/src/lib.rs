@@ -27,6 +27,12 @@ pub const AUTHORIZE_PATH: &str = "/v1/authorize";
 pub const OUTCOMES_PATH: &str = "/v1/outcomes";
 /// Path of the per-tool figures of a permit (for `tools/list`).
 pub const LIMITS_PATH: &str = "/v1/limits";
+/// Request header of every callout: the filter's `ledger.timeout_ms`, in decimal
+/// milliseconds, how long the filter waits for this answer. The ledger decides an authorize
+/// only while its caller still waits: a decision whose caller has given up is not committed
+/// (answered 503). A ledger that does not know the header ignores it; without it, the ledger
+/// assumes its `--callout-timeout`.
+pub const CALLOUT_TIMEOUT_HEADER: &str = "atmost-callout-timeout-ms";
 /// Most tools one [`LimitsRequest`] may name.
 pub const MAX_LIMITS_TOOLS: usize = 1000;
 

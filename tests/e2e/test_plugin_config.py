@@ -47,12 +47,27 @@ def envoy_with_plugin_config(tmp_path, plugin: dict):
     return result.returncode, result.stdout + result.stderr
 
 
-def config_check(tmp_path, plugin: dict):
+def config_check(tmp_path, plugin: dict, *flags: str):
     path = tmp_path / "plugin.json"
     path.write_text(json.dumps(plugin))
-    result = subprocess.run([str(ledger_binary()), "config", "check", str(path)], capture_output=True, text=True,
-                            timeout=30)
+    result = subprocess.run([str(ledger_binary()), "config", "check", str(path), *flags], capture_output=True,
+                            text=True, timeout=30)
     return result.returncode, result.stdout + result.stderr
+
+
+def test_the_check_refuses_a_lease_that_does_not_outlast_the_callout_and_the_route(tmp_path):
+    """A "not executed" is safe only while the lease outlasts ledger.timeout_ms plus the route
+    timeout; the check knows both figures from its flags (defaults: the ledger's lease, the
+    shipped route timeout) and names them when it refuses."""
+    plugin = {**GOOD, "ledger": {**GOOD["ledger"], "timeout_ms": 2000}}
+    assert config_check(tmp_path, plugin)[0] == 0
+    assert config_check(tmp_path, plugin, "--lease", "18s", "--route-timeout", "15s")[0] == 0
+    code, out = config_check(tmp_path, plugin, "--lease", "17s", "--route-timeout", "15s")
+    assert code == 2, out
+    assert out.count("\n") == 1 and "lease 17s" in out and "ledger.timeout_ms 2000 ms" in out \
+        and "route timeout 15s" in out, out
+    code, out = config_check(tmp_path, plugin, "--lease", "100s")
+    assert code == 2 and "route timeout 2m" in out, out
 
 
 @pytest.mark.parametrize("plugin", [GOOD, {**GOOD, "answer_release": "at_once"}, VERIFY],

@@ -3,8 +3,37 @@
 
 use std::io::Read;
 use std::path::Path;
+use std::time::Duration;
 
 use atmost_config::{PluginConfig, ToolSet};
+
+/// What the check knows of the deployment around the configuration.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// The ledger's `--lease`.
+    pub lease: Duration,
+    /// The timeout of the Envoy route the filter governs.
+    pub route_timeout: Duration,
+}
+
+/// A "not executed" is safe only if the lease outlasts every way the call may still run:
+/// the filter waiting for the ledger, then the upstream for the route's whole timeout
+/// (docs/design.md, the lease).
+fn check_lease(timing: &Timing, callout_timeout_ms: u64) -> Result<(), String> {
+    let callout = Duration::from_millis(callout_timeout_ms);
+    let needed = callout + timing.route_timeout;
+    if timing.lease > needed {
+        return Ok(());
+    }
+    Err(format!(
+        "atmost: the ledger's lease {} does not exceed ledger.timeout_ms {} ms + the route timeout {}          ({}): a call still running when its lease ends is recorded uncertain; raise --lease above {}          (or give the check the lease and route timeout you run with: --lease, --route-timeout)",
+        humantime::format_duration(timing.lease),
+        callout_timeout_ms,
+        humantime::format_duration(timing.route_timeout),
+        humantime::format_duration(needed),
+        humantime::format_duration(needed),
+    ))
+}
 
 fn tools(set: &ToolSet) -> String {
     match set {
@@ -13,16 +42,21 @@ fn tools(set: &ToolSet) -> String {
     }
 }
 
-/// What a check found: `Ok` with a one-line summary, or the filter's own error line.
-pub fn check_bytes(bytes: &[u8]) -> Result<String, String> {
+/// What a check found: `Ok` with a one-line summary, or the filter's own error line (or
+/// the lease's, see [`check_lease`]).
+pub fn check_bytes(bytes: &[u8], timing: &Timing) -> Result<String, String> {
     match PluginConfig::parse(bytes) {
-        Ok(PluginConfig::Gateway(config)) => Ok(format!(
+        Ok(PluginConfig::Gateway(config)) => {
+            check_lease(timing, config.ledger.timeout_ms).map(|()| {
+                format!(
             "ok: ledger cluster `{}`, permit header `{}`, governed tools {}, denial format {:?}",
             config.ledger.cluster,
             config.permit_header,
             tools(&config.governed_tools),
             config.denial_format
-        )),
+        )
+            })
+        }
         Ok(PluginConfig::Verify(config)) => Ok(format!(
             "ok: role verify, {} inline key(s), key set {}, governed tools {}, denial format {:?}",
             config.keys.len(),
@@ -38,7 +72,7 @@ pub fn check_bytes(bytes: &[u8]) -> Result<String, String> {
 }
 
 /// Reads FILE (`-` for standard input) and checks it.
-pub fn check_file(path: &Path) -> Result<String, String> {
+pub fn check_file(path: &Path, timing: &Timing) -> Result<String, String> {
     let mut bytes = Vec::new();
     let read = if path == Path::new("-") {
         std::io::stdin().read_to_end(&mut bytes).map(|_| ())
@@ -46,17 +80,53 @@ pub fn check_file(path: &Path) -> Result<String, String> {
         std::fs::read(path).map(|b| bytes = b)
     };
     read.map_err(|e| format!("atmost: cannot read {}: {e}", path.display()))?;
-    check_bytes(&bytes)
+    check_bytes(&bytes, timing)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// The defaults of `atmost config check`.
+    const SHIPPED: Timing = Timing {
+        lease: Duration::from_secs(300),
+        route_timeout: Duration::from_secs(120),
+    };
+
+    const GATEWAY: &[u8] =
+        br#"{"ledger":{"cluster":"atmost_ledger","service_token":"t","timeout_ms":1000},"upstream_key":{"mode":"off"}}"#;
+
+    #[test]
+    fn a_lease_that_does_not_exceed_the_callout_and_route_timeouts_is_refused() {
+        let at = |lease_ms: u64, route_s: u64| Timing {
+            lease: Duration::from_millis(lease_ms),
+            route_timeout: Duration::from_secs(route_s),
+        };
+        assert!(check_bytes(GATEWAY, &SHIPPED).is_ok());
+        assert!(check_bytes(GATEWAY, &at(16_001, 15)).is_ok());
+        for refused in [at(16_000, 15), at(10_000, 15), at(120_000, 120)] {
+            let line = check_bytes(GATEWAY, &refused).err().unwrap_or_default();
+            assert!(
+                line.contains("ledger.timeout_ms 1000 ms") && line.contains("route timeout"),
+                "{refused:?}: {line}"
+            );
+        }
+        let line = check_bytes(GATEWAY, &at(60_000, 120))
+            .err()
+            .unwrap_or_default();
+        assert!(
+            line.contains("lease 1m")
+                && line.contains("route timeout 2m")
+                && line.contains("2m 1s"),
+            "{line}"
+        );
+    }
+
     #[test]
     fn a_valid_config_is_summarised() {
         let ok = check_bytes(
             br#"{"ledger":{"cluster":"atmost_ledger","service_token":"t"},"upstream_key":{"mode":"off"}}"#,
+            &SHIPPED,
         );
         assert!(
             ok.as_deref().is_ok_and(|s| s.contains("atmost_ledger")),
@@ -68,6 +138,7 @@ mod tests {
     fn a_bad_config_gives_the_filters_error_naming_the_field() {
         let bad = check_bytes(
             br#"{"ledger":{"cluster":"atmost_ledger","service_token":"t","timeout_ms":0},"upstream_key":{"mode":"off"}}"#,
+            &SHIPPED,
         );
         let line = bad.err().unwrap_or_default();
         assert!(line.contains("field `ledger.timeout_ms`"), "{line}");
@@ -75,7 +146,10 @@ mod tests {
 
     #[test]
     fn a_verifiers_config_is_checked_by_the_same_parser() {
-        let ok = check_bytes(br#"{"role":"verify","verify":{"jwks":{"cluster":"atmost_ledger"}}}"#);
+        let ok = check_bytes(
+            br#"{"role":"verify","verify":{"jwks":{"cluster":"atmost_ledger"}}}"#,
+            &SHIPPED,
+        );
         assert!(
             ok.as_deref()
                 .is_ok_and(|s| s.contains("role verify") && s.contains("atmost_ledger")),
@@ -83,6 +157,7 @@ mod tests {
         );
         let bad = check_bytes(
             br#"{"role":"verify","verify":{"jwks":{"cluster":"l"}},"upstream_key":{"mode":"off"}}"#,
+            &SHIPPED,
         );
         let line = bad.err().unwrap_or_default();
         assert!(line.contains("field `upstream_key`"), "{line}");

@@ -73,6 +73,7 @@ async fn start_in(
         service_token: SVC.into(),
         admin_token: ADM.into(),
         lease: Duration::from_secs(60),
+        callout_timeout: Duration::from_secs(30),
         redaction: Default::default(),
         inbox: Default::default(),
         key_refresh: Duration::from_secs(5),

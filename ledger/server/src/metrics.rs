@@ -39,6 +39,9 @@ pub struct Metrics {
     pub readiness_checks: IntCounterVec,
     /// Store failures by operation.
     pub store_errors: IntCounterVec,
+    /// Authorize calls answered 503 without a commit because their caller's deadline passed
+    /// first (queued too long, or too little time left to commit).
+    pub decisions_past_deadline: IntCounter,
     pub sweeps: IntCounter,
     pub leases_expired: IntCounter,
     pub receipts_pruned: IntCounter,
@@ -132,6 +135,10 @@ impl Metrics {
             "Store failures by operation.",
             &["op"],
         )?;
+        let decisions_past_deadline = counter(
+            "atmost_decisions_past_deadline_total",
+            "Authorize calls answered 503 and not committed because the filter's callout timeout would have passed first.",
+        )?;
         let sweeps = counter("atmost_sweeps_total", "Sweeper runs.")?;
         let leases_expired = counter(
             "atmost_leases_expired_total",
@@ -216,6 +223,7 @@ impl Metrics {
             auth_limited,
             readiness_checks,
             store_errors,
+            decisions_past_deadline,
             sweeps,
             leases_expired,
             receipts_pruned,

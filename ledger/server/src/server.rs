@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use atmost_protocol::signature::{Jwks, KEYS_PATH};
 use atmost_protocol::{
     AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, LimitsRequest, Outcome, OutcomeAck,
-    OutcomesRequest, OutcomesResponse, AUTHORIZE_PATH, LIMITS_PATH, MAX_LIMITS_TOOLS,
-    OUTCOMES_PATH,
+    OutcomesRequest, OutcomesResponse, AUTHORIZE_PATH, CALLOUT_TIMEOUT_HEADER, LIMITS_PATH,
+    MAX_LIMITS_TOOLS, OUTCOMES_PATH,
 };
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{ConnectInfo, FromRequestParts, Path, Query, Request, State};
@@ -33,7 +33,7 @@ use crate::metrics::Metrics;
 use crate::readiness::Readiness;
 use crate::redact::Redaction;
 use crate::signer::{KeyUnavailable, Signer};
-use atmost_ledger::clock::Clock;
+use atmost_ledger::clock::{Clock, Deadline};
 use atmost_ledger::decide::{self, Notice, ResolveInput};
 use atmost_ledger::error::{LedgerError, ResolveError};
 use atmost_ledger::keys::PublicSigningKey;
@@ -55,6 +55,9 @@ pub struct ServerConfig {
     pub service_token: String,
     pub admin_token: String,
     pub lease: Duration,
+    /// How long a filter that does not send [`CALLOUT_TIMEOUT_HEADER`] waits for an
+    /// authorize (`--callout-timeout`).
+    pub callout_timeout: Duration,
     /// Argument fields never shown (admin API, CLI, inbox).
     pub redaction: Redaction,
     pub inbox: InboxConfig,
@@ -72,6 +75,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("service_token", &"<redacted>")
             .field("admin_token", &"<redacted>")
             .field("lease", &self.lease)
+            .field("callout_timeout", &self.callout_timeout)
             .field("redaction", &self.redaction)
             .field("inbox", &self.inbox)
             .field("key_refresh", &self.key_refresh)
@@ -346,10 +350,37 @@ async fn metrics(State(state): State<Shared>) -> Response {
     }
 }
 
+/// How long the caller of a callout waits for its answer: its [`CALLOUT_TIMEOUT_HEADER`], or
+/// `--callout-timeout` for a filter that does not send one. `Err` for a value that is not a
+/// positive integer.
+fn callout_timeout(state: &AppState, headers: &HeaderMap) -> Result<Duration, String> {
+    let Some(value) = headers.get(CALLOUT_TIMEOUT_HEADER) else {
+        return Ok(state.config.callout_timeout);
+    };
+    match value
+        .to_str()
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+    {
+        Some(ms) if ms > 0 => Ok(Duration::from_millis(ms)),
+        _ => Err(format!(
+            "{CALLOUT_TIMEOUT_HEADER}: a positive integer of milliseconds"
+        )),
+    }
+}
+
 async fn authorize(
     State(state): State<Shared>,
+    headers: HeaderMap,
     body: Result<Json<AuthorizeRequest>, JsonRejection>,
 ) -> Response {
+    // Stamped before anything else: the caller's clock started before this one did.
+    let arrival = Instant::now();
+    let timeout = match callout_timeout(&state, &headers) {
+        Ok(t) => t,
+        Err(why) => return bad_request(why),
+    };
+    let deadline = Deadline::of_callout(arrival, timeout);
     let Json(req) = match body {
         Ok(b) => b,
         Err(r) => return json_rejection(r),
@@ -371,8 +402,18 @@ async fn authorize(
         },
     };
     let now = state.clock.now_ms();
-    let decision = match state.store.authorize(&req, state.lease_ms(), now).await {
+    let decision = match state
+        .store
+        .authorize(&req, state.lease_ms(), now, deadline)
+        .await
+    {
         Ok(d) => d,
+        Err(LedgerError::DeadlinePassed(why)) => {
+            state.metrics.decisions_past_deadline.inc();
+            warn!(permit_id, tool = %req.tool, timeout_ms = timeout.as_millis() as u64, why,
+                "authorize not committed: the caller's deadline passed (answered 503)");
+            return error_response(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", None);
+        }
         Err(e) => return internal(&state, "authorize", &e),
     };
     // Signed after the store answered: no permit's lock is held while it signs.

@@ -30,6 +30,11 @@ pub const MIN: i64 = 60_000;
 pub const HOUR: i64 = 60 * MIN;
 pub const LEASE_MS: u64 = 60_000;
 
+/// The deadline of a caller that waits long enough for any test's decision.
+pub fn patient() -> clock::Deadline {
+    clock::Deadline::after(std::time::Duration::from_secs(60))
+}
+
 /// What a store under test provides.
 #[async_trait]
 pub trait Harness: Send + Sync {
@@ -56,7 +61,7 @@ macro_rules! conformance_suite {
             race_resolution_against_late_report, race_revocation_against_authorization,
             race_released_key_dispatched_again, permit_limits_in_answers, inbox_reads,
             uncertain_pages, signing_keys_rotation_and_publication, race_signing_keys,
-            inbox_sessions);
+            inbox_sessions, decisions_past_their_deadline_commit_nothing);
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
         $(
@@ -124,7 +129,11 @@ pub async fn auth_with_limits(
     r: &AuthorizeRequest,
     now: i64,
 ) -> AuthorizeResponse {
-    let response = store.authorize(r, LEASE_MS, now).await.unwrap().response;
+    let response = store
+        .authorize(r, LEASE_MS, now, patient())
+        .await
+        .unwrap()
+        .response;
     remember(&response);
     response
 }
@@ -498,6 +507,7 @@ pub async fn duplicate_guard_modes(h: &dyn Harness) {
                 &req(&tok, "pay", Some("k2"), "X", json!({})),
                 LEASE_MS,
                 T0 + 1,
+                patient(),
             )
             .await
             .unwrap();
@@ -648,7 +658,10 @@ async fn race(h: &dyn Harness, reqs: Vec<AuthorizeRequest>) -> Vec<AuthorizeResp
         let b = barrier.clone();
         tasks.push(tokio::spawn(async move {
             b.wait().await;
-            s.authorize(&r, LEASE_MS, T0).await.unwrap().response
+            s.authorize(&r, LEASE_MS, T0, patient())
+                .await
+                .unwrap()
+                .response
         }));
     }
     let mut out = Vec::new();
@@ -1310,7 +1323,7 @@ pub async fn counters_match_recount_after_random_operations(h: &dyn Harness) {
                 };
                 let mut r = req(tok, tool, key, &format!("{tool}-{k}"), json!({"n": k}));
                 r.continuation = next(4) == 0;
-                let d = s.authorize(&r, LEASE_MS, now).await.unwrap();
+                let d = s.authorize(&r, LEASE_MS, now, patient()).await.unwrap();
                 remember(&d.response);
                 if let AuthorizeResponse::Dispatch { attempt_id, .. } = d.response {
                     attempts.push(attempt_id);
@@ -1703,7 +1716,12 @@ pub async fn race_revocation_against_authorization(h: &dyn Harness) {
         let (pid, ar) = (p.id.clone(), r.clone());
         let (revoked, answer) = together(
             async move { x.revoke_permit(&pid, T0 + 1).await.unwrap() },
-            async move { y.authorize(&ar, LEASE_MS, T0 + 1).await.unwrap().response },
+            async move {
+                y.authorize(&ar, LEASE_MS, T0 + 1, patient())
+                    .await
+                    .unwrap()
+                    .response
+            },
         )
         .await;
         assert_eq!(revoked.unwrap().revoked_at_ms, Some(T0 + 1), "round {i}");
@@ -1762,7 +1780,10 @@ pub async fn race_released_key_dispatched_again(h: &dyn Harness) {
                 let (b, r) = (barrier.clone(), r.clone());
                 tokio::spawn(async move {
                     b.wait().await;
-                    x.authorize(&r, LEASE_MS, T0 + 1).await.unwrap().response
+                    x.authorize(&r, LEASE_MS, T0 + 1, patient())
+                        .await
+                        .unwrap()
+                        .response
                 })
             })
             .collect();
@@ -2259,4 +2280,36 @@ pub async fn inbox_sessions(h: &dyn Harness) {
         );
     }
     assert_eq!(s.end_all_inbox_sessions(T0 + 2 * MIN).await.unwrap(), 0);
+}
+
+/// A decision whose caller's deadline passed is neither decided nor committed: it fails
+/// with `DeadlinePassed` (an outage to the caller) and takes nothing. Decisions whose
+/// callers still wait, alongside it or after it, are decided as usual.
+pub async fn decisions_past_their_deadline_commit_nothing(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.rules.max_calls.insert("pay".into(), 1);
+    let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
+    let gone = clock::Deadline::at(std::time::Instant::now());
+    let first = req(&tok, "pay", Some("k1"), "fp-1", json!({}));
+    let err = s.authorize(&first, LEASE_MS, T0, gone).await.unwrap_err();
+    assert!(
+        matches!(err, crate::error::LedgerError::DeadlinePassed(_)),
+        "{err}"
+    );
+    assert!(err.is_transient(), "answered as an outage: {err}");
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 0);
+    // A late caller beside a waiting one: the cap of 1 goes to the one still waiting, and the
+    // key the late call named is free (a fresh dispatch, not a replay of an attempt).
+    let late = req(&tok, "pay", Some("k2"), "fp-2", json!({}));
+    let (late, timely) = tokio::join!(
+        s.authorize(&late, LEASE_MS, T0, gone),
+        s.authorize(&first, LEASE_MS, T0, patient())
+    );
+    assert!(
+        matches!(late, Err(crate::error::LedgerError::DeadlinePassed(_))),
+        "{late:?}"
+    );
+    dispatched(&timely.unwrap().response);
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
 }

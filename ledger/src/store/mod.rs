@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use async_trait::async_trait;
 use atmost_protocol::{AuthorizeRequest, OutcomeAck, OutcomeReport};
 
-use crate::clock::Millis;
+use crate::clock::{Deadline, Millis};
 use crate::decide::{Decision, ResolveInput};
 use crate::error::{LedgerError, ResolveError};
 use crate::keys::{Rotation, SigningKey};
@@ -86,12 +86,16 @@ pub trait Decisions: Send + Sync {
     async fn revoke_permit(&self, id: &str, now: Millis) -> Result<Option<Permit>, LedgerError>;
 
     /// Check and reserve in one atomic step. `ledger/model/atmost.pml`'s `NO_ATOMIC_RESERVE`
-    /// mutant shows why: as two steps, two replicas both pass a cap of 1.
+    /// mutant shows why: as two steps, two replicas both pass a cap of 1. Nothing is
+    /// committed after `deadline` (the caller stopped waiting and was told nothing was
+    /// reserved): a decision that cannot commit before it fails with
+    /// [`LedgerError::DeadlinePassed`].
     async fn authorize(
         &self,
         req: &AuthorizeRequest,
         lease_ms: u64,
         now: Millis,
+        deadline: Deadline,
     ) -> Result<Decision, LedgerError>;
 
     /// Applies one outcome report.

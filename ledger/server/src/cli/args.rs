@@ -65,8 +65,22 @@ pub enum Command {
 pub enum ConfigCommand {
     /// Check a plugin configuration (JSON; `-` reads standard input) with the filter's own
     /// parser: prints `ok: …` and exits 0, or prints the line Envoy would log and exits 2.
-    Check { file: std::path::PathBuf },
+    /// A gateway's configuration is also refused when the ledger's lease does not exceed
+    /// `ledger.timeout_ms` plus the MCP route's timeout: a call still running when its lease
+    /// ends would be recorded uncertain, and a "not executed" would no longer be safe.
+    Check {
+        file: std::path::PathBuf,
+        /// The ledger's `--lease`.
+        #[arg(long, default_value = DEFAULT_LEASE, value_parser = humantime::parse_duration)]
+        lease: Duration,
+        /// The timeout of the Envoy route the filter governs (the shipped configs' 120 s).
+        #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
+        route_timeout: Duration,
+    },
 }
+
+/// The default of `atmost ledger --lease` (and of `atmost config check --lease`).
+pub const DEFAULT_LEASE: &str = "300s";
 
 #[derive(Debug, Args)]
 pub struct LedgerArgs {
@@ -129,8 +143,15 @@ pub struct LedgerArgs {
     /// longer than the filter's `ledger.timeout_ms` plus the MCP route's timeout (120 s in the
     /// shipped Envoy config), or a call still running when its lease ends is recorded
     /// uncertain even if its answer then arrives.
-    #[arg(long, env = "ATMOST_LEASE", default_value = "300s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "ATMOST_LEASE", default_value = DEFAULT_LEASE, value_parser = humantime::parse_duration)]
     pub lease: Duration,
+    /// How long the filter waits for an authorize, for a filter that does not say so in its
+    /// request (a filter sends its `ledger.timeout_ms` in the `atmost-callout-timeout-ms`
+    /// header; set this to it for filters older than that header). No decision is
+    /// committed after its caller gave up; PostgreSQL sessions keep their statement, lock
+    /// and idle-in-transaction timeouts at half of this.
+    #[arg(long, env = "ATMOST_CALLOUT_TIMEOUT", default_value = "1s", value_parser = humantime::parse_duration)]
+    pub callout_timeout: Duration,
     /// On SIGTERM or Ctrl-C, how long the ledger keeps serving while /readyz answers 503
     /// `draining`, so that health checks and endpoint removal move traffic elsewhere first;
     /// then it stops accepting, finishes what is in flight and exits. A second signal skips

@@ -58,8 +58,19 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
             run_inbox(&Client::new(&cli.client)?, cli.client.json, command)
         }
         Command::Config {
-            command: ConfigCommand::Check { file },
-        } => match crate::config_check::check_file(&file) {
+            command:
+                ConfigCommand::Check {
+                    file,
+                    lease,
+                    route_timeout,
+                },
+        } => match crate::config_check::check_file(
+            &file,
+            &crate::config_check::Timing {
+                lease,
+                route_timeout,
+            },
+        ) {
             Ok(summary) => {
                 println!("{summary}");
                 Ok(())

@@ -62,6 +62,9 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
     if args.lease.is_zero() {
         return Err(CliError::Usage("--lease must be positive".into()));
     }
+    if args.callout_timeout.is_zero() {
+        return Err(CliError::Usage("--callout-timeout must be positive".into()));
+    }
     let redaction = Redaction::new(&args.redact_field).map_err(CliError::Usage)?;
     if args.inbox_session_ttl.is_zero() {
         return Err(CliError::Usage(
@@ -90,6 +93,7 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
             service_token: args.service_token,
             admin_token,
             lease: args.lease,
+            callout_timeout: args.callout_timeout,
             redaction,
             inbox: InboxConfig {
                 session_ttl: args.inbox_session_ttl,
@@ -253,6 +257,7 @@ async fn open_postgres(args: &LedgerArgs, spec: &str) -> Result<Arc<dyn Store>, 
         pool_size: args.pg_pool_size,
         connect_timeout: args.pg_connect_timeout,
         statement_timeout: args.pg_statement_timeout,
+        callout_timeout: args.callout_timeout,
         schema: args.pg_schema.clone().filter(|s| !s.is_empty()),
         ca_file: args.pg_ca_file.clone(),
     };

@@ -9,11 +9,11 @@ use tokio_postgres::types::ToSql;
 
 use super::column_err;
 use super::group_queue::GroupQueue;
-use super::group_tx::GroupTx;
+use super::group_tx::{within, GroupTx};
 use super::rows::{attempts_by_keys_sql, prepared, read_attempt, read_permit};
 use super::writes::{insert_attempts, prepare_writes, storable, update_attempts, write_counters};
 use super::{answer_group, pg_err, StateSets};
-use crate::clock::Millis;
+use crate::clock::{Deadline, Millis};
 use crate::decide::{self, DecideParams, Decision, Mutation};
 use crate::error::LedgerError;
 use crate::model::{Attempt, Permit};
@@ -26,6 +26,8 @@ pub(super) struct AuthJob {
     pub(super) req: AuthorizeRequest,
     pub(super) params: DecideParams,
     pub(super) now: Millis,
+    /// When the caller stops waiting: nothing of this job is committed after it.
+    pub(super) deadline: Deadline,
     pub(super) reply: tokio::sync::oneshot::Sender<Result<Decision, LedgerError>>,
 }
 
@@ -44,9 +46,22 @@ pub(super) async fn decision_worker(
     op_timeout: Duration,
     queue: DecisionQueue,
 ) {
-    while let Some(jobs) = queue.next_group() {
-        let work = async {
-            let tx = GroupTx::start(&pool).await?;
+    while let Some(queued) = queue.next_group() {
+        // A job whose caller gave up while it waited is answered without being decided.
+        let (jobs, late): (Vec<AuthJob>, Vec<AuthJob>) =
+            queued.into_iter().partition(|j| !j.deadline.passed());
+        for job in late {
+            let _ = job.reply.send(Err(LedgerError::deadline_passed(
+                "it was decided",
+                job.deadline,
+            )));
+        }
+        // The group's deadline is its oldest member's.
+        let Some(deadline) = jobs.iter().map(|j| j.deadline).min() else {
+            continue;
+        };
+        let limit = op_timeout.min(deadline.remaining());
+        let outcome = within(&pool, limit, async |tx: &GroupTx| {
             let c = tx.client()?;
             let mut ids: Vec<&str> = jobs
                 .iter()
@@ -84,21 +99,30 @@ pub(super) async fn decision_worker(
                 permits.insert(p.id.clone(), (p, budget));
             }
             let group = Group {
-                tx: &tx,
+                tx,
                 statements: &statements,
                 states: &states,
                 permits: &permits,
                 jobs: &jobs,
                 key_hashes: &key_hashes,
+                deadline,
             };
             let mut moves = CounterMoves::default();
             // No answer leaves before the commit did: a group that cannot commit is an error.
             let decisions = group.decide(&ends, first_reads, &mut moves).await?;
             tx.committed();
             Ok(decisions)
+        })
+        .await;
+        let cut_off = if limit < op_timeout {
+            LedgerError::deadline_passed("its group could commit", deadline)
+        } else {
+            LedgerError::Unavailable(format!(
+                "postgres did not answer within {} ms",
+                op_timeout.as_millis()
+            ))
         };
-        let outcome = tokio::time::timeout(op_timeout, work).await;
-        answer_group(jobs.into_iter().map(|j| j.reply), outcome, op_timeout);
+        answer_group(jobs.into_iter().map(|j| j.reply), outcome, cut_off);
     }
 }
 
@@ -372,6 +396,8 @@ pub(super) struct Group<'a> {
     pub(super) jobs: &'a [AuthJob],
     /// The hash of each job's idempotency key.
     pub(super) key_hashes: &'a [Option<String>],
+    /// The oldest job's deadline: the group commits before it or not at all.
+    pub(super) deadline: Deadline,
 }
 
 impl Group<'_> {
@@ -448,8 +474,13 @@ impl Group<'_> {
                 }
                 decisions.push(Ok(decision));
             }
-            // The last batch's writes go out with the group's counters and COMMIT.
+            // The last batch's writes go out with the group's counters and COMMIT, unless the
+            // deadline passed already; the COMMIT carries what is left of it.
             let last = end == self.jobs.len();
+            let budget = self.deadline.remaining();
+            if last && budget.is_zero() {
+                return Err(LedgerError::deadline_passed("the commit", self.deadline));
+            }
             let (inserted, updated, counters, committed) = tokio::join!(
                 biased;
                 insert_attempts(c, &inserts),
@@ -463,7 +494,7 @@ impl Group<'_> {
                 },
                 async {
                     if last {
-                        self.tx.commit().await
+                        self.tx.commit(Some(budget)).await
                     } else {
                         Ok(())
                     }

@@ -43,7 +43,7 @@ pub mod testing;
 mod tls;
 mod writes;
 
-pub use options::{is_postgres_url, redact_url, PgOptions};
+pub use options::{is_postgres_url, redact_url, session_bound, PgOptions, DEFAULT_CALLOUT_TIMEOUT};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -56,7 +56,7 @@ use tokio_postgres::config::SslMode;
 use super::counters::CounterMoves;
 use super::reads::{Dialect, ReadQueries, Rows, Statement};
 use super::{Decisions, OutcomeResult, SweepReport};
-use crate::clock::Millis;
+use crate::clock::{Deadline, Millis};
 use crate::decide::{self, DecideParams, Decision, ResolveInput, Snapshot};
 use crate::error::{LedgerError, ResolveError};
 use crate::keys::{Rotation, SigningKey};
@@ -104,6 +104,9 @@ pub struct PgStore {
     outcomes: OutcomeQueue,
     states: StateSets,
     op_timeout: Duration,
+    /// `SET LOCAL statement_timeout` of the reads that may take long (the admin API's, the
+    /// sweep's search): `--pg-statement-timeout`, where the session's is shorter.
+    long_read: String,
     description: String,
 }
 
@@ -134,31 +137,25 @@ async fn group_answer<T>(
 }
 
 /// Answers every member of a group once its transaction committed, failed, or ran out of
-/// time: one result each on success, the group's error for all otherwise.
+/// time (`None`: answered `cut_off`): one result each on success, the group's error for all
+/// otherwise.
 fn answer_group<T>(
     replies: impl Iterator<Item = tokio::sync::oneshot::Sender<Result<T, LedgerError>>>,
-    outcome: Result<Result<Vec<Result<T, LedgerError>>, LedgerError>, tokio::time::error::Elapsed>,
-    op_timeout: Duration,
+    outcome: Option<Result<Vec<Result<T, LedgerError>>, LedgerError>>,
+    cut_off: LedgerError,
 ) {
-    match outcome {
-        Ok(Ok(results)) => {
+    let group_error = match outcome {
+        Some(Ok(results)) => {
             for (reply, r) in replies.zip(results) {
                 let _ = reply.send(r);
             }
+            return;
         }
-        Ok(Err(e)) => {
-            for reply in replies {
-                let _ = reply.send(Err(e.clone()));
-            }
-        }
-        Err(_) => {
-            for reply in replies {
-                let _ = reply.send(Err(LedgerError::Unavailable(format!(
-                    "postgres did not answer within {} ms",
-                    op_timeout.as_millis()
-                ))));
-            }
-        }
+        Some(Err(e)) => e,
+        None => cut_off,
+    };
+    for reply in replies {
+        let _ = reply.send(Err(group_error.clone()));
     }
 }
 
@@ -204,6 +201,10 @@ impl PgStore {
             outcomes: Arc::default(),
             states: StateSets::new(),
             op_timeout: opts.connect_timeout + opts.statement_timeout * 2,
+            long_read: format!(
+                "SET LOCAL statement_timeout = {}",
+                opts.statement_timeout.as_millis().max(1)
+            ),
             description: format!(
                 "{}{}",
                 redact_url(&opts.url),
@@ -217,28 +218,62 @@ impl PgStore {
         Ok(store)
     }
 
+    /// Runs `read` (statements on `c`) in a read-only transaction of its own under the long
+    /// reads' statement timeout.
+    async fn long_read<C: GenericClient, T>(
+        &self,
+        c: &C,
+        read: impl std::future::Future<Output = Result<T, LedgerError>>,
+    ) -> Result<T, LedgerError> {
+        // `read` prepares its statement first (a round trip of its own), so nothing may be
+        // sent after it before it is answered: one step after another.
+        c.batch_execute(&format!("BEGIN READ ONLY; {}", self.long_read))
+            .await
+            .map_err(pg_err)?;
+        let rows = match read.await {
+            Ok(rows) => rows,
+            Err(e) => {
+                // The connection goes back to the pool: never inside this transaction.
+                let _ = c.batch_execute("ROLLBACK").await;
+                return Err(e);
+            }
+        };
+        c.batch_execute("COMMIT").await.map_err(pg_err)?;
+        Ok(rows)
+    }
+
     /// The database (password redacted) and schema, for logs.
     pub fn description(&self) -> &str {
         &self.description
     }
 
     /// Runs `f` on a pooled connection under the operation deadline: a database that does not
-    /// answer becomes an error, never a hang.
+    /// answer becomes an error, never a hang. An operation cut off mid-flight may still have
+    /// statements (a `COMMIT` even) on their way to the server: its connection is closed,
+    /// not returned to the pool, where the next user's statements would queue behind them.
     async fn timed<R, E, F>(&self, f: F) -> Result<R, E>
     where
         E: From<LedgerError>,
         F: AsyncFnOnce(&mut deadpool_postgres::Object) -> Result<R, E>,
     {
-        let work = async {
-            let mut conn = self.pool.get().await.map_err(pool_err)?;
-            f(&mut conn).await
-        };
-        match tokio::time::timeout(self.op_timeout, work).await {
-            Ok(r) => r,
-            Err(_) => Err(E::from(LedgerError::Unavailable(format!(
+        let started = std::time::Instant::now();
+        let cut_off = || {
+            E::from(LedgerError::Unavailable(format!(
                 "postgres did not answer within {} ms",
                 self.op_timeout.as_millis()
-            )))),
+            )))
+        };
+        let mut conn = match tokio::time::timeout(self.op_timeout, self.pool.get()).await {
+            Ok(conn) => conn.map_err(pool_err)?,
+            Err(_) => return Err(cut_off()),
+        };
+        let left = self.op_timeout.saturating_sub(started.elapsed());
+        match tokio::time::timeout(left, f(&mut conn)).await {
+            Ok(r) => r,
+            Err(_) => {
+                drop(deadpool_postgres::Object::take(conn));
+                Err(cut_off())
+            }
         }
     }
 }
@@ -302,6 +337,7 @@ impl Decisions for PgStore {
         req: &AuthorizeRequest,
         lease_ms: u64,
         now: Millis,
+        deadline: Deadline,
     ) -> Result<Decision, LedgerError> {
         let params = DecideParams {
             lease_ms,
@@ -321,6 +357,7 @@ impl Decisions for PgStore {
             req: req.clone(),
             params,
             now,
+            deadline,
             reply,
         };
         if self.decisions.join([job]) {
@@ -446,7 +483,7 @@ impl Decisions for PgStore {
                 leased = AttemptState::sql_list(AttemptState::leased),
                 replays = AttemptState::sql_list(AttemptState::replays),
             );
-            let permits: Vec<String> = query(&*c, &sql, &[&now, &before])
+            let permits: Vec<String> = self.long_read(&*c, query(&*c, &sql, &[&now, &before]))
             .await?
             .iter()
             .map(|r| r.try_get(0))
@@ -635,6 +672,7 @@ impl ReadQueries for PgStore {
                 .start()
                 .await
                 .map_err(pg_err)?;
+            tx.batch_execute(&self.long_read).await.map_err(pg_err)?;
             let mut out = Vec::with_capacity(statements.len());
             for s in &statements {
                 out.push(run_statement(&tx, s).await?);

@@ -17,7 +17,12 @@ pub struct PgOptions {
     /// Connecting (TCP, TLS, authentication) and waiting for a pooled connection.
     pub connect_timeout: Duration,
     /// One statement, server side; the whole operation gets `connect_timeout` + 2× this.
+    /// Every connection's session runs under [`session_bound`] instead when that is shorter;
+    /// the reads that may take long (the admin API's, the sweep's search) get this.
     pub statement_timeout: Duration,
+    /// How long the filter waits for an authorize (its `ledger.timeout_ms`), when its
+    /// request does not say: the session timeouts are kept below it (see [`session_bound`]).
+    pub callout_timeout: Duration,
     /// Schema for the tables (created if missing); `None`: the server's `search_path`.
     pub schema: Option<String>,
     /// PEM file of CA certificates to trust for TLS instead of the system's roots.
@@ -31,6 +36,7 @@ impl std::fmt::Debug for PgOptions {
             .field("pool_size", &self.pool_size)
             .field("connect_timeout", &self.connect_timeout)
             .field("statement_timeout", &self.statement_timeout)
+            .field("callout_timeout", &self.callout_timeout)
             .field("schema", &self.schema)
             .field("ca_file", &self.ca_file)
             .finish()
@@ -44,10 +50,24 @@ impl PgOptions {
             pool_size: 16,
             connect_timeout: Duration::from_secs(5),
             statement_timeout: Duration::from_secs(5),
+            callout_timeout: DEFAULT_CALLOUT_TIMEOUT,
             schema: None,
             ca_file: None,
         }
     }
+}
+
+/// The filter's default `ledger.timeout_ms`.
+pub const DEFAULT_CALLOUT_TIMEOUT: Duration = Duration::from_millis(1000);
+
+/// What every connection's `statement_timeout`, `lock_timeout` and
+/// `idle_in_transaction_session_timeout` are at most: half the callout timeout. A backend
+/// whose ledger went silent mid-transaction (a partition, a replica stopped) is ended, and
+/// the permit locks it holds freed, well before the filter has given up on the decisions
+/// queued behind them; a statement or a lock wait that takes longer fails while its caller
+/// still waits for the answer. Never below 1 ms (0 would turn the timeouts off).
+pub fn session_bound(opts: &PgOptions) -> Duration {
+    (opts.callout_timeout / 2).max(Duration::from_millis(1))
 }
 
 /// True for a `--store` value that names PostgreSQL.
@@ -106,8 +126,9 @@ pub(super) fn pg_config(opts: &PgOptions) -> Result<tokio_postgres::Config, Ledg
     config.connect_timeout(opts.connect_timeout);
     config.keepalives(true);
     config.keepalives_idle(Duration::from_secs(10));
-    let stmt_ms = opts.statement_timeout.as_millis().max(1);
-    let idle_tx_ms = (stmt_ms * 2).max(1000);
+    let bound = session_bound(opts);
+    let stmt_ms = opts.statement_timeout.min(bound).as_millis().max(1);
+    let idle_tx_ms = bound.as_millis().max(1);
     let mut options = config.get_options().unwrap_or("").to_string();
     options.push_str(&format!(
         " -c statement_timeout={stmt_ms} -c lock_timeout={stmt_ms} \

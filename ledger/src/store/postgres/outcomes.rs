@@ -9,7 +9,7 @@ use deadpool_postgres::{GenericClient, Pool};
 use tokio_postgres::types::ToSql;
 
 use super::group_queue::GroupQueue;
-use super::group_tx::GroupTx;
+use super::group_tx::{within, GroupTx};
 use super::rows::{load_attempts_sql, prepared, read_attempt, LOCK_PERMITS_OF_ATTEMPTS};
 use super::writes::{prepare_writes, storable, update_attempts, write_counters};
 use super::{answer_group, pg_err};
@@ -37,8 +37,7 @@ pub(super) type OutcomeQueue = Arc<GroupQueue<OutcomeJob>>;
 /// one flight; the writes and `COMMIT` in the next.
 pub(super) async fn outcome_worker(pool: Pool, op_timeout: Duration, queue: OutcomeQueue) {
     while let Some(jobs) = queue.next_group() {
-        let work = async {
-            let tx = GroupTx::start(&pool).await?;
+        let outcome = within(&pool, op_timeout, async |tx: &GroupTx| {
             let c = tx.client()?;
             let ids: Vec<&str> = jobs.iter().map(|j| j.report.attempt_id.as_str()).collect();
             let lock = prepared(c, LOCK_PERMITS_OF_ATTEMPTS).await?;
@@ -91,15 +90,19 @@ pub(super) async fn outcome_worker(pool: Pool, op_timeout: Duration, queue: Outc
                 biased;
                 update_attempts(c, &written),
                 write_counters(c, &moves),
-                tx.commit()
+                tx.commit(None)
             );
             rows?;
             counters?;
             committed?;
             tx.committed();
             Ok(out)
-        };
-        let outcome = tokio::time::timeout(op_timeout, work).await;
-        answer_group(jobs.into_iter().map(|j| j.reply), outcome, op_timeout);
+        })
+        .await;
+        let cut_off = LedgerError::Unavailable(format!(
+            "postgres did not answer within {} ms",
+            op_timeout.as_millis()
+        ));
+        answer_group(jobs.into_iter().map(|j| j.reply), outcome, cut_off);
     }
 }

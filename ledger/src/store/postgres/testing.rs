@@ -49,6 +49,8 @@ pub fn options(url: &str, schema: &str) -> PgOptions {
         pool_size: 8,
         connect_timeout: Duration::from_secs(10),
         statement_timeout: Duration::from_secs(15),
+        // Session timeouts of 15 s, as the statement's.
+        callout_timeout: Duration::from_secs(30),
         schema: Some(schema.to_string()),
         ..PgOptions::new(url)
     }

@@ -152,7 +152,12 @@ async fn one_group_of_queued_decisions_sees_its_own_earlier_decisions() {
     let raw = hold_permit_lock(&h, &p.id).await;
     let call = |r: atmost_protocol::AuthorizeRequest| {
         let s = s.clone();
-        tokio::spawn(async move { s.authorize(&r, LEASE_MS, T0).await.unwrap().response })
+        tokio::spawn(async move {
+            s.authorize(&r, LEASE_MS, T0, conformance::patient())
+                .await
+                .unwrap()
+                .response
+        })
     };
     // The first call is its worker's first group alone, waiting for the lock ...
     let first = call(conformance::req(
@@ -304,7 +309,12 @@ async fn one_group_of_several_permits_keeps_each_permits_own_keys_and_counters()
             s.clone(),
             conformance::req(tok, "pay", Some(key), fp, json!({})),
         );
-        tokio::spawn(async move { s.authorize(&r, LEASE_MS, T0).await.unwrap().response })
+        tokio::spawn(async move {
+            s.authorize(&r, LEASE_MS, T0, conformance::patient())
+                .await
+                .unwrap()
+                .response
+        })
     };
     // Waits for the lock alone; the rest queue behind it as one group.
     let first = call(&ta, "k0", "same");
@@ -537,7 +547,9 @@ async fn replicas_sweeping_at_once_move_each_attempt_once() {
             &format!("f{i}"),
             json!({}),
         );
-        s.authorize(&r, LEASE_MS, T0).await.unwrap();
+        s.authorize(&r, LEASE_MS, T0, conformance::patient())
+            .await
+            .unwrap();
     }
     let replicas = vec![s.clone(), h.handle().await, h.handle().await];
     let later = T0 + i64::try_from(LEASE_MS).unwrap();
@@ -702,7 +714,12 @@ async fn a_newer_schema_is_served_when_additive_and_refused_otherwise() {
     let (_p, tok) = conformance::make_permit(&s, conformance::policy(), T0 + 3_600_000).await;
     let r = conformance::req(&tok, "pay", Some("k-newer"), "f", json!({}));
     assert_eq!(
-        answer_name(s.authorize(&r, LEASE_MS, T0).await.unwrap().response),
+        answer_name(
+            s.authorize(&r, LEASE_MS, T0, conformance::patient())
+                .await
+                .unwrap()
+                .response
+        ),
         "dispatch"
     );
     drop(s);
@@ -722,4 +739,92 @@ async fn a_newer_schema_is_served_when_additive_and_refused_otherwise() {
         .unwrap()
         .get(0);
     assert_eq!(rows, SCHEMA_VERSION + 2);
+}
+
+/// A group waiting for a permit's lock past its caller's deadline is answered when the
+/// deadline passes, not when the lock comes, and commits nothing even once it comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_decision_waiting_past_its_deadline_is_answered_then_and_commits_nothing() {
+    let h = PgHarness::new().await;
+    let s = h.first.clone();
+    let (p, tok) =
+        conformance::make_permit(&*s, conformance::policy(), T0 + conformance::HOUR).await;
+    let raw = hold_permit_lock(&h, &p.id).await;
+    let r = conformance::req(&tok, "pay", Some("k1"), "fp-1", json!({}));
+    let started = std::time::Instant::now();
+    let deadline = crate::clock::Deadline::after(Duration::from_millis(300));
+    let err = tokio::time::timeout(HANG_GUARD, s.authorize(&r, LEASE_MS, T0, deadline))
+        .await
+        .expect("answered")
+        .unwrap_err();
+    let waited = started.elapsed();
+    assert!(
+        matches!(err, crate::error::LedgerError::DeadlinePassed(_)),
+        "{err}"
+    );
+    assert!(
+        waited >= Duration::from_millis(300) && waited < Duration::from_secs(5),
+        "answered after {waited:?}, the deadline was 300 ms"
+    );
+    raw.batch_execute("COMMIT").await.unwrap();
+    // The lock is free: a waiting caller's decision goes through (on a fresh connection)...
+    let d = s
+        .authorize(&r, LEASE_MS, T0, conformance::patient())
+        .await
+        .unwrap();
+    conformance::dispatched(&d.response);
+    // ... and it is the only attempt: the late one never committed.
+    let rows = raw
+        .query(
+            &format!(
+                "SELECT count(*) FROM {}.attempts WHERE permit_id = $1",
+                h.schema
+            ),
+            &[&p.id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(rows[0].get::<_, i64>(0), 1);
+}
+
+/// The group's COMMIT carries its budget: the server refuses it once that much time has
+/// passed since the transaction began, however late the message reached it, and the
+/// transaction's writes are rolled back; within its budget it commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_reaching_the_server_after_its_budget_rolls_back() {
+    use super::group_tx::GroupTx;
+    let h = PgHarness::new().await;
+    let raw = raw_client(&h.url).await;
+    let table = format!("{}.guard_probe", h.schema);
+    raw.batch_execute(&format!("CREATE TABLE {table} (x INT)"))
+        .await
+        .unwrap();
+    let count = || async {
+        let rows = raw
+            .query(&format!("SELECT count(*) FROM {table}"), &[])
+            .await
+            .unwrap();
+        rows[0].get::<_, i64>(0)
+    };
+    for (budget, commits) in [(Duration::from_millis(20), false), (HANG_GUARD, true)] {
+        let tx = GroupTx::start(&h.first.pool).await.unwrap();
+        tx.begin().await.unwrap();
+        tx.client()
+            .unwrap()
+            .batch_execute(&format!("INSERT INTO {table} VALUES (1)"))
+            .await
+            .unwrap();
+        // The COMMIT leaves later than the budget allows (as if held on the way).
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let committed = tx.commit(Some(budget)).await;
+        match committed {
+            Ok(()) => tx.committed(),
+            Err(e) => assert!(
+                matches!(e, crate::error::LedgerError::DeadlinePassed(_)),
+                "{e}"
+            ),
+        }
+        drop(tx);
+        assert_eq!(count().await, i64::from(commits), "budget {budget:?}");
+    }
 }

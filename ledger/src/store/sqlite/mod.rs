@@ -23,7 +23,7 @@ use rusqlite::{params, Connection};
 
 use super::reads::{Dialect, ReadQueries, Rows, Statement};
 use super::{Decisions, OutcomeResult, SweepReport};
-use crate::clock::Millis;
+use crate::clock::{Deadline, Millis};
 use crate::decide::{self, DecideParams, Decision, Mutation, ResolveInput};
 use crate::error::{LedgerError, ResolveError};
 use crate::keys::{Rotation, SigningKey};
@@ -144,9 +144,20 @@ impl SqliteStore {
         E: From<LedgerError> + Send + 'static,
         F: FnOnce(&GroupTx<'_>) -> Result<R, E> + Send + 'static,
     {
+        self.write_by(None, f).await
+    }
+
+    /// [`SqliteStore::write`], committed before `deadline` or not at all.
+    async fn write_by<R, E, F>(&self, deadline: Option<Deadline>, f: F) -> Result<R, E>
+    where
+        R: Send + 'static,
+        E: From<LedgerError> + Send + 'static,
+        F: FnOnce(&GroupTx<'_>) -> Result<R, E> + Send + 'static,
+    {
         let (reply, answer) = tokio::sync::oneshot::channel();
         let op: Box<dyn Op> = Box::new(Pending {
             work: Some(f),
+            deadline,
             result: None,
             reply,
         });
@@ -264,6 +275,7 @@ impl Decisions for SqliteStore {
         req: &AuthorizeRequest,
         lease_ms: u64,
         now: Millis,
+        deadline: Deadline,
     ) -> Result<Decision, LedgerError> {
         let req = req.clone();
         let params = DecideParams {
@@ -271,7 +283,7 @@ impl Decisions for SqliteStore {
             new_attempt_id: token::new_attempt_id()?,
             new_capability: token::new_capability()?,
         };
-        self.write(move |tx: &GroupTx<'_>| {
+        self.write_by(Some(deadline), move |tx: &GroupTx<'_>| {
             let key_hash = decide::key_hash(&req);
             let snap = load_snapshot(tx, &req, key_hash.as_deref(), now)?;
             let decision = decide::decide(&req, &snap, &params);

@@ -347,7 +347,7 @@ async fn a_newer_schema_is_served_when_additive_and_refused_otherwise() {
     let (_p, tok) = conformance::make_permit(&s, conformance::policy(), T0 + 3_600_000).await;
     let r = conformance::req(&tok, "pay", Some("k-newer"), "f", serde_json::json!({}));
     assert!(matches!(
-        s.authorize(&r, conformance::LEASE_MS, T0)
+        s.authorize(&r, conformance::LEASE_MS, T0, conformance::patient())
             .await
             .unwrap()
             .response,

@@ -6,6 +6,7 @@ use std::cell::RefCell;
 use rusqlite::Connection;
 
 use super::writes::write_counters;
+use crate::clock::Deadline;
 use crate::error::LedgerError;
 use crate::model::Attempt;
 use crate::store::counters::CounterMoves;
@@ -61,10 +62,15 @@ pub(super) trait Op: Send {
     fn run(&mut self, tx: &GroupTx<'_>) -> bool;
     /// Answers the caller once the group transaction is over.
     fn finish(self: Box<Self>, commit: Result<(), LedgerError>);
+    /// The deadline of an operation whose writes are in the group: the group commits before
+    /// it or not at all.
+    fn commit_deadline(&self) -> Option<Deadline>;
 }
 
 pub(super) struct Pending<R, E, F> {
     pub(super) work: Option<F>,
+    /// When the caller stops waiting: an operation not yet run by then is not run.
+    pub(super) deadline: Option<Deadline>,
     pub(super) result: Option<Result<R, E>>,
     pub(super) reply: tokio::sync::oneshot::Sender<Result<R, E>>,
 }
@@ -79,6 +85,13 @@ where
         let Some(work) = self.work.take() else {
             return false;
         };
+        if let Some(deadline) = self.deadline.filter(Deadline::passed) {
+            self.result = Some(Err(E::from(LedgerError::deadline_passed(
+                "it was run",
+                deadline,
+            ))));
+            return false;
+        }
         let r = work(tx);
         let ok = r.is_ok();
         self.result = Some(r);
@@ -97,6 +110,10 @@ where
         };
         // The caller may have gone away (request cancelled): nothing to answer then.
         let _ = self.reply.send(answer);
+    }
+
+    fn commit_deadline(&self) -> Option<Deadline> {
+        self.deadline.filter(|_| matches!(self.result, Some(Ok(_))))
     }
 }
 
@@ -167,6 +184,17 @@ pub(super) fn run_group(conn: &Connection, mut group: Vec<Box<dyn Op>>) {
         };
         if let Err(e) = end {
             return fail_all(conn, group, LedgerError::from(e));
+        }
+    }
+    // The group's deadline is its oldest member's: a commit after it would reserve for a
+    // caller already told that nothing was.
+    if let Some(deadline) = group.iter().filter_map(|op| op.commit_deadline()).min() {
+        if deadline.passed() {
+            return fail_all(
+                conn,
+                group,
+                LedgerError::deadline_passed("the commit", deadline),
+            );
         }
     }
     if let Err(e) = write_counters(conn, &moves) {
