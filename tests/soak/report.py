@@ -1,6 +1,6 @@
 """What a soak run writes: report.json (everything), report.md (the figures), rss.png
 (resident memory of Envoy and both ledgers over the run, the fault windows shaded, and the
-calls' outcomes over time)."""
+calls' outcomes over time), rss.csv (the memory samples)."""
 
 from __future__ import annotations
 
@@ -14,19 +14,25 @@ from tests.soak.verdicts import incarnations
 COMPONENT_COLOURS = {"envoy": "tab:blue", "ledger-1": "tab:green", "ledger-2": "tab:olive"}
 KIND_COLOURS = dict(zip(KINDS, ("tab:red", "tab:purple", "tab:brown", "tab:orange", "tab:pink", "tab:cyan",
                                 "tab:gray")))
-OUTCOME_CLASSES = (("ok", "tab:green"), ("replay", "tab:blue"), ("denied", "tab:orange"), ("unknown", "tab:red"))
+OUTCOME_CLASSES = (("ok", "tab:green"), ("replay", "tab:blue"), ("denied: cap", "gold"),
+                   ("denied: other", "tab:orange"), ("unknown", "tab:red"))
 
 
 def outcome_class(r) -> str:
     if r.outcome == "ok":
         return "replay" if r.replayed else "ok"
+    if r.outcome == "denied":
+        return "denied: cap" if r.code == "permit_max_calls_exceeded" else "denied: other"
     return r.outcome
 
 
 def write(out: Path, report: dict, samples: list, calls: list, windows: list, t0: float) -> None:
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     (out / "report.md").write_text(markdown(report))
-    plot(out / "rss.png", samples, calls, windows, t0, report["seconds"])
+    with open(out / "rss.csv", "w") as f:
+        f.write("seconds,process,pid,rss_kib\n")
+        f.writelines(f"{t:.1f},{name},{pid},{kib}\n" for t, name, pid, kib in samples)
+    plot(out / "rss.png", samples, calls, windows, t0, report["load_from_s"], report["seconds"])
 
 
 def markdown(report: dict) -> str:
@@ -61,7 +67,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(path: Path, samples: list, calls: list, windows: list, t0: float, seconds: float) -> None:
+def plot(path: Path, samples: list, calls: list, windows: list, t0: float, load_from: float, seconds: float) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -72,6 +78,7 @@ def plot(path: Path, samples: list, calls: list, windows: list, t0: float, secon
     fig, (ax_rss, ax_calls) = plt.subplots(2, 1, figsize=(14, 8), sharex=True,
                                            gridspec_kw={"height_ratios": [3, 2]})
     for ax in (ax_rss, ax_calls):
+        ax.axvline((load_from + seconds) / scale, color="black", lw=0.8, ls="--")
         for w in windows:
             end = (w.end if w.end is not None else w.start) - t0
             ax.axvspan((w.start - t0) / scale, end / scale, color=KIND_COLOURS[w.kind], alpha=0.18, lw=0)
@@ -83,7 +90,7 @@ def plot(path: Path, samples: list, calls: list, windows: list, t0: float, secon
     ax_rss.set_ylabel("resident memory (MiB)")
     ax_rss.set_ylim(bottom=0)
     ax_rss.set_title("Resident memory of Envoy and the ledger replicas (a dot: a process started); "
-                     "fault windows shaded")
+                     "fault windows shaded; dashed: the load stops, recovery and probes follow")
     lines = ax_rss.legend(loc="upper left").legend_handles
     kinds = sorted({w.kind for w in windows})
     ax_rss.legend(handles=[*lines, *(Patch(color=KIND_COLOURS[k], alpha=0.35, label=k) for k in kinds)],
@@ -92,7 +99,7 @@ def plot(path: Path, samples: list, calls: list, windows: list, t0: float, secon
     bins: dict[str, Counter] = {c: Counter() for c, _ in OUTCOME_CLASSES}
     for r in calls:
         bins[outcome_class(r)][int((r.started - t0) // bin_s)] += 1
-    n_bins = int(seconds // bin_s) + 2
+    n_bins = int((load_from + seconds) // bin_s) + 2
     xs = [(i * bin_s) / scale for i in range(n_bins)]
     bottom = [0.0] * n_bins
     for c, colour in OUTCOME_CLASSES:

@@ -200,7 +200,8 @@ def main() -> int:
         outcomes["ok (of which replays)"] = sum(1 for r in calls if r.outcome == "ok" and r.replayed)
         outcomes["unknown (of which the client hung up)"] = sum(1 for r in calls if r.error == "the client hung up")
         doc = {
-            "seed": seed, "seconds": seconds, "rate": rate, "wall_seconds": time.monotonic() - wall_started,
+            "seed": seed, "seconds": seconds, "load_from_s": started - t0, "rate": rate,
+            "wall_seconds": time.monotonic() - wall_started,
             "slow_disk": slow_disk, "calls": len(calls), "calls_per_second": len(calls) / seconds,
             "probes": len(probes), "permits": len(stack.permits),
             "faults_by_kind": faults_by_kind,
