@@ -11,7 +11,8 @@ the upstream's connection or stream was cut; docs/design.md, "What `on_log` tell
 Kinds are drawn from a shuffled deck (every kind once, in random order, then a new deck), so a
 short run still meets each. A process is restarted (kill -9 of a ledger, Envoy's hot restart)
 no sooner than `min_life` after its last start, so each lives long enough for its memory to
-be judged; when no kind is eligible the nemesis waits.
+be judged; a restart that must wait stays at the front of the deck while the other kinds are
+shuffled in behind it and drawn meanwhile.
 """
 
 from __future__ import annotations
@@ -204,13 +205,19 @@ class Nemesis(threading.Thread):
         self._deck: list[str] = []
 
     def draw(self) -> str | None:
+        """The first eligible kind of the deck. When none is (the restarts wait for their
+        processes to age), the kinds the deck no longer holds are shuffled in behind it, so
+        the other faults go on meanwhile and a waiting kind comes first once eligible."""
         if not self._deck:
-            self._deck = list(KINDS)
-            self.rng.shuffle(self._deck)
-        for kind in self._deck:
-            if self.faults.eligible(kind, self.min_life):
-                self._deck.remove(kind)
-                return kind
+            self._deck = self.rng.sample(list(KINDS), len(KINDS))
+        for attempt in range(2):
+            for kind in self._deck:
+                if self.faults.eligible(kind, self.min_life):
+                    self._deck.remove(kind)
+                    return kind
+            if attempt == 0:
+                missing = [k for k in KINDS if k not in self._deck]
+                self._deck += self.rng.sample(missing, len(missing))
         return None
 
     def run(self) -> None:
