@@ -59,7 +59,8 @@ KINDS: dict[str, Kind] = {
     "ledger_kill": Kind("ledger_kill", frozenset({"lease"}), "ledger",
                         "kill -9 of one ledger replica, restarted on the same port after a while"),
     "envoy_hot_restart": Kind("envoy_hot_restart", frozenset({"lease", "DC"}), "envoy",
-                              "Envoy's next epoch (--restart-epoch) takes the listeners; the old one drains, then exits"),
+                              "Envoy's next epoch (--restart-epoch) takes the listeners; the old one drains, "
+                              "then exits"),
     "pg_failover": Kind("pg_failover", frozenset({"lease"}), None,
                         "kill -9 of the PostgreSQL primary, the synchronous standby promoted, the old primary "
                         "rebuilt as the new standby"),

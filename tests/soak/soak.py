@@ -126,7 +126,8 @@ def main() -> int:
                       after_start=(lambda node: disk.confine_tree(node.postmaster_pid())) if disk else None)
         cleanup.callback(pair.stop)
         # Before the pair's directory goes: PostgreSQL's own logs, beside the others.
-        cleanup.callback(lambda: [shutil.copyfile(f, log_dir / f"postgres-{f.name}") for f in pair.root.glob("*.log")])
+        cleanup.callback(lambda: [shutil.copyfile(f, log_dir / f"postgres-{f.name}")
+                                  for f in pair.root.glob("*.log")])
         pair.start()
         data_root = Path(tempfile.mkdtemp(prefix="atmost-soak-"))
         cleanup.callback(shutil.rmtree, data_root, True)

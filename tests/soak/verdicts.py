@@ -93,7 +93,8 @@ def incarnations(samples: list[tuple[float, str, int, int]]) -> dict[str, list[l
     return dict(out)
 
 
-def rss_flat(samples: list[tuple[float, str, int, int]], components: list[str], min_span: float) -> tuple[dict, list[str]]:
+def rss_flat(samples: list[tuple[float, str, int, int]], components: list[str],
+             min_span: float) -> tuple[dict, list[str]]:
     figures: dict[str, list[dict]] = {}
     violations = []
     for component in components:
