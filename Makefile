@@ -216,6 +216,22 @@ test: setup lint model-check
 test-faults: setup wasm ledger
 	ATMOST_BIN=target/debug/atmost $(WITH_PG) $(VPY) -m pytest tests/faults -q -p no:cacheprovider --timeout 180 -rxs
 
+## The soak (docs/soak.md), not part of `make test`: governed calls at a pod's rate for SOAK_SECONDS
+## (default 3600) while a nemesis injects faults at random (kill -9 of a ledger replica, Envoy's hot
+## restart, a PostgreSQL failover, a partition between ledger and store, an upstream that cuts its
+## answers, clients that hang up, a slow disk); then the history checker over the whole run, the
+## counters against a recount, leases, every uncertain attempt against the faults, resident memory.
+## Writes target/soak/ (SOAK_OUT): report.md, report.json, rss.png, logs/. SOAK_SEED repeats the draws.
+## Needs root for the slow disk (a loop device and a cgroup); elsewhere a stand-in, said in the report.
+## `make soak-ci` is the 5-minute form.
+.PHONY: soak soak-ci
+SOAK_SECONDS ?= 3600
+soak: setup-run venv-test wasm ledger
+	ATMOST_BIN=target/debug/atmost SOAK_SECONDS=$(SOAK_SECONDS) $(VPY) -m tests.soak.soak
+
+soak-ci:
+	$(MAKE) --no-print-directory soak SOAK_SECONDS=300
+
 clean:
 	$(CARGO) clean
 	rm -rf $(VENV) .run

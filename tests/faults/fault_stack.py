@@ -8,6 +8,7 @@ filter's callout timeout is 500 ms; the MCP route times out after 3 s.
 
 from __future__ import annotations
 
+import concurrent.futures
 import sys
 import time
 import uuid
@@ -149,25 +150,32 @@ class FaultStack:
         return record
 
 
-    def probe_all(self, rows: list[dict] | None = None) -> list:
+    def probe_all(self, rows: list[dict] | None = None, workers: int = 1) -> list:
         """After recovery: calls every key that was ever let through (ok or unknown) once
         more, and with `rows` every key that holds an attempt in them (a reservation whose
-        answer was lost was denied to its client, yet it is the key's state)."""
+        answer was lost was denied to its client, yet it is the key's state). `workers`
+        probes at once (each key by one of them)."""
         owners = set(row_owners(self.history, rows).values()) if rows is not None else set()
-        seen, probes = set(), []
+        seen, targets = set(), []
         by_id = {p.id: p for p in self.permits}
         for r in list(self.history.calls):
             k = (r.permit_id, r.key)
             if r.key and (r.outcome in ("ok", "unknown") or k in owners) and k not in seen:
                 seen.add(k)
-                deadline = time.monotonic() + 5
-                while True:  # a connection Envoy has not yet seen die may fail once: same key, try again
-                    probe = self.call(by_id[r.permit_id], r.tool, r.arguments, r.key, phase="probe")
-                    if probe.code != "gateway_unavailable" or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.2)
-                probes.append(probe)
-        return probes
+                targets.append(r)
+
+        def probe(r):
+            deadline = time.monotonic() + 5
+            while True:  # a connection Envoy has not yet seen die may fail once: same key, try again
+                answer = self.call(by_id[r.permit_id], r.tool, r.arguments, r.key, phase="probe")
+                if answer.code != "gateway_unavailable" or time.monotonic() > deadline:
+                    return answer
+                time.sleep(0.2)
+
+        if workers <= 1:
+            return [probe(r) for r in targets]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(probe, targets))
 
     def rows(self) -> list[dict]:
         return self.read_rows()

@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from tests.support.fault_proxy import FaultProxy
 from tests.support.history import psql
@@ -87,6 +88,8 @@ class PgNode:
         self.bindir = bindir
         self.link: FaultProxy | None = None  # standby → primary, when this node is a standby
         self.starts = 0
+        # Called with the node after every start (PgPair's `after_start`).
+        self.after_start: Callable[["PgNode"], None] | None = None
 
     @property
     def url(self) -> str:
@@ -119,6 +122,8 @@ class PgNode:
             shutil.chown(sockets, user="postgres")
         options = f"-c port={self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={sockets}"
         self.run("pg_ctl", "-D", str(self.data), "-l", str(self.log_path), "-w", "-t", "60", "-o", options, "start")
+        if self.after_start is not None:
+            self.after_start(self)
 
     def sql(self, statement: str, database: str = DATABASE) -> str:
         return psql(f"postgres://postgres@127.0.0.1:{self.port}/{database}", statement).strip()
@@ -181,16 +186,23 @@ class PgNode:
 class PgPair:
     """A primary and a synchronous standby, and the moves of a failover."""
 
-    def __init__(self, synchronous_commit: str = "on", name: str = "pg-pair"):
+    def __init__(self, synchronous_commit: str = "on", name: str = "pg-pair", fsync: bool = False,
+                 parent: Path | None = None, after_start: Callable[[PgNode], None] | None = None):
+        """`fsync`: on for a test whose disk is part of the fault (a slow disk slows commits
+        only when they wait for it); `parent`: the directory (file system) the pair lives in;
+        `after_start`: called with each node after each of its starts."""
         if synchronous_commit not in ("on", "local", "remote_write", "remote_apply"):
             raise ValueError(f"synchronous_commit {synchronous_commit!r}")
         self.synchronous_commit = synchronous_commit
+        self.fsync = fsync
         self.bindir = pg_bindir()
-        self.root = Path(tempfile.mkdtemp(prefix=f"atmost-{name}-"))
+        self.root = Path(tempfile.mkdtemp(prefix=f"atmost-{name}-", dir=parent))
         if _as_pg():
             shutil.chown(self.root, user="postgres")
         self.a = PgNode("a", self.root, self.bindir)
         self.b = PgNode("b", self.root, self.bindir)
+        for node in (self.a, self.b):
+            node.after_start = after_start
         self.primary, self.standby = self.a, self.b
 
     @property
@@ -204,9 +216,11 @@ class PgPair:
         a.run("initdb", "-D", str(a.data), "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-sync")
         with open(a.data / "postgresql.conf", "a") as conf:
             # Whatever is here a base backup copies: the settings of the whole pair. fsync
-            # off: the tests kill processes, never the machine, so the page cache survives.
+            # off unless asked: the tests kill processes, never the machine, so the page cache
+            # survives.
             conf.write("\n".join([
-                "", "wal_level = replica", "max_wal_senders = 8", "hot_standby = on", "fsync = off",
+                "", "wal_level = replica", "max_wal_senders = 8", "hot_standby = on",
+                f"fsync = {'on' if self.fsync else 'off'}",
                 "max_connections = 100", "wal_keep_size = '64MB'",
                 f"synchronous_commit = {self.synchronous_commit}",
                 f"synchronous_standby_names = '{self.b.name}'", "",
