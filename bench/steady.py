@@ -25,7 +25,7 @@ first) the bench samples:
 
 The pruner is the ledger's sweeper: every `--sweep-interval` (BENCH_STEADY_SWEEP, default 1s, the
 ledger's default) it turns every receipt older than its permit's retention into a tombstone.
-The tombstone row stays, with its idempotency key (docs/ledger.md, "Attempt states"), so that
+The tombstone row stays, with its idempotency key (docs/design.md, "Attempt states"), so that
 reusing the key fails closed: the attempts table keeps one row per call for the permit's life.
 
 Checks (PASS/FAIL, each with its rule; "baseline": the first sample at or after both a third of
@@ -237,7 +237,8 @@ def checks(res: dict) -> list[tuple[str, bool, str]]:
     out.append(("every window without errors, denials or a missed schedule", not bad,
                 f"{len(windows)} windows, {sum(w['completed'] for w in windows):,} calls"
                 + (f"; {len(bad)} bad, the first at {bad[0]['start_s']:.0f} s: errors {bad[0]['errors']}, "
-                   f"non-2xx {bad[0]['non2xx']}, denied {bad[0]['denied']}, overloaded {bad[0]['overloaded']}"
+                   f"non-2xx {bad[0]['non2xx']}, denied {bad[0]['denied']} {bad[0]['denied_codes'] or ''}, "
+                   f"overloaded {bad[0]['overloaded']}, max latency {bad[0]['max_ms']:.0f} ms"
                    if bad else "")))
     out += latency_checks(windows)
     base = baseline(res)
@@ -248,7 +249,7 @@ def checks(res: dict) -> list[tuple[str, bool, str]]:
     out.append(growth_check("receipts held (not yet pruned)", samples, base, lambda s: s["receipts_held"], "",
                             f"; rate × (retention + sweep interval) = {expected:,.0f}"))
     out.append(growth_check("attempt rows (the issue: stop growing)", samples, base, lambda s: s["attempts"], "",
-                            "; tombstones stay (docs/ledger.md)"))
+                            "; tombstones stay (docs/design.md, attempt states)"))
     out.append(growth_check("bytes on disk (the issue: stop growing)", samples, base,
                             lambda s: s["bytes"] / 2**20, " MiB"))
     out.append(growth_check("bytes per attempt row (pruned space used again)", samples, base,
@@ -297,8 +298,9 @@ def plots(res: dict) -> list[str]:
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot(mid, [w["p50_ms"] for w in windows], marker=".", label="p50")
     ax.plot(mid, [w["p99_ms"] for w in windows], marker=".", label="p99")
-    ax.set_ylabel("ms, per window")
-    ax.set_ylim(bottom=0)
+    # Log scale: p50 and p99 differ by a factor of several, and one stalled window by far more.
+    ax.set_yscale("log")
+    ax.set_ylabel("ms, per window (log scale)")
     ax.set_title(f"Latency of governed calls: {title}")
     ax.legend()
     finish(fig, ax, "latency.png")
@@ -377,10 +379,14 @@ def write_report(res: dict, verdicts: list, pictures: list[str]) -> None:
 # ---------------------------------------------------------------- the run
 
 def window(i: int, envoy: bench.Envoy, bodies: Path, permits: Path, procs: bench.Procs) -> dict:
+    # The gateway's counters: dispatched, denied, and denied per code (atmost_denied_<code>).
     counters = ("wasmcustom.atmost_dispatched", "wasmcustom.atmost_denied")
     before_stats, before_cpu = envoy.stats(*counters), procs.cpu()
     r = bench.fixed_rate(envoy.url, bodies, RATE, f"{NAME}-{bench.STAMP}-w{i}", permits)
     after_cpu, after_stats = procs.cpu(), envoy.stats(*counters)
+    denied_codes = {k.removeprefix("wasmcustom.atmost_denied_"): v - before_stats.get(k, 0)
+                    for k, v in after_stats.items()
+                    if k.startswith("wasmcustom.atmost_denied_") and v > before_stats.get(k, 0)}
     if "error" in r:
         raise RuntimeError(f"window {i}: the load generator failed: {r['error']}")
     done = max(r["completed"], 1)
@@ -390,7 +396,8 @@ def window(i: int, envoy: bench.Envoy, bodies: Path, permits: Path, procs: bench
     return {"p50_ms": r["p50_us"] / 1000, "p99_ms": r["p99_us"] / 1000, "p999_ms": r["p999_us"] / 1000,
             "max_ms": r["max_us"] / 1000, "completed": r["completed"], "errors": r["errors"],
             "non2xx": r["non2xx"], "overloaded": r["overloaded"], "achieved_rps": r["achieved_rps"],
-            "dispatched": delta["dispatched"], "denied": delta["denied"], "cpu_ms_per_call": cpu}
+            "dispatched": delta["dispatched"], "denied": delta["denied"], "denied_codes": denied_codes,
+            "cpu_ms_per_call": cpu}
 
 
 def main() -> int:
