@@ -244,7 +244,8 @@ bench-scale: setup-run wasm ledger-release bench-tools
 	$(WITH_PG) $(VPY) bench/scale.py
 
 ## Steady load for half an hour (bench/steady.py, docs/performance.md#under-steady-load): 200 calls/s
-## in 30 s windows over 10 permits with a 5-minute retention, the ledger on PostgreSQL; per window
+## in 30 s windows over 10 permits at a time, each living 5 minutes and then replaced, with a
+## 5-minute retention, their history purged 1 minute after expiry, the ledger on PostgreSQL; per window
 ## the latency, the store's rows and bytes, dead tuples, the pruner's count, the ledger's and
 ## Envoy's memory and CPU per call. PASS/FAIL per check; target/bench/steady/results.md,
 ## results.json, latency.png, store.png, memory.png. Knobs: BENCH_STEADY_* (bench/steady.py).

@@ -5,8 +5,13 @@ latency stay where they were at the start?
 
 One gateway (Envoy with the filter, one worker, as `make bench` runs it) in front of the stub
 upstream, one ledger on PostgreSQL (the bench's own cluster, setup E of `make bench`) or on
-SQLite (setup D), BENCH_STEADY_PERMITS permits created with the retention BENCH_STEADY_RETENTION;
-request n goes under permit n mod permits, every call with a fresh idempotency key. The load is
+SQLite (setup D). The calls go as teams send them, with a permit per task: BENCH_STEADY_PERMITS
+permits at a time, each created with the retention BENCH_STEADY_RETENTION and an expiry
+BENCH_STEADY_PERMIT_LIFE ahead, and replaced between windows by a new one when it would expire
+before the next window ends (the first ones' lives are staggered, so a few are replaced at each
+window, not all at once). Request n goes under permit n mod permits, every call with a fresh
+idempotency key. The ledger purges the history of a permit BENCH_STEADY_PURGE_AFTER after it
+expired (`--purge-ended-permits-after`, docs/design.md, "Purging ended permits"). The load is
 consecutive open-loop windows of BENCH_STEADY_WINDOW seconds at BENCH_STEADY_RATE calls/s
 (bench/loadgen `rate`), BENCH_STEADY_SECONDS in all. After each window (and once before the
 first) the bench samples:
@@ -18,18 +23,22 @@ first) the bench samples:
     ledger's schema, indexes and TOAST included; SQLite: the file and its WAL); on
     PostgreSQL the attempts table's live and dead tuples and its autovacuum count
     (pg_stat_user_tables); on SQLite the free pages of the file;
-  - the receipts the ledger pruned and its sweeps (`atmost_receipts_pruned_total`,
-    `atmost_sweeps_total`);
+  - the receipts the ledger pruned, the attempts and permits it purged, and its sweeps
+    (`atmost_receipts_pruned_total`, `atmost_attempts_purged_total`,
+    `atmost_permits_purged_total`, `atmost_sweeps_total`); the permit rows;
   - the resident memory (VmRSS) of the ledger and of Envoy, and Envoy's heap (/memory);
   - each process's CPU per call over the window (PostgreSQL's every backend included).
 
 The pruner is the ledger's sweeper: every `--sweep-interval` (BENCH_STEADY_SWEEP, default 1s, the
 ledger's default) it turns every receipt older than its permit's retention into a tombstone.
 The tombstone row stays, with its idempotency key (docs/design.md, "Attempt states"), so that
-reusing the key fails closed: the attempts table keeps one row per call for the permit's life.
+reusing the key fails closed, for as long as its permit can authorize; the same sweeper
+purges the permit's attempts, keys and the permit itself once it has been expired for the
+purge delay. So the store holds about rate × (permit life + purge delay) rows.
 
-Checks (PASS/FAIL, each with its rule; "baseline": the first sample at or after both a third of
-the run and the retention plus one window, when the pruner has been running a window long):
+Checks (PASS/FAIL, each with its rule; "baseline": the first sample at or after a third of the
+run, the retention plus one window, and the permit life plus the purge delay plus one window,
+when the pruner and the purge have each been running a window long):
   - every window: no error, no non-2xx, no denial, the schedule kept (not overloaded);
   - latency: the median over the last k windows of the windows' p50 at most 20 % above the
     median over the first k windows after the first (warm-up) window; the same for p99, or
@@ -50,11 +59,14 @@ Environment (besides bench/run.py's BENCH_PG_BINDIR and BENCH_LEDGER_BIN):
   BENCH_STEADY_RATE       calls per second (default 200)
   BENCH_STEADY_WINDOW     one window, seconds (default 30)
   BENCH_STEADY_RETENTION  the permits' retention, as the admin API takes it (default "5m")
-  BENCH_STEADY_PERMITS    permits the calls are spread over (default 10)
+  BENCH_STEADY_PERMITS    permits the calls are spread over at a time (default 10)
+  BENCH_STEADY_PERMIT_LIFE  each permit's expiry after its creation (default "5m")
+  BENCH_STEADY_PURGE_AFTER  the ledger's --purge-ended-permits-after (default "1m")
   BENCH_STEADY_SWEEP      the ledger's --sweep-interval (default "1s")
   BENCH_STEADY_STORE      "postgres" (default) or "sqlite"
 
-A short form: BENCH_STEADY_SECONDS=240 BENCH_STEADY_RETENTION=1m BENCH_STEADY_WINDOW=15.
+A short form: BENCH_STEADY_SECONDS=360 BENCH_STEADY_WINDOW=15 BENCH_STEADY_RETENTION=1m
+BENCH_STEADY_PERMIT_LIFE=1m BENCH_STEADY_PURGE_AFTER=30s.
 Writes target/bench/steady/results.md, results.json, latency.png, store.png and memory.png.
 """
 
@@ -80,6 +92,8 @@ RATE = float(os.environ.get("BENCH_STEADY_RATE", "200"))
 WINDOW = float(os.environ.get("BENCH_STEADY_WINDOW", "30"))
 RETENTION = os.environ.get("BENCH_STEADY_RETENTION", "5m")
 PERMITS = int(os.environ.get("BENCH_STEADY_PERMITS", "10"))
+PERMIT_LIFE = os.environ.get("BENCH_STEADY_PERMIT_LIFE", "5m")
+PURGE_AFTER = os.environ.get("BENCH_STEADY_PURGE_AFTER", "1m")
 SWEEP = os.environ.get("BENCH_STEADY_SWEEP", "1s")
 STORE = os.environ.get("BENCH_STEADY_STORE", "postgres")
 NAME = f"steady-{STORE}"
@@ -89,6 +103,9 @@ P99_SLACK_MS = 1.0
 GROWTH_LIMIT = 0.10
 RSS_LIMIT = 0.10
 COMPARED_WINDOWS = 5
+# A permit is replaced when it would expire before the next window ends and this much after
+# (the window's last calls, its sample).
+ROTATION_SLACK_S = 10.0
 UNITS = {"s": 1, "m": 60, "h": 3600}
 
 
@@ -117,6 +134,7 @@ class PgStore:
         row = bench.psql(self.url, (
             "SELECT json_build_object("
             f"'attempts', (SELECT count(*) FROM {s}.attempts), "
+            f"'permits', (SELECT count(*) FROM {s}.permits), "
             f"'receipts_held', (SELECT count(*) FROM {s}.attempts WHERE pruned_at IS NULL), "
             "'attempts_table', (SELECT json_build_object('live', n_live_tup, 'dead', n_dead_tup, "
             "'autovacuum_count', autovacuum_count, 'last_autovacuum', last_autovacuum, "
@@ -150,6 +168,7 @@ class SqliteStore:
         wal_bytes = self.wal.stat().st_size if self.wal.exists() else 0
         page = self._query("PRAGMA page_size")
         return {"attempts": self._query("SELECT count(*) FROM attempts"),
+                "permits": self._query("SELECT count(*) FROM permits"),
                 "receipts_held": self._query("SELECT count(*) FROM attempts WHERE pruned_at IS NULL"),
                 "bytes": file_bytes + wal_bytes, "file_bytes": file_bytes, "wal_bytes": wal_bytes,
                 "free_bytes": self._query("PRAGMA freelist_count") * page}
@@ -167,7 +186,41 @@ class SqliteStore:
 def ledger_counters(ledger: stack.Ledger) -> dict:
     text = ledger.metrics()
     return {"pruned": bench.metric_total(text, "atmost_receipts_pruned_total"),
+            "purged_attempts": bench.metric_total(text, "atmost_attempts_purged_total"),
+            "purged_permits": bench.metric_total(text, "atmost_permits_purged_total"),
             "sweeps": bench.metric_total(text, "atmost_sweeps_total")}
+
+
+class PermitPool:
+    """The permits the calls go under, one per task: `count` at a time, each replaced by a
+    new one (written to the load generator's permit file) when it would expire before the
+    next window ends. The first ones' lives are staggered over (window, life], so a few are
+    replaced at each window rather than all at once."""
+
+    def __init__(self, ledger: stack.Ledger, count: int, life_s: float, window_s: float):
+        self.ledger, self.life_s, self.window_s = ledger, life_s, window_s
+        self.created = 0
+        shortest = window_s + ROTATION_SLACK_S + 1
+        self.slots = [self._new(max(life_s * (i + 1) / count, shortest)) for i in range(count)]
+        self.path = bench.permit_file(NAME, [token for token, _ in self.slots])
+
+    def _new(self, life_s: float) -> tuple[str, float]:
+        [token] = bench.create_permits(self.ledger, 1, f"{NAME}-task-{self.created}", retention=RETENTION,
+                                       expires=f"{life_s:.0f}s")
+        self.created += 1
+        return token, time.monotonic() + life_s
+
+    def rotate(self) -> int:
+        """Replaces the permits that would expire before the next window is over; how many."""
+        due = time.monotonic() + self.window_s + ROTATION_SLACK_S
+        replaced = 0
+        for i, (_, expires) in enumerate(self.slots):
+            if expires <= due:
+                self.slots[i] = self._new(self.life_s)
+                replaced += 1
+        if replaced:
+            bench.permit_file(NAME, [token for token, _ in self.slots])
+        return replaced
 
 
 def sample(t: float, store, ledger: stack.Ledger, envoy: bench.Envoy) -> dict:
@@ -213,20 +266,27 @@ def growth_check(label: str, samples: list[dict], base: dict, value, unit: str, 
 
 
 def baseline(res: dict) -> dict | None:
-    """The first sample at or after both a third of the run and the retention plus one window."""
-    after = max(res["seconds"] / 3, res["retention_s"] + res["window_s"])
+    """The first sample at or after a third of the run, the retention plus one window, and the
+    permit life plus the purge delay plus one window."""
+    after = max(res["seconds"] / 3, res["retention_s"] + res["window_s"],
+                res["permit_life_s"] + res["purge_after_s"] + res["window_s"])
     return next((s for s in res["samples"][1:] if s["t_s"] >= after), None)
 
 
 def kept_per_call(res: dict) -> dict | None:
-    """What the store keeps for good per call once the pruner runs: rows and bytes added from
-    the baseline to the end, over the calls of that stretch."""
-    base, end = baseline(res), res["samples"][-1]
-    if not base or end is base or end["attempts"] == base["attempts"]:
+    """What the store keeps for good per call once the pruner and the purge run: rows and
+    bytes added from the baseline to the end, over the calls made in that stretch."""
+    samples = res["samples"]
+    base, end = baseline(res), samples[-1]
+    if not base or end is base:
         return None
-    calls = end["attempts"] - base["attempts"]
+    # Window i ends with sample i + 1: the windows after the baseline's sample.
+    calls = sum(w["completed"] for w in res["windows"][samples.index(base):])
+    if not calls:
+        return None
     per_call = (end["bytes"] - base["bytes"]) / calls
     return {"from_s": base["t_s"], "to_s": end["t_s"], "calls": calls, "bytes_per_call": round(per_call, 1),
+            "rows_per_call": round((end["attempts"] - base["attempts"]) / calls, 4),
             "gib_per_day_at_rate": round(per_call * res["rate"] * 86400 / 2**30, 2)}
 
 
@@ -243,13 +303,20 @@ def checks(res: dict) -> list[tuple[str, bool, str]]:
     out += latency_checks(windows)
     base = baseline(res)
     if not base or base is samples[-1]:
-        out.append(("store figures", False, "the run is too short for a baseline after the retention"))
+        out.append(("store figures", False,
+                    "the run is too short for a baseline after the retention and the first purges"))
         return out
     expected = res["rate"] * (res["retention_s"] + duration_s(res["sweep"]))
     out.append(growth_check("receipts held (not yet pruned)", samples, base, lambda s: s["receipts_held"], "",
                             f"; rate × (retention + sweep interval) = {expected:,.0f}"))
+    held = res["rate"] * (res["permit_life_s"] + res["purge_after_s"])
     out.append(growth_check("attempt rows (the issue: stop growing)", samples, base, lambda s: s["attempts"], "",
-                            "; tombstones stay (docs/design.md, attempt states)"))
+                            f"; rate × (permit life + purge delay) = {held:,.0f}"))
+    last = thirds(samples)[2]
+    out.append(("the purge ran during the last third", last[-1]["purged_attempts"] > last[0]["purged_attempts"],
+                f"attempts purged {last[0]['purged_attempts']:,.0f} at {last[0]['t_s']:.0f} s, "
+                f"{last[-1]['purged_attempts']:,.0f} at {last[-1]['t_s']:.0f} s; permits purged in all "
+                f"{last[-1]['purged_permits']:,.0f} of {res.get('permits_created', 0)} created"))
     out.append(growth_check("bytes on disk (the issue: stop growing)", samples, base,
                             lambda s: s["bytes"] / 2**20, " MiB"))
     out.append(growth_check("bytes per attempt row (pruned space used again)", samples, base,
@@ -345,29 +412,34 @@ def write_report(res: dict, verdicts: list, pictures: list[str]) -> None:
     out = ["# Steady load with a short retention", "",
            "Machine: " + ", ".join(f"{k} {v}" for k, v in res["machine"].items()) + ".", "",
            f"{res['rate']:g} calls/s for {res['seconds']:g} s in windows of {res['window_s']:g} s, fresh keys over "
-           f"{res['permits']} permits with retention {res['retention']}; the ledger on "
+           f"{res['permits']} permits at a time with retention {res['retention']}, each expiring "
+           f"{res['permit_life']} after its creation and then replaced ({res.get('permits_created', 0)} created), "
+           f"their history purged {res['purge_after']} after they expired; the ledger on "
            f"{'PostgreSQL (' + res.get('postgres', {}).get('server', '') + ')' if pg else 'SQLite'}, "
            f"its sweeper every {res['sweep']}. Wall time {res.get('wall_seconds', 0)} s.", "",
            "## Checks", "", *[f"- {'PASS' if ok else 'FAIL'} {label}: {detail}" for label, ok, detail in verdicts], ""]
     kept = res.get("kept_per_call")
     if kept:
-        out += [f"Kept for good once the pruner runs (from {kept['from_s']:.0f} s to {kept['to_s']:.0f} s, "
-                f"{kept['calls']:,} calls): {kept['bytes_per_call']:,.0f} bytes on disk per call, "
-                f"{kept['gib_per_day_at_rate']:,.2f} GiB a day at {res['rate']:g} calls/s.", ""]
+        out += [f"Kept for good once the pruner and the purge run (from {kept['from_s']:.0f} s to "
+                f"{kept['to_s']:.0f} s, {kept['calls']:,} calls): {kept['rows_per_call']:+.4f} rows and "
+                f"{kept['bytes_per_call']:+,.0f} bytes on disk per call, "
+                f"{kept['gib_per_day_at_rate']:+,.2f} GiB a day at {res['rate']:g} calls/s.", ""]
     out += [f"![{p}]({p})" for p in pictures] + [""]
     out += ["## Per window", "",
             "CPU in ms per call over the window; the store and memory as sampled after it.", "",
-            "| end s | p50 ms | p99 ms | calls | bad | rows | receipts held | MiB on disk | "
+            "| end s | p50 ms | p99 ms | calls | bad | rows | receipts held | permits | MiB on disk | "
             + ("dead tuples | " if pg else "free MiB | ")
-            + "pruned | ledger RSS MiB | Envoy RSS MiB | CPU ms/call " + ("Envoy/ledger/PostgreSQL |" if pg else "Envoy/ledger |"),
-            "|" + "---:|" * 13]
+            + "pruned | purged | ledger RSS MiB | Envoy RSS MiB | CPU ms/call "
+            + ("Envoy/ledger/PostgreSQL |" if pg else "Envoy/ledger |"),
+            "|" + "---:|" * 15]
     for w, s in zip(res["windows"], res["samples"][1:]):
         cpu = w["cpu_ms_per_call"]
         procs = ("envoy", "ledger", "postgres") if pg else ("envoy", "ledger")
         extra = s["attempts_table"]["dead"] if pg else f"{s['free_bytes'] / 2**20:.1f}"
         out.append(f"| {s['t_s']:.0f} | {w['p50_ms']:.2f} | {w['p99_ms']:.2f} | {w['completed']} | "
                    f"{w['errors'] + w['non2xx'] + w['denied']} | {s['attempts']:,} | {s['receipts_held']:,} | "
-                   f"{s['bytes'] / 2**20:.1f} | {extra} | {s['pruned']:,.0f} | {s['rss_kib']['ledger'] / 1024:.1f} | "
+                   f"{s['permits']:,} | {s['bytes'] / 2**20:.1f} | {extra} | {s['pruned']:,.0f} | "
+                   f"{s['purged_attempts']:,.0f} | {s['rss_kib']['ledger'] / 1024:.1f} | "
                    f"{s['rss_kib']['envoy'] / 1024:.1f} | {' / '.join(f'{cpu.get(p, 0):.3f}' for p in procs)} |")
     out += ["", "## Tables at the end, bytes (indexes and TOAST included)", "", "| table | MiB |", "|---|---:|"]
     for name, size in sorted(res.get("tables_at_end", {}).items(), key=lambda kv: -(kv[1] or 0)):
@@ -416,12 +488,15 @@ def main() -> int:
         return 2
     bench.RUN.mkdir(parents=True, exist_ok=True)
     os.environ["RUST_LOG"] = "warn"
-    # The ledger reads its sweep interval from here too (`--sweep-interval`).
+    # The ledger reads its sweep interval and purge delay from here too.
     os.environ["ATMOST_SWEEP_INTERVAL"] = SWEEP
+    os.environ["ATMOST_PURGE_ENDED_PERMITS_AFTER"] = PURGE_AFTER
     bench.RATE_SECONDS = WINDOW
     res: dict = {"machine": bench.machine(), "store": STORE, "rate": RATE, "seconds": count * WINDOW,
                  "window_s": WINDOW, "retention": RETENTION, "retention_s": duration_s(RETENTION),
-                 "sweep": SWEEP, "permits": PERMITS, "windows": [], "samples": []}
+                 "sweep": SWEEP, "permits": PERMITS, "permit_life": PERMIT_LIFE,
+                 "permit_life_s": duration_s(PERMIT_LIFE), "purge_after": PURGE_AFTER,
+                 "purge_after_s": duration_s(PURGE_AFTER), "windows": [], "samples": []}
     running: list = []
     pg = None
     try:
@@ -434,10 +509,10 @@ def main() -> int:
         stub, mcp_port, _ = bench.start_stub(running)
         ledger = bench.start_ledger(NAME, pg_url)
         running.append(ledger)
-        # Long enough for the whole run and its samples; the retention is what is measured.
-        expires = f"{int(SECONDS // 3600) + 2}h"
-        permits = bench.permit_file(NAME, bench.create_permits(ledger, PERMITS, NAME, retention=RETENTION,
-                                                               expires=expires))
+        if res["permit_life_s"] <= WINDOW + ROTATION_SLACK_S + 1:
+            log(f"BENCH_STEADY_PERMIT_LIFE: longer than a window plus {ROTATION_SLACK_S:g} s")
+            return 2
+        pool = PermitPool(ledger, PERMITS, res["permit_life_s"], WINDOW)
         envoy = bench.Envoy(NAME, bench.ATMOST_WASM, mcp_port, [ledger.port],
                             {"ledger": {"service_token": bench.SERVICE_TOKEN}})
         envoy.start()
@@ -455,16 +530,19 @@ def main() -> int:
         res["samples"].append(sample(0.0, store, ledger, envoy))
         for i in range(count):
             began_window = time.monotonic() - start
-            w = window(i, envoy, bodies, permits, procs)
+            pool.rotate()
+            w = window(i, envoy, bodies, pool.path, procs)
             w.update(start_s=round(began_window, 1), seconds=WINDOW)
             res["windows"].append(w)
             s = sample(time.monotonic() - start, store, ledger, envoy)
             res["samples"].append(s)
             log(f"window {i + 1}/{count}: p50 {w['p50_ms']:.2f} ms, p99 {w['p99_ms']:.2f} ms, "
                 f"{w['completed']} calls, bad {w['errors'] + w['non2xx'] + w['denied']}; rows {s['attempts']:,}, "
-                f"receipts held {s['receipts_held']:,}, {s['bytes'] / 2**20:.1f} MiB; RSS ledger "
+                f"receipts held {s['receipts_held']:,}, permits {s['permits']}, purged {s['purged_attempts']:,.0f}, "
+                f"{s['bytes'] / 2**20:.1f} MiB; RSS ledger "
                 f"{s['rss_kib']['ledger'] / 1024:.1f} MiB, Envoy {s['rss_kib']['envoy'] / 1024:.1f} MiB")
         res["tables_at_end"] = store.tables()
+        res["permits_created"] = pool.created
     finally:
         bench.stop_all(running, pg, pg_url, [NAME])
     res["wall_seconds"] = round(time.monotonic() - began)
@@ -478,8 +556,8 @@ def main() -> int:
         print(f"{'PASS' if ok else 'FAIL'}  {label}  ({detail})")
     kept = res["kept_per_call"]
     if kept:
-        print(f"kept for good per call once the pruner runs: {kept['bytes_per_call']:,.0f} bytes "
-              f"({kept['gib_per_day_at_rate']:,.2f} GiB a day at {RATE:g} calls/s)")
+        print(f"kept for good per call once the pruner and the purge run: {kept['rows_per_call']:+.4f} rows, "
+              f"{kept['bytes_per_call']:+,.0f} bytes ({kept['gib_per_day_at_rate']:+,.2f} GiB a day at {RATE:g} calls/s)")
     print(f"\nwrote {bench.OUT / 'results.md'}, results.json and {', '.join(pictures)} ({res['wall_seconds']} s)")
     return 0
 
