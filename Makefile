@@ -14,7 +14,7 @@ CARGO ?= cargo
 .PHONY: oci-tools k8s-tools browser-tools prometheus-tools prometheusrule
 # The quick loop: `make check` (docs/development.md#which-target-when).
 .PHONY: check
-.PHONY: all run test model-check test-unit test-e2e test-e2e-wasmplugin test-e2e-envoygateway test-faults lint fmt ts-deps wasm ledger ledger-next ledger-release setup setup-run rust-setup venv venv-test clean oci
+.PHONY: all run test model-check test-unit test-e2e test-e2e-wasmplugin test-e2e-envoygateway test-faults lint fmt ts-deps wasm ledger ledger-next ledger-release setup setup-run rust-setup venv venv-test venv-bench clean oci
 
 all: wasm ledger-release
 
@@ -92,9 +92,13 @@ $(VENV)/.installed: requirements.txt
 
 venv-test: $(VENV)/.installed-test
 
-$(VENV)/.installed-test: requirements-test.txt requirements.txt
+# `make bench-steady` draws pictures: requirements-bench.txt (requirements.txt and a plotting library).
+venv-bench: $(VENV)/.installed-bench
+
+# requirements-test.txt and requirements-bench.txt each start with requirements.txt.
+$(VENV)/.installed-%: requirements-%.txt requirements.txt
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
+	$(VPY) -m pip install --quiet --disable-pip-version-check -r $<
 	touch $@
 
 ## The TypeScript MCP SDK (exact versions in tests/ts/package-lock.json) for the interoperability tests.
@@ -254,6 +258,16 @@ bench: setup-run wasm ledger-release bench-tools
 .PHONY: bench-scale
 bench-scale: setup-run wasm ledger-release bench-tools
 	$(WITH_PG) $(VPY) bench/scale.py
+
+## Steady load for half an hour (bench/steady.py, docs/performance.md#under-steady-load): 200 calls/s
+## in 30 s windows over 10 permits at a time, each living 5 minutes and then replaced, with a
+## 5-minute retention, their history purged 1 minute after expiry, the ledger on PostgreSQL; per window
+## the latency, the store's rows and bytes, dead tuples, the pruner's count, the ledger's and
+## Envoy's memory and CPU per call. PASS/FAIL per check; target/bench/steady/results.md,
+## results.json, latency.png, store.png, memory.png. Knobs: BENCH_STEADY_* (bench/steady.py).
+.PHONY: bench-steady
+bench-steady: setup-run venv-bench wasm ledger-release bench-tools
+	$(WITH_PG) $(VPY) bench/steady.py
 
 # wrk (Debian) for the ceilings; oha (crates.io, pinned) to cross-check the fixed-rate
 # latencies; valgrind (Debian) to count the filter's instructions per call; the stubs, the

@@ -215,14 +215,19 @@ def reaped_children_cpu_seconds(pid: int) -> float:
         return 0.0
 
 
-def hwm_kib(pid: int) -> int:
+def status_kib(pid: int, field: str) -> int:
+    """A memory figure of /proc/PID/status, KiB: VmHWM (the peak resident set), VmRSS (now)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
     except OSError:
         pass
     return 0
+
+
+def hwm_kib(pid: int) -> int:
+    return status_kib(pid, "VmHWM")
 
 
 def children_of(pid: int) -> list[int]:
@@ -430,12 +435,13 @@ def ledger_counters(ledger: stack.Ledger) -> dict[str, float]:
     """What a flood shows in the ledger's metrics: refusals answered 429 and background store
     checks (`/readyz` never reads the store itself)."""
     text = ledger.metrics()
+    return {"answered_429": metric_total(text, "atmost_auth_failures_limited_total"),
+            "store_checks": metric_total(text, "atmost_readiness_checks_total")}
 
-    def total(name: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
-    return {"answered_429": total("atmost_auth_failures_limited_total"),
-            "store_checks": total("atmost_readiness_checks_total")}
+def metric_total(text: str, name: str) -> float:
+    """A metric of Prometheus text summed over its labels."""
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 def flood(base: str) -> int:
@@ -499,14 +505,15 @@ def pg_schema(name: str) -> str:
     return re.sub(r"[^a-z0-9_]", "_", f"atmost_bench_{STAMP}_{name}".lower())
 
 
-def create_permits(ledger: stack.Ledger, count: int, label: str) -> list[str]:
+def create_permits(ledger: stack.Ledger, count: int, label: str, **policy: str) -> list[str]:
     """`count` permits for every tool, through the admin API (one CLI process per permit
-    would take minutes for 1,000); returns their tokens."""
+    would take minutes for 1,000); returns their tokens. `policy`: members of the permit
+    request that replace or add to these (bench/steady.py's `retention`, `expires`)."""
     tokens = []
     for i in range(count):
         req = urllib.request.Request(
             ledger.admin_url + "/admin/v1/permits", method="POST",
-            data=json.dumps({"label": f"{label}-{i}", "expires": "2h", "tools": ["*"]}).encode(),
+            data=json.dumps({"label": f"{label}-{i}", "expires": "2h", "tools": ["*"], **policy}).encode(),
             headers={"content-type": "application/json", "authorization": f"Bearer {ADMIN_TOKEN}"})
         with urllib.request.urlopen(req, timeout=30) as r:
             tokens.append(json.loads(r.read())["token"])
@@ -1215,6 +1222,27 @@ def start_postgres(res: dict) -> tuple[OwnPostgres | None, str | None]:
     return None, url
 
 
+def start_stub(running: list) -> tuple[stack.Process, int, int]:
+    """The stub upstream, added to `running`: the process, its MCP port and its callout port."""
+    mcp_port, callout_port = stack.free_port(), stack.free_port()
+    stub = stack.Process("stub", [str(STUB), "--mcp", str(mcp_port), "--callout", str(callout_port)], RUN)
+    stub.start()
+    running.append(stub)
+    stack.wait_until(lambda: stack.http_get(f"http://127.0.0.1:{mcp_port}/")[0] in (200, 400), 10, "stub")
+    return stub, mcp_port, callout_port
+
+
+def stop_all(running: list, pg: OwnPostgres | None, pg_url: str | None, schemas: list[str]) -> None:
+    """Stops what a run started, the newest first, then its PostgreSQL: the bench's own
+    cluster, or on DATABASE_URL's server the schemas the run made."""
+    for p in reversed(running):
+        p.stop()
+    if pg:
+        pg.stop()
+    elif pg_url:
+        drop_pg_schemas(pg_url, schemas)
+
+
 def main() -> int:
     began = time.monotonic()
     # SIGTERM unwinds like an error, so the `finally` below still stops PostgreSQL and the rest.
@@ -1251,11 +1279,7 @@ def main() -> int:
     try:
         if any(n in wanted for n in ON_POSTGRES) or LEDGER_ALONE:
             pg, pg_url = start_postgres(res)
-        mcp_port, callout_port = stack.free_port(), stack.free_port()
-        stub = stack.Process("stub", [str(STUB), "--mcp", str(mcp_port), "--callout", str(callout_port)], RUN)
-        stub.start()
-        running.append(stub)
-        stack.wait_until(lambda: stack.http_get(f"http://127.0.0.1:{mcp_port}/")[0] in (200, 400), 10, "stub")
+        stub, mcp_port, callout_port = start_stub(running)
         # Rounds: each round measures every setup once, in turn, so a noisy stretch of a shared
         # machine hits all setups alike instead of all runs of one; the best round is kept.
         order = [n for n in SETUPS if n in wanted]
@@ -1366,12 +1390,7 @@ def main() -> int:
             else:
                 res["pending"].append("ledger alone on PostgreSQL: no PostgreSQL")
     finally:
-        for p in reversed(running):
-            p.stop()
-        if pg:
-            pg.stop()
-        elif pg_url:
-            drop_pg_schemas(pg_url, sorted(SCHEMAS_USED))
+        stop_all(running, pg, pg_url, sorted(SCHEMAS_USED))
     res["criterion"] = criterion()
     res["callcost"] = call_instructions()
     res["wall_seconds"] = round(time.monotonic() - began)

@@ -464,11 +464,7 @@ def main() -> int:
     pg = None
     try:
         pg, pg_url = bench.start_postgres(res) if "postgres" in STORES else (None, None)
-        mcp_port, callout_port = stack.free_port(), stack.free_port()
-        stub = stack.Process("stub", [str(bench.STUB), "--mcp", str(mcp_port), "--callout", str(callout_port)], bench.RUN)
-        stub.start()
-        running.append(stub)
-        stack.wait_until(lambda: stack.http_get(f"http://127.0.0.1:{mcp_port}/")[0] in (200, 400), 10, "stub")
+        _, mcp_port, callout_port = bench.start_stub(running)
         plain = bench.Envoy("B", None, mcp_port, [callout_port])
         plain.start()
         running.append(plain)

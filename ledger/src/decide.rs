@@ -765,26 +765,26 @@ impl CounterDelta {
     }
 }
 
+/// What an attempt in `state` costing `cost` counts for in its permit's counters: its slot,
+/// and its cost as reserved or spent, by the model's rules.
+pub fn counter_weight(state: AttemptState, cost: u64) -> CounterDelta {
+    let cost = i64::try_from(cost).unwrap_or(i64::MAX);
+    let weight = |rule: fn(AttemptState) -> bool, n: i64| if rule(state) { n } else { 0 };
+    CounterDelta {
+        slots: weight(AttemptState::holds_slot, 1),
+        reserved: weight(AttemptState::reserves_budget, cost),
+        spent: weight(AttemptState::spends_budget, cost),
+    }
+}
+
 /// The counter change of writing `new` over `old` (the same attempt, or none before).
 pub fn counter_delta(old: Option<&Attempt>, new: &Attempt) -> CounterDelta {
-    fn weight(state: Option<AttemptState>, rule: fn(AttemptState) -> bool, n: i64) -> i64 {
-        if state.is_some_and(rule) {
-            n
-        } else {
-            0
-        }
-    }
-    let before = old.map(|a| a.state);
-    let after = Some(new.state);
-    let old_cost = old.map_or(0, |a| i64::try_from(a.cost).unwrap_or(i64::MAX));
-    let new_cost = i64::try_from(new.cost).unwrap_or(i64::MAX);
+    let after = counter_weight(new.state, new.cost);
+    let before = old.map_or_else(CounterDelta::default, |a| counter_weight(a.state, a.cost));
     CounterDelta {
-        slots: weight(after, AttemptState::holds_slot, 1)
-            - weight(before, AttemptState::holds_slot, 1),
-        reserved: weight(after, AttemptState::reserves_budget, new_cost)
-            - weight(before, AttemptState::reserves_budget, old_cost),
-        spent: weight(after, AttemptState::spends_budget, new_cost)
-            - weight(before, AttemptState::spends_budget, old_cost),
+        slots: after.slots - before.slots,
+        reserved: after.reserved - before.reserved,
+        spent: after.spent - before.spent,
     }
 }
 

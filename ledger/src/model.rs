@@ -188,10 +188,20 @@ pub struct StateRules {
     pub replays: bool,
     /// The attempt gave its slot and budget back; its key may be used again.
     pub gave_back: bool,
+    /// Nothing is left to happen to the attempt: no report, lease or resolution moves it.
+    /// Once its permit has stopped authorizing for long enough, the purge may delete it
+    /// (docs/design.md#purging-ended-permits).
+    pub settled: bool,
 }
 
 /// A state's rules, by what it holds (the rows below read as the design's table).
-const fn rules(holds_slot: bool, budget: Budget, leased: bool, replays: bool) -> StateRules {
+const fn rules(
+    holds_slot: bool,
+    budget: Budget,
+    leased: bool,
+    replays: bool,
+    settled: bool,
+) -> StateRules {
     StateRules {
         holds_slot,
         reserves_budget: matches!(budget, Budget::Reserved),
@@ -199,6 +209,7 @@ const fn rules(holds_slot: bool, budget: Budget, leased: bool, replays: bool) ->
         leased,
         replays,
         gave_back: !holds_slot && matches!(budget, Budget::Returned),
+        settled,
     }
 }
 
@@ -213,20 +224,20 @@ atmost_protocol::closed_set! {
     /// Where an attempt stands (docs/design.md#attempt-states), with its rules.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
     pub enum AttemptState: rules -> StateRules {
-        //                                        slot   budget             leased replays
-        InFlight => "in_flight",             rules(true,  Budget::Reserved, true,  false);
-        Completed => "completed",            rules(true,  Budget::Spent,    false, true);
-        Released => "released",              rules(false, Budget::Returned, false, false);
-        Uncertain => "uncertain",            rules(true,  Budget::Spent,    false, false);
-        ResolvedExecuted => "resolved_executed", rules(true, Budget::Spent, false, true);
-        ResolvedNotExecuted => "resolved_not_executed", rules(false, Budget::Returned, false, false);
+        //                                        slot   budget             leased replays settled
+        InFlight => "in_flight",             rules(true,  Budget::Reserved, true,  false, false);
+        Completed => "completed",            rules(true,  Budget::Spent,    false, true,  true);
+        Released => "released",              rules(false, Budget::Returned, false, false, true);
+        Uncertain => "uncertain",            rules(true,  Budget::Spent,    false, false, false);
+        ResolvedExecuted => "resolved_executed", rules(true, Budget::Spent, false, true,  true);
+        ResolvedNotExecuted => "resolved_not_executed", rules(false, Budget::Returned, false, false, true);
         /// MCP 2026-07-28: the upstream answered `input_required`; the attempt keeps its slot
         /// and reserved budget and waits for the continuation under the same key (which moves
         /// it back to `in_flight`). Past its lease the sweeper turns it `uncertain`.
-        AwaitingInput => "awaiting_input",   rules(true,  Budget::Reserved, true,  false);
+        AwaitingInput => "awaiting_input",   rules(true,  Budget::Reserved, true,  false, false);
         /// The upstream accepted the call as a task (`CreateTaskResult`): the stored receipt is
         /// the task handle, replayed like a completed receipt; slot kept, budget spent.
-        Accepted => "accepted",              rules(true,  Budget::Spent,    false, true);
+        Accepted => "accepted",              rules(true,  Budget::Spent,    false, true,  true);
     }
 }
 
@@ -270,6 +281,11 @@ impl AttemptState {
     /// The attempt gave its slot and budget back; its key may be used again.
     pub fn gave_back(self) -> bool {
         self.rules().gave_back
+    }
+
+    /// Nothing is left to happen to the attempt (see [`StateRules::settled`]).
+    pub fn settled(self) -> bool {
+        self.rules().settled
     }
 }
 
@@ -479,6 +495,11 @@ mod tests {
         assert_eq!(
             with(AttemptState::gave_back),
             "('released','resolved_not_executed')"
+        );
+        // Whatever a report, a lease or a resolution may still move stays: the purge keeps it.
+        assert_eq!(
+            with(AttemptState::settled),
+            "('completed','released','resolved_executed','resolved_not_executed','accepted')"
         );
     }
 

@@ -79,6 +79,7 @@ async fn start_in(
         key_refresh: Duration::from_secs(5),
         receipt_issuer: "atmost-test".into(),
         auth_limit: Default::default(),
+        purge_ended_permits_after: None,
     };
     configure(&mut config);
     let state = Arc::new(AppState::new(
@@ -166,6 +167,23 @@ impl TestServer {
             v["token"].as_str().unwrap().into(),
         )
     }
+}
+
+/// The receipt [`complete`] reports.
+const SMALL_RECEIPT: &str = r#"{"jsonrpc":"2.0","id":1,"result":{}}"#;
+
+/// Reports the round 1 of a Dispatch answer `d` completed, with [`SMALL_RECEIPT`].
+async fn complete(s: &TestServer, d: &Value) {
+    let (_, acks) = s
+        .post(
+            "/v1/outcomes",
+            Some(SVC),
+            json!({"reports": [{"attempt_id": d["attempt_id"], "round": 1,
+                                "capability": d["capability"], "outcome": "completed",
+                                "receipt": SMALL_RECEIPT}]}),
+        )
+        .await;
+    assert_eq!(acks, json!({"acks": ["applied"]}));
 }
 
 fn authz(token: &str, key: &str, fp: &str) -> Value {
@@ -1204,17 +1222,7 @@ async fn attempts_export_as_receipts_signed_by_the_active_key() {
             signed_call(&tok, "pay", "k1", "fp1"),
         )
         .await;
-    let receipt = r#"{"jsonrpc":"2.0","id":1,"result":{}}"#;
-    let (_, acks) = s
-        .post(
-            "/v1/outcomes",
-            Some(SVC),
-            json!({"reports": [{"attempt_id": done["attempt_id"], "round": 1,
-                                "capability": done["capability"], "outcome": "completed",
-                                "receipt": receipt}]}),
-        )
-        .await;
-    assert_eq!(acks, json!({"acks": ["applied"]}));
+    complete(&s, &done).await;
     s.clock.advance_ms(1_000);
     let (_, lost) = s
         .post("/v1/authorize", Some(SVC), authz(&tok, "k2", "fp2"))
@@ -1282,7 +1290,7 @@ async fn attempts_export_as_receipts_signed_by_the_active_key() {
     assert_eq!(completed["state"], "completed");
     assert_eq!(
         completed["receipt_sha256"],
-        json!(atmost_ledger::token::sha256_hex(receipt))
+        json!(atmost_ledger::token::sha256_hex(SMALL_RECEIPT))
     );
     assert!(completed["finished_at"].is_string());
     assert_eq!(completed["resolution"], Value::Null);
@@ -1447,4 +1455,52 @@ async fn each_new_reservation_is_counted_by_the_share_of_each_limit_it_left() {
             "{line}\n{metrics}"
         );
     }
+}
+
+/// The sweeper purges an ended permit's history once `purge_ended_permits_after` has passed
+/// since it ended, never before, counts what it deleted, and the permit's token is denied
+/// `permit_invalid` from then on.
+#[tokio::test]
+async fn the_sweeper_purges_ended_permits_after_the_delay() {
+    let s = start_with(|c| c.purge_ended_permits_after = Some(Duration::from_secs(600))).await;
+    let (_, tok) = s
+        .create_permit(json!({"label": "task", "expires": "5m"}))
+        .await;
+    let (_, d) = s
+        .post("/v1/authorize", Some(SVC), authz(&tok, "k1", "fp1"))
+        .await;
+    complete(&s, &d).await;
+    let purged = |s: &TestServer| {
+        let text = s.state.metrics.render().unwrap();
+        [
+            "atmost_attempts_purged_total 1",
+            "atmost_permits_purged_total 1",
+        ]
+        .map(|line| text.lines().any(|l| l == line))
+    };
+
+    // Ended (5 min) but not for 10 min yet: kept, and the key still replays.
+    s.clock.advance_ms(15 * 60_000 - 1);
+    server::sweep_once(&s.state).await;
+    assert_eq!(purged(&s), [false, false]);
+    let (_, v) = s
+        .post("/v1/authorize", Some(SVC), authz(&tok, "k1", "fp1"))
+        .await;
+    assert_eq!(v["decision"], "replay");
+
+    s.clock.advance_ms(1);
+    server::sweep_once(&s.state).await;
+    assert_eq!(purged(&s), [true, true]);
+    for key in ["k1", "k2"] {
+        let (st, v) = s
+            .post("/v1/authorize", Some(SVC), authz(&tok, key, "fp1"))
+            .await;
+        assert_eq!(
+            (st, v["decision"].clone(), v["code"].clone()),
+            (200, json!("deny"), json!("permit_invalid"))
+        );
+    }
+    let (st, v) = s.get("/admin/v1/permits", Some(ADM)).await;
+    assert_eq!(st, 200);
+    assert_eq!(v["permits"], json!([]), "{v}");
 }

@@ -45,6 +45,9 @@ pub struct Metrics {
     pub sweeps: IntCounter,
     pub leases_expired: IntCounter,
     pub receipts_pruned: IntCounter,
+    /// Attempts (with their keys) and permits the purge of ended permits deleted.
+    pub attempts_purged: IntCounter,
+    pub permits_purged: IntCounter,
     pub permits_created: IntCounter,
     pub permits_revoked: IntCounter,
     /// Dispatch answers this replica signed.
@@ -148,6 +151,14 @@ impl Metrics {
             "atmost_receipts_pruned_total",
             "Receipts dropped to a tombstone after the permit's retention.",
         )?;
+        let attempts_purged = counter(
+            "atmost_attempts_purged_total",
+            "Attempts deleted, with their idempotency keys, by the purge of permits that ended (expired or revoked) longer ago than --purge-ended-permits-after.",
+        )?;
+        let permits_purged = counter(
+            "atmost_permits_purged_total",
+            "Permits deleted, with their counters, by the purge once nothing was left under them.",
+        )?;
         let permits_created = counter("atmost_permits_created_total", "Permits created.")?;
         let permits_revoked = counter("atmost_permits_revoked_total", "Permits revoked.")?;
         let dispatches_signed = counter(
@@ -227,6 +238,8 @@ impl Metrics {
             sweeps,
             leases_expired,
             receipts_pruned,
+            attempts_purged,
+            permits_purged,
             permits_created,
             permits_revoked,
             dispatches_signed,

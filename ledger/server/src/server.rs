@@ -39,6 +39,7 @@ use atmost_ledger::error::{LedgerError, ResolveError};
 use atmost_ledger::keys::PublicSigningKey;
 use atmost_ledger::model::{Attempt, AttemptState, BudgetTotals, GuardMode};
 use atmost_ledger::receipts::{sign_receipt, ReceiptClaims};
+use atmost_ledger::store::purge::PURGE_PER_SWEEP;
 use atmost_ledger::store::{AttemptFilter, Store};
 use atmost_ledger::{signing, token};
 
@@ -67,6 +68,9 @@ pub struct ServerConfig {
     pub receipt_issuer: String,
     /// Failed authentications per source before 429 (crate::auth_limit).
     pub auth_limit: AuthLimit,
+    /// How long after a permit stopped authorizing the sweeper purges its history; `None`
+    /// keeps everything (docs/design.md#purging-ended-permits).
+    pub purge_ended_permits_after: Option<Duration>,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -81,6 +85,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("key_refresh", &self.key_refresh)
             .field("receipt_issuer", &self.receipt_issuer)
             .field("auth_limit", &self.auth_limit)
+            .field("purge_ended_permits_after", &self.purge_ended_permits_after)
             .finish()
     }
 }
@@ -915,7 +920,15 @@ pub fn resolved(state: &AppState, a: &Attempt, input: &ResolveInput, via: &str) 
         source = input.source.as_str(), via, "attempt resolved");
 }
 
-/// One sweep: expired leases → uncertain, old receipts → tombstones, gauges refreshed.
+/// Counts and logs a failed store operation of the sweeper (`op`: `sweep`, `purge`); the next
+/// sweep tries again.
+fn sweeper_failed(state: &AppState, op: &str, e: &LedgerError) {
+    state.metrics.store_errors.with_label_values(&[op]).inc();
+    error!(error = %e, op, "sweeper store operation failed");
+}
+
+/// One sweep: expired leases → uncertain, old receipts → tombstones, the history of permits
+/// ended long enough ago purged, gauges refreshed.
 pub async fn sweep_once(state: &AppState) {
     let now = state.clock.now_ms();
     state.metrics.sweeps.inc();
@@ -931,13 +944,27 @@ pub async fn sweep_once(state: &AppState) {
                 );
             }
         }
-        Err(e) => {
-            state
-                .metrics
-                .store_errors
-                .with_label_values(&["sweep"])
-                .inc();
-            error!(error = %e, "sweep failed");
+        Err(e) => sweeper_failed(state, "sweep", &e),
+    }
+    if let Some(after) = state.config.purge_ended_permits_after {
+        let after_ms = i64::try_from(after.as_millis()).unwrap_or(i64::MAX);
+        match state
+            .store
+            .purge(now.saturating_sub(after_ms), PURGE_PER_SWEEP)
+            .await
+        {
+            Ok(r) => {
+                state.metrics.attempts_purged.inc_by(r.attempts_purged);
+                state.metrics.permits_purged.inc_by(r.permits_purged);
+                if r.attempts_purged > 0 || r.permits_purged > 0 {
+                    info!(
+                        attempts_purged = r.attempts_purged,
+                        permits_purged = r.permits_purged,
+                        "purge"
+                    );
+                }
+            }
+            Err(e) => sweeper_failed(state, "purge", &e),
         }
     }
     match state.store.attempt_counts().await {

@@ -15,7 +15,7 @@ use atmost_protocol::{
 };
 use serde_json::{json, Value};
 
-use super::{AttemptFilter, Store};
+use super::{AttemptFilter, PurgeReport, Store};
 use crate::clock;
 use crate::decide::{Notice, ResolveInput};
 use crate::error::ResolveError;
@@ -61,7 +61,8 @@ macro_rules! conformance_suite {
             race_resolution_against_late_report, race_revocation_against_authorization,
             race_released_key_dispatched_again, permit_limits_in_answers, inbox_reads,
             uncertain_pages, signing_keys_rotation_and_publication, race_signing_keys,
-            inbox_sessions, decisions_past_their_deadline_commit_nothing);
+            inbox_sessions, decisions_past_their_deadline_commit_nothing, purge_of_ended_permits,
+            purge_in_bounded_batches);
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
         $(
@@ -2312,4 +2313,213 @@ pub async fn decisions_past_their_deadline_commit_nothing(h: &dyn Harness) {
     );
     dispatched(&timely.unwrap().response);
     assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
+}
+
+/// A resolution by a person, for the purge tests.
+fn resolved_by_person(executed: bool) -> ResolveInput {
+    ResolveInput {
+        executed,
+        receipt: None,
+        note: None,
+        by: "t".into(),
+        source: Default::default(),
+    }
+}
+
+/// Attempts per state over the whole store, the states with none left out.
+async fn nonzero_counts(store: &dyn Store) -> BTreeMap<AttemptState, u64> {
+    let mut counts = store.attempt_counts().await.unwrap();
+    counts.retain(|_, n| *n > 0);
+    counts
+}
+
+/// The purge of ended permits (docs/design.md#purging-ended-permits): settled attempts and
+/// their keys of permits that expired or were revoked at or before the cut go, and so does
+/// each permit once nothing is left under it; attempts that are not settled stay with their
+/// permit, whose counters equal a recount throughout; a purged permit's token is denied, and
+/// nothing is ever dispatched under an ended permit, before the purge or after it.
+pub async fn purge_of_ended_permits(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.rules.max_calls.insert("pay".into(), 10);
+    pol.rules.budget = Some(1000);
+    pol.rules.cost.insert("pay".into(), CostRule::Fixed(7));
+    let ends = T0 + HOUR;
+    let (p, tok) = make_permit(&*s, pol.clone(), ends).await;
+    let call = |key: &str, fp: &str| req(&tok, "pay", Some(key), fp, json!({"n": 1}));
+    let done = dispatched(&auth(&*s, &call("done", "A"), T0).await);
+    report(&*s, &done, completed("R"), T0).await;
+    // A released key dispatched again: the key points at the second attempt.
+    let first = dispatched(&auth(&*s, &call("again", "B"), T0).await);
+    report(&*s, &first, released(), T0).await;
+    let second = dispatched(&auth(&*s, &call("again", "B"), T0).await);
+    report(&*s, &second, completed("R2"), T0).await;
+    let keyless = dispatched(&auth(&*s, &req(&tok, "pay", None, "C", json!({})), T0).await);
+    report(&*s, &keyless, completed("R3"), T0).await;
+    let unc = dispatched(&auth(&*s, &call("unc", "U"), T0).await);
+    report(&*s, &unc, uncertain(), T0).await;
+    // Still in flight when its permit ends (its lease runs out later, and nothing swept it).
+    let flying = dispatched(&auth(&*s, &call("fly", "F"), ends - 1).await);
+
+    // A revoked permit, an expired one never used, and one still active.
+    let (q, qtok) = make_permit(&*s, pol.clone(), T0 + 100 * HOUR).await;
+    let q_done = dispatched(&auth(&*s, &req(&qtok, "pay", Some("q"), "Q", json!({})), T0).await);
+    report(&*s, &q_done, completed("RQ"), T0).await;
+    s.revoke_permit(&q.id, T0 + 10 * MIN).await.unwrap();
+    let (unused, unused_tok) = make_permit(&*s, pol.clone(), T0 + 30 * MIN).await;
+    let (live, live_tok) = make_permit(&*s, pol, T0 + 100 * HOUR).await;
+    let live_done =
+        dispatched(&auth(&*s, &req(&live_tok, "pay", Some("l"), "L", json!({})), T0).await);
+    report(&*s, &live_done, completed("RL"), T0).await;
+
+    // Before the purge, past the expiry: the key replays, a new call is denied.
+    assert!(matches!(
+        auth(&*s, &call("done", "A"), ends + 1).await,
+        AuthorizeResponse::Replay { .. }
+    ));
+    assert_eq!(
+        denied(&auth(&*s, &call("new", "N"), ends + 1).await),
+        DenialCode::PermitExpired
+    );
+
+    // A cut before P's end purges Q (revoked before it) and the unused permit, not P.
+    let r = s.purge(ends - 1, u64::MAX).await.unwrap();
+    assert_eq!(
+        (r.attempts_purged, r.permits_purged),
+        (1, 2),
+        "Q's attempt, Q and the unused permit"
+    );
+    for gone in [&q.id, &unused.id] {
+        assert!(s.permit_detail(gone).await.unwrap().is_none(), "{gone}");
+        assert!(s.permit_counters(gone).await.unwrap().is_none(), "{gone}");
+    }
+    assert!(s.get_attempt(&q_done).await.unwrap().is_none());
+    assert_eq!(state_of(&*s, &done).await, AttemptState::Completed);
+    for (t, key) in [(&qtok, "q"), (&unused_tok, "x")] {
+        let r = auth(&*s, &req(t, "pay", Some(key), "Q", json!({})), ends + 1).await;
+        assert_eq!(denied(&r), DenialCode::PermitInvalid);
+    }
+
+    // At P's end: its settled attempts and their keys go; the uncertain and the in-flight
+    // attempt stay, and the permit with them.
+    let r = s.purge(ends, u64::MAX).await.unwrap();
+    assert_eq!((r.attempts_purged, r.permits_purged), (4, 0));
+    for id in [&done, &first, &second, &keyless] {
+        assert!(s.get_attempt(id).await.unwrap().is_none(), "{id}");
+    }
+    assert_eq!(state_of(&*s, &unc).await, AttemptState::Uncertain);
+    assert_eq!(state_of(&*s, &flying).await, AttemptState::InFlight);
+    let detail = counters_match_recount(&*s, &p.id).await;
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 2);
+    assert_eq!((detail.budget.reserved, detail.budget.spent), (7, 7));
+    assert_eq!(
+        nonzero_counts(&*s).await,
+        BTreeMap::from([
+            (AttemptState::InFlight, 1),
+            (AttemptState::Uncertain, 1),
+            (AttemptState::Completed, 1)
+        ])
+    );
+    // The purged keys are denied, never dispatched: the permit has ended. The kept ones
+    // answer as before.
+    for (key, fp) in [("done", "A"), ("again", "B"), ("new", "N")] {
+        assert_eq!(
+            denied(&auth(&*s, &call(key, fp), ends + 2).await),
+            DenialCode::PermitExpired,
+            "{key}"
+        );
+    }
+    assert_eq!(
+        denied(&auth(&*s, &call("unc", "U"), ends + 2).await),
+        DenialCode::DeliveryUncertain
+    );
+    assert_eq!(
+        denied(&auth(&*s, &call("fly", "F"), ends + 2).await),
+        DenialCode::IdempotencyInProgress
+    );
+    // A late report about a purged attempt changes nothing.
+    assert_eq!(
+        report(&*s, &done, completed("R"), ends + 2).await,
+        OutcomeAck::UnknownAttempt
+    );
+    // Nothing more to purge until the rest settles; the active permit is never touched.
+    assert_eq!(
+        s.purge(ends + 10 * HOUR, u64::MAX).await.unwrap(),
+        PurgeReport::default()
+    );
+    assert_eq!(state_of(&*s, &live_done).await, AttemptState::Completed);
+
+    // The in-flight call's report still lands; once the uncertain one is resolved, the
+    // permit has nothing left and goes too.
+    assert_eq!(
+        report(&*s, &flying, completed("RF"), ends + 3).await,
+        OutcomeAck::Applied
+    );
+    s.resolve_attempt(&unc, &resolved_by_person(false), ends + 4)
+        .await
+        .unwrap();
+    let r = s.purge(ends, u64::MAX).await.unwrap();
+    assert_eq!((r.attempts_purged, r.permits_purged), (2, 1));
+    assert!(s.permit_detail(&p.id).await.unwrap().is_none());
+    assert!(s.permit_counters(&p.id).await.unwrap().is_none());
+    assert_eq!(
+        denied(&auth(&*s, &call("unc", "U"), ends + 5).await),
+        DenialCode::PermitInvalid
+    );
+    assert_eq!(
+        nonzero_counts(&*s).await,
+        BTreeMap::from([(AttemptState::Completed, 1)])
+    );
+    let listed: Vec<String> = s
+        .list_permits()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| p.id)
+        .collect();
+    assert_eq!(listed, vec![live.id.clone()]);
+    counters_match_recount(&*s, &live.id).await;
+}
+
+/// The purge deletes at most what it is asked to, and picks up where it stopped.
+pub async fn purge_in_bounded_batches(h: &dyn Harness) {
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.rules.budget = Some(1000);
+    pol.rules.cost_default = 2;
+    let ends = T0 + HOUR;
+    let mut permits = Vec::new();
+    for _ in 0..2 {
+        let (p, tok) = make_permit(&*s, pol.clone(), ends).await;
+        for i in 0..3 {
+            let key = format!("k{i}");
+            let a =
+                dispatched(&auth(&*s, &req(&tok, "pay", Some(&key), &key, json!({})), T0).await);
+            report(&*s, &a, completed("R"), T0).await;
+        }
+        permits.push(p);
+    }
+    let r = s.purge(ends, 1).await.unwrap();
+    assert_eq!((r.attempts_purged, r.permits_purged), (1, 0));
+    for p in &permits {
+        counters_match_recount(&*s, &p.id).await;
+    }
+    // The first permit's (in the purge's order) last two, and it; two of the other's, which
+    // keeps its third.
+    let r = s.purge(ends, 4).await.unwrap();
+    assert_eq!((r.attempts_purged, r.permits_purged), (4, 1));
+    let left = s.list_permits().await.unwrap();
+    assert_eq!(left.len(), 1);
+    assert_eq!(
+        counters_match_recount(&*s, &left[0].id)
+            .await
+            .attempts_by_state
+            .values()
+            .sum::<u64>(),
+        1
+    );
+    let r = s.purge(ends, 100).await.unwrap();
+    assert_eq!((r.attempts_purged, r.permits_purged), (1, 1));
+    assert!(s.list_permits().await.unwrap().is_empty());
+    assert!(nonzero_counts(&*s).await.is_empty());
 }

@@ -15,6 +15,16 @@ use std::collections::BTreeMap;
 use crate::decide;
 use crate::model::{Attempt, AttemptState};
 
+/// What an attempt counts for in its permit's counters: all the purge reads of one it deletes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Counted {
+    pub id: String,
+    pub permit_id: String,
+    pub tool: String,
+    pub state: AttemptState,
+    pub cost: u64,
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CounterMoves {
     /// permit → tool → slots held.
@@ -52,6 +62,29 @@ impl CounterMoves {
                 .entry((new.permit_id.clone(), new.state))
                 .or_default() += 1;
         }
+    }
+
+    /// Adds what deleting an attempt moves (the purge): everything it counted for is taken
+    /// back, and its state counts one fewer.
+    pub fn record_removal(&mut self, gone: &Counted) {
+        let w = decide::counter_weight(gone.state, gone.cost);
+        if w.slots != 0 {
+            *self
+                .slots
+                .entry(gone.permit_id.clone())
+                .or_default()
+                .entry(gone.tool.clone())
+                .or_default() -= w.slots;
+        }
+        if w.reserved != 0 || w.spent != 0 {
+            let b = self.budget.entry(gone.permit_id.clone()).or_default();
+            b.0 = b.0.saturating_sub(w.reserved);
+            b.1 = b.1.saturating_sub(w.spent);
+        }
+        *self
+            .states
+            .entry((gone.permit_id.clone(), gone.state))
+            .or_default() -= 1;
     }
 
     /// Adds another transaction part's moves (one whose writes succeeded).
@@ -169,6 +202,28 @@ mod tests {
                 ("p1", AttemptState::InFlight, -1)
             ]
         );
+    }
+
+    #[test]
+    fn removing_an_attempt_takes_back_what_it_counted_for() {
+        let mut m = CounterMoves::default();
+        m.record(None, &attempt("a", "charge", AttemptState::Completed, 7));
+        m.record(None, &attempt("b", "charge", AttemptState::Released, 3));
+        for (id, state, cost) in [
+            ("a", AttemptState::Completed, 7),
+            ("b", AttemptState::Released, 3),
+        ] {
+            m.record_removal(&Counted {
+                id: id.into(),
+                permit_id: "p1".into(),
+                tool: "charge".into(),
+                state,
+                cost,
+            });
+        }
+        assert_eq!(m.slot_rows().count(), 0);
+        assert_eq!(m.budget_rows().count(), 0);
+        assert_eq!(m.state_rows().count(), 0);
     }
 
     #[test]

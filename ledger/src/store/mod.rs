@@ -24,6 +24,7 @@ use crate::model::{Attempt, AttemptState, Permit};
 pub mod counters;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+pub mod purge;
 pub mod reads;
 pub mod rows;
 pub mod schema;
@@ -31,6 +32,7 @@ pub mod snapshot;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
+pub use purge::PurgeReport;
 pub use reads::{ReadQueries, Reads};
 
 #[cfg(test)]
@@ -131,6 +133,14 @@ pub trait Decisions: Send + Sync {
 
     /// Expired leases → `uncertain`; receipts past retention → tombstones.
     async fn sweep(&self, now: Millis) -> Result<SweepReport, LedgerError>;
+
+    /// Deletes the history of permits that stopped authorizing (expired, or revoked) at or
+    /// before `ended_before`: their settled attempts with their idempotency keys, then each
+    /// permit with its counters once nothing is left under it; attempts that are not settled
+    /// stay, and so does their permit (docs/design.md#purging-ended-permits). At most `limit`
+    /// attempts, in transactions of at most [`purge::PURGE_BATCH`] under the permit's
+    /// serialization; the counters stay equal to a recount throughout.
+    async fn purge(&self, ended_before: Millis, limit: u64) -> Result<PurgeReport, LedgerError>;
 
     /// Makes sure one signing key is active, and answers it: when none is, a new key created
     /// at `now` becomes it. Replicas starting together on one store end with one active key,

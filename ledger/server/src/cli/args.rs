@@ -161,6 +161,13 @@ pub struct LedgerArgs {
     /// How often the sweeper runs.
     #[arg(long, env = "ATMOST_SWEEP_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration)]
     pub sweep_interval: Duration,
+    /// How long after a permit stopped authorizing (it expired, or was revoked) the sweeper
+    /// deletes its history: its settled attempts with their idempotency keys and receipts,
+    /// then the permit itself once nothing is left under it. Attempts still in flight,
+    /// awaiting input or uncertain stay (with their permit) until they settle. A call with a
+    /// purged permit's token is denied `permit_invalid`. `off` keeps everything.
+    #[arg(long, env = "ATMOST_PURGE_ENDED_PERMITS_AFTER", default_value = "30d", value_parser = purge_delay)]
+    pub purge_ended_permits_after: PurgeDelay,
     /// An argument field never shown by the admin API, the CLI or the inbox: a member name
     /// (matched at any depth, ignoring ASCII case) or a JSON Pointer (`/card/number`).
     /// Repeatable; in the environment, comma separated.
@@ -191,6 +198,32 @@ pub struct LedgerArgs {
     /// that auditors will recognise.
     #[arg(long, env = "ATMOST_RECEIPT_ISSUER", default_value = "atmost-ledger")]
     pub receipt_issuer: String,
+}
+
+/// `--purge-ended-permits-after`: a delay, or `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PurgeDelay {
+    Off,
+    After(Duration),
+}
+
+impl PurgeDelay {
+    /// The delay, `None` when the purge is off.
+    pub fn delay(self) -> Option<Duration> {
+        match self {
+            PurgeDelay::Off => None,
+            PurgeDelay::After(d) => Some(d),
+        }
+    }
+}
+
+fn purge_delay(s: &str) -> Result<PurgeDelay, String> {
+    if s == "off" {
+        return Ok(PurgeDelay::Off);
+    }
+    humantime::parse_duration(s)
+        .map(PurgeDelay::After)
+        .map_err(|e| format!("{e} (a duration such as 30d or 12h, or off)"))
 }
 
 #[derive(Debug, Args)]

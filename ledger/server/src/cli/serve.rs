@@ -110,6 +110,7 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
             key_refresh: args.signing_key_refresh,
             receipt_issuer: args.receipt_issuer,
             auth_limit: Default::default(),
+            purge_ended_permits_after: args.purge_ended_permits_after.delay(),
         },
         Arc::new(Metrics::new()?),
     ));

@@ -3,6 +3,7 @@ use clap::{CommandFactory, Parser};
 use super::*;
 use atmost_ledger::model::{CostRule, GuardMode};
 use std::path::Path;
+use std::time::Duration;
 
 #[test]
 fn cli_definition_is_consistent() {
@@ -197,4 +198,25 @@ fn tls_needs_both_files_and_the_client_takes_a_ca_file() {
         cli.client.ledger_ca_file.as_deref(),
         Some(Path::new("ca.pem"))
     );
+}
+
+#[test]
+fn the_purge_delay_is_a_duration_or_off_and_thirty_days_by_default() {
+    let delay = |extra: &[&str]| {
+        let mut argv = vec!["atmost", "ledger", "--service-token", "s"];
+        argv.extend_from_slice(extra);
+        let cli = Cli::try_parse_from(argv).map_err(|e| e.to_string())?;
+        let Command::Ledger(args) = cli.command else {
+            panic!("not ledger")
+        };
+        Ok::<_, String>(args.purge_ended_permits_after.delay())
+    };
+    assert_eq!(delay(&[]), Ok(Some(Duration::from_secs(30 * 86_400))));
+    assert_eq!(
+        delay(&["--purge-ended-permits-after", "90s"]),
+        Ok(Some(Duration::from_secs(90)))
+    );
+    assert_eq!(delay(&["--purge-ended-permits-after", "off"]), Ok(None));
+    let refused = delay(&["--purge-ended-permits-after", "soon"]).unwrap_err();
+    assert!(refused.contains("or off"), "{refused}");
 }

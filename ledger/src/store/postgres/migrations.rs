@@ -25,8 +25,8 @@ pub(super) struct Migration {
 /// Versioned migrations, applied in order, each once, recorded in `atmost_migrations`.
 /// Never edit a released one: add the next version. Versions 2 to 4 each changed what
 /// every writer must keep (counters, per-state counts, dispatch rounds), so each needs a
-/// ledger that knows it; 5 only added columns and indexes an older ledger leaves empty, and
-/// 6 a table an older ledger never reads.
+/// ledger that knows it; 5 only added columns and indexes an older ledger leaves empty, 6
+/// and 8 tables an older ledger never reads, 7 a column and 9 indexes.
 pub(super) const RELEASED: &[Migration] = &[
     Migration {
         version: 1,
@@ -201,6 +201,20 @@ CREATE TABLE inbox_sessions (
 );
 "#,
     },
+    Migration {
+        version: 9,
+        compatible_from: 4,
+        description: "the purge of ended permits: permits by expiry and by revocation, keys by attempt",
+        // As in SQLite's version 9. Additive: an older ledger never purges, and serves on a
+        // store a newer one purges (a purged permit's token is unknown to both). The keys'
+        // index serves the foreign key's check when an attempt is deleted, which without it
+        // reads every key.
+        sql: r#"
+CREATE INDEX permits_by_expiry ON permits(expires_at);
+CREATE INDEX permits_revoked ON permits(revoked_at) WHERE revoked_at IS NOT NULL;
+CREATE INDEX idempotency_keys_by_attempt ON idempotency_keys(attempt_id);
+"#,
+    },
 ];
 
 /// The rehearsal of the next schema version (feature `schema-rehearsal`, never released): an
@@ -210,8 +224,8 @@ CREATE TABLE inbox_sessions (
 /// index.
 #[cfg(feature = "schema-rehearsal")]
 const NEXT: &[Migration] = &[Migration {
-    version: 9,
-    compatible_from: 8,
+    version: 10,
+    compatible_from: 9,
     description:
         "rehearsal: the deciding replica per attempt (nullable), attempts by permit and time",
     sql: r#"

@@ -37,6 +37,7 @@ mod keys;
 mod migrations;
 mod options;
 mod outcomes;
+mod purge;
 mod rows;
 #[cfg(feature = "postgres-tests")]
 pub mod testing;
@@ -54,6 +55,7 @@ use deadpool_postgres::{GenericClient, Manager, ManagerConfig, Pool, RecyclingMe
 use tokio_postgres::config::SslMode;
 
 use super::counters::CounterMoves;
+use super::purge::{next_batch, PurgeReport, CANDIDATES_PER_READ};
 use super::reads::{Dialect, ReadQueries, Rows, Statement};
 use super::{Decisions, OutcomeResult, SweepReport};
 use crate::clock::{Deadline, Millis};
@@ -527,6 +529,37 @@ impl Decisions for PgStore {
                 }
                 write_counters(&tx, &moves).await?;
                 tx.commit().await.map_err(pg_err)?;
+            }
+            Ok(report)
+        })
+        .await
+    }
+
+    /// Safe with every replica purging at once: each batch re-reads, under the permit's row
+    /// lock, whether the permit has ended and what is still under it.
+    async fn purge(&self, ended_before: Millis, limit: u64) -> Result<PurgeReport, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let mut report = PurgeReport::default();
+            while report.attempts_purged < limit {
+                let listed = purge::candidates(&*c, ended_before, CANDIDATES_PER_READ).await?;
+                let before = report;
+                for permit_id in &listed {
+                    while let Some(batch) = next_batch(limit, report.attempts_purged) {
+                        let tx = c.transaction().await.map_err(pg_err)?;
+                        let (r, done) =
+                            purge::purge_batch(&tx, permit_id, ended_before, batch).await?;
+                        tx.commit().await.map_err(pg_err)?;
+                        report.absorb(r);
+                        if done {
+                            break;
+                        }
+                    }
+                }
+                // Nothing listed, or nothing of it left to this replica (another one purged
+                // it first): done for this sweep.
+                if report == before {
+                    break;
+                }
             }
             Ok(report)
         })

@@ -152,10 +152,20 @@ CREATE TABLE IF NOT EXISTS inbox_sessions (
 ) WITHOUT ROWID;
 "#;
 
-/// Version 9, the rehearsal of the next schema version (feature `schema-rehearsal`, never
-/// released): as PostgreSQL's version 9, additive.
+/// Version 9: what the purge of ended permits reads (docs/design.md#purging-ended-permits):
+/// permits by expiry and by revocation, and keys by attempt, which the foreign key's check
+/// reads when an attempt is deleted (without it, every key). Additive: an older ledger never
+/// purges.
+pub(super) const MIGRATION_9: &str = r#"
+CREATE INDEX IF NOT EXISTS permits_by_expiry ON permits(expires_at);
+CREATE INDEX IF NOT EXISTS permits_revoked ON permits(revoked_at) WHERE revoked_at IS NOT NULL;
+CREATE INDEX IF NOT EXISTS idempotency_keys_by_attempt ON idempotency_keys(attempt_id);
+"#;
+
+/// Version 10, the rehearsal of the next schema version (feature `schema-rehearsal`, never
+/// released): as PostgreSQL's version 10, additive.
 #[cfg(feature = "schema-rehearsal")]
-const MIGRATION_9: &str = r#"
+const MIGRATION_10: &str = r#"
 ALTER TABLE attempts ADD COLUMN decided_by TEXT;
 CREATE INDEX IF NOT EXISTS attempts_by_permit_created ON attempts(permit_id, created_at);
 "#;
@@ -175,8 +185,9 @@ const COMPATIBLE_FROM: &[(i64, i64)] = &[
     (6, 4),
     (7, 4),
     (8, 4),
+    (9, 4),
     #[cfg(feature = "schema-rehearsal")]
-    (9, 8),
+    (10, 9),
 ];
 
 const COMPAT_TABLE: &str = "CREATE TABLE IF NOT EXISTS atmost_schema_compat (\
@@ -222,9 +233,12 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), LedgerError> {
     if version < 8 {
         tx.execute_batch(MIGRATION_8)?;
     }
-    #[cfg(feature = "schema-rehearsal")]
     if version < 9 {
         tx.execute_batch(MIGRATION_9)?;
+    }
+    #[cfg(feature = "schema-rehearsal")]
+    if version < 10 {
+        tx.execute_batch(MIGRATION_10)?;
     }
     for (v, compatible_from) in COMPATIBLE_FROM {
         tx.execute(

@@ -6,6 +6,7 @@
 mod keys;
 mod migrations;
 mod operations;
+mod purge;
 mod rows;
 mod writer;
 mod writes;
@@ -21,6 +22,7 @@ use atmost_protocol::{AuthorizeRequest, OutcomeReport};
 use rusqlite::config::DbConfig;
 use rusqlite::{params, Connection};
 
+use super::purge::{next_batch, PurgeReport};
 use super::reads::{Dialect, ReadQueries, Rows, Statement};
 use super::{Decisions, OutcomeResult, SweepReport};
 use crate::clock::{Deadline, Millis};
@@ -404,6 +406,21 @@ impl Decisions for SqliteStore {
             Ok(report)
         })
         .await
+    }
+
+    /// One writer operation per batch, so decisions are taken between batches.
+    async fn purge(&self, ended_before: Millis, limit: u64) -> Result<PurgeReport, LedgerError> {
+        let mut report = PurgeReport::default();
+        while let Some(batch) = next_batch(limit, report.attempts_purged) {
+            let r = self
+                .write(move |tx: &GroupTx<'_>| purge::purge_batch(tx, ended_before, batch))
+                .await?;
+            if r == PurgeReport::default() {
+                break;
+            }
+            report.absorb(r);
+        }
+        Ok(report)
     }
 
     async fn ensure_signing_key(&self, now: Millis) -> Result<SigningKey, LedgerError> {
