@@ -244,8 +244,13 @@ pub(super) fn migrations() -> impl Iterator<Item = &'static Migration> {
 impl PgStore {
     pub(super) async fn migrate(&self, schema: Option<&str>) -> Result<(), LedgerError> {
         let schema = schema.map(str::to_string);
+        // A migration may build an index on a large table, and a replica starting beside
+        // another waits for its migrations on the advisory lock: neither is a decision, so
+        // neither runs under the session's timeouts, which the callout timeout bounds.
+        let long_work = self.long_work.clone();
         self.timed(async move |c: &mut deadpool_postgres::Object| {
             let tx = c.transaction().await.map_err(pg_err)?;
+            tx.batch_execute(&long_work).await.map_err(pg_err)?;
             tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
                 .await
                 .map_err(pg_err)?;

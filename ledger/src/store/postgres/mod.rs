@@ -106,9 +106,10 @@ pub struct PgStore {
     outcomes: OutcomeQueue,
     states: StateSets,
     op_timeout: Duration,
-    /// `SET LOCAL statement_timeout` of the reads that may take long (the admin API's, the
-    /// sweep's search): `--pg-statement-timeout`, where the session's is shorter.
-    long_read: String,
+    /// `SET LOCAL statement_timeout` (and `lock_timeout`) of the work that may take long (the
+    /// admin API's reads, the sweep's search, the migrations): `--pg-statement-timeout`, where
+    /// the session's, bounded by the callout timeout, is shorter.
+    long_work: String,
     description: String,
 }
 
@@ -203,10 +204,10 @@ impl PgStore {
             outcomes: Arc::default(),
             states: StateSets::new(),
             op_timeout: opts.connect_timeout + opts.statement_timeout * 2,
-            long_read: format!(
-                "SET LOCAL statement_timeout = {}",
-                opts.statement_timeout.as_millis().max(1)
-            ),
+            long_work: {
+                let ms = opts.statement_timeout.as_millis().max(1);
+                format!("SET LOCAL statement_timeout = {ms}; SET LOCAL lock_timeout = {ms}")
+            },
             description: format!(
                 "{}{}",
                 redact_url(&opts.url),
@@ -229,7 +230,7 @@ impl PgStore {
     ) -> Result<T, LedgerError> {
         // `read` prepares its statement first (a round trip of its own), so nothing may be
         // sent after it before it is answered: one step after another.
-        c.batch_execute(&format!("BEGIN READ ONLY; {}", self.long_read))
+        c.batch_execute(&format!("BEGIN READ ONLY; {}", self.long_work))
             .await
             .map_err(pg_err)?;
         let rows = match read.await {
@@ -705,7 +706,7 @@ impl ReadQueries for PgStore {
                 .start()
                 .await
                 .map_err(pg_err)?;
-            tx.batch_execute(&self.long_read).await.map_err(pg_err)?;
+            tx.batch_execute(&self.long_work).await.map_err(pg_err)?;
             let mut out = Vec::with_capacity(statements.len());
             for s in &statements {
                 out.push(run_statement(&tx, s).await?);

@@ -534,6 +534,43 @@ async fn migrations_are_versioned_idempotent_and_safe_when_replicas_start_togeth
     assert_eq!(versions, known);
 }
 
+/// Migrations are not decisions: a replica that starts while another holds the migration
+/// lock for longer than the session's timeouts (half the callout timeout) waits for it under
+/// `--pg-statement-timeout` and starts, instead of failing its start on `lock_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_waits_for_migrations_past_the_session_timeouts() {
+    let url = database_url();
+    let schema = new_schema();
+    let _cleanup = Cleanup(url.clone(), schema.clone());
+    PgStore::connect(&opts(&url, &schema)).await.unwrap();
+    let mut holder = raw_client(&url).await;
+    // The holder sits idle in its transaction while the other replica starts.
+    holder
+        .batch_execute("SET idle_in_transaction_session_timeout = 0")
+        .await
+        .unwrap();
+    let tx = holder.transaction().await.unwrap();
+    tx.execute(
+        "SELECT pg_advisory_xact_lock($1)",
+        &[&super::migrations::MIGRATION_LOCK],
+    )
+    .await
+    .unwrap();
+    let short = PgOptions {
+        // Session timeouts of 50 ms; the migrations' own: 10 s.
+        callout_timeout: Duration::from_millis(100),
+        statement_timeout: Duration::from_secs(10),
+        ..opts(&url, &schema)
+    };
+    let start = tokio::spawn(async move { PgStore::connect(&short).await.map(|_| ()) });
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    if start.is_finished() {
+        panic!("the start did not wait for the lock: {:?}", start.await);
+    }
+    tx.rollback().await.unwrap();
+    start.await.unwrap().unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn replicas_sweeping_at_once_move_each_attempt_once() {
     let h = PgHarness::new().await;
