@@ -95,8 +95,8 @@ venv-test: $(VENV)/.installed-test
 # `make bench-steady` draws pictures: requirements-bench.txt (requirements.txt and a plotting library).
 venv-bench: $(VENV)/.installed-bench
 
-# requirements-test.txt and requirements-bench.txt each start with requirements.txt.
-$(VENV)/.installed-%: requirements-%.txt requirements.txt
+# requirements-bench.txt starts with requirements.txt; requirements-test.txt with it.
+$(VENV)/.installed-%: requirements-%.txt requirements-bench.txt requirements.txt
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --disable-pip-version-check -r $<
 	touch $@
