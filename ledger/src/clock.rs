@@ -64,6 +64,12 @@ pub struct Deadline(Instant);
 /// Longest part of a callout's timeout kept for the answer's trip back to the filter.
 pub const MAX_REPLY_MARGIN: Duration = Duration::from_millis(100);
 
+/// How long after its arrival a callout waiting `timeout` may still be decided: the timeout
+/// less a tenth of it (at most [`MAX_REPLY_MARGIN`]), kept for the answer's trip back.
+pub fn decision_window(timeout: Duration) -> Duration {
+    timeout.saturating_sub((timeout / 10).min(MAX_REPLY_MARGIN))
+}
+
 impl Deadline {
     pub fn at(instant: Instant) -> Self {
         Deadline(instant)
@@ -78,8 +84,7 @@ impl Deadline {
     /// for it: the answer must leave early enough to travel back, so a tenth of the timeout
     /// (at most [`MAX_REPLY_MARGIN`]) is kept for the trips there and back.
     pub fn of_callout(arrival: Instant, timeout: Duration) -> Self {
-        let margin = (timeout / 10).min(MAX_REPLY_MARGIN);
-        Deadline(arrival + timeout.saturating_sub(margin))
+        Deadline(arrival + decision_window(timeout))
     }
 
     /// Time left (zero once passed).

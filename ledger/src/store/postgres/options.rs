@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use tokio_postgres::config::SslMode;
 
+use crate::clock;
 use crate::error::LedgerError;
 
 /// How to reach the database and how long to wait for it.
@@ -60,14 +61,23 @@ impl PgOptions {
 /// The filter's default `ledger.timeout_ms`.
 pub const DEFAULT_CALLOUT_TIMEOUT: Duration = Duration::from_millis(1000);
 
-/// What every connection's `statement_timeout`, `lock_timeout` and
-/// `idle_in_transaction_session_timeout` are at most: half the callout timeout. A backend
-/// whose ledger went silent mid-transaction (a partition, a replica stopped) is ended, and
-/// the permit locks it holds freed, well before the filter has given up on the decisions
-/// queued behind them; a statement or a lock wait that takes longer fails while its caller
-/// still waits for the answer. Never below 1 ms (0 would turn the timeouts off).
+/// Every connection's `idle_in_transaction_session_timeout`: half the callout timeout. A
+/// backend whose ledger went silent mid-transaction (a partition, a replica stopped) is
+/// ended, and the permit locks it holds freed, well before the filter has given up on the
+/// decisions queued behind them. Never below 1 ms (0 would turn the timeout off).
 pub fn session_bound(opts: &PgOptions) -> Duration {
     (opts.callout_timeout / 2).max(Duration::from_millis(1))
+}
+
+/// Every connection's `statement_timeout` and `lock_timeout`: the time a decision has (the
+/// callout timeout less the answer's way back, [`clock::decision_window`]), or
+/// `--pg-statement-timeout` if shorter. A statement or lock wait past it could not serve its
+/// caller; one within it is left to finish (a lock held briefly by a migration, a slow
+/// moment of the disk) rather than cut at half the time and the call denied.
+pub fn statement_bound(opts: &PgOptions) -> Duration {
+    opts.statement_timeout
+        .min(clock::decision_window(opts.callout_timeout))
+        .max(Duration::from_millis(1))
 }
 
 /// True for a `--store` value that names PostgreSQL.
@@ -126,9 +136,8 @@ pub(super) fn pg_config(opts: &PgOptions) -> Result<tokio_postgres::Config, Ledg
     config.connect_timeout(opts.connect_timeout);
     config.keepalives(true);
     config.keepalives_idle(Duration::from_secs(10));
-    let bound = session_bound(opts);
-    let stmt_ms = opts.statement_timeout.min(bound).as_millis().max(1);
-    let idle_tx_ms = bound.as_millis().max(1);
+    let stmt_ms = statement_bound(opts).as_millis();
+    let idle_tx_ms = session_bound(opts).as_millis();
     let mut options = config.get_options().unwrap_or("").to_string();
     options.push_str(&format!(
         " -c statement_timeout={stmt_ms} -c lock_timeout={stmt_ms} \
@@ -139,4 +148,41 @@ pub(super) fn pg_config(opts: &PgOptions) -> Result<tokio_postgres::Config, Ledg
     }
     config.options(options.trim());
     Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn session_options(opts: &PgOptions) -> String {
+        pg_config(opts)
+            .map(|c| c.get_options().unwrap_or_default().to_string())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn sessions_end_idle_transactions_at_half_the_callout_and_statements_at_its_window() {
+        let opts = PgOptions::new("postgres://atmost@127.0.0.1:5432/atmost");
+        let options = session_options(&opts);
+        for setting in [
+            "statement_timeout=900",
+            "lock_timeout=900",
+            "idle_in_transaction_session_timeout=500",
+        ] {
+            assert!(options.contains(setting), "{setting} in {options}");
+        }
+        let short = PgOptions {
+            statement_timeout: Duration::from_millis(300),
+            callout_timeout: Duration::from_secs(5),
+            ..opts
+        };
+        let options = session_options(&short);
+        for setting in [
+            "statement_timeout=300",
+            "lock_timeout=300",
+            "idle_in_transaction_session_timeout=2500",
+        ] {
+            assert!(options.contains(setting), "{setting} in {options}");
+        }
+    }
 }

@@ -535,7 +535,7 @@ async fn migrations_are_versioned_idempotent_and_safe_when_replicas_start_togeth
 }
 
 /// Migrations are not decisions: a replica that starts while another holds the migration
-/// lock for longer than the session's timeouts (half the callout timeout) waits for it under
+/// lock for longer than the session's timeouts (bounded by the callout timeout) waits for it under
 /// `--pg-statement-timeout` and starts, instead of failing its start on `lock_timeout`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_replica_waits_for_migrations_past_the_session_timeouts() {
@@ -557,7 +557,7 @@ async fn a_replica_waits_for_migrations_past_the_session_timeouts() {
     .await
     .unwrap();
     let short = PgOptions {
-        // Session timeouts of 50 ms; the migrations' own: 10 s.
+        // Session timeouts of 90 ms (statements, locks) and 50 ms (idle); the migrations' own: 10 s.
         callout_timeout: Duration::from_millis(100),
         statement_timeout: Duration::from_secs(10),
         ..opts(&url, &schema)
