@@ -119,6 +119,21 @@ def test_a_key_never_probed_after_recovery_is_a_violation_when_probes_are_requir
     assert v == ["completed key k1 was never probed after recovery"], v
 
 
+def test_a_probe_that_is_its_keys_first_dispatch_answers_with_its_own_execution():
+    # k4's load call was denied by the filter's timeout and nothing was committed: the probe
+    # dispatches it, once. Answered with a replay's text but without being one, it is not.
+    h, executions, rows = good_history()
+    record(h, "c6", "k4", "denied", code="gateway_unavailable")
+    probe = record(h, "c7", "k4", "ok", nonce="cccccccccccc", phase="probe")
+    executions.append(execution(3, probe, "cccccccccccc"))
+    rows.append(row("att_4", "k4", "completed", '{"text":"pay executed nonce=cccccccccccc"}'))
+    roomy = [Permit(PERMIT.id, PERMIT.token, {"pay": 3})]
+    assert check(h, executions, roomy, SECRET, store_rows=rows, acked={"att_1", "att_4"}) == []
+    executions.pop()
+    v = check(h, executions, roomy, SECRET, store_rows=rows, acked={"att_1", "att_4"})
+    assert "completed key k4 did not replay after recovery: ok/None" in v, v
+
+
 def test_a_window_that_holds_too_few_calls_is_a_violation():
     h, executions, rows = good_history()
     h.expect_window("empty", 50.0, 60.0, {"gateway_unavailable"})

@@ -42,6 +42,16 @@ def test_a_fault_that_began_within_a_call_of_the_dispatch_or_before_the_lease_ra
     assert violations == []
 
 
+def test_a_lapsed_reservation_whose_call_was_denied_by_the_filters_timeout_is_explained_by_that():
+    # The filter gave up on the authorize (its key was denied gateway_unavailable) while the
+    # ledger committed it: the reservation lapses to uncertain with no fault around it.
+    lapsed, lost = uncertain(100.0), uncertain(200.0, DC)
+    figures, violations = explain_uncertain([lapsed, lost], [], CALL_BOUND_MS, T0,
+                                            frozenset({lapsed["id"], lost["id"]}))
+    assert figures["explained_by_kind"] == {"callout_given_up": 1}
+    assert len(violations) == 1 and lost["id"] in violations[0], violations
+
+
 def test_an_uncertain_attempt_outside_every_fault_is_a_violation():
     _, violations = explain([uncertain(100.0)], [window("ledger_kill", 10, 15)])
     assert len(violations) == 1 and "explained by no fault" in violations[0] and "none" in violations[0]

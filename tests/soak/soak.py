@@ -37,7 +37,8 @@ from tests.soak.nemesis import KINDS, Faults, Nemesis  # noqa: E402
 from tests.soak.slow_disk import SlowDisk  # noqa: E402
 from tests.soak.stack import CALLOUT_TIMEOUT_S, LEASE_S, ROUTE_TIMEOUT_S, SCHEMA, SoakStack  # noqa: E402
 from tests.soak.verdicts import explain_uncertain, rss_flat, stuck_in_flight, sweep_lateness  # noqa: E402
-from tests.support.history import acked_completions, check, recount_mismatches, wait_settled  # noqa: E402
+from tests.support.history import (acked_completions, check, recount_mismatches, row_owners,  # noqa: E402
+                                  wait_settled)
 from tests.support.pg_pair import PgPair  # noqa: E402
 from tests.support.stack import ROOT, wait_until  # noqa: E402
 
@@ -188,7 +189,10 @@ def main() -> int:
         violations += [f"counter: {m}" for m in recount_mismatches(pair.primary.url, SCHEMA)]
         violations += stuck_in_flight(rows, read_at_ms)
         call_bound_ms = int((CALLOUT_TIMEOUT_S + ROUTE_TIMEOUT_S + 1.0) * 1000)
-        uncertain, unexplained = explain_uncertain(rows, nemesis.windows, call_bound_ms, t0_wall_ms)
+        owners = row_owners(stack.history, rows)
+        denied_keys = {(r.permit_id, r.key) for r in stack.history.calls if r.code == "gateway_unavailable"}
+        given_up = frozenset(a for a, owner in owners.items() if owner in denied_keys)
+        uncertain, unexplained = explain_uncertain(rows, nemesis.windows, call_bound_ms, t0_wall_ms, given_up)
         violations += unexplained
         rss, rss_violations = rss_flat(sampler.samples, ["envoy", *(r.name for r in stack.ledgers)],
                                        min_life(seconds))

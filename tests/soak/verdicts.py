@@ -32,14 +32,23 @@ def uncertain_reasons(row: dict) -> set[str]:
     return set(m.group(1).split(",")) if m else set()
 
 
+# What explains a `lease_expired` attempt whose key was denied `gateway_unavailable`: the
+# filter gave up on that authorize while the ledger committed it (a decision held on its way
+# to the ledger, an answer late or lost after its commit), so nothing was sent and the
+# reservation was left to its lease (docs/faults-and-hostile-input.md, "slow ledger").
+GIVEN_UP = "callout_given_up"
+
+
 def explain_uncertain(rows: list[dict], windows: list[FaultWindow], call_bound_ms: int,
-                      t0_wall_ms: int) -> tuple[dict, list[str]]:
+                      t0_wall_ms: int, given_up: frozenset[str] = frozenset()) -> tuple[dict, list[str]]:
     """Each `uncertain` attempt needs a fault window of a kind that can cause its reason, active
     during the attempt's life: from its dispatch (`created_at`, less `call_bound_ms`: the
     longest a call can run, so a fault that began just before the dispatch counts) to the
     moment its fate was sealed — its lease's end for `lease_expired` (the report had not
     come by then), its last update for a filter's report. An attempt made uncertain by its
-    lease before the lease ran out is a violation too."""
+    lease before the lease ran out is a violation too. `given_up`: the attempts whose key a call
+    was denied `gateway_unavailable`; a `lease_expired` one of them that no fault explains is
+    counted as `GIVEN_UP`."""
     by_kind: Counter = Counter()
     several = 0
     violations = []
@@ -57,6 +66,8 @@ def explain_uncertain(rows: list[dict], windows: list[FaultWindow], call_bound_m
         if causes:
             by_kind[causes[0].kind] += 1
             several += len({w.kind for w in causes}) > 1
+        elif "lease" in reasons and row["id"] in given_up:
+            by_kind[GIVEN_UP] += 1
         else:
             active = [f"{w.kind}@{(w.start_wall_ms - t0_wall_ms) / 1000:.1f}s" for w in windows
                       if w.start_wall_ms <= sealed and (w.end_wall_ms is None or w.end_wall_ms >= begin)]

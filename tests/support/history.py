@@ -437,7 +437,12 @@ def _check_store(history: History, att: Attribution, permits: list[Permit], rows
         if require_probes and not probes and row["state"] in ("completed", "uncertain"):
             v.append(f"{row['state']} key {owner[1]} was never probed after recovery")
         for r in probes[-1:]:
-            if row["state"] == "completed" and not (r.outcome == "ok" and r.replayed):
+            # A key whose earlier calls all failed before a decision committed (denied by the
+            # filter's timeout, the client gone) holds no attempt until the probe: the probe
+            # is then its first dispatch, and its answer the key's one execution's.
+            first = (r.outcome == "ok" and not r.replayed and len(es) == 1
+                     and es[0]["nonce"] in (r.text or ""))
+            if row["state"] == "completed" and not (r.outcome == "ok" and r.replayed) and not first:
                 v.append(f"completed key {owner[1]} did not replay after recovery: {r.outcome}/{r.code}")
             if row["state"] == "uncertain" and not (r.outcome == "denied" and r.code == "delivery_uncertain"):
                 v.append(f"uncertain key {owner[1]} answered {r.outcome}/{r.code}, not delivery_uncertain")
