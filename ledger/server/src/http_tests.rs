@@ -994,6 +994,46 @@ async fn a_bad_dispatch_target_is_refused_and_nothing_is_reserved() {
     assert_eq!(d["decision"], "dispatch", "{d}");
 }
 
+/// A callout timeout the ledger cannot read is refused before anything is decided: the call
+/// is denied, its slot untouched; a readable one (or none: `--callout-timeout`) is decided.
+#[tokio::test]
+async fn an_unreadable_callout_timeout_is_refused_and_nothing_is_reserved() {
+    let s = start().await;
+    let (pid, tok) = s
+        .create_permit(json!({"label": "t", "expires": "1h", "max_calls": {"pay": 1}}))
+        .await;
+    let post = |timeout: &'static str| {
+        s.http
+            .post(s.url("/v1/authorize"))
+            .bearer_auth(SVC)
+            .header(atmost_protocol::CALLOUT_TIMEOUT_HEADER, timeout)
+            .json(&authz(&tok, "k1", "fp1"))
+            .send()
+    };
+    for bad in ["0", "-5", "1.5", "soon", ""] {
+        let resp = post(bad).await.unwrap();
+        let status = resp.status().as_u16();
+        let v: Value = resp.json().await.unwrap_or(Value::Null);
+        assert_eq!(
+            (status, v["error"].as_str()),
+            (400, Some("bad_request")),
+            "{bad:?} → {v}"
+        );
+        assert!(
+            v["message"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("atmost-callout-timeout-ms"),
+            "{v}"
+        );
+    }
+    let (_, shown) = s.get(&format!("/admin/v1/permits/{pid}"), Some(ADM)).await;
+    assert_eq!(shown["usage"]["pay"]["calls_made"], 0);
+    let resp = post(" 2500 ").await.unwrap();
+    let d: Value = resp.json().await.unwrap_or(Value::Null);
+    assert_eq!(d["decision"], "dispatch", "{d}");
+}
+
 /// Every stored private key, read from the database file itself.
 fn stored_private_keys(s: &TestServer) -> Vec<String> {
     let db =
