@@ -3,6 +3,7 @@
 
 use rusqlite::params;
 
+use super::placeholder;
 use super::writer::GroupTx;
 use super::writes::write_counters;
 use crate::clock::Millis;
@@ -10,10 +11,6 @@ use crate::error::LedgerError;
 use crate::store::counters::CounterMoves;
 use crate::store::purge::{Doomed, PurgeReport, PurgeSql, CANDIDATES_PER_READ};
 use crate::store::snapshot::PendingMoves;
-
-fn placeholder(n: u8) -> String {
-    format!("?{n}")
-}
 
 const SQL: PurgeSql = PurgeSql { param: placeholder };
 
