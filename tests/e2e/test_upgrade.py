@@ -161,6 +161,24 @@ def swap(old: Ledger, other: Ledger, log_dir: Path, url: str, schema: str, binar
     return new
 
 
+def why_refused(history: History, envoy: Envoy, ledgers: list[Ledger]) -> str:
+    """What a failure needs to be understood: when each refused call ran (UTC, as the logs
+    print it), why the filter refused it, and what the ledgers warned of."""
+    to_wall = time.time() - time.monotonic()
+
+    def stamp(t: float) -> str:
+        return time.strftime("%H:%M:%S", time.gmtime(t + to_wall)) + f".{int((t + to_wall) % 1 * 1000):03d}"
+
+    calls = [f"{r.phase} {r.code} {stamp(r.started)} .. {stamp(r.ended)} ({r.ended - r.started:.3f} s)"
+             for r in history.calls if r.outcome == "denied" and r.code != "permit_max_calls_exceeded"]
+    filter_lines = [line for line in envoy.log_text().splitlines() if "authorize failed" in line]
+    ledger_lines = [f"{x.name}: {line}" for x in ledgers for line in x.log_text().splitlines()
+                    if '"level":"WARN"' in line or '"level":"ERROR"' in line or "draining" in line
+                    or "stopped" in line or "listening" in line]
+    return "\n".join(["refused calls:", *calls[:10], "the filter's reasons:", *filter_lines[-10:],
+                      "the ledgers' warnings and transitions:", *ledger_lines[-30:]])
+
+
 def wait_decided(ledgers: list[Ledger], since: list[int], calls: int, what: str) -> None:
     """Waits until each replica decided `calls` more authorizations than `since` (the load runs)."""
     wait_until(lambda: all(total(authorize_counts(r)) >= b + calls for r, b in zip(ledgers, since)), 90, what)
@@ -231,11 +249,14 @@ def test_rolling_upgrade_to_the_next_schema_under_load(log_dir, data_root, datab
         assert_invariants(history, upstream.snapshot(), permits, UPSTREAM_SECRET, store_rows=rows, acked=acked,
                           allowed_codes=documented_codes(), require_probes=True)
         phases = {p: sum(1 for r in history.calls if r.phase == p) for p in ("before", "b-replaced", "a-replaced")}
-        print(f"rolling upgrade: {len(history.calls)} calls, {summary}, per phase {phases}")
+        slowest = {p: round(max((r.ended - r.started for r in history.calls if r.phase == p), default=0), 3)
+                   for p in phases}
+        print(f"rolling upgrade: {len(history.calls)} calls, {summary}, per phase {phases}, slowest (s) {slowest}")
         # A planned rollout denies nothing: no call met an unavailable gateway.
         refused = [(r.phase, r.outcome, r.code) for r in history.calls
                    if not (r.outcome == "ok" or (r.outcome == "denied" and r.code == "permit_max_calls_exceeded"))]
-        assert not refused, f"{len(refused)} calls neither dispatched, replayed nor capped: {refused[:10]}"
+        assert not refused, (f"{len(refused)} calls neither dispatched, replayed nor capped: {refused[:10]}\n"
+                             + why_refused(history, envoy, started))
         # What the workload was meant to exercise did happen: dispatches, replays, the cap.
         assert summary.get("ok", 0) > 0 and any(r.replayed for r in history.calls if r.phase != "probe"), summary
         assert summary.get("denied:permit_max_calls_exceeded", 0) > 0, summary

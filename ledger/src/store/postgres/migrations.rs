@@ -1,6 +1,9 @@
 //! The schema: versioned migrations, applied once each under an advisory lock.
 
+use std::time::Duration;
+
 use deadpool_postgres::GenericClient;
+use tokio_postgres::error::SqlState;
 
 use super::column_err;
 use super::{pg_err, PgStore};
@@ -241,86 +244,264 @@ pub(super) fn migrations() -> impl Iterator<Item = &'static Migration> {
     RELEASED.iter().chain(NEXT)
 }
 
+/// How long a migration's statements wait for a table lock before the migration gives way:
+/// rolled back, and tried again after a pause. While a DDL statement waits for its lock,
+/// every statement that comes after it on that table queues behind it, decisions included,
+/// and those have less than a second (the session's `lock_timeout`): a migration that
+/// waited for a long transaction to end would fail them all meanwhile.
+const MIGRATION_LOCK_WAIT: Duration = Duration::from_millis(200);
+/// How many times a migration gives way before the start fails: about 26 s in all, less than
+/// the shipped Deployment's liveness probe allows a pod that does not listen yet (35 s).
+const MIGRATION_TRIES: u32 = 15;
+/// The pause after the first give-way, doubled after each up to [`MIGRATION_PAUSE_MAX`].
+const MIGRATION_PAUSE: Duration = Duration::from_millis(100);
+const MIGRATION_PAUSE_MAX: Duration = Duration::from_secs(2);
+
+/// How one try of the migrations ended.
+enum Try {
+    Done,
+    /// A table lock was not granted within [`MIGRATION_LOCK_WAIT`]; nothing was applied.
+    GaveWay,
+}
+
 impl PgStore {
     pub(super) async fn migrate(&self, schema: Option<&str>) -> Result<(), LedgerError> {
+        let all: Vec<&Migration> = migrations().collect();
+        self.migrate_to(schema, &all, SCHEMA_VERSION).await
+    }
+
+    /// Applies what `list` has and the database lacks; `known` is the newest version this
+    /// ledger knows (the compatibility rule reads it).
+    pub(super) async fn migrate_to(
+        &self,
+        schema: Option<&str>,
+        list: &[&Migration],
+        known: i64,
+    ) -> Result<(), LedgerError> {
+        let mut pause = MIGRATION_PAUSE;
+        for attempt in 1..=MIGRATION_TRIES {
+            match self.try_migrate(schema, list, known).await? {
+                Try::Done => return Ok(()),
+                Try::GaveWay => {
+                    tracing::warn!(
+                        attempt,
+                        lock_wait_ms = MIGRATION_LOCK_WAIT.as_millis() as u64,
+                        "migration gave way: a table it changes is held by another transaction; trying again"
+                    );
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(MIGRATION_PAUSE_MAX);
+                }
+            }
+        }
+        Err(LedgerError::Unavailable(format!(
+            "postgres: the migration could not take its table locks in {MIGRATION_TRIES} tries \
+             (each waits {} ms): a long transaction holds a table it changes",
+            MIGRATION_LOCK_WAIT.as_millis()
+        )))
+    }
+
+    /// One try, in one transaction under the advisory lock: what the database has is read
+    /// first; what it lacks is then sent in one message with the `COMMIT`, so the table locks
+    /// it takes are held for the server's own work only, never across a round trip.
+    async fn try_migrate(
+        &self,
+        schema: Option<&str>,
+        list: &[&Migration],
+        known: i64,
+    ) -> Result<Try, LedgerError> {
         let schema = schema.map(str::to_string);
         // A migration may build an index on a large table, and a replica starting beside
         // another waits for its migrations on the advisory lock: neither is a decision, so
         // neither runs under the session's timeouts, which the callout timeout bounds.
         let long_work = self.long_work.clone();
         self.timed(async move |c: &mut deadpool_postgres::Object| {
-            let tx = c.transaction().await.map_err(pg_err)?;
-            tx.batch_execute(&long_work).await.map_err(pg_err)?;
-            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+            c.batch_execute(&format!("BEGIN; {long_work}"))
                 .await
                 .map_err(pg_err)?;
-            if let Some(s) = schema.as_deref() {
-                // Validated: lowercase letters, digits, '_'.
-                tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {s}"))
-                    .await
-                    .map_err(pg_err)?;
-            }
-            // `compatible_from` came after the table: added where an older ledger made it.
-            tx.batch_execute(
-                "CREATE TABLE IF NOT EXISTS atmost_migrations (\
-                   version INTEGER PRIMARY KEY, description TEXT NOT NULL, \
-                   applied_at TIMESTAMPTZ NOT NULL DEFAULT now());\
-                 ALTER TABLE atmost_migrations ADD COLUMN IF NOT EXISTS compatible_from INTEGER",
-            )
-            .await
-            .map_err(pg_err)?;
-            let applied: Vec<(i32, Option<i32>)> = tx
-                .query(
-                    "SELECT version, compatible_from FROM atmost_migrations ORDER BY version",
-                    &[],
-                )
-                .await
-                .map_err(pg_err)?
-                .iter()
-                .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
-                .collect::<Result<_, tokio_postgres::Error>>()
-                .map_err(column_err)?;
-            let database = applied.iter().map(|m| i64::from(m.0)).max().unwrap_or(0);
-            // Rows written before `compatible_from` existed are released versions this
-            // ledger knows: they require nothing newer.
-            let required = applied
-                .iter()
-                .filter_map(|m| m.1.map(i64::from))
-                .max()
-                .unwrap_or(0);
-            let verdict = check_compatibility(SCHEMA_VERSION, database, required)?;
-            for m in migrations() {
-                if applied.iter().any(|a| a.0 == m.version) {
-                    continue;
+            let read = read_applied(&*c, schema.as_deref(), list, known).await;
+            let (pending, changes) = match read {
+                Ok(read) => read,
+                Err(e) => {
+                    // The connection goes back to the pool: never inside this transaction.
+                    let _ = c.batch_execute("ROLLBACK").await;
+                    return Err(e);
                 }
-                tx.batch_execute(m.sql).await.map_err(pg_err)?;
-                tx.execute(
-                    "INSERT INTO atmost_migrations (version, description, compatible_from) \
-                     VALUES ($1, $2, $3)",
-                    &[&m.version, &m.description, &m.compatible_from],
-                )
-                .await
-                .map_err(pg_err)?;
-                tracing::info!(
-                    version = m.version,
-                    description = m.description,
-                    compatible_from = m.compatible_from,
-                    "migration applied"
-                );
+            };
+            let message = format!(
+                "SET LOCAL lock_timeout = {}; {changes} COMMIT",
+                MIGRATION_LOCK_WAIT.as_millis()
+            );
+            match c.batch_execute(&message).await {
+                Ok(()) => {
+                    for m in &pending {
+                        tracing::info!(
+                            version = m.version,
+                            description = m.description,
+                            compatible_from = m.compatible_from,
+                            "migration applied"
+                        );
+                    }
+                    Ok(Try::Done)
+                }
+                Err(e) => {
+                    // An error ended the message before its `COMMIT`: the transaction is
+                    // aborted, and rolled back here (a warning only if it already ended).
+                    let _ = c.batch_execute("ROLLBACK").await;
+                    if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) {
+                        Ok(Try::GaveWay)
+                    } else {
+                        Err(pg_err(e))
+                    }
+                }
             }
-            for m in migrations() {
-                tx.execute(
-                    "UPDATE atmost_migrations SET compatible_from = $2 \
-                     WHERE version = $1 AND compatible_from IS NULL",
-                    &[&m.version, &m.compatible_from],
-                )
-                .await
-                .map_err(pg_err)?;
-            }
-            log_verdict(verdict, SCHEMA_VERSION);
-            tx.commit().await.map_err(pg_err)?;
-            Ok(())
         })
         .await
+    }
+}
+
+/// Under the advisory lock (taken here): makes sure of the schema and the migrations' table,
+/// checks the compatibility rule, and returns the migrations the database lacks with the
+/// statements that apply and record them, for the caller to send with its `COMMIT`.
+async fn read_applied<C: GenericClient>(
+    c: &C,
+    schema: Option<&str>,
+    list: &[&Migration],
+    known: i64,
+) -> Result<(Vec<Migration>, String), LedgerError> {
+    c.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+        .await
+        .map_err(pg_err)?;
+    if let Some(s) = schema {
+        // Validated: lowercase letters, digits, '_'.
+        c.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {s}"))
+            .await
+            .map_err(pg_err)?;
+    }
+    // The table, and `compatible_from` (it came after the table), only where they are
+    // missing: an `ALTER TABLE` would lock the table the readiness check reads, even when
+    // it has nothing to add.
+    let row = c
+        .query_one(
+            "SELECT to_regclass('atmost_migrations') IS NOT NULL, EXISTS (SELECT 1 FROM pg_attribute \
+             WHERE attrelid = to_regclass('atmost_migrations') AND attname = 'compatible_from' \
+             AND NOT attisdropped)",
+            &[],
+        )
+        .await
+        .map_err(pg_err)?;
+    let (table, column): (bool, bool) = (
+        row.try_get(0).map_err(column_err)?,
+        row.try_get(1).map_err(column_err)?,
+    );
+    if !table {
+        c.batch_execute(
+            "CREATE TABLE atmost_migrations (\
+               version INTEGER PRIMARY KEY, description TEXT NOT NULL, \
+               applied_at TIMESTAMPTZ NOT NULL DEFAULT now(), compatible_from INTEGER)",
+        )
+        .await
+        .map_err(pg_err)?;
+    } else if !column {
+        c.batch_execute("ALTER TABLE atmost_migrations ADD COLUMN compatible_from INTEGER")
+            .await
+            .map_err(pg_err)?;
+    }
+    let applied: Vec<(i32, Option<i32>)> = c
+        .query(
+            "SELECT version, compatible_from FROM atmost_migrations ORDER BY version",
+            &[],
+        )
+        .await
+        .map_err(pg_err)?
+        .iter()
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+        .collect::<Result<_, tokio_postgres::Error>>()
+        .map_err(column_err)?;
+    let database = applied.iter().map(|m| i64::from(m.0)).max().unwrap_or(0);
+    // Rows written before `compatible_from` existed are released versions this ledger
+    // knows: they require nothing newer.
+    let required = applied
+        .iter()
+        .filter_map(|m| m.1.map(i64::from))
+        .max()
+        .unwrap_or(0);
+    let verdict = check_compatibility(known, database, required)?;
+    log_verdict(verdict, known);
+    let pending = list
+        .iter()
+        .filter(|m| !applied.iter().any(|a| a.0 == m.version))
+        .map(|m| **m)
+        .collect();
+    Ok((pending, changes(list, &applied)))
+}
+
+/// The statements that apply the migrations of `list` missing from `applied` and record
+/// each, then fill in `compatible_from` where a row lacks it; empty when nothing is missing.
+fn changes(list: &[&Migration], applied: &[(i32, Option<i32>)]) -> String {
+    let mut out = String::new();
+    for m in list
+        .iter()
+        .filter(|m| !applied.iter().any(|a| a.0 == m.version))
+    {
+        out.push_str(m.sql);
+        out.push_str(&format!(
+            "\nINSERT INTO atmost_migrations (version, description, compatible_from) VALUES ({}, {}, {});\n",
+            m.version,
+            sql_text(m.description),
+            m.compatible_from
+        ));
+    }
+    let backfill: Vec<String> = list
+        .iter()
+        .filter(|m| applied.iter().any(|a| a.0 == m.version && a.1.is_none()))
+        .map(|m| format!("({}, {})", m.version, m.compatible_from))
+        .collect();
+    if !backfill.is_empty() {
+        out.push_str(&format!(
+            "UPDATE atmost_migrations m SET compatible_from = v.c FROM (VALUES {}) AS v(version, c) \
+             WHERE m.version = v.version AND m.compatible_from IS NULL;\n",
+            backfill.join(", ")
+        ));
+    }
+    out
+}
+
+/// A constant of this file as an SQL string literal.
+fn sql_text(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nothing_to_send_when_every_migration_is_recorded() {
+        let applied: Vec<(i32, Option<i32>)> = migrations()
+            .map(|m| (m.version, Some(m.compatible_from)))
+            .collect();
+        let all: Vec<&Migration> = migrations().collect();
+        assert_eq!(changes(&all, &applied), "");
+    }
+
+    #[test]
+    fn missing_migrations_are_applied_and_recorded_and_old_rows_filled_in() {
+        let all: Vec<&Migration> = RELEASED.iter().collect();
+        let applied = [(1, None), (2, Some(2))];
+        let sql = changes(&all, &applied);
+        assert!(
+            !sql.contains("compatible_from) VALUES (1,"),
+            "version 1 is applied already: {sql}"
+        );
+        assert!(sql.contains("VALUES (3, 'attempts per permit"), "{sql}");
+        assert!(sql.contains("(1, 1)") && !sql.contains("(2, 2)"), "{sql}");
+        let third = sql.find("VALUES (3,").unwrap_or(usize::MAX);
+        let fourth = sql.find("VALUES (4,").unwrap_or(0);
+        assert!(third < fourth, "in order: {sql}");
+    }
+
+    #[test]
+    fn descriptions_are_quoted() {
+        assert_eq!(sql_text("it's"), "'it''s'");
     }
 }

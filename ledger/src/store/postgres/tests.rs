@@ -571,19 +571,92 @@ async fn a_replica_waits_for_migrations_past_the_session_timeouts() {
     start.await.unwrap().unwrap();
 }
 
+/// The `i`th call of `pay` under the permit, with a key and fingerprint of its own.
+fn nth_pay(tok: &str, i: usize) -> atmost_protocol::AuthorizeRequest {
+    conformance::req(
+        tok,
+        "pay",
+        Some(&format!("k{i}")),
+        &format!("f{i}"),
+        json!({}),
+    )
+}
+
+/// A migration as the next release might add: a column on the hottest table.
+static NEXT_COLUMN: super::migrations::Migration = super::migrations::Migration {
+    version: 1000,
+    compatible_from: 1,
+    description: "a test's column on attempts",
+    sql: "ALTER TABLE attempts ADD COLUMN gave_way TEXT;",
+};
+
+/// A migration whose `ALTER TABLE` waits for a lock that a long transaction holds (here a
+/// read) gives way after a short wait and tries again later, so the decisions that queue
+/// behind its waiting `ALTER` go through meanwhile; it is applied once the holder ends.
+/// Without giving way, every decision on the table waits for the holder (and, with the
+/// session's `lock_timeout`, fails).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_migration_gives_way_to_a_long_transaction_and_decisions_go_on() {
+    let h = PgHarness::new().await;
+    let s = h.store().await;
+    let (_p, tok) = conformance::make_permit(&*s, conformance::policy(), T0 + 3_600_000).await;
+    let holder = raw_client(&h.url).await;
+    holder
+        .batch_execute(&format!(
+            "SET idle_in_transaction_session_timeout = 0; BEGIN; SELECT count(*) FROM {}.attempts",
+            h.schema
+        ))
+        .await
+        .unwrap();
+    let store = h.first.clone();
+    let schema = h.schema.clone();
+    let migration = tokio::spawn(async move {
+        let list: Vec<&super::migrations::Migration> =
+            migrations().chain(std::iter::once(&NEXT_COLUMN)).collect();
+        store.migrate_to(Some(&schema), &list, 1000).await
+    });
+    // The migration has tried (and waits or pauses) before the decisions arrive.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 0..5 {
+        let r = nth_pay(&tok, i);
+        let decided = tokio::time::timeout(
+            Duration::from_secs(5),
+            s.authorize(&r, LEASE_MS, T0, conformance::patient()),
+        )
+        .await;
+        assert!(
+            matches!(decided, Ok(Ok(_))),
+            "decision {i} while the migration waited: {decided:?}"
+        );
+    }
+    assert!(
+        !migration.is_finished(),
+        "applied while the holder held its lock?"
+    );
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    migration.await.unwrap().unwrap();
+    let version: i32 = holder
+        .query_one(
+            &format!("SELECT max(version) FROM {}.atmost_migrations", h.schema),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(version, 1000);
+    holder
+        .batch_execute(&format!("SELECT gave_way FROM {}.attempts", h.schema))
+        .await
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn replicas_sweeping_at_once_move_each_attempt_once() {
     let h = PgHarness::new().await;
     let s = h.store().await;
     let (_p, tok) = conformance::make_permit(&*s, conformance::policy(), T0 + 3_600_000).await;
     for i in 0..20 {
-        let r = conformance::req(
-            &tok,
-            "pay",
-            Some(&format!("k{i}")),
-            &format!("f{i}"),
-            json!({}),
-        );
+        let r = nth_pay(&tok, i);
         s.authorize(&r, LEASE_MS, T0, conformance::patient())
             .await
             .unwrap();
