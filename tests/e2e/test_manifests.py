@@ -873,6 +873,17 @@ def test_ledger_deployment_service_and_pdb(objs):
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def test_ledger_may_migrate_before_liveness_counts(objs):
+    """A ledger listens only once its migrations are applied (docs/postgresql.md, "Upgrades"):
+    the startup probe gives it ten minutes, and the liveness probe, which counts only after
+    the startup probe passed, has no delay of its own that would stand in for it."""
+    [container] = objs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    startup = container["startupProbe"]
+    assert startup["httpGet"] == {"path": "/healthz", "port": "http2-api"}
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, startup
+    assert "initialDelaySeconds" not in container["livenessProbe"], container["livenessProbe"]
+
+
 def test_ledger_drains_before_the_pod_is_killed(objs):
     """A planned stop denies nothing (docs/postgresql.md, "Upgrades"): the readiness probe sees
     the drain well inside the drain delay, and the grace period covers the delay plus the

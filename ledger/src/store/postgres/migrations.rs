@@ -250,8 +250,8 @@ pub(super) fn migrations() -> impl Iterator<Item = &'static Migration> {
 /// and those have less than a second (the session's `lock_timeout`): a migration that
 /// waited for a long transaction to end would fail them all meanwhile.
 const MIGRATION_LOCK_WAIT: Duration = Duration::from_millis(200);
-/// How many times a migration gives way before the start fails: about 26 s in all, less than
-/// the shipped Deployment's liveness probe allows a pod that does not listen yet (35 s).
+/// How many times a migration gives way before the start fails: about 26 s in all, then the
+/// operator reads why in the log instead of a pod that seems to hang.
 const MIGRATION_TRIES: u32 = 15;
 /// The pause after the first give-way, doubled after each up to [`MIGRATION_PAUSE_MAX`].
 const MIGRATION_PAUSE: Duration = Duration::from_millis(100);
