@@ -319,8 +319,8 @@ impl PgStore {
                 .await
                 .map_err(pg_err)?;
             let read = read_applied(&*c, schema.as_deref(), list, known).await;
-            let (pending, changes) = match read {
-                Ok(read) => read,
+            let plan = match read {
+                Ok(plan) => plan,
                 Err(e) => {
                     // The connection goes back to the pool: never inside this transaction.
                     let _ = c.batch_execute("ROLLBACK").await;
@@ -328,12 +328,13 @@ impl PgStore {
                 }
             };
             let message = format!(
-                "SET LOCAL lock_timeout = {}; {changes} COMMIT",
-                MIGRATION_LOCK_WAIT.as_millis()
+                "SET LOCAL lock_timeout = {}; {} COMMIT",
+                MIGRATION_LOCK_WAIT.as_millis(),
+                plan.sql
             );
             match c.batch_execute(&message).await {
                 Ok(()) => {
-                    for m in &pending {
+                    for m in &plan.pending {
                         tracing::info!(
                             version = m.version,
                             description = m.description,
@@ -360,14 +361,14 @@ impl PgStore {
 }
 
 /// Under the advisory lock (taken here): makes sure of the schema and the migrations' table,
-/// checks the compatibility rule, and returns the migrations the database lacks with the
-/// statements that apply and record them, for the caller to send with its `COMMIT`.
+/// checks the compatibility rule, and returns the [`Plan`] of what the database lacks, for
+/// the caller to send with its `COMMIT`.
 async fn read_applied<C: GenericClient>(
     c: &C,
     schema: Option<&str>,
     list: &[&Migration],
     known: i64,
-) -> Result<(Vec<Migration>, String), LedgerError> {
+) -> Result<Plan, LedgerError> {
     c.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
         .await
         .map_err(pg_err)?;
@@ -427,22 +428,26 @@ async fn read_applied<C: GenericClient>(
         .unwrap_or(0);
     let verdict = check_compatibility(known, database, required)?;
     log_verdict(verdict, known);
-    let pending = list
+    Ok(plan(list, &applied))
+}
+
+/// What one try sends: the migrations the database lacks, and the statements that apply
+/// them, record each and fill in `compatible_from` where a row lacks it (empty when nothing
+/// is missing).
+struct Plan {
+    pending: Vec<Migration>,
+    sql: String,
+}
+
+/// The [`Plan`] for a database whose `atmost_migrations` rows are `applied`.
+fn plan(list: &[&Migration], applied: &[(i32, Option<i32>)]) -> Plan {
+    let pending: Vec<Migration> = list
         .iter()
         .filter(|m| !applied.iter().any(|a| a.0 == m.version))
         .map(|m| **m)
         .collect();
-    Ok((pending, changes(list, &applied)))
-}
-
-/// The statements that apply the migrations of `list` missing from `applied` and record
-/// each, then fill in `compatible_from` where a row lacks it; empty when nothing is missing.
-fn changes(list: &[&Migration], applied: &[(i32, Option<i32>)]) -> String {
     let mut out = String::new();
-    for m in list
-        .iter()
-        .filter(|m| !applied.iter().any(|a| a.0 == m.version))
-    {
+    for m in &pending {
         out.push_str(m.sql);
         out.push_str(&format!(
             "\nINSERT INTO atmost_migrations (version, description, compatible_from) VALUES ({}, {}, {});\n",
@@ -463,7 +468,7 @@ fn changes(list: &[&Migration], applied: &[(i32, Option<i32>)]) -> String {
             backfill.join(", ")
         ));
     }
-    out
+    Plan { pending, sql: out }
 }
 
 /// A constant of this file as an SQL string literal.
@@ -481,14 +486,19 @@ mod tests {
             .map(|m| (m.version, Some(m.compatible_from)))
             .collect();
         let all: Vec<&Migration> = migrations().collect();
-        assert_eq!(changes(&all, &applied), "");
+        let nothing = plan(&all, &applied);
+        assert!(nothing.pending.is_empty());
+        assert_eq!(nothing.sql, "");
     }
 
     #[test]
     fn missing_migrations_are_applied_and_recorded_and_old_rows_filled_in() {
         let all: Vec<&Migration> = RELEASED.iter().collect();
         let applied = [(1, None), (2, Some(2))];
-        let sql = changes(&all, &applied);
+        let plan = plan(&all, &applied);
+        let pending: Vec<i32> = plan.pending.iter().map(|m| m.version).collect();
+        assert_eq!(pending, (3..=9).collect::<Vec<_>>());
+        let sql = plan.sql;
         assert!(
             !sql.contains("compatible_from) VALUES (1,"),
             "version 1 is applied already: {sql}"
