@@ -242,7 +242,7 @@ clean:
 
 ## Benchmarks, not part of `make test` (method and numbers: docs/performance.md):
 ## the latency and CPU atmost adds per call at 1 % and 5 % of plain Envoy's ceiling, setups
-## B/N/S/S2/C/D0/D/Dr/E/E2/E1k, the ledger alone, criterion micro-benchmarks, PASS/FAIL per target.
+## B/N/S/S2/C/D0/D/Da/D1k/Dr/Df/E/Ea/E2/E1k/Vp/V, the ledger alone, criterion micro-benchmarks, PASS/FAIL per target.
 ## Writes target/bench/results.md and results.json. PostgreSQL: its own cluster (Debian's
 ## PostgreSQL 15 binaries); WITH_PG's server only when those are missing.
 .PHONY: bench bench-tools
