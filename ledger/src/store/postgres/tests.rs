@@ -442,6 +442,18 @@ async fn outcome_batches_queued_together_are_applied_in_order() {
     assert_eq!(c.slots_held.get("pay"), Some(&2));
 }
 
+/// The plan PostgreSQL would run `sql` with, as `EXPLAIN` prints it.
+async fn explain(c: &tokio_postgres::Client, sql: &str) -> String {
+    let lines: Vec<String> = c
+        .query(&format!("EXPLAIN {sql}"), &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    lines.join("\n")
+}
+
 /// The lookups of a list of ids or keys probe the unique index once per element, also
 /// when the statistics know nothing of the permit (never analyzed: PostgreSQL then guesses
 /// that one permit holds 0.5 % of the keys, when it holds all of them).
@@ -488,14 +500,7 @@ async fn list_lookups_probe_the_index_per_element_whatever_the_statistics() {
         ),
     ];
     for (name, sql) in statements {
-        let plan: Vec<String> = c
-            .query(&format!("EXPLAIN {sql}"), &[])
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        let text = plan.join("\n");
+        let text = explain(&c, &sql).await;
         assert!(!text.contains("Seq Scan on attempts"), "{name}: {text}");
         assert!(
             !text.contains("Seq Scan on idempotency_keys"),
@@ -535,14 +540,7 @@ async fn the_sweeps_search_reads_the_indexes_of_large_tables() {
     let sql = due_permits_sql()
         .replace("$1", &now.to_string())
         .replace("$2", &(now - shortest).to_string());
-    let plan: Vec<String> = c
-        .query(&format!("EXPLAIN {sql}"), &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    let text = plan.join("\n");
+    let text = explain(&c, &sql).await;
     assert!(!text.contains("Seq Scan on attempts"), "{text}");
     assert!(!text.contains("Seq Scan on permits"), "{text}");
     assert!(text.contains("attempts_prunable"), "{text}");
