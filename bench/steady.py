@@ -487,18 +487,31 @@ def window(i: int, envoy: bench.Envoy, bodies: Path, permits: Path, procs: bench
             "cpu_ms_per_call": cpu}
 
 
+def conclude(res: dict) -> None:
+    """From a run's samples: the checks, the pictures, the report and results.json in
+    bench.OUT, and the verdicts printed."""
+    res["kept_per_call"] = kept_per_call(res)
+    verdicts = checks(res)
+    res["checks"] = [{"check": label, "pass": ok, "measured": detail} for label, ok, detail in verdicts]
+    pictures = plots(res)
+    write_report(res, verdicts, pictures)
+    (bench.OUT / "results.json").write_text(json.dumps(res, indent=1, default=str))
+    for label, ok, detail in verdicts:
+        print(f"{'PASS' if ok else 'FAIL'}  {label}  ({detail})")
+    kept = res["kept_per_call"]
+    if kept:
+        print(f"kept for good per call once the pruner and the purge run: {kept['rows_per_call']:+.4f} rows, "
+              f"{kept['bytes_per_call']:+,.0f} bytes ({kept['gib_per_day_at_rate']:+,.2f} GiB a day at "
+              f"{res['rate']:g} calls/s)")
+    print(f"\nwrote {bench.OUT / 'results.md'}, results.json and {', '.join(pictures)} ({res['wall_seconds']} s)")
+
+
 def report_again(path: Path) -> int:
     """The checks, the pictures and the report written again from a run's results.json (into
     its directory), as this file's rules read them now."""
     res = json.loads(path.read_text())
     bench.OUT = path.parent
-    res["kept_per_call"] = kept_per_call(res)
-    verdicts = checks(res)
-    res["checks"] = [{"check": label, "pass": ok, "measured": detail} for label, ok, detail in verdicts]
-    write_report(res, verdicts, plots(res))
-    path.write_text(json.dumps(res, indent=1, default=str))
-    for label, ok, detail in verdicts:
-        print(f"{'PASS' if ok else 'FAIL'}  {label}  ({detail})")
+    conclude(res)
     return 0
 
 
@@ -578,19 +591,7 @@ def main() -> int:
     finally:
         bench.stop_all(running, pg, pg_url, [NAME])
     res["wall_seconds"] = round(time.monotonic() - began)
-    res["kept_per_call"] = kept_per_call(res)
-    verdicts = checks(res)
-    res["checks"] = [{"check": label, "pass": ok, "measured": detail} for label, ok, detail in verdicts]
-    pictures = plots(res)
-    write_report(res, verdicts, pictures)
-    (bench.OUT / "results.json").write_text(json.dumps(res, indent=1, default=str))
-    for label, ok, detail in verdicts:
-        print(f"{'PASS' if ok else 'FAIL'}  {label}  ({detail})")
-    kept = res["kept_per_call"]
-    if kept:
-        print(f"kept for good per call once the pruner and the purge run: {kept['rows_per_call']:+.4f} rows, "
-              f"{kept['bytes_per_call']:+,.0f} bytes ({kept['gib_per_day_at_rate']:+,.2f} GiB a day at {RATE:g} calls/s)")
-    print(f"\nwrote {bench.OUT / 'results.md'}, results.json and {', '.join(pictures)} ({res['wall_seconds']} s)")
+    conclude(res)
     return 0
 
 
