@@ -159,6 +159,12 @@ impl TestServer {
         (status, resp.json().await.unwrap_or(Value::Null))
     }
 
+    /// What a scrape of `/metrics` reads.
+    pub async fn metrics(&self) -> String {
+        let resp = self.http.get(self.url("/metrics")).send().await.unwrap();
+        resp.text().await.unwrap()
+    }
+
     pub async fn create_permit(&self, body: Value) -> (String, String) {
         let (st, v) = self.post("/admin/v1/permits", Some(ADM), body).await;
         assert_eq!(st, 201, "{v}");
@@ -492,15 +498,7 @@ async fn full_flow_over_http() {
         .await;
     assert_eq!(v["code"], "permit_invalid");
 
-    let text = s
-        .http
-        .get(format!("{}/metrics", s.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = s.metrics().await;
     assert!(
         text.contains(r#"atmost_authorize_total{code="none",decision="dispatch"} 2"#),
         "{text}"
@@ -516,6 +514,43 @@ async fn full_flow_over_http() {
     assert!(text.contains("atmost_sweeps_total 1"));
     let oversold = ["exactly", "once"].join(" ");
     assert!(!text.to_lowercase().contains(&oversold));
+}
+
+/// The store's gauges are read when `/metrics` is scraped (the sweep no longer reads them),
+/// at most once a second.
+#[tokio::test]
+async fn a_scrape_reads_the_attempt_gauges_from_the_store() {
+    let s = start().await;
+    let (_, tok) = s
+        .create_permit(json!({"label": "l", "expires": "1h", "tools": ["pay"]}))
+        .await;
+    // The gauges a scrape shows: in flight, uncertain, seconds uncertain the longest.
+    let gauges = || async {
+        let text = s.metrics().await;
+        [
+            r#"atmost_attempts{state="in_flight"} "#,
+            r#"atmost_attempts{state="uncertain"} "#,
+            "atmost_uncertain_oldest_seconds ",
+        ]
+        .map(|name| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .unwrap_or("missing")
+                .to_string()
+        })
+    };
+    let (_, v) = s
+        .post("/v1/authorize", Some(SVC), authz(&tok, "k1", "fp1"))
+        .await;
+    assert_eq!(v["decision"], "dispatch");
+    assert_eq!(gauges().await, ["1", "0", "0"]);
+
+    // The lease runs out; 30 s later a scrape (a second after the last) reads the change.
+    s.clock.advance_ms(61_000);
+    server::sweep_once(&s.state).await;
+    s.clock.advance_ms(30_000);
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    assert_eq!(gauges().await, ["0", "1", "30"]);
 }
 
 #[tokio::test]

@@ -191,14 +191,14 @@ impl Metrics {
         let attempts = m(IntGaugeVec::new(
             Opts::new(
                 "atmost_attempts",
-                "Attempts per state, as of the last sweep.",
+                "Attempts per state, read from the store when scraped (at most once a second).",
             ),
             &["state"],
         ))?;
         m(registry.register(Box::new(attempts.clone())))?;
         let uncertain_oldest_seconds = m(Gauge::new(
             "atmost_uncertain_oldest_seconds",
-            "Seconds since the attempt uncertain the longest turned uncertain (0 when none is), as of the last sweep.",
+            "Seconds since the attempt uncertain the longest turned uncertain (0 when none is), read from the store when scraped (at most once a second).",
         ))?;
         m(registry.register(Box::new(uncertain_oldest_seconds.clone())))?;
         let draining = m(IntGauge::new(

@@ -444,10 +444,12 @@ async fn the_oldest_uncertain_call_is_a_metric() {
             .map(str::to_string)
     };
     crate::server::sweep_once(&s.state).await;
+    crate::server::read_store_gauges(&s.state).await;
     assert_eq!(gauge(&s).as_deref(), Some("0"));
     let (_, id) = lost_call(&s).await;
     s.clock.advance_ms(90_500);
     crate::server::sweep_once(&s.state).await;
+    crate::server::read_store_gauges(&s.state).await;
     assert_eq!(gauge(&s).as_deref(), Some("90.5"));
     let input = atmost_ledger::decide::ResolveInput {
         executed: true,
@@ -458,6 +460,7 @@ async fn the_oldest_uncertain_call_is_a_metric() {
     };
     s.state.store.resolve_attempt(&id, &input, 0).await.unwrap();
     crate::server::sweep_once(&s.state).await;
+    crate::server::read_store_gauges(&s.state).await;
     assert_eq!(gauge(&s).as_deref(), Some("0"));
 }
 

@@ -218,6 +218,17 @@ CREATE INDEX permits_revoked ON permits(revoked_at) WHERE revoked_at IS NOT NULL
 CREATE INDEX idempotency_keys_by_attempt ON idempotency_keys(attempt_id);
 "#,
     },
+    Migration {
+        version: 10,
+        compatible_from: 4,
+        description: "permits by retention: the sweep's bound read from one end of an index",
+        // As in SQLite's version 10. Additive. The sweep reads the shortest retention of any
+        // permit once a second; without the index that reads every permit (21 ms at 10^5
+        // permits, 37 ms as their pages left the cache).
+        sql: r#"
+CREATE INDEX permits_by_retention ON permits(retention_ms);
+"#,
+    },
 ];
 
 /// The rehearsal of the next schema version (feature `schema-rehearsal`, never released): an
@@ -227,8 +238,8 @@ CREATE INDEX idempotency_keys_by_attempt ON idempotency_keys(attempt_id);
 /// index.
 #[cfg(feature = "schema-rehearsal")]
 const NEXT: &[Migration] = &[Migration {
-    version: 10,
-    compatible_from: 9,
+    version: 11,
+    compatible_from: 10,
     description:
         "rehearsal: the deciding replica per attempt (nullable), attempts by permit and time",
     sql: r#"
@@ -497,7 +508,7 @@ mod tests {
         let applied = [(1, None), (2, Some(2))];
         let plan = plan(&all, &applied);
         let pending: Vec<i32> = plan.pending.iter().map(|m| m.version).collect();
-        assert_eq!(pending, (3..=9).collect::<Vec<_>>());
+        assert_eq!(pending, (3..=10).collect::<Vec<_>>());
         let sql = plan.sql;
         assert!(
             !sql.contains("compatible_from) VALUES (1,"),

@@ -467,7 +467,7 @@ impl Decisions for PgStore {
             let mut report = SweepReport::default();
             // Nothing finished after `now - shortest retention` can be due, so the prunable
             // index is read up to there only (the same bound as in the SQLite store).
-            let shortest: Option<i64> = query(&*c, "SELECT MIN(retention_ms) FROM permits", &[])
+            let shortest: Option<i64> = query(&*c, SHORTEST_RETENTION_SQL, &[])
                 .await?
                 .first()
                 .map(|r| r.try_get(0))
@@ -708,6 +708,10 @@ impl ReadQueries for PgStore {
         .await
     }
 }
+
+/// The shortest retention of any permit: the bound of the sweep's read of the prunable index,
+/// from one end of `permits_by_retention` (schema version 10) however many permits there are.
+pub(super) const SHORTEST_RETENTION_SQL: &str = "SELECT MIN(retention_ms) FROM permits";
 
 /// The permits the sweep has work under: a lease run out (`$1`: now), or a receipt past its
 /// permit's retention (`$2`: now minus the shortest retention of any permit, the bound of

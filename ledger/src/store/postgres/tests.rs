@@ -14,7 +14,7 @@ use serde_json::json;
 use super::migrations::{migrations, RELEASED};
 use super::rows::{attempts_by_keys_sql, load_attempts_sql, LOCK_PERMITS_OF_ATTEMPTS};
 use super::testing::{self, Cleanup};
-use super::{due_permits_sql, PgOptions, PgStore};
+use super::{due_permits_sql, PgOptions, PgStore, SHORTEST_RETENTION_SQL};
 use crate::store::conformance::{self, Harness, LEASE_MS, T0};
 use crate::store::schema::{two_versions_ahead_refusal, SCHEMA_VERSION};
 use crate::store::{Decisions, Reads, Store};
@@ -514,7 +514,8 @@ async fn list_lookups_probe_the_index_per_element_whatever_the_statistics() {
 /// The sweep's search for permits with work reads the indexes, not the tables, once the
 /// tables are large and analyzed: 20,000 completed attempts under 2,000 permits, none due.
 /// (Written as a join with an upper bound alone, PostgreSQL guessed a third of the attempts
-/// due, read the table whole and hashed every permit.)
+/// due, read the table whole and hashed every permit.) So does its bound, the shortest
+/// retention (before schema version 10, a read of every permit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_sweeps_search_reads_the_indexes_of_large_tables() {
     let h = PgHarness::new().await;
@@ -536,7 +537,15 @@ async fn the_sweeps_search_reads_the_indexes_of_large_tables() {
     ))
     .await
     .unwrap();
-    let shortest = 600_001;
+    let text = explain(&c, SHORTEST_RETENTION_SQL).await;
+    assert!(!text.contains("Seq Scan on permits"), "{text}");
+    assert!(text.contains("permits_by_retention"), "{text}");
+    let shortest: i64 = c
+        .query_one(SHORTEST_RETENTION_SQL, &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(shortest, 600_001);
     let sql = due_permits_sql()
         .replace("$1", &now.to_string())
         .replace("$2", &(now - shortest).to_string());

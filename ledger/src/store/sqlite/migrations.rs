@@ -162,10 +162,16 @@ CREATE INDEX IF NOT EXISTS permits_revoked ON permits(revoked_at) WHERE revoked_
 CREATE INDEX IF NOT EXISTS idempotency_keys_by_attempt ON idempotency_keys(attempt_id);
 "#;
 
-/// Version 10, the rehearsal of the next schema version (feature `schema-rehearsal`, never
-/// released): as PostgreSQL's version 10, additive.
+/// Version 10: permits by retention, so the sweep's bound (the shortest retention of any
+/// permit) is read from one end of an index instead of from every permit. Additive.
+pub(super) const MIGRATION_10: &str = r#"
+CREATE INDEX IF NOT EXISTS permits_by_retention ON permits(retention_ms);
+"#;
+
+/// Version 11, the rehearsal of the next schema version (feature `schema-rehearsal`, never
+/// released): as PostgreSQL's version 11, additive.
 #[cfg(feature = "schema-rehearsal")]
-const MIGRATION_10: &str = r#"
+const MIGRATION_11: &str = r#"
 ALTER TABLE attempts ADD COLUMN decided_by TEXT;
 CREATE INDEX IF NOT EXISTS attempts_by_permit_created ON attempts(permit_id, created_at);
 "#;
@@ -186,8 +192,9 @@ const COMPATIBLE_FROM: &[(i64, i64)] = &[
     (7, 4),
     (8, 4),
     (9, 4),
+    (10, 4),
     #[cfg(feature = "schema-rehearsal")]
-    (10, 9),
+    (11, 10),
 ];
 
 const COMPAT_TABLE: &str = "CREATE TABLE IF NOT EXISTS atmost_schema_compat (\
@@ -236,9 +243,12 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), LedgerError> {
     if version < 9 {
         tx.execute_batch(MIGRATION_9)?;
     }
-    #[cfg(feature = "schema-rehearsal")]
     if version < 10 {
         tx.execute_batch(MIGRATION_10)?;
+    }
+    #[cfg(feature = "schema-rehearsal")]
+    if version < 11 {
+        tx.execute_batch(MIGRATION_11)?;
     }
     for (v, compatible_from) in COMPATIBLE_FROM {
         tx.execute(
