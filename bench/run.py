@@ -269,9 +269,11 @@ class OwnPostgres:
     initdb in a fresh directory under the output directory, its own loopback port,
     pg_stat_statements loaded; fsync and synchronous_commit stay at their defaults (on), as a
     production server has them. As root it runs as the `postgres` user (PostgreSQL refuses root).
-    `PRELOAD`: bench/scale.py adds auto_explain (off until it turns it on)."""
+    `PRELOAD`: bench/scale.py adds auto_explain (off until it turns it on). `SETTINGS`: more
+    server settings (`name=value`), e.g. a `shared_buffers` that holds a large store's indexes."""
 
     PRELOAD = "pg_stat_statements"
+    SETTINGS: list[str] = []
 
     def __init__(self, bindir: Path):
         self.bindir = bindir
@@ -294,7 +296,7 @@ class OwnPostgres:
         # --no-sync only spares initdb's own final flush; the server's settings are untouched.
         self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-sync")
         options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir} -c max_connections=200 "
-                   f"-c shared_preload_libraries={self.PRELOAD}")
+                   f"-c shared_preload_libraries={self.PRELOAD}" + "".join(f" -c {s}" for s in self.SETTINGS))
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "server.log"), "-w", "-t", "60",
                   "-o", options, "start")
         self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "bench")
@@ -1239,7 +1241,8 @@ def start_postgres(res: dict) -> tuple[OwnPostgres | None, str | None]:
                            "own_cluster": True,
                            "version": psql(pg.url, "SHOW server_version"),
                            "fsync": psql(pg.url, "SHOW fsync"),
-                           "synchronous_commit": psql(pg.url, "SHOW synchronous_commit")}
+                           "synchronous_commit": psql(pg.url, "SHOW synchronous_commit"),
+                           "shared_buffers": psql(pg.url, "SHOW shared_buffers")}
         log(f"PostgreSQL: {res['postgres']}")
         return pg, pg.url
     url = os.environ.get("DATABASE_URL")

@@ -32,6 +32,8 @@ Environment (besides bench/run.py's BENCH_RATE_SECONDS, BENCH_LEDGER_SECONDS, BE
   BENCH_SCALE_PERMITS   permits of the filled store (default 100000)
   BENCH_SCALE_STORES    "postgres,sqlite" (default both)
   BENCH_SCALE_RATE      percent of B's ceiling for the latency runs (default 1)
+  BENCH_SCALE_PG_SETTINGS  server settings of the bench's PostgreSQL, space-separated
+                        name=value (default none: PostgreSQL's own, shared_buffers 128 MB)
 
 Writes target/bench/scale/results.md and results.json.
 """
@@ -306,6 +308,22 @@ def template(ledger: stack.Ledger, name: str) -> str:
     return created["id"]
 
 
+def wal(store_url: str | None) -> dict:
+    """PostgreSQL's write-ahead log so far (`pg_stat_wal`, the whole cluster): bytes, records
+    and full-page images. A page's first change after a checkpoint writes the whole page
+    into the log, so a store whose index inserts land on pages nobody touched since the last
+    checkpoint writes more per call as it grows; this is how that shows."""
+    if not store_url:
+        return {}
+    row = bench.psql(store_url, "SELECT wal_bytes || ',' || wal_records || ',' || wal_fpi FROM pg_stat_wal")
+    wal_bytes, records, fpi = (float(x) for x in row.split(","))
+    return {"bytes": wal_bytes, "records": records, "fpi": fpi}
+
+
+def per(after: dict, before: dict, n: float) -> dict:
+    return {k: round((after[k] - before[k]) / max(n, 1), 2) for k in after}
+
+
 def measure(name: str, store_url: str | None, pg: bench.OwnPostgres | None, b_ceiling: float,
             mcp_port: int, permit_tokens_name: str) -> dict:
     """The calls at RATE % of B through Envoy, then the ledger alone, on the filled store."""
@@ -324,15 +342,20 @@ def measure(name: str, store_url: str | None, pg: bench.OwnPostgres | None, b_ce
         bodies = bench.body_file(name, [bench.CALL_FRESH])
         prefix = f"{name}-{bench.STAMP}"
         bench.wrk(envoy.url, bodies, 2, prefix + "-warm", permit)
-        before = procs.cpu()
+        before, wal_before = procs.cpu(), wal(store_url)
         r = bench.fixed_rate(envoy.url, bodies, b_ceiling * RATE / 100, prefix + "-rate", permit)
-        after = procs.cpu()
+        after, wal_after = procs.cpu(), wal(store_url)
         done = max(r.get("completed", 0), 1)
         r["cpu_s_per_1000"] = {p: round((after[p] - before[p]) / done * 1000, 4) for p in after}
         if store_url:
+            r["wal_per_call"] = per(wal_after, wal_before, done)
+        if store_url:
             r["pg_statements"] = bench.top_statements(store_url)
         tokens = bench.permit_file(f"{name}-alone", [ledger.create_permit("--tools", "*", label="alone")["token"]])
+        wal_before = wal(store_url)
         alone = bench.ledger_pairs(name, ledger, tokens, store_url, pg=pg)
+        if store_url and alone.get("pairs"):
+            alone["wal_per_pair"] = per(wal(store_url), wal_before, alone["pairs"])
         return {"rate": r, "ledger_alone": alone, "peak_rss_mib": procs.hwm_mib()}
     finally:
         if envoy:
@@ -421,6 +444,20 @@ def write_report(res: dict) -> list[str]:
                                 f"{f[key]:.3f} vs {base[key]:.3f} at the smallest size ({change:+.1%}; limit +10 %)")
     out += ["", "## Within 10 % of the smallest size", "", *[f"- {v}" for v in verdicts], ""]
     for store, sizes in res["stores"].items():
+        rows = [(size, m["rate"].get("wal_per_call"), m["ledger_alone"].get("wal_per_pair")) for size, m in sizes.items()]
+        if not any(call for _, call, _ in rows):
+            continue
+        out += [f"## {store}: write-ahead log per call", "",
+                "`pg_stat_wal` of the whole cluster over the calls at the bench's rate and over the ledger-alone run. "
+                "A full-page image is a page's first change after a checkpoint, written into the log whole.", "",
+                "| attempts | WAL bytes/call | full pages/call | WAL bytes/pair, ledger alone | full pages/pair |",
+                "|---:|---:|---:|---:|---:|"]
+        for size, call, pair in rows:
+            call, pair = call or {}, pair or {}
+            out.append(f"| {int(size):,} | {call.get('bytes', 0):,.0f} | {call.get('fpi', 0):.2f} | "
+                       f"{pair.get('bytes', 0):,.0f} | {pair.get('fpi', 0):.2f} |")
+        out.append("")
+    for store, sizes in res["stores"].items():
         largest = list(sizes)[-1]
         sz = sizes[largest].get("sizes", {})
         out += [f"## {store}: tables and indexes at {int(largest):,} attempts", ""]
@@ -458,6 +495,7 @@ def main() -> int:
         return 2
     # Loaded from the start, off (log_min_duration -1) until the plans are taken.
     bench.OwnPostgres.PRELOAD = "pg_stat_statements,auto_explain"
+    bench.OwnPostgres.SETTINGS = os.environ.get("BENCH_SCALE_PG_SETTINGS", "").split()
     res: dict = {"machine": bench.machine(), "sizes": SIZES, "permits": PREFILL_PERMITS, "rate_percent": RATE,
                  "stores": {}}
     running: list = []
