@@ -277,14 +277,8 @@ async fn assert_plans_use(queries: &[(&str, &str, &str, String)]) {
         c.batch_execute(&format!("PREPARE q{n}{types} AS {sql}"))
             .await
             .unwrap();
-        let plan: Vec<String> = c
-            .query(&format!("EXPLAIN EXECUTE q{n}{args}"), &[])
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        assert!(plan.iter().any(|l| l.contains(index)), "{index}: {plan:?}");
+        let plan = explain(&c, &format!("EXECUTE q{n}{args}")).await;
+        assert!(plan.contains(index), "{index}: {plan}");
     }
 }
 
