@@ -140,9 +140,11 @@ def partition_mid_transaction(pg_url: str, pg_proxy: FaultProxy, permit_id: str,
         holder.run("COMMIT;")
         taken = time.monotonic()
         # The group took the lock, read, answered the ledger: now idle in its transaction,
-        # its writes and COMMIT held on the way.
+        # its writes and COMMIT held on the way. Its session is the one that has a transaction
+        # id (locking a row takes one): the sweeper's read-only transaction, caught between
+        # two of its round trips by the same partition, is idle in transaction too, without.
         idle_sql = ("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'atmost-ledger' "
-                    "AND state = 'idle in transaction'")
+                    "AND state = 'idle in transaction' AND backend_xid IS NOT NULL")
         mid_transaction = False
         while not mid_transaction and time.monotonic() - taken < 0.2:
             mid_transaction = poller.run(idle_sql) == ["1"]
