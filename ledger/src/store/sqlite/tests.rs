@@ -135,7 +135,10 @@ async fn a_failing_op_rolls_back_only_its_savepoint() {
 }
 
 /// The partial indexes' state lists are the model's, and the sweeper's two queries read
-/// those indexes (so a sweep reads its candidates, not the whole history).
+/// those indexes (so a sweep reads its candidates, not the whole history), also under the
+/// planner statistics of a store of ten million attempts over a hundred thousand permits
+/// (what `ANALYZE` wrote for `make bench-scale`'s fill): with those, the receipts' query
+/// left to the planner scanned every permit and read all of its attempts.
 #[tokio::test]
 async fn sweeper_queries_read_the_partial_indexes() {
     use crate::model::AttemptState;
@@ -149,36 +152,49 @@ async fn sweeper_queries_read_the_partial_indexes() {
     )));
     let dir = tempfile::tempdir().unwrap();
     let s = SqliteStore::open_dir(dir.path()).unwrap();
-    let plans = s
-        .write(|c: &super::GroupTx<'_>| {
-            let lease = format!(
-                "EXPLAIN QUERY PLAN SELECT {} FROM attempts a WHERE a.state IN {} AND a.lease_expires_at <= ?1",
-                crate::store::rows::ATTEMPT_COLS,
-                super::states(AttemptState::leased)
-            );
-            let prune = format!(
-                "EXPLAIN QUERY PLAN SELECT {}, p.retention_ms FROM attempts a JOIN permits p ON p.id = a.permit_id \
-                 WHERE a.pruned_at IS NULL AND a.state IN {} \
-                 AND COALESCE(a.finished_at, a.updated_at) <= ?2 \
-                 AND COALESCE(a.finished_at, a.updated_at) + p.retention_ms <= ?1",
-                crate::store::rows::ATTEMPT_COLS,
-                super::states(AttemptState::replays)
-            );
-            let mut out = Vec::new();
-            for sql in [lease, prune] {
-                let mut st = c.prepare(&sql)?;
-                let zeros = vec![0i64; st.parameter_count()];
-                let rows = st.query_map(rusqlite::params_from_iter(zeros), |r| {
-                    r.get::<_, String>(3)
-                })?;
-                out.push(rows.collect::<Result<Vec<_>, _>>()?.join("; "));
-            }
-            Ok::<_, crate::error::LedgerError>(out)
-        })
-        .await
-        .unwrap();
-    assert!(plans[0].contains("attempts_leased"), "{}", plans[0]);
-    assert!(plans[1].contains("attempts_prunable"), "{}", plans[1]);
+    for large in [false, true] {
+        let plans = s
+            .write(move |c: &super::GroupTx<'_>| {
+                if large {
+                    c.execute_batch(
+                        "ANALYZE; DELETE FROM sqlite_stat1; INSERT INTO sqlite_stat1 (tbl, idx, stat) VALUES \
+                         ('attempts', 'sqlite_autoindex_attempts_1', '10013517 1'), \
+                         ('attempts', 'attempts_by_permit_fingerprint', '10013517 101 1 1'), \
+                         ('attempts', 'attempts_prunable', '9613517 1'), \
+                         ('attempts', 'attempts_resolved', '100000 1'), \
+                         ('idempotency_keys', 'sqlite_autoindex_idempotency_keys_1', '10013517 101 1'), \
+                         ('idempotency_keys', 'idempotency_keys_by_attempt', '10013517 1'), \
+                         ('permits', 'sqlite_autoindex_permits_1', '100001 1'), \
+                         ('permits', 'permits_by_retention', '100001 100001'), \
+                         ('permits', 'permits_by_expiry', '100001 100001'); \
+                         ANALYZE sqlite_schema;",
+                    )?;
+                }
+                let mut out = Vec::new();
+                for sql in [super::expired_leases_sql(), super::prunable_receipts_sql()] {
+                    let mut st = c.prepare(&format!("EXPLAIN QUERY PLAN {sql}"))?;
+                    let zeros = vec![0i64; st.parameter_count()];
+                    let rows = st.query_map(rusqlite::params_from_iter(zeros), |r| {
+                        r.get::<_, String>(3)
+                    })?;
+                    out.push(rows.collect::<Result<Vec<_>, _>>()?.join("; "));
+                }
+                Ok::<_, crate::error::LedgerError>(out)
+            })
+            .await
+            .unwrap();
+        assert!(
+            plans[0].contains("attempts_leased"),
+            "{large}: {}",
+            plans[0]
+        );
+        assert!(
+            plans[1].contains("attempts_prunable"),
+            "{large}: {}",
+            plans[1]
+        );
+        assert!(!plans[1].contains("SCAN"), "{large}: {}", plans[1]);
+    }
 }
 
 /// An older file (tables without a schema version, attempts in every state) is migrated
