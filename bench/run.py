@@ -84,6 +84,8 @@ Environment (knobs):
                       (setups Da and Ea add answer_release at_once to it)
   BENCH_PG_BINDIR     PostgreSQL's binaries for the bench's own cluster
                       (default /usr/lib/postgresql/15/bin)
+  BENCH_PG_SETTINGS   more server settings of the bench's own cluster, space-separated,
+                      e.g. "synchronous_commit=off" (an experiment: docs/performance.md)
   DATABASE_URL        the PostgreSQL server used only when the binaries are missing (E, E2,
                       E1k and the ledger alone on PostgreSQL are skipped if neither is there)
 
@@ -270,10 +272,11 @@ class OwnPostgres:
     pg_stat_statements loaded; fsync and synchronous_commit stay at their defaults (on), as a
     production server has them. As root it runs as the `postgres` user (PostgreSQL refuses root).
     `PRELOAD`: bench/scale.py adds auto_explain (off until it turns it on). `SETTINGS`: more
-    server settings (`name=value`), e.g. a `shared_buffers` that holds a large store's indexes."""
+    server settings (`name=value`), e.g. a `shared_buffers` that holds a large store's indexes;
+    BENCH_PG_SETTINGS gives them to `make bench`, and the report prints synchronous_commit as run."""
 
     PRELOAD = "pg_stat_statements"
-    SETTINGS: list[str] = []
+    SETTINGS: list[str] = os.environ.get("BENCH_PG_SETTINGS", "").split()
 
     def __init__(self, bindir: Path):
         self.bindir = bindir
