@@ -6,7 +6,7 @@ use serde_json::{json, Value};
 /// The smallest accepted configuration (`hmac` upstream keys).
 pub(crate) fn minimal() -> Value {
     json!({
-        "ledger": {"cluster": "atmost_ledger", "service_token": "svc-token"},
+        "ledger": {"cluster": "atmost_ledger", "service_token": "svc-token-0123456789abcdef0123456789"},
         "upstream_key": {"secret": "0123456789abcdef0123"}
     })
 }

@@ -35,6 +35,8 @@ pub const MIN_SECRET_BYTES: usize = 16;
 pub const DEFAULT_SIGNATURE_VALIDITY_S: u64 = 15;
 /// Longest accepted `signature_validity_s`: the longest validity the ledger signs.
 pub use atmost_protocol::signature::MAX_VALIDITY_S;
+/// Shortest accepted `ledger.service_token`, in bytes: the ledger's own minimum.
+pub use atmost_protocol::MIN_SERVICE_TOKEN_BYTES;
 /// The request headers the filter reads or writes besides the permit header. The permit
 /// header may not be one of them, and the filter refuses a request that carries one under
 /// another spelling (`_` for `-`): WSGI, Rack and CGI servers read `Idempotency_Key` and
@@ -578,6 +580,17 @@ impl Config {
                 "must be printable ASCII (it is sent in an HTTP header)",
             ));
         }
+        // The ledger refuses to start with a shorter one, so this token could never be
+        // accepted: every governed call would fail closed at run time instead of here.
+        if service_token.len() < MIN_SERVICE_TOKEN_BYTES {
+            return Err(err(
+                "ledger.service_token",
+                format!(
+                    "is {} bytes long; it must be at least {MIN_SERVICE_TOKEN_BYTES}, as the ledger requires (make one with `openssl rand -hex 32`)",
+                    service_token.len()
+                ),
+            ));
+        }
 
         let permit_header = top
             .string("permit_header")?
@@ -720,7 +733,7 @@ mod tests {
 
     fn minimal() -> Value {
         json!({
-            "ledger": {"cluster": "atmost_ledger", "service_token": "svc-token"},
+            "ledger": {"cluster": "atmost_ledger", "service_token": "svc-token-0123456789abcdef0123456789"},
             "upstream_key": {"secret": "0123456789abcdef0123"}
         })
     }
@@ -812,7 +825,7 @@ mod tests {
     #[test]
     fn secrets_can_come_from_the_vms_environment() {
         let env = |name: &str| match name {
-            "ATMOST_SERVICE_TOKEN" => Some("svc-from-env".to_string()),
+            "ATMOST_SERVICE_TOKEN" => Some("svc-from-env-0123456789abcdef0123456789".to_string()),
             "ATMOST_UPSTREAM_KEY_SECRET" => Some("0123456789abcdef-from-env".to_string()),
             "EMPTY" => Some(String::new()),
             _ => None,
@@ -823,7 +836,10 @@ mod tests {
             "upstream_key": {"secret_env": "ATMOST_UPSTREAM_KEY_SECRET"}
         });
         let c = parse(&from_env).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(c.ledger.service_token, "svc-from-env");
+        assert_eq!(
+            c.ledger.service_token,
+            "svc-from-env-0123456789abcdef0123456789"
+        );
         assert_eq!(
             c.upstream_key,
             UpstreamKey::Hmac {
@@ -853,7 +869,7 @@ mod tests {
         );
         assert_eq!(
             refused(json!({
-                "ledger": {"cluster": "c", "service_token": "t", "service_token_env": "ATMOST_SERVICE_TOKEN"},
+                "ledger": {"cluster": "c", "service_token": "svc-token-0123456789abcdef0123456789", "service_token_env": "ATMOST_SERVICE_TOKEN"},
                 "upstream_key": {"mode": "off"}
             }))
             .0,
@@ -861,7 +877,7 @@ mod tests {
         );
         assert_eq!(
             refused(json!({
-                "ledger": {"cluster": "c", "service_token": "t"},
+                "ledger": {"cluster": "c", "service_token": "svc-token-0123456789abcdef0123456789"},
                 "upstream_key": {"mode": "raw", "secret_env": "ATMOST_UPSTREAM_KEY_SECRET"}
             }))
             .0,
@@ -870,12 +886,46 @@ mod tests {
         // The length rule holds for a secret from the environment too.
         let short = |name: &str| (name == "SHORT").then(|| "short".to_string());
         let r = Config::parse_with_env(
-            json!({"ledger": {"cluster": "c", "service_token": "t"}, "upstream_key": {"secret_env": "SHORT"}})
+            json!({"ledger": {"cluster": "c", "service_token": "svc-token-0123456789abcdef0123456789"}, "upstream_key": {"secret_env": "SHORT"}})
                 .to_string()
                 .as_bytes(),
             &short,
         );
         assert_eq!(r.err().map(|e| e.field), Some("upstream_key.secret".into()));
+    }
+
+    #[test]
+    fn a_service_token_the_ledger_would_refuse_is_refused_here() {
+        let with_token = |token: &str| json!({"ledger": {"cluster": "c", "service_token": token}, "upstream_key": {"mode": "off"}});
+        let shortest = "s".repeat(MIN_SERVICE_TOKEN_BYTES);
+        let c = Config::parse(with_token(&shortest).to_string().as_bytes());
+        assert_eq!(
+            c.map(|c| c.ledger.service_token).ok(),
+            Some(shortest.clone())
+        );
+        let one_short = &shortest[1..];
+        let (field, text) = match Config::parse(with_token(one_short).to_string().as_bytes()) {
+            Ok(_) => panic!("accepted a {}-byte token", one_short.len()),
+            Err(e) => (e.field.clone(), e.to_string()),
+        };
+        assert_eq!(field, "ledger.service_token");
+        assert!(
+            text.contains("is 31 bytes long") && text.contains("at least 32"),
+            "{text}"
+        );
+        assert!(!text.contains(one_short), "the token is echoed: {text}");
+        // From the VM's environment too.
+        let env = |name: &str| (name == "SHORT").then(|| one_short.to_string());
+        let r = Config::parse_with_env(
+            json!({"ledger": {"cluster": "c", "service_token_env": "SHORT"}, "upstream_key": {"mode": "off"}})
+                .to_string()
+                .as_bytes(),
+            &env,
+        );
+        assert_eq!(
+            r.err().map(|e| e.field),
+            Some("ledger.service_token".into())
+        );
     }
 
     #[test]
@@ -920,7 +970,7 @@ mod tests {
     #[test]
     fn full_example_parses() {
         let c = config_from(&json!({
-          "ledger": {"cluster": "atmost_ledger", "authority": "ledger.local", "timeout_ms": 250, "service_token": "t"},
+          "ledger": {"cluster": "atmost_ledger", "authority": "ledger.local", "timeout_ms": 250, "service_token": "svc-token-0123456789abcdef0123456789"},
           "permit_header": "X-Agent-Permit",
           "governed_tools": ["pay_invoice", "send_email"],
           "key_required_tools": ["*"],
@@ -938,7 +988,7 @@ mod tests {
         assert_eq!(c.denial_format, DenialFormat::Error);
         assert_eq!(c.ledger.timeout_ms, 250);
         let c = config_from(
-            &json!({"ledger": {"cluster": "c", "service_token": "t"}, "upstream_key": {"mode": "raw"}}),
+            &json!({"ledger": {"cluster": "c", "service_token": "svc-token-0123456789abcdef0123456789"}, "upstream_key": {"mode": "raw"}}),
         );
         assert_eq!(c.upstream_key, UpstreamKey::Raw);
     }

@@ -404,7 +404,7 @@ mod tests {
             assert!(text.contains("gateway setting"), "{text}");
         }
         let gateway = json!({
-            "ledger": {"cluster": "c", "service_token": "t"},
+            "ledger": {"cluster": "c", "service_token": "svc-token-0123456789abcdef0123456789"},
             "upstream_key": {"mode": "off"},
             "verify": {"jwks": {"cluster": "ledger"}}
         });
@@ -422,7 +422,7 @@ mod tests {
 
     #[test]
     fn role_gateway_is_the_default_and_may_be_named() {
-        let v = json!({"role": "gateway", "ledger": {"cluster": "c", "service_token": "t"}, "upstream_key": {"mode": "off"}});
+        let v = json!({"role": "gateway", "ledger": {"cluster": "c", "service_token": "svc-token-0123456789abcdef0123456789"}, "upstream_key": {"mode": "off"}});
         assert!(matches!(
             PluginConfig::parse(v.to_string().as_bytes()),
             Ok(PluginConfig::Gateway(_))

@@ -86,14 +86,14 @@ use std::rc::Rc;
 mod answer;
 
 const CONFIGS: [&str; 8] = [
-    r#"{"ledger":{"cluster":"l","service_token":"t"},"upstream_key":{"secret":"0123456789abcdef0123"}}"#,
-    r#"{"ledger":{"cluster":"l","service_token":"t"},"upstream_key":{"mode":"raw"},"denial_format":"error","max_body_bytes":64,"max_receipt_bytes":48,"governed_tools":["pay"]}"#,
-    r#"{"ledger":{"cluster":"l","service_token":"t"},"upstream_key":{"mode":"off"},"key_required_tools":["*"],"permit_header":"x-permit","answer_release":"at_once"}"#,
-    r#"{"ledger":{"cluster":"l","service_token":"t"},"upstream_key":{"secret":"0123456789abcdef0123"},"max_body_bytes":1,"max_receipt_bytes":1}"#,
-    r#"{"ledger":{"cluster":"l","service_token":"t"},"upstream_key":{"secret":"0123456789abcdef0123"},"request_hold":"body","completion_reports":"per_call"}"#,
-    r#"{"ledger":{"cluster":"l","service_token":"t"},"upstream_key":{"mode":"raw"},"request_hold":"body","tools_list_limits":true,"governed_tools":["pay","refund"],"denial_format":"error"}"#,
-    r#"{"ledger":{"cluster":"l","service_token":"t"},"upstream_key":{"secret":"0123456789abcdef0123"},"tools_list_limits":true,"governed_tools":["pay","echo"],"completion_reports":"per_call"}"#,
-    r#"{"ledger":{"cluster":"l","service_token":"t"},"upstream_key":{"mode":"off"},"request_hold":"body","tools_list_limits":true,"key_required_tools":["*"],"permit_header":"x-permit","max_receipt_bytes":96}"#,
+    r#"{"ledger":{"cluster":"l","service_token":"svc-token-0123456789abcdef0123456789"},"upstream_key":{"secret":"0123456789abcdef0123"}}"#,
+    r#"{"ledger":{"cluster":"l","service_token":"svc-token-0123456789abcdef0123456789"},"upstream_key":{"mode":"raw"},"denial_format":"error","max_body_bytes":64,"max_receipt_bytes":48,"governed_tools":["pay"]}"#,
+    r#"{"ledger":{"cluster":"l","service_token":"svc-token-0123456789abcdef0123456789"},"upstream_key":{"mode":"off"},"key_required_tools":["*"],"permit_header":"x-permit","answer_release":"at_once"}"#,
+    r#"{"ledger":{"cluster":"l","service_token":"svc-token-0123456789abcdef0123456789"},"upstream_key":{"secret":"0123456789abcdef0123"},"max_body_bytes":1,"max_receipt_bytes":1}"#,
+    r#"{"ledger":{"cluster":"l","service_token":"svc-token-0123456789abcdef0123456789"},"upstream_key":{"secret":"0123456789abcdef0123"},"request_hold":"body","completion_reports":"per_call"}"#,
+    r#"{"ledger":{"cluster":"l","service_token":"svc-token-0123456789abcdef0123456789"},"upstream_key":{"mode":"raw"},"request_hold":"body","tools_list_limits":true,"governed_tools":["pay","refund"],"denial_format":"error"}"#,
+    r#"{"ledger":{"cluster":"l","service_token":"svc-token-0123456789abcdef0123456789"},"upstream_key":{"secret":"0123456789abcdef0123"},"tools_list_limits":true,"governed_tools":["pay","echo"],"completion_reports":"per_call"}"#,
+    r#"{"ledger":{"cluster":"l","service_token":"svc-token-0123456789abcdef0123456789"},"upstream_key":{"mode":"off"},"request_hold":"body","tools_list_limits":true,"key_required_tools":["*"],"permit_header":"x-permit","max_receipt_bytes":96}"#,
 ];
 
 /// A token of the ledger's shape, naming permit `pmt_0123456789abcdef01234567`.

@@ -33,6 +33,11 @@ pub const LIMITS_PATH: &str = "/v1/limits";
 /// (answered 503). A ledger that does not know the header ignores it; without it, the ledger
 /// assumes its `--callout-timeout`.
 pub const CALLOUT_TIMEOUT_HEADER: &str = "atmost-callout-timeout-ms";
+/// Shortest service token, in bytes, that either side accepts: the ledger refuses to start
+/// with a shorter `--service-token` (or `--admin-token`), and the filter refuses a
+/// configuration whose `ledger.service_token` is shorter, which could never be accepted.
+/// 32 random bytes (`openssl rand -hex 32` prints 64 characters) are out of any guesser's reach.
+pub const MIN_SERVICE_TOKEN_BYTES: usize = 32;
 /// Most tools one [`LimitsRequest`] may name.
 pub const MAX_LIMITS_TOOLS: usize = 1000;
 

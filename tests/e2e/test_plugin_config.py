@@ -11,8 +11,12 @@ import yaml
 
 from tests.support.stack import VENV_BIN, ledger_binary, sidecar_config
 
+# 35 bytes: the ledger, and so the filter, refuse a service token under 32.
+SERVICE_TOKEN = "demo-service-token-0123456789abcdef"
+SHORT_TOKEN = "demo-service-token-0123456789ab"  # 31 bytes
+
 GOOD = {
-    "ledger": {"cluster": "atmost_ledger", "service_token": "demo-service-token"},
+    "ledger": {"cluster": "atmost_ledger", "service_token": SERVICE_TOKEN},
     "upstream_key": {"mode": "hmac", "secret": "demo-upstream-key-secret"},
 }
 
@@ -23,7 +27,9 @@ BAD = [
     ("ledger.timeout_ms", {**GOOD, "ledger": {**GOOD["ledger"], "timeout_ms": 0}}),
     ("upstream_key.secret", {**GOOD, "upstream_key": {"mode": "hmac", "secret": "short"}}),
     ("denial_format", {**GOOD, "denial_format": "xml"}),
-    ("ledger.cluster", {**GOOD, "ledger": {"service_token": "t"}}),
+    ("ledger.cluster", {**GOOD, "ledger": {"service_token": SERVICE_TOKEN}}),
+    # A token the ledger would never accept: refused here, not by every call at run time.
+    ("ledger.service_token", {**GOOD, "ledger": {**GOOD["ledger"], "service_token": SHORT_TOKEN}}),
     ("governed_tool", {**GOOD, "governed_tool": ["pay_invoice"]}),  # a typo of governed_tools
     ("answer_release", {**GOOD, "answer_release": "later"}),
     # Released at once, a request's own report callout would die with the request.

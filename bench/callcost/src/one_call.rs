@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 
 /// A call with its key in `_meta` and three arguments.
 pub const CALL: &[u8] = br#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"pay_invoice","arguments":{"invoice":"INV-1","amount":250,"memo":"quarterly"},"_meta":{"dev.atmost/idempotency-key":"task-4417-pay"}}}"#;
-pub const CONFIG: &[u8] = br#"{"ledger":{"cluster":"atmost_ledger","service_token":"svc"},"upstream_key":{"mode":"hmac","secret":"0123456789abcdef0123"}}"#;
+pub const CONFIG: &[u8] = br#"{"ledger":{"cluster":"atmost_ledger","service_token":"svc-token-0123456789abcdef0123456789"},"upstream_key":{"mode":"hmac","secret":"0123456789abcdef0123"}}"#;
 /// A permit token of the ledger's shape, and the permit it names.
 const TOKEN: &[u8] =
     b"atmp_pmt_0123456789abcdef01234567_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";

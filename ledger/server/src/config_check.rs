@@ -94,7 +94,7 @@ mod tests {
     };
 
     const GATEWAY: &[u8] =
-        br#"{"ledger":{"cluster":"atmost_ledger","service_token":"t","timeout_ms":1000},"upstream_key":{"mode":"off"}}"#;
+        br#"{"ledger":{"cluster":"atmost_ledger","service_token":"svc-token-0123456789abcdef0123456789","timeout_ms":1000},"upstream_key":{"mode":"off"}}"#;
 
     #[test]
     fn a_lease_that_does_not_exceed_the_callout_and_route_timeouts_is_refused() {
@@ -125,7 +125,7 @@ mod tests {
     #[test]
     fn a_valid_config_is_summarised() {
         let ok = check_bytes(
-            br#"{"ledger":{"cluster":"atmost_ledger","service_token":"t"},"upstream_key":{"mode":"off"}}"#,
+            br#"{"ledger":{"cluster":"atmost_ledger","service_token":"svc-token-0123456789abcdef0123456789"},"upstream_key":{"mode":"off"}}"#,
             &SHIPPED,
         );
         assert!(
@@ -137,7 +137,7 @@ mod tests {
     #[test]
     fn a_bad_config_gives_the_filters_error_naming_the_field() {
         let bad = check_bytes(
-            br#"{"ledger":{"cluster":"atmost_ledger","service_token":"t","timeout_ms":0},"upstream_key":{"mode":"off"}}"#,
+            br#"{"ledger":{"cluster":"atmost_ledger","service_token":"svc-token-0123456789abcdef0123456789","timeout_ms":0},"upstream_key":{"mode":"off"}}"#,
             &SHIPPED,
         );
         let line = bad.err().unwrap_or_default();

@@ -20,9 +20,9 @@ use atmost_ledger::store::postgres::{self, PgOptions, PgStore};
 use atmost_ledger::store::sqlite::SqliteStore;
 use atmost_ledger::store::Store;
 
-/// Shortest service or admin token the ledger starts with, in bytes: 32 random bytes
-/// (`openssl rand -hex 32` prints 64 characters) are out of any guesser's reach.
-pub const MIN_TOKEN_BYTES: usize = 32;
+/// Shortest service or admin token the ledger starts with, in bytes: the filter's
+/// configuration refuses a shorter service token by the same figure.
+pub const MIN_TOKEN_BYTES: usize = atmost_protocol::MIN_SERVICE_TOKEN_BYTES;
 
 /// Refuses a missing, short or shared pair of tokens, naming the flag at fault.
 pub(super) fn check_tokens(service_token: &str, admin_token: &str) -> Result<(), CliError> {
