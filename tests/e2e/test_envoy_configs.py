@@ -39,7 +39,7 @@ SHIPPED = sorted(p for p in (ROOT / "envoy").rglob("*.yaml") if is_envoy_config(
 
 TOKEN_VAR, SECRET_VAR = "ATMOST_SERVICE_TOKEN", "ATMOST_UPSTREAM_KEY_SECRET"
 # Values for validation only: `envoy --mode validate` runs the filter's on_configure, which reads them.
-VALIDATION_ENV = {TOKEN_VAR: "validation-service-token", SECRET_VAR: "validation-upstream-key-secret"}
+VALIDATION_ENV = {TOKEN_VAR: "validation-service-token-of-32-bytes", SECRET_VAR: "validation-upstream-key-secret"}
 # What a container on the pod's loopback can GET from the admin port (Envoy 1.40).
 ADMIN_READS = ["/config_dump", "/config_dump?include_eds", "/stats", "/stats?usedonly", "/stats/prometheus",
                "/clusters", "/clusters?format=json", "/listeners", "/server_info", "/runtime", "/certs", "/memory",

@@ -499,7 +499,7 @@ def test_rendered_config_passes_envoy_validate(mcp, module_server, tmp_path):
     assert all(wasm["name"] in r["typed_per_filter_config"] for r in routes)
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(config))
-    result = validate_envoy_config(path, env=secret_env(mcp, "validation-service-token"))
+    result = validate_envoy_config(path, env=secret_env(mcp, "validation-service-token-of-32-bytes"))
     assert result.returncode == 0, result.stdout + result.stderr
 
 

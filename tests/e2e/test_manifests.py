@@ -66,7 +66,7 @@ EXTERNAL_PROVIDER = "overlays/external-provider"
 # The filter's secrets: the sidecar's environment variables they come from, in this order.
 SECRET_ENV = ["ATMOST_SERVICE_TOKEN", "ATMOST_UPSTREAM_KEY_SECRET"]
 # `envoy --mode validate` runs the filter's on_configure, which reads them.
-VALIDATION_ENV = {"ATMOST_SERVICE_TOKEN": "validation-service-token",
+VALIDATION_ENV = {"ATMOST_SERVICE_TOKEN": "validation-service-token-of-32-bytes",
                   "ATMOST_UPSTREAM_KEY_SECRET": "validation-upstream-key-secret"}
 # The ledger's Secret: its keys, and the environment variable each one feeds.
 LEDGER_SECRET_KEYS = {"service-token": "ATMOST_SERVICE_TOKEN", "admin-token": "ATMOST_ADMIN_TOKEN",
