@@ -586,7 +586,7 @@ impl Config {
             return Err(err(
                 "ledger.service_token",
                 format!(
-                    "is {} bytes long; it must be at least {MIN_SERVICE_TOKEN_BYTES}, as the ledger requires (make one with `openssl rand -hex 32`)",
+                    "must be at least {MIN_SERVICE_TOKEN_BYTES} bytes long, as the ledger requires; this one has {} (make one with `openssl rand -hex 32`)",
                     service_token.len()
                 ),
             ));
@@ -910,7 +910,7 @@ mod tests {
         };
         assert_eq!(field, "ledger.service_token");
         assert!(
-            text.contains("is 31 bytes long") && text.contains("at least 32"),
+            text.contains("at least 32 bytes") && text.contains("this one has 31"),
             "{text}"
         );
         assert!(!text.contains(one_short), "the token is echoed: {text}");
