@@ -223,6 +223,25 @@ def reaped_children_cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+def context_switches(pid: int) -> int:
+    """Voluntary and involuntary context switches of every thread the process has now: how
+    often it slept and was woken, a count that, unlike CPU time, hardly depends on what a
+    wake-up costs on the machine at hand."""
+    total = 0
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return 0
+    for task in tasks:
+        try:
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                    total += int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 def status_kib(pid: int, field: str) -> int:
     """A memory figure of /proc/PID/status, KiB: VmHWM (the peak resident set), VmRSS (now)."""
     try:
@@ -372,6 +391,10 @@ class Procs:
     def cpu(self) -> dict[str, float]:
         return {n: sum(cpu_seconds(p) for p in f()) + (self.reaped[n]() if n in self.reaped else 0.0)
                 for n, f in self.groups.items()}
+
+    def switches(self) -> dict[str, int]:
+        """Context switches of each group's live processes (one that exited takes its count along)."""
+        return {n: sum(context_switches(p) for p in f()) for n, f in self.groups.items()}
 
     def hwm_mib(self) -> dict[str, float]:
         return {n: round(sum(hwm_kib(p) for p in f()) / 1024, 1) for n, f in self.groups.items()}
@@ -706,11 +729,12 @@ def run_setup(name: str, envoy: Envoy, procs: Procs, b_ceiling: float | None, pe
     for percent in RATES if with_rates else ():
         # CPU per request at a fixed rate: the cost of a request when nothing is saturated
         # (at the ceiling, time slices fight for 2 cores and the per-request cost grows).
-        before = procs.cpu()
+        before, switched = procs.cpu(), procs.switches()
         r = fixed_rate(envoy.url, bodies, base * percent / 100, f"{prefix}-r{percent:g}", permit)
-        after = procs.cpu()
+        after, switched_after = procs.cpu(), procs.switches()
         done = max(r.get("completed", 0), 1)
         r["cpu_s_per_1000"] = {p: round((after[p] - before[p]) / done * 1000, 4) for p in after}
+        r["switches_per_call"] = {p: round((switched_after[p] - switched[p]) / done, 1) for p in switched_after}
         if "loadgen_cpu_s" in r:
             r["cpu_s_per_1000"]["loadgen"] = round(r.pop("loadgen_cpu_s") / done * 1000, 4)
         rates[rate_label(percent)] = r
@@ -928,6 +952,19 @@ def added_cell(setup: dict, b: dict, rate: str, key: str) -> str:
     return f"{d:+.2f}" + (" (overloaded)" if setup["rates"][rate].get("overloaded") else "")
 
 
+def per_process_table(s: dict, rate: str, field: str, form: str, title: str, text: str) -> list[str]:
+    """A table of one per-process figure of the fixed-rate runs at `rate`, a row per setup;
+    nothing when no setup measured it."""
+    names = [p for p in PROCESS_ORDER if any(p in v["rates"].get(rate, {}).get(field, {}) for v in s.values())]
+    if not names:
+        return []
+    lines = ["", f"## {title}", "", text, "", "| setup | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for k, v in s.items():
+        c = v["rates"].get(rate, {}).get(field, {})
+        lines.append(f"| {k} | " + " | ".join(form.format(c[p]) if p in c else "" for p in names) + " |")
+    return lines
+
+
 def signing_section(res: dict, labels: list[str]) -> list[str]:
     """What signing dispatches costs a call: V against D and Vp, the verifier Envoy's CPU, the
     bytes added, the micro-benchmarks of signing and checking."""
@@ -1096,17 +1133,20 @@ def write_report(res: dict) -> list[tuple[str, bool, str]]:
             f"{added_cell(v, b, lb, 'p50_us')} | {added_cell(v, b, lb, 'p99_us')}" for lb in labels) + " |")
     cpu_rate = "1%" if "1%" in labels else (labels[0] if labels else None)
     if cpu_rate:
-        names = [p for p in PROCESS_ORDER
-                 if any(p in v["rates"].get(cpu_rate, {}).get("cpu_s_per_1000", {}) for v in s.values())]
-        lines += ["", f"## CPU per call at {cpu_rate} of B (CPU-ms per request, per process)", "",
-                  "Nothing is saturated at this rate. Each figure is the process's CPU over the run divided by "
-                  "the calls of the run, so it holds the process's fixed cost per second too (timers, health "
-                  "checks, PostgreSQL's background writers), as a call at this rate really pays it. The load "
-                  "generator shares the two cores with the rest.", "",
-                  "| setup | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-        for k, v in s.items():
-            c = v["rates"].get(cpu_rate, {}).get("cpu_s_per_1000", {})
-            lines.append(f"| {k} | " + " | ".join(f"{c[p]:.3f}" if p in c else "" for p in names) + " |")
+        lines += per_process_table(
+            s, cpu_rate, "cpu_s_per_1000", "{:.3f}",
+            f"CPU per call at {cpu_rate} of B (CPU-ms per request, per process)",
+            "Nothing is saturated at this rate. Each figure is the process's CPU over the run divided by "
+            "the calls of the run, so it holds the process's fixed cost per second too (timers, health "
+            "checks, PostgreSQL's background writers), as a call at this rate really pays it. The load "
+            "generator shares the two cores with the rest.")
+        lines += per_process_table(
+            s, cpu_rate, "switches_per_call", "{:.1f}",
+            f"Context switches per call at {cpu_rate} of B (per process)",
+            "How often each process slept and was woken per call, every thread counted (a "
+            "PostgreSQL backend that exited during the run is not): the crossings that the CPU "
+            "time above pays for, counted rather than timed, so a machine where a wake-up "
+            "costs more does not inflate them.")
     lines += signing_section(res, labels)
     lines += ["", "## Targets", ""]
     lines += [f"- {'PASS' if ok else 'FAIL'}: {label} ({detail})" for label, ok, detail in checks]
