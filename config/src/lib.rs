@@ -731,9 +731,12 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// A service token of the length the ledger accepts.
+    const SERVICE_TOKEN: &str = "svc-token-0123456789abcdef0123456789";
+
     fn minimal() -> Value {
         json!({
-            "ledger": {"cluster": "atmost_ledger", "service_token": "svc-token-0123456789abcdef0123456789"},
+            "ledger": {"cluster": "atmost_ledger", "service_token": SERVICE_TOKEN},
             "upstream_key": {"secret": "0123456789abcdef0123"}
         })
     }
@@ -869,7 +872,7 @@ mod tests {
         );
         assert_eq!(
             refused(json!({
-                "ledger": {"cluster": "c", "service_token": "svc-token-0123456789abcdef0123456789", "service_token_env": "ATMOST_SERVICE_TOKEN"},
+                "ledger": {"cluster": "c", "service_token": SERVICE_TOKEN, "service_token_env": "ATMOST_SERVICE_TOKEN"},
                 "upstream_key": {"mode": "off"}
             }))
             .0,
@@ -877,7 +880,7 @@ mod tests {
         );
         assert_eq!(
             refused(json!({
-                "ledger": {"cluster": "c", "service_token": "svc-token-0123456789abcdef0123456789"},
+                "ledger": {"cluster": "c", "service_token": SERVICE_TOKEN},
                 "upstream_key": {"mode": "raw", "secret_env": "ATMOST_UPSTREAM_KEY_SECRET"}
             }))
             .0,
@@ -886,7 +889,7 @@ mod tests {
         // The length rule holds for a secret from the environment too.
         let short = |name: &str| (name == "SHORT").then(|| "short".to_string());
         let r = Config::parse_with_env(
-            json!({"ledger": {"cluster": "c", "service_token": "svc-token-0123456789abcdef0123456789"}, "upstream_key": {"secret_env": "SHORT"}})
+            json!({"ledger": {"cluster": "c", "service_token": SERVICE_TOKEN}, "upstream_key": {"secret_env": "SHORT"}})
                 .to_string()
                 .as_bytes(),
             &short,
@@ -970,7 +973,7 @@ mod tests {
     #[test]
     fn full_example_parses() {
         let c = config_from(&json!({
-          "ledger": {"cluster": "atmost_ledger", "authority": "ledger.local", "timeout_ms": 250, "service_token": "svc-token-0123456789abcdef0123456789"},
+          "ledger": {"cluster": "atmost_ledger", "authority": "ledger.local", "timeout_ms": 250, "service_token": SERVICE_TOKEN},
           "permit_header": "X-Agent-Permit",
           "governed_tools": ["pay_invoice", "send_email"],
           "key_required_tools": ["*"],
@@ -988,7 +991,7 @@ mod tests {
         assert_eq!(c.denial_format, DenialFormat::Error);
         assert_eq!(c.ledger.timeout_ms, 250);
         let c = config_from(
-            &json!({"ledger": {"cluster": "c", "service_token": "svc-token-0123456789abcdef0123456789"}, "upstream_key": {"mode": "raw"}}),
+            &json!({"ledger": {"cluster": "c", "service_token": SERVICE_TOKEN}, "upstream_key": {"mode": "raw"}}),
         );
         assert_eq!(c.upstream_key, UpstreamKey::Raw);
     }
