@@ -148,14 +148,28 @@ ledger-next:
 run: setup-run wasm ledger-release
 	ATMOST_BIN=target/release/atmost $(VPY) scripts/run.py
 
-## The quick loop after a change: format, clippy (native and wasm32) and every unit and
-## conformance test that needs no network service and no package install (the SQLite store's;
-## PostgreSQL's need the postgres-tests feature, which `make test-unit` turns on).
-check: rust-setup
+## The quick loop after a change (docs/development.md#which-target-when): `check-rust` (format,
+## clippy native and wasm32, every unit and conformance test that needs no network service: the
+## SQLite store's; PostgreSQL's need the postgres-tests feature, which `make test-unit` turns on),
+## then `check-files` (the checks that read the repository's files: docs, manifests, rules, the
+## OCI recipe).
+check: check-rust check-files
+
+check-rust: rust-setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p atmost-filter --target wasm32-wasip1 -- -D warnings
 	$(CARGO) test --workspace
+
+## tests/files: what reads the repository's files and runs local tools on them (kubectl kustomize,
+## promtool, umoci and skopeo, schema and CEL validators), with no build output and no process
+## to start: doc links and design citations, the manifests rendered and validated, the admission
+## policy, the alert rules, the OCI recipe, the table of per-form tests.
+.PHONY: check-rust check-files files-tools
+files-tools: venv-test oci-tools k8s-tools prometheus-tools
+
+check-files: files-tools
+	$(VPY) -m pytest tests/files -q -p no:cacheprovider --timeout 300
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -185,34 +199,34 @@ PG_TESTS := --features atmost-ledger/postgres-tests,atmost-ledger-server/postgre
 test-unit:
 	$(WITH_PG) $(CARGO) test --workspace $(PG_TESTS)
 
+E2E_PYTEST := $(VPY) -m pytest -q -p no:cacheprovider --timeout 300
+
 test-e2e: setup ts-deps wasm ledger-next ledger oci
-	ATMOST_BIN=target/debug/atmost ATMOST_NEXT_BIN=$(LEDGER_NEXT) $(WITH_PG) $(VPY) -m pytest tests/e2e -q -p no:cacheprovider --timeout 300
+	ATMOST_BIN=target/debug/atmost ATMOST_NEXT_BIN=$(LEDGER_NEXT) $(WITH_PG) $(E2E_PYTEST) tests/e2e
 
-## The suites that carry calls, again with the filter deployed as istiod renders the shipped
-## WasmPlugin (ATMOST_DEPLOYMENT=wasmplugin: request_hold body, no allow_on_headers_stop_iteration).
-## The other files check configuration and manifests, the same in every deployment.
-E2E_EVERY_DEPLOYMENT := $(addprefix tests/e2e/,test_idempotency.py test_permits.py test_fail_closed.py \
-	test_trust_boundary.py test_mcp_versions.py test_upstream_key_forms.py test_tasks.py test_ts_interop.py \
-	test_parser_differentials.py test_replicas.py test_external_provider.py test_control_headers.py \
-	test_envoy_mcp_filter.py)
-
+## The end-to-end suite again, with the filter deployed as istiod renders the shipped WasmPlugin
+## (ATMOST_DEPLOYMENT=wasmplugin: request_hold body, no allow_on_headers_stop_iteration) and as
+## Envoy Gateway renders the shipped EnvoyExtensionPolicy and BackendTrafficPolicy
+## (ATMOST_DEPLOYMENT=envoygateway: request_hold body, the filter enabled per route, zero
+## retries). Only the tests whose outcome depends on the form run again: tests/e2e/forms.py names
+## them, each with the reason; tests/e2e/test_envoy_gateway.py runs the rest of what Envoy Gateway
+## renders (its listener, the ledger cluster, the module served over HTTP).
 test-e2e-wasmplugin: setup ts-deps wasm ledger
-	ATMOST_DEPLOYMENT=wasmplugin ATMOST_BIN=target/debug/atmost $(WITH_PG) $(VPY) -m pytest $(E2E_EVERY_DEPLOYMENT) -q -p no:cacheprovider --timeout 300
+	ATMOST_DEPLOYMENT=wasmplugin ATMOST_BIN=target/debug/atmost $(WITH_PG) $(E2E_PYTEST) tests/e2e
 
-## The same suites with the filter and its routes as Envoy Gateway renders the shipped
-## EnvoyExtensionPolicy and BackendTrafficPolicy (ATMOST_DEPLOYMENT=envoygateway: request_hold body,
-## the filter enabled per route, zero retries); tests/e2e/test_envoy_gateway.py runs the rest of
-## what Envoy Gateway renders (its listener, the ledger cluster, the module served over HTTP).
 test-e2e-envoygateway: setup ts-deps wasm ledger
-	ATMOST_DEPLOYMENT=envoygateway ATMOST_BIN=target/debug/atmost $(WITH_PG) $(VPY) -m pytest $(E2E_EVERY_DEPLOYMENT) -q -p no:cacheprovider --timeout 300
+	ATMOST_DEPLOYMENT=envoygateway ATMOST_BIN=target/debug/atmost $(WITH_PG) $(E2E_PYTEST) tests/e2e
 
 ## The protocol model (ledger/model/atmost.pml): spin must verify it and refute each mutant.
 model-check:
 	ledger/model/check.sh
 
-# One PostgreSQL for all the suites (a throwaway one is started once and stopped at the end).
-test: setup lint model-check
-	$(WITH_PG) $(MAKE) --no-print-directory test-unit test-e2e test-e2e-wasmplugin test-e2e-envoygateway
+## Every suite, step by step, each step's time printed and the total (scripts/timed-steps); one
+## PostgreSQL for all of them (a throwaway one is started once and stopped at the end). Everything
+## `make check` runs is in it: `lint` holds check-rust's format and clippy, `test-unit` its tests.
+TEST_STEPS := setup lint check-files model-check test-unit test-e2e test-e2e-wasmplugin test-e2e-envoygateway
+test:
+	@MAKE="$(MAKE)" $(WITH_PG) scripts/timed-steps "make test" $(TEST_STEPS)
 
 ## The fault suite: real processes under kill -9, a slow or silent ledger, upstream resets and timeouts,
 ## client hang-ups, Envoy killed, reloaded or drained mid-call, a failed VM, a full or read-only store,

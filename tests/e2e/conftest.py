@@ -9,11 +9,38 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.e2e.forms import PER_FORM  # noqa: E402
 from tests.support.mcp_raw import RawMcp  # noqa: E402
-from tests.support.stack import ROOT, Envoy, ExampleServer, Ledger  # noqa: E402
+from tests.support.stack import ROOT, Envoy, ExampleServer, Ledger, deployment  # noqa: E402
 from tests.support.tcp_proxy import TcpProxy  # noqa: E402
 
 UPSTREAM_SECRET = "demo-upstream-key-secret"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """In a body-holding deployment form (ATMOST_DEPLOYMENT), keeps only the tests tests/e2e/forms.py
+    names: the rest does not depend on the form and ran in `make test-e2e`. A name there that
+    matches no collected test of its file stops the run, so a renamed test cannot drop out of
+    the forms unseen."""
+    if deployment() == "envoyfilter":
+        return
+    kept, dropped, found = [], [], set()
+    for item in items:
+        name = (item.path.name, getattr(item, "originalname", item.name))
+        if name[1] in PER_FORM.get(name[0], {}):
+            kept.append(item)
+            found.add(name)
+        else:
+            dropped.append(item)
+    collected = {item.path.name for item in items}
+    missing = [f"{file}::{test}" for file, tests in PER_FORM.items() if file in collected
+               for test in tests if (file, test) not in found]
+    if missing:
+        raise pytest.UsageError("tests/e2e/forms.py names tests that were not collected: " + ", ".join(missing))
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
 
 
 @pytest.fixture(scope="session")
