@@ -3,9 +3,9 @@
 A link `[text](path)` or `[text](path#anchor)` from a Markdown file is read relative to that
 file; `(#anchor)` names a section of the file itself. The path must exist (a file or a
 folder), and an anchor into a Markdown file must be one of its headings' anchors, computed as
-GitHub does (the helpers of test_design_citations.py). Links with a scheme (`https:`,
-`mailto:`, …) are left alone. Sections move between the README and docs/ as the README stays
-short; this is what finds a link left pointing at the old place.
+GitHub does (tests/support/markdown.py, as for test_design_citations.py). Links with a scheme
+(`https:`, `mailto:`, …) are left alone. Sections move between the README and docs/ as the
+README stays short; this is what finds a link left pointing at the old place.
 
 Reads files only: no network, no build.
 """
@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from urllib.parse import unquote
 
-from tests.e2e.test_design_citations import MD_LINK, ROOT, anchors, line_of, markdown_files, read
+from tests.support.markdown import MD_LINK, ROOT, anchors, line_of, markdown_files, read
 
 SCHEME = re.compile(r"[a-z][a-z0-9+.-]*:", re.I)
 
