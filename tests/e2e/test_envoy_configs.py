@@ -23,19 +23,14 @@ import yaml
 
 from tests.e2e.conftest import new_key
 from tests.support.certificates import issue, make_ca
+from tests.support.manifests import SHIPPED_ENVOY_CONFIGS
 from tests.support.mcp_raw import RawMcp, result_text
 from tests.support.stack import (ROOT, WASM, Envoy, ExampleServer, Ledger, ProcessExited, Provider, http_get,
                                  validate_envoy_config)
 
 
-def is_envoy_config(path: Path) -> bool:
-    """An Envoy bootstrap, not Kubernetes objects (one or several documents), a kustomization
-    or a JSON patch (a list)."""
-    docs = list(yaml.safe_load_all(path.read_text()))
-    return len(docs) == 1 and isinstance(docs[0], dict) and bool(docs[0].get("static_resources"))
-
-
-SHIPPED = sorted(p for p in (ROOT / "envoy").rglob("*.yaml") if is_envoy_config(p))
+# Every Envoy bootstrap under envoy/ (tests/files/test_manifests.py checks which of envoy/istio/).
+SHIPPED = SHIPPED_ENVOY_CONFIGS
 
 TOKEN_VAR, SECRET_VAR = "ATMOST_SERVICE_TOKEN", "ATMOST_UPSTREAM_KEY_SECRET"
 # Values for validation only: `envoy --mode validate` runs the filter's on_configure, which reads them.

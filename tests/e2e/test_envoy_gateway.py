@@ -1,6 +1,6 @@
 """atmost on Envoy Gateway: the manifests under envoy/gateway/, rendered by `kubectl kustomize` the
 way an operator applies them, validate against the CRD schemas of the Envoy Gateway release kept in
-tests/e2e/schemas/ (v1.9.0 and the Gateway API v1.6.1 it bundles; the README there says where they
+tests/files/schemas/ (v1.9.0 and the Gateway API v1.6.1 it bundles; the README there says where they
 come from) and say what the rollout needs: the filter as an EnvoyExtensionPolicy pinned by digest
 to the image `make oci` built, `request_hold: body` (the policy cannot set
 allow_on_headers_stop_iteration), fail closed, its secrets from the Envoy pods' environment; the
@@ -38,19 +38,18 @@ import yaml
 from cel_expr_python import cel
 
 from tests.e2e.conftest import new_key
-from tests.e2e.test_manifests import (
+from tests.support.manifests import (
     DIGEST_RE,
     FORMATS,
     HEX_RE,
     KUBECTL,
-    OCI_DIR,
     SECRET_ENV,
     assert_no_committed_secret,
-    built,
     crd_schemas,
     kubernetes_errors,
     run_digest_steps,
 )
+from tests.support.oci import OCI_DIR, built
 from tests.e2e.test_permits import usage, wait_for_state
 from tests.support.envoy_gateway import (
     WasmServer,
@@ -82,7 +81,7 @@ from tests.support.tcp_proxy import TcpProxy
 
 ENVOY_DIR = ROOT / "envoy"
 EG_DIR = ENVOY_DIR / "gateway"
-SCHEMAS = ROOT / "tests" / "e2e" / "schemas"
+SCHEMAS = ROOT / "tests" / "files" / "schemas"
 CRD_FILES = (SCHEMAS / "envoy-gateway-crds.yaml", SCHEMAS / "gateway-api-crds.yaml")
 EG_DOC = ROOT / "docs" / "envoy-gateway.md"
 WASMPLUGIN = ENVOY_DIR / "istio" / "agent-wasmplugin" / "wasmplugin.yaml"
@@ -453,7 +452,8 @@ def test_doc_network_policy_admits_only_this_gateway_to_the_server(mcp):
 
 
 def test_doc_step_writes_the_digests_where_the_test_puts_them(tmp_path):
-    assert run_digest_steps(EG_DOC.read_text(), EG_DIR, tmp_path, set_gateway_digests) == 2
+    built()  # the digest files name the images skopeo reads
+    assert run_digest_steps(EG_DOC.read_text(), EG_DIR, tmp_path, set_gateway_digests, OCI_DIR) == 2
 
 
 # ---------------------------------------------------------------- Envoy as Envoy Gateway configures it

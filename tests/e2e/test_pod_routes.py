@@ -50,10 +50,10 @@ from tests.support.pod_network import (
     istio_capture_rules,
     run,
 )
-from tests.support.stack import ROOT, ledger_binary, wait_until
 # The admission policy's evaluation (two CEL implementations) and the example agent pod.
-from test_admission_policy import admission, agent, agent_pod, set_in  # noqa: E402
-from test_manifests import kustomize  # noqa: E402
+from tests.support.admission import admission, agent, agent_pod, set_in
+from tests.support.manifests import kustomize
+from tests.support.stack import ROOT, ledger_binary, wait_until
 
 SERVICE_TOKEN = "pod-test-service-token-of-32-bytes-or-more"
 ADMIN_TOKEN = "pod-test-admin-token-of-32-bytes-or-more"

@@ -2,7 +2,7 @@
 those objects as `kubectl kustomize` renders them, so that a change in the manifests changes the
 configuration the tests run.
 
-What follows Envoy Gateway v1.9.0 (the release whose CRD schemas tests/e2e/schemas/ keeps), by
+What follows Envoy Gateway v1.9.0 (the release whose CRD schemas tests/files/schemas/ keeps), by
 its source:
 - the Wasm filter (internal/xds/translator/wasm.go; envoygateway_wasm_filter in
   scripts/atmost_stack.py, which the `envoygateway` deployment form of the suites uses too): one

@@ -1,23 +1,24 @@
 """The Kubernetes / Istio manifests under envoy/istio/, rendered by `kubectl kustomize` the way an
 operator applies them, validate against their schemas and say what the rollout needs: a
-fail-closed filter per agent pod, pinned by digest to the image `make oci` built; the ledger on
-the chosen store, its image pinned by digest; Secret-held credentials (generated from a file
-that is not committed, or an existing Secret; the filter's own taken from the sidecar's
-environment), a NetworkPolicy that admits only sidecars and admins, and no retries.
+fail-closed filter per agent pod, pinned by digest where the rollout steps put the image `make
+oci` built; the ledger on the chosen store, its image pinned by digest; Secret-held credentials
+(generated from a file that is not committed, or an existing Secret; the filter's own taken from
+the sidecar's environment), a NetworkPolicy that admits only sidecars and admins, and no retries.
 
 Every directory with a kustomization.yaml is rendered: the bases and every overlay. Rendering
 happens on a copy of envoy/istio/ in which the overlays got what the operator supplies
-(docs/istio.md): the digests `make oci` printed (target/oci/*.digest, written into the
-overlays the way the rollout steps do it) and a ledger.env for the generated Secret.
+(docs/istio.md): digests written into the overlays the way the rollout steps do it (here
+stand-ins, tests/support/manifests.py STAND_IN) and a ledger.env for the generated Secret.
 
 Istio kinds are checked against the openAPIV3Schema of the Istio CRDs in
-tests/e2e/schemas/istio-crds.yaml (their source: the README beside it), in strict mode (an unknown
-field is an error, as with `kubectl apply --validate=strict`). Core kinds are checked with
-kubernetes-validate's strict schemas for K8S_VERSION. The Envoy config each EnvoyFilter inserts
-passes `envoy --mode validate` with the built filter.
+tests/files/schemas/istio-crds.yaml (their source: the README beside it), in strict mode (an
+unknown field is an error, as with `kubectl apply --validate=strict`). Core kinds are checked with
+kubernetes-validate's strict schemas for K8S_VERSION.
 
-`kubectl` is the one on PATH (Debian's `kubernetes-client`, installed by `make setup` when none
-is); KUBECTL names another.
+Reads files only: no build, no process but kubectl, git and sed. What needs `make wasm` or `make
+oci` (the overlays pin exactly the digests `make oci` built, the image's own configuration, the
+Envoy config each EnvoyFilter inserts passing `envoy --mode validate` with the built filter) is
+tests/e2e/test_manifests_built.py.
 """
 
 from __future__ import annotations
@@ -25,49 +26,58 @@ from __future__ import annotations
 import base64
 import copy
 import json
-import os
 import re
-import secrets
 import shutil
 import subprocess
 from functools import lru_cache
 from pathlib import Path
 
 import jsonschema
-import kubernetes_validate
 import pytest
 import yaml
 
-from tests.support.certificates import make_ca
-from tests.support.stack import ROOT, WASM, validate_envoy_config, wasmplugin_filter_config
+from tests.support.manifests import (
+    AGENT_ENVOYFILTER,
+    AGENT_LABEL,
+    AGENT_NAME,
+    AGENT_NAMESPACE,
+    AGENT_WASMPLUGIN,
+    BASES,
+    EQUIVALENT_ENVOY,
+    EXTERNAL_PROVIDER,
+    FORMATS,
+    ISTIO_CRDS,
+    ISTIO_DIR,
+    ISTIO_DOC,
+    KUBECTL,
+    KUSTOMIZATIONS,
+    LEDGER_POSTGRES,
+    LEDGER_SQLITE,
+    OVERLAYS,
+    PROVIDER_HOST,
+    SECRET_ENV,
+    SHIPPED_ENVOY_CONFIGS,
+    STAND_IN,
+    assert_no_committed_secret,
+    by_kind,
+    crd_schemas,
+    envoyfilter_parts,
+    filter_image,
+    host_env_keys_of,
+    istio_copy,
+    istio_doc_section,
+    kustomize,
+    kubernetes_errors,
+    ledger_container,
+    mesh_objects,
+    new_ledger_env,
+    of_kind,
+    render_istio,
+    run_digest_steps,
+    set_digests,
+    write_digest_files,
+)
 
-ISTIO_DIR = ROOT / "envoy" / "istio"
-OVERLAYS_DIR = ISTIO_DIR / "overlays"
-ISTIO_CRDS = ROOT / "tests" / "e2e" / "schemas" / "istio-crds.yaml"
-EQUIVALENT_ENVOY = ISTIO_DIR / "equivalent-envoy.yaml"
-OCI_DIR = ROOT / "target" / "oci"
-ISTIO_DOC = ROOT / "docs" / "istio.md"
-K8S_VERSION = "1.37"  # the newest Kubernetes whose schemas kubernetes-validate 1.37.0 ships
-KUBECTL = os.environ.get("KUBECTL", "kubectl")
-
-# Every kustomization, as a path relative to envoy/istio/ ("ledger", "overlays/ledger-sqlite", ...).
-KUSTOMIZATIONS = sorted(str(p.parent.relative_to(ISTIO_DIR)) for p in ISTIO_DIR.rglob("kustomization.yaml"))
-OVERLAYS = [k for k in KUSTOMIZATIONS if k.startswith("overlays/")]
-BASES = [k for k in KUSTOMIZATIONS if k not in OVERLAYS]
-# What an operator applies for one mesh: the ledger on PostgreSQL, the agents' namespace, one
-# agent with the EnvoyFilter form, the same agent with the WasmPlugin form (never both at once
-# in a real mesh; here they are compared).
-LEDGER_POSTGRES, LEDGER_SQLITE = "overlays/ledger-postgres", "overlays/ledger-sqlite"
-AGENT_NAMESPACE, AGENT_ENVOYFILTER, AGENT_WASMPLUGIN = "agent", "overlays/billing-agent", "overlays/billing-agent-wasmplugin"
-AGENT_NAME = "billing-agent"
-# The agents namespace with a governed MCP server outside the mesh (its checks: the last section).
-EXTERNAL_PROVIDER = "overlays/external-provider"
-
-# The filter's secrets: the sidecar's environment variables they come from, in this order.
-SECRET_ENV = ["ATMOST_SERVICE_TOKEN", "ATMOST_UPSTREAM_KEY_SECRET"]
-# `envoy --mode validate` runs the filter's on_configure, which reads them.
-VALIDATION_ENV = {"ATMOST_SERVICE_TOKEN": "validation-service-token-of-32-bytes",
-                  "ATMOST_UPSTREAM_KEY_SECRET": "validation-upstream-key-secret"}
 # The ledger's Secret: its keys, and the environment variable each one feeds.
 LEDGER_SECRET_KEYS = {"service-token": "ATMOST_SERVICE_TOKEN", "admin-token": "ATMOST_ADMIN_TOKEN",
                       "store-url": "ATMOST_STORE"}
@@ -75,174 +85,32 @@ LEDGER_SECRET_KEYS = {"service-token": "ATMOST_SERVICE_TOKEN", "admin-token": "A
 PLUGIN_KEYS = {"ledger", "permit_header", "governed_tools", "key_required_tools", "upstream_key", "denial_format",
                "max_body_bytes", "max_receipt_bytes", "report_interval_ms"}
 LEDGER_KEYS = {"cluster", "authority", "timeout_ms", "service_token_env"}
-AGENT_LABEL = "atmost.dev/agent"
-DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
-HEX_RE = re.compile(r"[0-9a-f]{64}")
-
-
-# ---------------------------------------------------------------- what `make oci` built
-
-
-def built_digest(name: str) -> str:
-    """The manifest digest `make oci` printed for image `name`, checked against what skopeo (a
-    standard OCI tool) reads from the image itself."""
-    digest_file = OCI_DIR / f"{name}.digest"
-    assert digest_file.is_file(), f"{digest_file} missing: run `make oci` first"
-    digest = digest_file.read_text().strip()
-    assert DIGEST_RE.fullmatch(digest), digest
-    inspected = subprocess.run(["skopeo", "inspect", "--format", "{{.Digest}}", f"oci:{OCI_DIR / name}"],
-                               capture_output=True, text=True, timeout=60)
-    assert inspected.returncode == 0, inspected.stderr
-    assert inspected.stdout.strip() == digest, f"{digest_file} does not name the image in {OCI_DIR / name}"
-    return digest
-
-
-@lru_cache(maxsize=1)
-def built() -> dict[str, str]:
-    return {"ledger": built_digest("atmost-ledger"), "filter": built_digest("atmost-filter")}
-
-
-@lru_cache(maxsize=1)
-def ledger_image_config() -> dict:
-    result = subprocess.run(["skopeo", "inspect", "--config", f"oci:{OCI_DIR / 'atmost-ledger'}"],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)["config"]
 
 
 # ---------------------------------------------------------------- rendering
 
 
-def kustomize(directory: Path) -> list[dict]:
-    result = subprocess.run([KUBECTL, "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, f"kubectl kustomize {directory}: {result.stderr}"
-    return [d for d in yaml.safe_load_all(result.stdout) if d is not None]
-
-
-def set_digests(tree: Path, ledger_digest: str, filter_digest: str) -> None:
-    """What the rollout steps have the operator do after `make oci` (docs/istio.md, step 0): the
-    ledger's digest into the store overlays' `images:`, the filter's into every filter-image.yaml."""
-    for kustomization in (tree / "overlays").glob("ledger-*/kustomization.yaml"):
-        kustomization.write_text(DIGEST_RE.sub(ledger_digest, kustomization.read_text()))
-    for patch in (tree / "overlays").glob("*/filter-image.yaml"):
-        patch.write_text(HEX_RE.sub(filter_digest.split(":")[1], patch.read_text()))
-
-
 @pytest.fixture(scope="session")
 def ledger_env() -> dict[str, str]:
     """The values of the ledger.env the operator writes for ../overlays/ledger-postgres/."""
-    return {"service-token": secrets.token_hex(32), "admin-token": secrets.token_hex(32),
-            "store-url": f"postgres://atmost:{secrets.token_hex(8)}@db.example.internal:5432/atmost?sslmode=verify-full"}
+    return new_ledger_env()
 
 
 @pytest.fixture(scope="session")
 def rendered(tmp_path_factory, ledger_env) -> dict[str, list[dict]]:
-    """kustomization (relative path) -> its rendered objects, with the operator's inputs in place."""
-    tree = tmp_path_factory.mktemp("kustomize") / "istio"
-    # Never a developer's own ledger.env: the test writes its own.
-    shutil.copytree(ISTIO_DIR, tree, ignore=shutil.ignore_patterns("ledger.env"))
-    set_digests(tree, built()["ledger"], built()["filter"])
-    (tree / LEDGER_POSTGRES / "ledger.env").write_text("".join(f"{k}={v}\n" for k, v in ledger_env.items()))
-    return {k: kustomize(tree / k) for k in KUSTOMIZATIONS}
-
-
-def by_kind(docs: list[dict]) -> dict[str, dict]:
-    """kind -> the single object of that kind."""
-    out: dict[str, dict] = {}
-    for doc in docs:
-        assert doc["kind"] not in out, f"two {doc['kind']} objects"
-        out[doc["kind"]] = doc
-    return out
+    """kustomization (relative path) -> its rendered objects, with the operator's inputs in place
+    (the stand-in digests)."""
+    return render_istio(tmp_path_factory.mktemp("kustomize"), STAND_IN, ledger_env)
 
 
 @pytest.fixture(scope="session")
 def objs(rendered) -> dict[str, dict]:
     """kind -> object, for one mesh: the ledger on PostgreSQL, the agent namespace's
     VirtualService, and one agent's EnvoyFilter and WasmPlugin."""
-    return by_kind([d for k in (LEDGER_POSTGRES, AGENT_NAMESPACE, AGENT_ENVOYFILTER, AGENT_WASMPLUGIN)
-                    for d in rendered[k]])
+    return mesh_objects(rendered)
 
 
 # ---------------------------------------------------------------- Istio CRD schema validation
-
-
-def _structural_to_jsonschema(node):
-    """A CRD structural schema (OpenAPI v3) as a JSON Schema, strict about unknown fields.
-
-    - `nullable: true` admits null;
-    - `x-kubernetes-int-or-string` admits integers and strings;
-    - an object with `properties` and neither `additionalProperties` nor
-      `x-kubernetes-preserve-unknown-fields` refuses other fields (the API server would prune
-      them silently; strict field validation refuses them, and so do we);
-    - `x-kubernetes-preserve-unknown-fields` objects stay open (pluginConfig, EnvoyFilter values);
-    - `format`s are checked by FORMATS (int32/int64 ranges); others are annotations;
-    - CEL rules (`x-kubernetes-validations`) are not evaluated here: the ones that matter for the
-      shipped kinds are checked in `istio_cel_errors`.
-    """
-    if isinstance(node, list):
-        return [_structural_to_jsonschema(n) for n in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: _structural_to_jsonschema(v) for k, v in node.items()
-           if k not in ("description", "x-kubernetes-validations")}
-    if out.pop("nullable", False) and "type" in out:
-        out["type"] = [out["type"], "null"]
-    if out.get("x-kubernetes-int-or-string") and "anyOf" not in out:
-        out["type"] = ["integer", "string"]
-    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
-        out["additionalProperties"] = False
-    return out
-
-
-FORMATS = jsonschema.FormatChecker()
-
-
-@FORMATS.checks("int32")
-def _int32(value) -> bool:
-    return not isinstance(value, int) or -(2 ** 31) <= value < 2 ** 31
-
-
-@FORMATS.checks("int64")
-def _int64(value) -> bool:
-    return not isinstance(value, int) or -(2 ** 63) <= value < 2 ** 63
-
-
-OBJECT_META = {
-    "type": "object",
-    "required": ["name", "namespace"],
-    "additionalProperties": False,
-    "properties": {
-        "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
-                 "maxLength": 253},
-        "namespace": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
-        "labels": {"type": "object", "additionalProperties": {"type": "string", "maxLength": 63}},
-        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
-    },
-}
-
-
-def crd_schemas(*paths: Path) -> dict[tuple[str, str], tuple[dict, dict]]:
-    """(apiVersion, kind) -> (JSON Schema, the CRD's openAPIV3Schema), for every served version of
-    every CRD in the files: the object's own apiVersion, kind and metadata required, nothing else
-    beside its schema's fields."""
-    schemas = {}
-    for path in paths:
-        for crd in yaml.safe_load_all(path.read_text()):
-            if not crd or crd.get("kind") != "CustomResourceDefinition":
-                continue
-            group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
-            for version in crd["spec"]["versions"]:
-                if not version.get("served"):
-                    continue
-                api_version = f"{group}/{version['name']}"
-                structural = version["schema"]["openAPIV3Schema"]
-                schema = _structural_to_jsonschema(structural)
-                schema["properties"] = {**schema["properties"], "apiVersion": {"const": api_version},
-                                        "kind": {"const": kind}, "metadata": OBJECT_META}
-                schema["required"] = sorted(set(schema.get("required", [])) | {"apiVersion", "kind", "metadata"})
-                schema["additionalProperties"] = False
-                schemas[(api_version, kind)] = (schema, structural)
-    return schemas
 
 
 @lru_cache(maxsize=1)
@@ -288,14 +156,6 @@ def istio_errors(doc: dict) -> list[str]:
     validator = jsonschema.Draft7Validator(schema, format_checker=FORMATS)
     errors = [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(doc)]
     return errors + istio_cel_errors(doc)
-
-
-def kubernetes_errors(doc: dict) -> list[str]:
-    try:
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-    except kubernetes_validate.ValidationError as e:
-        return [f"{'.'.join(map(str, e.path)) or '<root>'}: {e.message}"]
-    return []
 
 
 def errors_of(doc: dict) -> list[str]:
@@ -428,17 +288,13 @@ def test_kustomize_refuses_a_patch_whose_base_moved(tmp_path):
 # ---------------------------------------------------------------- images by digest
 
 
-def ledger_container(docs: list[dict]) -> dict:
-    deployment = by_kind(docs)["Deployment"]
-    [container] = deployment["spec"]["template"]["spec"]["containers"]
-    return container
-
-
 @pytest.mark.parametrize("kustomization", [LEDGER_POSTGRES, LEDGER_SQLITE])
-def test_ledger_overlays_pin_the_built_image_by_digest(rendered, kustomization):
+def test_ledger_overlays_pin_the_image_by_digest(rendered, kustomization):
+    """The digest the rollout steps wrote (here the stand-in; that it is the one `make oci` built:
+    tests/e2e/test_manifests_built.py)."""
     image = ledger_container(rendered[kustomization])["image"]
     name, _, digest = image.partition("@")
-    assert digest == built()["ledger"], f"{image} is not the image `make oci` built"
+    assert digest == STAND_IN["ledger"], f"{image} is not the image the overlay was given"
     assert name == "registry.example.com/atmost/atmost-ledger" and ":" not in name, "by digest, no tag"
 
 
@@ -447,21 +303,13 @@ def test_the_ledger_base_leaves_the_image_to_an_overlay(rendered):
 
 
 @pytest.mark.parametrize("kustomization", [AGENT_ENVOYFILTER, AGENT_WASMPLUGIN])
-def test_agent_overlays_pin_the_built_filter_by_digest(rendered, kustomization):
+def test_agent_overlays_pin_the_filter_by_digest(rendered, kustomization):
+    """The digest the rollout steps wrote (here the stand-in; that it is the one `make oci` built:
+    tests/e2e/test_manifests_built.py)."""
     url, sha256 = filter_image(by_kind(rendered[kustomization]))
-    hex_digest = built()["filter"].split(":")[1]
+    hex_digest = STAND_IN["filter"].split(":")[1]
     assert url == f"oci://registry.example.com/atmost/atmost-filter@sha256:{hex_digest}"
     assert sha256 == hex_digest
-
-
-def filter_image(kinds: dict[str, dict]) -> tuple[str, str]:
-    """(oci:// URL, hex sha256) of the filter image an agent's object refers to."""
-    if "WasmPlugin" in kinds:
-        spec = kinds["WasmPlugin"]["spec"]
-        return spec["url"], spec["sha256"]
-    ext, _ = envoyfilter_parts(kinds)
-    remote = ext["patch"]["value"]["typed_config"]["config"]["vm_config"]["code"]["remote"]
-    return remote["http_uri"]["uri"], remote["sha256"]
 
 
 @pytest.mark.parametrize("base", ["agent-envoyfilter", "agent-wasmplugin"])
@@ -470,27 +318,6 @@ def test_agent_bases_carry_a_placeholder_no_pod_matches(rendered, base):
     url, sha256 = filter_image(kinds)
     assert sha256 == "0" * 64 and url.endswith("@sha256:" + "0" * 64)
     assert selector_of(next(iter(kinds.values()))) == {AGENT_LABEL: "per-agent-overlay"}
-
-
-def test_deployment_runs_the_image_as_built(objs):
-    """The Deployment relies on the image's own entrypoint, user, data directory (a volume) and
-    listen address, and on nothing writable but that volume."""
-    config = ledger_image_config()
-    pod = objs["Deployment"]["spec"]["template"]["spec"]
-    [container] = pod["containers"]
-    assert "command" not in container and container["args"] == ["ledger"]
-    assert config["Entrypoint"] == ["/usr/local/bin/atmost"] and config["Cmd"] == ["ledger"]
-    assert config["User"] == f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}"
-    env = {e["name"]: e.get("value") for e in container["env"]}
-    image_env = dict(e.split("=", 1) for e in config["Env"])
-    assert env["ATMOST_DATA_DIR"] == image_env["ATMOST_DATA_DIR"]
-    assert [m["mountPath"] for m in container["volumeMounts"]] == [env["ATMOST_DATA_DIR"]]
-    assert list(config["Volumes"]) == [env["ATMOST_DATA_DIR"]]
-    assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    port = int(env["ATMOST_LISTEN"].rsplit(":", 1)[1])
-    admin_port = int(env["ATMOST_ADMIN_LISTEN"].rsplit(":", 1)[1])
-    assert [p["containerPort"] for p in container["ports"]] == [port, admin_port]
-    assert f"{port}/tcp" in config["ExposedPorts"]
 
 
 # ---------------------------------------------------------------- the per-agent selector
@@ -575,27 +402,6 @@ def test_no_committed_file_holds_a_secret():
     assert_no_committed_secret("envoy/istio", f"envoy/istio/{LEDGER_POSTGRES}/ledger.env")
 
 
-def assert_no_committed_secret(directory: str, ledger_env: str) -> None:
-    """No tracked file under `directory` holds a store URL with a password, a secretGenerator
-    literal, or is a ledger.env; the overlay's `ledger_env` is ignored by git."""
-    tracked = subprocess.run(["git", "ls-files", directory], capture_output=True, text=True, cwd=ROOT,
-                             timeout=30).stdout.split()
-    assert tracked
-    for rel in tracked:
-        text = (ROOT / rel).read_text()
-        assert not re.search(r"postgres(ql)?://[^\s/@]+:[^\s/@]+@", text), f"{rel}: a store URL with a password"
-        assert "literals:" not in text, f"{rel}: a secretGenerator literal"
-        assert not rel.endswith("ledger.env"), f"{rel}: committed secrets"
-    ignored = subprocess.run(["git", "check-ignore", "-q", ledger_env], cwd=ROOT, timeout=30)
-    assert ignored.returncode == 0, "ledger.env must be ignored by git"
-
-
-def host_env_keys_of(wasm_plugin_spec: dict) -> list[str]:
-    """What istiod makes of a WasmPlugin's vmConfig.env for the VM's host_env_keys: the names whose
-    valueFrom is HOST, in order (Istio source, pilot/pkg/model/extensions.go, buildVMConfig)."""
-    return [e["name"] for e in wasm_plugin_spec.get("vmConfig", {}).get("env", []) if e.get("valueFrom") == "HOST"]
-
-
 def plugin_configs(doc: dict) -> list[dict]:
     """The filter's plugin configuration(s) an Istio object carries."""
     if doc["kind"] == "WasmPlugin":
@@ -657,13 +463,6 @@ def test_wasmplugin_is_per_agent_fail_closed_and_complete(objs):
     assert spec["vmConfig"] == {"env": [{"name": name, "valueFrom": "HOST"} for name in SECRET_ENV]}
 
 
-def envoyfilter_parts(objs) -> tuple[dict, dict]:
-    patches = objs["EnvoyFilter"]["spec"]["configPatches"]
-    ext = next(p for p in patches if p["applyTo"] == "EXTENSION_CONFIG")
-    http = next(p for p in patches if p["applyTo"] == "HTTP_FILTER")
-    return ext, http
-
-
 def test_envoyfilter_delivers_the_same_filter_with_stop_iteration(objs):
     wasm_plugin = objs["WasmPlugin"]["spec"]
     ext, http = envoyfilter_parts(objs)
@@ -696,18 +495,6 @@ def test_envoyfilter_delivers_the_same_filter_with_stop_iteration(objs):
     assert http["patch"]["value"]["config_discovery"]["type_urls"] == [wasm["@type"]]
 
 
-def proto_merge(into: dict, value: dict) -> None:
-    """Istio's MERGE of a patch value into a config: messages merge field by field, lists
-    append, scalars replace."""
-    for key, item in value.items():
-        if isinstance(item, dict) and isinstance(into.get(key), dict):
-            proto_merge(into[key], item)
-        elif isinstance(item, list) and isinstance(into.get(key), list):
-            into[key].extend(copy.deepcopy(item))
-        else:
-            into[key] = copy.deepcopy(item)
-
-
 def test_envoyfilter_merges_underscore_refusal_into_the_filters_listener(objs):
     """The NETWORK_FILTER patch targets the connection manager of the listener the filter is
     inserted into, and sets what equivalent-envoy.yaml's connection manager says."""
@@ -723,63 +510,6 @@ def test_envoyfilter_merges_underscore_refusal_into_the_filters_listener(objs):
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     assert value["@type"] == hcm["@type"]
     assert hcm["common_http_protocol_options"] == value["common_http_protocol_options"]
-
-
-@pytest.mark.parametrize("kustomization", ["agent-envoyfilter", AGENT_ENVOYFILTER])
-def test_envoyfilter_wasm_config_passes_envoy_validate(rendered, kustomization, tmp_path):
-    """The Wasm config the rendered EnvoyFilter inserts, with its code made local, and its merge
-    into the connection manager load in real Envoy (the filter's on_configure included)."""
-    assert WASM.exists(), "build the filter first (make wasm)"
-    objs = by_kind(rendered[kustomization])
-    ext, http = envoyfilter_parts(objs)
-    wasm = copy.deepcopy(ext["patch"]["value"]["typed_config"])
-    wasm["config"]["vm_config"]["code"] = {"local": {"filename": str(WASM)}}
-    config = yaml.safe_load(EQUIVALENT_ENVOY.read_text())
-    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    index = next(i for i, f in enumerate(hcm["http_filters"]) if f["name"] == "atmost")
-    hcm["http_filters"][index] = {"name": "atmost", "typed_config": wasm}
-    # The connection manager as Istio builds it, then the EnvoyFilter's merge.
-    del hcm["common_http_protocol_options"]
-    port = http["match"]["listener"]["portNumber"]
-    for merge in objs["EnvoyFilter"]["spec"]["configPatches"]:
-        if merge["applyTo"] == "NETWORK_FILTER" and merge["match"]["listener"]["portNumber"] == port:
-            proto_merge(hcm, merge["patch"]["value"]["typed_config"])
-    assert hcm["common_http_protocol_options"]["headers_with_underscores_action"] == "REJECT_REQUEST"
-    path = tmp_path / "envoyfilter-as-envoy.yaml"
-    path.write_text(yaml.safe_dump(config))
-    result = validate_envoy_config(path, env=VALIDATION_ENV)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    # The filter's on_configure did read the variables: without them the same config is refused.
-    result = validate_envoy_config(path, env={**VALIDATION_ENV, "ATMOST_SERVICE_TOKEN": ""})
-    assert result.returncode != 0 and "field `ledger.service_token_env`" in result.stdout + result.stderr
-
-
-def test_wasmplugin_as_istiod_renders_it_passes_envoy_validate(objs, tmp_path):
-    """The WasmPlugin's Wasm config as istiod renders it (no allow_on_headers_stop_iteration),
-    with its code made local, loads in real Envoy; the e2e runs with ATMOST_DEPLOYMENT=wasmplugin
-    put this same rendering in front of the suites."""
-    assert WASM.exists(), "build the filter first (make wasm)"
-    spec = objs["WasmPlugin"]["spec"]
-    rendered = wasmplugin_filter_config(spec["pluginConfig"], WASM, host_env_keys_of(spec))
-    assert "allow_on_headers_stop_iteration" not in json.dumps(rendered)
-    assert json.loads(rendered["configuration"]["value"]) == spec["pluginConfig"]
-    assert rendered["root_id"] == spec["pluginName"] and rendered["failure_policy"] == "FAIL_CLOSED"
-    config = yaml.safe_load(EQUIVALENT_ENVOY.read_text())
-    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    index = next(i for i, f in enumerate(hcm["http_filters"]) if f["name"] == "atmost")
-    hcm["http_filters"][index] = {"name": "atmost", "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm", "config": rendered}}
-    path = tmp_path / "wasmplugin-as-envoy.yaml"
-    path.write_text(yaml.safe_dump(config))
-    result = validate_envoy_config(path, env=VALIDATION_ENV)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    # The filter's on_configure read this configuration: a bad request_hold is refused.
-    bad = copy.deepcopy(rendered)
-    bad["configuration"]["value"] = json.dumps({**spec["pluginConfig"], "request_hold": "sometimes"})
-    hcm["http_filters"][index]["typed_config"]["config"] = bad
-    path.write_text(yaml.safe_dump(config))
-    result = validate_envoy_config(path, env=VALIDATION_ENV)
-    assert result.returncode != 0 and "field `request_hold`" in result.stdout + result.stderr
 
 
 def test_equivalent_envoy_config_mirrors_the_manifests(objs):
@@ -802,10 +532,8 @@ def test_equivalent_envoy_config_mirrors_the_manifests(objs):
 
 
 def test_envoy_config_suite_picks_up_only_the_equivalent_config():
-    from tests.e2e.test_envoy_configs import SHIPPED
-
-    assert EQUIVALENT_ENVOY in SHIPPED
-    assert [p for p in SHIPPED if p.is_relative_to(ISTIO_DIR)] == [EQUIVALENT_ENVOY]
+    assert EQUIVALENT_ENVOY in SHIPPED_ENVOY_CONFIGS
+    assert [p for p in SHIPPED_ENVOY_CONFIGS if p.is_relative_to(ISTIO_DIR)] == [EQUIVALENT_ENVOY]
 
 
 def test_mcp_routes_have_no_retries(objs):
@@ -908,13 +636,6 @@ def test_ledger_drains_before_the_pod_is_killed(objs):
 # ---------------------------------------------------------------- docs/istio.md
 
 
-def istio_doc_section(title: str) -> str:
-    text = ISTIO_DOC.read_text()
-    start = text.index(f"## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:end if end != -1 else len(text)]
-
-
 def test_rollout_steps_render_and_apply_the_kustomizations():
     """The rollout applies with `kubectl apply -k` and looks with `kubectl kustomize`, naming
     kustomizations that exist; nothing is piped through envsubst any more."""
@@ -932,37 +653,13 @@ def test_rollout_steps_render_and_apply_the_kustomizations():
 
 def test_rollout_steps_write_the_digests_where_the_test_puts_them(tmp_path):
     """Step 0's commands put the digests `make oci` printed into the overlays, as set_digests does
-    here: run them on a copy and compare."""
+    here: run them on a copy, with digest files of the stand-ins where `make oci` writes its own,
+    and compare (with the files `make oci` wrote: tests/e2e/test_manifests_built.py)."""
     steps = istio_doc_section("Adding atmost to an existing Istio mesh")
-    changed = run_digest_steps(steps, ISTIO_DIR, tmp_path, set_digests)
+    digest_files = write_digest_files(tmp_path / "digests", STAND_IN)
+    changed = run_digest_steps(steps, ISTIO_DIR, tmp_path / "run", set_digests, digest_files)
     # Both store overlays and both agent overlays got the digests.
     assert changed == 4
-
-
-def run_digest_steps(steps: str, tree: Path, tmp_path: Path, set_digests_by_test) -> int:
-    """Runs the two `sed -i` commands of a doc's step 0 on a copy of `tree` (a directory under
-    envoy/), and `set_digests_by_test` on another copy; both copies must end alike. Returns how
-    many files the commands changed."""
-    [block] = [b for b in re.findall(r"```sh\n(.*?)```", steps, re.S) if "sed -i" in b]
-    commands = [line for line in block.splitlines() if line.startswith("sed -i")]
-    assert len(commands) == 2, commands
-    where = tree.relative_to(ROOT)
-    by_docs, by_test = tmp_path / "docs", tmp_path / "test"
-    for copy_root in (by_docs, by_test):
-        (copy_root / "target" / "oci").mkdir(parents=True)
-        shutil.copytree(tree, copy_root / where, ignore=shutil.ignore_patterns("ledger.env"))
-        for name in ("atmost-ledger", "atmost-filter"):
-            shutil.copy(OCI_DIR / f"{name}.digest", copy_root / "target" / "oci")
-    for command in commands:
-        result = subprocess.run(["bash", "-ec", command], cwd=by_docs, capture_output=True, text=True, timeout=30)
-        assert result.returncode == 0, result.stderr
-    set_digests_by_test(by_test / where, built()["ledger"], built()["filter"])
-    changed = 0
-    for path in (by_test / where).rglob("*"):
-        if path.is_file():
-            assert path.read_bytes() == (by_docs / path.relative_to(by_test)).read_bytes(), path
-            changed += path.read_bytes() != (tree / path.relative_to(by_test / where)).read_bytes()
-    return changed
 
 
 def test_istio_doc_proxy_entry_feeds_the_variables_the_manifests_name(objs):
@@ -992,6 +689,7 @@ def test_istio_doc_proxy_entry_feeds_the_variables_the_manifests_name(objs):
         assert f"--from-literal={ref['key']}=" in steps
 
 
+
 # ---------------------------------------------------------------- tools outside the mesh
 #
 # overlays/external-provider/ is the agents namespace with a governed MCP server outside the mesh:
@@ -1000,7 +698,6 @@ def test_istio_doc_proxy_entry_feeds_the_variables_the_manifests_name(objs):
 # the same code judges the rendering (no error) and broken copies of it (each error found).
 
 GOVERNED_LABEL = "atmost.dev/governed-mcp"
-PROVIDER_HOST = "mcp.provider.example"
 # What a governed host's port may be: HTTP the sidecar reads, so the filter sees every body.
 READABLE_PROTOCOLS = {"HTTP", "HTTP2"}
 KUBE_DNS = "kube-system/kube-dns.kube-system.svc.cluster.local"
@@ -1012,10 +709,6 @@ def covers(pattern: str, host: str) -> bool:
     def one_way(p: str, h: str) -> bool:
         return p == "*" or p == h or (p.startswith("*.") and h.endswith(p[1:]))
     return one_way(pattern, host) or one_way(host, pattern)
-
-
-def of_kind(docs: list[dict], kind: str) -> list[dict]:
-    return [d for d in docs if d["kind"] == kind]
 
 
 def in_mesh_mcp_hosts(rendered) -> set[str]:
@@ -1274,13 +967,12 @@ def test_the_route_checks_find_each_way_around_the_filter(rendered):
     assert any("plain HTTP" in e for e in broken(lambda c: c.remove(one("DestinationRule", c))))
 
 
+
 def test_the_overlays_wasmplugin_form_renders_as_its_kustomization_says(rendered, tmp_path):
     """The switch kustomization.yaml describes (the WasmPlugin agent overlay and
     governed-ports-wasmplugin.yaml): the plugin then matches both governed ports, and every
     route check holds."""
-    tree = tmp_path / "istio"
-    shutil.copytree(ISTIO_DIR, tree, ignore=shutil.ignore_patterns("ledger.env"))
-    set_digests(tree, built()["ledger"], built()["filter"])
+    tree = istio_copy(tmp_path, STAND_IN)
     kustomization = tree / EXTERNAL_PROVIDER / "kustomization.yaml"
     text = kustomization.read_text()
     envoyfilter_target = ("    group: networking.istio.io\n    version: v1alpha3\n    kind: EnvoyFilter\n"
@@ -1297,79 +989,6 @@ def test_the_overlays_wasmplugin_form_renders_as_its_kustomization_says(rendered
     assert {**plugin, "spec": {**plugin["spec"], "match": []}} == {**shipped, "spec": {**shipped["spec"], "match": []}}
     assert route_errors(rendered, docs) == []
     assert all(errors_of(d) == [] for d in docs)
-
-
-def provider_envoy_config(docs: list[dict], ca_file: Path) -> dict:
-    """What a sidecar of the overlay runs for the provider, as plain Envoy: equivalent-envoy.yaml
-    plus the outbound listener of port 80 with the EnvoyFilter's Wasm filter and its connection
-    manager merges for that port, routed without retries to a cluster that originates TLS as the
-    DestinationRule says (`caCertificates` is a path inside the pod: here `ca_file`)."""
-    [ef] = of_kind(docs, "EnvoyFilter")
-    [se] = [d for d in of_kind(docs, "ServiceEntry") if PROVIDER_HOST in d["spec"]["hosts"]]
-    [dr] = [d for d in of_kind(docs, "DestinationRule") if d["spec"]["host"] == PROVIDER_HOST]
-    [port] = se["spec"]["ports"]
-    [level] = dr["spec"]["trafficPolicy"]["portLevelSettings"]
-    ext = next(p for p in ef["spec"]["configPatches"] if p["applyTo"] == "EXTENSION_CONFIG")
-    wasm = copy.deepcopy(ext["patch"]["value"]["typed_config"])
-    wasm["config"]["vm_config"]["code"] = {"local": {"filename": str(WASM)}}
-    config = yaml.safe_load(EQUIVALENT_ENVOY.read_text())
-    listener = copy.deepcopy(config["static_resources"]["listeners"][0])
-    cluster_name = f"outbound|{port['number']}||{PROVIDER_HOST}"
-    listener["name"] = f"0.0.0.0_{port['number']}"
-    listener["address"]["socket_address"]["port_value"] = port["number"]
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    hcm["stat_prefix"] = f"outbound_0.0.0.0_{port['number']}"
-    hcm.pop("common_http_protocol_options", None)  # as Istio builds it; the EnvoyFilter's merges follow
-    for merge in ef["spec"]["configPatches"]:
-        if merge["applyTo"] == "NETWORK_FILTER" and merge["match"]["listener"]["portNumber"] == port["number"]:
-            assert merge["patch"]["operation"] == "MERGE"
-            for field, value in merge["patch"]["value"]["typed_config"].items():
-                if field != "@type":
-                    hcm.setdefault(field, {}).update(value)
-    hcm["http_filters"] = [{"name": "atmost", "typed_config": wasm} if f["name"] == "atmost" else f
-                           for f in hcm["http_filters"]]
-    [vs] = [d for d in of_kind(docs, "VirtualService") if d["spec"]["hosts"] == [PROVIDER_HOST]]
-    routes = []
-    for route in vs["spec"]["http"]:
-        match = {"prefix": "/"}
-        if "match" in route:
-            match["headers"] = [{"name": ":method", "string_match": route["match"][0]["method"]}]
-        routes.append({"name": route["name"], "match": match, "route": {"cluster": cluster_name, "timeout": route["timeout"]}})
-    hcm["route_config"] = {"name": str(port["number"]), "virtual_hosts": [
-        {"name": f"{PROVIDER_HOST}:{port['number']}", "domains": [PROVIDER_HOST, f"{PROVIDER_HOST}:{port['number']}"],
-         "routes": routes}]}
-    config["static_resources"]["listeners"].append(listener)
-    tls = level["tls"]
-    config["static_resources"]["clusters"].append({
-        "name": cluster_name, "type": "STRICT_DNS", "connect_timeout": "10s",
-        "load_assignment": {"cluster_name": cluster_name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
-            "socket_address": {"address": PROVIDER_HOST, "port_value": port["targetPort"]}}}}]}]},
-        "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-            "sni": tls["sni"],
-            "common_tls_context": {"validation_context": {
-                "trusted_ca": {"filename": str(ca_file)},
-                "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": n}}
-                                                  for n in tls["subjectAltNames"]]}}}}})
-    return config
-
-
-def test_the_overlays_provider_listener_passes_envoy_validate(rendered, tmp_path):
-    """The Envoy config the overlay amounts to for the provider's port (the Wasm filter the
-    EnvoyFilter inserts, its connection manager merge for port 80, TLS origination with the
-    DestinationRule's SNI and name) loads in real Envoy; the same without the CA file does not."""
-    assert WASM.exists(), "build the filter first (make wasm)"
-    ca, _ = make_ca(tmp_path, "provider-ca")
-    config = provider_envoy_config(rendered[EXTERNAL_PROVIDER], ca)
-    hcm = config["static_resources"]["listeners"][-1]["filter_chains"][0]["filters"][0]["typed_config"]
-    assert hcm["common_http_protocol_options"] == {"headers_with_underscores_action": "REJECT_REQUEST"}
-    path = tmp_path / "external-provider-as-envoy.yaml"
-    path.write_text(yaml.safe_dump(config))
-    result = validate_envoy_config(path, env=VALIDATION_ENV)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    path.write_text(yaml.safe_dump(provider_envoy_config(rendered[EXTERNAL_PROVIDER], tmp_path / "missing.pem")))
-    result = validate_envoy_config(path, env=VALIDATION_ENV)
-    assert result.returncode != 0 and "missing.pem" in result.stdout + result.stderr
 
 
 def test_istio_doc_steps_for_tools_outside_the_mesh(rendered):

@@ -10,7 +10,8 @@ two ways:
   implementations from PyPI that must agree: cel-expr-python (the CEL project's Python
   binding of its C++ implementation) and cel-python (celpy, pure Python). Both are set up
   with the standard library only, no extensions, so an expression that passes here is within
-  what Kubernetes' CEL accepts.
+  what Kubernetes' CEL accepts (tests/support/admission.py, which tests/e2e/test_pod_routes.py
+  asks too).
 
 The pods are what admission sees: the example Deployment's pod template after Istio's sidecar
 injector. `injected` builds that pod the way Istio's injection template does (istio-init or,
@@ -18,6 +19,8 @@ with Istio CNI, istio-validation; istio-proxy with its securityContext, the pod'
 `istio-proxy` entry merged in), as far as the fields the policy reads go. Each refused case
 changes one thing of the admitted pod and names the validations that must refuse it, by the
 words of their messages.
+
+Reads files only: no build, no process but kubectl.
 """
 
 from __future__ import annotations
@@ -25,24 +28,31 @@ from __future__ import annotations
 import copy
 import shutil
 import subprocess
-from dataclasses import dataclass
-from functools import lru_cache
 
-import celpy
 import kubernetes_validate
 import pytest
 import yaml
-from cel_expr_python import cel
 
-from tests.e2e.test_manifests import AGENT_LABEL, K8S_VERSION, KUBECTL, kubernetes_errors, kustomize
-from tests.support.stack import ROOT
+from tests.support.admission import (
+    EXAMPLE_DIR,
+    PROXY_UID,
+    Outcome,
+    admission,
+    agent,
+    agent_pod,
+    engines,
+    example_deployment,
+    example_docs,
+    injected,
+    policy,
+    policy_docs,
+    proxy_images,
+    set_in,
+)
+from tests.support.manifests import AGENT_LABEL, K8S_VERSION, KUBECTL, kubernetes_errors
 
-POD_SECURITY_DIR = ROOT / "envoy" / "agent-pod-security"
-POLICY_DIR = POD_SECURITY_DIR / "policy"
-EXAMPLE_DIR = POD_SECURITY_DIR / "billing-agent"
 # ValidatingAdmissionPolicy is GA (admissionregistration.k8s.io/v1) from this release on.
 OLDEST_K8S = "1.30"
-PROXY_UID = 1337
 
 # Each validation of the policy, by words of its message that no other message has.
 MESSAGES = {
@@ -71,29 +81,8 @@ MESSAGES = {
 # ---------------------------------------------------------------- rendering
 
 
-@lru_cache(maxsize=1)
-def policy_docs() -> tuple[dict, ...]:
-    return tuple(kustomize(POLICY_DIR))
-
-
-@lru_cache(maxsize=1)
-def example_docs() -> tuple[dict, ...]:
-    return tuple(kustomize(EXAMPLE_DIR))
-
-
-def policy() -> dict:
-    [doc] = [d for d in policy_docs() if d["kind"] == "ValidatingAdmissionPolicy"]
-    return doc
-
-
 def binding() -> dict:
     [doc] = [d for d in policy_docs() if d["kind"] == "ValidatingAdmissionPolicyBinding"]
-    return doc
-
-
-def example_deployment() -> dict:
-    [doc] = example_docs()
-    assert doc["kind"] == "Deployment"
     return doc
 
 
@@ -160,135 +149,6 @@ def test_the_patch_refuses_to_land_on_another_container(tmp_path):
 # ---------------------------------------------------------------- two CEL implementations
 
 
-class CelError(Exception):
-    pass
-
-
-# The variables Kubernetes declares for a ValidatingAdmissionPolicy's expressions, except
-# `authorizer`, which the policy does not use (an expression naming an undeclared variable
-# does not compile here).
-DECLARED = ("object", "oldObject", "request", "params", "namespaceObject", "variables")
-
-
-class CppCel:
-    name = "cel-expr-python"
-
-    def __init__(self):
-        self.env = cel.NewEnv(variables={n: cel.Type.DYN for n in DECLARED})
-
-    def compile(self, expression: str):
-        program = self.env.compile(expression)
-
-        def run(activation: dict):
-            value = program.eval(data=activation)
-            if value.type() == cel.Type.ERROR:
-                raise CelError(f"{self.name}: {expression}: {value.value()}")
-            return value.plain_value()
-
-        return run
-
-    def data(self, value):
-        return value
-
-    def namespace(self, values: dict):
-        return values
-
-    def plain(self, value):
-        return value
-
-
-class PyCel:
-    name = "cel-python"
-
-    def __init__(self):
-        self.env = celpy.Environment()
-
-    def compile(self, expression: str):
-        program = self.env.program(self.env.compile(expression))
-
-        def run(activation: dict):
-            try:
-                result = program.evaluate(activation)
-            except celpy.CELEvalError as e:
-                raise CelError(f"{self.name}: {expression}: {e}") from e
-            if isinstance(result, celpy.CELEvalError):
-                raise CelError(f"{self.name}: {expression}: {result}")
-            return result
-
-        return run
-
-    def data(self, value):
-        return celpy.json_to_cel(value)
-
-    def namespace(self, values: dict):
-        """`variables`: the values as this implementation produced them."""
-        return celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in values.items()})
-
-    def plain(self, value):
-        """celpy's values as plain Python, to compare with the other implementation's."""
-        if isinstance(value, celpy.celtypes.BoolType):
-            return bool(value)
-        if isinstance(value, celpy.celtypes.IntType):
-            return int(value)
-        if isinstance(value, celpy.celtypes.StringType):
-            return str(value)
-        if isinstance(value, list):
-            return [self.plain(v) for v in value]
-        if isinstance(value, dict):
-            return {self.plain(k): self.plain(v) for k, v in value.items()}
-        return value
-
-
-@lru_cache(maxsize=None)
-def engines() -> tuple:
-    return (CppCel(), PyCel())
-
-
-@lru_cache(maxsize=None)
-def compiled(engine_index: int, expression: str):
-    return engines()[engine_index].compile(expression)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    matched: bool
-    failed: tuple[str, ...] = ()
-
-
-def evaluate_with(index: int, pod: dict) -> tuple[Outcome, dict]:
-    """The API server's order: every matchCondition must be true; then the variables, each
-    seeing those before it; then every validation, a false one failing with its message."""
-    engine, spec = engines()[index], policy()["spec"]
-    base = {"object": engine.data(pod), "oldObject": engine.data(None), "params": engine.data(None)}
-
-    def run(expression: str, variables: dict):
-        return compiled(index, expression)({**base, "variables": engine.namespace(variables)})
-
-    def boolean(expression: str, variables: dict) -> bool:
-        result = engine.plain(run(expression, variables))
-        assert isinstance(result, bool), f"{engine.name}: {expression} gave {result!r}, not a bool"
-        return result
-
-    for condition in spec["matchConditions"]:
-        if not boolean(condition["expression"], {}):
-            return Outcome(False), {}
-    variables: dict = {}
-    for variable in spec["variables"]:
-        variables[variable["name"]] = run(variable["expression"], variables)
-    failed = tuple(v["message"] for v in spec["validations"] if not boolean(v["expression"], variables))
-    return Outcome(True, failed), {k: engine.plain(v) for k, v in variables.items()}
-
-
-def admission(pod: dict) -> Outcome:
-    """What the policy decides for `pod`; both implementations must decide the same, down to
-    every variable's value, and neither may fail to evaluate (the API server would then
-    refuse the pod under failurePolicy Fail, without saying which rule)."""
-    (outcome, variables), (other, other_variables) = (evaluate_with(i, pod) for i in range(len(engines())))
-    assert outcome == other, (outcome, other)
-    assert variables == other_variables, (variables, other_variables)
-    return outcome
-
-
 def refused_by(outcome: Outcome) -> set[str]:
     assert outcome.matched
     keys = set()
@@ -318,89 +178,6 @@ def test_every_validation_has_its_own_message():
 
 
 # ---------------------------------------------------------------- the pods admission sees
-
-
-def proxy_images() -> list[str]:
-    [variable] = [v for v in policy()["spec"]["variables"] if v["name"] == "proxyImages"]
-    images = engines()[0].compile(variable["expression"])({})
-    assert images and all(isinstance(i, str) and "/" in i for i in images), images
-    return images
-
-
-def injected(template: dict, *, cni: bool = False, native_sidecar: bool = False) -> dict:
-    """The Pod that a ReplicaSet creates from `template`, after Istio's sidecar injector, as
-    Istio's injection template writes it (fields the policy does not read are left out)."""
-    image = proxy_images()[0]
-    spec = copy.deepcopy(template["spec"])
-    [override] = [c for c in spec["containers"] if c["name"] == "istio-proxy"] or [{}]
-    spec["containers"] = [c for c in spec["containers"] if c["name"] != "istio-proxy"]
-
-    capture_args = ["istio-iptables", "-p", "15001", "-z", "15006", "-u", str(PROXY_UID), "-m", "REDIRECT",
-                    "-i", "*", "-x", "", "-b", "*", "-d", "15090,15021,15020", "--log_output_level=default:info"]
-    if cni:
-        capture = {"name": "istio-validation", "image": image, "args": capture_args + ["--run-validation", "--skip-rule-apply"],
-                   "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
-                                       "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True,
-                                       "runAsGroup": PROXY_UID, "runAsUser": PROXY_UID, "runAsNonRoot": True}}
-    else:
-        capture = {"name": "istio-init", "image": image, "args": capture_args,
-                   "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
-                                       "capabilities": {"add": ["NET_ADMIN", "NET_RAW"], "drop": ["ALL"]},
-                                       "readOnlyRootFilesystem": False,
-                                       "runAsGroup": 0, "runAsUser": 0, "runAsNonRoot": False}}
-    proxy = {
-        "name": "istio-proxy", "image": image,
-        "args": ["proxy", "sidecar", "--domain", "$(POD_NAMESPACE).svc.cluster.local",
-                 "--proxyLogLevel=warning", "--proxyComponentLogLevel=misc:error", "--log_output_level=default:info"],
-        "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-                {"name": "ISTIO_META_APP_CONTAINERS", "value": ",".join(c["name"] for c in spec["containers"])}]
-        + override.get("env", []),
-        "ports": [{"containerPort": 15090, "name": "http-envoy-prom", "protocol": "TCP"}],
-        "readinessProbe": {"httpGet": {"path": "/healthz/ready", "port": 15021}, "periodSeconds": 15},
-        "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
-                            "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True,
-                            "runAsGroup": PROXY_UID, "runAsNonRoot": True, "runAsUser": PROXY_UID},
-        "volumeMounts": [{"mountPath": "/var/run/secrets/workload-spiffe-uds", "name": "workload-socket"},
-                         {"mountPath": "/var/run/secrets/istio", "name": "istiod-ca-cert"},
-                         {"mountPath": "/var/lib/istio/data", "name": "istio-data"},
-                         {"mountPath": "/etc/istio/proxy", "name": "istio-envoy"},
-                         {"mountPath": "/var/run/secrets/tokens", "name": "istio-token"},
-                         {"mountPath": "/etc/istio/pod", "name": "istio-podinfo"}],
-    }
-    # A pod's own istio-proxy entry overrides the template's fields; its env is merged above,
-    # and `image: auto` leaves the template's image.
-    for key, value in override.items():
-        if key != "env" and not (key == "image" and value == "auto"):
-            proxy[key] = value
-    spec["initContainers"] = [capture] + spec.get("initContainers", [])
-    if native_sidecar:
-        spec["initContainers"].append({**proxy, "restartPolicy": "Always"})
-    else:
-        spec["containers"].append(proxy)
-    spec["volumes"] = spec.get("volumes", []) + [
-        {"name": "workload-socket", "emptyDir": {}},
-        {"name": "istio-envoy", "emptyDir": {"medium": "Memory"}},
-        {"name": "istio-data", "emptyDir": {}},
-        {"name": "istio-podinfo", "downwardAPI": {"items": [
-            {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
-            {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}}]}},
-        {"name": "istio-token", "projected": {"sources": [
-            {"serviceAccountToken": {"audience": "istio-ca", "expirationSeconds": 43200, "path": "istio-token"}}]}},
-        {"name": "istiod-ca-cert", "configMap": {"name": "istio-ca-root-cert"}},
-    ]
-    metadata = copy.deepcopy(template["metadata"])
-    metadata["annotations"] = {**metadata.get("annotations", {}), "sidecar.istio.io/status": '{"revision":"default"}'}
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "billing-agent-6f7c9d5b8-x2kqz", "namespace": "agents", **metadata}, "spec": spec}
-
-
-def agent_pod(**kwargs) -> dict:
-    return injected(example_deployment()["spec"]["template"], **kwargs)
-
-
-def agent(pod: dict) -> dict:
-    [container] = [c for c in pod["spec"]["containers"] if c["name"] == "agent"]
-    return container
 
 
 def init(pod: dict, name: str) -> dict:
@@ -434,10 +211,6 @@ def test_the_unpatched_agent_pod_is_refused():
 
 def pod_security(pod: dict) -> dict:
     return pod["spec"]["securityContext"]
-
-
-def set_in(container: dict, **fields) -> None:
-    container.setdefault("securityContext", {}).update(fields)
 
 
 def at_pod_level(field, value):
