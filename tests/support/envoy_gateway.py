@@ -31,6 +31,10 @@ is HTTPS with a client certificate from the control plane; that channel is its b
 module and its checksum are ours); the ledger cluster of the EnvoyPatchPolicy kept whole except
 its endpoints (loopback ports) and the CA file it trusts (the test's CA; `sni` and the expected
 name stay the manifest's). Route configuration is inline where Envoy Gateway sends it by RDS.
+
+The objects themselves (render_gateway): every kustomization under envoy/gateway/ rendered from a
+copy of envoy/ with the operator's inputs in place, the digests the caller gives (stand-ins in
+tests/files/test_envoy_gateway_manifests.py, what `make oci` built in tests/e2e/test_envoy_gateway.py).
 """
 
 from __future__ import annotations
@@ -41,12 +45,15 @@ import hashlib
 import io
 import json
 import re
+import shutil
 import tarfile
 import threading
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from tests.support.stack import envoygateway_retry_policy, envoygateway_route_enable, envoygateway_wasm_filter
+from tests.support.manifests import kustomize, set_digests
+from tests.support.stack import ROOT, envoygateway_retry_policy, envoygateway_route_enable, envoygateway_wasm_filter
 
 WASM_CLUSTER = "wasm_cluster"
 ROUTER = {"name": "envoy.filters.http.router",
@@ -292,3 +299,39 @@ def point_ledger_cluster_at(config: dict, cluster_name: str, ledger_ports: list[
     tls = cluster["transport_socket"]["typed_config"]
     tls["common_tls_context"]["validation_context"]["trusted_ca"] = {"filename": str(ca)}
     return cluster
+
+
+# ---------------------------------------------------------------- the manifests, rendered
+
+ENVOY_DIR = ROOT / "envoy"
+EG_DIR = ENVOY_DIR / "gateway"
+EG_DOC = ROOT / "docs" / "envoy-gateway.md"
+KUSTOMIZATIONS = sorted(str(p.parent.relative_to(EG_DIR)) for p in EG_DIR.rglob("kustomization.yaml"))
+BASE, MCP_OVERLAY, LEDGER_OVERLAY = "mcp", "overlays/mcp-server", "overlays/ledger-postgres"
+
+
+def ledger_env_file() -> dict[str, str]:
+    return {"service-token": uuid.uuid4().hex * 2, "admin-token": uuid.uuid4().hex * 2,
+            "store-url": "postgres://atmost@db.example.internal:5432/atmost?sslmode=verify-full"}
+
+
+def render_gateway(parent: Path, digests: dict[str, str], ledger_env: dict[str, str]) -> dict[str, list[dict]]:
+    """kustomization (relative to envoy/gateway/) -> its rendered objects, the operator's inputs in
+    place: `digests` (ledger, filter) where docs/envoy-gateway.md step 0 writes them, `ledger_env`
+    as the ledger overlay's ledger.env. The whole of envoy/ is copied: the ledger overlay builds
+    on envoy/istio/ledger/."""
+    tree = parent / "envoy"
+    shutil.copytree(ENVOY_DIR, tree, ignore=shutil.ignore_patterns("ledger.env"))
+    set_digests(tree / "gateway", digests["ledger"], digests["filter"])
+    (tree / "gateway" / LEDGER_OVERLAY / "ledger.env").write_text("".join(f"{k}={v}\n" for k, v in ledger_env.items()))
+    return {k: kustomize(tree / "gateway" / k) for k in KUSTOMIZATIONS}
+
+
+def one(objects: list[dict], kind: str) -> dict:
+    [obj] = of_kind(objects, kind)
+    return obj
+
+
+def plugin_of(objects: list[dict]) -> dict:
+    [entry] = one(objects, "EnvoyExtensionPolicy")["spec"]["wasm"]
+    return entry
