@@ -4,8 +4,8 @@ PrometheusRule for the Prometheus Operator.
 
     make prometheusrule    # .venv/bin/python scripts/gen_prometheusrule.py > monitoring/prometheusrule.yaml
 
-The plain rules file is the one source; tests/e2e/test_monitoring.py fails when the committed
-PrometheusRule is not what this writes from it.
+The plain rules file is the one source; tests/files/test_monitoring_rules.py fails when the
+committed PrometheusRule is not what this writes from it.
 """
 
 import sys
