@@ -1,23 +1,25 @@
-"""`make oci`: the filter and the ledger as OCI images, built by umoci (scripts/oci_image.py),
-reproducibly (the same inputs give the same digest), and read back with standard tools only
-(skopeo, umoci unpack). The ledger image is run the way a cluster runs it: its root unpacked
-and mounted read-only, the data directory a separate writable volume, user 65532, nothing of
-the build tree or the host's files in sight (a chroot in a mount namespace of its own).
+"""`make oci`: the filter and the ledger as OCI images, built by umoci (scripts/oci_image.py) from
+the built module and release binary. The packager run again on them gives the digests `make oci`
+printed, which skopeo reads from the layouts and the archives; the ledger image holds the binary,
+exactly the libraries this machine's loader resolves for it, Debian's CA certificates and its
+user, and nothing else. The ledger image is run the way a cluster runs it: its root unpacked and
+mounted read-only, the data directory a separate writable volume, user 65532, nothing of the
+build tree or the host's files in sight (a chroot in a mount namespace of its own).
+
+The recipe itself on stand-in inputs (reproducible bytes, the filter's layout, the archive,
+SOURCE_DATE_EPOCH, skopeo's copy, the ledger's CA bundle): tests/files/test_oci_recipe.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import gzip
-import hashlib
 import io
 import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tarfile
 import urllib.parse
 import uuid
@@ -26,87 +28,15 @@ from pathlib import Path
 import pytest
 
 from tests.support.certificates import make_certificate
+from tests.support.oci import FILTER, LEDGER, OCI_DIR, TAG, build, image_parts, same_tree, skopeo_digest
 from tests.support.stack import ROOT, WASM, ProcessExited, free_port, http_get, wait_until
 from tests.support.tcp_proxy import PgTlsFront
 
-SCRIPT = ROOT / "scripts" / "oci_image.py"
-OCI_DIR = ROOT / "target" / "oci"
 LEDGER_BINARY = ROOT / "target" / "release" / "atmost"
-FILTER, LEDGER = "atmost-filter", "atmost-ledger"
-TAG = "0.1.0"
 UID = 65532
 
 
-def build(image: str, source: Path, out: Path, epoch: str | None = None) -> str:
-    """Runs the packager for `image` ("filter" or "ledger") from `source`; returns the digest."""
-    flag = "--wasm" if image == "filter" else "--binary"
-    env = {"PATH": os.environ["PATH"]} if epoch is None else {"PATH": os.environ["PATH"], "SOURCE_DATE_EPOCH": epoch}
-    result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), image, flag, str(source)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert result.returncode == 0, result.stderr
-    name = FILTER if image == "filter" else LEDGER
-    digest = (out / f"{name}.digest").read_text().strip()
-    assert digest in result.stdout, "the digest is printed"
-    return digest
-
-
-def blob(layout: Path, digest: str) -> bytes:
-    algorithm, hex_digest = digest.split(":")
-    data = (layout / "blobs" / algorithm / hex_digest).read_bytes()
-    assert hashlib.sha256(data).hexdigest() == hex_digest, f"blob {digest} does not match its name"
-    return data
-
-
-def image_parts(layout: Path) -> tuple[dict, dict, dict, list[bytes]]:
-    """(index entry, manifest, config, uncompressed layers) of the layout's one image."""
-    index = json.loads((layout / "index.json").read_text())
-    assert index["schemaVersion"] == 2
-    [entry] = index["manifests"]
-    assert entry["mediaType"] == "application/vnd.oci.image.manifest.v1+json"
-    manifest_bytes = blob(layout, entry["digest"])
-    assert len(manifest_bytes) == entry["size"]
-    manifest = json.loads(manifest_bytes)
-    assert manifest["schemaVersion"] == 2
-    assert manifest["config"]["mediaType"] == "application/vnd.oci.image.config.v1+json"
-    config = json.loads(blob(layout, manifest["config"]["digest"]))
-    layers = []
-    for layer in manifest["layers"]:
-        assert layer["mediaType"] == "application/vnd.oci.image.layer.v1.tar+gzip"
-        compressed = blob(layout, layer["digest"])
-        assert len(compressed) == layer["size"]
-        layers.append(gzip.decompress(compressed))
-    assert config["rootfs"] == {"type": "layers",
-                                "diff_ids": ["sha256:" + hashlib.sha256(t).hexdigest() for t in layers]}
-    return entry, manifest, config, layers
-
-
-def same_tree(out_1: Path, out_2: Path) -> None:
-    files_1 = sorted(p.relative_to(out_1) for p in out_1.rglob("*") if p.is_file())
-    files_2 = sorted(p.relative_to(out_2) for p in out_2.rglob("*") if p.is_file())
-    assert files_1 == files_2 and files_1
-    for rel in files_1:
-        assert (out_1 / rel).read_bytes() == (out_2 / rel).read_bytes(), rel
-
-
-def skopeo_digest(reference: str) -> str:
-    result = subprocess.run(["skopeo", "inspect", "--format", "{{.Digest}}", reference],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip()
-
-
 # ---------------------------------------------------------------- make oci
-
-
-def test_make_oci_builds_both_images_with_umoci():
-    result = subprocess.run(["make", "-n", "oci"], capture_output=True, text=True, timeout=30, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    assert "scripts/oci_image.py --out target/oci filter" in result.stdout
-    assert "scripts/oci_image.py --out target/oci ledger --binary target/release/atmost" in result.stdout
-    # umoci makes the images, GNU tar the layers; the packager writes no tar, gzip or blob itself.
-    script = SCRIPT.read_text()
-    assert '"umoci", "raw", "add-layer"' in script
-    assert not {"import tarfile", "import gzip", "import hashlib"} & set(script.splitlines())
 
 
 @pytest.mark.parametrize("name", [FILTER, LEDGER])
@@ -118,99 +48,37 @@ def test_make_oci_output_is_what_skopeo_reads(name):
     assert skopeo_digest(f"oci-archive:{OCI_DIR / (name + '.tar')}") == digest
 
 
-# ---------------------------------------------------------------- the filter image
+def same_as_make_oci(out: Path, name: str) -> None:
+    """`out` holds the layout and archive of image `name` byte for byte as `make oci` wrote them."""
+    same_tree(out / name, OCI_DIR / name)
+    assert (out / f"{name}.tar").read_bytes() == (OCI_DIR / f"{name}.tar").read_bytes(), name
 
 
-@pytest.fixture(scope="module")
-def filter_builds(tmp_path_factory):
+def test_the_filter_built_again_is_the_image_make_oci_built(tmp_path):
+    """The packager run again on the built module gives the digest `make oci` printed, and the same
+    bytes (twice on a stand-in, and the rest of the recipe: tests/files/test_oci_recipe.py)."""
     assert WASM.exists(), "build the filter first (make wasm)"
-    first, second = tmp_path_factory.mktemp("oci-f1"), tmp_path_factory.mktemp("oci-f2")
-    return (build("filter", WASM, first), first), (build("filter", WASM, second), second)
-
-
-def test_filter_built_twice_gives_the_same_digest_and_bytes(filter_builds):
-    (digest_1, out_1), (digest_2, out_2) = filter_builds
-    assert digest_1 == digest_2
-    assert digest_1.startswith("sha256:") and len(digest_1) == len("sha256:") + 64
-    same_tree(out_1, out_2)
-    assert digest_1 == (OCI_DIR / f"{FILTER}.digest").read_text().strip(), "make oci built the same image"
-
-
-def test_a_different_filter_gives_a_different_digest(filter_builds, tmp_path):
-    (digest, _), _ = filter_builds
-    other = tmp_path / "other.wasm"
-    other.write_bytes(WASM.read_bytes() + b"\0")
-    assert build("filter", other, tmp_path / "out") != digest
-
-
-def test_filter_layout_is_an_oci_image_with_one_layer_holding_exactly_plugin_wasm(filter_builds):
-    (digest, out), _ = filter_builds
-    layout = out / FILTER
-    assert json.loads((layout / "oci-layout").read_text()) == {"imageLayoutVersion": "1.0.0"}
-    entry, manifest, config, layers = image_parts(layout)
-    assert entry["digest"] == digest
-    assert entry["annotations"]["org.opencontainers.image.ref.name"] == TAG
-    assert manifest["annotations"]["org.opencontainers.image.title"] == FILTER
-    assert (config["architecture"], config["os"]) == ("wasm", "wasip1")
-
-    # Istio's compat variant: the (last and only) layer is tar+gzip and contains plugin.wasm.
-    [layer] = layers
-    with tarfile.open(fileobj=io.BytesIO(layer)) as tar:
-        members = tar.getmembers()
-        assert [m.name for m in members] == ["plugin.wasm"]
-        [member] = members
-        assert member.isreg() and member.mode == 0o644
-        assert (member.uid, member.gid, member.uname, member.gname) == (0, 0, "", "")
-        assert member.mtime == 0
-        assert tar.extractfile(member).read() == WASM.read_bytes()
-
-
-def test_filter_archive_holds_the_same_layout(filter_builds):
-    (_, out), _ = filter_builds
-    with tarfile.open(out / f"{FILTER}.tar") as tar:
-        names = sorted(m.name for m in tar.getmembers())
-        assert names == sorted(str(p.relative_to(out / FILTER)) for p in (out / FILTER).rglob("*") if p.is_file())
-        for name in names:
-            assert tar.extractfile(name).read() == (out / FILTER / name).read_bytes()
-
-
-def test_source_date_epoch_sets_the_timestamps(tmp_path):
-    assert WASM.exists(), "build the filter first (make wasm)"
-    build("filter", WASM, tmp_path, epoch="1700000000")
-    with tarfile.open(tmp_path / f"{FILTER}.tar") as tar:
-        assert {m.mtime for m in tar.getmembers()} == {1700000000}
-    _, _, config, [layer] = image_parts(tmp_path / FILTER)
-    assert config["created"] == "2023-11-14T22:13:20Z"
-    assert [h["created"] for h in config["history"]] == ["2023-11-14T22:13:20Z"]
-    with tarfile.open(fileobj=io.BytesIO(layer)) as tar:
-        assert {m.mtime for m in tar.getmembers()} == {1700000000}
-
-
-def test_skopeo_keeps_the_filter_digest_on_copy(filter_builds, tmp_path):
-    """Copying the image, as a push to a registry would, keeps the digest we document."""
-    (digest, out), _ = filter_builds
-    copied = tmp_path / "copy"
-    result = subprocess.run(["skopeo", "copy", "--preserve-digests", f"oci:{out / FILTER}", f"oci:{copied}:{TAG}"],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert skopeo_digest(f"oci:{copied}:{TAG}") == digest
+    digest = build("filter", WASM, tmp_path)
+    assert digest == (OCI_DIR / f"{FILTER}.digest").read_text().strip(), "make oci built the same image"
+    same_as_make_oci(tmp_path, FILTER)
 
 
 # ---------------------------------------------------------------- the ledger image
 
 
 @pytest.fixture(scope="module")
-def ledger_builds(tmp_path_factory):
+def ledger_build(tmp_path_factory):
     assert LEDGER_BINARY.exists(), f"{LEDGER_BINARY} missing: build it first (make ledger-release)"
-    first, second = tmp_path_factory.mktemp("oci-l1"), tmp_path_factory.mktemp("oci-l2")
-    return (build("ledger", LEDGER_BINARY, first), first), (build("ledger", LEDGER_BINARY, second), second)
+    out = tmp_path_factory.mktemp("oci-l")
+    return build("ledger", LEDGER_BINARY, out), out
 
 
-def test_ledger_built_twice_gives_the_same_digest_and_bytes(ledger_builds):
-    (digest_1, out_1), (digest_2, out_2) = ledger_builds
-    assert digest_1 == digest_2
-    same_tree(out_1, out_2)
-    assert digest_1 == (OCI_DIR / f"{LEDGER}.digest").read_text().strip(), "make oci built the same image"
+def test_the_ledger_built_again_is_the_image_make_oci_built(ledger_build):
+    """The packager run again on the release binary gives the digest `make oci` printed, and the
+    same bytes (twice on a stand-in: tests/files/test_oci_recipe.py)."""
+    digest, out = ledger_build
+    assert digest == (OCI_DIR / f"{LEDGER}.digest").read_text().strip(), "make oci built the same image"
+    same_as_make_oci(out, LEDGER)
 
 
 def package_ca_bundle() -> bytes:
@@ -231,8 +99,9 @@ def loaded_libraries(binary: Path) -> list[str]:
     return sorted(re.findall(r"(/\S+) \(0x[0-9a-f]+\)", result.stdout))
 
 
-def test_ledger_image_holds_the_binary_its_libraries_certificates_and_user_and_nothing_else(ledger_builds):
-    (digest, out), _ = ledger_builds
+
+def test_ledger_image_holds_the_binary_its_libraries_certificates_and_user_and_nothing_else(ledger_build):
+    digest, out = ledger_build
     entry, manifest, config, [layer] = image_parts(out / LEDGER)
     assert entry["digest"] == digest and entry["annotations"]["org.opencontainers.image.ref.name"] == TAG
     assert manifest["annotations"]["org.opencontainers.image.title"] == LEDGER
@@ -276,18 +145,6 @@ def test_ledger_image_holds_the_binary_its_libraries_certificates_and_user_and_n
         version = subprocess.run(["dpkg-query", "--show", "--showformat=${Version}", package], capture_output=True,
                                  text=True, timeout=30, check=True).stdout
         assert f"{package} {version}" in packages
-
-
-def test_ledger_ca_bundle_is_the_packages_not_this_machines(ledger_builds):
-    """A CA added on the build machine (/usr/local/share/ca-certificates, in its
-    /etc/ssl/certs/ca-certificates.crt) never reaches the image."""
-    (_, out), _ = ledger_builds
-    _, _, _, [layer] = image_parts(out / LEDGER)
-    with tarfile.open(fileobj=io.BytesIO(layer)) as tar:
-        bundle = tar.extractfile("etc/ssl/certs/ca-certificates.crt").read()
-    for local in sorted(Path("/usr/local/share/ca-certificates").rglob("*.crt")):
-        assert local.read_bytes().strip() not in bundle, f"{local} leaked into the image"
-    assert bundle.count(b"-----BEGIN CERTIFICATE-----") > 100
 
 
 # ---------------------------------------------------------------- running the unpacked ledger image
