@@ -12,6 +12,11 @@ import os
 
 import pytest
 
+# The suites' helpers in tests/support assert too (the manifests' rendering, the OCI image reader,
+# the admission policy's evaluation): rewritten as the tests' own asserts are, a failing one
+# shows the values it compared.
+pytest.register_assert_rewrite("tests.support")
+
 _skipped: list[str] = []
 
 
