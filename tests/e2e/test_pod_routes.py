@@ -10,6 +10,9 @@ envoy/istio/overlays/external-provider: REGISTRY_ONLY with only the governed hos
 each declared HTTP on a port the filter covers, no retries, TLS originated by the sidecar; in
 the EnvoyFilter and in the WasmPlugin form) nothing reaches a governed tool without one. A route that the filter itself already closed under the defaults says so in its test.
 
+That `shipped` is what the overlay renders is read off the rendering in
+tests/files/test_pod_routes_overlay.py.
+
 Needs root (network namespaces, iptables), as `make test` has.
 """
 
@@ -52,8 +55,7 @@ from tests.support.pod_network import (
 )
 # The admission policy's evaluation (two CEL implementations) and the example agent pod.
 from tests.support.admission import admission, agent, agent_pod, set_in
-from tests.support.manifests import kustomize
-from tests.support.stack import ROOT, ledger_binary, wait_until
+from tests.support.stack import ledger_binary, wait_until
 
 SERVICE_TOKEN = "pod-test-service-token-of-32-bytes-or-more"
 ADMIN_TOKEN = "pod-test-admin-token-of-32-bytes-or-more"
@@ -456,46 +458,3 @@ def test_an_agent_with_net_admin_rewrites_the_capture(sidecar, fresh):
         assert ran(answers[0]) and fresh.providers[443].executions() == 1, answers
     finally:
         fresh.net.restore(fresh.net.agent, istio_capture_rules())
-
-
-# --- The rendering stands for the shipped objects ---------------------------------------
-
-
-def test_the_shipped_rendering_follows_the_shipped_overlay():
-    """What `SHIPPED` assumes of envoy/istio/overlays/external-provider, read off its rendering:
-    REGISTRY_ONLY with named hosts only; the provider declared HTTP on port 80 with TLS to 443
-    originated and verified; no retries for any governed host; the filter and the underscore
-    refusal on exactly the ports the governed hosts use. The test topology lists more in-mesh
-    servers the same way (8080, 9000), as a team adds its own."""
-    docs = kustomize(ROOT / "envoy" / "istio" / "overlays" / "external-provider")
-    kinds: dict[str, list[dict]] = {}
-    for doc in docs:
-        kinds.setdefault(doc["kind"], []).append(doc)
-    [sidecar_resource] = kinds["Sidecar"]
-    assert sidecar_resource["spec"]["outboundTrafficPolicy"]["mode"] == "REGISTRY_ONLY"
-    hosts = [h for egress in sidecar_resource["spec"]["egress"] for h in egress["hosts"]]
-    assert not any("*" in h for h in hosts), hosts
-    [entry] = kinds["ServiceEntry"]
-    [provider] = entry["spec"]["hosts"]
-    assert f"./{provider}" in hosts
-    assert entry["spec"]["resolution"] == "DNS"
-    assert [(p["number"], p["protocol"], p["targetPort"]) for p in entry["spec"]["ports"]] == [(80, "HTTP", 443)]
-    [rule] = kinds["DestinationRule"]
-    [level] = rule["spec"]["trafficPolicy"]["portLevelSettings"]
-    assert level["port"]["number"] == 80
-    tls = level["tls"]
-    assert (tls["mode"], tls["sni"], tls["subjectAltNames"]) == ("SIMPLE", provider, [provider])
-    assert tls["caCertificates"] and "insecureSkipVerify" not in tls
-    no_retries = {h for vs in kinds["VirtualService"] for h in vs["spec"]["hosts"]
-                  if all(r["retries"]["attempts"] == 0 for r in vs["spec"]["http"])}
-    assert {provider, MCP_SERVER.fqdn} <= no_retries, no_retries
-    [envoy_filter] = kinds["EnvoyFilter"]
-    patches = envoy_filter["spec"]["configPatches"]
-    filtered = {p["match"]["listener"]["portNumber"] for p in patches if p["applyTo"] == "HTTP_FILTER"}
-    underscores = {p["match"]["listener"]["portNumber"] for p in patches if p["applyTo"] == "NETWORK_FILTER"
-                   and p["patch"]["value"]["typed_config"]["common_http_protocol_options"]
-                   ["headers_with_underscores_action"] == "REJECT_REQUEST"}
-    assert filtered == underscores == {80, 8000}
-    assert SHIPPED.registry_only and SHIPPED.provider_tls_origination and SHIPPED.reject_underscores
-    assert {80, *MCP_SERVER.ports} <= SHIPPED.filter_ports
-    assert not SHIPPED.sniffed_ports and SHIPPED.no_retry_hosts == SHIPPED.egress_hosts
