@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import uuid
 from pathlib import Path
 
@@ -22,26 +21,13 @@ import yaml
 
 from tests.e2e.conftest import new_key
 from tests.e2e.test_parser_differentials import CORPUS, Upstream, _calls_decided, _headers
+from tests.support.envoy_mcp_filter import RBAC_NO_ECHO, shipped_filters
 from tests.support.mcp_raw import RawMcp, denial_code, result_text, tool_call
-from tests.support.stack import (ENVOY_CONFIG, ENVOY_MCP_FILTER, ROOT, Envoy, EnvoyMcpFilter, GoUpstream, deployment,
-                                 go_upstream_binary, listener_hcm, wait_until)
+from tests.support.stack import (Envoy, EnvoyMcpFilter, GoUpstream, deployment, go_upstream_binary, listener_hcm,
+                                 wait_until)
 
 # Where Envoy's MCP filter sits, relative to atmost.
 ORDERS = ["before", "after"]
-
-# RBAC on the MCP filter's dynamic metadata: no tools/call of `echo`.
-RBAC_NO_ECHO = {
-    "name": "envoy.filters.http.rbac",
-    "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC",
-        "rules": {"action": "DENY", "policies": {"no-echo": {
-            "permissions": [{"metadata": {"filter": "envoy.filters.http.mcp",
-                                          "path": [{"key": "params"}, {"key": "name"}],
-                                          "value": {"string_match": {"exact": "echo"}}}}],
-            "principals": [{"any": True}],
-        }}},
-    },
-}
 
 # What Envoy's MCP filter (1.40) answers when it refuses a request (HTTP 400): plain text, or a
 # JSON-RPC error -32020 for 2026-07-28 headers that disagree with the body.
@@ -56,10 +42,6 @@ MCP_FILTER_TEXT_REFUSALS = {
 # More than the MCP filter's default max_request_body_size (8192 bytes) in the call and in its
 # answer (the example server echoes the invoice).
 BIG_INVOICE = "inv-" + "x" * 20000
-
-
-def shipped_filters() -> list[dict]:
-    return yaml.safe_load(ENVOY_MCP_FILTER.read_text())
 
 
 def _chain(log_dir, ledger, upstream_port: int, order: str, name: str, filters: list[dict] | None = None,
@@ -361,19 +343,3 @@ def test_the_mcp_filter_default_body_limit_loses_big_answers(log_dir, ledger, se
                    "the attempt recorded uncertain")
     finally:
         envoy.stop()
-
-
-def test_the_documented_entries_are_the_ones_tested():
-    """docs/envoy-mcp-filter.md shows the shipped entry and this file's RBAC rule, as they are."""
-    text = (ROOT / "docs" / "envoy-mcp-filter.md").read_text()
-    blocks = [yaml.safe_load("\n".join(line[3:] for line in block.splitlines()))
-              for block in re.findall(r"^   ```yaml\n(.*?)^   ```$", text, re.M | re.S)]
-    assert blocks == [shipped_filters(), [RBAC_NO_ECHO]], blocks
-
-
-def test_the_shipped_body_limit_is_the_listeners_buffer_limit():
-    """What keeps the MCP filter from lowering the stream's buffer limit below the listener's."""
-    [entry] = shipped_filters()
-    sidecar = yaml.safe_load(ENVOY_CONFIG.read_text())
-    listener = sidecar["static_resources"]["listeners"][0]
-    assert entry["typed_config"]["max_request_body_size"] == listener["per_connection_buffer_limit_bytes"]
