@@ -118,13 +118,26 @@ wasm: rust-setup
 ## `atmost` and exactly the libraries it loads, CA certificates, user 65532): target/oci/NAME/
 ## (OCI layout), NAME.tar, NAME.digest.
 oci: wasm ledger-release oci-tools
-	$(PYTHON) scripts/oci_image.py --out target/oci filter --wasm $(WASM)
-	$(PYTHON) scripts/oci_image.py --out target/oci ledger --binary target/release/atmost
-	@# A standard OCI tool must read each image and see the same manifest digest.
+	$(call oci_images,target/oci,target/release/atmost)
+
+## The same recipe over the debug ledger the suites already run, into target/oci-test/ (never
+## target/oci, what a rollout pushes): the images the end-to-end suite reads, unpacks and runs.
+## The recipe does not depend on how the binary was built, so the suites test it without the
+## fat-LTO release build (docs/development.md#what-each-suite-builds).
+.PHONY: oci-test
+oci-test: wasm ledger oci-tools
+	$(call oci_images,target/oci-test,target/debug/atmost)
+
+# $(1): where the two images go; $(2): the ledger binary. A standard OCI tool must read each
+# image and see the manifest digest the packager printed.
+define oci_images
+	$(PYTHON) scripts/oci_image.py --out $(1) filter --wasm $(WASM)
+	$(PYTHON) scripts/oci_image.py --out $(1) ledger --binary $(2)
 	@for name in atmost-filter atmost-ledger; do \
-		test "$$(skopeo inspect --format '{{.Digest}}' oci:target/oci/$$name)" = "$$(cat target/oci/$$name.digest)" || \
+		test "$$(skopeo inspect --format '{{.Digest}}' oci:$(1)/$$name)" = "$$(cat $(1)/$$name.digest)" || \
 			{ echo "oci: skopeo reads another digest for $$name" >&2; exit 1; }; \
 	done
+endef
 
 # The ledger server (`atmost`) is the crate atmost-ledger-server (ledger/server/), over the
 # library atmost-ledger (ledger/: model, decisions, stores).
@@ -201,7 +214,7 @@ test-unit:
 
 E2E_PYTEST := $(VPY) -m pytest -q -p no:cacheprovider --timeout 300
 
-test-e2e: setup ts-deps wasm ledger-next ledger oci
+test-e2e: setup ts-deps wasm ledger-next ledger oci-test
 	ATMOST_BIN=target/debug/atmost ATMOST_NEXT_BIN=$(LEDGER_NEXT) $(WITH_PG) $(E2E_PYTEST) tests/e2e
 
 ## The end-to-end suite again, with the filter deployed as istiod renders the shipped WasmPlugin

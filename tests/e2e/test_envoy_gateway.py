@@ -1,5 +1,5 @@
-"""atmost on Envoy Gateway with what `make wasm`, `make ledger` and `make oci` built: the manifests
-under envoy/gateway/, rendered by `kubectl kustomize` with the digests `make oci` printed, pin
+"""atmost on Envoy Gateway with what `make wasm`, `make ledger` and `make oci-test` built: the manifests
+under envoy/gateway/, rendered by `kubectl kustomize` with the digests `make oci-test` printed, pin
 exactly those images; the MCP route's timeout fits the built ledger's lease.
 
 Then Envoy runs with the configuration Envoy Gateway renders for these objects
@@ -61,13 +61,13 @@ from tests.support.stack import (
 from tests.support.tcp_proxy import TcpProxy
 
 
-# ---------------------------------------------------------------- rendered with what `make oci` built
+# ---------------------------------------------------------------- rendered with what `make oci-test` built
 
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     """kustomization (relative to envoy/gateway/) -> its rendered objects, the operator's inputs in
-    place: the digests `make oci` built, and a ledger.env."""
+    place: the digests `make oci-test` built, and a ledger.env."""
     return render_gateway(tmp_path_factory.mktemp("kustomize"), built(), ledger_env_file())
 
 
@@ -76,7 +76,7 @@ def mcp(rendered) -> list[dict]:
     return rendered[MCP_OVERLAY]
 
 
-def test_overlay_pins_the_filter_make_oci_built(mcp):
+def test_overlay_pins_the_filter_make_oci_test_built(mcp):
     image = plugin_of(mcp)["code"]
     assert image["type"] == "Image"
     digest = built()["filter"]
@@ -84,13 +84,13 @@ def test_overlay_pins_the_filter_make_oci_built(mcp):
     assert image["image"]["sha256"] == digest.split(":")[1]
 
 
-def test_ledger_overlay_pins_the_ledger_make_oci_built(rendered):
+def test_ledger_overlay_pins_the_ledger_make_oci_test_built(rendered):
     [container] = one(rendered[LEDGER_OVERLAY], "Deployment")["spec"]["template"]["spec"]["containers"]
     assert container["image"] == f"registry.example.com/atmost/atmost-ledger@{built()['ledger']}"
 
 
-def test_doc_step_writes_the_digests_make_oci_built(tmp_path):
-    """Step 0's commands, run on a copy with the digest files `make oci` wrote, change the two
+def test_doc_step_writes_the_digests_make_oci_test_built(tmp_path):
+    """Step 0's commands, run on a copy with the digest files `make oci-test` wrote, change the two
     overlay files as set_digests does with those digests."""
     built()  # the digest files name the images skopeo reads
     assert run_digest_steps(EG_DOC.read_text(), EG_DIR, tmp_path, set_digests, OCI_DIR) == 2

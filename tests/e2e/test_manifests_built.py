@@ -1,8 +1,8 @@
-"""The Kubernetes / Istio manifests under envoy/istio/ with what `make wasm` and `make oci` built:
-rendered by `kubectl kustomize` with the digests `make oci` printed (target/oci/*.digest, written
-into the overlays the way the rollout steps do it), the overlays pin exactly those images, the
-Deployment relies on the ledger image's own configuration, and the Envoy config each EnvoyFilter
-and WasmPlugin inserts passes `envoy --mode validate` with the built filter.
+"""The Kubernetes / Istio manifests under envoy/istio/ with what `make wasm` and `make oci-test`
+built: rendered by `kubectl kustomize` with the digests `make oci-test` printed (target/oci-
+test/*.digest, written into the overlays the way the rollout steps do it), the overlays pin exactly
+those images, the Deployment relies on the ledger image's own configuration, and the Envoy config
+each EnvoyFilter and WasmPlugin inserts passes `envoy --mode validate` with the built filter.
 
 Everything else about these manifests (rendering, schemas, structure, the docs' steps) reads
 files only and is tests/files/test_manifests.py, with stand-in digests.
@@ -48,13 +48,13 @@ VALIDATION_ENV = {"ATMOST_SERVICE_TOKEN": "validation-service-token-of-32-bytes"
                   "ATMOST_UPSTREAM_KEY_SECRET": "validation-upstream-key-secret"}
 
 
-# ---------------------------------------------------------------- rendered with what `make oci` built
+# ---------------------------------------------------------------- rendered with what `make oci-test` built
 
 
 @pytest.fixture(scope="session")
 def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     """kustomization (relative path) -> its rendered objects, with the operator's inputs in place:
-    the digests `make oci` built, and a ledger.env."""
+    the digests `make oci-test` built, and a ledger.env."""
     return render_istio(tmp_path_factory.mktemp("kustomize"), built(), new_ledger_env())
 
 
@@ -72,7 +72,7 @@ def objs(rendered) -> dict[str, dict]:
 def test_ledger_overlays_pin_the_built_image_by_digest(rendered, kustomization):
     image = ledger_container(rendered[kustomization])["image"]
     name, _, digest = image.partition("@")
-    assert digest == built()["ledger"], f"{image} is not the image `make oci` built"
+    assert digest == built()["ledger"], f"{image} is not the image `make oci-test` built"
     assert name == "registry.example.com/atmost/atmost-ledger" and ":" not in name, "by digest, no tag"
 
 
@@ -105,8 +105,8 @@ def test_deployment_runs_the_image_as_built(objs):
     assert f"{port}/tcp" in config["ExposedPorts"]
 
 
-def test_rollout_steps_write_the_digests_make_oci_built(tmp_path):
-    """Step 0's commands, run on a copy with the digest files `make oci` wrote, put those digests
+def test_rollout_steps_write_the_digests_make_oci_test_built(tmp_path):
+    """Step 0's commands, run on a copy with the digest files `make oci-test` wrote, put those digests
     where set_digests puts them (the same with stand-ins: tests/files/test_manifests.py)."""
     steps = istio_doc_section("Adding atmost to an existing Istio mesh")
     built()  # the digest files name the images skopeo reads

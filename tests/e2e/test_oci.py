@@ -1,10 +1,12 @@
-"""`make oci`: the filter and the ledger as OCI images, built by umoci (scripts/oci_image.py) from
-the built module and release binary. The packager run again on them gives the digests `make oci`
-printed, which skopeo reads from the layouts and the archives; the ledger image holds the binary,
-exactly the libraries this machine's loader resolves for it, Debian's CA certificates and its
-user, and nothing else. The ledger image is run the way a cluster runs it: its root unpacked and
-mounted read-only, the data directory a separate writable volume, user 65532, nothing of the
-build tree or the host's files in sight (a chroot in a mount namespace of its own).
+"""`make oci-test`: the filter and the ledger as OCI images, built by umoci (scripts/oci_image.py)
+from the built module and the debug ledger the suites run, by the recipe of `make oci` (which
+packages the release build instead: the recipe does not depend on how the binary was built). The
+packager run again on them gives the digests `make oci-test` printed, which skopeo reads from the
+layouts and the archives; the ledger image holds the binary, exactly the libraries this machine's
+loader resolves for it, Debian's CA certificates and its user, and nothing else. The ledger image
+is run the way a cluster runs it: its root unpacked and mounted read-only, the data directory a
+separate writable volume, user 65532, nothing of the build tree or the host's files in sight (a
+chroot in a mount namespace of its own).
 
 The recipe itself on stand-in inputs (reproducible bytes, the filter's layout, the archive,
 SOURCE_DATE_EPOCH, skopeo's copy, the ledger's CA bundle): tests/files/test_oci_recipe.py.
@@ -32,35 +34,35 @@ from tests.support.oci import FILTER, LEDGER, OCI_DIR, TAG, build, image_parts, 
 from tests.support.stack import ROOT, WASM, ProcessExited, free_port, http_get, wait_until
 from tests.support.tcp_proxy import PgTlsFront
 
-LEDGER_BINARY = ROOT / "target" / "release" / "atmost"
+LEDGER_BINARY = ROOT / "target" / "debug" / "atmost"
 UID = 65532
 
 
-# ---------------------------------------------------------------- make oci
+# ---------------------------------------------------------------- make oci-test
 
 
 @pytest.mark.parametrize("name", [FILTER, LEDGER])
-def test_make_oci_output_is_what_skopeo_reads(name):
-    """The digest `make oci` printed and wrote is the image's, for skopeo, from the layout and
+def test_make_oci_test_output_is_what_skopeo_reads(name):
+    """The digest `make oci-test` printed and wrote is the image's, for skopeo, from the layout and
     from the archive."""
     digest = (OCI_DIR / f"{name}.digest").read_text().strip()
     assert skopeo_digest(f"oci:{OCI_DIR / name}:{TAG}") == digest
     assert skopeo_digest(f"oci-archive:{OCI_DIR / (name + '.tar')}") == digest
 
 
-def same_as_make_oci(out: Path, name: str) -> None:
-    """`out` holds the layout and archive of image `name` byte for byte as `make oci` wrote them."""
+def same_as_make_oci_test(out: Path, name: str) -> None:
+    """`out` holds the layout and archive of image `name` byte for byte as `make oci-test` wrote them."""
     same_tree(out / name, OCI_DIR / name)
     assert (out / f"{name}.tar").read_bytes() == (OCI_DIR / f"{name}.tar").read_bytes(), name
 
 
-def test_the_filter_built_again_is_the_image_make_oci_built(tmp_path):
-    """The packager run again on the built module gives the digest `make oci` printed, and the same
+def test_the_filter_built_again_is_the_image_make_oci_test_built(tmp_path):
+    """The packager run again on the built module gives the digest `make oci-test` printed, and the same
     bytes (twice on a stand-in, and the rest of the recipe: tests/files/test_oci_recipe.py)."""
     assert WASM.exists(), "build the filter first (make wasm)"
     digest = build("filter", WASM, tmp_path)
-    assert digest == (OCI_DIR / f"{FILTER}.digest").read_text().strip(), "make oci built the same image"
-    same_as_make_oci(tmp_path, FILTER)
+    assert digest == (OCI_DIR / f"{FILTER}.digest").read_text().strip(), "make oci-test built the same image"
+    same_as_make_oci_test(tmp_path, FILTER)
 
 
 # ---------------------------------------------------------------- the ledger image
@@ -68,17 +70,17 @@ def test_the_filter_built_again_is_the_image_make_oci_built(tmp_path):
 
 @pytest.fixture(scope="module")
 def ledger_build(tmp_path_factory):
-    assert LEDGER_BINARY.exists(), f"{LEDGER_BINARY} missing: build it first (make ledger-release)"
+    assert LEDGER_BINARY.exists(), f"{LEDGER_BINARY} missing: build it first (make ledger)"
     out = tmp_path_factory.mktemp("oci-l")
     return build("ledger", LEDGER_BINARY, out), out
 
 
-def test_the_ledger_built_again_is_the_image_make_oci_built(ledger_build):
-    """The packager run again on the release binary gives the digest `make oci` printed, and the
+def test_the_ledger_built_again_is_the_image_make_oci_test_built(ledger_build):
+    """The packager run again on the ledger binary gives the digest `make oci-test` printed, and the
     same bytes (twice on a stand-in: tests/files/test_oci_recipe.py)."""
     digest, out = ledger_build
-    assert digest == (OCI_DIR / f"{LEDGER}.digest").read_text().strip(), "make oci built the same image"
-    same_as_make_oci(out, LEDGER)
+    assert digest == (OCI_DIR / f"{LEDGER}.digest").read_text().strip(), "make oci-test built the same image"
+    same_as_make_oci_test(out, LEDGER)
 
 
 def package_ca_bundle() -> bytes:
@@ -152,7 +154,7 @@ def test_ledger_image_holds_the_binary_its_libraries_certificates_and_user_and_n
 
 @pytest.fixture(scope="module")
 def unpacked(tmp_path_factory) -> tuple[Path, dict]:
-    """The ledger image `make oci` built, unpacked by umoci into a runtime bundle: (rootfs, the
+    """The ledger image `make oci-test` built, unpacked by umoci into a runtime bundle: (rootfs, the
     bundle's config.json, which umoci derives from the image's configuration)."""
     assert os.geteuid() == 0, "running the image as user 65532 in a chroot needs root (as `make test` has)"
     bundle = tmp_path_factory.mktemp("bundle") / "ledger"

@@ -1,9 +1,9 @@
 """The OCI images of atmost: the packager (scripts/oci_image.py) run on given inputs and its output
 read back, blob by blob and with standard tools (skopeo), for the recipe's own checks
-(tests/files/test_oci_recipe.py, on stand-in inputs) and for the images `make oci` built from the
+(tests/files/test_oci_recipe.py, on stand-in inputs) and for the images `make oci-test` built from the
 real ones (tests/e2e/test_oci.py).
 
-What `make oci` built (target/oci: the layouts, archives and digest files scripts/oci_image.py
+What `make oci-test` built (target/oci-test: the layouts, archives and digest files scripts/oci_image.py
 writes) is for tests/e2e only: the files tier renders the manifests with stand-in digests
 (tests/support/manifests.py, STAND_IN).
 """
@@ -23,7 +23,9 @@ from tests.support.manifests import DIGEST_RE
 from tests.support.stack import ROOT
 
 SCRIPT = ROOT / "scripts" / "oci_image.py"
-OCI_DIR = ROOT / "target" / "oci"
+# `make oci-test`: the recipe of `make oci` over the debug ledger (target/oci is the release pair a
+# rollout pushes; no suite builds it).
+OCI_DIR = ROOT / "target" / "oci-test"
 FILTER, LEDGER = "atmost-filter", "atmost-ledger"
 TAG = "0.1.0"
 
@@ -86,14 +88,14 @@ def skopeo_digest(reference: str) -> str:
     return result.stdout.strip()
 
 
-# ---------------------------------------------------------------- what `make oci` built
+# ---------------------------------------------------------------- what `make oci-test` built
 
 
 def built_digest(name: str) -> str:
-    """The manifest digest `make oci` printed for image `name`, checked against what skopeo (a
+    """The manifest digest `make oci-test` printed for image `name`, checked against what skopeo (a
     standard OCI tool) reads from the image itself."""
     digest_file = OCI_DIR / f"{name}.digest"
-    assert digest_file.is_file(), f"{digest_file} missing: run `make oci` first"
+    assert digest_file.is_file(), f"{digest_file} missing: run `make oci-test` first"
     digest = digest_file.read_text().strip()
     assert DIGEST_RE.fullmatch(digest), digest
     inspected = subprocess.run(["skopeo", "inspect", "--format", "{{.Digest}}", f"oci:{OCI_DIR / name}"],
