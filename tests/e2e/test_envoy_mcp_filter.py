@@ -68,6 +68,9 @@ def _log_requests(envoy: Envoy, path: Path) -> None:
         },
     }]
     envoy.config_path.write_text(yaml.safe_dump(config))
+    # Envoy writes access logs out every 10 s by default; the test reads them as soon as the
+    # request has ended.
+    envoy.argv += ["--file-flush-interval-msec", "100"]
 
 
 def logged(envoy: Envoy, tag: str) -> dict:
