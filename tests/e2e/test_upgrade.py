@@ -330,13 +330,43 @@ def test_compatibility_rule_between_builds(log_dir, data_root, database_url):
         drop_schema(database_url, schema)
 
 
+def make_recipe(target: str) -> list[str]:
+    """The first cargo command `make TARGET` runs (`make -n`), as words."""
+    result = subprocess.run(["make", "-n", "--no-print-directory", target], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    builds = [line.split() for line in result.stdout.splitlines() if re.match(r"^\S*cargo build ", line)]
+    assert builds, result.stdout
+    return builds[0]
+
+
+def resolved_ledger_features(build_args: list[str]) -> set[str]:
+    """The features of atmost-ledger that cargo turns on for `cargo build BUILD_ARGS` (cargo
+    resolves features the same way for every profile)."""
+    args = [a for a in build_args if a != "--release"]
+    result = subprocess.run(["cargo", "tree", "--offline", "--locked", *args, "-e", "features", "-i", "atmost-ledger",
+                             "--prefix", "none"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    return set(re.findall(r'^atmost-ledger feature "([\w-]+)"$', result.stdout, re.M))
+
+
 def test_released_build_has_no_rehearsal_migration(tmp_path):
     """What `make ledger-release` builds (and `make oci` packages) writes the released schema:
-    the rehearsal feature is never on in a release."""
-    release = ROOT / "target" / "release" / "atmost"
-    assert release.exists(), "target/release/atmost is missing: `make ledger-release` (a prerequisite of make oci)"
+    the rehearsal feature is never on in a release. Without building the release (no suite
+    needs its fat-LTO build): its recipe is `make ledger`'s with `--release`, cargo leaves the
+    rehearsal out of the features it resolves for it (and, the control, puts it in for `make
+    ledger-next`'s), and the ledger `make ledger` built by that recipe writes the released
+    schema."""
+    release = make_recipe("ledger-release")
+    assert release[1:] == ["build", "--release", "-p", "atmost-ledger-server"], release
+    assert make_recipe("ledger")[1:] == [w for w in release[1:] if w != "--release"]
+    features = resolved_ledger_features(release[2:])
+    assert {"sqlite", "postgres"} <= features and "schema-rehearsal" not in features, features
+    rehearsal = make_recipe("ledger-next")
+    assert "schema-rehearsal" in resolved_ledger_features(rehearsal[2:]), rehearsal
+
     ledger = Ledger(tmp_path, tmp_path / "data", name="ledger-release-schema")
-    ledger.argv[0] = str(release)
+    ledger.argv[0] = str(ROOT / "target" / "debug" / "atmost")
     ledger.start()
     ledger.stop()
     conn = sqlite3.connect(f"file:{tmp_path / 'data' / 'atmost.sqlite3'}?mode=ro", uri=True)
