@@ -35,7 +35,8 @@ use crate::token;
 use migrations::migrate;
 use operations::{apply_report, load_snapshot};
 use rows::{load_attempt, load_permit, query_attempts, read_attempt, run_statement};
-use writer::{writer, GroupTx, Op, Pending};
+pub use writer::CommitCounts;
+use writer::{writer, CommitCounters, Durability, GroupTx, Op, Pending};
 use writes::write_attempt;
 
 /// File name of the database inside the data directory.
@@ -76,12 +77,13 @@ fn prunable_receipts_sql() -> String {
 }
 
 pub struct SqliteStore {
-    /// Operations for the writer thread, which owns the only writing connection.
-    jobs: std::sync::mpsc::Sender<Box<dyn Op>>,
+    /// Operations for the writer, which owns the only writing connection.
+    jobs: tokio::sync::mpsc::UnboundedSender<Box<dyn Op>>,
     /// A second connection for the reads that decide nothing (WAL lets it read beside the
     /// writer).
     reader: Arc<Mutex<Connection>>,
     path: PathBuf,
+    commits: Arc<CommitCounters>,
 }
 
 impl std::fmt::Debug for SqliteStore {
@@ -129,36 +131,79 @@ impl From<rusqlite::Error> for LedgerError {
 }
 
 impl SqliteStore {
-    /// Opens (creating if needed) the store under `data_dir`.
+    /// Opens (creating if needed) the store under `data_dir`, its writer on a thread of its
+    /// own (the CLI's commands, the tests).
     pub fn open_dir(data_dir: &Path) -> Result<Self, LedgerError> {
+        Self::open_file(&Self::file_in(data_dir)?)
+    }
+
+    /// Opens (creating if needed) the store under `data_dir`, its writer a task of `runtime`:
+    /// the ledger gives it the runtime of the thread that reads the filter's requests, so a
+    /// decision goes from socket to commit on that one thread.
+    pub fn open_dir_on(
+        data_dir: &Path,
+        runtime: &tokio::runtime::Handle,
+    ) -> Result<Self, LedgerError> {
+        Self::open(&Self::file_in(data_dir)?, WriterHome::Runtime(runtime))
+    }
+
+    fn file_in(data_dir: &Path) -> Result<PathBuf, LedgerError> {
         std::fs::create_dir_all(data_dir).map_err(|e| {
             LedgerError::Unavailable(format!(
                 "cannot create data dir {}: {e}",
                 data_dir.display()
             ))
         })?;
-        Self::open_file(&data_dir.join(DB_FILE))
+        Ok(data_dir.join(DB_FILE))
     }
 
     /// Opens (creating if needed) the database file at `path`: migrates it, starts the writer
-    /// thread on one connection and opens a second one for the admin API's reads.
+    /// on a thread of its own on one connection and opens a second one for the admin API's
+    /// reads.
     pub fn open_file(path: &Path) -> Result<Self, LedgerError> {
+        Self::open(path, WriterHome::OwnThread)
+    }
+
+    fn open(path: &Path, home: WriterHome<'_>) -> Result<Self, LedgerError> {
         let mut conn = open_conn(path)?;
         migrate(&mut conn)?;
         let reader = open_conn(path)?;
         reader.execute_batch("PRAGMA query_only = ON;")?;
-        let (jobs, queue) = std::sync::mpsc::channel::<Box<dyn Op>>();
-        std::thread::Builder::new()
-            .name("atmost-sqlite-writer".into())
-            .spawn(move || writer(conn, queue))
-            .map_err(|e| {
-                LedgerError::Unavailable(format!("cannot start the sqlite writer: {e}"))
-            })?;
+        // WAL mode made it; the writer syncs it where a commit was answered before its sync.
+        let wal = std::fs::File::open(wal_path(path)).ok();
+        let (jobs, queue) = tokio::sync::mpsc::unbounded_channel::<Box<dyn Op>>();
+        let commits = Arc::new(CommitCounters::default());
+        let counts = Arc::clone(&commits);
+        match home {
+            WriterHome::Runtime(runtime) => {
+                runtime.spawn(writer(conn, wal, queue, counts));
+            }
+            WriterHome::OwnThread => {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_time()
+                    .build()
+                    .map_err(|e| {
+                        LedgerError::Unavailable(format!("cannot start the sqlite writer: {e}"))
+                    })?;
+                std::thread::Builder::new()
+                    .name("atmost-sqlite-writer".into())
+                    .spawn(move || runtime.block_on(writer(conn, wal, queue, counts)))
+                    .map_err(|e| {
+                        LedgerError::Unavailable(format!("cannot start the sqlite writer: {e}"))
+                    })?;
+            }
+        }
         Ok(SqliteStore {
             jobs,
             reader: Arc::new(Mutex::new(reader)),
             path: path.to_path_buf(),
+            commits,
         })
+    }
+
+    /// The writer's group commits so far, by how they reached the disk.
+    pub fn commit_counts(&self) -> CommitCounts {
+        self.commits.read()
     }
 
     pub fn path(&self) -> &Path {
@@ -166,18 +211,24 @@ impl SqliteStore {
     }
 
     /// Runs `f` in the writer, inside the next group transaction and its own savepoint, and
-    /// answers only once that transaction committed (or failed).
+    /// answers only once that transaction committed durably (or failed).
     async fn write<R, E, F>(&self, f: F) -> Result<R, E>
     where
         R: Send + 'static,
         E: From<LedgerError> + Send + 'static,
         F: FnOnce(&GroupTx<'_>) -> Result<R, E> + Send + 'static,
     {
-        self.write_by(None, f).await
+        self.write_by(None, Durability::BeforeAnswer, f).await
     }
 
-    /// [`SqliteStore::write`], committed before `deadline` or not at all.
-    async fn write_by<R, E, F>(&self, deadline: Option<Deadline>, f: F) -> Result<R, E>
+    /// [`SqliteStore::write`], committed before `deadline` or not at all, and on disk before
+    /// the answer or soon after it (`durability`).
+    async fn write_by<R, E, F>(
+        &self,
+        deadline: Option<Deadline>,
+        durability: Durability,
+        f: F,
+    ) -> Result<R, E>
     where
         R: Send + 'static,
         E: From<LedgerError> + Send + 'static,
@@ -186,6 +237,7 @@ impl SqliteStore {
         let (reply, answer) = tokio::sync::oneshot::channel();
         let op: Box<dyn Op> = Box::new(Pending {
             work: Some(f),
+            durability,
             deadline,
             result: None,
             reply,
@@ -222,6 +274,21 @@ impl SqliteStore {
     }
 }
 
+/// Where the writer runs.
+enum WriterHome<'a> {
+    /// A task of this runtime (the ledger's decision loop).
+    Runtime(&'a tokio::runtime::Handle),
+    /// A thread of its own, with a runtime of its own.
+    OwnThread,
+}
+
+/// The WAL file SQLite keeps beside the database in WAL mode.
+fn wal_path(db: &Path) -> PathBuf {
+    let mut name = db.as_os_str().to_os_string();
+    name.push("-wal");
+    PathBuf::from(name)
+}
+
 /// One connection with the store's settings: WAL, `synchronous=FULL`, foreign keys.
 fn open_conn(path: &Path) -> Result<Connection, LedgerError> {
     let conn = Connection::open(path)?;
@@ -253,9 +320,11 @@ fn open_conn(path: &Path) -> Result<Connection, LedgerError> {
 #[async_trait]
 impl Decisions for SqliteStore {
     async fn ping(&self) -> Result<(), LedgerError> {
-        // Through the writer: ready means decisions can be made.
+        // Through the writer: ready means decisions can be made (its write lock taken, the
+        // file read). One read of the header, whatever the store holds: this runs once a
+        // second on the thread that decides.
         self.write(|c: &GroupTx<'_>| {
-            c.prepare_cached("SELECT COUNT(*) FROM permits")?
+            c.prepare_cached("PRAGMA user_version")?
                 .query_row([], |r| r.get::<_, i64>(0))?;
             Ok::<_, LedgerError>(())
         })
@@ -312,28 +381,32 @@ impl Decisions for SqliteStore {
             new_attempt_id: token::new_attempt_id()?,
             new_capability: token::new_capability()?,
         };
-        self.write_by(Some(deadline), move |tx: &GroupTx<'_>| {
-            let key_hash = decide::key_hash(&req);
-            let snap = load_snapshot(tx, &req, key_hash.as_deref(), now)?;
-            let decision = decide::decide(&req, &snap, &params);
-            match &decision.mutation {
-                Mutation::None => {}
-                Mutation::Reserve(a) => write_attempt(tx, None, a)?,
-                Mutation::Update(a) => {
-                    let old = snap
-                        .existing
-                        .as_ref()
-                        .filter(|e| e.id == a.id)
-                        .ok_or_else(|| {
-                            LedgerError::Invariant(
-                                "an update names an attempt that was not read".into(),
-                            )
-                        })?;
-                    write_attempt(tx, Some(old), a)?
+        self.write_by(
+            Some(deadline),
+            Durability::BeforeAnswer,
+            move |tx: &GroupTx<'_>| {
+                let key_hash = decide::key_hash(&req);
+                let snap = load_snapshot(tx, &req, key_hash.as_deref(), now)?;
+                let decision = decide::decide(&req, &snap, &params);
+                match &decision.mutation {
+                    Mutation::None => {}
+                    Mutation::Reserve(a) => write_attempt(tx, None, a)?,
+                    Mutation::Update(a) => {
+                        let old =
+                            snap.existing
+                                .as_ref()
+                                .filter(|e| e.id == a.id)
+                                .ok_or_else(|| {
+                                    LedgerError::Invariant(
+                                        "an update names an attempt that was not read".into(),
+                                    )
+                                })?;
+                        write_attempt(tx, Some(old), a)?
+                    }
                 }
-            }
-            Ok(decision)
-        })
+                Ok(decision)
+            },
+        )
         .await
     }
 
@@ -343,8 +416,10 @@ impl Decisions for SqliteStore {
         now: Millis,
     ) -> Result<OutcomeResult, LedgerError> {
         let report = report.clone();
-        self.write(move |tx: &GroupTx<'_>| apply_report(tx, &report, now))
-            .await
+        self.write_by(None, Durability::Soon, move |tx: &GroupTx<'_>| {
+            apply_report(tx, &report, now)
+        })
+        .await
     }
 
     async fn record_outcomes(
@@ -353,7 +428,7 @@ impl Decisions for SqliteStore {
         now: Millis,
     ) -> Result<Vec<OutcomeResult>, LedgerError> {
         let reports = reports.to_vec();
-        self.write(move |tx: &GroupTx<'_>| {
+        self.write_by(None, Durability::Soon, move |tx: &GroupTx<'_>| {
             let mut out = Vec::with_capacity(reports.len());
             for report in &reports {
                 out.push(apply_report(tx, report, now)?);

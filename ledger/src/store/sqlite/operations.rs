@@ -1,5 +1,7 @@
 //! What a queued authorize or outcome operation reads and writes in its group transaction.
 
+use std::sync::LazyLock;
+
 use atmost_protocol::{AuthorizeRequest, OutcomeReport};
 
 use super::rows::{budget_counters, load_attempt, load_permit, query_attempts, slots_held};
@@ -39,11 +41,13 @@ impl SnapshotReads for Queries<'_, '_> {
         permit: &Permit,
         key_hash: &str,
     ) -> Result<Option<Attempt>, LedgerError> {
-        let sql = format!(
-            "SELECT {ATTEMPT_COLS} FROM idempotency_keys k JOIN attempts a ON a.id = k.attempt_id \
-             WHERE k.permit_id = ?1 AND k.key_hash = ?2"
-        );
-        Ok(query_attempts(self.0, &sql, &[&permit.id, &key_hash])?
+        static SQL: LazyLock<String> = LazyLock::new(|| {
+            format!(
+                "SELECT {ATTEMPT_COLS} FROM idempotency_keys k JOIN attempts a ON a.id = k.attempt_id \
+                 WHERE k.permit_id = ?1 AND k.key_hash = ?2"
+            )
+        });
+        Ok(query_attempts(self.0, &SQL, &[&permit.id, &key_hash])?
             .into_iter()
             .next())
     }
@@ -60,16 +64,18 @@ impl SnapshotReads for Queries<'_, '_> {
         &mut self,
         lookup: &DuplicateLookup<'_>,
     ) -> Result<Option<Attempt>, LedgerError> {
-        let sql = format!(
-            "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.permit_id = ?1 AND a.fingerprint = ?2 \
-             AND a.state NOT IN {} AND a.created_at >= ?3 \
-             AND (?4 IS NULL OR a.key_hash IS NULL OR a.key_hash <> ?4) \
-             ORDER BY a.created_at DESC LIMIT 1",
-            states(AttemptState::gave_back)
-        );
+        static SQL: LazyLock<String> = LazyLock::new(|| {
+            format!(
+                "SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.permit_id = ?1 AND a.fingerprint = ?2 \
+                 AND a.state NOT IN {} AND a.created_at >= ?3 \
+                 AND (?4 IS NULL OR a.key_hash IS NULL OR a.key_hash <> ?4) \
+                 ORDER BY a.created_at DESC LIMIT 1",
+                states(AttemptState::gave_back)
+            )
+        });
         Ok(query_attempts(
             self.0,
-            &sql,
+            &SQL,
             &[
                 &lookup.permit_id,
                 &lookup.fingerprint,

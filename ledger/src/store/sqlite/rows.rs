@@ -1,6 +1,8 @@
 //! Rows: the permit and attempt columns as SQLite returns them, the reads of the decisions,
 //! and how the shared reads' statements are run.
 
+use std::sync::LazyLock;
+
 use rusqlite::{params, Connection, OptionalExtension, Row, ToSql};
 
 use crate::error::LedgerError;
@@ -67,8 +69,9 @@ pub(super) fn read_signing_key(row: &Row<'_>) -> rusqlite::Result<StoredSigningK
 }
 
 pub(super) fn load_permit(conn: &Connection, id: &str) -> Result<Option<Permit>, LedgerError> {
-    let sql = format!("SELECT {PERMIT_COLS} FROM permits WHERE id = ?1");
-    conn.prepare_cached(&sql)?
+    static SQL: LazyLock<String> =
+        LazyLock::new(|| format!("SELECT {PERMIT_COLS} FROM permits WHERE id = ?1"));
+    conn.prepare_cached(&SQL)?
         .query_row(params![id], read_permit)
         .optional()?
         .map(Permit::try_from)
@@ -76,8 +79,9 @@ pub(super) fn load_permit(conn: &Connection, id: &str) -> Result<Option<Permit>,
 }
 
 pub(super) fn load_attempt(conn: &Connection, id: &str) -> Result<Option<Attempt>, LedgerError> {
-    let sql = format!("SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.id = ?1");
-    conn.prepare_cached(&sql)?
+    static SQL: LazyLock<String> =
+        LazyLock::new(|| format!("SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.id = ?1"));
+    conn.prepare_cached(&SQL)?
         .query_row(params![id], read_attempt)
         .optional()?
         .map(Attempt::try_from)

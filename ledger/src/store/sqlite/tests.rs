@@ -400,3 +400,115 @@ fn a_new_file_records_what_each_version_requires() {
         Some(crate::store::schema::SCHEMA_VERSION)
     );
 }
+
+/// A decision's group commits durably before it is answered; a group of outcome reports only
+/// commits without its sync, which the writer makes itself soon after when no durable commit
+/// came to cover it (docs/design.md#the-ledgers-hot-path).
+#[tokio::test]
+async fn decisions_commit_durably_and_reports_are_synced_soon_after() {
+    use atmost_protocol::Outcome;
+    use std::time::Duration;
+    let dir = tempfile::tempdir().unwrap();
+    let s = SqliteStore::open_dir(dir.path()).unwrap();
+    let (_, tok) = conformance::make_permit(&s, conformance::policy(), T0 + 1_000_000).await;
+    let before = s.commit_counts();
+    let r = conformance::req(&tok, "pay", Some("k-durable"), "fp", serde_json::json!({}));
+    let id = conformance::dispatched(&conformance::auth(&s, &r, T0 + 1).await);
+    let decided = s.commit_counts();
+    assert_eq!(decided.durable, before.durable + 1, "{decided:?}");
+    assert_eq!(decided.lazy, before.lazy);
+    // Nothing is left to sync after a durable commit.
+    tokio::time::sleep(super::writer::LAZY_SYNC_WITHIN * 3).await;
+    assert_eq!(s.commit_counts().wal_syncs, decided.wal_syncs);
+
+    let report = conformance::report_of(
+        &id,
+        Outcome::Completed {
+            receipt: "{}".into(),
+        },
+    );
+    s.record_outcome(&report, T0 + 2).await.unwrap();
+    let reported = s.commit_counts();
+    assert_eq!(reported.lazy, decided.lazy + 1, "{reported:?}");
+    assert_eq!(reported.durable, decided.durable);
+    // No decision came after it: the writer syncs the WAL itself, within its bound.
+    let waited = std::time::Instant::now();
+    while s.commit_counts().wal_syncs == reported.wal_syncs {
+        assert!(
+            waited.elapsed() < Duration::from_secs(10),
+            "the WAL was never synced"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        waited.elapsed() >= super::writer::LAZY_SYNC_WITHIN / 2,
+        "synced at once, not soon after"
+    );
+    // And the report is there, as any commit's.
+    let attempt = s.get_attempt(&id).await.unwrap().unwrap();
+    assert_eq!(attempt.state, crate::model::AttemptState::Completed);
+}
+
+/// The group of reports and the decision's set the connection's `synchronous` as they need.
+#[tokio::test]
+async fn a_group_of_reports_commits_with_normal_sync_and_a_decision_with_full() {
+    let dir = tempfile::tempdir().unwrap();
+    let conn = super::open_conn(&dir.path().join("x.sqlite3")).unwrap();
+    let sync = |conn: &rusqlite::Connection| -> i64 {
+        conn.query_row("PRAGMA synchronous", [], |r| r.get(0))
+            .unwrap()
+    };
+    conn.execute_batch("CREATE TABLE t (x INTEGER)").unwrap();
+    let counts = super::writer::CommitCounters::default();
+    let op = |durability: super::writer::Durability| -> Box<dyn super::Op> {
+        let (reply, _answer) =
+            tokio::sync::oneshot::channel::<Result<(), crate::error::LedgerError>>();
+        Box::new(super::Pending {
+            work: Some(|tx: &super::GroupTx<'_>| {
+                tx.execute("INSERT INTO t VALUES (1)", [])?;
+                Ok::<_, crate::error::LedgerError>(())
+            }),
+            durability,
+            deadline: None,
+            result: None,
+            reply,
+        })
+    };
+    assert!(matches!(
+        super::writer::run_group(
+            &conn,
+            vec![op(super::writer::Durability::Soon)],
+            false,
+            &counts
+        ),
+        super::writer::Committed::Lazily
+    ));
+    assert_eq!(sync(&conn), 1, "synchronous=NORMAL");
+    assert!(matches!(
+        super::writer::run_group(
+            &conn,
+            vec![op(super::writer::Durability::BeforeAnswer)],
+            true,
+            &counts
+        ),
+        super::writer::Committed::Durably
+    ));
+    assert_eq!(sync(&conn), 2, "synchronous=FULL");
+    // A group that wrote nothing (the readiness check's read) synced nothing, so it does not
+    // stand for the sync a lazy commit before it waits for.
+    let (reply, _answer) = tokio::sync::oneshot::channel::<Result<(), crate::error::LedgerError>>();
+    let read: Box<dyn super::Op> = Box::new(super::Pending {
+        work: Some(|tx: &super::GroupTx<'_>| {
+            tx.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0))?;
+            Ok::<_, crate::error::LedgerError>(())
+        }),
+        durability: super::writer::Durability::BeforeAnswer,
+        deadline: None,
+        result: None,
+        reply,
+    });
+    assert!(matches!(
+        super::writer::run_group(&conn, vec![read], true, &counts),
+        super::writer::Committed::Unwritten
+    ));
+}

@@ -1,9 +1,16 @@
-//! The writer thread: queued operations grouped into one `BEGIN IMMEDIATE` transaction each,
-//! one savepoint per operation, answered once the group committed.
+//! The writer: queued operations grouped into one `BEGIN IMMEDIATE` transaction each, one
+//! savepoint per operation, answered once the group committed. It is a task of the thread
+//! that reads the requests (the ledger's decision loop), so a decision goes from socket to
+//! commit without a hand-off to another thread (docs/design.md#the-ledgers-hot-path).
 
 use std::cell::RefCell;
+use std::fs::File;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
 use rusqlite::Connection;
+use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::writes::write_counters;
 use crate::clock::Deadline;
@@ -65,10 +72,24 @@ pub(super) trait Op: Send {
     /// The deadline of an operation whose writes are in the group: the group commits before
     /// it or not at all.
     fn commit_deadline(&self) -> Option<Deadline>;
+    /// Whether its commit must be on disk before it is answered. Only outcome reports may
+    /// not: lost in a crash, their attempt stays in flight until its lease makes it
+    /// `uncertain`, which holds its slot (docs/design.md#the-ledgers-hot-path).
+    fn durable(&self) -> bool;
+}
+
+/// When an operation's commit reaches the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Durability {
+    /// Before it is answered (`synchronous=FULL`): every decision, every admin write.
+    BeforeAnswer,
+    /// With the next durable commit, or at most [`LAZY_SYNC_WITHIN`] later: outcome reports.
+    Soon,
 }
 
 pub(super) struct Pending<R, E, F> {
     pub(super) work: Option<F>,
+    pub(super) durability: Durability,
     /// When the caller stops waiting: an operation not yet run by then is not run.
     pub(super) deadline: Option<Deadline>,
     pub(super) result: Option<Result<R, E>>,
@@ -115,15 +136,51 @@ where
     fn commit_deadline(&self) -> Option<Deadline> {
         self.deadline.filter(|_| matches!(self.result, Some(Ok(_))))
     }
+
+    fn durable(&self) -> bool {
+        self.durability == Durability::BeforeAnswer
+    }
 }
 
-/// The writer thread: owns the connection; each round takes up to [`MAX_GROUP`] queued
-/// operations into one `BEGIN IMMEDIATE` transaction, one savepoint each, commits once
-/// (`synchronous=FULL`: durable when COMMIT returns) and only then answers them all. Ops run
-/// one after another, so check + reserve stays atomic; `BEGIN IMMEDIATE` keeps it so across
-/// processes sharing the file.
-pub(super) fn writer(conn: Connection, queue: std::sync::mpsc::Receiver<Box<dyn Op>>) {
-    while let Ok(first) = queue.recv() {
+/// The longest a commit answered before it was durable waits for its `fdatasync`: the next
+/// durable commit covers it (the WAL is written in order), and without one the writer syncs
+/// the WAL file itself this long after.
+pub(super) const LAZY_SYNC_WITHIN: Duration = Duration::from_millis(100);
+
+/// The writer: owns the connection; each turn takes every queued operation (up to
+/// [`MAX_GROUP`]) into one `BEGIN IMMEDIATE` transaction, one savepoint each, commits once and
+/// only then answers them all. A group with a decision or an admin write in it commits with
+/// `synchronous=FULL` (durable when COMMIT returns); a group of outcome reports only, with
+/// `synchronous=NORMAL` (written, its `fdatasync` left to the next durable commit or to
+/// [`LAZY_SYNC_WITHIN`]). Ops run one after another, so check + reserve stays atomic; `BEGIN
+/// IMMEDIATE` keeps it so across processes sharing the file. `wal` is the WAL file, opened to
+/// sync it.
+pub(super) async fn writer(
+    conn: Connection,
+    wal: Option<File>,
+    mut queue: UnboundedReceiver<Box<dyn Op>>,
+    counts: Arc<CommitCounters>,
+) {
+    let mut unsynced = None;
+    loop {
+        let first = match unsynced {
+            None => queue.recv().await,
+            Some(since) => {
+                match tokio::time::timeout_at(since + LAZY_SYNC_WITHIN, queue.recv()).await {
+                    Ok(op) => op,
+                    Err(_) => {
+                        sync_wal(wal.as_ref());
+                        counts.wal_syncs.fetch_add(1, Ordering::Relaxed);
+                        unsynced = None;
+                        continue;
+                    }
+                }
+            }
+        };
+        let Some(first) = first else { break };
+        // Every request this thread read in the same turn queues before the group starts:
+        // the tasks the sockets' readiness woke are polled first, then this one again.
+        tokio::task::yield_now().await;
         let mut group = Vec::with_capacity(16);
         group.push(first);
         while group.len() < MAX_GROUP {
@@ -132,8 +189,69 @@ pub(super) fn writer(conn: Connection, queue: std::sync::mpsc::Receiver<Box<dyn 
                 Err(_) => break,
             }
         }
-        run_group(&conn, group);
+        let durable = group.iter().any(|op| op.durable());
+        match run_group(&conn, group, durable, &counts) {
+            Committed::Durably => unsynced = None,
+            Committed::Lazily => {
+                unsynced.get_or_insert_with(tokio::time::Instant::now);
+            }
+            // A commit that wrote nothing (a readiness check) synced nothing either.
+            Committed::Unwritten | Committed::Not => {}
+        }
     }
+    sync_wal(wal.as_ref());
+}
+
+/// Group commits so far, by how they reached the disk, and the writer's own syncs of the WAL.
+#[derive(Debug, Default)]
+pub(super) struct CommitCounters {
+    pub(super) durable: AtomicU64,
+    pub(super) lazy: AtomicU64,
+    pub(super) wal_syncs: AtomicU64,
+}
+
+/// A reading of [`CommitCounters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommitCounts {
+    /// Groups committed with `synchronous=FULL`: on disk before their answers.
+    pub durable: u64,
+    /// Groups of outcome reports committed with `synchronous=NORMAL`.
+    pub lazy: u64,
+    /// Syncs of the WAL the writer made itself, no durable commit having come within
+    /// [`LAZY_SYNC_WITHIN`] of a lazy one.
+    pub wal_syncs: u64,
+}
+
+impl CommitCounters {
+    pub(super) fn read(&self) -> CommitCounts {
+        CommitCounts {
+            durable: self.durable.load(Ordering::Relaxed),
+            lazy: self.lazy.load(Ordering::Relaxed),
+            wal_syncs: self.wal_syncs.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Makes what the WAL holds durable. A failure is left to the next durable commit, whose own
+/// `fdatasync` reports it to the decision that waits for it.
+fn sync_wal(wal: Option<&File>) {
+    if let Some(file) = wal {
+        if let Err(e) = file.sync_data() {
+            tracing::warn!(error = %e, "could not sync the sqlite WAL; the next durable commit will");
+        }
+    }
+}
+
+/// How a group ended.
+pub(super) enum Committed {
+    /// On disk before the answers went out, with every commit before it.
+    Durably,
+    /// Written, its sync still to come.
+    Lazily,
+    /// Committed without a row written: nothing reached the WAL, nothing was synced.
+    Unwritten,
+    /// Rolled back; every operation was answered with the error.
+    Not,
 }
 
 /// Runs one statement without parameters through the statement cache (these run per operation).
@@ -141,23 +259,50 @@ pub(super) fn exec_cached(conn: &Connection, sql: &str) -> rusqlite::Result<usiz
     conn.prepare_cached(sql)?.execute([])
 }
 
-pub(super) fn fail_all(conn: &Connection, group: Vec<Box<dyn Op>>, error: LedgerError) {
+pub(super) fn fail_all(
+    conn: &Connection,
+    group: Vec<Box<dyn Op>>,
+    error: LedgerError,
+) -> Committed {
     if !conn.is_autocommit() {
         let _ = conn.execute_batch("ROLLBACK");
     }
     for op in group {
         op.finish(Err(error.clone()));
     }
+    Committed::Not
 }
 
-pub(super) fn run_group(conn: &Connection, mut group: Vec<Box<dyn Op>>) {
+/// Runs `group` in one transaction, committed durably or not (see [`writer`]), counted in
+/// `counts` before any of its operations is answered.
+pub(super) fn run_group(
+    conn: &Connection,
+    mut group: Vec<Box<dyn Op>>,
+    durable: bool,
+    counts: &CommitCounters,
+) -> Committed {
+    // Outside a transaction, as SQLite requires; the group's commit syncs or not by it.
+    let sync = if durable {
+        "PRAGMA synchronous = FULL"
+    } else {
+        "PRAGMA synchronous = NORMAL"
+    };
+    if let Err(e) = exec_cached(conn, sync) {
+        return fail_all(conn, group, LedgerError::from(e));
+    }
     if let Err(e) = exec_cached(conn, "BEGIN IMMEDIATE") {
         return fail_all(conn, group, LedgerError::from(e));
     }
+    // An operation alone needs no savepoint: where it fails, the transaction is rolled back
+    // whole, which is what rolling back to its savepoint would leave.
+    let alone = group.len() == 1;
+    let changes_before = conn.total_changes();
     let mut moves = CounterMoves::default();
     for op in group.iter_mut() {
-        if let Err(e) = exec_cached(conn, "SAVEPOINT op") {
-            return fail_all(conn, group, LedgerError::from(e));
+        if !alone {
+            if let Err(e) = exec_cached(conn, "SAVEPOINT op") {
+                return fail_all(conn, group, LedgerError::from(e));
+            }
         }
         let tx = GroupTx {
             conn,
@@ -175,12 +320,26 @@ pub(super) fn run_group(conn: &Connection, mut group: Vec<Box<dyn Op>>) {
                 LedgerError::Unavailable("the store rolled the transaction back".to_string()),
             );
         }
-        let end = if ok {
+        if alone && !ok {
+            // Its own error stands (Op::finish), nothing of it is kept.
+            if let Err(e) = exec_cached(conn, "ROLLBACK") {
+                return fail_all(conn, group, LedgerError::from(e));
+            }
+            for op in group {
+                op.finish(Ok(()));
+            }
+            return Committed::Not;
+        }
+        if ok {
             // A failed operation's moves were rolled back with its savepoint.
             moves.absorb(own);
-            exec_cached(conn, "RELEASE op")
-        } else {
-            exec_cached(conn, "ROLLBACK TO op").and_then(|_| exec_cached(conn, "RELEASE op"))
+        }
+        let end = match (alone, ok) {
+            (true, _) => Ok(0),
+            (false, true) => exec_cached(conn, "RELEASE op"),
+            (false, false) => {
+                exec_cached(conn, "ROLLBACK TO op").and_then(|_| exec_cached(conn, "RELEASE op"))
+            }
         };
         if let Err(e) = end {
             return fail_all(conn, group, LedgerError::from(e));
@@ -202,9 +361,21 @@ pub(super) fn run_group(conn: &Connection, mut group: Vec<Box<dyn Op>>) {
     }
     match exec_cached(conn, "COMMIT") {
         Ok(_) => {
+            let committed = match (conn.total_changes() == changes_before, durable) {
+                (true, _) => Committed::Unwritten,
+                (false, true) => {
+                    counts.durable.fetch_add(1, Ordering::Relaxed);
+                    Committed::Durably
+                }
+                (false, false) => {
+                    counts.lazy.fetch_add(1, Ordering::Relaxed);
+                    Committed::Lazily
+                }
+            };
             for op in group {
                 op.finish(Ok(()));
             }
+            committed
         }
         Err(e) => fail_all(conn, group, LedgerError::from(e)),
     }
