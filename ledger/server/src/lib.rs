@@ -7,6 +7,7 @@ pub mod api;
 pub mod auth_limit;
 pub mod cli;
 pub mod config_check;
+pub mod decision_loop;
 pub mod drain;
 pub mod inbox;
 pub mod metrics;

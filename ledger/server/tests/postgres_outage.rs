@@ -184,6 +184,25 @@ mod postgres_outage {
             200
         );
 
+        // Decisions draw from connections of their own (docs/design.md#the-ledgers-hot-path):
+        // one decision, under a permit nobody holds, opens theirs, so that the hang below meets
+        // an open connection mid-operation, as the ping's and the permit's did.
+        let stranger = token::new_token(&token::new_permit_id().unwrap()).unwrap();
+        let warm = s
+            .authorize(
+                &call(&stranger),
+                LEASE_MS,
+                T0,
+                Deadline::after(Duration::from_secs(5)),
+            )
+            .await
+            .unwrap();
+        assert!(
+            matches!(&warm.response, atmost_protocol::AuthorizeResponse::Deny(d) if d.code == atmost_protocol::DenialCode::PermitInvalid),
+            "{:?}",
+            warm.response
+        );
+
         relay.stalled.store(true, Ordering::SeqCst);
         let r = call(&tok);
         let err = tokio::time::timeout(

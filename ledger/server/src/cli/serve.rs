@@ -8,6 +8,7 @@ use axum::Router;
 
 use super::args::LedgerArgs;
 use super::{init_logs, CliError};
+use crate::decision_loop::DecisionLoop;
 use crate::inbox::InboxConfig;
 use crate::metrics::Metrics;
 use crate::redact::Redaction;
@@ -82,10 +83,13 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
         .transpose()
         .map_err(|e| CliError::Usage(e.to_string()))?;
     init_logs(args.log_format);
+    // The admin API, the inbox, the sweeper, the reconciler and /metrics.
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let store = rt.block_on(open_store(&args))?;
+    // The filter's requests, from socket to commit (crate::decision_loop).
+    let mut decisions = DecisionLoop::start()?;
+    let store = rt.block_on(open_store(&args, decisions.handle()))?;
     let state = Arc::new(AppState::new(
         store,
         Arc::new(SystemClock),
@@ -116,11 +120,14 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
     ));
     // Replicas starting together on one store end with one key, the same for all.
     rt.block_on(state.start_signing())?;
+    let decision_loop = &mut decisions;
     rt.block_on(async move {
         let stop_signals = crate::drain::os_stop_signals()?;
         // The first answer of /readyz is a real check; then one a second, in the background.
         crate::readiness::check_once(&state).await;
-        let listener = tokio::net::TcpListener::bind(args.listen).await?;
+        // Bound here, so that a port in use stops the start; served on the decision loop.
+        let listener = std::net::TcpListener::bind(args.listen)?;
+        listener.set_nonblocking(true)?;
         let admin_listener = tokio::net::TcpListener::bind(args.admin_listen).await?;
         tracing::info!(listen = %args.listen, admin_listen = %args.admin_listen,
             lease_ms = state.config.lease.as_millis() as u64, tls = tls.is_some(), "ledger listening");
@@ -149,8 +156,16 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
             }
             None => (None, None),
         };
+        let api = {
+            let (router, tls_config, metrics, stop) =
+                (server::api_router(state.clone()), tls_config.clone(), metrics.clone(), shutdown.signal());
+            decision_loop.serve(move || async move {
+                let listener = tokio::net::TcpListener::from_std(listener)?;
+                serve(listener, router, tls_config, metrics, stop).await
+            })
+        };
         let served = tokio::try_join!(
-            serve(listener, server::api_router(state.clone()), tls_config.clone(), metrics.clone(), shutdown.signal()),
+            api,
             serve(admin_listener, server::admin_router(state), tls_config, metrics, shutdown.signal()),
         );
         if let Some(r) = reloader {
@@ -164,6 +179,7 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
         tracing::info!("ledger stopped");
         served.map(|_| ())
     })?;
+    decisions.join()?;
     Ok(())
 }
 
@@ -218,23 +234,31 @@ fn tls_files(args: &LedgerArgs) -> Option<TlsFiles> {
 /// Opens the store `--store` names: the embedded SQLite file, or PostgreSQL (migrations run
 /// here, before the ledger listens). A build without one of the stores (cargo features
 /// `sqlite`, `postgres`) refuses to name it.
-pub(super) async fn open_store(args: &LedgerArgs) -> Result<Arc<dyn Store>, CliError> {
+/// `decisions`: the runtime of the decision loop, where SQLite's writer runs (PostgreSQL's
+/// workers start on the thread of the request that needs them, which is the loop's).
+pub(super) async fn open_store(
+    args: &LedgerArgs,
+    decisions: &tokio::runtime::Handle,
+) -> Result<Arc<dyn Store>, CliError> {
     let spec = args.store.trim();
     if spec.is_empty() || spec == "sqlite" {
-        return open_sqlite(args);
+        return open_sqlite(args, decisions);
     }
     open_postgres(args, spec).await
 }
 
 #[cfg(feature = "sqlite")]
-fn open_sqlite(args: &LedgerArgs) -> Result<Arc<dyn Store>, CliError> {
-    let store = SqliteStore::open_dir(&args.data_dir)?;
+fn open_sqlite(
+    args: &LedgerArgs,
+    decisions: &tokio::runtime::Handle,
+) -> Result<Arc<dyn Store>, CliError> {
+    let store = SqliteStore::open_dir_on(&args.data_dir, decisions)?;
     tracing::info!(store = "sqlite", path = %store.path().display(), "store opened");
     Ok(Arc::new(store))
 }
 
 #[cfg(not(feature = "sqlite"))]
-fn open_sqlite(_: &LedgerArgs) -> Result<Arc<dyn Store>, CliError> {
+fn open_sqlite(_: &LedgerArgs, _: &tokio::runtime::Handle) -> Result<Arc<dyn Store>, CliError> {
     Err(CliError::Usage(
         "this atmost is built without the SQLite store (cargo feature `sqlite`): --store must be a postgres:// URL".into(),
     ))

@@ -1,6 +1,6 @@
 //! The decision worker: queued authorize calls decided in groups, one transaction each.
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use atmost_protocol::AuthorizeRequest;
@@ -71,7 +71,7 @@ pub(super) async fn decision_worker(
             ids.dedup();
             // The locks every decision on these permits serializes on (module docs). The
             // budget totals come with them: nothing else writes them while the locks are held.
-            let lock = prepared(c, &lock_permits_sql()).await?;
+            let lock = prepared(c, lock_permits_sql()).await?;
             let statements = ReadStatements::prepare(c).await?;
             prepare_writes(c).await?;
             let key_hashes: Vec<Option<String>> =
@@ -126,11 +126,29 @@ pub(super) async fn decision_worker(
     }
 }
 
-/// Locks the permits `$1` in id order and reads them with their budget totals.
-fn lock_permits_sql() -> String {
+/// One index lookup per job, numbered by its position in the arrays. The window is the
+/// permit's retention back from the job's `now` (as `DuplicateLookup::of` computes it;
+/// `permits.retention_ms` is the policy's, written with the permit).
+static DUPLICATES_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT {PERMIT_COLS}, reserved, spent FROM permits WHERE id = ANY($1) ORDER BY id FOR UPDATE"
+        "SELECT {ATTEMPT_COLS}, j.i FROM unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::BIGINT[]) \
+         WITH ORDINALITY AS j(p, fp, kh, now, i) \
+         CROSS JOIN LATERAL (SELECT retention_ms FROM permits r WHERE r.id = j.p LIMIT 1) r \
+         CROSS JOIN LATERAL (SELECT * FROM attempts d WHERE d.permit_id = j.p \
+         AND d.fingerprint = j.fp AND NOT (d.state = ANY($5)) AND d.created_at >= j.now - r.retention_ms \
+         AND (j.kh IS NULL OR d.key_hash IS NULL OR d.key_hash <> j.kh) \
+         ORDER BY d.created_at DESC LIMIT 1) a"
     )
+});
+
+/// Locks the permits `$1` in id order and reads them with their budget totals.
+fn lock_permits_sql() -> &'static str {
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            "SELECT {PERMIT_COLS}, reserved, spent FROM permits WHERE id = ANY($1) ORDER BY id FOR UPDATE"
+        )
+    });
+    &SQL
 }
 
 /// The locked permits of a group, by id, with their stored budget totals (reserved, spent).
@@ -288,29 +306,14 @@ pub(super) struct ReadStatements {
 impl ReadStatements {
     pub(super) async fn prepare<C: GenericClient>(c: &C) -> Result<Self, LedgerError> {
         Ok(ReadStatements {
-            keys: prepared(c, &attempts_by_keys_sql()).await?,
+            keys: prepared(c, attempts_by_keys_sql()).await?,
             slots: prepared(
                 c,
                 "SELECT u.p, u.t, s.slots_held FROM unnest($1::TEXT[], $2::TEXT[]) AS u(p, t) CROSS JOIN LATERAL \
                  (SELECT slots_held FROM permit_tool_usage x WHERE x.permit_id = u.p AND x.tool = u.t LIMIT 1) s",
             )
             .await?,
-            // One index lookup per job, numbered by its position in the arrays. The window
-            // is the permit's retention back from the job's `now` (as `DuplicateLookup::of`
-            // computes it; `permits.retention_ms` is the policy's, written with the permit).
-            duplicates: prepared(
-                c,
-                &format!(
-                    "SELECT {ATTEMPT_COLS}, j.i FROM unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::BIGINT[]) \
-                     WITH ORDINALITY AS j(p, fp, kh, now, i) \
-                     CROSS JOIN LATERAL (SELECT retention_ms FROM permits r WHERE r.id = j.p LIMIT 1) r \
-                     CROSS JOIN LATERAL (SELECT * FROM attempts d WHERE d.permit_id = j.p \
-                     AND d.fingerprint = j.fp AND NOT (d.state = ANY($5)) AND d.created_at >= j.now - r.retention_ms \
-                     AND (j.kh IS NULL OR d.key_hash IS NULL OR d.key_hash <> j.kh) \
-                     ORDER BY d.created_at DESC LIMIT 1) a"
-                ),
-            )
-            .await?,
+            duplicates: prepared(c, &DUPLICATES_SQL).await?,
         })
     }
 }

@@ -61,6 +61,12 @@ pub(super) async fn within<T>(
 
 /// The first message of a group's first flight.
 const BEGIN: &str = "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan";
+/// [`BEGIN`] for a group of outcome reports: its commit is acknowledged before the server
+/// flushed it (docs/design.md#the-ledgers-hot-path). Lost in a crash, a report's attempt stays
+/// in flight until its lease makes it `uncertain`, which holds its slot; decisions commit
+/// durably, and a later durable commit flushes the WAL up to it.
+const BEGIN_OUTCOMES: &str =
+    "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL synchronous_commit = off";
 
 /// A pooled connection with a group transaction on it. A group that did not commit (an
 /// error, or its deadline dropped it mid-flight) queues `ROLLBACK` on its connection when
@@ -91,6 +97,15 @@ impl GroupTx {
     /// `BEGIN`: poll it first among the first flight's statements.
     pub(super) async fn begin(&self) -> Result<(), LedgerError> {
         self.client()?.batch_execute(BEGIN).await.map_err(pg_err)
+    }
+
+    /// `BEGIN` of a group of outcome reports, whose commit need not be flushed before it is
+    /// acknowledged ([`BEGIN_OUTCOMES`]).
+    pub(super) async fn begin_outcomes(&self) -> Result<(), LedgerError> {
+        self.client()?
+            .batch_execute(BEGIN_OUTCOMES)
+            .await
+            .map_err(pg_err)
     }
 
     /// `COMMIT`: poll it last among the second flight's statements, and call

@@ -100,6 +100,8 @@ impl StateSets {
 
 pub struct PgStore {
     pool: Pool,
+    /// The decision and outcome workers' connections (see [`PgStore::connect`]).
+    worker_pool: Pool,
     /// Decisions waiting for their permit's next group transaction.
     decisions: DecisionQueue,
     /// Outcome reports waiting for the next group transaction.
@@ -183,23 +185,41 @@ impl PgStore {
         } else {
             RustlsMakeTls::new(opts.ca_file.as_deref())?
         };
-        let manager = Manager::from_config(
-            config,
-            tls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
-        let pool = Pool::builder(manager)
-            .max_size(opts.pool_size)
-            .runtime(Runtime::Tokio1)
-            .wait_timeout(Some(opts.connect_timeout))
-            .create_timeout(Some(opts.connect_timeout))
-            .recycle_timeout(Some(opts.connect_timeout))
-            .build()
-            .map_err(|e| LedgerError::Invariant(format!("postgres pool: {e}")))?;
+        let build = |size: usize| {
+            let manager = Manager::from_config(
+                config.clone(),
+                tls.clone(),
+                ManagerConfig {
+                    recycling_method: RecyclingMethod::Fast,
+                },
+            );
+            Pool::builder(manager)
+                .max_size(size)
+                .runtime(Runtime::Tokio1)
+                .wait_timeout(Some(opts.connect_timeout))
+                .create_timeout(Some(opts.connect_timeout))
+                .recycle_timeout(Some(opts.connect_timeout))
+                .build()
+                .map_err(|e| LedgerError::Invariant(format!("postgres pool: {e}")))
+        };
+        // The decision and outcome workers start on the thread of the request that needs
+        // them (the ledger's decision loop), and a connection is driven by the runtime that
+        // opened it: so the workers draw from connections only they open, and a decision
+        // never waits on another thread (docs/design.md#the-ledgers-hot-path). Two of the
+        // pool's connections, one of a pool of two; a pool of one is shared.
+        let worker_connections = match opts.pool_size {
+            1 => 0,
+            2 => 1,
+            _ => 2,
+        };
+        let pool = build(opts.pool_size - worker_connections)?;
+        let worker_pool = match worker_connections {
+            0 => pool.clone(),
+            n => build(n)?,
+        };
         let store = PgStore {
             pool,
+            worker_pool,
             decisions: Arc::default(),
             outcomes: Arc::default(),
             states: StateSets::new(),
@@ -365,7 +385,7 @@ impl Decisions for PgStore {
         };
         if self.decisions.join([job]) {
             tokio::spawn(decision_worker(
-                self.pool.clone(),
+                self.worker_pool.clone(),
                 self.states.clone(),
                 self.op_timeout,
                 Arc::clone(&self.decisions),
@@ -417,7 +437,7 @@ impl Decisions for PgStore {
             .collect();
         if self.outcomes.join(jobs) {
             tokio::spawn(outcome_worker(
-                self.pool.clone(),
+                self.worker_pool.clone(),
                 self.op_timeout,
                 Arc::clone(&self.outcomes),
             ));

@@ -41,13 +41,13 @@ pub(super) async fn outcome_worker(pool: Pool, op_timeout: Duration, queue: Outc
             let c = tx.client()?;
             let ids: Vec<&str> = jobs.iter().map(|j| j.report.attempt_id.as_str()).collect();
             let lock = prepared(c, LOCK_PERMITS_OF_ATTEMPTS).await?;
-            let load = prepared(c, &load_attempts_sql()).await?;
+            let load = prepared(c, load_attempts_sql()).await?;
             prepare_writes(c).await?;
             let args: [&(dyn ToSql + Sync); 1] = [&ids];
             // The server runs the read after the locks are held, with a fresh snapshot.
             let (begun, locked, loaded) = tokio::join!(
                 biased;
-                tx.begin(),
+                tx.begin_outcomes(),
                 c.query(&lock, &args),
                 c.query(&load, &args)
             );

@@ -1,6 +1,8 @@
 //! Rows: the permit and attempt columns as PostgreSQL returns them, the statements that read
 //! and lock them for the decisions, and how the shared reads' statements are run.
 
+use std::sync::LazyLock;
+
 use deadpool_postgres::GenericClient;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
@@ -129,21 +131,27 @@ pub(super) const LOCK_PERMITS_OF_ATTEMPTS: &str = "SELECT p.id FROM permits p WH
      ORDER BY p.id FOR UPDATE";
 
 /// The attempts whose ids are `$1` (see [`LOCK_PERMITS_OF_ATTEMPTS`] for the form).
-pub(super) fn load_attempts_sql() -> String {
-    format!(
-        "SELECT {ATTEMPT_COLS} FROM unnest($1::TEXT[]) AS u(id) \
-         CROSS JOIN LATERAL (SELECT * FROM attempts x WHERE x.id = u.id LIMIT 1) a"
-    )
+pub(super) fn load_attempts_sql() -> &'static str {
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            "SELECT {ATTEMPT_COLS} FROM unnest($1::TEXT[]) AS u(id) \
+             CROSS JOIN LATERAL (SELECT * FROM attempts x WHERE x.id = u.id LIMIT 1) a"
+        )
+    });
+    &SQL
 }
 
 /// The attempts that the keys `$2` of the permits `$1` (pairwise) name, each row ending with
 /// its permit and key (see [`LOCK_PERMITS_OF_ATTEMPTS`] for the form).
-pub(super) fn attempts_by_keys_sql() -> String {
-    format!(
-        "SELECT {ATTEMPT_COLS}, u.p, u.kh FROM unnest($1::TEXT[], $2::TEXT[]) AS u(p, kh) CROSS JOIN LATERAL \
-         (SELECT x.* FROM idempotency_keys k JOIN attempts x ON x.id = k.attempt_id \
-          WHERE k.permit_id = u.p AND k.key_hash = u.kh LIMIT 1) a"
-    )
+pub(super) fn attempts_by_keys_sql() -> &'static str {
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            "SELECT {ATTEMPT_COLS}, u.p, u.kh FROM unnest($1::TEXT[], $2::TEXT[]) AS u(p, kh) CROSS JOIN LATERAL \
+             (SELECT x.* FROM idempotency_keys k JOIN attempts x ON x.id = k.attempt_id \
+              WHERE k.permit_id = u.p AND k.key_hash = u.kh LIMIT 1) a"
+        )
+    });
+    &SQL
 }
 
 /// Runs one statement through the connection's statement cache.
