@@ -73,6 +73,7 @@ mod head;
 mod ledger_reply;
 mod response;
 mod step;
+pub mod upgrade;
 
 use body_hold::Ahead;
 use outcome::NoReceipt;
@@ -400,6 +401,10 @@ impl Call {
             self.state = State::Answered;
             return alias_refused(alias);
         }
+        if let Some(refusal) = upgrade::refusal(&head, &self.config.upgrade_routes) {
+            self.state = State::Answered;
+            return refusal;
+        }
         let edits = self.head_edits(&head);
         if head.method.eq_ignore_ascii_case("GET") {
             if let Some(t) = head.resume {
@@ -426,7 +431,10 @@ impl Call {
                 return step;
             }
         }
-        if !head.method.eq_ignore_ascii_case("POST") || head.end_of_stream {
+        // An upgrade on a listed route passes like traffic that needs no decision: what
+        // follows its headers is the upgraded connection, never a body to read.
+        if head.upgrade.is_some() || !head.method.eq_ignore_ascii_case("POST") || head.end_of_stream
+        {
             return match self.passing_key_header(&head.idempotency_key) {
                 Some(key) => {
                     self.state = State::Forwarding(Value::Null, None);

@@ -78,6 +78,9 @@ stat_table! {
     /// (none, malformed, or not over this request): the call was denied
     /// `gateway_unavailable` and its round reported never sent.
     DispatchUnsigned => "atmost_dispatch_unsigned";
+    /// A request that asked to switch protocols (an `Upgrade` header, `CONNECT`) on a route
+    /// `upgrade_routes` does not name was refused ([`crate::call::upgrade`]).
+    UpgradeRefused => "atmost_upgrade_refused";
     /// One of Envoy's steering headers ([`crate::call::ENVOY_CONTROL_HEADERS`]) was removed
     /// from a request.
     ControlHeaderRemoved => "atmost_control_header_removed";

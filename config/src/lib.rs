@@ -6,10 +6,12 @@
 //! refused, so a typo is an error and not a silently ignored setting. Error messages never
 //! echo a field's value (some are secrets).
 
+mod upgrade;
 mod upstream_secret;
 mod verify;
 
 use serde_json::{Map, Value};
+pub use upgrade::{UpgradeRoutes, MAX_ROUTE_NAME_BYTES, MAX_UPGRADE_ROUTES, REFUSED_ROUTE_NAMES};
 pub use upstream_secret::UpstreamSecret;
 pub use verify::{JwksSource, VerifyConfig, VerifyKey};
 pub use verify::{
@@ -239,6 +241,11 @@ pub struct Config {
     /// the tool's verifier within it, so keep it at most the route's timeout (Envoy's
     /// default is 15 s). Only `request_hold: headers` signs.
     pub signature_validity_s: u64,
+    /// `upgrade_routes` (array of Envoy route names, default `[]`): the routes on which a
+    /// request may upgrade (an `Upgrade` header, `CONNECT`); on every other route the filter
+    /// refuses it, since what the upgraded connection carries is never read
+    /// ([`UpgradeRoutes`]).
+    pub upgrade_routes: UpgradeRoutes,
 }
 
 /// `ledger`: the callout target.
@@ -546,6 +553,7 @@ impl Config {
             "tools_list_limits",
             "request_hold",
             "signature_validity_s",
+            "upgrade_routes",
         ])?;
 
         let ledger_map = top
@@ -701,6 +709,7 @@ impl Config {
             1,
             MAX_VALIDITY_S,
         )?;
+        let upgrade_routes = upgrade::parse(&top)?;
 
         Ok(Config {
             ledger: LedgerConfig {
@@ -722,6 +731,7 @@ impl Config {
             tools_list_limits,
             request_hold,
             signature_validity_s,
+            upgrade_routes,
         })
     }
 }
@@ -781,6 +791,23 @@ mod tests {
         assert!(!c.tools_list_limits);
         assert_eq!(c.request_hold, RequestHold::Headers);
         assert_eq!(c.signature_validity_s, 15);
+        assert_eq!(c.upgrade_routes, UpgradeRoutes::none());
+    }
+
+    #[test]
+    fn upgrade_routes_names_the_routes_that_may_upgrade() {
+        let mut v = minimal();
+        v["upgrade_routes"] = json!(["chat-ws"]);
+        let routes = config_from(&v).upgrade_routes;
+        assert!(routes.allows(Some("chat-ws")) && !routes.allows(Some("mcp")));
+        for (bad, field) in [
+            (json!("chat-ws"), "upgrade_routes"),
+            (json!(["chat-ws", ""]), "upgrade_routes[1]"),
+            (json!(["default"]), "upgrade_routes[0]"),
+        ] {
+            v["upgrade_routes"] = bad;
+            assert_eq!(field_of(&v), field);
+        }
     }
 
     #[test]

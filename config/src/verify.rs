@@ -2,7 +2,7 @@
 //! server, refusing governed `tools/call`s without a valid dispatch signature
 //! (docs/signatures.md, "The verifier at the tool").
 
-use crate::{err, ConfigError, DenialFormat, Obj, RequestHold, ToolSet};
+use crate::{err, ConfigError, DenialFormat, Obj, RequestHold, ToolSet, UpgradeRoutes};
 use crate::{DEFAULT_AUTHORITY, DEFAULT_MAX_BYTES};
 use crate::{DEFAULT_TIMEOUT_MS, MAX_MAX_BYTES};
 use atmost_protocol::signature::{Jwk, KEYS_PATH};
@@ -23,11 +23,12 @@ pub const MAX_REPLAY_CACHE_ENTRIES: u64 = 4_194_304;
 pub const MAX_INLINE_KEYS: usize = 64;
 
 /// The top-level fields the verifier reads besides `role` and `verify`.
-pub const SHARED_FIELDS: [&str; 4] = [
+pub const SHARED_FIELDS: [&str; 5] = [
     "governed_tools",
     "denial_format",
     "max_body_bytes",
     "request_hold",
+    "upgrade_routes",
 ];
 /// The top-level fields only the gateway reads: refused in `role: "verify"`.
 pub const GATEWAY_ONLY_FIELDS: [&str; 9] = [
@@ -68,6 +69,9 @@ pub struct VerifyConfig {
     /// `allow_on_headers_stop_iteration: true`); `body`: the headers go on at once and only
     /// the body is held, for deployments that cannot set that field (an Istio WasmPlugin).
     pub request_hold: RequestHold,
+    /// `upgrade_routes`: the routes on which a request may upgrade; every other upgrade is
+    /// refused, as the gateway refuses it ([`UpgradeRoutes`]).
+    pub upgrade_routes: UpgradeRoutes,
 }
 
 /// One trusted public key.
@@ -165,6 +169,7 @@ pub(crate) fn parse(top: &Obj<'_>) -> Result<VerifyConfig, ConfigError> {
     let denial_format = crate::denial_format(top)?;
     let max_body_bytes = top.integer("max_body_bytes", DEFAULT_MAX_BYTES, 1, MAX_MAX_BYTES)?;
     let request_hold = crate::request_hold(top)?;
+    let upgrade_routes = crate::upgrade::parse(top)?;
     Ok(VerifyConfig {
         keys,
         jwks,
@@ -174,6 +179,7 @@ pub(crate) fn parse(top: &Obj<'_>) -> Result<VerifyConfig, ConfigError> {
         denial_format,
         max_body_bytes,
         request_hold,
+        upgrade_routes,
     })
 }
 
@@ -296,6 +302,22 @@ mod tests {
             &json!({"role": "verify", "request_hold": "body", "verify": {"jwks": {"cluster": "l"}}}),
         );
         assert_eq!(body.request_hold, crate::RequestHold::Body);
+    }
+
+    #[test]
+    fn upgrade_routes_is_read_as_the_gateway_reads_it() {
+        let base = json!({"role": "verify", "verify": {"jwks": {"cluster": "ledger"}}});
+        assert_eq!(
+            verify_config(&base).upgrade_routes,
+            crate::UpgradeRoutes::none()
+        );
+        let mut listed = base.clone();
+        listed["upgrade_routes"] = json!(["chat-ws"]);
+        assert!(verify_config(&listed)
+            .upgrade_routes
+            .allows(Some("chat-ws")));
+        listed["upgrade_routes"] = json!(["*"]);
+        assert_eq!(refused(&listed).0, "upgrade_routes[0]");
     }
 
     #[test]

@@ -1019,6 +1019,10 @@ fn run(data: &[u8]) -> Reached {
                     control_headers: Vec::new(),
                     signature_headers: Vec::new(),
                     alias: None,
+                    // No upgrade, so the committed seeds keep their meaning: a request that
+                    // asks to upgrade ends at its headers (src/call/tests/upgrades.rs).
+                    upgrade: None,
+                    route: None,
                     resume: resume.then(|| Ticket {
                         grant: atmost_protocol::DispatchGrant {
                             attempt_id: "att-r".into(),

@@ -87,6 +87,15 @@ pub fn set_shared(key: &str, value: &[u8]) {
     }
 }
 
+/// The name of the route Envoy picked for the current request (`xds.route_name`), when it
+/// has one: a request that matched no route, or a route without a name, gives `None`.
+pub fn route_name() -> Option<String> {
+    match hostcalls::get_property(vec!["xds", "route_name"]) {
+        Ok(Some(bytes)) if !bytes.is_empty() => String::from_utf8(bytes).ok(),
+        _ => None,
+    }
+}
+
 pub fn property_int(path: &[&str]) -> Option<u64> {
     match hostcalls::get_property(path.to_vec()) {
         Ok(v) => crate::call::outcome::decode_int(v.as_deref()),

@@ -60,6 +60,10 @@ impl Http {
         if let Some(key) = head.resume_key() {
             head.resume = host::take_shared(&key, |stored| head.admit_resume(stored));
         }
+        // Only a request that asks to upgrade is decided by its route.
+        if head.upgrade.is_some() {
+            head.route = host::route_name();
+        }
         head
     }
 }

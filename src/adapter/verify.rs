@@ -239,7 +239,11 @@ impl HttpContext for VerifyHttp {
         let headers = host::headers(MapType::HttpRequestHeaders);
         let signed = SignedHead::from_headers(headers.iter().map(|(k, v)| (k.as_str(), v)));
         // The verifier has no permit header: no name is read as one.
-        let head = RequestHead::from_headers(headers, "", end_of_stream);
+        let mut head = RequestHead::from_headers(headers, "", end_of_stream);
+        // Only a request that asks to upgrade is decided by its route.
+        if head.upgrade.is_some() {
+            head.route = host::route_name();
+        }
         let step = self.call.on_request_headers(head, signed);
         self.apply(step)
     }

@@ -6,6 +6,7 @@
 
 use super::signing::SIGNATURE_HEADERS;
 use super::step::{RequestHead, ResponseHead, IDEMPOTENCY_HEADER};
+use super::upgrade::Upgrade;
 use crate::call::resume::Ticket;
 
 /// Request headers by which a client steers what Envoy's router does with the request
@@ -108,6 +109,9 @@ impl RequestHead {
         for (name, value) in headers {
             let name = name.as_ref().to_ascii_lowercase();
             let value: Vec<u8> = value.into();
+            if head.upgrade.is_none() {
+                head.upgrade = Upgrade::of_header(&name, &value);
+            }
             if head.alias.is_none()
                 && (aliases(&name, permit_header)
                     || HEADERS_ATMOST_READS.iter().any(|h| aliases(&name, h)))
@@ -169,10 +173,13 @@ impl RequestHead {
     }
 
     /// The shared-data key of the resume ticket this request may take: a GET with
-    /// `Last-Event-ID` that will not be refused for an alias (taking the ticket uses it
-    /// up).
+    /// `Last-Event-ID` that will not be refused for an alias and does not ask to upgrade
+    /// (taking the ticket uses it up).
     pub fn resume_key(&self) -> Option<String> {
-        if !self.method.eq_ignore_ascii_case("GET") || self.alias.is_some() {
+        if !self.method.eq_ignore_ascii_case("GET")
+            || self.alias.is_some()
+            || self.upgrade.is_some()
+        {
             return None;
         }
         let last = self.last_event_id.as_deref()?;
@@ -468,6 +475,7 @@ mod tests {
             Some(crate::call::resume::key(Some("s1"), "e7"))
         );
         assert_eq!(get(&[("mcp_session_id", "s2")]).resume_key(), None);
+        assert_eq!(get(&[("upgrade", "websocket")]).resume_key(), None);
         assert_eq!(read(&[(":method", "GET")]).resume_key(), None);
         assert_eq!(
             read(&[(":method", "POST"), ("last-event-id", "e7")]).resume_key(),

@@ -3,6 +3,7 @@
 
 use crate::call::reply::LocalReply;
 use crate::call::resume::Ticket;
+use crate::call::upgrade::Upgrade;
 use crate::ledger_client::Callout;
 use crate::parse::mcp::Mirrored;
 use crate::stats::Stat;
@@ -50,6 +51,12 @@ pub struct RequestHead {
     /// `resume::key(session, last event id)`, as the adapter took it from shared data (only
     /// after [`Ticket::admits`] this GET, and removing it there, so it is used once).
     pub resume: Option<Ticket>,
+    /// How the request asks to switch protocols, if it does (the first way it asks).
+    pub upgrade: Option<Upgrade>,
+    /// For a request that asks to upgrade: the name of the route Envoy picked for it (the
+    /// property `xds.route_name`), which the adapter reads only then; `None` when Envoy
+    /// names none.
+    pub route: Option<String>,
 }
 
 /// What the response headers told us.

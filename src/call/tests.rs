@@ -1994,3 +1994,4 @@ mod body_hold;
 mod control_headers;
 mod signed_dispatch;
 mod sse_trailers;
+mod upgrades;

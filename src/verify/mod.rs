@@ -22,6 +22,7 @@ pub mod replay;
 mod tests;
 
 use crate::call::denial;
+use crate::call::upgrade;
 use crate::call::{
     alias_refused, bad_request, too_large, trailers_refused, unreadable_body, BodyStep, Effect,
     Level, RequestHead, Step,
@@ -290,7 +291,13 @@ impl VerifyCall {
             self.state = State::Done;
             return alias_refused(alias);
         }
-        if !head.method.eq_ignore_ascii_case("POST") || head.end_of_stream {
+        // Over an upgraded connection a tools/call would reach the tool unverified.
+        if let Some(refusal) = upgrade::refusal(&head, &self.config.upgrade_routes) {
+            self.state = State::Done;
+            return refusal;
+        }
+        if head.upgrade.is_some() || !head.method.eq_ignore_ascii_case("POST") || head.end_of_stream
+        {
             self.state = State::Passing;
             return Step::cont();
         }

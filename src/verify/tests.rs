@@ -847,3 +847,41 @@ fn with_request_hold_body_the_headers_go_on_and_the_body_waits_for_the_check() {
     verified(tool.send(&req(), &s));
     assert_eq!(tool.headers_flow, Some(Flow::Pause));
 }
+
+#[test]
+fn an_upgrade_is_refused_unless_its_route_is_listed_even_signed() {
+    let s = Signer::new(1);
+    for hold in ["headers", "body"] {
+        let c = config(json!({
+            "role": "verify",
+            "request_hold": hold,
+            "verify": {"keys": {"keys": [s.jwk()]}},
+            "upgrade_routes": ["chat-ws"]
+        }));
+        let websocket = |route: Option<&str>| {
+            let mut call = VerifyCall::new(Rc::clone(&c));
+            let mut headers = req().headers(&s);
+            headers.push(("upgrade".into(), b"websocket".to_vec()));
+            let mut head = RequestHead::from_headers(headers.iter().cloned(), "", false);
+            head.route = route.map(str::to_string);
+            let step = call.on_request_headers(head, SignedHead::from_headers(headers));
+            (step, call.state_name())
+        };
+        // A signature does not make the upgraded bytes verified: refused before the tool.
+        for route in [Some("mcp"), None] {
+            let (step, state) = websocket(route);
+            let reply = step_reply(&step)
+                .cloned()
+                .unwrap_or_else(|| panic!("{step:?}"));
+            assert_eq!((reply.status, state), (400, "done"), "{hold} {route:?}");
+            assert_eq!(
+                reply.body_json().unwrap_or_default()["error"]["code"],
+                json!(-32600)
+            );
+            assert!(step.effects.contains(&Effect::Count(Stat::UpgradeRefused)));
+        }
+        // The listed route lets it through, unread.
+        let (step, state) = websocket(Some("chat-ws"));
+        assert_eq!((step, state), (Step::cont(), "passing"), "{hold}");
+    }
+}

@@ -32,6 +32,9 @@ NO_BODY = ("requests without a body (GET streams, DELETE) end at their headers, 
            "otherwise let through before the decision")
 ROUTES = ("per-route configuration: Envoy Gateway enables the filter on each route, the other forms in "
           "the connection manager")
+UPGRADES = ("requests that ask to switch protocols are refused at their headers, which the body forms "
+            "otherwise let through before the decision, and may have no body to hold; the route they are "
+            "decided by is the form's (Envoy Gateway enables the filter route by route)")
 
 # file -> test function -> why it runs in every form (every parameter of it runs).
 PER_FORM: dict[str, dict[str, str]] = {
@@ -83,6 +86,12 @@ PER_FORM: dict[str, dict[str, str]] = {
         "test_a_client_timeout_header_is_not_applied": HEADERS,
         "test_a_retrying_route_sends_a_governed_call_once": ROUTES,
         "test_control_without_the_filter_the_route_retries": ROUTES,
+    },
+    "test_upgrades.py": {
+        "test_a_websocket_upgrade_is_refused_and_nothing_reaches_the_server": UPGRADES,
+        "test_an_upgrade_that_announces_a_body_is_refused_before_any_byte_of_it": UPGRADES,
+        "test_a_connect_tunnel_is_refused": UPGRADES,
+        "test_a_route_upgrade_routes_names_lets_its_upgrade_through_unread": UPGRADES,
     },
     "test_envoy_mcp_filter.py": {
         "test_a_governed_call_is_decided_once_and_its_replay_runs_nothing": HOLD,

@@ -27,9 +27,12 @@ from tests.support.manifests import (
     LEDGER_POSTGRES,
     LEDGER_SQLITE,
     PROVIDER_HOST,
+    VERIFIER_ENVOYFILTER,
+    VERIFIER_WASMPLUGIN,
     by_kind,
     envoyfilter_parts,
     filter_image,
+    filter_object,
     host_env_keys_of,
     istio_doc_section,
     ledger_container,
@@ -76,7 +79,7 @@ def test_ledger_overlays_pin_the_built_image_by_digest(rendered, kustomization):
     assert name == "registry.example.com/atmost/atmost-ledger" and ":" not in name, "by digest, no tag"
 
 
-@pytest.mark.parametrize("kustomization", [AGENT_ENVOYFILTER, AGENT_WASMPLUGIN])
+@pytest.mark.parametrize("kustomization", [AGENT_ENVOYFILTER, AGENT_WASMPLUGIN, VERIFIER_ENVOYFILTER, VERIFIER_WASMPLUGIN])
 def test_agent_overlays_pin_the_built_filter_by_digest(rendered, kustomization):
     url, sha256 = filter_image(by_kind(rendered[kustomization]))
     hex_digest = built()["filter"].split(":")[1]
@@ -110,7 +113,7 @@ def test_rollout_steps_write_the_digests_make_oci_test_built(tmp_path):
     where set_digests puts them (the same with stand-ins: tests/files/test_manifests.py)."""
     steps = istio_doc_section("Adding atmost to an existing Istio mesh")
     built()  # the digest files name the images skopeo reads
-    assert run_digest_steps(steps, ISTIO_DIR, tmp_path, set_digests, OCI_DIR) == 4
+    assert run_digest_steps(steps, ISTIO_DIR, tmp_path, set_digests, OCI_DIR) == 6
 
 
 # ---------------------------------------------------------------- `envoy --mode validate` with the built filter
@@ -256,3 +259,65 @@ def test_the_overlays_provider_listener_passes_envoy_validate(rendered, tmp_path
     path.write_text(yaml.safe_dump(provider_envoy_config(rendered[EXTERNAL_PROVIDER], tmp_path / "missing.pem")))
     result = validate_envoy_config(path, env=VALIDATION_ENV)
     assert result.returncode != 0 and "missing.pem" in result.stdout + result.stderr
+
+
+def plugin_json_of(doc: dict) -> dict:
+    """The plugin configuration a WasmPlugin or an EnvoyFilter carries."""
+    if doc["kind"] == "WasmPlugin":
+        return doc["spec"]["pluginConfig"]
+    ext, _ = envoyfilter_parts({"EnvoyFilter": doc})
+    return json.loads(ext["patch"]["value"]["typed_config"]["config"]["configuration"]["value"])
+
+
+def verifier_envoy_config(docs: list[dict], plugin_json: dict | None = None) -> dict:
+    """What the server's sidecar runs for the verifier overlay, as plain Envoy: equivalent-envoy.yaml's
+    listener (an HTTP connection manager, as the Sidecar's ingress port declares it) with the
+    overlay's Wasm filter in atmost's place, the code made local: the EnvoyFilter's config with its
+    connection manager merge for the port, or the WasmPlugin as istiod renders it. The ledger's
+    cluster, which the key set is fetched from, is equivalent-envoy.yaml's. `plugin_json` stands in
+    for the overlay's plugin configuration."""
+    doc = filter_object(docs)
+    config = yaml.safe_load(EQUIVALENT_ENVOY.read_text())
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    index = next(i for i, f in enumerate(hcm["http_filters"]) if f["name"] == "atmost")
+    del hcm["common_http_protocol_options"]
+    if doc["kind"] == "WasmPlugin":
+        spec = doc["spec"]
+        wasm = {"@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                "config": wasmplugin_filter_config(spec["pluginConfig"], WASM, host_env_keys_of(spec))}
+        wasm["config"]["name"] = f"{doc['metadata']['namespace']}.{doc['metadata']['name']}"
+        # The verifier's WasmPlugin names no variable of the sidecar's environment.
+        assert "vmConfig" not in spec
+        wasm["config"]["vm_config"]["environment_variables"].pop("host_env_keys", None)
+        assert "allow_on_headers_stop_iteration" not in json.dumps(wasm)
+    else:
+        ext, http = envoyfilter_parts({"EnvoyFilter": doc})
+        assert http["match"]["context"] == "SIDECAR_INBOUND"
+        wasm = copy.deepcopy(ext["patch"]["value"]["typed_config"])
+        wasm["config"]["vm_config"]["code"] = {"local": {"filename": str(WASM)}}
+        for merge in doc["spec"]["configPatches"]:
+            if merge["applyTo"] == "NETWORK_FILTER":
+                proto_merge(hcm, merge["patch"]["value"]["typed_config"])
+    if plugin_json is not None:
+        wasm["config"]["configuration"]["value"] = json.dumps(plugin_json)
+    hcm["http_filters"][index] = {"name": "atmost", "typed_config": wasm}
+    return config
+
+
+@pytest.mark.parametrize("kustomization", [VERIFIER_ENVOYFILTER, VERIFIER_WASMPLUGIN])
+def test_the_verifier_overlay_passes_envoy_validate(rendered, kustomization, tmp_path):
+    """The verifier overlay's Wasm filter, with the built module, loads in real Envoy: its
+    on_configure reads the overlay's verifier configuration; the same with a gateway field in it
+    is refused, naming the field."""
+    assert WASM.exists(), "build the filter first (make wasm)"
+    docs = rendered[kustomization]
+    path = tmp_path / "verifier-as-envoy.yaml"
+    path.write_text(yaml.safe_dump(verifier_envoy_config(docs)))
+    result = validate_envoy_config(path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    plugin = plugin_json_of(filter_object(docs))
+    assert plugin["role"] == "verify"
+    path.write_text(yaml.safe_dump(verifier_envoy_config(docs, {**plugin, "permit_header": "atmost-permit"})))
+    result = validate_envoy_config(path)
+    assert result.returncode != 0 and "field `permit_header`" in result.stdout + result.stderr
+

@@ -38,6 +38,10 @@ BAD = [
     ("upstream_key", {**VERIFY, "upstream_key": {"mode": "off"}}),
     ("verify", {**GOOD, "verify": VERIFY["verify"]}),
     ("verify.jwks.refresh_ms", {**VERIFY, "verify": {"jwks": {"cluster": "atmost_ledger", "refresh_ms": 5}}}),
+    # The routes that may upgrade: names, never a pattern or Istio's name for unnamed routes.
+    ("upgrade_routes", {**GOOD, "upgrade_routes": "chat-ws"}),
+    ("upgrade_routes[0]", {**GOOD, "upgrade_routes": ["*"]}),
+    ("upgrade_routes[1]", {**VERIFY, "upgrade_routes": ["chat-ws", "default"]}),
 ]
 
 
@@ -76,8 +80,10 @@ def test_the_check_refuses_a_lease_that_does_not_outlast_the_callout_and_the_rou
     assert code == 2 and "route timeout 2m" in out, out
 
 
-@pytest.mark.parametrize("plugin", [GOOD, {**GOOD, "answer_release": "at_once"}, VERIFY],
-                         ids=["gateway", "gateway-answer-at-once", "verify"])
+@pytest.mark.parametrize("plugin", [GOOD, {**GOOD, "answer_release": "at_once"}, VERIFY,
+                                    {**GOOD, "upgrade_routes": ["chat-ws"]}, {**VERIFY, "upgrade_routes": ["chat-ws"]}],
+                         ids=["gateway", "gateway-answer-at-once", "verify", "gateway-upgrade-routes",
+                              "verify-upgrade-routes"])
 def test_good_config_is_accepted_by_envoy_and_by_the_check(tmp_path, plugin):
     code, log = envoy_with_plugin_config(tmp_path, plugin)
     assert code == 0, log[-2000:]

@@ -29,6 +29,8 @@ import pytest
 
 from tests.support.pod_network import (
     AGENT_UID,
+    DNS_POD,
+    DNS_SERVICE,
     ISTIO_DEFAULTS,
     LEDGER_PORT,
     MCP_ADMIN,
@@ -40,11 +42,14 @@ from tests.support.pod_network import (
     PROVIDER,
     PROVIDER_HOST,
     PROVIDER_PORTS,
+    PROVIDER_UDP_PORT,
     PROXY_UID,
+    SYSTEM_PYTHON,
     SHIPPED,
     SHIPPED_WASMPLUGIN,
     FAILING_POD_PORT,
     UNDECLARED_POD_PORT,
+    Capture,
     McpServer,
     NsProcess,
     Pki,
@@ -55,6 +60,8 @@ from tests.support.pod_network import (
 )
 # The admission policy's evaluation (two CEL implementations) and the example agent pod.
 from tests.support.admission import admission, agent, agent_pod, set_in
+from tests.support.manifests import OVERLAYS_DIR, agent_network_policy, kustomize
+from tests.support.pod_agent import websocket_key
 from tests.support.stack import ledger_binary, wait_until
 
 SERVICE_TOKEN = "pod-test-service-token-of-32-bytes-or-more"
@@ -85,8 +92,15 @@ class Pod:
         self.providers = {port: McpServer(self.net, self.net.provider, f"pod-provider-{port}", PROVIDER, port,
                                           self.log_dir, tls=tls) for port in PROVIDER_PORTS}
         self.servers = [self.mesh_server, self.failing_server, *self.providers.values()]
-        self.processes = [ledger, *self.servers]
+        # The cluster's DNS, answering for the provider's name; the provider's UDP endpoint.
+        self.dns = UdpServer(self.net, self.net.mesh, "pod-dns", ["dns", DNS_POD, "53",
+                                                                  f"{PROVIDER_HOST}={PROVIDER}"], self.log_dir)
+        self.provider_udp = UdpServer(self.net, self.net.provider, "pod-provider-udp",
+                                      ["echo", PROVIDER, str(PROVIDER_UDP_PORT)], self.log_dir)
+        self.processes = [ledger, *self.servers, self.dns, self.provider_udp]
         ledger.start()
+        for server in (self.dns, self.provider_udp):
+            server.start()
         for server in self.servers:
             server.launch()
         wait_until(lambda: self._ledger_ready(ledger), 30, "the pod network's ledger")
@@ -129,6 +143,26 @@ class Pod:
     def reset(self) -> None:
         for server in self.servers:
             server.reset()
+        for server in (self.dns, self.provider_udp):
+            server.reset()
+
+
+class UdpServer(NsProcess):
+    """tests/support/pod_udp.py in a namespace: counts the datagrams that reached it."""
+
+    def __init__(self, net, ns: str, name: str, args: list[str], log_dir: Path):
+        super().__init__(net, ns, name, [SYSTEM_PYTHON, str(net.udp_script), *args], log_dir)
+        self._from = 0
+
+    def start(self) -> None:
+        super().start()
+        wait_until(lambda: '{"listening"' in self.log_text(), 30, f"{self.name} (log: {self.log_path})")
+
+    def received(self) -> int:
+        return sum(line.startswith('{"datagram"') for line in self.log_text()[self._from:].splitlines())
+
+    def reset(self) -> None:
+        self._from = len(self.log_text())
 
 
 def mcp_call(host: str, *, tool: str = "pay_invoice", arguments: dict | None = None, permit: dict | None = None,
@@ -178,13 +212,26 @@ def pod(log_dir):
         shutil.rmtree(work, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def shipped_network_policy() -> dict:
+    """The agent's NetworkPolicy as the shipped overlay renders it."""
+    return agent_network_policy(kustomize(OVERLAYS_DIR / "external-provider"))
+
+
 @pytest.fixture(scope="module", params=[ISTIO_DEFAULTS, SHIPPED, SHIPPED_WASMPLUGIN], ids=lambda r: r.name)
-def sidecar(request, pod, log_dir):
+def sidecar(request, pod, log_dir, shipped_network_policy):
+    """The rollout's sidecar; under the shipped rollout, the agent's NetworkPolicy enforced too
+    (Istio's defaults ship none)."""
     envoy = Sidecar(pod.net, request.param, pod.pki, log_dir, env={
         "ATMOST_SERVICE_TOKEN": SERVICE_TOKEN, "ATMOST_UPSTREAM_KEY_SECRET": UPSTREAM_SECRET})
-    envoy.start()
-    yield envoy
-    envoy.stop()
+    if request.param is not ISTIO_DEFAULTS:
+        pod.net.apply_network_policy(shipped_network_policy)
+    try:
+        envoy.start()
+        yield envoy
+    finally:
+        envoy.stop()
+        pod.net.clear_network_policy()
 
 
 @pytest.fixture
@@ -458,3 +505,146 @@ def test_an_agent_with_net_admin_rewrites_the_capture(sidecar, fresh):
         assert ran(answers[0]) and fresh.providers[443].executions() == 1, answers
     finally:
         fresh.net.restore(fresh.net.agent, istio_capture_rules())
+
+
+# --- What the sidecar never sees: UDP ---------------------------------------------------
+
+
+def test_udp_from_the_agent_to_the_provider(sidecar, fresh):
+    """Istio captures TCP only: a datagram to the provider's UDP 443 (where HTTP/3 would run)
+    leaves the pod as sent. The shipped rollout's NetworkPolicy, enforced as a CNI enforces it,
+    lets UDP reach the cluster's DNS and nothing else; a lookup through the DNS Service still
+    gets its answer."""
+    datagram = {"udp": True, "host": PROVIDER, "port": PROVIDER_UDP_PORT, "payload": "tools/call over QUIC"}
+    lookup = {"dns": PROVIDER_HOST, "host": DNS_SERVICE, "port": 53}
+    sent, looked_up = fresh.net.agent_probes([datagram, lookup])
+    assert looked_up == {"answer": PROVIDER}, looked_up
+    assert fresh.dns.received() == 1
+    if shipped(sidecar):
+        # Enforced in the pod's own namespace, the kernel tells the sender of the drop (EPERM),
+        # where a CNI drops the datagram outside the pod and the sender waits in vain: either
+        # way no answer, and nothing arrives.
+        assert sent.get("error") == "timeout" or sent.get("error", "").startswith("PermissionError"), sent
+        assert fresh.provider_udp.received() == 0
+    else:
+        assert sent == {"answer": "received 1"}, sent
+        assert fresh.provider_udp.received() == 1
+
+
+# --- Upgrades: bytes the filter never reads as requests ---------------------------------
+
+
+def websocket_call(host: str, permit: dict | None = None) -> tuple[str, str]:
+    """A WebSocket upgrade on /mcp, as the agent writes it, and the tools/call it sends over it."""
+    lines = ["GET /mcp HTTP/1.1", f"Host: {host}", "Upgrade: websocket", "Connection: Upgrade",
+             f"Sec-WebSocket-Key: {websocket_key()}", "Sec-WebSocket-Version: 13"]
+    if permit is not None:
+        lines.append(f"atmost-permit: {permit['token']}")
+    message = json.dumps({"jsonrpc": "2.0", "id": 9, "method": "tools/call",
+                          "params": {"name": "pay_invoice", "arguments": {"invoice": "inv-ws", "amount": 5}}})
+    return "\r\n".join(lines) + "\r\n\r\n", message
+
+
+def test_a_websocket_upgrade_to_the_governed_server(sidecar, fresh):
+    """Istio lets WebSocket upgrades through on every connection manager it renders. Over the
+    upgraded connection a tools/call runs at the tool unread: shown where no filter runs under
+    the defaults (the same pods as mcp-admin.tools:9000). Wherever the filter runs (the governed
+    port 8000, under every rollout) it refuses the upgrade at its headers; under the shipped
+    rollout 9000 is not let out for that Service, and its listener's filter refuses it too."""
+    permit = fresh.permit()
+    probes = []
+    for service, port in ((MCP_SERVER, 8000), (MCP_ADMIN, 9000)):
+        request, message = websocket_call(f"{service.name}:{port}", permit)
+        probes.append({**to(service.vip, port, request), "websocket": message})
+    governed, other = fresh.net.agent_probes(probes)
+    assert governed.get("status") == 400, governed
+    error = json.loads(governed["body"])["error"]
+    assert error["code"] == -32600, governed
+    # The no-retry VirtualService's route, as istiod names it (every rollout has it for 8000).
+    assert "route `mcp` is not in upgrade_routes" in error["message"], error
+    state = fresh.mesh_server.state()
+    if shipped(sidecar):
+        assert other.get("status") == 400 and "frames" not in other, other
+        assert (state["upgrades"], fresh.mesh_server.executions()) == (0, 0)
+    else:
+        assert other.get("status") == 101 and "paid invoice" in other["frames"][0], other
+        assert (state["upgrades"], fresh.mesh_server.executions()) == (1, 1)
+    assert fresh.attempts(permit) == []
+
+
+# --- Every port of the governed server's Service ----------------------------------------
+
+
+def test_the_governed_servers_other_service_port(sidecar, fresh):
+    """mcp-server.tools also has port 9100 (the same pods: a metrics or admin port, say). Istio
+    gives every port of a Service the Sidecar lets out a listener; the filter is attached by port.
+    The shipped Sidecar lets the server out on its governed port only, so 9100 has no listener and
+    REGISTRY_ONLY sends it to the BlackHoleCluster."""
+    answers = fresh.net.agent_probes([to(MCP_SERVER.vip, 9100, mcp_call(f"{MCP_SERVER.name}:9100"))])
+    executions = fresh.mesh_server.executions()
+    if shipped(sidecar):
+        assert not ran(answers[0]) and executions == 0, answers
+    else:
+        assert ran(answers[0]) and executions == 1, answers
+
+
+# --- The pod's own capture settings -----------------------------------------------------
+
+# What a pod's author (or a mesh-wide setting) can ask istio-init to leave uncaptured, the
+# rules istio-iptables then writes, and what admission sees of it. In a pod the interface is
+# eth0; here the agent's link toward the provider.
+NARROWED = [
+    ("exclude-interfaces", lambda net: Capture(exclude_interfaces=(net.provider_link,)),
+     {"annotations": {"traffic.sidecar.istio.io/excludeInterfaces": "eth0"}}, {"capture-annotation", "capture-args"}),
+    ("exclude-outbound-ports", lambda net: Capture(exclude_ports=(443,)),
+     {"args": ["-o", "443"]}, {"capture-args"}),
+    ("exclude-outbound-ip-ranges", lambda net: Capture(exclude_cidrs=(f"{PROVIDER}/32",)),
+     {"annotations": {"traffic.sidecar.istio.io/excludeOutboundIPRanges": f"{PROVIDER}/32"}},
+     {"capture-annotation", "capture-args"}),
+    ("exempt-the-agents-uid", lambda net: Capture(proxy_uids=(PROXY_UID, AGENT_UID)),
+     {"uid": f"{PROXY_UID},{AGENT_UID}"}, {"capture-args"}),
+]
+
+
+def narrowed_pod(change: dict) -> dict:
+    """The example agent's pod as admission sees it with `change`: annotations its template
+    carries (the injector writes them into istio-init's arguments), or istio-init's arguments
+    themselves."""
+    pod = agent_pod(annotations=change.get("annotations"))
+    [init] = [c for c in pod["spec"]["initContainers"] if c["name"] == "istio-init"]
+    if "args" in change:
+        init["args"][-1:-1] = change["args"]
+    if "uid" in change:
+        init["args"][init["args"].index("-u") + 1] = change["uid"]
+    return pod
+
+
+# Refused validations, by words of their messages (tests/files/test_admission_policy.py holds
+# the whole table).
+POLICY_WORDS = {"capture-annotation": "narrows Istio's outbound capture",
+                "capture-args": "arguments change what Istio captures"}
+
+
+@pytest.mark.parametrize("capture,change,refused", [c[1:] for c in NARROWED], ids=[c[0] for c in NARROWED])
+def test_capture_narrowed_by_the_pods_own_settings(sidecar, fresh, capture, change, refused):
+    """`traffic.sidecar.istio.io/excludeInterfaces`, excluded ports or ranges, another exempt
+    user: istio-iptables turns each into a RETURN before the redirect, and the agent's HTTPS
+    reaches the provider without its sidecar, under any rollout (the NetworkPolicy lets TCP out:
+    the sidecar's own connections leave from the same pod address). The admission policy refuses
+    each such pod, naming the validation; the admitted pod's capture closes the route."""
+    request = to(PROVIDER_HOST, 443, mcp_call(PROVIDER_HOST), tls=True, sni=PROVIDER_HOST)
+    try:
+        fresh.net.restore(fresh.net.agent, istio_capture_rules(capture(fresh.net)))
+        answers = fresh.net.agent_probes([request])
+        assert ran(answers[0]) and fresh.providers[443].executions() == 1, answers
+    finally:
+        fresh.net.restore(fresh.net.agent, istio_capture_rules())
+    if shipped(sidecar):
+        outcome = admission(narrowed_pod(change))
+        assert outcome.matched
+        assert {key for key, words in POLICY_WORDS.items() if any(words in m for m in outcome.failed)} == refused, \
+            outcome.failed
+        assert len(outcome.failed) == len(refused), outcome.failed
+        assert admission(agent_pod()).failed == ()
+        answers = fresh.net.agent_probes([request])
+        assert not ran(answers[0]) and fresh.providers[443].executions() == 1, answers

@@ -59,6 +59,9 @@ MESSAGES = {
     "sidecar": "without Istio's injected istio-proxy",
     "capture": "without Istio's istio-init",
     "capture-annotation": "narrows Istio's outbound capture",
+    "capture-args": "arguments change what Istio captures",
+    "capture-env": "has an environment variable other than ISTIO_META_",
+    "proxy-uid": "istio-proxy does not run as UID and GID 1337",
     "ephemeral": "with an ephemeral container",
     "proxy-volumes": "mounts one of the sidecar's volumes",
     "uid-unset": "sets no runAsUser",
@@ -331,6 +334,50 @@ def second_capture_init(pod):
                             "runAsGroup": 0, "runAsUser": 0, "runAsNonRoot": False}})
 
 
+def init_args(change):
+    """istio-init's arguments changed as a mesh-wide setting or the pod's own istio-init entry
+    would change them (the injector keeps the pod's entry, as it does the proxy's)."""
+    def apply(pod):
+        for container in pod["spec"]["initContainers"]:
+            if container["name"] in ("istio-init", "istio-validation"):
+                change(container["args"])
+    return apply
+
+
+def set_arg(index, value):
+    def change(args):
+        args[index] = value
+    return change
+
+
+def extra_args(*extra):
+    def change(args):
+        args[-1:-1] = list(extra)
+    return change
+
+
+def init_env(*env):
+    def change(pod):
+        init(pod, "istio-init")["env"] = [{"name": name, "value": value} for name, value in env]
+    return change
+
+
+def init_env_from(pod):
+    init(pod, "istio-init")["envFrom"] = [{"configMapRef": {"name": "capture-settings"}}]
+
+
+def proxy_runs_as(uid, gid=PROXY_UID):
+    def change(pod):
+        container = next(c for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]
+                         if c["name"] == "istio-proxy")
+        set_in(container, runAsUser=uid, runAsGroup=gid)
+    return change
+
+
+def unchanged(pod):
+    pass
+
+
 def init_adds_sys_admin(pod):
     init(pod, "istio-init")["securityContext"]["capabilities"]["add"].append("SYS_ADMIN")
 
@@ -386,6 +433,43 @@ REFUSED = [
      {"capture-annotation"}),
     ("include-outbound-ip-ranges", {}, annotate("traffic.sidecar.istio.io/includeOutboundIPRanges", "10.0.0.0/24"),
      {"capture-annotation"}),
+    ("exclude-interfaces", {}, annotate("traffic.sidecar.istio.io/excludeInterfaces", "eth0"), {"capture-annotation"}),
+    # The same annotations on the pod template, which the injector writes into istio-init's
+    # arguments too (and, with Istio CNI, istio-validation's, while CNI reads the annotation).
+    *[(f"template-{name}{'-cni' if cni else ''}", {"annotations": {key: value}, "cni": cni}, unchanged,
+       {"capture-annotation", "capture-args"})
+      for name, key, value in [
+          ("exclude-interfaces", "traffic.sidecar.istio.io/excludeInterfaces", "eth0"),
+          ("exclude-outbound-ports", "traffic.sidecar.istio.io/excludeOutboundPorts", "443"),
+          ("exclude-outbound-ip-ranges", "traffic.sidecar.istio.io/excludeOutboundIPRanges", "203.0.113.0/24"),
+          ("include-outbound-ip-ranges", "traffic.sidecar.istio.io/includeOutboundIPRanges", "10.96.0.0/12")]
+      for cni in (False, True)],
+    # istio-init's own arguments, without an annotation: a mesh-wide setting, or the pod's own
+    # istio-init entry.
+    ("init-excluded-ports", {}, init_args(extra_args("-o", "443")), {"capture-args"}),
+    ("init-excluded-interface", {}, init_args(extra_args("-c", "eth0")), {"capture-args"}),
+    ("init-exempts-the-agents-uid", {}, init_args(set_arg(6, "10001")), {"capture-args"}),
+    ("init-exempts-a-second-uid", {}, init_args(set_arg(6, "1337,10001")), {"capture-args"}),
+    ("init-exempts-a-group", {}, init_args(extra_args("-g", "10001")), {"capture-args"}),
+    ("init-uid-given-twice", {}, init_args(extra_args("-u", "10001")), {"capture-args"}),
+    ("init-uid-long-form", {}, init_args(extra_args("--proxy-uid=10001")), {"capture-args"}),
+    ("init-uid-attached", {}, init_args(extra_args("-u10001")), {"capture-args"}),
+    ("init-captures-one-range", {}, init_args(set_arg(10, "10.96.0.0/12")), {"capture-args"}),
+    ("init-captures-nothing", {}, init_args(set_arg(10, "")), {"capture-args"}),
+    ("init-excluded-range", {}, init_args(set_arg(12, "0.0.0.0/1")), {"capture-args"}),
+    ("init-to-the-inbound-port", {}, init_args(set_arg(2, "15006")), {"capture-args"}),
+    ("init-dry-run", {}, init_args(extra_args("--dry-run")), {"capture-args"}),
+    ("init-skips-its-rules", {}, init_args(extra_args("--skip-rule-apply")), {"capture-args"}),
+    ("init-cleanup-only", {}, init_args(extra_args("--cleanup-only")), {"capture-args"}),
+    ("init-short-args", {}, init_args(lambda args: args.__delitem__(slice(9, None))), {"capture-args"}),
+    ("init-env-excluded-interfaces", {}, init_env(("ISTIO_EXCLUDE_INTERFACES", "eth0")), {"capture-env"}),
+    ("init-env-excluded-groups", {}, init_env(("ISTIO_OUTBOUND_OWNER_GROUPS_EXCLUDE", "10001")), {"capture-env"}),
+    ("init-env-from", {}, init_env_from, {"capture-env"}),
+    # Istio CNI exempts whatever user the proxy runs as.
+    ("proxy-as-the-agents-uid-cni", {"cni": True}, proxy_runs_as(10001), {"proxy-uid"}),
+    ("proxy-as-the-agents-gid-cni", {"cni": True}, proxy_runs_as(PROXY_UID, 10001), {"proxy-uid"}),
+    ("proxy-as-the-agents-uid", {}, proxy_runs_as(10001), {"proxy-uid"}),
+    ("native-proxy-as-the-agents-uid", {"native_sidecar": True}, proxy_runs_as(10001), {"proxy-uid"}),
     # Getting around the sidecar by leaving it out or by taking its place.
     # The `image: auto` entry is then a container of its own, without the settings.
     ("no-injection", {}, no_injection, {"sidecar", "capture", "escalation", "drop-all"}),
@@ -402,8 +486,8 @@ REFUSED = [
     ("init-own-image", {}, own_init_image, {"capture", "root", "cap-add"}),
     ("init-own-command", {}, own_init_command, {"capture", "root", "cap-add"}),
     ("init-adds-sys-admin", {}, init_adds_sys_admin, {"cap-add"}),
-    ("second-capture-init-beside-cni", {"cni": True}, second_capture_init, {"capture"}),
-    ("proxy-tproxy", {}, proxy_tproxy, {"cap-add"}),
+    ("second-capture-init-beside-cni", {"cni": True}, second_capture_init, {"capture", "capture-args"}),
+    ("proxy-tproxy", {}, proxy_tproxy, {"cap-add", "proxy-uid"}),
     ("proxy-escalation", {}, proxy_escalation, {"escalation"}),
     ("native-sidecar-own-image", {"native_sidecar": True},
      lambda p: init(p, "istio-proxy").update(image="registry.example.com/agents/billing-agent:1.0.0"),
@@ -436,6 +520,9 @@ def settings_only_at_pod_level(pod):
 ADMITTED = [
     ("include-outbound-ip-ranges-all", annotate("traffic.sidecar.istio.io/includeOutboundIPRanges", "*")),
     ("inbound-exclusion", annotate("traffic.sidecar.istio.io/excludeInboundPorts", "9090")),
+    # istio-init settings that capture more, never less.
+    ("init-logs-as-json", init_args(extra_args("--log_as_json"))),
+    ("init-dns-capture", init_env(("ISTIO_META_DNS_CAPTURE", "true"))),
     ("second-agent-container", second_agent_container()),
     ("agent-mounts-its-own-volume", own_volume),
     ("settings-only-at-container-level", lambda p: p["spec"].pop("securityContext")),
@@ -449,6 +536,36 @@ def test_changes_that_keep_the_pod_governed_are_admitted(change):
     change(pod)
     assert kubernetes_errors(pod) == []
     assert admission(pod) == Outcome(True, ())
+
+
+# Annotations of the pod template the injector turns into istio-init arguments that capture no
+# less: more outbound ports (-q), virtual interfaces rerouted to the sidecar (-k), inbound
+# settings.
+TEMPLATE_ADMITTED = {"traffic.sidecar.istio.io/includeOutboundPorts": "8000",
+                     "istio.io/reroute-virtual-interfaces": "tap0",
+                     "traffic.sidecar.istio.io/excludeInboundPorts": "9090",
+                     "traffic.sidecar.istio.io/includeOutboundIPRanges": "*"}
+
+
+@pytest.mark.parametrize("variant", [{}, {"cni": True}, {"native_sidecar": True}],
+                         ids=["istio-init", "istio-cni", "native-sidecar"])
+@pytest.mark.parametrize("annotation", sorted(TEMPLATE_ADMITTED))
+def test_template_annotations_that_capture_no_less_are_admitted(annotation, variant):
+    pod = agent_pod(annotations={annotation: TEMPLATE_ADMITTED[annotation]}, **variant)
+    assert kubernetes_errors(pod) == []
+    assert admission(pod) == Outcome(True, ())
+
+
+def test_the_injected_capture_arguments_are_the_templates():
+    """Without annotations, the injector's arguments as Istio's template writes them for the mesh's
+    defaults; an annotation adds its flag where the template puts it."""
+    args = init(agent_pod(), "istio-init")["args"]
+    assert args == ["istio-iptables", "-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*",
+                    "-x", "", "-b", "*", "-d", "15090,15021,15020", "--log_output_level=default:info"]
+    args = init(agent_pod(annotations={"traffic.sidecar.istio.io/excludeInterfaces": "eth0"}), "istio-init")["args"]
+    assert args[-3:] == ["-c", "eth0", "--log_output_level=default:info"]
+    cni = init(agent_pod(cni=True), "istio-validation")["args"]
+    assert cni[-2:] == ["--run-validation", "--skip-rule-apply"] and cni[:17] == args[:17]
 
 
 # ---------------------------------------------------------------- which pods are matched

@@ -58,11 +58,16 @@ from tests.support.manifests import (
     SECRET_ENV,
     SHIPPED_ENVOY_CONFIGS,
     STAND_IN,
+    TOOL_NAME,
+    VERIFIER_ENVOYFILTER,
+    VERIFIER_WASMPLUGIN,
+    agent_network_policy,
     assert_no_committed_secret,
     by_kind,
     crd_schemas,
     envoyfilter_parts,
     filter_image,
+    filter_object,
     host_env_keys_of,
     istio_copy,
     istio_doc_section,
@@ -166,8 +171,10 @@ def errors_of(doc: dict) -> list[str]:
 
 
 def test_kustomizations_present():
-    assert set(BASES) == {"ledger", "ledger-serviceentry", "agent", "agent-envoyfilter", "agent-wasmplugin", "agent-egress"}
-    assert set(OVERLAYS) == {LEDGER_POSTGRES, LEDGER_SQLITE, AGENT_ENVOYFILTER, AGENT_WASMPLUGIN, EXTERNAL_PROVIDER}
+    assert set(BASES) == {"ledger", "ledger-serviceentry", "agent", "agent-envoyfilter", "agent-wasmplugin", "agent-egress",
+                          "agent-network", "verifier-envoyfilter", "verifier-wasmplugin", "verifier-port"}
+    assert set(OVERLAYS) == {LEDGER_POSTGRES, LEDGER_SQLITE, AGENT_ENVOYFILTER, AGENT_WASMPLUGIN, EXTERNAL_PROVIDER,
+                             VERIFIER_ENVOYFILTER, VERIFIER_WASMPLUGIN}
 
 
 def test_overlays_render_what_a_rollout_needs(rendered):
@@ -177,9 +184,12 @@ def test_overlays_render_what_a_rollout_needs(rendered):
     assert kinds[LEDGER_POSTGRES] == sorted(ledger + ["Secret"])
     assert kinds[LEDGER_SQLITE] == sorted(ledger + ["PersistentVolumeClaim"])
     assert kinds[AGENT_NAMESPACE] == ["VirtualService"]
-    assert kinds[AGENT_ENVOYFILTER] == ["EnvoyFilter"]
-    assert kinds[AGENT_WASMPLUGIN] == ["WasmPlugin"]
+    assert kinds[AGENT_ENVOYFILTER] == ["EnvoyFilter", "NetworkPolicy"]
+    assert kinds[AGENT_WASMPLUGIN] == ["NetworkPolicy", "WasmPlugin"]
     assert kinds["agent-egress"] == ["Sidecar"]
+    assert kinds["agent-network"] == ["NetworkPolicy"]
+    assert kinds[VERIFIER_ENVOYFILTER] == ["EnvoyFilter", "Sidecar"]
+    assert kinds[VERIFIER_WASMPLUGIN] == ["Sidecar", "WasmPlugin"]
 
 
 def rendered_objects() -> list[tuple[str, int]]:
@@ -190,7 +200,9 @@ def rendered_objects() -> list[tuple[str, int]]:
 
 def expected_count(kustomization: str) -> int:
     counts = {"ledger": 6, "ledger-serviceentry": 1, "agent": 1, "agent-envoyfilter": 1, "agent-wasmplugin": 1, LEDGER_POSTGRES: 8,
-              LEDGER_SQLITE: 8, AGENT_ENVOYFILTER: 1, AGENT_WASMPLUGIN: 1, "agent-egress": 1, EXTERNAL_PROVIDER: 6}
+              LEDGER_SQLITE: 8, AGENT_ENVOYFILTER: 2, AGENT_WASMPLUGIN: 2, "agent-egress": 1, EXTERNAL_PROVIDER: 7,
+              "agent-network": 1, "verifier-envoyfilter": 1, "verifier-wasmplugin": 1, "verifier-port": 1,
+              VERIFIER_ENVOYFILTER: 2, VERIFIER_WASMPLUGIN: 2}
     return counts[kustomization]
 
 
@@ -302,7 +314,7 @@ def test_the_ledger_base_leaves_the_image_to_an_overlay(rendered):
     assert ledger_container(rendered["ledger"])["image"] == "atmost-ledger"
 
 
-@pytest.mark.parametrize("kustomization", [AGENT_ENVOYFILTER, AGENT_WASMPLUGIN])
+@pytest.mark.parametrize("kustomization", [AGENT_ENVOYFILTER, AGENT_WASMPLUGIN, VERIFIER_ENVOYFILTER, VERIFIER_WASMPLUGIN])
 def test_agent_overlays_pin_the_filter_by_digest(rendered, kustomization):
     """The digest the rollout steps wrote (here the stand-in; that it is the one `make oci` built:
     tests/e2e/test_manifests_built.py)."""
@@ -320,6 +332,16 @@ def test_agent_bases_carry_a_placeholder_no_pod_matches(rendered, base):
     assert selector_of(next(iter(kinds.values()))) == {AGENT_LABEL: "per-agent-overlay"}
 
 
+@pytest.mark.parametrize("base", ["verifier-envoyfilter", "verifier-wasmplugin"])
+def test_verifier_bases_carry_a_placeholder_no_pod_matches(rendered, base):
+    kinds = by_kind(rendered[base])
+    url, sha256 = filter_image(kinds)
+    assert sha256 == "0" * 64 and url.endswith("@sha256:" + "0" * 64)
+    assert selector_of(next(iter(kinds.values()))) == {"app": "per-tool-overlay"}
+    [port] = rendered["verifier-port"]
+    assert port["spec"]["workloadSelector"]["labels"] == {"app": "per-tool-overlay"}
+
+
 # ---------------------------------------------------------------- the per-agent selector
 
 
@@ -331,8 +353,13 @@ def selector_of(doc: dict) -> dict:
 
 @pytest.mark.parametrize("kustomization", [AGENT_ENVOYFILTER, AGENT_WASMPLUGIN])
 def test_agent_overlay_selects_one_agents_pods(rendered, kustomization):
-    [doc] = rendered[kustomization]
+    doc = filter_object(rendered[kustomization])
     assert selector_of(doc) == {AGENT_LABEL: AGENT_NAME}
+    # The agent's NetworkPolicy selects the same pods, under a name that carries the agent.
+    policy = agent_network_policy(rendered[kustomization])
+    assert policy["spec"]["podSelector"] == {"matchLabels": {AGENT_LABEL: AGENT_NAME}}
+    assert policy["metadata"]["name"] == f"atmost-agent-network-{AGENT_NAME}"
+    assert policy["metadata"]["namespace"] == doc["metadata"]["namespace"]
     # One object per agent: the name carries the agent, so overlays for two agents coexist.
     assert doc["metadata"]["name"] == f"atmost-{AGENT_NAME}"
     assert doc["metadata"]["namespace"] == "agents"
@@ -658,8 +685,8 @@ def test_rollout_steps_write_the_digests_where_the_test_puts_them(tmp_path):
     steps = istio_doc_section("Adding atmost to an existing Istio mesh")
     digest_files = write_digest_files(tmp_path / "digests", STAND_IN)
     changed = run_digest_steps(steps, ISTIO_DIR, tmp_path / "run", set_digests, digest_files)
-    # Both store overlays and both agent overlays got the digests.
-    assert changed == 4
+    # Both store overlays, both agent overlays and both verifier overlays got the digests.
+    assert changed == 6
 
 
 def test_istio_doc_proxy_entry_feeds_the_variables_the_manifests_name(objs):
@@ -775,7 +802,12 @@ def no_retry_errors(vs: dict) -> list[str]:
 def egress_errors(docs: list[dict], governed: set[str], ledger_entry: str) -> list[str]:
     """The namespace's Sidecar is REGISTRY_ONLY and lists no pattern; it lets out the ledger
     and DNS; and every governed host it lets out is declared plain HTTP on a port the filter
-    covers, with a no-retry VirtualService the Sidecar imports."""
+    covers, with a no-retry VirtualService the Sidecar imports. No port of a governed host is
+    let out without the filter on it: an egress listener bound to a port lets its hosts out on
+    that port only, which must be filtered and declared HTTP there; the listener without a port
+    lets its hosts out on every port of their Service, so a governed host may be there only when
+    a ServiceEntry of the rendering says its ports (each of which must be filtered), never an
+    in-mesh Service whose ports the rendering cannot see."""
     sidecars = of_kind(docs, "Sidecar")
     if len(sidecars) != 1:
         return [f"{len(sidecars)} Sidecars"]
@@ -786,9 +818,16 @@ def egress_errors(docs: list[dict], governed: set[str], ledger_entry: str) -> li
         errors.append("outboundTrafficPolicy is not REGISTRY_ONLY: unknown destinations pass through")
     if "workloadSelector" in spec:
         errors.append("a workloadSelector: the namespace's other pods keep Istio's defaults")
-    if len(spec.get("egress", [])) != 1 or "port" in spec["egress"][0]:
-        errors.append("one egress listener for every port expected")
-    entries = [e for listener in spec.get("egress", []) for e in listener["hosts"]]
+    listeners = spec.get("egress", [])
+    # Istio's own validation of a Sidecar (pkg/config/validation/validation.go): one egress
+    # listener without a port at most, and it comes last; one listener per port.
+    catch_alls = [i for i, listener in enumerate(listeners) if "port" not in listener]
+    if len(catch_alls) > 1 or (catch_alls and catch_alls[0] != len(listeners) - 1):
+        errors.append("the egress listener without a port must be the only one and the last")
+    bound = [listener["port"]["number"] for listener in listeners if "port" in listener]
+    if len(bound) != len(set(bound)):
+        errors.append("two egress listeners on one port")
+    entries = [e for listener in listeners for e in listener["hosts"]]
     for entry in entries:
         entry_namespace, _, host = entry.partition("/")
         if "*" in entry_namespace or "*" in host or entry_namespace == "~":
@@ -798,16 +837,27 @@ def egress_errors(docs: list[dict], governed: set[str], ledger_entry: str) -> li
             errors.append(f"egress hosts lack {needed}")
     ports = filter_ports(docs)
 
-    def imported(entry_namespace: str, host: str) -> bool:
-        return f"{entry_namespace}/{host}" in entries or (entry_namespace == namespace and f"./{host}" in entries)
+    def imported(listener: dict, entry_namespace: str, host: str) -> bool:
+        return (f"{entry_namespace}/{host}" in listener["hosts"]
+                or (entry_namespace == namespace and f"./{host}" in listener["hosts"]))
 
     for host in sorted(governed):
-        if not any(e.partition("/")[2] == host for e in entries):
+        letting_out = [listener for listener in listeners if any(e.partition("/")[2] == host for e in listener["hosts"])]
+        if not letting_out:
             continue
-        for se in of_kind(docs, "ServiceEntry"):
-            if host not in se["spec"]["hosts"]:
-                continue
-            if not imported(se["metadata"]["namespace"], host):
+        service_entries = [se for se in of_kind(docs, "ServiceEntry") if host in se["spec"]["hosts"]]
+        for listener in letting_out:
+            if "port" in listener:
+                number = listener["port"]["number"]
+                if number not in ports:
+                    errors.append(f"{host}: let out on port {number}, which has no filter (filter ports {sorted(ports)})")
+                if listener["port"].get("protocol") not in READABLE_PROTOCOLS:
+                    errors.append(f"{host}: port {number} is not declared HTTP in the Sidecar")
+            elif not service_entries:
+                errors.append(f"{host}: let out on every port of its Service by the egress listener without a port, "
+                              "and no ServiceEntry here says which ports those are: bind it to its governed port")
+        for se in service_entries:
+            if not all(imported(listener, se["metadata"]["namespace"], host) for listener in letting_out):
                 errors.append(f"{host}: its ServiceEntry's namespace is not imported")
             for port in se["spec"]["ports"]:
                 if port.get("protocol") not in READABLE_PROTOCOLS or not port["name"].startswith("http"):
@@ -819,9 +869,10 @@ def egress_errors(docs: list[dict], governed: set[str], ledger_entry: str) -> li
             errors.append(f"{host}: no VirtualService, so Istio's default retries apply")
         for vs in routes:
             errors += no_retry_errors(vs)
-            if not imported(vs["metadata"]["namespace"], host):
+            if not all(imported(listener, vs["metadata"]["namespace"], host) for listener in letting_out):
                 errors.append(f"{host}: the Sidecar does not import VirtualService {vs['metadata']['name']} "
-                              "(an entry for its namespace is needed), so Istio's default retries apply")
+                              "(an entry for its namespace is needed in each egress listener that lets the host "
+                              "out), so Istio's default retries apply")
             for route in vs["spec"]["http"]:
                 for destination in route["route"]:
                     if destination["destination"]["port"]["number"] not in ports:
@@ -877,16 +928,19 @@ def route_errors(rendered, docs: list[dict]) -> list[str]:
 def test_external_provider_overlay_renders_the_namespace_egress(rendered):
     docs = rendered[EXTERNAL_PROVIDER]
     assert sorted(d["kind"] for d in docs) == sorted(
-        ["Sidecar", "ServiceEntry", "DestinationRule", "VirtualService", "VirtualService", "EnvoyFilter"])
+        ["Sidecar", "ServiceEntry", "DestinationRule", "VirtualService", "VirtualService", "EnvoyFilter",
+         "NetworkPolicy"])
     assert {d["metadata"]["namespace"] for d in docs} == {"agents"}
     assert governed_hosts(docs, in_mesh_mcp_hosts(rendered)) == {PROVIDER_HOST} | in_mesh_mcp_hosts(rendered)
     # The in-mesh server's routes and the agent's filter are the shipped ones, unchanged but for the ports.
     assert [vs for vs in of_kind(docs, "VirtualService") if vs["spec"]["hosts"] != [PROVIDER_HOST]] == \
         of_kind(rendered[AGENT_NAMESPACE], "VirtualService")
     [ef] = of_kind(docs, "EnvoyFilter")
-    [shipped] = rendered[AGENT_ENVOYFILTER]
+    shipped = filter_object(rendered[AGENT_ENVOYFILTER])
     assert {**ef, "spec": {**ef["spec"], "configPatches": []}} == {**shipped, "spec": {**shipped["spec"], "configPatches": []}}
     assert filter_ports(docs) == {8000, 80}
+    # The agent's NetworkPolicy, as its overlay renders it.
+    assert agent_network_policy(docs) == agent_network_policy(rendered[AGENT_ENVOYFILTER])
 
 
 def test_every_governed_route_goes_through_the_filter_and_every_other_is_closed(rendered):
@@ -918,9 +972,35 @@ def test_governed_ports_copy_every_patch_the_base_makes_for_the_in_mesh_port(ren
     assert {p["applyTo"] for p in in_mesh} >= {"HTTP_FILTER"}
     for patch in in_mesh:
         assert on_port(patch, 80) in patches, patch
-    [shipped] = rendered[AGENT_ENVOYFILTER]
+    shipped = filter_object(rendered[AGENT_ENVOYFILTER])
     assert [p for p in patches if p.get("match", {}).get("listener", {}).get("portNumber") != 80] == \
         shipped["spec"]["configPatches"]
+
+
+def catch_all(docs: list[dict]) -> dict:
+    """The Sidecar's egress listener without a port."""
+    [sidecar] = of_kind(docs, "Sidecar")
+    [listener] = [listener for listener in sidecar["spec"]["egress"] if "port" not in listener]
+    return listener
+
+
+def in_mesh_listener(docs: list[dict]) -> dict:
+    """The Sidecar's egress listener bound to the in-mesh server's port."""
+    [sidecar] = of_kind(docs, "Sidecar")
+    [listener] = [listener for listener in sidecar["spec"]["egress"] if "port" in listener]
+    return listener
+
+
+def test_the_in_mesh_server_is_let_out_on_its_governed_port_only(rendered):
+    """Its Service is listed in an egress listener bound to the port the filter covers, declared
+    HTTP there, with the no-retry VirtualService's namespace; the catch-all lists it nowhere."""
+    docs = rendered[EXTERNAL_PROVIDER]
+    listener = in_mesh_listener(docs)
+    [in_mesh] = sorted(in_mesh_mcp_hosts(rendered))
+    assert listener["port"] == {"number": 8000, "protocol": "HTTP", "name": "http-mcp"}
+    assert sorted(listener["hosts"]) == sorted([f"tools/{in_mesh}", f"./{in_mesh}"])
+    assert listener["port"]["number"] in filter_ports(docs)
+    assert not any(e.endswith(f"/{in_mesh}") for e in catch_all(docs)["hosts"])
 
 
 def test_the_route_checks_find_each_way_around_the_filter(rendered):
@@ -948,13 +1028,26 @@ def test_the_route_checks_find_each_way_around_the_filter(rendered):
     assert any("no VirtualService" in e for e in broken(lambda c: c.remove(one("VirtualService", c))))
     assert any("REGISTRY_ONLY" in e for e in broken(
         lambda c: one("Sidecar", c, None)["spec"].update(outboundTrafficPolicy={"mode": "ALLOW_ANY"})))
-    assert any("a pattern" in e for e in broken(lambda c: one("Sidecar", c, None)["spec"]["egress"][0]["hosts"].append("*/*")))
+    assert any("a pattern" in e for e in broken(lambda c: catch_all(c)["hosts"].append("*/*")))
     assert any("lack atmost-system/" in e for e in broken(
-        lambda c: one("Sidecar", c, None)["spec"]["egress"][0]["hosts"].remove(ledger_egress_entry(rendered))))
+        lambda c: catch_all(c)["hosts"].remove(ledger_egress_entry(rendered))))
     # Without the `./` entry for the in-mesh server, its no-retry VirtualService is not imported.
     in_mesh = sorted(in_mesh_mcp_hosts(rendered))[0]
-    assert any("does not import" in e for e in broken(
-        lambda c: one("Sidecar", c, None)["spec"]["egress"][0]["hosts"].remove(f"./{in_mesh}")))
+    assert any("does not import" in e for e in broken(lambda c: in_mesh_listener(c)["hosts"].remove(f"./{in_mesh}")))
+    # Every port of the in-mesh server's Service: its entries moved to the listener without a
+    # port (as the Sidecar was before), its listener moved to a port without the filter, or not
+    # declared HTTP there (sniffed).
+    def every_port(c):
+        listener = in_mesh_listener(c)
+        catch_all(c)["hosts"].extend(listener["hosts"])
+        one("Sidecar", c, None)["spec"]["egress"].remove(listener)
+    assert any("every port of its Service" in e for e in broken(every_port))
+    assert any("let out on port 9100, which has no filter" in e for e in broken(
+        lambda c: in_mesh_listener(c)["port"].update(number=9100)))
+    assert any("not declared HTTP in the Sidecar" in e for e in broken(
+        lambda c: in_mesh_listener(c)["port"].update(protocol="TCP")))
+    assert any("must be the only one and the last" in e for e in broken(
+        lambda c: one("Sidecar", c, None)["spec"]["egress"].reverse()))
     # A provider port the filter does not cover.
     def moved_port(c):
         one("ServiceEntry", c)["spec"]["ports"][0]["number"] = 8443
@@ -985,7 +1078,7 @@ def test_the_overlays_wasmplugin_form_renders_as_its_kustomization_says(rendered
     docs = kustomize(tree / EXTERNAL_PROVIDER)
     [plugin] = of_kind(docs, "WasmPlugin")
     assert filter_ports(docs) == {8000, 80}
-    [shipped] = rendered[AGENT_WASMPLUGIN]
+    shipped = filter_object(rendered[AGENT_WASMPLUGIN])
     assert {**plugin, "spec": {**plugin["spec"], "match": []}} == {**shipped, "spec": {**shipped["spec"], "match": []}}
     assert route_errors(rendered, docs) == []
     assert all(errors_of(d) == [] for d in docs)
@@ -1017,3 +1110,209 @@ def test_istio_doc_steps_for_tools_outside_the_mesh(rendered):
     [key] = [i["key"] for i in volume["configMap"]["items"]] if "items" in volume["configMap"] else [Path(ca_path).name]
     assert f"{mount['mountPath'].rstrip('/')}/{key}" == ca_path and mount["readOnly"] is True
     assert f"create configmap {volume['configMap']['name']}" in section and f"--from-file={key}=" in section
+
+
+# ---------------------------------------------------------------- what an agent pod sends past its sidecar
+#
+# Istio captures TCP only. Each agent overlay ships a NetworkPolicy for the agent's pods: UDP to the
+# cluster's DNS pods and nowhere else, TCP (which the sidecar captures) to anywhere, nothing else.
+# The checks read the rendered policy as a CNI would apply it (tests/support/network_policy.py,
+# which tests/e2e/test_pod_routes.py enforces in a pod's network namespace).
+
+KUBE_DNS_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                 "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
+
+
+def agent_network_errors(policy: dict) -> list[str]:
+    """UDP only to the cluster DNS pods' port 53, TCP to anywhere, nothing else; no address
+    block (a pod address or a provider's could be let out that way)."""
+    spec = policy["spec"]
+    errors = []
+    if "Egress" not in spec.get("policyTypes", []):
+        errors.append("no Egress in policyTypes: the policy restricts nothing the pod sends")
+    tcp_anywhere = False
+    for i, rule in enumerate(spec.get("egress", [])):
+        peers = rule.get("to")
+        if any("ipBlock" in peer for peer in peers or []):
+            errors.append(f"egress[{i}]: an ipBlock")
+        ports = rule.get("ports")
+        protocols = {p.get("protocol", "TCP") for p in ports} if ports else {"TCP", "UDP", "SCTP"}
+        if protocols - {"TCP", "UDP"}:
+            errors.append(f"egress[{i}]: lets out {sorted(protocols - {'TCP', 'UDP'})}")
+        if "UDP" in protocols:
+            udp_ports = [p.get("port") for p in ports or [{}] if p.get("protocol", "TCP") == "UDP" or not ports]
+            if peers != [KUBE_DNS_PEER] or udp_ports != [53]:
+                errors.append(f"egress[{i}]: lets out UDP to {peers or 'anywhere'} on {udp_ports}, "
+                              "not to the cluster DNS on 53 alone")
+        if peers is None and ports and any(p.get("protocol", "TCP") == "TCP" and "port" not in p for p in ports):
+            tcp_anywhere = True
+    if not tcp_anywhere:
+        errors.append("no rule lets TCP out to anywhere: the sidecar could not reach the mesh or the providers")
+    return errors
+
+
+@pytest.mark.parametrize("kustomization", [AGENT_ENVOYFILTER, AGENT_WASMPLUGIN, EXTERNAL_PROVIDER])
+def test_an_agent_pods_udp_goes_to_the_cluster_dns_only(rendered, kustomization):
+    policy = agent_network_policy(rendered[kustomization])
+    assert agent_network_errors(policy) == []
+    assert policy["spec"]["policyTypes"] == ["Egress"]
+
+
+def test_the_agent_network_policy_enforced_lets_udp_out_to_dns_alone(rendered):
+    """The rendered policy as the pod-network test enforces it: UDP accepted to the DNS pod's port
+    53 only, TCP to any address, everything else dropped."""
+    from tests.support.network_policy import Cluster, Pod, egress_rules
+
+    policy = agent_network_policy(rendered[AGENT_ENVOYFILTER])
+    agent = Pod("agents", {AGENT_LABEL: AGENT_NAME}, "10.0.0.7")
+    cluster = Cluster(namespaces={"agents": {"kubernetes.io/metadata.name": "agents"},
+                                  "kube-system": {"kubernetes.io/metadata.name": "kube-system"},
+                                  "tools": {"kubernetes.io/metadata.name": "tools"}},
+                      pods=(agent, Pod("kube-system", {"k8s-app": "kube-dns"}, "10.0.0.53"),
+                            Pod("kube-system", {"k8s-app": "metrics-server"}, "10.0.0.54"),
+                            Pod("tools", {"k8s-app": "kube-dns"}, "10.0.0.55")))
+    accepted = [line for line in egress_rules(policy, agent, cluster).splitlines()
+                if line.startswith("-A ATMOST_NETPOL") and line.endswith("-j ACCEPT")]
+    assert accepted == ["-A ATMOST_NETPOL -d 10.0.0.53/32 -p udp --dport 53 -j ACCEPT",
+                        "-A ATMOST_NETPOL -d 10.0.0.53/32 -p tcp --dport 53 -j ACCEPT",
+                        "-A ATMOST_NETPOL -p tcp -j ACCEPT"]
+
+
+def test_the_agent_network_checks_find_udp_let_out(rendered):
+    """Broken copies: each one is caught, so the checks above can fail."""
+    def broken(change) -> list[str]:
+        policy = copy.deepcopy(agent_network_policy(rendered[AGENT_ENVOYFILTER]))
+        change(policy["spec"])
+        return agent_network_errors(policy)
+
+    assert any("not to the cluster DNS" in e for e in broken(lambda s: s["egress"].append({})))
+    assert any("not to the cluster DNS" in e for e in broken(
+        lambda s: s["egress"].append({"ports": [{"protocol": "UDP", "port": 443}]})))
+    assert any("not to the cluster DNS" in e for e in broken(lambda s: s["egress"][0].pop("to")))
+    assert any("an ipBlock" in e for e in broken(
+        lambda s: s["egress"].append({"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"protocol": "TCP"}]})))
+    assert any("SCTP" in e for e in broken(lambda s: s["egress"].append({"ports": [{"protocol": "SCTP"}]})))
+    assert any("no Egress" in e for e in broken(lambda s: s.update(policyTypes=["Ingress"])))
+    assert any("TCP out to anywhere" in e for e in broken(lambda s: s["egress"].pop()))
+
+
+# ---------------------------------------------------------------- the verifier at the tool server
+#
+# overlays/payments-verifier (EnvoyFilter) and overlays/payments-verifier-wasmplugin (WasmPlugin):
+# the filter with `role: verify` on the server's inbound side, and its port declared HTTP for the
+# server's sidecar, so no sniffing listener sends a request past it to tcp_proxy.
+
+
+def verifier_plugin(doc: dict) -> dict:
+    [plugin] = plugin_configs(doc)
+    return plugin
+
+
+def inbound_ports(doc: dict) -> set[int]:
+    """The inbound ports a verifier object puts the filter on."""
+    if doc["kind"] == "WasmPlugin":
+        return {p["number"] for m in doc["spec"]["match"] if m["mode"] == "SERVER" for p in m["ports"]}
+    return {p["match"]["listener"]["portNumber"] for p in doc["spec"]["configPatches"]
+            if p["applyTo"] == "HTTP_FILTER" and p["match"]["context"] == "SIDECAR_INBOUND"}
+
+
+def verifier_errors(docs: list[dict]) -> list[str]:
+    """What a verifier overlay must be: one verifying filter, fail closed, pinned by digest, on the
+    server's inbound side only; every port it is on declared HTTP (protocol HTTP) by a Sidecar
+    ingress listener for the same pods; no gateway field in its configuration."""
+    errors = []
+    [doc] = [d for d in docs if d["kind"] in ("EnvoyFilter", "WasmPlugin")]
+    [sidecar] = of_kind(docs, "Sidecar")
+    plugin = verifier_plugin(doc)
+    if plugin.get("role") != "verify":
+        errors.append("the filter's role is not verify")
+    if doc["kind"] == "WasmPlugin":
+        spec = doc["spec"]
+        if spec.get("failStrategy") != "FAIL_CLOSE":
+            errors.append("the WasmPlugin does not fail closed")
+        if any(m["mode"] != "SERVER" for m in spec["match"]):
+            errors.append("the WasmPlugin matches more than the server's inbound side")
+        if plugin.get("request_hold") != "body":
+            errors.append("a WasmPlugin cannot hold headers: request_hold must be body")
+    else:
+        ext, http = envoyfilter_parts({"EnvoyFilter": doc})
+        config = ext["patch"]["value"]["typed_config"]["config"]
+        if config.get("failure_policy") != "FAIL_CLOSED" or config.get("allow_on_headers_stop_iteration") is not True:
+            errors.append("the EnvoyFilter's Wasm filter does not fail closed, or cannot hold headers")
+        if any(p.get("match", {}).get("context") not in (None, "SIDECAR_INBOUND") for p in doc["spec"]["configPatches"]):
+            errors.append("the EnvoyFilter patches more than the server's inbound side")
+        if http["patch"]["value"]["name"] != ext["patch"]["value"]["name"]:
+            errors.append("the HTTP filter does not fetch the EXTENSION_CONFIG it adds")
+    ports = inbound_ports(doc)
+    if not ports:
+        errors.append("the verifier is on no inbound port")
+    declared = {i["port"]["number"]: i["port"] for i in sidecar["spec"].get("ingress", [])}
+    for port in sorted(ports):
+        if port not in declared:
+            errors.append(f"port {port}: the verifier's port is not declared for the server's sidecar")
+        elif declared[port].get("protocol") not in READABLE_PROTOCOLS:
+            errors.append(f"port {port}: declared {declared[port].get('protocol')}, not HTTP: a sniffed port sends "
+                          "what its inspector does not read as HTTP past the verifier")
+    if sidecar["spec"].get("workloadSelector", {}).get("labels") != selector_of(doc):
+        errors.append("the Sidecar selects other pods than the verifier")
+    if "egress" in sidecar["spec"] or "outboundTrafficPolicy" in sidecar["spec"]:
+        errors.append("the Sidecar changes the server's outbound side")
+    return errors
+
+
+@pytest.mark.parametrize("kustomization", [VERIFIER_ENVOYFILTER, VERIFIER_WASMPLUGIN])
+def test_the_verifier_overlay_declares_its_port_http(rendered, kustomization):
+    docs = rendered[kustomization]
+    assert verifier_errors(docs) == []
+    doc = filter_object(docs)
+    assert selector_of(doc) == {"app": TOOL_NAME}
+    assert {d["metadata"]["namespace"] for d in docs} == {"tools"}
+    assert all(d["metadata"]["name"].endswith(f"-{TOOL_NAME}") for d in docs)
+
+
+def test_the_verifier_forms_carry_the_same_configuration(rendered):
+    """The same verifier in both forms, but that the WasmPlugin holds the body only; the same
+    port, the same pods, the same Sidecar."""
+    ef_docs, wp_docs = rendered[VERIFIER_ENVOYFILTER], rendered[VERIFIER_WASMPLUGIN]
+    ef, wp = filter_object(ef_docs), filter_object(wp_docs)
+    assert {k: v for k, v in verifier_plugin(wp).items() if k != "request_hold"} == verifier_plugin(ef)
+    assert "request_hold" not in verifier_plugin(ef)
+    assert inbound_ports(ef) == inbound_ports(wp) == {8000}
+    assert selector_of(ef) == selector_of(wp)
+    assert of_kind(ef_docs, "Sidecar") == of_kind(wp_docs, "Sidecar")
+    # The ledger's cluster and authority the agents' filter uses, for the key set.
+    agent = plugin_configs(filter_object(rendered[AGENT_ENVOYFILTER]))[0]
+    jwks = verifier_plugin(ef)["verify"]["jwks"]
+    assert (jwks["cluster"], jwks["authority"]) == (agent["ledger"]["cluster"], agent["ledger"]["authority"])
+
+
+def test_the_verifier_checks_find_a_sniffed_or_missing_port(rendered):
+    """Broken copies: each one is caught, so the checks above can fail."""
+    def broken(kustomization: str, change) -> list[str]:
+        docs = copy.deepcopy(rendered[kustomization])
+        change(docs)
+        return verifier_errors(docs)
+
+    def sidecar(docs):
+        [s] = of_kind(docs, "Sidecar")
+        return s
+
+    for kustomization in (VERIFIER_ENVOYFILTER, VERIFIER_WASMPLUGIN):
+        assert any("not HTTP" in e for e in broken(
+            kustomization, lambda d: sidecar(d)["spec"]["ingress"][0]["port"].update(protocol="TCP")))
+        assert any("not declared" in e for e in broken(
+            kustomization, lambda d: sidecar(d)["spec"]["ingress"][0]["port"].update(number=9000)))
+        assert any("other pods" in e for e in broken(
+            kustomization, lambda d: sidecar(d)["spec"]["workloadSelector"]["labels"].update(app="other")))
+    assert any("fail closed" in e for e in broken(
+        VERIFIER_WASMPLUGIN, lambda d: filter_object(d)["spec"].update(failStrategy="FAIL_OPEN")))
+    assert any("request_hold must be body" in e for e in broken(
+        VERIFIER_WASMPLUGIN, lambda d: filter_object(d)["spec"]["pluginConfig"].pop("request_hold")))
+
+    def outbound(docs):
+        for patch in filter_object(docs)["spec"]["configPatches"]:
+            if "match" in patch:
+                patch["match"]["context"] = "SIDECAR_OUTBOUND"
+    errors = broken(VERIFIER_ENVOYFILTER, outbound)
+    assert any("more than the server's inbound side" in e for e in errors)
+    assert any("on no inbound port" in e for e in errors)

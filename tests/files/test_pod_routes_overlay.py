@@ -8,7 +8,7 @@ Reads files only: no build, no process but kubectl.
 from __future__ import annotations
 
 from tests.support.manifests import kustomize
-from tests.support.pod_network import MCP_SERVER, SHIPPED
+from tests.support.pod_network import AGENT_POD_LABELS, MCP_SERVER, SHIPPED
 from tests.support.stack import ROOT
 
 
@@ -26,6 +26,18 @@ def test_the_shipped_rendering_follows_the_shipped_overlay():
     assert sidecar_resource["spec"]["outboundTrafficPolicy"]["mode"] == "REGISTRY_ONLY"
     hosts = [h for egress in sidecar_resource["spec"]["egress"] for h in egress["hosts"]]
     assert not any("*" in h for h in hosts), hosts
+    # The in-mesh server is let out on its governed port only, declared HTTP there; the test
+    # topology binds its other governed servers the same way, and never the server's second
+    # Service port (9100).
+    [bound] = [egress for egress in sidecar_resource["spec"]["egress"] if "port" in egress]
+    assert f"tools/{MCP_SERVER.fqdn}" in bound["hosts"] and bound["port"]["protocol"] == "HTTP"
+    assert {p for h, p in SHIPPED.egress_ports if h == MCP_SERVER.name} == {bound["port"]["number"]}
+    assert set(MCP_SERVER.ports) - {bound["port"]["number"]} and not any(
+        SHIPPED.lets_out(MCP_SERVER.name, port) for port in set(MCP_SERVER.ports) - {bound["port"]["number"]})
+    assert not any(SHIPPED.sniffed(port) for _, port in SHIPPED.egress_ports)
+    # The agent's NetworkPolicy selects the pod the test applies it to.
+    [policy] = kinds["NetworkPolicy"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == AGENT_POD_LABELS
     [entry] = kinds["ServiceEntry"]
     [provider] = entry["spec"]["hosts"]
     assert f"./{provider}" in hosts
@@ -48,5 +60,5 @@ def test_the_shipped_rendering_follows_the_shipped_overlay():
                    ["headers_with_underscores_action"] == "REJECT_REQUEST"}
     assert filtered == underscores == {80, 8000}
     assert SHIPPED.registry_only and SHIPPED.provider_tls_origination and SHIPPED.reject_underscores
-    assert {80, *MCP_SERVER.ports} <= SHIPPED.filter_ports
-    assert not SHIPPED.sniffed_ports and SHIPPED.no_retry_hosts == SHIPPED.egress_hosts
+    assert {80, *(p for _, p in SHIPPED.egress_ports)} <= SHIPPED.filter_ports
+    assert SHIPPED.no_retry_hosts == SHIPPED.egress_hosts

@@ -204,8 +204,8 @@ def injected(template: dict, *, cni: bool = False, native_sidecar: bool = False)
     [override] = [c for c in spec["containers"] if c["name"] == "istio-proxy"] or [{}]
     spec["containers"] = [c for c in spec["containers"] if c["name"] != "istio-proxy"]
 
-    capture_args = ["istio-iptables", "-p", "15001", "-z", "15006", "-u", str(PROXY_UID), "-m", "REDIRECT",
-                    "-i", "*", "-x", "", "-b", "*", "-d", "15090,15021,15020", "--log_output_level=default:info"]
+    annotations = template["metadata"].get("annotations", {})
+    capture_args = capture_arguments(annotations)
     if cni:
         capture = {"name": "istio-validation", "image": image, "args": capture_args + ["--run-validation", "--skip-rule-apply"],
                    "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
@@ -259,12 +259,57 @@ def injected(template: dict, *, cni: bool = False, native_sidecar: bool = False)
     ]
     metadata = copy.deepcopy(template["metadata"])
     metadata["annotations"] = {**metadata.get("annotations", {}), "sidecar.istio.io/status": '{"revision":"default"}'}
+    if cni:
+        # With Istio CNI the injector also writes the capture settings as annotations, which
+        # the CNI plugin reads from the pod (the template's `pilot.cni.enabled` block).
+        metadata["annotations"] = {**cni_annotations(annotations), **metadata["annotations"]}
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": "billing-agent-6f7c9d5b8-x2kqz", "namespace": "agents", **metadata}, "spec": spec}
 
 
-def agent_pod(**kwargs) -> dict:
-    return injected(example_deployment()["spec"]["template"], **kwargs)
+# The annotations the injection template reads for istio-init's arguments, each to its flag,
+# written only when the pod sets it (Istio source,
+# manifests/charts/istio-control/istio-discovery/files/injection-template.yaml).
+OPTIONAL_CAPTURE_FLAGS = (("traffic.sidecar.istio.io/includeOutboundPorts", "-q"),
+                          ("traffic.sidecar.istio.io/excludeOutboundPorts", "-o"),
+                          ("istio.io/reroute-virtual-interfaces", "-k"),
+                          ("traffic.sidecar.istio.io/excludeInterfaces", "-c"))
+
+
+def capture_arguments(annotations: dict) -> list[str]:
+    """istio-init's arguments as the injection template writes them for a pod with these
+    annotations, under the mesh's defaults (proxyListenPort 15001, no mesh-wide ranges or ports)."""
+    excluded_inbound = ",".join(p for p in ["15020", annotations.get("traffic.sidecar.istio.io/excludeInboundPorts", "")] if p)
+    args = ["istio-iptables", "-p", "15001", "-z", "15006", "-u", str(PROXY_UID),
+            "-m", annotations.get("sidecar.istio.io/interceptionMode", "REDIRECT"),
+            "-i", annotations.get("traffic.sidecar.istio.io/includeOutboundIPRanges", "*"),
+            "-x", annotations.get("traffic.sidecar.istio.io/excludeOutboundIPRanges", ""),
+            "-b", annotations.get("traffic.sidecar.istio.io/includeInboundPorts", "*"),
+            "-d", f"15090,15021,{excluded_inbound}"]
+    for annotation, flag in OPTIONAL_CAPTURE_FLAGS:
+        if annotation in annotations:
+            args += [flag, annotations[annotation]]
+    return args + ["--log_output_level=default:info"]
+
+
+def cni_annotations(annotations: dict) -> dict:
+    """What the template adds to a pod's annotations under Istio CNI (its `pilot.cni.enabled`
+    block), before the pod's own."""
+    out = {"sidecar.istio.io/interceptionMode": annotations.get("sidecar.istio.io/interceptionMode", "REDIRECT"),
+           "traffic.sidecar.istio.io/includeOutboundIPRanges": annotations.get(
+               "traffic.sidecar.istio.io/includeOutboundIPRanges", "*"),
+           "traffic.sidecar.istio.io/includeInboundPorts": annotations.get(
+               "traffic.sidecar.istio.io/includeInboundPorts", "*"),
+           "traffic.sidecar.istio.io/excludeInboundPorts": "15020"}
+    return {**out, **annotations}
+
+
+def agent_pod(annotations: dict | None = None, **kwargs) -> dict:
+    """The example agent's pod after injection; `annotations` are the pod template's own, which
+    the injector reads."""
+    template = copy.deepcopy(example_deployment()["spec"]["template"])
+    template["metadata"].setdefault("annotations", {}).update(annotations or {})
+    return injected(template, **kwargs)
 
 
 def agent(pod: dict) -> dict:

@@ -50,6 +50,9 @@ AGENT_NAMESPACE, AGENT_ENVOYFILTER, AGENT_WASMPLUGIN = "agent", "overlays/billin
 AGENT_NAME = "billing-agent"
 # The agents namespace with a governed MCP server outside the mesh (its checks: the last section).
 EXTERNAL_PROVIDER = "overlays/external-provider"
+# The verifier in front of one MCP server, in its two forms, and its server's label value.
+VERIFIER_ENVOYFILTER, VERIFIER_WASMPLUGIN = "overlays/payments-verifier", "overlays/payments-verifier-wasmplugin"
+TOOL_NAME = "payments-mcp"
 
 # The filter's secrets: the sidecar's environment variables they come from, in this order.
 SECRET_ENV = ["ATMOST_SERVICE_TOKEN", "ATMOST_UPSTREAM_KEY_SECRET"]
@@ -118,10 +121,24 @@ def by_kind(docs: list[dict]) -> dict[str, dict]:
 
 
 def mesh_objects(rendered: dict[str, list[dict]]) -> dict[str, dict]:
-    """kind -> object, for one mesh: the ledger on PostgreSQL, the agent namespace's
-    VirtualService, and one agent's EnvoyFilter and WasmPlugin."""
-    return by_kind([d for k in (LEDGER_POSTGRES, AGENT_NAMESPACE, AGENT_ENVOYFILTER, AGENT_WASMPLUGIN)
-                    for d in rendered[k]])
+    """kind -> object, for one mesh: the ledger on PostgreSQL (its NetworkPolicy among them), the
+    agent namespace's VirtualService, and one agent's EnvoyFilter and WasmPlugin (each agent
+    overlay's NetworkPolicy is the agent's own: agent_network_policy)."""
+    agents = (AGENT_ENVOYFILTER, AGENT_WASMPLUGIN)
+    return by_kind([d for k in (LEDGER_POSTGRES, AGENT_NAMESPACE, *agents) for d in rendered[k]
+                    if not (k in agents and d["kind"] == "NetworkPolicy")])
+
+
+def agent_network_policy(docs: list[dict]) -> dict:
+    """The one NetworkPolicy of an agent overlay's rendering: what the agent's pods may send."""
+    [policy] = of_kind(docs, "NetworkPolicy")
+    return policy
+
+
+def filter_object(docs: list[dict]) -> dict:
+    """The one EnvoyFilter or WasmPlugin of an overlay's rendering."""
+    [doc] = [d for d in docs if d["kind"] in ("EnvoyFilter", "WasmPlugin")]
+    return doc
 
 
 def of_kind(docs: list[dict], kind: str) -> list[dict]:

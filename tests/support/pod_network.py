@@ -12,16 +12,24 @@ namespace's own hosts file (`ip netns exec` mounts /etc/netns/NAME/hosts over /e
     198.18.0.1 ──────── veth ─────────── :8081 the ledger (SQLite)          a CA the test makes)
     198.18.1.1 ──────────────────── veth ─────────────────────────────────
                                          Service addresses (kube-proxy's part, done by M's own
-                                         nat table): 198.18.2.10 mcp-server.tools :8000,
-                                         .11 mcp-admin.tools :9000, .12 mcp-legacy.tools :8080
-                                         → :8000; .20 payments.tools :8000 and :9000 → :8500;
-                                         the pod's own :7000 (a port no Service names) → :8000
+                                         nat table): 198.18.2.10 mcp-server.tools :8000 and
+                                         :9100, .11 mcp-admin.tools :9000, .12 mcp-legacy.tools
+                                         :8080 → :8000; .20 payments.tools :8000 and :9000 →
+                                         :8500; the pod's own :7000 (a port no Service names)
+                                         → :8000
+                                         198.18.3.53 the cluster's DNS pod (kube-system,
+                                         `k8s-app: kube-dns`), UDP :53, behind the DNS Service
+                                         198.18.2.53; the provider also has a UDP :443
 
 The agent namespace gets the nat rules Istio's init container installs (`istio-iptables`,
 REDIRECT mode, Istio source tools/istio-iptables/pkg/capture): outbound TCP to 15001 except
 traffic of UID/GID 1337, inbound to 15006 (no route here goes inbound, so the sidecar has no
-15006 listener). Envoy runs there as UID 1337 with the outbound listeners and clusters istiod
-renders for a sidecar (`render_sidecar`, each part citing what it follows).
+15006 listener). UDP is not captured, as in Istio. Envoy runs there as UID 1337 with the
+outbound listeners and clusters istiod renders for a sidecar (`render_sidecar`, each part citing
+what it follows). kube-proxy's DNAT of the DNS Service, which on a node happens before the CNI
+sees the packet, is done in the agent's own nat table, so that a NetworkPolicy enforced in its
+filter table (`apply_network_policy`, tests/support/network_policy.py) sees the DNS pod's
+address, as a CNI does.
 Nothing leaves these namespaces: every address is one the test assigned.
 """
 
@@ -36,11 +44,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.support.certificates import make_certificate
+from tests.support.network_policy import Cluster, Pod, egress_rules, no_policy
 from tests.support.stack import ROOT, WASM, Process, wait_until, wasmplugin_filter_config
 
 AGENT_UID = 1000
 PROXY_UID = 1337
 POD_AGENT = ROOT / "tests" / "support" / "pod_agent.py"
+POD_UDP = ROOT / "tests" / "support" / "pod_udp.py"
 TS_SERVER = ROOT / "tests" / "ts" / "server.mjs"
 SYSTEM_PYTHON = "/usr/bin/python3"
 
@@ -54,6 +64,13 @@ MCP_POD_PORT = 8000
 FAILING_POD_PORT = 8500
 UNDECLARED_POD_PORT = 7000
 PROVIDER_PORTS = (443, 8443)
+# The cluster's DNS: its pod and its Service address, and the UDP port a provider serves HTTP/3
+# on (QUIC): here a UDP endpoint that logs what arrives.
+DNS_POD = "198.18.3.53"
+DNS_SERVICE = "198.18.2.53"
+PROVIDER_UDP_PORT = 443
+# The pod of the agent, as the shipped NetworkPolicy selects it.
+AGENT_POD_LABELS = {"atmost.dev/agent": "billing-agent"}
 
 
 @dataclass(frozen=True)
@@ -69,7 +86,9 @@ class Service:
         return f"{self.name}.svc.cluster.local"
 
 
-MCP_SERVER = Service("mcp-server.tools", "198.18.2.10", {8000: MCP_POD_PORT})
+# The governed server's Service has a second port on the same pods (metrics, admin, another
+# protocol): every port of a Service a Sidecar lets out gets a listener.
+MCP_SERVER = Service("mcp-server.tools", "198.18.2.10", {8000: MCP_POD_PORT, 9100: MCP_POD_PORT})
 # The same pods under a second Service name and port (an admin or metrics Service, say).
 MCP_ADMIN = Service("mcp-admin.tools", "198.18.2.11", {9000: MCP_POD_PORT})
 # The same pods again, on a port whose Service declares no protocol: Istio sniffs it.
@@ -86,16 +105,43 @@ def run(argv: list[str], check: bool = True, **kw) -> subprocess.CompletedProces
     return result
 
 
-def istio_capture_rules() -> str:
-    """The nat table `istio-iptables` writes in REDIRECT mode with its defaults (proxy UID and
-    GID 1337, outbound to 15001, inbound to 15006, 15008/15090/15021/15020 not captured), as
-    `iptables-restore` input."""
+@dataclass(frozen=True)
+class Capture:
+    """What istio-init is told to capture (its flags); the defaults are the injector's for a pod
+    that narrows nothing."""
+
+    # -c: interfaces whose traffic is not captured at all.
+    exclude_interfaces: tuple[str, ...] = ()
+    # -x: outbound ranges not captured.
+    exclude_cidrs: tuple[str, ...] = ()
+    # -o: outbound ports not captured.
+    exclude_ports: tuple[int, ...] = ()
+    # -u: the users whose traffic is not captured (the proxy's, and any other listed).
+    proxy_uids: tuple[int, ...] = (PROXY_UID,)
+
+
+def istio_capture_rules(capture: Capture = Capture()) -> str:
+    """The nat table `istio-iptables` writes in REDIRECT mode (outbound to 15001, inbound to
+    15006, 15008/15090/15021/15020 not captured; the defaults: proxy UID and GID 1337, nothing
+    excluded), with what `capture`'s flags add in the places istio-iptables puts them (Istio
+    source tools/istio-iptables/pkg/capture/run.go: excluded interfaces short-circuit OUTPUT
+    first, excluded ports RETURN before the loopback rules, each exempted UID gets the proxy's
+    three rules, excluded ranges RETURN after 127.0.0.1); and kube-proxy's DNAT of the DNS
+    Service (see the module's docstring). As `iptables-restore` input."""
+    uid_rules = []
+    for uid in capture.proxy_uids:
+        uid_rules += [
+            f"-A ISTIO_OUTPUT ! -d 127.0.0.1/32 -o lo -p tcp -m owner --uid-owner {uid} -j ISTIO_IN_REDIRECT",
+            f"-A ISTIO_OUTPUT -o lo -m owner ! --uid-owner {uid} -j RETURN",
+            f"-A ISTIO_OUTPUT -m owner --uid-owner {uid} -j RETURN"]
     return "\n".join([
         "*nat",
         ":ISTIO_INBOUND - [0:0]",
         ":ISTIO_REDIRECT - [0:0]",
         ":ISTIO_IN_REDIRECT - [0:0]",
         ":ISTIO_OUTPUT - [0:0]",
+        f"-A OUTPUT -d {DNS_SERVICE}/32 -p udp --dport 53 -j DNAT --to-destination {DNS_POD}:53",
+        *[f"-A OUTPUT -o {interface} -j RETURN" for interface in capture.exclude_interfaces],
         "-A ISTIO_INBOUND -p tcp --dport 15008 -j RETURN",
         "-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001",
         "-A ISTIO_IN_REDIRECT -p tcp -j REDIRECT --to-ports 15006",
@@ -105,14 +151,14 @@ def istio_capture_rules() -> str:
         "-A ISTIO_INBOUND -p tcp --dport 15020 -j RETURN",
         "-A ISTIO_INBOUND -p tcp -j ISTIO_IN_REDIRECT",
         "-A OUTPUT -p tcp -j ISTIO_OUTPUT",
+        *[f"-A ISTIO_OUTPUT -p tcp --dport {port} -j RETURN" for port in capture.exclude_ports],
         "-A ISTIO_OUTPUT -s 127.0.0.6/32 -o lo -j RETURN",
-        f"-A ISTIO_OUTPUT ! -d 127.0.0.1/32 -o lo -p tcp -m owner --uid-owner {PROXY_UID} -j ISTIO_IN_REDIRECT",
-        f"-A ISTIO_OUTPUT -o lo -m owner ! --uid-owner {PROXY_UID} -j RETURN",
-        f"-A ISTIO_OUTPUT -m owner --uid-owner {PROXY_UID} -j RETURN",
+        *uid_rules,
         f"-A ISTIO_OUTPUT ! -d 127.0.0.1/32 -o lo -p tcp -m owner --gid-owner {PROXY_UID} -j ISTIO_IN_REDIRECT",
         f"-A ISTIO_OUTPUT -o lo -m owner ! --gid-owner {PROXY_UID} -j RETURN",
         f"-A ISTIO_OUTPUT -m owner --gid-owner {PROXY_UID} -j RETURN",
         "-A ISTIO_OUTPUT -d 127.0.0.1/32 -j RETURN",
+        *[f"-A ISTIO_OUTPUT -d {cidr} -j RETURN" for cidr in capture.exclude_cidrs],
         "-A ISTIO_OUTPUT -j ISTIO_REDIRECT",
         "COMMIT",
         "",
@@ -145,7 +191,9 @@ class PodNetwork:
         self.envoy = files / "envoy"
         self.wasm = files / "atmost_filter.wasm"
         self.agent_script = files / "pod_agent.py"
-        for source, copy in ((envoy_binary(), self.envoy), (WASM, self.wasm), (POD_AGENT, self.agent_script)):
+        self.udp_script = files / "pod_udp.py"
+        for source, copy in ((envoy_binary(), self.envoy), (WASM, self.wasm), (POD_AGENT, self.agent_script),
+                             (POD_UDP, self.udp_script)):
             shutil.copy2(source, copy)
             os.chmod(copy, 0o755)
         self.agent = f"atmost-{tag}-agent"
@@ -169,7 +217,9 @@ class PodNetwork:
             self.ip(right, "link", "set", b, "up")
         for service in SERVICES:
             self.ip(self.mesh, "addr", "add", f"{service.vip}/32", "dev", "lo")
+        self.ip(self.mesh, "addr", "add", f"{DNS_POD}/32", "dev", "lo")
         self.ip(self.agent, "route", "add", "198.18.2.0/24", "via", MESH_POD)
+        self.ip(self.agent, "route", "add", "198.18.3.0/24", "via", MESH_POD)
         hosts = [f"127.0.0.1 localhost", f"{PROVIDER} {PROVIDER_HOST}"]
         hosts += [f"{s.vip} {s.fqdn} {s.name}" for s in SERVICES]
         for ns in self.namespaces:
@@ -184,8 +234,28 @@ class PodNetwork:
             run(["ip", "netns", "del", ns], check=False)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
 
+    @property
+    def provider_link(self) -> str:
+        """The agent pod's interface toward the provider (a pod's eth0, as far as the provider goes)."""
+        return f"am{self.tag}pa"
+
     def ip(self, ns: str, *args: str) -> None:
         run(["ip", "-n", ns, *args])
+
+    def cluster(self) -> Cluster:
+        """The pods and namespaces a NetworkPolicy's selectors resolve against here."""
+        return Cluster(
+            namespaces={name: {"kubernetes.io/metadata.name": name} for name in ("agents", "kube-system", "tools")},
+            pods=(Pod("agents", AGENT_POD_LABELS, AGENT_TO_MESH),
+                  Pod("kube-system", {"k8s-app": "kube-dns"}, DNS_POD),
+                  Pod("tools", {"app": "mcp-server"}, MESH_POD)))
+
+    def apply_network_policy(self, policy: dict) -> None:
+        """Enforces a rendered NetworkPolicy on the agent pod, as a CNI would."""
+        self.restore(self.agent, egress_rules(policy, self.cluster().pods[0], self.cluster()))
+
+    def clear_network_policy(self) -> None:
+        self.restore(self.agent, no_policy())
 
     def restore(self, ns: str, rules: str) -> None:
         run(["ip", "netns", "exec", ns, "iptables-restore"], input=rules)
@@ -326,6 +396,10 @@ class Rollout:
     # The EnvoyFilter also merges `headers_with_underscores_action: REJECT_REQUEST` into the
     # connection managers of the filter's ports; a WasmPlugin cannot.
     reject_underscores: bool = False
+    # (host, port): the ports a host is let out on, for hosts the Sidecar lists in an egress
+    # listener bound to a port (declared HTTP there); a known host not named here is let out on
+    # every port of its Service (the listener without a port, Istio's default).
+    egress_ports: frozenset[tuple[str, int]] = frozenset()
 
     def has_filter(self, port: int) -> bool:
         return port in self.filter_ports
@@ -335,6 +409,16 @@ class Rollout:
 
     def knows(self, host: str) -> bool:
         return self.egress_hosts is None or host in self.egress_hosts
+
+    def lets_out(self, host: str, port: int) -> bool:
+        """Whether the sidecar has `host` on `port`: known, and on that port if it is bound."""
+        bound = {p for h, p in self.egress_ports if h == host}
+        return self.knows(host) and (not bound or port in bound)
+
+    def sniffed(self, port: int) -> bool:
+        """A port whose listener sniffs: its Service declares no protocol, and no egress
+        listener of the Sidecar declares it HTTP."""
+        return port in self.sniffed_ports and not any(p == port for _, p in self.egress_ports)
 
 
 # Istio's defaults, and the rollout as shipped before routes were closed: the filter added per
@@ -348,12 +432,16 @@ ISTIO_DEFAULTS = Rollout("istio-defaults", registry_only=False, egress_hosts=Non
 # external-provider): its governed MCP servers. mcp-admin.tools, the same pods under a Service
 # the team does not use for MCP, is not among them.
 GOVERNED_HOSTS = frozenset({MCP_SERVER.name, MCP_LEGACY.name, PAYMENTS.name, PROVIDER_HOST})
-# The shipped rollout: the Sidecar lets out only those hosts, REGISTRY_ONLY; each is declared
-# HTTP on a port the filter covers, with a VirtualService without retries; the provider only in
-# plaintext to the sidecar, which originates TLS.
-SHIPPED = Rollout("shipped", registry_only=True, egress_hosts=GOVERNED_HOSTS, sniffed_ports=frozenset(),
+# The shipped rollout: the Sidecar lets out only those hosts, REGISTRY_ONLY; each in-mesh server
+# in an egress listener bound to its governed port and declared HTTP there (its Service's other
+# ports are not let out), each port with the filter and a VirtualService without retries; the
+# provider only in plaintext to the sidecar, which originates TLS. Port 8080's Service still
+# declares no protocol: the Sidecar's egress listener declares it HTTP.
+GOVERNED_PORTS = frozenset({(MCP_SERVER.name, 8000), (MCP_LEGACY.name, 8080), (PAYMENTS.name, 8000),
+                            (PAYMENTS.name, 9000)})
+SHIPPED = Rollout("shipped", registry_only=True, egress_hosts=GOVERNED_HOSTS, sniffed_ports=frozenset({8080}),
                   filter_ports=frozenset({80, 8000, 8080, 9000}), no_retry_hosts=GOVERNED_HOSTS,
-                  provider_tls_origination=True, reject_underscores=True)
+                  provider_tls_origination=True, reject_underscores=True, egress_ports=GOVERNED_PORTS)
 SHIPPED_WASMPLUGIN = dataclasses.replace(SHIPPED, name="shipped-wasmplugin", form="wasmplugin", reject_underscores=False)
 
 PROVIDER_ENTRY = f"outbound|80||{PROVIDER_HOST}"
@@ -448,14 +536,20 @@ def _hcm(port: int, rollout: Rollout, virtual_hosts: list[dict], plugin: dict, w
             {"address_prefix": "172.16.0.0", "prefix_len": 12},
             {"address_prefix": "192.168.0.0", "prefix_len": 16}]},
         "route_config": {"name": str(port), "virtual_hosts": virtual_hosts, "validate_clusters": False},
+        # istiod allows WebSocket upgrades on every connection manager it renders
+        # (pilot/pkg/networking/core/listener_builder.go), with no setting to turn them off.
+        "upgrade_configs": [{"upgrade_type": "websocket"}],
         "http_filters": filters, **extra}}
 
 
 def _route(cluster: str, retries: bool) -> dict:
+    """One route to `cluster`: Istio's default one (named `default`, with Istio's default retry
+    policy) where no VirtualService configures the host, else the no-retry VirtualService's
+    route (named as its HTTP route, `mcp`)."""
     route = {"cluster": cluster, "timeout": "0s" if retries else "120s"}
     if retries:
         route["retry_policy"] = ISTIO_DEFAULT_RETRY
-    return {"match": {"prefix": "/"}, "route": route}
+    return {"name": "default" if retries else "mcp", "match": {"prefix": "/"}, "route": route}
 
 
 def _fallback_virtual_host(rollout: Rollout) -> dict:
@@ -489,8 +583,8 @@ def render_sidecar(rollout: Rollout, pki: Pki, wasm: Path = WASM, plugin: dict |
     plugin = plugin or default_plugin()
     by_port: dict[int, list[Service]] = {}
     for service in SERVICES:
-        if rollout.knows(service.name):
-            for port in service.ports:
+        for port in service.ports:
+            if rollout.lets_out(service.name, port):
                 by_port.setdefault(port, []).append(service)
     listeners: list[dict] = []
     clusters: list[dict] = [
@@ -514,7 +608,7 @@ def render_sidecar(rollout: Rollout, pki: Pki, wasm: Path = WASM, plugin: dict |
         hcm = _hcm(port, rollout, vhosts, plugin, wasm)
         listener = {"name": f"0.0.0.0_{port}", "traffic_direction": "OUTBOUND", "bind_to_port": False,
                     "address": {"socket_address": {"address": "0.0.0.0", "port_value": port}}}
-        if port in rollout.sniffed_ports:
+        if rollout.sniffed(port):
             listener["listener_filters"] = [{"name": "envoy.filters.listener.http_inspector", "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.listener.http_inspector.v3.HttpInspector"}}]
             listener["filter_chains"] = [{"filter_chain_match": {"application_protocols": ["http/1.1", "h2c", "http/1.0"]},

@@ -13,9 +13,15 @@
 // --fail-after-call STATUS: a tools/call still runs its tool, then the answer is replaced by
 // an HTTP STATUS error, as when a server fails after the side effect (what a retry on that
 // status would send a second time).
+// It also speaks MCP over a WebSocket (RFC 6455) on /mcp, as some servers do: each text frame
+// is one JSON-RPC message for a server of its own, whose answers go back as text frames, and
+// the tools count in the same `executions`; `upgrades` in the state counts the upgrades it
+// accepted. Only what an agent needs to reach a tool is implemented: unfragmented frames of up
+// to 64 KiB, text, ping and close.
 import http from 'node:http';
 import https from 'node:https';
 import fs from 'node:fs';
+import crypto from 'node:crypto';
 import { McpServer, ResourceTemplate } from '@modelcontextprotocol/sdk/server/mcp.js';
 import { StreamableHTTPServerTransport } from '@modelcontextprotocol/sdk/server/streamableHttp.js';
 import { z } from 'zod';
@@ -36,6 +42,8 @@ const executions = {};
 let requests = 0;
 // Body bytes of those POSTs, counted as they arrive (a body cut short counts what came).
 let bodyBytes = 0;
+// WebSocket upgrades accepted on /mcp.
+let upgrades = 0;
 const count = (tool) => (executions[tool] = (executions[tool] || 0) + 1);
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
@@ -109,12 +117,13 @@ async function handle(req, res) {
   try {
     if (req.url === '/_example/state' && req.method === 'GET') {
       res.writeHead(200, { 'content-type': 'application/json' });
-      return res.end(JSON.stringify({ executions, requests, body_bytes: bodyBytes, seen }));
+      return res.end(JSON.stringify({ executions, requests, body_bytes: bodyBytes, seen, upgrades }));
     }
     if (req.url === '/_example/reset' && req.method === 'POST') {
       for (const k of Object.keys(executions)) delete executions[k];
       requests = 0;
       bodyBytes = 0;
+      upgrades = 0;
       seen.length = 0;
       res.writeHead(200, { 'content-type': 'application/json' });
       return res.end('{"ok":true}');
@@ -156,7 +165,90 @@ async function handle(req, res) {
   }
 }
 
+// One WebSocket frame from the server: FIN set, unmasked.
+function frame(opcode, payload) {
+  const head = payload.length < 126
+    ? Buffer.from([0x80 | opcode, payload.length])
+    : Buffer.from([0x80 | opcode, 126, payload.length >> 8, payload.length & 0xff]);
+  return Buffer.concat([head, payload]);
+}
+
+// The SDK's Transport over one upgraded socket: a text frame in, a text frame out.
+class WebSocketTransport {
+  constructor(socket) {
+    this.socket = socket;
+    this.buffered = Buffer.alloc(0);
+  }
+
+  async start() {
+    this.socket.on('data', (chunk) => this.read(chunk));
+    this.socket.on('close', () => this.onclose?.());
+    this.socket.on('error', (e) => this.onerror?.(e));
+  }
+
+  read(chunk) {
+    this.buffered = Buffer.concat([this.buffered, chunk]);
+    while (this.buffered.length >= 2) {
+      const opcode = this.buffered[0] & 0x0f;
+      const masked = (this.buffered[1] & 0x80) !== 0;
+      let length = this.buffered[1] & 0x7f;
+      let at = 2;
+      if (length === 126) {
+        if (this.buffered.length < 4) return;
+        length = this.buffered.readUInt16BE(2);
+        at = 4;
+      } else if (length === 127) {
+        return this.socket.destroy();
+      }
+      const mask = masked ? this.buffered.subarray(at, at + 4) : null;
+      at += masked ? 4 : 0;
+      if (this.buffered.length < at + length) return;
+      const payload = Buffer.from(this.buffered.subarray(at, at + length));
+      this.buffered = this.buffered.subarray(at + length);
+      if (mask) for (let i = 0; i < payload.length; i++) payload[i] ^= mask[i % 4];
+      if (opcode === 0x8) return this.socket.end(frame(0x8, Buffer.alloc(0)));
+      if (opcode === 0x9) this.socket.write(frame(0xa, payload));
+      if (opcode === 0x1) {
+        try {
+          this.onmessage?.(JSON.parse(payload.toString('utf8')));
+        } catch (e) {
+          this.onerror?.(e);
+        }
+      }
+    }
+  }
+
+  async send(message) {
+    this.socket.write(frame(0x1, Buffer.from(JSON.stringify(message), 'utf8')));
+  }
+
+  async close() {
+    this.socket.end();
+  }
+}
+
+async function upgrade(req, socket, head) {
+  const key = req.headers['sec-websocket-key'];
+  if (!req.url.startsWith('/mcp') || (req.headers.upgrade || '').toLowerCase() !== 'websocket' || !key) {
+    socket.end('HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n');
+    return;
+  }
+  upgrades += 1;
+  const accept = crypto.createHash('sha1').update(key + '258EAFA5-E914-47DA-95CA-C5AB0DC85B11').digest('base64');
+  socket.write('HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\n'
+    + `sec-websocket-accept: ${accept}\r\n\r\n`);
+  const transport = new WebSocketTransport(socket);
+  const server = buildServer();
+  socket.on('close', () => server.close());
+  await server.connect(transport);
+  if (head.length) transport.read(head);
+}
+
 const listener = tlsCert
   ? https.createServer({ cert: fs.readFileSync(tlsCert), key: fs.readFileSync(tlsKey) }, handle)
   : http.createServer(handle);
+listener.on('upgrade', (req, socket, head) => upgrade(req, socket, head).catch((e) => {
+  console.error(e);
+  socket.destroy();
+}));
 listener.listen(port, host, () => console.log(`listening on ${host}:${port}${tlsCert ? ' (TLS)' : ''}`));

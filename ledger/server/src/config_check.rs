@@ -5,7 +5,7 @@ use std::io::Read;
 use std::path::Path;
 use std::time::Duration;
 
-use atmost_config::{PluginConfig, ToolSet};
+use atmost_config::{PluginConfig, ToolSet, UpgradeRoutes};
 
 /// What the check knows of the deployment around the configuration.
 #[derive(Debug, Clone, Copy)]
@@ -42,6 +42,14 @@ fn tools(set: &ToolSet) -> String {
     }
 }
 
+/// Where an upgrade passes, as the summary says it: every other one is refused.
+fn upgrades(routes: &UpgradeRoutes) -> String {
+    match routes.names() {
+        [] => "upgrades refused on every route".to_string(),
+        names => format!("upgrades only on route(s) {}", names.join(",")),
+    }
+}
+
 /// What a check found: `Ok` with a one-line summary, or the filter's own error line (or
 /// the lease's, see [`check_lease`]).
 pub fn check_bytes(bytes: &[u8], timing: &Timing) -> Result<String, String> {
@@ -49,23 +57,25 @@ pub fn check_bytes(bytes: &[u8], timing: &Timing) -> Result<String, String> {
         Ok(PluginConfig::Gateway(config)) => {
             check_lease(timing, config.ledger.timeout_ms).map(|()| {
                 format!(
-            "ok: ledger cluster `{}`, permit header `{}`, governed tools {}, denial format {:?}",
+            "ok: ledger cluster `{}`, permit header `{}`, governed tools {}, denial format {:?}, {}",
             config.ledger.cluster,
             config.permit_header,
             tools(&config.governed_tools),
-            config.denial_format
+            config.denial_format,
+            upgrades(&config.upgrade_routes)
         )
             })
         }
         Ok(PluginConfig::Verify(config)) => Ok(format!(
-            "ok: role verify, {} inline key(s), key set {}, governed tools {}, denial format {:?}",
+            "ok: role verify, {} inline key(s), key set {}, governed tools {}, denial format {:?}, {}",
             config.keys.len(),
             match &config.jwks {
                 Some(j) => format!("fetched from cluster `{}` at `{}`", j.cluster, j.path),
                 None => "not fetched".to_string(),
             },
             tools(&config.governed_tools),
-            config.denial_format
+            config.denial_format,
+            upgrades(&config.upgrade_routes)
         )),
         Err(e) => Err(e.to_string()),
     }
@@ -119,6 +129,26 @@ mod tests {
                 && line.contains("route timeout 2m")
                 && line.contains("2m 1s"),
             "{line}"
+        );
+    }
+
+    #[test]
+    fn the_summary_says_where_upgrades_pass() {
+        let none = check_bytes(GATEWAY, &SHIPPED);
+        assert!(
+            none.as_deref()
+                .is_ok_and(|s| s.ends_with("upgrades refused on every route")),
+            "{none:?}"
+        );
+        let listed = check_bytes(
+            br#"{"role":"verify","verify":{"jwks":{"cluster":"c"}},"upgrade_routes":["chat-ws","events"]}"#,
+            &SHIPPED,
+        );
+        assert!(
+            listed
+                .as_deref()
+                .is_ok_and(|s| s.ends_with("upgrades only on route(s) chat-ws,events")),
+            "{listed:?}"
         );
     }
 
