@@ -168,10 +168,18 @@ run: setup-run wasm ledger-release
 ## OCI recipe).
 check: check-rust check-files
 
+# Every shipped build has both stores, but each is a cargo feature a team may build alone
+# (docs/development.md#one-store-builds): both builds are checked, clippy-clean, on every change.
+define ONE_STORE_BUILDS
+$(CARGO) clippy -p atmost-ledger-server --no-default-features --features sqlite --all-targets -- -D warnings
+$(CARGO) clippy -p atmost-ledger-server --no-default-features --features postgres --all-targets -- -D warnings
+endef
+
 check-rust: rust-setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p atmost-filter --target wasm32-wasip1 -- -D warnings
+	$(ONE_STORE_BUILDS)
 	$(CARGO) test --workspace
 
 ## tests/files: what reads the repository's files and runs local tools on them (kubectl kustomize,
@@ -187,6 +195,7 @@ check-files: files-tools
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(ONE_STORE_BUILDS)
 	$(CARGO) clippy --workspace --all-targets $(PG_TESTS) -- -D warnings
 	$(CARGO) clippy -p atmost-filter --target wasm32-wasip1 -- -D warnings
 	@# The fuzz and bench crates are workspaces of their own (cargo-fuzz needs that; the
