@@ -42,6 +42,21 @@
  *   -DNO_CAPABILITY_CHECK   a report is applied whatever capability it shows.
  *   -DNO_ATOMIC_RESERVE     the cap is read in one transaction and the slot reserved in
  *                           another (two replicas can both pass a cap of 1).
+ *   -DNO_VERSION_CHECK      (with -DVERSIONED_WRITE) the decision is written whatever the
+ *                           permit's version has become since it was read: the same
+ *                           counterexample as NO_ATOMIC_RESERVE.
+ *
+ * A variant checked as the real model is, against the same properties:
+ *   -DVERSIONED_WRITE       the one-round-trip decision designed for PostgreSQL
+ *                           (docs/postgresql.md#one-statement-per-decision-designed): a
+ *                           replica reads what a decision needs about the permit (whether the
+ *                           cap leaves a slot, and the permit's version) in one step, decides,
+ *                           and writes in another step only if the version is still the one
+ *                           it read; a reservation bumps the version, reports and resolutions
+ *                           (which only give slots back) do not; a write whose version moved
+ *                           is decided again under the permit's lock. The stores do not take
+ *                           this path yet: the model is its design, checked before it is
+ *                           built.
  *
  * Bounds (exhaustive within them): one permit, one governed tool, cap N = 1, two keys,
  * at most MAXA attempts and MAXR rounds per attempt, CALLS gateway calls made by FILTERS
@@ -145,9 +160,16 @@ bool req[FILTERS + 1];
 byte ansOf[FILTERS + 1];
 byte ansAtt[FILTERS + 1];
 byte ansRound[FILTERS + 1];
-#ifdef NO_ATOMIC_RESERVE
+#if defined(NO_ATOMIC_RESERVE) || defined(VERSIONED_WRITE)
 bool read[FILTERS + 1];       /* the cap was read, in a transaction of its own */
 bool room[FILTERS + 1];
+#endif
+#ifdef VERSIONED_WRITE
+byte ver = 0;                 /* the permit's version: every reservation bumps it */
+byte readVer[FILTERS + 1];    /* the version a replica read with the cap */
+#define BUMP_VERSION ver++
+#else
+#define BUMP_VERSION skip
 #endif
 
 /* A round sent upstream, waiting for the MCP server's answer. */
@@ -182,7 +204,7 @@ inline decide(c, k, cont, fits) {
         :: (fits) && nA < MAXA ->
             a = nA; nA++;
             aKey[a] = k; aState[a] = S_INFLIGHT; aRound[a] = 1;
-            keyAtt[k] = a; slots++;
+            keyAtt[k] = a; slots++; BUMP_VERSION;
             ansOf[c] = A_DISPATCH
         fi
     fi;
@@ -243,7 +265,23 @@ inline apply_report(ra, rr, rc, ro) {
     :: d_step { pend[i] != 0 -> apply_report(i / MAXR, i % MAXR + 1, i + 1, pend[i]); pend[i] = 0 } \
     :: d_step { pend[i] != 0 && dups < DUPS -> dups++; apply_report(i / MAXR, i % MAXR + 1, i + 1, pend[i]) }
 
-#ifdef NO_ATOMIC_RESERVE
+#if defined(VERSIONED_WRITE)
+#ifdef NO_VERSION_CHECK
+#define VERSION_HOLDS(c) true
+#else
+#define VERSION_HOLDS(c) (readVer[c] == ver)
+#endif
+/* The write applies the decision made on what was read if the version held; else (a miss)
+   the replica decides again under the permit's lock, on what the store holds now. */
+#define SERVE1(c, k, cont) \
+    :: d_step { req[c] && read[c] && VERSION_HOLDS(c) -> decide(c, k, cont, room[c]); \
+                read[c] = false; room[c] = false; readVer[c] = 0 } \
+    :: d_step { req[c] && read[c] && !VERSION_HOLDS(c) -> decide(c, k, cont, slots < N); \
+                read[c] = false; room[c] = false; readVer[c] = 0 }
+#define SERVE(c) \
+    :: d_step { req[c] && !read[c] -> read[c] = true; room[c] = (slots < N); readVer[c] = ver } \
+    SERVE1(c, 0, false) SERVE1(c, 1, false) SERVE1(c, 0, true) SERVE1(c, 1, true)
+#elif defined(NO_ATOMIC_RESERVE)
 #define SERVE1(c, k, cont) \
     :: d_step { req[c] && read[c] -> decide(c, k, cont, room[c]); read[c] = false; room[c] = false }
 #define SERVE(c) \

@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
-# Model-checks ledger/model/atmost.pml with spin: the model must verify with no error and
-# no unreached code (a property that holds because nothing happens proves nothing), and
-# each mutant (a ledger check switched off) must yield a counterexample, whose trail is
-# replayed, trimmed, into target/model/<mutant>.trail.txt. Exits non-zero otherwise.
+# Model-checks ledger/model/atmost.pml with spin: the model, and its variant with the
+# versioned write (VERSIONED_WRITE), must each verify with no error and no unreached code (a
+# property that holds because nothing happens proves nothing), and each mutant (a ledger
+# check switched off; `+` joins the switches of one mutant) must yield a counterexample,
+# whose trail is replayed, trimmed, into target/model/<mutant>.trail.txt. Exits non-zero
+# otherwise.
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 model="$root/ledger/model/atmost.pml"
 out="$root/target/model"
-mutants=(NO_ROUND_CHECK NO_CAPABILITY_CHECK NO_ATOMIC_RESERVE)
+variants=(real VERSIONED_WRITE)
+mutants=(NO_ROUND_CHECK NO_CAPABILITY_CHECK NO_ATOMIC_RESERVE VERSIONED_WRITE+NO_VERSION_CHECK)
+
+# The spin flags of a variant or mutant: "real" none, else -D for each `+`-joined switch.
+flags() {
+    [ "$1" = real ] && return 0
+    local IFS=+ f out=""
+    for f in $1; do out="$out -D$f"; done
+    echo "$out"
+}
 
 command -v spin >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq spin; }
 command -v gcc >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq gcc; }
@@ -23,14 +34,15 @@ build() {
     (cd "$dir" && spin $2 -a atmost.pml >/dev/null && gcc -O2 -DSAFETY -DCOLLAPSE -w -o pan pan.c)
 }
 
-# The real model: exhaustive, so no depth cut-off, no memory exhaustion, nothing unreached
-# but the ends of the processes' endless loops.
+# The real model (or a variant): exhaustive, so no depth cut-off, no memory exhaustion,
+# nothing unreached but the ends of the processes' endless loops.
 real() {
-    build real ""
-    cd "$out/real"
+    local v="$1"
+    build "$v" "$(flags "$v")"
+    cd "$out/$v"
     local t0=$SECONDS
     ./pan -m10000 >pan.out 2>&1 || true
-    echo "model-check: real model ($((SECONDS - t0)) s):"
+    echo "model-check: $([ "$v" = real ] && echo "real model" || echo "variant $v") ($((SECONDS - t0)) s):"
     grep -E "errors:|states, stored|total actual memory" pan.out | sed 's/^/  /'
     grep -q "errors: 0$" pan.out || { cat pan.out; echo "model-check: FAIL: the real model has an error"; return 1; }
     if grep -qE "max search depth too small|out of memory|Search not completed" pan.out; then
@@ -46,7 +58,7 @@ real() {
 # One mutant: the shortest counterexample (iterative deepening), an assertion of the model.
 mutant() {
     local m="$1"
-    build "$m" "-D$m"
+    build "$m" "$(flags "$m")"
     cd "$out/$m"
     local t0=$SECONDS
     ./pan -i -m200 >pan.out 2>&1 || true
@@ -54,7 +66,7 @@ mutant() {
         cat pan.out; echo "model-check: FAIL: mutant $m found no counterexample"; return 1
     fi
     # The replay, kept to the steps that change the store, the upstream or the reports.
-    spin "-D$m" -t -p atmost.pml 2>&1 \
+    spin $(flags "$m") -t -p atmost.pml 2>&1 \
         | grep -E '(aState|aRound|reached|execA|known|pend|slots|upAtt|upAns)\[?[^]=]*\]? = |assertion violated|failed assertion' \
         | grep -vE 'upAtt\[id\] = 0|upAns\[id\] = 0' \
         | sed -E 's/^ *([0-9]+):\s+proc +[0-9]+ \(([A-Za-z]+):1\) atmost.pml:([0-9]+) \(state [0-9]+\)\s+/\1 \2 l.\3 /' \
@@ -64,12 +76,18 @@ mutant() {
 }
 
 status=0
-real >"$out/real.log" 2>&1 &
+# The exhaustive searches one after another in the background (one core), the mutants'
+# short searches beside them.
+(
+    rc=0
+    for v in "${variants[@]}"; do (real "$v") >"$out/$v.log" 2>&1 || rc=1; done
+    exit "$rc"
+) &
 real_pid=$!
 for m in "${mutants[@]}"; do
     (mutant "$m") || status=1
 done
 wait "$real_pid" || status=1
-cat "$out/real.log"
+for v in "${variants[@]}"; do cat "$out/$v.log"; done
 [ "$status" -eq 0 ] && echo "model-check: OK" || echo "model-check: FAILED"
 exit "$status"
