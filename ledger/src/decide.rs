@@ -18,6 +18,12 @@ use crate::model::{
 };
 use crate::token;
 
+mod refusal;
+#[cfg(test)]
+mod refusal_tests;
+pub use refusal::refusal_proven;
+use refusal::report_target;
+
 /// Longest idempotency key accepted, in bytes.
 pub const MAX_KEY_LEN: usize = 255;
 /// Upper bound of `retry_after` for a key still in flight, in seconds.
@@ -406,6 +412,7 @@ fn decide_under(
             }
             // Given back: the same key may try again, through every check below.
             AttemptState::Released | AttemptState::ResolvedNotExecuted => {}
+            AttemptState::RefusedAtTool => {}
         }
     }
 
@@ -559,6 +566,7 @@ pub fn outcome_state(outcome: &Outcome) -> AttemptState {
         Outcome::Uncertain { .. } => AttemptState::Uncertain,
         Outcome::InputRequired { .. } => AttemptState::AwaitingInput,
         Outcome::Accepted { .. } => AttemptState::Accepted,
+        Outcome::RefusedAtTool { .. } => AttemptState::RefusedAtTool,
     }
 }
 
@@ -606,7 +614,7 @@ pub fn apply_outcome(
         return (OutcomeAck::Refused, None);
     }
     let outcome = &report.outcome;
-    let target = outcome_target(outcome, report.round);
+    let target = report_target(a, report);
     if a.state != AttemptState::InFlight {
         let ack = if a.state == target {
             OutcomeAck::AlreadyRecorded
@@ -632,6 +640,7 @@ pub fn apply_outcome(
         Outcome::Released { reason } | Outcome::Uncertain { reason } => {
             next.reason = Some(reason.clone());
         }
+        Outcome::RefusedAtTool { refusal, .. } => refusal::record(&mut next, a, refusal, now),
         Outcome::InputRequired { receipt } => {
             // The interim answer, kept for inspection (never replayed: the state does not
             // replay). The lease is renewed for as long as the dispatch lease was.

@@ -238,6 +238,10 @@ atmost_protocol::closed_set! {
         /// The upstream accepted the call as a task (`CreateTaskResult`): the stored receipt is
         /// the task handle, replayed like a completed receipt; slot kept, budget spent.
         Accepted => "accepted",              rules(true,  Budget::Spent,    false, true,  true);
+        /// A verifier at the tool refused the first round before the server got it, and
+        /// proved it (an HMAC the ledger checked over the round's nonce): slot and budget
+        /// back, and the same key may try again, as after `released`.
+        RefusedAtTool => "refused_at_tool",  rules(false, Budget::Returned, false, false, true);
     }
 }
 

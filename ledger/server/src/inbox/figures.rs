@@ -293,6 +293,10 @@ fn outcome_words(a: &Attempt) -> (String, String) {
             "uncertain".into(),
             format!("Uncertain: sent, its answer lost{why}"),
         ),
+        AttemptState::RefusedAtTool => (
+            "refused at the tool".into(),
+            format!("Refused by the verifier at the tool, which proved it: the tool never ran it, the slot and budget came back{why}"),
+        ),
         other => (other.as_str().into(), other.as_str().into()),
     }
 }
@@ -342,7 +346,10 @@ impl Timeline {
                     a.finished_at_ms.unwrap_or(a.updated_at_ms),
                 ));
             }
-            AttemptState::Released | AttemptState::Uncertain | AttemptState::AwaitingInput => {
+            AttemptState::Released
+            | AttemptState::RefusedAtTool
+            | AttemptState::Uncertain
+            | AttemptState::AwaitingInput => {
                 let (label, detail) = outcome_words(a);
                 marks.push((MarkKind::Outcome, label, detail, a.updated_at_ms));
             }
