@@ -366,6 +366,8 @@ fn decide_under(
                 // retried or forged) can no longer move the attempt.
                 next.round = existing.round.saturating_add(1);
                 next.capability_hash = Some(token::sha256_hex(&params.new_capability));
+                // The body this round is signed over (its own: the continuation's).
+                next.dispatch_body_sha256 = dispatch_body(req);
                 // Same key, same permit: the same forwarded value, kept from the first round
                 // (an attempt stored before the value was kept learns it now). Where it went
                 // is kept with it, from the same round: a round that states no value says
@@ -541,6 +543,7 @@ fn decide_under(
         forwarded_key: req.forwarded_key.clone(),
         forwarded_key_carriers: req.forwarded_key_carriers,
         arguments: (!req.arguments.is_null()).then(|| req.arguments.to_string()),
+        dispatch_body_sha256: dispatch_body(req),
     };
     Decision {
         response: AuthorizeResponse::Dispatch {
@@ -556,6 +559,12 @@ fn decide_under(
         notices,
         headroom: None,
     }
+}
+
+/// The SHA-256 of the body a dispatch of `req` is signed over, which its attempt records for
+/// the round (docs/signatures.md#signed-receipts).
+fn dispatch_body(req: &AuthorizeRequest) -> Option<String> {
+    req.dispatch.as_ref().map(|d| d.body_sha256.clone())
 }
 
 /// The state an outcome report asks for.

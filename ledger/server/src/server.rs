@@ -34,7 +34,7 @@ use crate::readiness::Readiness;
 use crate::redact::Redaction;
 use crate::signer::{KeyUnavailable, Signer};
 use atmost_ledger::clock::{Clock, Deadline};
-use atmost_ledger::decide::{self, Notice, ResolveInput};
+use atmost_ledger::decide::{self, Mutation, Notice, ResolveInput};
 use atmost_ledger::error::{LedgerError, ResolveError};
 use atmost_ledger::keys::PublicSigningKey;
 use atmost_ledger::model::{Attempt, AttemptState, BudgetTotals, GuardMode};
@@ -428,17 +428,24 @@ async fn authorize(
         }
         Err(e) => return internal(&state, "authorize", &e),
     };
-    // Signed after the store answered: no permit's lock is held while it signs.
+    // Signed after the store answered: no permit's lock is held while it signs, and only over
+    // the body the attempt it wrote records.
+    let recorded_body = match &decision.mutation {
+        Mutation::Reserve(a) | Mutation::Update(a) => a.dispatch_body_sha256.clone(),
+        Mutation::None => None,
+    };
     let mut response = decision.response;
     let signed_by = match key.as_deref() {
-        Some(key) => match signing::sign_answer(&req, &mut response, key, now) {
-            Ok(true) => {
-                state.metrics.dispatches_signed.inc();
-                Some(key.kid())
+        Some(key) => {
+            match signing::sign_answer(&req, &mut response, key, now, recorded_body.as_deref()) {
+                Ok(true) => {
+                    state.metrics.dispatches_signed.inc();
+                    Some(key.kid())
+                }
+                Ok(false) => None,
+                Err(e) => return internal(&state, "sign", &e),
             }
-            Ok(false) => None,
-            Err(e) => return internal(&state, "sign", &e),
-        },
+        }
         None => None,
     };
     state

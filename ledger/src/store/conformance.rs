@@ -62,7 +62,7 @@ macro_rules! conformance_suite {
             race_released_key_dispatched_again, permit_limits_in_answers, inbox_reads,
             uncertain_pages, signing_keys_rotation_and_publication, race_signing_keys,
             inbox_sessions, decisions_past_their_deadline_commit_nothing, purge_of_ended_permits,
-            purge_in_bounded_batches, refusals_at_the_tool);
+            purge_in_bounded_batches, refusals_at_the_tool, dispatch_bodies_recorded);
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
         $(
@@ -2592,4 +2592,59 @@ pub async fn refusals_at_the_tool(h: &dyn Harness) {
     drop(s);
     let s = h.reopen().await;
     assert_eq!(state_of(&*s, &a).await, AttemptState::RefusedAtTool);
+}
+
+/// Each round's attempt records the SHA-256 of the body it is signed over (the dispatch
+/// target's), a continuation its own; kept across a reopen; none for a round sent unsigned.
+pub async fn dispatch_bodies_recorded(h: &dyn Harness) {
+    use atmost_protocol::signature::DispatchTarget;
+    let s = h.store().await;
+    let (_, tok) = make_permit(&*s, policy(), T0 + HOUR).await;
+    let target = |body: &str| DispatchTarget {
+        method: "POST".into(),
+        authority: "tools.example:8000".into(),
+        path: "/mcp".into(),
+        body_sha256: token::sha256_hex(body),
+        idempotency_key: None,
+        validity_s: 15,
+    };
+    let signed = |key: &str, body: &str, continuation: bool| AuthorizeRequest {
+        dispatch: Some(target(body)),
+        continuation,
+        ..req(&tok, "pay", Some(key), "F", json!({}))
+    };
+    let recorded = |a: &str| {
+        let s = s.clone();
+        let a = a.to_string();
+        async move {
+            s.get_attempt(&a)
+                .await
+                .unwrap()
+                .unwrap()
+                .dispatch_body_sha256
+        }
+    };
+    let a = dispatched(&auth(&*s, &signed("k", "round 1", false), T0).await);
+    assert_eq!(recorded(&a).await, Some(token::sha256_hex("round 1")));
+    report(
+        &*s,
+        &a,
+        Outcome::InputRequired {
+            receipt: "ASK".into(),
+        },
+        T0 + 1,
+    )
+    .await;
+    let again = dispatched(&auth(&*s, &signed("k", "round 2", true), T0 + 2).await);
+    assert_eq!(again, a, "a continuation is the same attempt");
+    assert_eq!(recorded(&a).await, Some(token::sha256_hex("round 2")));
+    let unsigned = dispatched(&auth(&*s, &req(&tok, "pay", Some("u"), "U", json!({})), T0).await);
+    assert_eq!(recorded(&unsigned).await, None);
+    drop(s);
+    let s = h.reopen().await;
+    let kept = s.get_attempt(&a).await.unwrap().unwrap();
+    assert_eq!(
+        kept.dispatch_body_sha256,
+        Some(token::sha256_hex("round 2"))
+    );
 }
