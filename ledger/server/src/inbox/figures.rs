@@ -656,6 +656,22 @@ mod tests {
     }
 
     #[test]
+    fn a_refusal_at_the_tool_is_its_own_outcome_on_the_timeline() {
+        let mut a = attempt(AttemptState::RefusedAtTool);
+        a.reason = Some("refused_at_tool: signature_key_unknown".into());
+        a.updated_at_ms = T0 + 2_000;
+        let t = Timeline::new(&a, T0 + 9_000);
+        assert_eq!(kinds(&t), ["sent", "outcome"]);
+        assert_eq!(t.marks[1].label, "refused at the tool");
+        assert!(
+            t.marks[1].detail.contains("the tool never ran it")
+                && t.marks[1].detail.contains("signature_key_unknown"),
+            "{}",
+            t.marks[1].detail
+        );
+    }
+
+    #[test]
     fn a_scale_of_no_length_puts_every_mark_at_its_start() {
         // Released in the same millisecond it was sent: nothing to divide by.
         let mut a = attempt(AttemptState::Released);
