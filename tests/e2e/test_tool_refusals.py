@@ -68,7 +68,7 @@ class Pair:
     port and returns the one the gateway sends to."""
 
     def __init__(self, log_dir, ledger, upstream_port: int, name: str, verify: dict | None = None,
-                 gateway: dict | None = None, between=None):
+                 gateway: dict | None = None, between=None, form: str = "envoyfilter"):
         self.gateway_port = free_port()
         settings = {"authorities": [f"127.0.0.1:{self.gateway_port}"], "refusal_key": REFUSAL_KEY,
                     "jwks": {"cluster": "atmost_ledger", "authority": "atmost-ledger", "timeout_ms": 2000},
@@ -80,6 +80,7 @@ class Pair:
                                        ledger_tls=ledger.tls or False)
         target = self.verifier.port if between is None else between(self.verifier.port)
         self.gateway = Envoy(log_dir, target, [ledger.port], name=f"envoy-{name}-agent", port=self.gateway_port,
+                             deployment_form=form,
                              plugin_overrides={"ledger": {"service_token": ledger.service_token},
                                                "governed_tools": [GOVERNED], **(gateway or {})})
 
@@ -383,3 +384,25 @@ def test_a_server_behind_the_verifier_cannot_pass_its_answer_off_as_a_refusal(
         bare.stop()
         behind.stop()
         upstream.stop()
+
+
+def test_behind_a_gateway_that_holds_only_the_body_every_governed_call_is_refused_unsigned(
+        log_dir, refusal_ledger, mcp_server, server, accepting):
+    """docs/signatures.md, "With request_hold: body": the WasmPlugin form's gateway sends its
+    headers before the ledger is asked, so nothing is signed and the verifier refuses the call
+    `signature_missing`, which proves nothing: the attempt turns `uncertain`. The control: the
+    same call through a gateway in the EnvoyFilter form, which signs, runs."""
+    pair = Pair(log_dir, refusal_ledger, mcp_server.port, "body-form", form="wasmplugin").start()
+    try:
+        permit = refusal_ledger.create_permit()
+        response = pair.call(permit, f"key-{uuid.uuid4()}")
+        assert response.headers.get("atmost-denial") == "signature_missing", (response.status_code, response.text)
+        assert server.executions(GOVERNED) == 0
+        wait_until(lambda: states(refusal_ledger, permit) == ["uncertain"], 30, "the attempt to turn uncertain")
+        [attempt] = attempts(refusal_ledger, permit)
+        assert attempt["reason"] == "tool_refusal_unproven: signature_missing", attempt
+        signed = accepting.call(refusal_ledger.create_permit(), f"key-{uuid.uuid4()}")
+        assert signed.status_code == 200 and "executions=" in signed.text, signed.text
+        assert server.executions(GOVERNED) == 1
+    finally:
+        pair.stop()
