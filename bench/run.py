@@ -402,11 +402,12 @@ class Procs:
 
 class Envoy(stack.Process):
     def __init__(self, name: str, wasm: Path | None, upstream_port: int, ledger_ports: list[int],
-                 plugin_overrides: dict | None = None, plugin: dict | None = None):
+                 plugin_overrides: dict | None = None, plugin: dict | None = None, port: int | None = None):
         """`plugin`: the module's whole configuration instead of the shipped one with
         `plugin_overrides` (the verifier's); its `atmost_ledger` cluster then has no health
-        checks, since nothing but a key fetch would use it."""
-        self.port = stack.free_port()
+        checks, since nothing but a key fetch would use it. `port`: the listener's, when the
+        caller picked it."""
+        self.port = port or stack.free_port()
         self.admin_port = stack.free_port()
         self.url = f"http://127.0.0.1:{self.port}/mcp"
         self.admin = f"http://127.0.0.1:{self.admin_port}"
@@ -570,13 +571,14 @@ def drop_pg_schemas(url: str, names) -> None:
 
 # ---------------------------------------------------------------- signed dispatches
 
-def verifier_plugin(ledger: stack.Ledger) -> dict:
+def verifier_plugin(ledger: stack.Ledger, authority: str) -> dict:
     """The verifier's configuration: the bench's tool governed, the ledger's public keys
-    inline as its `GET /v1/keys` lists them."""
+    inline as its `GET /v1/keys` lists them, serving `authority` (the gateway's, which its
+    dispatches are signed for)."""
     status, body = stack.http_get(ledger.url + "/v1/keys", timeout=10)
     if status != 200:
         raise RuntimeError(f"GET /v1/keys answered {status}")
-    return {"role": "verify", "verify": {"keys": {"keys": json.loads(body)["keys"]}},
+    return {"role": "verify", "verify": {"keys": {"keys": json.loads(body)["keys"]}, "authorities": [authority]},
             "governed_tools": [TOOL]}
 
 
@@ -1393,19 +1395,21 @@ def main() -> int:
                 overrides["answer_release"] = "at_once"
             ledger_ports = [lg.port for lg in ledgers] or [callout_port]
             upstream_port = mcp_port
+            # Picked first: the verifier serves the authority the gateway's calls are signed for.
+            gateway_port = stack.free_port()
             tool_side: Envoy | None = None
             if name in AT_THE_TOOL:
                 # The tool's side: the verifier keyed from this setup's ledger, or (Vp) a plain
                 # Envoy, health-checking the static stub as B's does.
                 if AT_THE_TOOL[name]:
                     tool_side = Envoy(f"{name}-tool", ATMOST_WASM, mcp_port, ledger_ports,
-                                      plugin=verifier_plugin(ledgers[0]))
+                                      plugin=verifier_plugin(ledgers[0], f"127.0.0.1:{gateway_port}"))
                 else:
                     tool_side = Envoy(f"{name}-tool", None, mcp_port, [callout_port])
                 tool_side.start()
                 running.append(tool_side)
                 upstream_port = tool_side.port
-            envoy = Envoy(name, wasm, upstream_port, ledger_ports, overrides)
+            envoy = Envoy(name, wasm, upstream_port, ledger_ports, overrides, port=gateway_port)
             envoy.start()
             running.append(envoy)
             procs.add("envoy", [envoy.proc.pid])

@@ -168,6 +168,9 @@ enum Watch {
     StreamingSse(Box<SseCapture>),
     /// Done watching, without a receipt.
     NoReceipt(NoReceipt),
+    /// A verifier at the tool refused the dispatch: its `atmost-tool-refusal` header. The
+    /// answer is the verifier's, never a receipt.
+    RefusedAtTool(String),
     /// A `completed` (or `input_required` / `accepted`) report is out; the response is held
     /// until it is answered.
     Reporting { outcome: Outcome },
@@ -387,6 +390,7 @@ impl Call {
                 Watch::BufferingJson { .. } => "buffering_json",
                 Watch::StreamingSse(_) => "streaming_sse",
                 Watch::NoReceipt(_) => "no_receipt",
+                Watch::RefusedAtTool(_) => "refused_at_tool",
                 Watch::Reporting { .. } => "reporting",
                 Watch::Settled => "settled",
             },

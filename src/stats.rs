@@ -46,6 +46,9 @@ stat_table! {
     Released => "atmost_released";
     /// A dispatched call reported `uncertain`.
     Uncertain => "atmost_uncertain";
+    /// A dispatched call a verifier at the tool refused (reported `refused_at_tool`; the
+    /// ledger gives its slot back only on the refusal's proof).
+    RefusedAtTool => "atmost_refused_at_tool";
     /// A receipt was larger than `max_receipt_bytes` (the call becomes `uncertain`).
     ReceiptTooLarge => "atmost_receipt_too_large";
     /// An outcome report could not be delivered and was queued for the root context.

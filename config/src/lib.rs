@@ -89,7 +89,7 @@ impl PluginConfig {
         let top = Obj { path: "", map };
         match role(&top)? {
             Role::Gateway => Config::parse_with_env(bytes, env).map(PluginConfig::Gateway),
-            Role::Verify => verify::parse(&top).map(PluginConfig::Verify),
+            Role::Verify => verify::parse(&top, env).map(PluginConfig::Verify),
         }
     }
 }

@@ -3,7 +3,7 @@
 //! (docs/signatures.md, "The verifier at the tool").
 
 use crate::{err, ConfigError, DenialFormat, Obj, RequestHold, ToolSet, UpgradeRoutes};
-use crate::{DEFAULT_AUTHORITY, DEFAULT_MAX_BYTES};
+use crate::{UpstreamSecret, DEFAULT_AUTHORITY, DEFAULT_MAX_BYTES};
 use crate::{DEFAULT_TIMEOUT_MS, MAX_MAX_BYTES};
 use atmost_protocol::signature::{Jwk, KEYS_PATH};
 use serde_json::{Map, Value};
@@ -21,6 +21,10 @@ pub const MIN_REPLAY_CACHE_ENTRIES: u64 = 32;
 pub const MAX_REPLAY_CACHE_ENTRIES: u64 = 4_194_304;
 /// Most keys an inline key set may list.
 pub const MAX_INLINE_KEYS: usize = 64;
+/// Most names `verify.authorities` may list (each can cost one Ed25519 check of a call).
+pub const MAX_AUTHORITIES: usize = 16;
+/// Shortest accepted `verify.refusal_key`, in bytes.
+pub const MIN_REFUSAL_KEY_BYTES: usize = 32;
 
 /// The top-level fields the verifier reads besides `role` and `verify`.
 pub const SHARED_FIELDS: [&str; 5] = [
@@ -51,6 +55,18 @@ pub struct VerifyConfig {
     pub keys: Vec<VerifyKey>,
     /// `verify.jwks`: where the key set is fetched from (the ledger's `GET /v1/keys`).
     pub jwks: Option<JwksSource>,
+    /// `verify.authorities` (array of 1 to 16 host names, each as `@authority` is signed:
+    /// lowercase, with the port when the client names one; required): the names under which
+    /// the gateway reaches this server. A signature is checked against these names only, never
+    /// against the `:authority` the request arrived with, so a signature made for another
+    /// server is refused `signature_invalid` here.
+    pub authorities: Vec<String>,
+    /// `verify.refusal_key` or `verify.refusal_key_env` (a secret of at least 32 bytes,
+    /// optional): the key of the HMAC a refusal carries over its code and the dispatch's nonce
+    /// (`atmost-tool-refusal`), which the ledger checks before it gives a refused call's slot
+    /// back. Without it a refusal carries no proof and the gateway's attempt turns
+    /// `uncertain`.
+    pub refusal_key: Option<UpstreamSecret>,
     /// `verify.max_skew_s` (integer 0..=60, default 5): clock difference allowed against
     /// `created` and `expires`.
     pub max_skew_s: u64,
@@ -112,7 +128,10 @@ fn host_name_ok(s: &str) -> bool {
 }
 
 /// Reads the verifier's configuration from the top-level object (whose `role` is `verify`).
-pub(crate) fn parse(top: &Obj<'_>) -> Result<VerifyConfig, ConfigError> {
+pub(crate) fn parse(
+    top: &Obj<'_>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<VerifyConfig, ConfigError> {
     if let Some(gateway_field) = GATEWAY_ONLY_FIELDS
         .iter()
         .find(|f| top.map.contains_key(**f))
@@ -136,7 +155,15 @@ pub(crate) fn parse(top: &Obj<'_>) -> Result<VerifyConfig, ConfigError> {
         path: "verify",
         map: verify_map,
     };
-    verify.refuse_unknown(&["keys", "jwks", "max_skew_s", "replay_cache_entries"])?;
+    verify.refuse_unknown(&[
+        "keys",
+        "jwks",
+        "authorities",
+        "refusal_key",
+        "refusal_key_env",
+        "max_skew_s",
+        "replay_cache_entries",
+    ])?;
     let keys = match verify.map.get("keys") {
         None => Vec::new(),
         Some(v) => inline_keys(v)?,
@@ -151,6 +178,8 @@ pub(crate) fn parse(top: &Obj<'_>) -> Result<VerifyConfig, ConfigError> {
             "names no key: give `keys` (an inline JWKS), `jwks` (where to fetch the ledger's), or both",
         ));
     }
+    let authorities = authorities(&verify)?;
+    let refusal_key = refusal_key(&verify, env)?;
     let max_skew_s = verify.integer("max_skew_s", DEFAULT_MAX_SKEW_S, 0, MAX_SKEW_S)?;
     let replay_cache_entries = verify.integer(
         "replay_cache_entries",
@@ -173,6 +202,8 @@ pub(crate) fn parse(top: &Obj<'_>) -> Result<VerifyConfig, ConfigError> {
     Ok(VerifyConfig {
         keys,
         jwks,
+        authorities,
+        refusal_key,
         max_skew_s,
         replay_cache_entries,
         governed_tools,
@@ -181,6 +212,59 @@ pub(crate) fn parse(top: &Obj<'_>) -> Result<VerifyConfig, ConfigError> {
         request_hold,
         upgrade_routes,
     })
+}
+
+/// `verify.authorities`: each name as the gateway signs `@authority` (lowercased).
+fn authorities(verify: &Obj<'_>) -> Result<Vec<String>, ConfigError> {
+    let need = "is required: the host names (with the port the gateway's clients name, if any) under which the gateway reaches this server, e.g. [\"payments.tools.svc.cluster.local:8000\"]";
+    let items = match verify.map.get("authorities") {
+        None => return Err(err("verify.authorities", need)),
+        Some(Value::Array(items)) if !items.is_empty() => items,
+        Some(_) => return Err(err("verify.authorities", need)),
+    };
+    if items.len() > MAX_AUTHORITIES {
+        return Err(err(
+            "verify.authorities",
+            format!("lists more than {MAX_AUTHORITIES} names"),
+        ));
+    }
+    let mut names = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        match item {
+            Value::String(s) if host_name_ok(s) && !s.bytes().any(|b| b.is_ascii_uppercase()) => {
+                if !names.contains(s) {
+                    names.push(s.clone());
+                }
+            }
+            _ => {
+                return Err(err(
+                    &format!("verify.authorities[{i}]"),
+                    "must be a host name (with its port, if any): printable ASCII without spaces, lowercase, as the gateway signs `@authority`",
+                ))
+            }
+        }
+    }
+    Ok(names)
+}
+
+/// `verify.refusal_key` / `verify.refusal_key_env`, when either is given.
+fn refusal_key(
+    verify: &Obj<'_>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<UpstreamSecret>, ConfigError> {
+    if !verify.map.contains_key("refusal_key") && !verify.map.contains_key("refusal_key_env") {
+        return Ok(None);
+    }
+    let secret = verify.secret("refusal_key", env)?;
+    if secret.len() < MIN_REFUSAL_KEY_BYTES {
+        return Err(err(
+            "verify.refusal_key",
+            format!("must be at least {MIN_REFUSAL_KEY_BYTES} bytes"),
+        ));
+    }
+    UpstreamSecret::new(secret)
+        .map(Some)
+        .ok_or_else(|| err("verify.refusal_key", "is not usable as an HMAC key"))
 }
 
 fn inline_keys(value: &Value) -> Result<Vec<VerifyKey>, ConfigError> {
@@ -283,8 +367,9 @@ mod tests {
 
     #[test]
     fn defaults_with_a_fetched_key_set() {
-        let c =
-            verify_config(&json!({"role": "verify", "verify": {"jwks": {"cluster": "ledger"}}}));
+        let c = verify_config(
+            &json!({"role": "verify", "verify": {"jwks": {"cluster": "ledger"}, "authorities": ["mcp.example"]}}),
+        );
         let jwks = c.jwks.unwrap();
         assert_eq!(jwks.cluster, "ledger");
         assert_eq!(jwks.authority, "atmost-ledger");
@@ -299,14 +384,45 @@ mod tests {
         assert_eq!(c.max_body_bytes, 1_048_576);
         assert_eq!(c.request_hold, crate::RequestHold::Headers);
         let body = verify_config(
-            &json!({"role": "verify", "request_hold": "body", "verify": {"jwks": {"cluster": "l"}}}),
+            &json!({"role": "verify", "request_hold": "body", "verify": {"jwks": {"cluster": "l"}, "authorities": ["mcp.example"]}}),
         );
         assert_eq!(body.request_hold, crate::RequestHold::Body);
     }
 
     #[test]
+    fn the_authorities_served_are_required_and_the_refusal_key_optional() {
+        let c = verify_config(&json!({"role": "verify", "verify": {
+            "jwks": {"cluster": "ledger"},
+            "authorities": ["payments:8000", "payments.tools.svc.cluster.local:8000", "payments:8000"]
+        }}));
+        assert_eq!(
+            c.authorities,
+            ["payments:8000", "payments.tools.svc.cluster.local:8000"]
+        );
+        assert!(c.refusal_key.is_none());
+        let (field, text) =
+            refused(&json!({"role": "verify", "verify": {"jwks": {"cluster": "ledger"}}}));
+        assert_eq!(field, "verify.authorities");
+        assert!(text.contains("is required"), "{text}");
+        let key = "k".repeat(32);
+        let with_key = json!({"role": "verify", "verify": {
+            "jwks": {"cluster": "ledger"}, "authorities": ["a"], "refusal_key": key}});
+        assert_eq!(
+            verify_config(&with_key).refusal_key.map(|k| k.len()),
+            Some(32)
+        );
+        let from_env = json!({"role": "verify", "verify": {
+            "jwks": {"cluster": "ledger"}, "authorities": ["a"], "refusal_key_env": "REFUSAL"}});
+        let env = |name: &str| (name == "REFUSAL").then(|| "e".repeat(40));
+        match PluginConfig::parse_with_env(from_env.to_string().as_bytes(), &env) {
+            Ok(PluginConfig::Verify(c)) => assert_eq!(c.refusal_key.map(|k| k.len()), Some(40)),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
     fn upgrade_routes_is_read_as_the_gateway_reads_it() {
-        let base = json!({"role": "verify", "verify": {"jwks": {"cluster": "ledger"}}});
+        let base = json!({"role": "verify", "verify": {"jwks": {"cluster": "ledger"}, "authorities": ["mcp.example"]}});
         assert_eq!(
             verify_config(&base).upgrade_routes,
             crate::UpgradeRoutes::none()
@@ -324,7 +440,8 @@ mod tests {
     fn inline_keys_are_checked_ed25519_jwks() {
         let c = verify_config(&json!({
             "role": "verify",
-            "verify": {"keys": {"keys": [jwk(1), jwk(2)]}, "max_skew_s": 0, "replay_cache_entries": 32},
+            "verify": {"keys": {"keys": [jwk(1), jwk(2)]}, "max_skew_s": 0, "replay_cache_entries": 32,
+                       "authorities": ["mcp.example"]},
             "governed_tools": ["pay"], "denial_format": "error", "max_body_bytes": 4096
         }));
         assert_eq!(c.keys.len(), 2);
@@ -334,14 +451,15 @@ mod tests {
         assert!(c.governed_tools.contains("pay") && !c.governed_tools.contains("x"));
         let mut forged = jwk(3);
         forged["kid"] = json!("chosen-by-me");
-        let (field, _) =
-            refused(&json!({"role": "verify", "verify": {"keys": {"keys": [jwk(1), forged]}}}));
+        let (field, _) = refused(
+            &json!({"role": "verify", "verify": {"keys": {"keys": [jwk(1), forged]}, "authorities": ["a"]}}),
+        );
         assert_eq!(field, "verify.keys.keys[1]");
     }
 
     #[test]
     fn each_bad_field_is_named() {
-        let base = || json!({"role": "verify", "verify": {"jwks": {"cluster": "ledger"}}});
+        let base = || json!({"role": "verify", "verify": {"jwks": {"cluster": "ledger"}, "authorities": ["mcp.example"]}});
         let with = |path: &[&str], value: Value| {
             let mut v = base();
             let mut cur = &mut v;
@@ -355,7 +473,7 @@ mod tests {
             (json!({"role": "verify"}), "verify"),
             (json!({"role": "verify", "verify": {}}), "verify"),
             (
-                json!({"role": "verify", "verify": {"keys": {"keys": []}}}),
+                json!({"role": "verify", "verify": {"keys": {"keys": []}, "authorities": ["a"]}}),
                 "verify",
             ),
             (json!({"role": "verifier"}), "role"),
@@ -405,6 +523,26 @@ mod tests {
                 with(&["verify", "replay_cache"], json!(1)),
                 "verify.replay_cache",
             ),
+            (
+                with(&["verify", "authorities"], json!([])),
+                "verify.authorities",
+            ),
+            (
+                with(&["verify", "authorities"], json!(["Mcp.Example"])),
+                "verify.authorities[0]",
+            ),
+            (
+                with(&["verify", "authorities"], json!(["a b"])),
+                "verify.authorities[0]",
+            ),
+            (
+                with(&["verify", "authorities"], json!("mcp.example")),
+                "verify.authorities",
+            ),
+            (
+                with(&["verify", "refusal_key"], json!("short")),
+                "verify.refusal_key",
+            ),
             (with(&["governed_tools"], json!([])), "governed_tools"),
             (with(&["denial_format"], json!("text")), "denial_format"),
             (with(&["max_body_bytes"], json!(0)), "max_body_bytes"),
@@ -419,7 +557,7 @@ mod tests {
     #[test]
     fn gateway_settings_are_refused_in_the_verify_role_and_the_reverse() {
         for field in super::GATEWAY_ONLY_FIELDS {
-            let mut v = json!({"role": "verify", "verify": {"jwks": {"cluster": "ledger"}}});
+            let mut v = json!({"role": "verify", "verify": {"jwks": {"cluster": "ledger"}, "authorities": ["mcp.example"]}});
             v[field] = json!({});
             let (named, text) = refused(&v);
             assert_eq!(named, field);
@@ -428,14 +566,14 @@ mod tests {
         let gateway = json!({
             "ledger": {"cluster": "c", "service_token": "svc-token-0123456789abcdef0123456789"},
             "upstream_key": {"mode": "off"},
-            "verify": {"jwks": {"cluster": "ledger"}}
+            "verify": {"jwks": {"cluster": "ledger"}, "authorities": ["mcp.example"]}
         });
         let (named, text) = refused(&gateway);
         assert_eq!(named, "verify");
         assert!(text.contains("role `verify`"), "{text}");
         // The gateway's own parser says the same of a verifier's configuration.
         let e = crate::Config::parse(
-            json!({"role": "verify", "verify": {"jwks": {"cluster": "l"}}})
+            json!({"role": "verify", "verify": {"jwks": {"cluster": "l"}, "authorities": ["mcp.example"]}})
                 .to_string()
                 .as_bytes(),
         );

@@ -440,6 +440,7 @@ fn kind(o: &Outcome) -> &'static str {
         Outcome::Accepted { .. } => "accepted",
         Outcome::Released { .. } => "released",
         Outcome::Uncertain { .. } => "uncertain",
+        Outcome::RefusedAtTool { .. } => "refused_at_tool",
     }
 }
 
@@ -1239,9 +1240,12 @@ fn run(data: &[u8]) -> Reached {
                     && w.request.headers_forwarded
                     && !w.answered
                     && matches!(state, "reading_body" | "authorizing");
+                // No verifier's refusal: the upstream here is the tool itself (its refusals
+                // have unit tests of their own, src/call/tests/tool_refusal.rs).
                 let s = call.on_response_headers(ResponseHead {
                     content_type: content_type.map(str::to_string),
                     end_of_stream,
+                    tool_refusal: None,
                 });
                 let done = carry_out(&mut call, s, host, &mut a);
                 if before_decision {

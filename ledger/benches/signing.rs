@@ -73,14 +73,16 @@ fn signing(c: &mut Criterion) {
             let req = black_box(&req);
             check_dispatch(req).unwrap();
             let mut response = answer();
-            assert!(sign_answer(req, &mut response, &key, NOW_MS).unwrap());
+            let recorded = req.dispatch.as_ref().map(|d| d.body_sha256.as_str());
+            assert!(sign_answer(req, &mut response, &key, NOW_MS, recorded).unwrap());
             response
         })
     });
 
     // The curve operation alone, over the base of the same dispatch.
     let mut signed = answer();
-    sign_answer(&req, &mut signed, &key, NOW_MS).unwrap();
+    let recorded = req.dispatch.as_ref().map(|d| d.body_sha256.clone());
+    sign_answer(&req, &mut signed, &key, NOW_MS, recorded.as_deref()).unwrap();
     let base = {
         use atmost_protocol::signature::{content_digest_from_hex, SignatureInput, SignedRequest};
         let AuthorizeResponse::Dispatch {

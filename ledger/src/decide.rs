@@ -18,6 +18,12 @@ use crate::model::{
 };
 use crate::token;
 
+mod refusal;
+#[cfg(test)]
+mod refusal_tests;
+pub use refusal::refusal_proven;
+use refusal::report_target;
+
 /// Longest idempotency key accepted, in bytes.
 pub const MAX_KEY_LEN: usize = 255;
 /// Upper bound of `retry_after` for a key still in flight, in seconds.
@@ -360,6 +366,8 @@ fn decide_under(
                 // retried or forged) can no longer move the attempt.
                 next.round = existing.round.saturating_add(1);
                 next.capability_hash = Some(token::sha256_hex(&params.new_capability));
+                // The body this round is signed over (its own: the continuation's).
+                next.dispatch_body_sha256 = dispatch_body(req);
                 // Same key, same permit: the same forwarded value, kept from the first round
                 // (an attempt stored before the value was kept learns it now). Where it went
                 // is kept with it, from the same round: a round that states no value says
@@ -406,6 +414,7 @@ fn decide_under(
             }
             // Given back: the same key may try again, through every check below.
             AttemptState::Released | AttemptState::ResolvedNotExecuted => {}
+            AttemptState::RefusedAtTool => {}
         }
     }
 
@@ -534,6 +543,7 @@ fn decide_under(
         forwarded_key: req.forwarded_key.clone(),
         forwarded_key_carriers: req.forwarded_key_carriers,
         arguments: (!req.arguments.is_null()).then(|| req.arguments.to_string()),
+        dispatch_body_sha256: dispatch_body(req),
     };
     Decision {
         response: AuthorizeResponse::Dispatch {
@@ -551,6 +561,12 @@ fn decide_under(
     }
 }
 
+/// The SHA-256 of the body a dispatch of `req` is signed over, which its attempt records for
+/// the round (docs/signatures.md#signed-receipts).
+fn dispatch_body(req: &AuthorizeRequest) -> Option<String> {
+    req.dispatch.as_ref().map(|d| d.body_sha256.clone())
+}
+
 /// The state an outcome report asks for.
 pub fn outcome_state(outcome: &Outcome) -> AttemptState {
     match outcome {
@@ -559,6 +575,7 @@ pub fn outcome_state(outcome: &Outcome) -> AttemptState {
         Outcome::Uncertain { .. } => AttemptState::Uncertain,
         Outcome::InputRequired { .. } => AttemptState::AwaitingInput,
         Outcome::Accepted { .. } => AttemptState::Accepted,
+        Outcome::RefusedAtTool { .. } => AttemptState::RefusedAtTool,
     }
 }
 
@@ -606,7 +623,7 @@ pub fn apply_outcome(
         return (OutcomeAck::Refused, None);
     }
     let outcome = &report.outcome;
-    let target = outcome_target(outcome, report.round);
+    let target = report_target(a, report);
     if a.state != AttemptState::InFlight {
         let ack = if a.state == target {
             OutcomeAck::AlreadyRecorded
@@ -632,6 +649,7 @@ pub fn apply_outcome(
         Outcome::Released { reason } | Outcome::Uncertain { reason } => {
             next.reason = Some(reason.clone());
         }
+        Outcome::RefusedAtTool { refusal, .. } => refusal::record(&mut next, a, refusal, now),
         Outcome::InputRequired { receipt } => {
             // The interim answer, kept for inspection (never replayed: the state does not
             // replay). The lease is renewed for as long as the dispatch lease was.

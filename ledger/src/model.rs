@@ -238,6 +238,10 @@ atmost_protocol::closed_set! {
         /// The upstream accepted the call as a task (`CreateTaskResult`): the stored receipt is
         /// the task handle, replayed like a completed receipt; slot kept, budget spent.
         Accepted => "accepted",              rules(true,  Budget::Spent,    false, true,  true);
+        /// A verifier at the tool refused the first round before the server got it, and
+        /// proved it (an HMAC the ledger checked over the round's nonce): slot and budget
+        /// back, and the same key may try again, as after `released`.
+        RefusedAtTool => "refused_at_tool",  rules(false, Budget::Returned, false, false, true);
     }
 }
 
@@ -394,6 +398,11 @@ pub struct Attempt {
     /// `params.arguments` of the call as JSON text, as the filter sent them (shown redacted;
     /// dropped with the receipt past retention).
     pub arguments: Option<String>,
+    /// Lowercase hex SHA-256 of the body the current round was signed over (the dispatch
+    /// target's `body_sha256`): the ledger signs a round only over the body its attempt
+    /// records. `None` for a round dispatched without a signature (`request_hold: body`) and
+    /// for attempts stored before it was kept.
+    pub dispatch_body_sha256: Option<String>,
 }
 
 #[cfg(any(test, feature = "test-support"))]
@@ -421,6 +430,7 @@ impl Attempt {
             capability_hash: None,
             forwarded_key: None,
             forwarded_key_carriers: KeyCarriers::NONE,
+            dispatch_body_sha256: None,
             arguments: None,
         }
     }
@@ -494,12 +504,12 @@ mod tests {
         );
         assert_eq!(
             with(AttemptState::gave_back),
-            "('released','resolved_not_executed')"
+            "('released','resolved_not_executed','refused_at_tool')"
         );
         // Whatever a report, a lease or a resolution may still move stays: the purge keeps it.
         assert_eq!(
             with(AttemptState::settled),
-            "('completed','released','resolved_executed','resolved_not_executed','accepted')"
+            "('completed','released','resolved_executed','resolved_not_executed','accepted','refused_at_tool')"
         );
     }
 

@@ -6,7 +6,7 @@
 //! an outcome, had it resolved by someone), never what the provider did: the ledger only
 //! knows what the gateway told it.
 
-use atmost_protocol::signature::b64url_encode;
+use atmost_protocol::signature::{b64url_encode, DispatchNonce};
 use serde::{Deserialize, Serialize};
 
 use crate::clock::{rfc3339, Millis};
@@ -73,6 +73,13 @@ pub struct ReceiptClaims {
     pub forwarded_key: Option<String>,
     /// Dispatches of the attempt: 1, plus one per `input_required` continuation.
     pub rounds: u32,
+    /// The `nonce` the last round's dispatch signature carries:
+    /// `<attempt>/<round>/<permit>/<tool>` (docs/signatures.md#the-signature).
+    pub nonce: String,
+    /// Hex SHA-256 of the body the last round was signed over, as the attempt records it: the
+    /// `Content-Digest` its signature covers. `None` for a round sent unsigned
+    /// (`request_hold: body`) and for attempts stored before it was kept.
+    pub body_sha256: Option<String>,
     pub state: String,
     /// Why it was released or turned uncertain.
     pub reason: Option<String>,
@@ -101,6 +108,14 @@ impl ReceiptClaims {
             key_sha256: a.key_hash.clone(),
             forwarded_key: a.forwarded_key.clone(),
             rounds: a.round,
+            nonce: DispatchNonce {
+                attempt_id: a.id.clone(),
+                round: a.round,
+                permit_id: a.permit_id.clone(),
+                tool: a.tool.clone(),
+            }
+            .encode(),
+            body_sha256: a.dispatch_body_sha256.clone(),
             state: a.state.as_str().to_string(),
             reason: a.reason.clone(),
             cost: a.cost,
@@ -146,6 +161,7 @@ mod tests {
         a.key_hash = Some(sha256_hex("k1"));
         a.forwarded_key = Some("fwd".into());
         a.round = 2;
+        a.dispatch_body_sha256 = Some(sha256_hex("the second round's body"));
         a.receipt = Some("{\"result\":{}}".into());
         a.created_at_ms = 1_764_680_000_123;
         a.resolution = Some(Resolution {
@@ -172,6 +188,12 @@ mod tests {
         assert_eq!(payload, claims);
         assert_eq!(payload.iat, 1_764_680_200);
         assert_eq!(payload.rounds, 2);
+        // The last round's signature: its nonce and the body it was signed over.
+        assert_eq!(payload.nonce, "att_1/2/pmt_1/pay");
+        assert_eq!(
+            payload.body_sha256,
+            Some(sha256_hex("the second round's body"))
+        );
         assert_eq!(payload.state, "resolved_executed");
         assert_eq!(payload.created_at, "2025-12-02T12:53:20.123Z");
         assert_eq!(payload.receipt_sha256, Some(sha256_hex("{\"result\":{}}")));

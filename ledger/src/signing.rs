@@ -120,11 +120,17 @@ pub fn sign_dispatch(
 /// request named a dispatch target: `created` is `now` in Unix seconds. Replays and denials
 /// carry no signature, and neither does a Dispatch answer to a request without a target.
 /// Answers whether it signed.
+///
+/// `recorded_body` is the body hash the attempt the decision wrote records for this round
+/// (`Attempt::dispatch_body_sha256`): a dispatch is signed only over the body its attempt
+/// records, so every signature can be tied to the attempt that holds its digest. Any other is
+/// a bug ([`LedgerError::Invariant`]), and nothing is signed.
 pub fn sign_answer(
     req: &AuthorizeRequest,
     response: &mut AuthorizeResponse,
     key: &SigningKey,
     now: Millis,
+    recorded_body: Option<&str>,
 ) -> Result<bool, LedgerError> {
     let Some(target) = req.dispatch.as_ref() else {
         return Ok(false);
@@ -139,6 +145,11 @@ pub fn sign_answer(
     else {
         return Ok(false);
     };
+    if recorded_body != Some(target.body_sha256.as_str()) {
+        return Err(LedgerError::Invariant(
+            "a dispatch is signed only over the body its attempt records, and the attempt records another".into(),
+        ));
+    }
     let nonce = DispatchNonce {
         attempt_id: attempt_id.clone(),
         round: *round,
@@ -386,7 +397,7 @@ mod tests {
         ] {
             let req = request(target.clone());
             let mut answer = dispatch_answer();
-            assert!(sign_answer(&req, &mut answer, &key, 1_764_680_000_999).unwrap());
+            assert!(sign_answer(&req, &mut answer, &key, 1_764_680_000_999, Some(SHA)).unwrap());
             let AuthorizeResponse::Dispatch {
                 signature: Some(sig),
                 ..
@@ -443,16 +454,35 @@ mod tests {
             receipt: "{}".into(),
             limits: None,
         };
-        assert!(!sign_answer(&req, &mut replay, &key, 0).unwrap());
+        assert!(!sign_answer(&req, &mut replay, &key, 0, Some(SHA)).unwrap());
         let mut deny = AuthorizeResponse::Deny(atmost_protocol::Denial::new(
             atmost_protocol::DenialCode::PermitInvalid,
             "no",
         ));
-        assert!(!sign_answer(&req, &mut deny, &key, 0).unwrap());
+        assert!(!sign_answer(&req, &mut deny, &key, 0, Some(SHA)).unwrap());
         let mut plain = req.clone();
         plain.dispatch = None;
         let mut answer = dispatch_answer();
-        assert!(!sign_answer(&plain, &mut answer, &key, 0).unwrap());
+        assert!(!sign_answer(&plain, &mut answer, &key, 0, None).unwrap());
         assert_eq!(answer, dispatch_answer());
+    }
+
+    #[test]
+    fn a_dispatch_is_signed_only_over_the_body_its_attempt_records() {
+        let (key, _) = SigningKey::generate(0).unwrap();
+        let req = request(target());
+        let other = "0".repeat(64);
+        for recorded in [None, Some(other.as_str())] {
+            let mut answer = dispatch_answer();
+            let refused = sign_answer(&req, &mut answer, &key, 0, recorded);
+            assert!(
+                matches!(refused, Err(LedgerError::Invariant(_))),
+                "{recorded:?}: {refused:?}"
+            );
+            assert_eq!(answer, dispatch_answer(), "nothing signed");
+        }
+        // The control: the body the attempt records is signed.
+        let mut answer = dispatch_answer();
+        assert!(sign_answer(&req, &mut answer, &key, 0, Some(SHA)).unwrap());
     }
 }

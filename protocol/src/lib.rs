@@ -13,6 +13,7 @@
 pub mod closed_set;
 pub mod signature;
 pub mod token;
+pub mod tool_refusal;
 
 use serde::{Deserialize, Serialize};
 
@@ -342,6 +343,18 @@ pub enum Outcome {
     /// acceptance, not of completion. `receipt` is the response holding the task handle;
     /// replays return it.
     Accepted { receipt: String },
+    /// A verifier at the tool refused the dispatch (docs/signatures.md, "A refusal at the
+    /// tool"): `refusal` is its `atmost-tool-refusal` header as the gateway received it. The
+    /// ledger gives the slot back only when the refusal's HMAC verifies with a key it trusts,
+    /// names this round's nonce and says the tool did not run it; otherwise the attempt
+    /// turns `uncertain`.
+    RefusedAtTool {
+        refusal: String,
+        /// Set by the ledger once it checked the HMAC against its refusal keys; never read
+        /// from the wire, so no report can claim it.
+        #[serde(skip)]
+        mac_verified: bool,
+    },
 }
 
 impl Outcome {
@@ -353,6 +366,7 @@ impl Outcome {
             Outcome::Uncertain { .. } => "uncertain",
             Outcome::InputRequired { .. } => "input_required",
             Outcome::Accepted { .. } => "accepted",
+            Outcome::RefusedAtTool { .. } => "refused_at_tool",
         }
     }
 }
@@ -425,6 +439,7 @@ pub struct OutcomesResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn denial_code_serializes_as_its_documented_name() {
@@ -465,10 +480,30 @@ mod tests {
             Outcome::Uncertain { reason: reason() },
             Outcome::InputRequired { receipt: reason() },
             Outcome::Accepted { receipt: reason() },
+            Outcome::RefusedAtTool {
+                refusal: reason(),
+                mac_verified: false,
+            },
         ] {
             let json = serde_json::to_value(&outcome).unwrap_or_default();
             assert_eq!(json["outcome"], outcome.kind());
         }
+    }
+
+    #[test]
+    fn no_report_can_claim_its_refusal_verified() {
+        let claimed = json!({"attempt_id": "att_1", "round": 1, "capability": "c",
+            "outcome": "refused_at_tool", "refusal": "signature_key_unknown", "mac_verified": true});
+        let report: OutcomeReport = serde_json::from_value(claimed).unwrap();
+        assert_eq!(
+            report.outcome,
+            Outcome::RefusedAtTool {
+                refusal: "signature_key_unknown".into(),
+                mac_verified: false
+            }
+        );
+        let sent = serde_json::to_value(&report).unwrap_or_default();
+        assert!(sent.get("mac_verified").is_none(), "{sent}");
     }
 
     #[test]

@@ -10,6 +10,7 @@ use crate::call::reply::LocalReply;
 use crate::call::{BodyStep, Call, Effect, Flow, Level, LogProps, RequestHead, ResponseHead, Step};
 use crate::ledger_client::{self, Callout};
 use crate::report;
+use atmost_protocol::tool_refusal;
 use atmost_protocol::OutcomeReport;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
@@ -194,7 +195,9 @@ impl HttpContext for Http {
         }
         // One lookup, not the whole map: this runs for every dispatched call.
         let content_type = host::header(MapType::HttpResponseHeaders, "content-type");
-        let head = ResponseHead::from_content_type(content_type.as_deref(), end_of_stream);
+        let mut head = ResponseHead::from_content_type(content_type.as_deref(), end_of_stream);
+        head.tool_refusal = host::header(MapType::HttpResponseHeaders, tool_refusal::HEADER)
+            .map(|v| String::from_utf8_lossy(&v).into_owned());
         let step = self.call.on_response_headers(head);
         self.apply(step)
     }

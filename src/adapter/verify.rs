@@ -13,6 +13,7 @@ use crate::verify::keys;
 use crate::verify::replay::{SharedSlots, SlotValue};
 use crate::verify::{Verdict, Verifier, VerifyCall};
 use atmost_config::VerifyConfig;
+use atmost_protocol::tool_refusal::HEADER;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
@@ -213,6 +214,8 @@ pub struct VerifyHttp {
     shared: VerifyShared,
     call: VerifyCall,
     context_id: u32,
+    /// This context sent a local reply of its own (a refusal).
+    replied: bool,
 }
 
 impl VerifyHttp {
@@ -221,10 +224,15 @@ impl VerifyHttp {
             call: VerifyCall::new(Rc::clone(&shared.config)),
             shared,
             context_id,
+            replied: false,
         }
     }
 
-    fn apply(&self, step: Step) -> Action {
+    fn apply(&mut self, step: Step) -> Action {
+        self.replied |= step
+            .effects
+            .iter()
+            .any(|e| matches!(e, Effect::LocalReply(_)));
         match apply(&self.shared.metrics, step) {
             Flow::Continue => Action::Continue,
             Flow::Pause => Action::Pause,
@@ -283,6 +291,22 @@ impl HttpContext for VerifyHttp {
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
         let step = self.call.on_request_trailers();
         self.apply(step)
+    }
+
+    /// A response from the server never carries a refusal header through: only this verifier
+    /// writes one, on its own refusals, so a server cannot pass off an answer as a refusal
+    /// the ledger would take for proof (docs/signatures.md, "A refusal at the tool").
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let ours = self.replied
+            || self
+                .shared
+                .verifier
+                .try_borrow()
+                .is_ok_and(|v| v.refused_after_wait(self.context_id));
+        if !ours {
+            let _ = host::remove_header(MapType::HttpResponseHeaders, HEADER);
+        }
+        Action::Continue
     }
 
     fn on_log(&mut self) {

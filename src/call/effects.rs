@@ -209,6 +209,7 @@ mod tests {
         let step = call.on_response_headers(crate::call::ResponseHead {
             content_type: Some("application/json".into()),
             end_of_stream: false,
+            tool_refusal: None,
         });
         // The figure headers are set; the length could not be removed.
         assert_eq!(apply(&mut call, step, &mut host), Flow::Continue);

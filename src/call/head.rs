@@ -201,6 +201,7 @@ impl ResponseHead {
         ResponseHead {
             content_type: value.map(|v| String::from_utf8_lossy(v).into_owned()),
             end_of_stream,
+            tool_refusal: None,
         }
     }
 }
@@ -435,6 +436,7 @@ mod tests {
             ResponseHead {
                 content_type: Some("text/event-stream".into()),
                 end_of_stream: false,
+                tool_refusal: None,
             }
         );
         // Kept as sent (the machine reads the media type itself); not UTF-8 is read lossily.
@@ -451,6 +453,7 @@ mod tests {
             ResponseHead {
                 content_type: None,
                 end_of_stream: true,
+                tool_refusal: None,
             }
         );
     }

@@ -14,7 +14,7 @@
 //! `uncertain` is the safe default: the slot and the budget stay taken until a person or
 //! a reconciler checks the provider. Nothing here ever turns an unknown into `released`.
 
-use atmost_protocol::Outcome;
+use atmost_protocol::{tool_refusal, Outcome};
 
 /// UH: no healthy upstream.
 pub const UH: u64 = 0x2;
@@ -165,9 +165,50 @@ pub fn classify(
     }
 }
 
+/// The outcome of a dispatch a verifier at the tool refused (its `atmost-tool-refusal`
+/// header, `refusal`). Reported as such only when Envoy made exactly one attempt: after a
+/// retry an earlier attempt may have reached the tool, whatever the last one was told.
+pub fn refused_at_tool(refusal: String, attempts: Option<u64>) -> Outcome {
+    match attempts {
+        Some(1) => Outcome::RefusedAtTool {
+            refusal: refusal.chars().take(tool_refusal::MAX_LEN + 1).collect(),
+            mac_verified: false,
+        },
+        _ => Outcome::Uncertain {
+            reason: format!(
+                "more_than_one_attempt: refused at the tool on the last; upstream.request_attempt_count={}",
+                attempts.map_or("unavailable".to_string(), |n| n.to_string())
+            ),
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refusal_at_the_tool_is_reported_only_after_one_attempt() {
+        let refusal = || "signature_key_unknown att_1/1/p/t ab".to_string();
+        assert_eq!(
+            refused_at_tool(refusal(), Some(1)),
+            Outcome::RefusedAtTool {
+                refusal: refusal(),
+                mac_verified: false
+            }
+        );
+        for attempts in [None, Some(0), Some(2)] {
+            assert!(
+                uncertain(&refused_at_tool(refusal(), attempts)),
+                "{attempts:?}"
+            );
+        }
+        // A refusal longer than any the ledger reads is cut, not sent whole.
+        let long = refused_at_tool("x".repeat(10_000), Some(1));
+        assert!(
+            matches!(long, Outcome::RefusedAtTool { refusal, .. } if refusal.len() == tool_refusal::MAX_LEN + 1)
+        );
+    }
 
     fn released(o: &Outcome) -> bool {
         matches!(o, Outcome::Released { .. })

@@ -17,6 +17,12 @@ impl Call {
         let content_length = || Effect::RemoveResponseHeader("content-length".into());
         match &mut self.state {
             State::Dispatched(d) if matches!(d.watch, Watch::AwaitingHeaders) => {
+                if let Some(refusal) = head.tool_refusal {
+                    // The verifier's refusal passes to the client as it is; the ledger
+                    // decides from its proof what the attempt becomes.
+                    d.watch = Watch::RefusedAtTool(refusal);
+                    return Step::cont();
+                }
                 d.watch = match kind {
                     Some(true) => Watch::BufferingJson { size: 0 },
                     Some(false) => {
@@ -409,6 +415,9 @@ impl Call {
             State::Dispatched(d) => {
                 let (reported, why) = match d.watch {
                     Watch::Settled => return Step::cont(),
+                    Watch::RefusedAtTool(refusal) => {
+                        (Some(outcome::refused_at_tool(refusal, props.attempts)), NoReceipt::NoResponse)
+                    }
                     Watch::Reporting { outcome } => (Some(outcome), NoReceipt::NoResponse),
                     Watch::NoReceipt(r) => (None, r),
                     Watch::AwaitingHeaders | Watch::BufferingJson { .. } | Watch::StreamingSse(_) => {
@@ -449,6 +458,9 @@ impl Call {
                     Outcome::Accepted { .. } => (Stat::Accepted, "accepted (task)".to_string()),
                     Outcome::Released { reason } => (Stat::Released, format!("released ({reason})")),
                     Outcome::Uncertain { reason } => (Stat::Uncertain, format!("uncertain ({reason})")),
+                    Outcome::RefusedAtTool { refusal, .. } => {
+                        (Stat::RefusedAtTool, format!("refused at the tool ({refusal})"))
+                    }
                 };
                 Step::cont()
                     .with(Effect::Enqueue(d.grant.report(outcome)))

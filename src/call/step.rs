@@ -64,6 +64,9 @@ pub struct RequestHead {
 pub struct ResponseHead {
     pub content_type: Option<String>,
     pub end_of_stream: bool,
+    /// `atmost-tool-refusal`: a verifier at the tool refused the dispatch (every value,
+    /// joined by `", "`; read only for a dispatched call).
+    pub tool_refusal: Option<String>,
 }
 
 /// Envoy properties read in `on_log`.

@@ -228,6 +228,7 @@ fn json_head() -> ResponseHead {
     ResponseHead {
         content_type: Some("application/json; charset=utf-8".into()),
         end_of_stream: false,
+        tool_refusal: None,
     }
 }
 
@@ -235,6 +236,7 @@ fn sse_head() -> ResponseHead {
     ResponseHead {
         content_type: Some("text/event-stream".into()),
         end_of_stream: false,
+        tool_refusal: None,
     }
 }
 
@@ -976,6 +978,7 @@ fn on_log_classifies_unreported_attempts() {
             Some(ResponseHead {
                 content_type: Some("text/plain".into()),
                 end_of_stream: false,
+                tool_refusal: None,
             }),
             LogProps {
                 attempts: Some(1),
@@ -1006,6 +1009,7 @@ fn on_log_classifies_unreported_attempts() {
             Some(ResponseHead {
                 content_type: Some("text/plain".into()),
                 end_of_stream: false,
+                tool_refusal: None,
             }),
             LogProps {
                 attempts: Some(1),
@@ -1027,6 +1031,7 @@ fn on_log_classifies_unreported_attempts() {
             Some(ResponseHead {
                 content_type: Some("text/html".into()),
                 end_of_stream: false,
+                tool_refusal: None,
             }),
             LogProps {
                 attempts: Some(1),
@@ -1051,6 +1056,7 @@ fn on_log_classifies_unreported_attempts() {
             Outcome::Released { .. } => "released",
             Outcome::Uncertain { .. } => "uncertain",
             Outcome::InputRequired { .. } | Outcome::Accepted { .. } => "interim",
+            Outcome::RefusedAtTool { .. } => "refused_at_tool",
         };
         assert_eq!(got, want, "{resp:?} {props:?}");
         let want_stat = if want == "released" {
@@ -1687,6 +1693,7 @@ fn an_answer_that_is_neither_json_nor_sse_keeps_its_length_but_gets_the_headers(
     let s = call.on_response_headers(ResponseHead {
         content_type: Some("text/plain".into()),
         end_of_stream: false,
+        tool_refusal: None,
     });
     assert_eq!(s.effects, figure_headers());
     assert_eq!(done(call.on_response_body(4, true)), Step::cont());
@@ -1994,4 +2001,5 @@ mod body_hold;
 mod control_headers;
 mod signed_dispatch;
 mod sse_trailers;
+mod tool_refusal;
 mod upgrades;

@@ -17,7 +17,8 @@ pub const PARAMS: [&str; 6] = ["created", "expires", "keyid", "alg", "nonce", "t
 /// The request headers a signature check reads, every value of each as received.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SignedHead {
-    /// `:authority`.
+    /// `:authority` as received: it picks which of `verify.authorities` the signature is
+    /// checked against, never stands for one.
     pub authority: String,
     pub signature_input: Vec<Vec<u8>>,
     pub signature: Vec<Vec<u8>>,
@@ -54,11 +55,11 @@ pub fn refusal(code: DenialCode, message: impl Into<String>) -> Denial {
     Denial::new(code, message)
 }
 
-fn malformed(what: impl std::fmt::Display) -> Denial {
-    refusal(
+fn malformed(what: impl std::fmt::Display) -> Refused {
+    Refused::from(refusal(
         DenialCode::SignatureMalformed,
         format!("the dispatch signature is not the form the ledger writes: {what}"),
-    )
+    ))
 }
 
 /// The field lines of one header as one value (RFC 9110 §5.3; RFC 9421 §2.1: each value
@@ -71,12 +72,32 @@ fn combined(values: &[Vec<u8>]) -> Option<String> {
     Some(parts.join(", "))
 }
 
+/// A refused signature: the denial, and the nonce it named when it could be read (a refusal
+/// naming it can be proven to the ledger, see `atmost_protocol::tool_refusal`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refused {
+    pub denial: Box<Denial>,
+    pub nonce: Option<String>,
+}
+
+impl From<Denial> for Refused {
+    fn from(denial: Denial) -> Refused {
+        Refused {
+            denial: Box::new(denial),
+            nonce: None,
+        }
+    }
+}
+
 /// A signature whose form, window and digest passed: what remains is the key.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Presented {
     pub keyid: String,
-    /// The signature base (RFC 9421 §2.5) of the request as received.
-    pub base: String,
+    /// The signature base (RFC 9421 §2.5) of the request as received, with `@authority` one
+    /// this verifier serves (`verify.authorities`): the request's own `:authority` when it is
+    /// one of them, else each of them in turn (a route may have rewritten the host). The
+    /// signature must verify over one: a signature made for another server never does.
+    pub bases: Vec<String>,
     pub signature: [u8; 64],
     /// The `nonce` parameter, which names the dispatch (the replay cache's key).
     pub nonce: String,
@@ -95,13 +116,16 @@ pub struct Received<'a> {
     pub tool: &'a str,
 }
 
-/// Checks everything a signature needs besides its key. `now` and `skew` are Unix seconds.
+/// Checks everything a signature needs besides its key. `now` and `skew` are Unix seconds;
+/// `authorities` are the names this verifier serves. A refusal made once the nonce is read
+/// names it.
 pub fn read(
     head: &SignedHead,
     request: Received<'_>,
     now: u64,
     skew: u64,
-) -> Result<Presented, Denial> {
+    authorities: &[String],
+) -> Result<Presented, Refused> {
     let missing = || {
         refusal(
             DenialCode::SignatureMissing,
@@ -109,13 +133,13 @@ pub fn read(
         )
     };
     let header_error = |e: SignatureHeaderError, header: &str| match e {
-        SignatureHeaderError::Missing => missing(),
+        SignatureHeaderError::Missing => missing().into(),
         SignatureHeaderError::Malformed => malformed(format!(
             "`{header}` is not an RFC 8941 dictionary holding it"
         )),
     };
     if head.signature_input.is_empty() || head.signature.is_empty() {
-        return Err(missing());
+        return Err(missing().into());
     }
     let input_text = combined(&head.signature_input)
         .ok_or_else(|| malformed("`Signature-Input` is not text"))?;
@@ -178,55 +202,73 @@ pub fn read(
     }
     let dispatch = DispatchNonce::parse(&nonce)
         .ok_or_else(|| malformed("`nonce` is not <attempt>/<round>/<permit>/<tool>"))?;
+    let naming = |r: Refused| Refused {
+        nonce: Some(nonce.clone()),
+        ..r
+    };
     if dispatch.tool != request.tool {
-        return Err(refusal(
+        return Err(naming(Refused::from(refusal(
             DenialCode::SignatureInvalid,
             "the signature's nonce names another tool than this call's params.name",
-        ));
+        ))));
     }
     if created > now.saturating_add(skew) {
-        return Err(refusal(
+        return Err(naming(Refused::from(refusal(
             DenialCode::SignatureOutsideValidity,
             format!(
                 "the signature was created in the future (more than {skew} s ahead of this clock)"
             ),
-        ));
+        ))));
     }
     if expires.saturating_add(skew) < now {
-        return Err(refusal(
+        return Err(naming(Refused::from(refusal(
             DenialCode::SignatureOutsideValidity,
             "the signature has expired",
-        ));
+        ))));
     }
 
     let digest_text = (!head.content_digest.is_empty())
         .then(|| combined(&head.content_digest))
         .flatten()
-        .ok_or_else(|| malformed("the request has no readable `Content-Digest`"))?;
-    let digest = signature::parse_content_digest(&digest_text)
-        .map_err(|_| malformed("`Content-Digest` has no sha-256 member of 32 bytes"))?;
+        .ok_or_else(|| naming(malformed("the request has no readable `Content-Digest`")))?;
+    let digest = signature::parse_content_digest(&digest_text).map_err(|_| {
+        naming(malformed(
+            "`Content-Digest` has no sha-256 member of 32 bytes",
+        ))
+    })?;
     if digest.as_slice() != Sha256::digest(request.body).as_slice() {
-        return Err(refusal(
+        return Err(naming(Refused::from(refusal(
             DenialCode::ContentDigestMismatch,
             "Content-Digest is not the SHA-256 of the body received",
-        ));
+        ))));
     }
 
     let path = request.path.split('?').next().unwrap_or_default();
-    let authority = head.authority.to_ascii_lowercase();
-    let received = SignedRequest {
-        method: request.method,
-        authority: &authority,
-        path,
-        content_digest: &digest_text,
-        idempotency_key: key_value.as_deref(),
+    // The authority the request names, when this verifier serves it; else each it serves
+    // (a route may have rewritten the host after the gateway signed).
+    let received = head.authority.to_ascii_lowercase();
+    let candidates: Vec<&String> = match authorities.iter().find(|a| **a == received) {
+        Some(named) => vec![named],
+        None => authorities.iter().collect(),
     };
-    let base = received.signature_base(&input).ok_or_else(|| {
-        malformed("it covers a component this request lacks, an unknown one, or one twice")
-    })?;
+    let mut bases = Vec::with_capacity(candidates.len());
+    for authority in candidates {
+        let received = SignedRequest {
+            method: request.method,
+            authority,
+            path,
+            content_digest: &digest_text,
+            idempotency_key: key_value.as_deref(),
+        };
+        bases.push(received.signature_base(&input).ok_or_else(|| {
+            naming(malformed(
+                "it covers a component this request lacks, an unknown one, or one twice",
+            ))
+        })?);
+    }
     Ok(Presented {
         keyid,
-        base,
+        bases,
         signature,
         nonce,
         expires,
@@ -234,19 +276,23 @@ pub fn read(
 }
 
 impl Presented {
-    /// Whether the Ed25519 signature verifies over the base with `public_key`.
+    /// Whether the Ed25519 signature verifies with `public_key` over the base of one of the
+    /// authorities this verifier serves: a signature made for another server is refused.
     pub fn verify(&self, public_key: &[u8; 32]) -> Result<(), Denial> {
         let invalid = || {
             refusal(
                 DenialCode::SignatureInvalid,
-                "the Ed25519 signature does not verify over this request with the key `keyid` names",
+                "the Ed25519 signature does not verify with the key `keyid` names over this request at any authority this verifier serves",
             )
         };
         let key = ed25519_compact::PublicKey::from_slice(public_key).map_err(|_| invalid())?;
         let signature =
             ed25519_compact::Signature::from_slice(&self.signature).map_err(|_| invalid())?;
-        key.verify(self.base.as_bytes(), &signature)
-            .map_err(|_| invalid())
+        self.bases
+            .iter()
+            .any(|base| key.verify(base.as_bytes(), &signature).is_ok())
+            .then_some(())
+            .ok_or_else(invalid)
     }
 
     /// Whether the signature can still be accepted at `now` (after a wait for the key set).

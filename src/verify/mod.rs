@@ -30,6 +30,7 @@ use crate::call::{
 use crate::parse::mcp::{self, Message};
 use crate::stats::Stat;
 use atmost_config::{RequestHold, VerifyConfig};
+use atmost_protocol::tool_refusal::{self, Proof, ToolRefusal};
 use atmost_protocol::{Denial, DenialCode};
 use check::{Presented, Received, SignedHead};
 use keys::{KeySet, OnUnknown, Refresh};
@@ -51,8 +52,31 @@ pub fn http_status(code: DenialCode) -> u32 {
     }
 }
 
-fn refuse(config: &VerifyConfig, denial: &Denial, id: &Value, tool: &str) -> Step {
-    let mut reply = denial::render(denial, id, config.denial_format);
+/// The `atmost-tool-refusal` header of a refusal with `code`: proven by an HMAC over the
+/// code and the signature's nonce when the nonce was read and `verify.refusal_key` is set
+/// (docs/signatures.md, "A refusal at the tool").
+pub fn refusal_header(config: &VerifyConfig, code: DenialCode, nonce: Option<&str>) -> String {
+    let proof = match (&config.refusal_key, nonce) {
+        (Some(key), Some(nonce)) => Some(Proof {
+            nonce: nonce.to_string(),
+            mac: tool_refusal::hex(&key.mac(&[&tool_refusal::mac_input(code, nonce)])),
+        }),
+        _ => None,
+    };
+    ToolRefusal { code, proof }.header_value()
+}
+
+fn refuse(
+    config: &VerifyConfig,
+    denial: &Denial,
+    id: &Value,
+    tool: &str,
+    nonce: Option<&str>,
+) -> Step {
+    let mut reply = denial::render(denial, id, config.denial_format).with_header(
+        tool_refusal::HEADER,
+        &refusal_header(config, denial.code, nonce),
+    );
     reply.status = http_status(denial.code);
     Step::pause()
         .with(Effect::LocalReply(reply))
@@ -95,6 +119,9 @@ pub struct Verifier {
     keys: KeySet,
     refresh: Option<Refresh>,
     waiting: Vec<Waiting>,
+    /// Contexts the root refused after their wait for the key set: their response is this
+    /// verifier's own, whose `atmost-tool-refusal` header stays.
+    refused_after_wait: Vec<u32>,
 }
 
 impl Verifier {
@@ -104,6 +131,7 @@ impl Verifier {
             keys: KeySet::new(config.keys.clone()),
             refresh: config.jwks.as_ref().map(|j| Refresh::new(j.refresh_ms)),
             waiting: Vec::new(),
+            refused_after_wait: Vec::new(),
             config,
         }
     }
@@ -122,7 +150,10 @@ impl Verifier {
         if let Some(key) = self.keys.get(&waiting.presented.keyid) {
             return Verdict::Now(self.finish(&waiting, &key, now_ms / 1000, store));
         }
-        let unknown = |w: &Waiting| refuse(&self.config, &unknown_key(), &w.id, &w.tool);
+        let unknown = |w: &Waiting| {
+            let nonce = Some(w.presented.nonce.as_str());
+            refuse(&self.config, &unknown_key(), &w.id, &w.tool, nonce)
+        };
         let Some(refresh) = self.refresh.as_mut() else {
             return Verdict::Now(unknown(&waiting));
         };
@@ -145,8 +176,9 @@ impl Verifier {
             .presented
             .verify(key)
             .and_then(|()| w.presented.still_valid(now, skew));
+        let nonce = Some(w.presented.nonce.as_str());
         if let Err(d) = checked {
-            return refuse(&self.config, &d, &w.id, &w.tool);
+            return refuse(&self.config, &d, &w.id, &w.tool, nonce);
         }
         let keep_until = w.presented.expires.saturating_add(skew);
         let denial = match self.cache.record(store, &w.presented.nonce, keep_until, now) {
@@ -175,7 +207,7 @@ impl Verifier {
                 ),
             ),
         };
-        refuse(&self.config, &denial, &w.id, &w.tool)
+        refuse(&self.config, &denial, &w.id, &w.tool, nonce)
     }
 
     /// Root context: whether to start a fetch of the key set now (asked for by a waiting
@@ -212,17 +244,35 @@ impl Verifier {
             .map(|w| {
                 let step = match self.keys.get(&w.presented.keyid) {
                     Some(key) => self.finish(&w, &key, now_ms / 1000, store),
-                    None => refuse(&self.config, &unknown_key(), &w.id, &w.tool),
+                    None => {
+                        let nonce = Some(w.presented.nonce.as_str());
+                        refuse(&self.config, &unknown_key(), &w.id, &w.tool, nonce)
+                    }
                 };
                 (w.context_id, step)
             })
-            .collect();
+            .collect::<Vec<_>>();
+        for (context_id, step) in &steps {
+            if step
+                .effects
+                .iter()
+                .any(|e| matches!(e, Effect::LocalReply(_)))
+            {
+                self.refused_after_wait.push(*context_id);
+            }
+        }
         (stat, steps)
     }
 
     /// An HTTP context ended: it waits for nothing any more.
     pub fn forget(&mut self, context_id: u32) {
         self.waiting.retain(|w| w.context_id != context_id);
+        self.refused_after_wait.retain(|c| *c != context_id);
+    }
+
+    /// Whether the root refused this context's call after its wait.
+    pub fn refused_after_wait(&self, context_id: u32) -> bool {
+        self.refused_after_wait.contains(&context_id)
     }
 
     /// How many calls wait for the key set.
@@ -368,10 +418,19 @@ impl VerifyCall {
             body,
             tool: &call.name,
         };
-        let presented = match check::read(&signed, received, now_ms / 1000, self.config.max_skew_s)
-        {
+        let config = &self.config;
+        let presented = match check::read(
+            &signed,
+            received,
+            now_ms / 1000,
+            config.max_skew_s,
+            &config.authorities,
+        ) {
             Ok(p) => p,
-            Err(d) => return Verdict::Now(refuse(&self.config, &d, &call.id, &call.name)),
+            Err(r) => {
+                let nonce = r.nonce.as_deref();
+                return Verdict::Now(refuse(config, &r.denial, &call.id, &call.name, nonce));
+            }
         };
         let verdict = verifier.decide(
             Waiting {

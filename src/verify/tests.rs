@@ -127,7 +127,11 @@ impl Req {
     }
 }
 
-fn config(v: serde_json::Value) -> Rc<VerifyConfig> {
+/// A verifier's configuration; it serves [`AUTHORITY`] unless `verify.authorities` says.
+fn config(mut v: serde_json::Value) -> Rc<VerifyConfig> {
+    if v["verify"].get("authorities").is_none() {
+        v["verify"]["authorities"] = json!([AUTHORITY]);
+    }
     match PluginConfig::parse(v.to_string().as_bytes()) {
         Ok(PluginConfig::Verify(c)) => Rc::new(c),
         other => panic!("{other:?}"),
@@ -522,11 +526,11 @@ fn a_signature_by_another_key_or_over_another_request_does_not_verify() {
         (403, "signature_invalid".into())
     );
     drop(forger);
-    // Signed for another tool server, or another path.
+    // Signed for another path than the one received.
     let mut elsewhere = req().headers(&trusted);
     for (n, v) in elsewhere.iter_mut() {
-        if n == ":authority" {
-            *v = b"other.example:8000".to_vec();
+        if n == ":path" {
+            *v = b"/other".to_vec();
         }
     }
     assert_eq!(
@@ -884,4 +888,176 @@ fn an_upgrade_is_refused_unless_its_route_is_listed_even_signed() {
         let (step, state) = websocket(Some("chat-ws"));
         assert_eq!((step, state), (Step::cont(), "passing"), "{hold}");
     }
+}
+
+/// [`inline`], serving `authorities`.
+fn serving(trusted: &Signer, authorities: &[&str]) -> Tool {
+    Tool::new(config(json!({
+        "role": "verify",
+        "verify": {"keys": {"keys": [trusted.jwk()]}, "authorities": authorities},
+        "governed_tools": ["pay_invoice"],
+        "denial_format": "error"
+    })))
+}
+
+#[test]
+fn a_signature_made_for_another_server_is_refused_whatever_authority_it_arrives_with() {
+    let s = Signer::new(1);
+    // Signed for `other.example:8000`, and sent on as it was signed.
+    let theirs = Req {
+        authority: "other.example:8000".into(),
+        ..req()
+    };
+    let headers = theirs.headers(&s);
+    // At a verifier serving tool.example:8000 it is refused, with its own Host or with
+    // this server's: the signature names the other server.
+    let mut here = serving(&s, &[AUTHORITY]);
+    assert_eq!(
+        refused(here.send_at(&headers, PAY, NOW_MS)),
+        (403, "signature_invalid".into())
+    );
+    let mut as_ours = headers.clone();
+    for (n, v) in as_ours.iter_mut() {
+        if n == ":authority" {
+            *v = AUTHORITY.as_bytes().to_vec();
+        }
+    }
+    assert_eq!(
+        refused(here.send_at(&as_ours, PAY, NOW_MS)).1,
+        "signature_invalid"
+    );
+    // The control: the same signature at a verifier serving the name it was made for.
+    let mut there = serving(&s, &["other.example:8000"]);
+    verified(there.send_at(&headers, PAY, NOW_MS));
+}
+
+#[test]
+fn a_rewritten_host_is_checked_against_each_name_served_and_a_named_one_alone() {
+    let s = Signer::new(1);
+    let names = [AUTHORITY, "tool.internal:8000"];
+    // Signed for tool.internal, delivered with a host the route rewrote: one of the names.
+    let signed_internal = Req {
+        authority: "tool.internal:8000".into(),
+        ..req()
+    };
+    let mut rewritten = signed_internal.headers(&s);
+    for (n, v) in rewritten.iter_mut() {
+        if n == ":authority" {
+            *v = b"api.provider.example".to_vec();
+        }
+    }
+    verified(serving(&s, &names).send_at(&rewritten, PAY, NOW_MS));
+    // Delivered naming the other name this verifier serves: checked against that one only.
+    let mut renamed = signed_internal.headers(&s);
+    for (n, v) in renamed.iter_mut() {
+        if n == ":authority" {
+            *v = AUTHORITY.as_bytes().to_vec();
+        }
+    }
+    assert_eq!(
+        refused(serving(&s, &names).send_at(&renamed, PAY, NOW_MS)).1,
+        "signature_invalid"
+    );
+}
+
+/// The `atmost-tool-refusal` header of a refusal.
+fn refusal_of(v: Verdict) -> ToolRefusal {
+    let step = now(v);
+    let reply = step_reply(&step).unwrap_or_else(|| panic!("no reply: {step:?}"));
+    let value = reply
+        .header(tool_refusal::HEADER)
+        .unwrap_or_else(|| panic!("no refusal header: {reply:?}"));
+    ToolRefusal::parse(value).unwrap_or_else(|| panic!("unreadable: {value}"))
+}
+
+const REFUSAL_KEY: &str = "verifier-refusal-key-0123456789abcdef";
+
+fn mac_of(code: DenialCode, nonce: &str) -> String {
+    let key =
+        atmost_config::UpstreamSecret::new(REFUSAL_KEY.into()).unwrap_or_else(|| panic!("key"));
+    tool_refusal::hex(&key.mac(&[&tool_refusal::mac_input(code, nonce)]))
+}
+
+#[test]
+fn a_refusal_that_read_a_nonce_proves_it_with_the_refusal_key() {
+    let trusted = Signer::new(1);
+    let stranger = Signer::new(2);
+    let keyed = |extra: serde_json::Value| {
+        let mut v = json!({
+            "role": "verify",
+            "verify": {"keys": {"keys": [trusted.jwk()]}, "refusal_key": REFUSAL_KEY,
+                       "replay_cache_entries": 32},
+            "governed_tools": ["pay_invoice"],
+            "denial_format": "error"
+        });
+        for (k, val) in extra.as_object().cloned().unwrap_or_default() {
+            v["verify"][k] = val;
+        }
+        Tool::new(config(v))
+    };
+    let mut tool = keyed(json!({}));
+    let at = |n: u32| Req {
+        nonce: nonce(n, "pay_invoice"),
+        ..req()
+    };
+    let expired = Req {
+        created: NOW_S - 100,
+        expires: NOW_S - 60,
+        ..at(2)
+    };
+    let changed = Req {
+        sent_body: Some(PAY.replace("5", "6")),
+        ..at(3)
+    };
+    let cases = [
+        (
+            tool.send(&at(1), &stranger),
+            DenialCode::SignatureKeyUnknown,
+            1,
+        ),
+        (
+            tool.send(&expired, &trusted),
+            DenialCode::SignatureOutsideValidity,
+            2,
+        ),
+        (
+            tool.send(&changed, &trusted),
+            DenialCode::ContentDigestMismatch,
+            3,
+        ),
+    ];
+    for (verdict, code, n) in cases {
+        let r = refusal_of(verdict);
+        assert_eq!(r.code, code);
+        let proof = r.proof.unwrap_or_else(|| panic!("{code}: no proof"));
+        assert_eq!(proof.nonce, nonce(n, "pay_invoice"));
+        assert_eq!(proof.mac, mac_of(code, &proof.nonce), "{code}");
+    }
+    // A full replay cache proves its refusal too.
+    for n in 10..42 {
+        verified(tool.send(&at(n), &trusted));
+    }
+    let full = refusal_of(tool.send(&at(42), &trusted));
+    assert_eq!(full.code, DenialCode::ReplayCacheUnavailable);
+    assert!(full.proof.is_some());
+    // No nonce read, no proof: the code alone.
+    let unsigned = Req {
+        extra: vec![
+            ("signature-input".into(), String::new()),
+            ("signature".into(), String::new()),
+        ],
+        ..req()
+    };
+    let bare = refusal_of(tool.send(&unsigned, &trusted));
+    assert_eq!(
+        (bare.code, bare.proof),
+        (DenialCode::SignatureMissing, None)
+    );
+    // Without a refusal key, a refusal says its code and proves nothing.
+    let mut unkeyed = Tool::new(inline(&[&trusted]));
+    let plain = refusal_of(unkeyed.send(&at(1), &stranger));
+    assert_eq!(
+        (plain.code, plain.proof),
+        (DenialCode::SignatureKeyUnknown, None)
+    );
 }

@@ -21,7 +21,8 @@ GOOD = {
 }
 
 # `role: "verify"`, its keys fetched from the ledger's cluster.
-VERIFY = {"role": "verify", "verify": {"jwks": {"cluster": "atmost_ledger"}}, "governed_tools": ["pay_invoice"]}
+VERIFY = {"role": "verify", "verify": {"jwks": {"cluster": "atmost_ledger"}, "authorities": ["127.0.0.1:10000"]},
+          "governed_tools": ["pay_invoice"]}
 
 BAD = [
     ("ledger.timeout_ms", {**GOOD, "ledger": {**GOOD["ledger"], "timeout_ms": 0}}),
@@ -37,7 +38,9 @@ BAD = [
     # The verifier at the tool: a gateway setting in its configuration, and the reverse.
     ("upstream_key", {**VERIFY, "upstream_key": {"mode": "off"}}),
     ("verify", {**GOOD, "verify": VERIFY["verify"]}),
-    ("verify.jwks.refresh_ms", {**VERIFY, "verify": {"jwks": {"cluster": "atmost_ledger", "refresh_ms": 5}}}),
+    ("verify.jwks.refresh_ms", {**VERIFY, "verify": {**VERIFY["verify"], "jwks": {"cluster": "atmost_ledger", "refresh_ms": 5}}}),
+    # A verifier that does not say which server it serves would take a signature made for any.
+    ("verify.authorities", {**VERIFY, "verify": {"jwks": {"cluster": "atmost_ledger"}}}),
     # The routes that may upgrade: names, never a pattern or Istio's name for unnamed routes.
     ("upgrade_routes", {**GOOD, "upgrade_routes": "chat-ws"}),
     ("upgrade_routes[0]", {**GOOD, "upgrade_routes": ["*"]}),

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from http_message_signatures import HTTPMessageVerifier, HTTPSignatureKeyResolver, algorithms
 
 from tests.support.mcp_raw import RawMcp, result_text
-from tests.support.stack import Envoy, wait_until
+from tests.support.stack import Envoy, free_port, wait_until
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.verifier import verifier_envoy
 
@@ -32,10 +32,18 @@ GOVERNED = "pay_invoice"
 
 
 @pytest.fixture(scope="module")
-def tool_side(log_dir, ledger, mcp_server):
+def agent_port():
+    """The agent's sidecar's port, picked first: its clients' authority, which its dispatches
+    are signed for and the tool's side serves."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def tool_side(log_dir, ledger, mcp_server, agent_port):
     """The verifier at the tool, in front of the example server, keys from the real ledger."""
     plugin = {"role": "verify",
-              "verify": {"jwks": {"cluster": "atmost_ledger", "authority": "atmost-ledger", "timeout_ms": 2000}},
+              "verify": {"jwks": {"cluster": "atmost_ledger", "authority": "atmost-ledger", "timeout_ms": 2000},
+                         "authorities": [f"127.0.0.1:{agent_port}"]},
               "governed_tools": [GOVERNED], "denial_format": "error"}
     envoy = verifier_envoy(log_dir, mcp_server.port, ledger.port, plugin, "envoy-tool-side", ledger_tls=ledger.tls or False)
     envoy.start(wait_for_ledger=False)
@@ -54,9 +62,9 @@ def wire(tool_side):
 
 
 @pytest.fixture(scope="module")
-def agent_side(log_dir, ledger, wire):
+def agent_side(log_dir, ledger, wire, agent_port):
     """The agent's sidecar (the gateway), whose upstream is the tool's side (through the tap)."""
-    envoy = Envoy(log_dir, wire.port, [ledger.port], name="envoy-agent-side",
+    envoy = Envoy(log_dir, wire.port, [ledger.port], name="envoy-agent-side", port=agent_port,
                   plugin_overrides={"ledger": {"service_token": ledger.service_token},
                                     "governed_tools": [GOVERNED]})
     envoy.start()

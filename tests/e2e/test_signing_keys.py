@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import sqlite3
 import urllib.request
 import uuid
@@ -258,6 +259,10 @@ def test_exported_receipts_verify_offline_with_jwcrypto(log_dir, tmp_path):
     assert completed["forwarded_key"] == forwarded and completed["rounds"] == 1
     assert completed["key_sha256"] == hashlib.sha256(b"r-1").hexdigest()
     assert completed["receipt_sha256"] == hashlib.sha256(receipt.encode()).hexdigest()
+    # The receipt names the round's signature: the nonce it carried and the body it was made over.
+    signed_nonce = re.search(r'nonce="([^"]+)"', done["signature"]["signature_input"]).group(1)
+    assert completed["nonce"] == signed_nonce == f'{done["attempt_id"]}/1/{permit["id"]}/pay_invoice'
+    assert completed["body_sha256"] == hashlib.sha256(body).hexdigest()
     resolved = claims[lost["attempt_id"]]
     assert resolved["state"] == "resolved_not_executed" and resolved["reason"] == "lease_expired"
     assert {k: resolved["resolution"][k] for k in ("executed", "by", "source", "note")} == {

@@ -295,3 +295,26 @@ def test_with_request_hold_body_a_refused_call_never_runs(log_dir, mcp_server, s
         assert server.executions(GOVERNED) == 1
     finally:
         envoy.stop()
+
+
+def test_a_signature_made_for_another_server_is_refused_and_accepted_where_it_was_meant(
+        log_dir, mcp_server, tool, jwks, keys):
+    """The same signed request, made for `payments.tools.svc:8000`, at a verifier that serves its own
+    address: refused `signature_invalid` with its own Host and with that one; the control, a
+    verifier that serves `payments.tools.svc:8000`, lets it through."""
+    elsewhere = "payments.tools.svc:8000"
+    content, headers = signed(f"http://{elsewhere}/mcp", keys.ledger)
+    for host in (None, elsewhere):
+        sent = headers if host is None else {**headers, "host": host}
+        refused_with(tool.http.post(tool.url, content=content, headers=sent), "signature_invalid")
+    assert tool.server.executions(GOVERNED) == 0, "a signature made for another server ran the tool"
+    plugin = {"role": "verify", "verify": {"keys": {"keys": [keys.ledger.jwk]}, "authorities": [elsewhere]},
+              "governed_tools": [GOVERNED], "denial_format": "error"}
+    there = verifier_envoy(log_dir, mcp_server.port, jwks.port, plugin, "envoy-verifier-elsewhere")
+    there.start(wait_for_ledger=False)
+    try:
+        response = tool.http.post(there.url, content=content, headers={**headers, "host": elsewhere})
+        assert response.status_code == 200, response.text
+        assert tool.server.executions(GOVERNED) == 1
+    finally:
+        there.stop()

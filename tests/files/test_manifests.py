@@ -1268,6 +1268,9 @@ def test_the_verifier_overlay_declares_its_port_http(rendered, kustomization):
     assert selector_of(doc) == {"app": TOOL_NAME}
     assert {d["metadata"]["namespace"] for d in docs} == {"tools"}
     assert all(d["metadata"]["name"].endswith(f"-{TOOL_NAME}") for d in docs)
+    # It serves its own Service's names, and no other server's: the base's placeholder is gone.
+    assert verifier_plugin(doc)["verify"]["authorities"] == [
+        f"{TOOL_NAME}.tools.svc.cluster.local:8000", f"{TOOL_NAME}.tools:8000", f"{TOOL_NAME}:8000"]
 
 
 def test_the_verifier_forms_carry_the_same_configuration(rendered):

@@ -17,9 +17,13 @@ def verifier_envoy(log_dir, upstream_port: int, jwks_port: int, plugin: dict, na
     """The shipped sidecar's Envoy with the filter in `role: "verify"` in front of the MCP server:
     its plugin JSON replaced by `plugin`, and its `atmost_ledger` cluster pointed at the JWKS server
     (HTTP/1.1, no health check: the server may serve only the key set). `ledger_tls` as that
-    server serves it (the real ledger's TLS, or `False` for a plain test server)."""
+    server serves it (the real ledger's TLS, or `False` for a plain test server). Without
+    `verify.authorities` it serves its own address, `127.0.0.1:<port>`, the authority of the
+    requests a client sends it directly."""
     envoy = Envoy(log_dir, upstream_port, [jwks_port], name=name, wait_for_ledger=False,
                   deployment_form="envoyfilter", ledger_tls=ledger_tls)
+    if "authorities" not in plugin["verify"]:
+        plugin = {**plugin, "verify": {**plugin["verify"], "authorities": [f"127.0.0.1:{envoy.port}"]}}
     config = yaml.safe_load(envoy.config_path.read_text())
     wasm = next(f for f in listener_hcm(config)["http_filters"] if f["name"] == "envoy.filters.http.wasm")
     wasm_config = wasm["typed_config"]["config"]

@@ -85,6 +85,7 @@ pub fn one_call(config: &Rc<Config>) -> bool {
     call.on_response_headers(ResponseHead {
         content_type: Some("application/json".into()),
         end_of_stream: false,
+        tool_refusal: None,
     });
     let _ = call.on_response_body(RESPONSE.len(), true);
     black_box(call.on_response_body_data(RESPONSE, true));

@@ -85,7 +85,7 @@ impl SignedCall {
         });
         let base = request.signature_base(&input)?;
         let signature = pair.sk.sign(base.as_bytes(), None);
-        let plugin = json!({"role": "verify", "verify": {"keys": {"keys": [jwk]}},
+        let plugin = json!({"role": "verify", "verify": {"keys": {"keys": [jwk]}, "authorities": [AUTHORITY]},
                             "governed_tools": ["echo"]});
         let Ok(PluginConfig::Verify(config)) = PluginConfig::parse(plugin.to_string().as_bytes())
         else {
@@ -140,7 +140,7 @@ impl SignedCall {
             body: VERIFY_CALL,
             tool: "echo",
         };
-        check::read(&signed, received, NOW_S, 5).ok()
+        check::read(&signed, received, NOW_S, 5, &self.config.authorities).ok()
     }
 
     /// One request through the verifier's machine as the adapter drives it: headers, body,

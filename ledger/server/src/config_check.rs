@@ -67,11 +67,16 @@ pub fn check_bytes(bytes: &[u8], timing: &Timing) -> Result<String, String> {
             })
         }
         Ok(PluginConfig::Verify(config)) => Ok(format!(
-            "ok: role verify, {} inline key(s), key set {}, governed tools {}, denial format {:?}, {}",
+            "ok: role verify, serving {}, {} inline key(s), key set {}, refusals {}, governed tools {}, denial format {:?}, {}",
+            config.authorities.join(","),
             config.keys.len(),
             match &config.jwks {
                 Some(j) => format!("fetched from cluster `{}` at `{}`", j.cluster, j.path),
                 None => "not fetched".to_string(),
+            },
+            match config.refusal_key {
+                Some(_) => "proven",
+                None => "unproven (no refusal_key)",
             },
             tools(&config.governed_tools),
             config.denial_format,
@@ -141,7 +146,7 @@ mod tests {
             "{none:?}"
         );
         let listed = check_bytes(
-            br#"{"role":"verify","verify":{"jwks":{"cluster":"c"}},"upgrade_routes":["chat-ws","events"]}"#,
+            br#"{"role":"verify","verify":{"jwks":{"cluster":"c"},"authorities":["t:8000"]},"upgrade_routes":["chat-ws","events"]}"#,
             &SHIPPED,
         );
         assert!(
@@ -177,14 +182,22 @@ mod tests {
     #[test]
     fn a_verifiers_config_is_checked_by_the_same_parser() {
         let ok = check_bytes(
-            br#"{"role":"verify","verify":{"jwks":{"cluster":"atmost_ledger"}}}"#,
+            br#"{"role":"verify","verify":{"jwks":{"cluster":"atmost_ledger"},"authorities":["payments:8000"]}}"#,
             &SHIPPED,
         );
         assert!(
-            ok.as_deref()
-                .is_ok_and(|s| s.contains("role verify") && s.contains("atmost_ledger")),
+            ok.as_deref().is_ok_and(|s| s.contains("role verify")
+                && s.contains("atmost_ledger")
+                && s.contains("serving payments:8000")
+                && s.contains("refusals unproven")),
             "{ok:?}"
         );
+        let unbound = check_bytes(
+            br#"{"role":"verify","verify":{"jwks":{"cluster":"atmost_ledger"}}}"#,
+            &SHIPPED,
+        );
+        let line = unbound.err().unwrap_or_default();
+        assert!(line.contains("field `verify.authorities`"), "{line}");
         let bad = check_bytes(
             br#"{"role":"verify","verify":{"jwks":{"cluster":"l"}},"upstream_key":{"mode":"off"}}"#,
             &SHIPPED,

@@ -78,6 +78,7 @@ async fn start_in(
         inbox: Default::default(),
         key_refresh: Duration::from_secs(5),
         receipt_issuer: "atmost-test".into(),
+        tool_refusal_keys: Default::default(),
         auth_limit: Default::default(),
         purge_ended_permits_after: None,
     };

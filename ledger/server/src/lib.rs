@@ -17,6 +17,7 @@ pub mod redact;
 pub mod server;
 pub mod signer;
 pub mod tls;
+pub mod tool_refusal;
 
 #[cfg(test)]
 mod http_tests;

@@ -34,7 +34,7 @@ use crate::readiness::Readiness;
 use crate::redact::Redaction;
 use crate::signer::{KeyUnavailable, Signer};
 use atmost_ledger::clock::{Clock, Deadline};
-use atmost_ledger::decide::{self, Notice, ResolveInput};
+use atmost_ledger::decide::{self, Mutation, Notice, ResolveInput};
 use atmost_ledger::error::{LedgerError, ResolveError};
 use atmost_ledger::keys::PublicSigningKey;
 use atmost_ledger::model::{Attempt, AttemptState, BudgetTotals, GuardMode};
@@ -66,6 +66,8 @@ pub struct ServerConfig {
     pub key_refresh: Duration,
     /// The `iss` of the receipts it signs.
     pub receipt_issuer: String,
+    /// The keys verifiers at the tool prove their refusals with (`--tool-refusal-keys`).
+    pub tool_refusal_keys: crate::tool_refusal::RefusalKeys,
     /// Failed authentications per source before 429 (crate::auth_limit).
     pub auth_limit: AuthLimit,
     /// How long after a permit stopped authorizing the sweeper purges its history; `None`
@@ -84,6 +86,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("inbox", &self.inbox)
             .field("key_refresh", &self.key_refresh)
             .field("receipt_issuer", &self.receipt_issuer)
+            .field("tool_refusal_keys", &self.tool_refusal_keys)
             .field("auth_limit", &self.auth_limit)
             .field("purge_ended_permits_after", &self.purge_ended_permits_after)
             .finish()
@@ -425,17 +428,24 @@ async fn authorize(
         }
         Err(e) => return internal(&state, "authorize", &e),
     };
-    // Signed after the store answered: no permit's lock is held while it signs.
+    // Signed after the store answered: no permit's lock is held while it signs, and only over
+    // the body the attempt it wrote records.
+    let recorded_body = match &decision.mutation {
+        Mutation::Reserve(a) | Mutation::Update(a) => a.dispatch_body_sha256.clone(),
+        Mutation::None => None,
+    };
     let mut response = decision.response;
     let signed_by = match key.as_deref() {
-        Some(key) => match signing::sign_answer(&req, &mut response, key, now) {
-            Ok(true) => {
-                state.metrics.dispatches_signed.inc();
-                Some(key.kid())
+        Some(key) => {
+            match signing::sign_answer(&req, &mut response, key, now, recorded_body.as_deref()) {
+                Ok(true) => {
+                    state.metrics.dispatches_signed.inc();
+                    Some(key.kid())
+                }
+                Ok(false) => None,
+                Err(e) => return internal(&state, "sign", &e),
             }
-            Ok(false) => None,
-            Err(e) => return internal(&state, "sign", &e),
-        },
+        }
         None => None,
     };
     state
@@ -653,10 +663,15 @@ async fn outcomes(
     State(state): State<Shared>,
     body: Result<Json<OutcomesRequest>, JsonRejection>,
 ) -> Response {
-    let Json(req) = match body {
+    let Json(mut req) = match body {
         Ok(b) => b,
         Err(r) => return json_rejection(r),
     };
+    // Whether a verifier's refusal is proven is the keys' to say, never the report's.
+    state
+        .config
+        .tool_refusal_keys
+        .check_reports(&mut req.reports);
     let mut acks = Vec::with_capacity(req.reports.len());
     // Every report of the request in one store call (one transaction where the store can).
     let now = state.clock.now_ms();
@@ -678,6 +693,7 @@ async fn outcomes(
             .inc();
         let reason = match &report.outcome {
             Outcome::Released { reason } | Outcome::Uncertain { reason } => reason.as_str(),
+            Outcome::RefusedAtTool { refusal, .. } => refusal.as_str(),
             Outcome::Completed { .. }
             | Outcome::InputRequired { .. }
             | Outcome::Accepted { .. } => "",

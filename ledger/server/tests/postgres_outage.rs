@@ -78,6 +78,7 @@ mod postgres_outage {
                 inbox: Default::default(),
                 key_refresh: Duration::from_secs(5),
                 receipt_issuer: "atmost-test".into(),
+                tool_refusal_keys: Default::default(),
             },
             Arc::new(atmost_ledger_server::metrics::Metrics::new().unwrap()),
         ));

@@ -62,7 +62,7 @@ macro_rules! conformance_suite {
             race_released_key_dispatched_again, permit_limits_in_answers, inbox_reads,
             uncertain_pages, signing_keys_rotation_and_publication, race_signing_keys,
             inbox_sessions, decisions_past_their_deadline_commit_nothing, purge_of_ended_permits,
-            purge_in_bounded_batches);
+            purge_in_bounded_batches, refusals_at_the_tool, dispatch_bodies_recorded);
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
         $(
@@ -2522,4 +2522,129 @@ pub async fn purge_in_bounded_batches(h: &dyn Harness) {
     assert_eq!((r.attempts_purged, r.permits_purged), (1, 1));
     assert!(s.list_permits().await.unwrap().is_empty());
     assert!(nonzero_counts(&*s).await.is_empty());
+}
+
+/// A verifier's refusal at the tool, reported by the gateway (docs/design.md#attempt-states):
+/// proven (its HMAC checked by the server, its nonce this round's), the slot and the cost come
+/// back and the same key dispatches again; unproven, the attempt is `uncertain` and keeps them.
+pub async fn refusals_at_the_tool(h: &dyn Harness) {
+    use atmost_protocol::signature::DispatchNonce;
+    use atmost_protocol::tool_refusal::{Proof, ToolRefusal};
+    let s = h.store().await;
+    let mut pol = policy();
+    pol.rules.max_calls.insert("pay".into(), 1);
+    pol.rules.budget = Some(10);
+    pol.rules.cost.insert("pay".into(), CostRule::Fixed(4));
+    let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
+    let refusal = |attempt: &str, mac_verified: bool| Outcome::RefusedAtTool {
+        refusal: ToolRefusal {
+            code: DenialCode::SignatureKeyUnknown,
+            proof: Some(Proof {
+                nonce: DispatchNonce {
+                    attempt_id: attempt.into(),
+                    round: 1,
+                    permit_id: p.id.clone(),
+                    tool: "pay".into(),
+                }
+                .encode(),
+                mac: "0f".repeat(32),
+            }),
+        }
+        .header_value(),
+        mac_verified,
+    };
+    let call = || req(&tok, "pay", Some("k"), "F", json!({}));
+    let a = dispatched(&auth(&*s, &call(), T0).await);
+    assert_eq!(
+        report(&*s, &a, refusal(&a, true), T0 + 1).await,
+        OutcomeAck::Applied
+    );
+    let refused = s.get_attempt(&a).await.unwrap().unwrap();
+    assert_eq!(refused.state, AttemptState::RefusedAtTool);
+    assert_eq!(refused.receipt, None);
+    assert_eq!(
+        refused.reason.as_deref(),
+        Some("refused_at_tool: signature_key_unknown")
+    );
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 0);
+    let det = counters_match_recount(&*s, &p.id).await;
+    assert_eq!((det.budget.spent, det.budget.reserved), (0, 0));
+    let counts = s.attempt_counts().await.unwrap();
+    assert_eq!(counts.get(&AttemptState::RefusedAtTool).copied(), Some(1));
+
+    // The same key goes again, as a new attempt, and takes the one slot.
+    let b = dispatched(&auth(&*s, &call(), T0 + 2).await);
+    assert_ne!(a, b);
+    // A refusal the server could not verify (a plain upstream's): no slot back.
+    assert_eq!(
+        report(&*s, &b, refusal(&b, false), T0 + 3).await,
+        OutcomeAck::Applied
+    );
+    assert_eq!(state_of(&*s, &b).await, AttemptState::Uncertain);
+    assert_eq!(calls_made(&*s, &p.id, "pay").await, 1);
+    let det = counters_match_recount(&*s, &p.id).await;
+    assert_eq!((det.budget.spent, det.budget.reserved), (4, 0));
+    assert_eq!(
+        denied(&auth(&*s, &call(), T0 + 4).await),
+        DenialCode::DeliveryUncertain
+    );
+    // The refused attempt is kept as it was after a reopen.
+    drop(s);
+    let s = h.reopen().await;
+    assert_eq!(state_of(&*s, &a).await, AttemptState::RefusedAtTool);
+}
+
+/// Each round's attempt records the SHA-256 of the body it is signed over (the dispatch
+/// target's), a continuation its own; kept across a reopen; none for a round sent unsigned.
+pub async fn dispatch_bodies_recorded(h: &dyn Harness) {
+    use atmost_protocol::signature::DispatchTarget;
+    let s = h.store().await;
+    let (_, tok) = make_permit(&*s, policy(), T0 + HOUR).await;
+    let target = |body: &str| DispatchTarget {
+        method: "POST".into(),
+        authority: "tools.example:8000".into(),
+        path: "/mcp".into(),
+        body_sha256: token::sha256_hex(body),
+        idempotency_key: None,
+        validity_s: 15,
+    };
+    let signed = |key: &str, body: &str, continuation: bool| AuthorizeRequest {
+        dispatch: Some(target(body)),
+        continuation,
+        ..req(&tok, "pay", Some(key), "F", json!({}))
+    };
+    let recorded = |a: &str| {
+        let s = s.clone();
+        let a = a.to_string();
+        async move {
+            s.get_attempt(&a)
+                .await
+                .unwrap()
+                .unwrap()
+                .dispatch_body_sha256
+        }
+    };
+    let a = dispatched(&auth(&*s, &signed("k", "round 1", false), T0).await);
+    assert_eq!(recorded(&a).await, Some(token::sha256_hex("round 1")));
+    report(
+        &*s,
+        &a,
+        Outcome::InputRequired {
+            receipt: "ASK".into(),
+        },
+        T0 + 1,
+    )
+    .await;
+    let again = dispatched(&auth(&*s, &signed("k", "round 2", true), T0 + 2).await);
+    assert_eq!(again, a, "a continuation is the same attempt");
+    assert_eq!(recorded(&a).await, Some(token::sha256_hex("round 2")));
+    let unsigned = dispatched(&auth(&*s, &req(&tok, "pay", Some("u"), "U", json!({})), T0).await);
+    assert_eq!(recorded(&unsigned).await, None);
+    drop(s);
+    let s = h.reopen().await;
+    let kept = s.get_attempt(&a).await.unwrap().unwrap();
+    assert_eq!(
+        kept.dispatch_body_sha256,
+        Some(token::sha256_hex("round 2"))
+    );
 }

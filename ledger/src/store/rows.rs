@@ -45,7 +45,8 @@ impl TryFrom<PermitRow> for Permit {
 pub const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerprint, a.cost, a.state, a.created_at, \
      a.updated_at, a.lease_expires_at, a.finished_at, a.receipt, a.reason, a.replay_count, a.pruned_at, \
      a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note, a.round, a.capability_hash, \
-     a.resolution_source, a.provider_answer, a.forwarded_key, a.arguments, a.forwarded_key_carriers";
+     a.resolution_source, a.provider_answer, a.forwarded_key, a.arguments, a.forwarded_key_carriers, \
+     a.dispatch_body_sha256";
 
 /// The `signing_keys` columns, in the order a store reads them into a
 /// [`StoredSigningKey`](crate::keys::StoredSigningKey).
@@ -70,7 +71,7 @@ pub fn to_u64(n: i64) -> u64 {
 }
 
 /// How many columns [`ATTEMPT_COLS`] selects: queries append their own columns after them.
-pub const ATTEMPT_NCOLS: usize = 26;
+pub const ATTEMPT_NCOLS: usize = 27;
 
 /// One attempt row's column values as the driver read them, in [`ATTEMPT_COLS`] order, not yet
 /// checked.
@@ -103,6 +104,8 @@ pub struct AttemptRow {
     pub arguments: Option<String>,
     /// [`KeyCarriers::to_list`]; `NULL` (written before version 6, or empty) is none.
     pub forwarded_key_carriers: Option<String>,
+    /// `NULL` before version 11, and for rounds dispatched without a signature.
+    pub dispatch_body_sha256: Option<String>,
 }
 
 /// How both stores keep an attempt's [`KeyCarriers`]: their names joined by `,`, or `NULL`
@@ -165,6 +168,7 @@ impl TryFrom<AttemptRow> for Attempt {
             )
             .map_err(LedgerError::Corrupt)?,
             arguments: row.arguments,
+            dispatch_body_sha256: row.dispatch_body_sha256,
         })
     }
 }
@@ -202,6 +206,7 @@ mod tests {
             forwarded_key: Some("fk".into()),
             arguments: Some(r#"{"amount":5}"#.into()),
             forwarded_key_carriers: Some("header,params._meta".into()),
+            dispatch_body_sha256: None,
         }
     }
 

@@ -198,6 +198,12 @@ pub struct LedgerArgs {
     /// that auditors will recognise.
     #[arg(long, env = "ATMOST_RECEIPT_ISSUER", default_value = "atmost-ledger")]
     pub receipt_issuer: String,
+    /// A file of the keys verifiers at the tool prove their refusals with (one secret of at
+    /// least 32 bytes a line, as each verifier's `verify.refusal_key`): a dispatch refused
+    /// at the tool gives its slot back only with a refusal one of them proves. Without it no
+    /// refusal is proven, and a refused dispatch turns uncertain.
+    #[arg(long, env = "ATMOST_TOOL_REFUSAL_KEYS")]
+    pub tool_refusal_keys: Option<PathBuf>,
 }
 
 /// `--purge-ended-permits-after`: a delay, or `off`.

@@ -78,6 +78,13 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
         .map(|path| crate::reconcile::rules::load(path, &crate::reconcile::rules::ProcessEnv))
         .transpose()
         .map_err(CliError::Usage)?;
+    let tool_refusal_keys = args
+        .tool_refusal_keys
+        .as_deref()
+        .map(crate::tool_refusal::RefusalKeys::read)
+        .transpose()
+        .map_err(CliError::Usage)?
+        .unwrap_or_default();
     let tls = tls_files(&args)
         .map(|files| CertReloader::load(files, Arc::new(rustls::crypto::ring::default_provider())))
         .transpose()
@@ -113,6 +120,7 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
             },
             key_refresh: args.signing_key_refresh,
             receipt_issuer: args.receipt_issuer,
+            tool_refusal_keys,
             auth_limit: Default::default(),
             purge_ended_permits_after: args.purge_ended_permits_after.delay(),
         },

@@ -293,6 +293,10 @@ fn outcome_words(a: &Attempt) -> (String, String) {
             "uncertain".into(),
             format!("Uncertain: sent, its answer lost{why}"),
         ),
+        AttemptState::RefusedAtTool => (
+            "refused at the tool".into(),
+            format!("Refused by the verifier at the tool, which proved it: the tool never ran it, the slot and budget came back{why}"),
+        ),
         other => (other.as_str().into(), other.as_str().into()),
     }
 }
@@ -342,7 +346,10 @@ impl Timeline {
                     a.finished_at_ms.unwrap_or(a.updated_at_ms),
                 ));
             }
-            AttemptState::Released | AttemptState::Uncertain | AttemptState::AwaitingInput => {
+            AttemptState::Released
+            | AttemptState::RefusedAtTool
+            | AttemptState::Uncertain
+            | AttemptState::AwaitingInput => {
                 let (label, detail) = outcome_words(a);
                 marks.push((MarkKind::Outcome, label, detail, a.updated_at_ms));
             }
@@ -645,6 +652,22 @@ mod tests {
         assert_eq!(
             t.marks[1].detail,
             "Resolved by stripe-lookup (reconciler): executed"
+        );
+    }
+
+    #[test]
+    fn a_refusal_at_the_tool_is_its_own_outcome_on_the_timeline() {
+        let mut a = attempt(AttemptState::RefusedAtTool);
+        a.reason = Some("refused_at_tool: signature_key_unknown".into());
+        a.updated_at_ms = T0 + 2_000;
+        let t = Timeline::new(&a, T0 + 9_000);
+        assert_eq!(kinds(&t), ["sent", "outcome"]);
+        assert_eq!(t.marks[1].label, "refused at the tool");
+        assert!(
+            t.marks[1].detail.contains("the tool never ran it")
+                && t.marks[1].detail.contains("signature_key_unknown"),
+            "{}",
+            t.marks[1].detail
         );
     }
 

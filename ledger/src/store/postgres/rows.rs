@@ -74,6 +74,7 @@ fn attempt_row(row: &Row) -> Result<AttemptRow, tokio_postgres::Error> {
         forwarded_key: row.try_get(23)?,
         arguments: row.try_get(24)?,
         forwarded_key_carriers: row.try_get(25)?,
+        dispatch_body_sha256: row.try_get(26)?,
     })
 }
 

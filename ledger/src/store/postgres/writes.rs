@@ -12,10 +12,11 @@ use crate::store::rows::carriers_column;
 
 const INSERT_ATTEMPTS_SQL: &str = "WITH ins AS (INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, \
          updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, round, capability_hash, \
-         forwarded_key, arguments, forwarded_key_carriers) \
+         forwarded_key, arguments, forwarded_key_carriers, dispatch_body_sha256) \
          SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::TEXT[], $5::TEXT[], $6::BIGINT[], \
          $7::TEXT[], $8::BIGINT[], $9::BIGINT[], $10::BIGINT[], $11::BIGINT[], $12::TEXT[], $13::TEXT[], \
-         $14::BIGINT[], $15::BIGINT[], $16::INTEGER[], $17::TEXT[], $18::TEXT[], $19::TEXT[], $20::TEXT[]) \
+         $14::BIGINT[], $15::BIGINT[], $16::INTEGER[], $17::TEXT[], $18::TEXT[], $19::TEXT[], $20::TEXT[], \
+         $21::TEXT[]) \
          RETURNING id, permit_id, key_hash) \
          INSERT INTO idempotency_keys (permit_id, key_hash, attempt_id) \
          SELECT permit_id, key_hash, id FROM ins WHERE key_hash IS NOT NULL \
@@ -24,11 +25,11 @@ const INSERT_ATTEMPTS_SQL: &str = "WITH ins AS (INSERT INTO attempts (id, permit
 const UPSERT_ATTEMPTS_SQL: &str = "INSERT INTO attempts (id, state, updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, \
          pruned_at, resolved_executed, resolved_by, resolved_at, resolution_note, round, capability_hash, \
          resolution_source, provider_answer, forwarded_key, arguments, permit_id, tool, key_hash, fingerprint, cost, \
-         created_at, forwarded_key_carriers) \
+         created_at, forwarded_key_carriers, dispatch_body_sha256) \
          SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[], $4::BIGINT[], $5::BIGINT[], $6::TEXT[], $7::TEXT[], \
          $8::BIGINT[], $9::BIGINT[], $10::BOOLEAN[], $11::TEXT[], $12::BIGINT[], $13::TEXT[], $14::INTEGER[], \
          $15::TEXT[], $16::TEXT[], $17::TEXT[], $18::TEXT[], $19::TEXT[], $20::TEXT[], $21::TEXT[], $22::TEXT[], \
-         $23::TEXT[], $24::BIGINT[], $25::BIGINT[], $26::TEXT[]) \
+         $23::TEXT[], $24::BIGINT[], $25::BIGINT[], $26::TEXT[], $27::TEXT[]) \
          ON CONFLICT (id) DO UPDATE SET state = excluded.state, updated_at = excluded.updated_at, \
          lease_expires_at = excluded.lease_expires_at, finished_at = excluded.finished_at, receipt = excluded.receipt, \
          reason = excluded.reason, replay_count = excluded.replay_count, pruned_at = excluded.pruned_at, \
@@ -36,7 +37,8 @@ const UPSERT_ATTEMPTS_SQL: &str = "INSERT INTO attempts (id, state, updated_at, 
          resolved_at = excluded.resolved_at, resolution_note = excluded.resolution_note, round = excluded.round, \
          capability_hash = excluded.capability_hash, resolution_source = excluded.resolution_source, \
          provider_answer = excluded.provider_answer, forwarded_key = excluded.forwarded_key, \
-         arguments = excluded.arguments, forwarded_key_carriers = excluded.forwarded_key_carriers";
+         arguments = excluded.arguments, forwarded_key_carriers = excluded.forwarded_key_carriers, \
+         dispatch_body_sha256 = excluded.dispatch_body_sha256";
 
 const ADD_SLOTS_SQL: &str = "INSERT INTO permit_tool_usage (permit_id, tool, slots_held) \
              SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[]) \
@@ -119,6 +121,7 @@ pub(super) async fn insert_attempts<C: GenericClient>(
             &opt(|a| a.forwarded_key.as_deref()),
             &opt(|a| a.arguments.as_deref()),
             &carriers,
+            &opt(|a| a.dispatch_body_sha256.as_deref()),
         ],
     )
     .await?;
@@ -185,6 +188,7 @@ pub(super) async fn update_attempts<C: GenericClient>(
             &costs,
             &column(attempts, |a| a.created_at_ms),
             &column(attempts, |a| carriers_column(a.forwarded_key_carriers)),
+            &column(attempts, |a| a.dispatch_body_sha256.as_deref()),
         ],
     )
     .await?;

@@ -53,6 +53,7 @@ pub(super) fn read_attempt(row: &Row<'_>) -> rusqlite::Result<AttemptRow> {
         forwarded_key: row.get(23)?,
         arguments: row.get(24)?,
         forwarded_key_carriers: row.get(25)?,
+        dispatch_body_sha256: row.get(26)?,
     })
 }
 

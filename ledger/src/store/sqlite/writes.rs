@@ -15,8 +15,8 @@ pub(super) fn insert_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerE
     tx.prepare_cached(
         "INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, updated_at, \
          lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, round, capability_hash, \
-         forwarded_key, arguments, forwarded_key_carriers) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20)",
+         forwarded_key, arguments, forwarded_key_carriers, dispatch_body_sha256) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21)",
     )?
     .execute(params![
         a.id,
@@ -39,6 +39,7 @@ pub(super) fn insert_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerE
         a.forwarded_key,
         a.arguments,
         carriers_column(a.forwarded_key_carriers),
+        a.dispatch_body_sha256,
     ])?;
     if let Some(kh) = a.key_hash.as_ref() {
         tx.prepare_cached(
@@ -57,7 +58,7 @@ pub(super) fn update_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerE
          reason = ?7, replay_count = ?8, pruned_at = ?9, resolved_executed = ?10, resolved_by = ?11, \
          resolved_at = ?12, resolution_note = ?13, round = ?14, capability_hash = ?15, \
          resolution_source = ?16, provider_answer = ?17, forwarded_key = ?18, arguments = ?19, \
-         forwarded_key_carriers = ?20 WHERE id = ?1",
+         forwarded_key_carriers = ?20, dispatch_body_sha256 = ?21 WHERE id = ?1",
     )?
     .execute(params![
         a.id,
@@ -80,6 +81,7 @@ pub(super) fn update_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerE
         a.forwarded_key,
         a.arguments,
         carriers_column(a.forwarded_key_carriers),
+        a.dispatch_body_sha256,
     ])?;
     Ok(())
 }
