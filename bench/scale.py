@@ -492,7 +492,8 @@ def main() -> int:
     began = time.monotonic()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     bench.RUN.mkdir(parents=True, exist_ok=True)
-    os.environ["RUST_LOG"] = "warn"
+    # The ledgers log at the shipped default (info: a line per decision and per report).
+    os.environ.pop("RUST_LOG", None)
     for path in (bench.STUB, bench.LOAD, bench.ATMOST_WASM, bench.LEDGER_BIN):
         if not path.exists():
             log(f"missing {path}: run `make bench-scale`")

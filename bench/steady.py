@@ -532,7 +532,8 @@ def main() -> int:
         log("BENCH_STEADY_SECONDS: at least four windows of BENCH_STEADY_WINDOW")
         return 2
     bench.RUN.mkdir(parents=True, exist_ok=True)
-    os.environ["RUST_LOG"] = "warn"
+    # The ledgers log at the shipped default (info: a line per decision and per report).
+    os.environ.pop("RUST_LOG", None)
     # The ledger reads its sweep interval and purge delay from here too.
     os.environ["ATMOST_SWEEP_INTERVAL"] = SWEEP
     os.environ["ATMOST_PURGE_ENDED_PERMITS_AFTER"] = PURGE_AFTER
