@@ -151,3 +151,21 @@ def test_an_executed_key_without_its_attempt_is_a_lost_decision():
     v = violations(h, executions, rows, {"att_1"})
     assert v == ["key k2 executed (executions [2]) but the store holds no attempt of it: the decision to dispatch "
                  "was lost"], v
+
+
+def test_a_lost_report_may_end_uncertain_only_where_the_store_may_lose_it():
+    # The ledger acknowledged k2's completion, and then the store lost it (an asynchronous
+    # commit gone with a crashed primary): the attempt ended uncertain by its lease.
+    h, executions, rows = good_history()
+    rows[1]["reason"] = "lease_expired"
+    acked = {"att_1", "att_2"}
+    assert violations(h, executions, rows, acked) == ["acknowledged completion of att_2 lost: now uncertain"]
+    assert check(h, executions, [PERMIT], SECRET, store_rows=rows, acked=acked, reports_may_be_lost=True) == []
+    assert h.reports_lost == ["att_2"]
+    # Never given back, never gone, never uncertain for another reason.
+    for state, reason in (("released", None), ("uncertain", "reported: UC")):
+        rows[1].update(state=state, reason=reason)
+        v = check(h, executions, [PERMIT], SECRET, store_rows=rows, acked=acked, reports_may_be_lost=True)
+        assert f"acknowledged completion of att_2 lost: now {state}" in v, v
+    v = check(h, executions, [PERMIT], SECRET, store_rows=rows[:1], acked=acked, reports_may_be_lost=True)
+    assert "acknowledged completion of att_2 lost: the attempt is gone" in v, v

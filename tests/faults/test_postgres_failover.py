@@ -117,7 +117,11 @@ def test_failover_and_failback_under_load_with_synchronous_replication(fault_sta
             assert r.outcome == "ok" and time.monotonic() < deadline, r
         measured(log_dir, "failover", switches=switches, summary=s.history.summary())
         s.probe_all(wait_settled(s.rows, {p.id for p in s.permits}))
-        rows = s.verify(allowed_codes=LOAD_CODES, require_probes=True)
+        # A group of reports commits with synchronous_commit off (docs/postgresql.md): one
+        # acknowledged just before the kill may be lost with the primary, its attempt then
+        # uncertain by its lease; a decision never is (every dispatch waited for the standby).
+        rows = s.verify(allowed_codes=LOAD_CODES, require_probes=True, reports_may_be_lost=True)
+        measured(log_dir, "failover-reports", reports_lost=len(s.history.reports_lost))
         assert recount_mismatches(pair.primary.url, SCHEMA) == []
         assert pair.primary is pair.a and not pair.a.in_recovery()
         assert [r for r in rows if r["state"] == "completed"], {r["state"] for r in rows}

@@ -17,7 +17,11 @@ it, so every execution is tied to the one call that caused it.
 2. at most one execution per (permit, key);
 3. at most N executions per (permit, tool) when the permit caps the tool at N;
 4. no acknowledged receipt lost: every attempt the ledger acknowledged `completed` (its
-   log says `ack=applied`) is still `completed` with its receipt in the final store;
+   log says `ack=applied`) is still `completed` with its receipt in the final store; where
+   the scenario crashes PostgreSQL or fails it over (`reports_may_be_lost`), a report's
+   commit may be acknowledged before it is durable (docs/design.md#the-ledgers-hot-path),
+   and the attempt it completed may instead end `uncertain` by its lease, never anything
+   else: not gone, not given back;
 5. the ledger's final states agree with reality: every attempt row of the history's
    permits belongs to a key the history called (key hashing is checked, not assumed), and
    every key that executed has its attempt (the decision that dispatched it); an
@@ -137,6 +141,8 @@ class History:
         self.windows: list[Window] = []
         # One entry per checker run over this history: (what was checked, calls it held).
         self.checks: list[tuple[str, int]] = []
+        # Attempts whose acknowledged report a store crash lost (check's reports_may_be_lost).
+        self.reports_lost: list[str] = []
 
     def add(self, record: CallRecord) -> CallRecord:
         with self._lock:
@@ -386,7 +392,7 @@ def _check_keys(history: History, att: Attribution, permits: list[Permit], v: li
 
 
 def _check_store(history: History, att: Attribution, permits: list[Permit], rows: list[dict], acked: set[str],
-                 settled: bool, require_probes: bool, v: list[str]) -> None:
+                 settled: bool, require_probes: bool, reports_may_be_lost: bool, v: list[str]) -> None:
     permit_ids = {p.id for p in permits}
     rows = [row for row in rows if row["permit_id"] in permit_ids]
     rows_by_id = {row["id"]: row for row in rows}
@@ -402,6 +408,8 @@ def _check_store(history: History, att: Attribution, permits: list[Permit], rows
         row = rows_by_id.get(attempt_id)
         if row is None:
             v.append(f"acknowledged completion of {attempt_id} lost: the attempt is gone")
+        elif reports_may_be_lost and row["state"] == "uncertain" and row["reason"] == "lease_expired":
+            history.reports_lost.append(attempt_id)
         elif row["state"] not in ("completed", "resolved_executed") or not row["receipt"]:
             v.append(f"acknowledged completion of {attempt_id} lost: now {row['state']}")
     owners = row_owners(history, rows)
@@ -450,10 +458,14 @@ def _check_store(history: History, att: Attribution, permits: list[Permit], rows
 
 def check(history: History, executions: list[dict], permits: list[Permit], upstream_secret: str,
           store_rows: list[dict] | None = None, acked: set[str] | None = None, settled: bool = True,
-          allowed_codes: set[str] | None = None, require_probes: bool = False) -> list[str]:
+          allowed_codes: set[str] | None = None, require_probes: bool = False,
+          reports_may_be_lost: bool = False) -> list[str]:
     """Returns every violation found (empty: the promises held). Without `store_rows` the
     store's invariants (4, 5) are not checked: only `verify` style runs pass them. With
-    `require_probes`, every completed or uncertain key must have been probed after recovery."""
+    `require_probes`, every completed or uncertain key must have been probed after recovery.
+    `reports_may_be_lost`: the scenario crashes or fails over the store, so an acknowledged
+    report may be lost to its asynchronous commit (invariant 4); each such attempt is listed
+    in `history.reports_lost`."""
     v: list[str] = []
     if not history.calls:
         v.append("the history holds no call: nothing was tested")
@@ -461,7 +473,8 @@ def check(history: History, executions: list[dict], permits: list[Permit], upstr
     _check_calls(history, att, upstream_secret, v)
     _check_keys(history, att, permits, v)
     if store_rows is not None:
-        _check_store(history, att, permits, store_rows, set(acked or ()), settled, require_probes, v)
+        _check_store(history, att, permits, store_rows, set(acked or ()), settled, require_probes,
+                     reports_may_be_lost, v)
     if allowed_codes is not None:
         for r in history.calls:
             if r.outcome == "denied" and r.code not in allowed_codes:
