@@ -3,6 +3,7 @@
 //! expected JSON are all failures (the authorize caller then fails closed).
 
 use atmost_config::LedgerConfig;
+use atmost_protocol::credential::UpstreamCredential;
 use atmost_protocol::signature::DispatchSignature;
 use atmost_protocol::{
     AuthorizeResponse, DispatchGrant, LimitsRequest, LimitsResponse, OutcomeAck, OutcomesRequest,
@@ -227,6 +228,9 @@ struct DispatchAnswer {
     /// against the request it asked the ledger to sign.
     #[serde(default)]
     signature: Option<DispatchSignature>,
+    /// The permit's credential, to set upstream (crate::call::credential).
+    #[serde(default)]
+    credential: Option<UpstreamCredential>,
 }
 
 /// What must be read of a Dispatch answer to report on its round, when the rest of it
@@ -257,6 +261,7 @@ impl From<DispatchAnswer> for AuthorizeResponse {
             capability: a.capability,
             limits: a.limits,
             signature: a.signature,
+            credential: a.credential,
         }
     }
 }

@@ -198,6 +198,7 @@ mod tests {
             capability: "c".into(),
             limits: None,
             signature: None,
+            credential: None,
         }
     }
 

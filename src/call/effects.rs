@@ -107,6 +107,7 @@ mod tests {
             capability: "cap-1".into(),
             limits,
             signature: None,
+            credential: None,
         };
         let answer = signed(&call, answer);
         let step = call.on_ledger_reply(&LedgerReply {

@@ -134,6 +134,7 @@ fn dispatch() -> AuthorizeResponse {
         capability: "cap-1".into(),
         limits: None,
         signature: None,
+        credential: None,
     }
 }
 

@@ -229,6 +229,26 @@ CREATE INDEX idempotency_keys_by_attempt ON idempotency_keys(attempt_id);
 CREATE INDEX permits_by_retention ON permits(retention_ms);
 "#,
     },
+    Migration {
+        version: 11,
+        compatible_from: 4,
+        description: "tool credentials in the ledger's custody (sealed), and the credential each attempt carried",
+        // As in SQLite's version 11. Additive: an older ledger never reads either, and its
+        // dispatches carry no credential.
+        sql: r#"
+CREATE TABLE credentials (
+    name       TEXT NOT NULL,
+    version    BIGINT NOT NULL,
+    header     TEXT NOT NULL,
+    form       TEXT NOT NULL,
+    route      TEXT NOT NULL,
+    sealed     TEXT NOT NULL,
+    created_at BIGINT NOT NULL,
+    PRIMARY KEY (name, version)
+);
+ALTER TABLE attempts ADD COLUMN credential TEXT;
+"#,
+    },
 ];
 
 /// The rehearsal of the next schema version (feature `schema-rehearsal`, never released): an
@@ -238,8 +258,8 @@ CREATE INDEX permits_by_retention ON permits(retention_ms);
 /// index.
 #[cfg(feature = "schema-rehearsal")]
 const NEXT: &[Migration] = &[Migration {
-    version: 11,
-    compatible_from: 10,
+    version: 12,
+    compatible_from: 11,
     description:
         "rehearsal: the deciding replica per attempt (nullable), attempts by permit and time",
     sql: r#"
@@ -508,7 +528,7 @@ mod tests {
         let applied = [(1, None), (2, Some(2))];
         let plan = plan(&all, &applied);
         let pending: Vec<i32> = plan.pending.iter().map(|m| m.version).collect();
-        assert_eq!(pending, (3..=10).collect::<Vec<_>>());
+        assert_eq!(pending, (3..=11).collect::<Vec<_>>());
         let sql = plan.sql;
         assert!(
             !sql.contains("compatible_from) VALUES (1,"),

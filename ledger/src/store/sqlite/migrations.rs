@@ -168,10 +168,28 @@ pub(super) const MIGRATION_10: &str = r#"
 CREATE INDEX IF NOT EXISTS permits_by_retention ON permits(retention_ms);
 "#;
 
-/// Version 11, the rehearsal of the next schema version (feature `schema-rehearsal`, never
-/// released): as PostgreSQL's version 11, additive.
+/// Version 11: tool credentials in the ledger's custody (crate::credentials), one row per
+/// version of each name, the secret sealed; and which credential (`name:version`) each
+/// attempt's dispatch carried. Additive: an older ledger never reads either (its dispatches
+/// carry no credential).
+pub(super) const MIGRATION_11: &str = r#"
+CREATE TABLE IF NOT EXISTS credentials (
+    name       TEXT NOT NULL,
+    version    INTEGER NOT NULL,
+    header     TEXT NOT NULL,
+    form       TEXT NOT NULL,
+    route      TEXT NOT NULL,
+    sealed     TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    PRIMARY KEY (name, version)
+) WITHOUT ROWID;
+ALTER TABLE attempts ADD COLUMN credential TEXT;
+"#;
+
+/// Version 12, the rehearsal of the next schema version (feature `schema-rehearsal`, never
+/// released): as PostgreSQL's version 12, additive.
 #[cfg(feature = "schema-rehearsal")]
-const MIGRATION_11: &str = r#"
+const MIGRATION_12: &str = r#"
 ALTER TABLE attempts ADD COLUMN decided_by TEXT;
 CREATE INDEX IF NOT EXISTS attempts_by_permit_created ON attempts(permit_id, created_at);
 "#;
@@ -193,8 +211,9 @@ const COMPATIBLE_FROM: &[(i64, i64)] = &[
     (8, 4),
     (9, 4),
     (10, 4),
+    (11, 4),
     #[cfg(feature = "schema-rehearsal")]
-    (11, 10),
+    (12, 11),
 ];
 
 const COMPAT_TABLE: &str = "CREATE TABLE IF NOT EXISTS atmost_schema_compat (\
@@ -246,9 +265,12 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), LedgerError> {
     if version < 10 {
         tx.execute_batch(MIGRATION_10)?;
     }
-    #[cfg(feature = "schema-rehearsal")]
     if version < 11 {
         tx.execute_batch(MIGRATION_11)?;
+    }
+    #[cfg(feature = "schema-rehearsal")]
+    if version < 12 {
+        tx.execute_batch(MIGRATION_12)?;
     }
     for (v, compatible_from) in COMPATIBLE_FROM {
         tx.execute(
