@@ -56,6 +56,7 @@ use atmost_protocol::{
 use serde_json::Value;
 use std::rc::Rc;
 
+pub mod credential;
 pub mod denial;
 pub mod effects;
 pub mod outcome;
@@ -95,6 +96,9 @@ struct Pending {
     path: String,
     key: Option<String>,
     session_id: Option<String>,
+    /// The Envoy route the request was given (`xds.route_name`), which a credential must
+    /// belong to ([`credential`]).
+    route: Option<String>,
     /// What goes upstream if the ledger dispatches; `None` when the token names no permit
     /// (the ledger authenticates no such token, and nothing could be derived for it).
     upstream: Option<Box<Upstream>>,
@@ -766,6 +770,7 @@ impl Call {
             tool: call.name,
             key,
             session_id: head.session_id.clone(),
+            route: head.route.clone(),
             upstream,
         });
         Step {

@@ -278,6 +278,7 @@ impl effects::Host for FuzzHost<'_> {
             effect,
             Effect::RemoveRequestHeader(_)
                 | Effect::SetRequestHeader(..)
+                | Effect::SetRequestSecret(..)
                 | Effect::ReplaceRequestBody { .. }
         );
         if request_edit && self.refuse_request_edit && !self.done.refused {
@@ -450,7 +451,9 @@ fn released(e: &Effect, why: &str) -> bool {
 fn edits_request_header(e: &Effect) -> bool {
     matches!(
         e,
-        Effect::SetRequestHeader(..) | Effect::RemoveRequestHeader(_)
+        Effect::SetRequestHeader(..)
+            | Effect::SetRequestSecret(..)
+            | Effect::RemoveRequestHeader(_)
     )
 }
 

@@ -60,8 +60,9 @@ impl Http {
         if let Some(key) = head.resume_key() {
             head.resume = host::take_shared(&key, |stored| head.admit_resume(stored));
         }
-        // Only a request that asks to upgrade is decided by its route.
-        if head.upgrade.is_some() {
+        // Decided by its route: a request that asks to upgrade, and one under a permit,
+        // whose credential belongs to one route (crate::call::credential).
+        if head.upgrade.is_some() || !head.permit.is_empty() {
             head.route = host::route_name();
         }
         head
@@ -93,6 +94,10 @@ impl effects::Host for Exec<'_> {
             }
             Effect::SetRequestHeader(name, value) => {
                 return host::set_header(MapType::HttpRequestHeaders, &name, &value).ok_or(Refused)
+            }
+            Effect::SetRequestSecret(name, value) => {
+                return host::set_header(MapType::HttpRequestHeaders, &name, value.expose())
+                    .ok_or(Refused)
             }
             Effect::ReplaceRequestBody { original_len, body } => {
                 if hostcalls::set_buffer(BufferType::HttpRequestBody, 0, original_len, &body)

@@ -1993,6 +1993,7 @@ fn a_tools_list_answer_in_an_sse_event_gains_the_figures_in_place() {
 mod answer_release;
 mod body_hold;
 mod control_headers;
+mod credential;
 mod signed_dispatch;
 mod sse_trailers;
 mod upgrades;

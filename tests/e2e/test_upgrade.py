@@ -40,8 +40,8 @@ from tests.support.recording_upstream import RecordingUpstream
 from tests.support.stack import ROOT, Envoy, Ledger, free_port, http_get, ledger_binary, wait_until
 
 UPSTREAM_SECRET = "upgrade-upstream-secret-0123456789"
-RELEASED_SCHEMA = 10
-NEXT_SCHEMA = 11
+RELEASED_SCHEMA = 11
+NEXT_SCHEMA = 12
 WORKERS = 4
 # Calls each replica must decide after a swap before the next step: both versions served.
 CALLS_PER_STEP = 40

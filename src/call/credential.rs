@@ -1,0 +1,120 @@
+//! The ledger's credential on a dispatched call (docs/design.md#the-agent-holds-no-credential).
+//!
+//! A Dispatch answer may carry the permit's credential: the header it goes in, its value,
+//! and the Envoy route of the tool it belongs to. The filter sets it on that call alone, if
+//! Envoy routed the call there, after removing whatever the agent sent under that header;
+//! on another route it sets nothing. A replay, a denial or an error carries nothing, since
+//! only a Dispatch answer holds a credential. The value travels in
+//! [`Effect::SetRequestSecret`], whose `Debug` never shows it, and is never logged or counted.
+
+use crate::call::Effect;
+use atmost_protocol::credential::{check_header_name, check_header_value, UpstreamCredential};
+
+/// Why a credential the ledger sent cannot go on the call: the call is then not sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unsendable {
+    /// A header name or value no ledger registers (a reserved header, a line break).
+    Malformed,
+    /// `request_hold: body`: the request's headers left before the decision, so no
+    /// credential can be added to them.
+    HeadersGone,
+}
+
+impl Unsendable {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Unsendable::Malformed => "credential_malformed",
+            Unsendable::HeadersGone => "credential_after_headers",
+        }
+    }
+}
+
+/// The request edits that put `credential` on a call Envoy routed to `route` (`None`: a
+/// request that matched no named route), the agent's own value under its header removed
+/// first; none when the credential belongs to another route. `headers_held`: the request's
+/// headers are still held (`request_hold: headers`).
+pub fn edits(
+    credential: &UpstreamCredential,
+    route: Option<&str>,
+    headers_held: bool,
+) -> Result<Vec<Effect>, Unsendable> {
+    if check_header_name(&credential.header).is_err()
+        || check_header_value(credential.value.expose()).is_err()
+    {
+        return Err(Unsendable::Malformed);
+    }
+    if route != Some(credential.route.as_str()) {
+        return Ok(Vec::new());
+    }
+    if !headers_held {
+        return Err(Unsendable::HeadersGone);
+    }
+    Ok(vec![
+        Effect::RemoveRequestHeader(credential.header.clone()),
+        Effect::SetRequestSecret(credential.header.clone(), credential.value.clone()),
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use atmost_protocol::credential::SecretValue;
+
+    fn credential(header: &str, value: &str) -> UpstreamCredential {
+        UpstreamCredential {
+            name: "pay".into(),
+            version: 2,
+            header: header.into(),
+            value: SecretValue::new(value.into()),
+            route: "pay_route".into(),
+        }
+    }
+
+    #[test]
+    fn on_its_route_the_agents_value_is_removed_then_the_credential_set() {
+        let c = credential("authorization", "Bearer sk-live-1");
+        let edits = edits(&c, Some("pay_route"), true).unwrap();
+        assert_eq!(
+            edits,
+            vec![
+                Effect::RemoveRequestHeader("authorization".into()),
+                Effect::SetRequestSecret(
+                    "authorization".into(),
+                    SecretValue::new("Bearer sk-live-1".into())
+                ),
+            ]
+        );
+        assert!(!format!("{edits:?}").contains("sk-live"), "{edits:?}");
+    }
+
+    #[test]
+    fn on_another_route_or_none_nothing_is_set() {
+        let c = credential("x-api-key", "sk-live-1");
+        assert_eq!(edits(&c, Some("other_route"), true), Ok(Vec::new()));
+        assert_eq!(edits(&c, None, true), Ok(Vec::new()));
+        assert_eq!(edits(&c, Some("other_route"), false), Ok(Vec::new()));
+    }
+
+    #[test]
+    fn a_credential_that_cannot_go_on_the_call_is_refused() {
+        for (header, value) in [
+            ("atmost-permit", "v"),
+            ("content-length", "1"),
+            ("Authorization", "v"),
+            ("x-api-key", "a\r\nx-other: b"),
+            ("x-api-key", ""),
+        ] {
+            let c = credential(header, value);
+            assert_eq!(
+                edits(&c, Some("pay_route"), true),
+                Err(Unsendable::Malformed),
+                "{header}"
+            );
+        }
+        let c = credential("x-api-key", "sk-live-1");
+        assert_eq!(
+            edits(&c, Some("pay_route"), false),
+            Err(Unsendable::HeadersGone)
+        );
+    }
+}
