@@ -73,6 +73,7 @@ mod body_hold;
 mod head;
 mod ledger_reply;
 mod response;
+mod session_credential;
 mod step;
 pub mod upgrade;
 
@@ -255,6 +256,8 @@ pub struct Call {
     /// `completion_reports: batched`: this call's report went to the root's batch
     /// ([`Effect::Complete`]) and the machine has not heard that the batch is done.
     in_completion_batch: bool,
+    /// `credential_cache_ms` > 0: the session's credential ([`session_credential`]).
+    session: Option<session_credential::Session>,
 }
 
 fn deny_step(config: &Config, denial: &Denial, id: &Value, tool: &str) -> Step {
@@ -370,6 +373,7 @@ impl Call {
             state: State::Start,
             ahead: None,
             in_completion_batch: false,
+            session: None,
         }
     }
 
@@ -398,6 +402,12 @@ impl Call {
     }
 
     pub fn on_request_headers(&mut self, head: RequestHead) -> Step {
+        self.note_session(&head);
+        let step = self.request_headers(head);
+        self.with_session_credential(step)
+    }
+
+    fn request_headers(&mut self, head: RequestHead) -> Step {
         if !matches!(self.state, State::Start) {
             return Step::cont();
         }
@@ -639,6 +649,11 @@ impl Call {
 
     /// The whole request body, after [`BodyStep::Read`].
     pub fn on_request_body_data(&mut self, body_bytes: &[u8]) -> Step {
+        let step = self.request_body_data(body_bytes);
+        self.with_session_credential(step)
+    }
+
+    fn request_body_data(&mut self, body_bytes: &[u8]) -> Step {
         let body = body_bytes;
         let State::ReadingBody(head) = std::mem::replace(&mut self.state, State::Answered) else {
             // Not expected; put nothing at risk.
@@ -669,6 +684,7 @@ impl Call {
             Ok(Message::ToolCall(call)) => call,
         };
         if !self.config.governed_tools.contains(&call.name) {
+            self.no_session_credential();
             let keyed = call.keys.any_field();
             return self.pass(&head, keyed.then_some(body), call.id, Some(call.name));
         }

@@ -14,6 +14,7 @@ use atmost_protocol::OutcomeReport;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
+use std::rc::Rc;
 
 pub struct Http {
     shared: Shared,
@@ -23,7 +24,10 @@ pub struct Http {
 
 impl Http {
     pub fn new(shared: Shared, context_id: u32) -> Http {
-        let call = Call::new(shared.config.clone());
+        let mut call = Call::new(shared.config.clone());
+        if let Some(cache) = &shared.credentials {
+            call = call.with_session_credentials(Rc::clone(cache), host::now_ms());
+        }
         Http {
             shared,
             call,

@@ -55,6 +55,55 @@ pub fn edits(
     ])
 }
 
+/// Most permits one worker keeps a credential for; past it, expired entries go first, and
+/// all of them if none has expired.
+pub const MAX_CACHED_PERMITS: usize = 1024;
+
+/// The credentials of the permits one worker (its Wasm VM) has asked the ledger for, for the
+/// session's requests other than a dispatched `tools/call`, each kept for `credential_cache_ms`
+/// from when it was asked. Keyed by the SHA-256 of the permit token; a permit the ledger
+/// refused, or that names no credential, is kept as none, so its requests do not ask again
+/// within the lifetime. In memory only, never logged.
+#[derive(Debug)]
+pub struct CredentialCache {
+    lifetime_ms: u64,
+    entries: std::collections::HashMap<[u8; 32], (u64, Option<UpstreamCredential>)>,
+}
+
+fn token_key(permit_token: &str) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(permit_token.as_bytes()).into()
+}
+
+impl CredentialCache {
+    pub fn new(lifetime_ms: u64) -> CredentialCache {
+        CredentialCache {
+            lifetime_ms,
+            entries: std::collections::HashMap::new(),
+        }
+    }
+
+    /// What is kept for the token at `now_ms`: `None` when nothing is, or it has expired.
+    pub fn get(&self, permit_token: &str, now_ms: u64) -> Option<Option<UpstreamCredential>> {
+        let (at, credential) = self.entries.get(&token_key(permit_token))?;
+        (now_ms.saturating_sub(*at) < self.lifetime_ms).then(|| credential.clone())
+    }
+
+    /// Keeps what the ledger answered for the token, asked at `at_ms`.
+    pub fn put(&mut self, permit_token: &str, at_ms: u64, credential: Option<UpstreamCredential>) {
+        if self.entries.len() >= MAX_CACHED_PERMITS {
+            let lifetime = self.lifetime_ms;
+            self.entries
+                .retain(|_, (at, _)| at_ms.saturating_sub(*at) < lifetime);
+            if self.entries.len() >= MAX_CACHED_PERMITS {
+                self.entries.clear();
+            }
+        }
+        self.entries
+            .insert(token_key(permit_token), (at_ms, credential));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -93,6 +142,27 @@ mod tests {
         assert_eq!(edits(&c, Some("other_route"), true), Ok(Vec::new()));
         assert_eq!(edits(&c, None, true), Ok(Vec::new()));
         assert_eq!(edits(&c, Some("other_route"), false), Ok(Vec::new()));
+    }
+
+    #[test]
+    fn the_cache_keeps_an_answer_for_its_lifetime_and_stays_bounded() {
+        let mut cache = CredentialCache::new(1000);
+        assert_eq!(cache.get("t1", 0), None);
+        cache.put("t1", 100, Some(credential("x-api-key", "v")));
+        cache.put("t2", 100, None);
+        assert_eq!(cache.get("t1", 1099).flatten().map(|c| c.version), Some(2));
+        assert_eq!(cache.get("t2", 1099), Some(None));
+        assert_eq!(cache.get("t1", 1100), None, "expired");
+        assert_eq!(cache.get("t3", 500), None);
+        assert!(!format!("{cache:?}").contains("t1"));
+        for i in 0..MAX_CACHED_PERMITS {
+            cache.put(&format!("p{i}"), 2000, None);
+        }
+        // Full: the expired t1 and t2 went first, then everything.
+        assert!(cache.entries.len() <= MAX_CACHED_PERMITS);
+        cache.put("last", 2000, None);
+        assert_eq!(cache.get("last", 2000), Some(None));
+        assert!(cache.entries.len() <= MAX_CACHED_PERMITS);
     }
 
     #[test]

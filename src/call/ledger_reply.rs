@@ -7,6 +7,9 @@ use atmost_protocol::signature::DispatchNonce;
 impl Call {
     /// The callout of the last step could not even be dispatched.
     pub fn on_callout_failed(&mut self) -> Step {
+        if let Some(step) = self.on_session_credential_failed() {
+            return step;
+        }
         match &mut self.state {
             State::Authorizing(p) => {
                 let (id, tool) = (p.id.clone(), p.tool.clone());
@@ -49,6 +52,9 @@ impl Call {
 
     /// The ledger answered (or failed to answer) the pending callout.
     pub fn on_ledger_reply(&mut self, reply: &LedgerReply) -> Step {
+        if let Some(step) = self.on_session_credential_reply(reply) {
+            return step;
+        }
         if matches!(self.state, State::Listing(_)) {
             return self.on_limits_reply(reply);
         }

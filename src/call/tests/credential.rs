@@ -144,3 +144,140 @@ fn with_the_headers_gone_a_credential_for_the_route_sends_nothing() {
     assert!(matches!(&reports[..], [r] if matches!(&r.outcome,
         Outcome::Released { reason } if reason == "never_sent: credential_after_headers")));
 }
+
+mod session {
+    use super::*;
+    use crate::call::credential::CredentialCache;
+    use crate::ledger_client::Endpoint;
+    use atmost_protocol::credential::CredentialResponse;
+    use std::cell::RefCell;
+
+    const INITIALIZE: &str = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{}}"#;
+
+    fn session_call(cache: &Rc<RefCell<CredentialCache>>, now_ms: u64) -> Call {
+        Call::new(cfg()).with_session_credentials(Rc::clone(cache), now_ms)
+    }
+
+    fn get(route: Option<&str>) -> RequestHead {
+        RequestHead {
+            method: "GET".into(),
+            ..on_route(route)
+        }
+    }
+
+    fn answer(credential: Option<UpstreamCredential>) -> LedgerReply {
+        LedgerReply {
+            status: Some(200),
+            body: serde_json::to_vec(&CredentialResponse { credential }).unwrap_or_default(),
+        }
+    }
+
+    fn asks_credential(step: &Step) -> bool {
+        matches!(&step.callout, Some(c) if c.endpoint == Endpoint::Credential)
+    }
+
+    #[test]
+    fn a_stream_under_a_permit_is_held_for_the_credential_then_served_from_the_cache() {
+        let cache = Rc::new(RefCell::new(CredentialCache::new(10_000)));
+        let mut call = session_call(&cache, 1_000);
+        let s = call.on_request_headers(get(Some("pay_route")));
+        assert_eq!(s.flow, Flow::Pause);
+        assert!(asks_credential(&s), "{s:?}");
+        assert!(secret_edits(&s).is_empty());
+        let body = s.callout.map(|c| c.body).unwrap_or_default();
+        assert_eq!(
+            serde_json::from_slice::<Value>(&body).ok(),
+            Some(json!({"permit_token": TOKEN}))
+        );
+        let s = call.on_ledger_reply(&answer(Some(credential("pay_route"))));
+        assert_eq!(secret_edits(&s).len(), 2, "{s:?}");
+        assert_eq!(s.effects.last(), Some(&Effect::ResumeRequest));
+        assert!(!format!("{s:?}").contains("sk-live"));
+
+        // The next request of the session within the lifetime: from the cache, at once.
+        let mut call = session_call(&cache, 10_999);
+        let s = call.on_request_headers(get(Some("pay_route")));
+        assert_eq!(s.flow, Flow::Continue);
+        assert!(s.callout.is_none());
+        assert_eq!(secret_edits(&s).len(), 2, "{s:?}");
+        // On another route: nothing set, nothing asked.
+        let mut call = session_call(&cache, 10_999);
+        let s = call.on_request_headers(get(Some("other_route")));
+        assert_eq!((s.flow, s.callout.is_none()), (Flow::Continue, true));
+        assert!(secret_edits(&s).is_empty());
+        // Past the lifetime it is asked again.
+        let mut call = session_call(&cache, 11_000);
+        assert!(asks_credential(
+            &call.on_request_headers(get(Some("pay_route")))
+        ));
+    }
+
+    #[test]
+    fn an_initialize_gets_it_after_its_body_and_a_refused_permit_is_kept_as_none() {
+        let cache = Rc::new(RefCell::new(CredentialCache::new(10_000)));
+        let mut call = session_call(&cache, 0);
+        let s = send(&mut call, on_route(Some("pay_route")), INITIALIZE);
+        assert_eq!(s.flow, Flow::Pause);
+        assert!(asks_credential(&s), "{s:?}");
+        let s = call.on_ledger_reply(&LedgerReply {
+            status: Some(403),
+            body: br#"{"error":"permit_invalid"}"#.to_vec(),
+        });
+        assert_eq!(s.effects, vec![Effect::ResumeRequest]);
+        let mut call = session_call(&cache, 5);
+        let s = send(&mut call, on_route(Some("pay_route")), INITIALIZE);
+        assert_eq!(
+            (s.flow, s.callout.is_none()),
+            (Flow::Continue, true),
+            "{s:?}"
+        );
+        assert!(secret_edits(&s).is_empty());
+    }
+
+    #[test]
+    fn a_ledger_that_cannot_answer_lets_the_request_go_on_without_it_and_keeps_nothing() {
+        let cache = Rc::new(RefCell::new(CredentialCache::new(10_000)));
+        let mut call = session_call(&cache, 0);
+        call.on_request_headers(get(Some("pay_route")));
+        let s = call.on_ledger_reply(&LedgerReply::failed());
+        assert!(secret_edits(&s).is_empty());
+        assert_eq!(s.effects.last(), Some(&Effect::ResumeRequest));
+        let mut call = session_call(&cache, 1);
+        call.on_request_headers(get(Some("pay_route")));
+        let s = call.on_callout_failed();
+        assert_eq!(s.flow, Flow::Continue);
+        assert!(secret_edits(&s).is_empty());
+        let mut call = session_call(&cache, 2);
+        assert!(asks_credential(
+            &call.on_request_headers(get(Some("pay_route")))
+        ));
+    }
+
+    #[test]
+    fn a_tools_call_never_gets_it_this_way() {
+        let cache = Rc::new(RefCell::new(CredentialCache::new(10_000)));
+        cache
+            .borrow_mut()
+            .put(TOKEN, 0, Some(credential("pay_route")));
+        // Governed: the authorize callout, as without a session.
+        let mut call = session_call(&cache, 1);
+        let s = send(&mut call, on_route(Some("pay_route")), PAY);
+        assert!(matches!(&s.callout, Some(c) if c.endpoint == Endpoint::Authorize));
+        assert!(secret_edits(&s).is_empty());
+        // Ungoverned: it passes, without the credential.
+        let c = cfg_with(json!({"governed_tools": ["other_tool"]}));
+        let mut call = Call::new(c).with_session_credentials(Rc::clone(&cache), 1);
+        let s = send(&mut call, on_route(Some("pay_route")), PAY);
+        assert_eq!(
+            (s.flow, s.callout.is_none()),
+            (Flow::Continue, true),
+            "{s:?}"
+        );
+        assert!(secret_edits(&s).is_empty());
+        // And a call without a session passes a stream as before.
+        let mut call = Call::new(cfg());
+        let s = call.on_request_headers(get(Some("pay_route")));
+        assert_eq!((s.flow, s.callout.is_none()), (Flow::Continue, true));
+        assert!(secret_edits(&s).is_empty());
+    }
+}
