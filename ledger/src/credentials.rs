@@ -43,6 +43,9 @@ impl CredentialForm {
     }
 }
 
+/// Most routes one credential belongs to.
+pub const MAX_ROUTES: usize = 16;
+
 /// Longest credential name, in bytes.
 pub const MAX_NAME_BYTES: usize = 64;
 
@@ -69,8 +72,9 @@ pub struct CredentialSpec {
     /// The request header it goes in (any case; kept lowercase).
     pub header: String,
     pub form: CredentialForm,
-    /// The Envoy route name (`xds.route_name`) of the tool's requests.
-    pub route: String,
+    /// The Envoy route names (`xds.route_name`) of the tool's requests: 1 to
+    /// [`MAX_ROUTES`], each once.
+    pub routes: Vec<String>,
     /// The secret itself (for `bearer`, without the `Bearer ` prefix).
     pub secret: SecretValue,
 }
@@ -80,7 +84,7 @@ impl fmt::Debug for CredentialSpec {
         f.debug_struct("CredentialSpec")
             .field("header", &self.header)
             .field("form", &self.form)
-            .field("route", &self.route)
+            .field("routes", &self.routes)
             .field("secret", &self.secret)
             .finish()
     }
@@ -93,13 +97,23 @@ impl CredentialSpec {
         check_name(name)?;
         self.header = self.header.trim().to_ascii_lowercase();
         check_header_name(&self.header)?;
-        let route_ok = !self.route.is_empty()
-            && self.route.len() <= 256
-            && self.route.bytes().all(|b| (0x21..0x7f).contains(&b));
-        if !route_ok {
-            return Err(
-                "route must be an Envoy route name of 1 to 256 printable ASCII characters".into(),
-            );
+        let route_ok = |r: &String| {
+            !r.is_empty()
+                && r.len() <= 256
+                && r.bytes().all(|b| (0x21..0x7f).contains(&b) && b != b',')
+        };
+        let mut seen = std::collections::BTreeSet::new();
+        if self.routes.is_empty()
+            || self.routes.len() > MAX_ROUTES
+            || !self
+                .routes
+                .iter()
+                .all(|r| route_ok(r) && seen.insert(r.clone()))
+        {
+            return Err(format!(
+                "routes must be 1 to {MAX_ROUTES} Envoy route names, each once, of 1 to 256 \
+                 printable ASCII characters without ','"
+            ));
         }
         check_header_value(&self.form.value(self.secret.expose())).map_err(str::to_string)?;
         if self.secret.expose().starts_with("Bearer ") && self.form == CredentialForm::Bearer {
@@ -117,7 +131,7 @@ pub struct StoredCredential {
     pub version: u32,
     pub header: String,
     pub form: CredentialForm,
-    pub route: String,
+    pub routes: Vec<String>,
     /// `v1.` and the base64url of the nonce and the sealed secret.
     pub sealed: Option<String>,
     pub created_at_ms: Millis,
@@ -170,12 +184,23 @@ impl fmt::Debug for CredentialKey {
 
 /// What the key is bound to besides the secret: a sealed secret copied to another name,
 /// header, form or route does not open.
-fn associated(name: &str, header: &str, form: CredentialForm, route: &str) -> Vec<u8> {
+fn associated(name: &str, header: &str, form: CredentialForm, routes: &[String]) -> Vec<u8> {
+    let routes = routes_column(routes);
     format!(
-        "atmost-credential\0{name}\0{header}\0{}\0{route}",
+        "atmost-credential\0{name}\0{header}\0{}\0{routes}",
         form.as_str()
     )
     .into_bytes()
+}
+
+/// How both stores keep the routes in one column: joined by `,` (no route name holds one).
+pub fn routes_column(routes: &[String]) -> String {
+    routes.join(",")
+}
+
+/// The inverse of [`routes_column`].
+pub fn routes_of_column(text: &str) -> Vec<String> {
+    text.split(',').map(str::to_string).collect()
 }
 
 const SEALED_PREFIX: &str = "v1.";
@@ -198,7 +223,7 @@ impl CredentialKey {
         let mut nonce = [0u8; NONCE_LEN];
         getrandom::fill(&mut nonce).map_err(|e| LedgerError::Random(e.to_string()))?;
         let mut sealed = spec.secret.expose().as_bytes().to_vec();
-        let aad = associated(name, &spec.header, spec.form, &spec.route);
+        let aad = associated(name, &spec.header, spec.form, &spec.routes);
         self.0
             .seal_in_place_append_tag(
                 Nonce::assume_unique_for_key(nonce),
@@ -232,7 +257,7 @@ impl CredentialKey {
         let (nonce, rest) = bytes.split_at(NONCE_LEN);
         let nonce = Nonce::try_assume_unique_for_key(nonce).map_err(|_| unreadable())?;
         let mut rest = rest.to_vec();
-        let aad = associated(&c.name, &c.header, c.form, &c.route);
+        let aad = associated(&c.name, &c.header, c.form, &c.routes);
         let secret = self
             .0
             .open_in_place(nonce, Aad::from(aad), &mut rest)
@@ -243,7 +268,7 @@ impl CredentialKey {
             version: c.version,
             header: c.header.clone(),
             value: SecretValue::new(c.form.value(secret)),
-            route: c.route.clone(),
+            routes: c.routes.clone(),
         })
     }
 }
@@ -255,7 +280,7 @@ pub struct CredentialView {
     pub version: u32,
     pub header: String,
     pub form: CredentialForm,
-    pub route: String,
+    pub routes: Vec<String>,
     /// RFC 3339 (UTC).
     pub created_at: String,
 }
@@ -267,7 +292,7 @@ impl From<&StoredCredential> for CredentialView {
             version: c.version,
             header: c.header.clone(),
             form: c.form,
-            route: c.route.clone(),
+            routes: c.routes.clone(),
             created_at: crate::clock::rfc3339(c.created_at_ms),
         }
     }
@@ -283,7 +308,7 @@ mod tests {
         CredentialSpec {
             header: "Authorization".into(),
             form: CredentialForm::Bearer,
-            route: "pay_route".into(),
+            routes: vec!["pay_route".into(), "pay_sse".into()],
             secret: SecretValue::new(secret.into()),
         }
     }
@@ -294,7 +319,7 @@ mod tests {
             version: 3,
             header: spec.header.clone(),
             form: spec.form,
-            route: spec.route.clone(),
+            routes: spec.routes.clone(),
             sealed: Some(sealed),
             created_at_ms: 0,
         }
@@ -318,7 +343,7 @@ mod tests {
             (opened.header.as_str(), opened.version),
             ("authorization", 3)
         );
-        assert_eq!(opened.route, "pay_route");
+        assert_eq!(opened.routes, ["pay_route", "pay_sse"]);
 
         let raw = CredentialSpec {
             header: "x-api-key".into(),
@@ -344,7 +369,7 @@ mod tests {
         moved.header = "x-api-key".into();
         assert!(key.open(&moved).is_err());
         let mut moved = stored("pay", &spec, sealed.clone());
-        moved.route = "other_route".into();
+        moved.routes = vec!["pay_route".into()];
         assert!(key.open(&moved).is_err());
         let mut altered = sealed.into_bytes();
         let last = altered.len() - 1;
@@ -374,9 +399,16 @@ mod tests {
         let mut s = spec("abc");
         s.header = "atmost-permit".into();
         assert!(s.validate("pay").is_err());
-        let mut s = spec("abc");
-        s.route = String::new();
-        assert!(s.validate("pay").is_err());
+        for routes in [
+            vec![],
+            vec![String::new()],
+            vec!["a,b".into()],
+            vec!["a".into(), "a".into()],
+        ] {
+            let mut s = spec("abc");
+            s.routes = routes;
+            assert!(s.validate("pay").is_err());
+        }
         assert!(!format!("{:?}", spec("sk-live-x")).contains("sk-live"));
         assert!(!format!("{:?}", CredentialKey::from_hex(KEY).unwrap()).contains("0102"));
     }

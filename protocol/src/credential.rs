@@ -113,9 +113,10 @@ pub struct UpstreamCredential {
     pub header: String,
     /// The header's value, its form applied (`Bearer …` for the `bearer` form).
     pub value: SecretValue,
-    /// The Envoy route (its name, `xds.route_name`) of the tool it belongs to: the filter sets
-    /// it on requests Envoy routed there, and on no other.
-    pub route: String,
+    /// The Envoy routes (their names, `xds.route_name`) of the tool it belongs to, say its
+    /// `POST` route and its `GET` stream's: the filter sets it on requests Envoy routed to one
+    /// of them, and on no other.
+    pub routes: Vec<String>,
 }
 
 /// Body of `POST /v1/credential`: the credential of the permit a token names.
@@ -146,7 +147,7 @@ mod tests {
             version: 2,
             header: "authorization".into(),
             value: SecretValue::new("Bearer sk-live-123".into()),
-            route: "mcp".into(),
+            routes: vec!["mcp".into()],
         };
         let shown = format!(
             "{c:?} {:?}",

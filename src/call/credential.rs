@@ -43,7 +43,7 @@ pub fn edits(
     {
         return Err(Unsendable::Malformed);
     }
-    if route != Some(credential.route.as_str()) {
+    if !credential.routes.iter().any(|r| Some(r.as_str()) == route) {
         return Ok(Vec::new());
     }
     if !headers_held {
@@ -115,7 +115,7 @@ mod tests {
             version: 2,
             header: header.into(),
             value: SecretValue::new(value.into()),
-            route: "pay_route".into(),
+            routes: vec!["pay_route".into()],
         }
     }
 

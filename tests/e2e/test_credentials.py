@@ -21,11 +21,13 @@ import yaml
 from tests.e2e.conftest import new_key
 from tests.support.mcp_raw import RawMcp, denial_code
 from tests.support.recording_upstream import RecordingUpstream
-from tests.support.stack import Envoy, Ledger, http_get
+from tests.support.stack import Envoy, Ledger, http_get, wait_until
 
 GOVERNED = "pay"
 # The Envoy route a governed call is given (`xds.route_name`), which a credential names.
 ROUTE = "mcp_tools"
+# The route of the GET streams.
+STREAMS = "mcp_streams"
 CREDENTIAL_KEY = "5f0c8a1e2b3d4c5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6"
 AGENT_OWN = "Bearer agent-own-key-0000aaaa"
 
@@ -52,18 +54,32 @@ def cred_ledger(log_dir, data_root):
     ledger.stop()
 
 
-@pytest.fixture(scope="module")
-def gateway(log_dir, cred_ledger, upstream):
-    envoy = Envoy(log_dir, upstream.port, [cred_ledger.port], name="envoy-credentials", concurrency=1,
-                  plugin_overrides={"ledger": {"service_token": cred_ledger.service_token},
-                                    "governed_tools": [GOVERNED]})
+def start_gateway(log_dir, ledger, upstream, name: str, extra: dict | None = None) -> Envoy:
+    envoy = Envoy(log_dir, upstream.port, [ledger.port], name=name, concurrency=1,
+                  plugin_overrides={"ledger": {"service_token": ledger.service_token},
+                                    "governed_tools": [GOVERNED], **(extra or {})})
     config = yaml.safe_load(envoy.config_path.read_text())
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     # The shipped routes, named: the GET streams' route and the one tools/call takes.
     stream, tools = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    stream["name"], tools["name"] = "mcp_streams", ROUTE
+    stream["name"], tools["name"] = STREAMS, ROUTE
     envoy.config_path.write_text(yaml.safe_dump(config))
     envoy.start()
+    return envoy
+
+
+@pytest.fixture(scope="module")
+def gateway(log_dir, cred_ledger, upstream):
+    envoy = start_gateway(log_dir, cred_ledger, upstream, "envoy-credentials")
+    yield envoy
+    envoy.stop()
+
+
+@pytest.fixture(scope="module")
+def session_gateway(log_dir, cred_ledger, upstream):
+    """The same, with the session's other requests carrying the credential, kept 2 s."""
+    envoy = start_gateway(log_dir, cred_ledger, upstream, "envoy-credentials-session",
+                          {"credential_cache_ms": 2000})
     yield envoy
     envoy.stop()
 
@@ -76,11 +92,12 @@ def mcp(gateway):
 
 
 def register(ledger: Ledger, tmp_path, name: str, value: str, header: str = "authorization",
-             form: str = "bearer", route: str = ROUTE) -> dict:
+             form: str = "bearer", route: str = ROUTE, *more_routes: str) -> dict:
     path = tmp_path / f"secret-{uuid.uuid4().hex}"
     path.write_text(value + "\n")
+    routes = [arg for r in (route, *more_routes) for arg in ("--route", r)]
     out = ledger.cli_json("credential", "set", name, "--header", header, "--form", form,
-                          "--route", route, "--secret-file", str(path))
+                          *routes, "--secret-file", str(path))
     path.unlink()
     return out["credential"]
 
@@ -219,3 +236,54 @@ def test_the_secret_is_nowhere_but_at_the_upstream(cred_ledger, gateway, mcp, up
     # Nor is it in any file of the ledger's store, sealed as it is.
     for path in cred_ledger.data_dir.iterdir():
         assert value.encode() not in path.read_bytes(), path
+
+
+def session_requests(mcp: RawMcp, token: str | None) -> str:
+    """An initialize, a notification and a GET of the stream under `token`, each marked."""
+    marker = uuid.uuid4().hex
+    headers = {"authorization": AGENT_OWN, "x-marker": marker}
+    if token is not None:
+        headers["atmost-permit"] = token
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                       "clientInfo": {"name": marker, "version": "1"}}}
+    assert mcp.post(init, {**headers, "mcp-method": "initialize"}).status_code == 200
+    note = {"jsonrpc": "2.0", "method": "notifications/initialized", "params": {"_meta": {"m": marker}}}
+    assert mcp.post(note, {**headers, "mcp-method": "notifications/initialized"}).status_code == 202
+    assert mcp.http.get(mcp.url, headers={**headers, "accept": "text/event-stream"}).status_code == 405
+    return marker
+
+
+def marked(upstream: RecordingUpstream, marker: str) -> list[dict]:
+    return [r for r in list(upstream.requests) if ("x-marker", marker) in r["headers"]]
+
+
+def test_the_sessions_other_requests_carry_it_with_credential_cache_ms(
+        cred_ledger, gateway, session_gateway, upstream, tmp_path):
+    name = f"sess-{uuid.uuid4().hex[:8]}"
+    value = secret()
+    register(cred_ledger, tmp_path, name, value, "authorization", "bearer", ROUTE, STREAMS)
+    permit = permit_for(cred_ledger, name)
+    mcp = RawMcp(session_gateway.url)
+    plain = RawMcp(gateway.url)
+    try:
+        got = marked(upstream, session_requests(mcp, permit["token"]))
+        assert [r["method"] for r in got] == ["POST", "POST", "GET"]
+        for r in got:
+            assert header(r, "authorization") == [f"Bearer {value}"], r
+        # Without a permit, nothing is set: the agent's own value goes on as sent.
+        got = marked(upstream, session_requests(mcp, None))
+        assert [header(r, "authorization") for r in got] == [[AGENT_OWN]] * 3
+        # The control: with credential_cache_ms at its default (0), none of them carries it.
+        got = marked(upstream, session_requests(plain, permit["token"]))
+        assert [header(r, "authorization") for r in got] == [[AGENT_OWN]] * 3
+        # Once the permit is revoked, its session's requests carry it no longer than the
+        # cache keeps it (2 s): the next fetch after that is refused.
+        cred_ledger.cli("permit", "revoke", permit["id"])
+        wait_until(lambda: all(header(r, "authorization") == [AGENT_OWN]
+                               for r in marked(upstream, session_requests(mcp, permit["token"]))),
+                   10, "the revoked permit's credential is no longer set")
+    finally:
+        mcp.close()
+        plain.close()
+    assert value not in cred_ledger.log_text() + session_gateway.log_text()

@@ -132,7 +132,7 @@ pub async fn put_credential(
                 StatusCode::BAD_REQUEST,
                 "bad_request",
                 Some(
-                    "the body must be JSON {\"header\", \"form\": \"bearer\"|\"raw\", \"route\", \
+                    "the body must be JSON {\"header\", \"form\": \"bearer\"|\"raw\", \"routes\", \
                      \"secret\"} and nothing else"
                         .into(),
                 ),
@@ -152,7 +152,7 @@ pub async fn put_credential(
         version: 0,
         header: spec.header.clone(),
         form: spec.form,
-        route: spec.route.clone(),
+        routes: spec.routes.clone(),
         sealed: Some(sealed),
         created_at_ms: state.clock.now_ms(),
     };
@@ -161,7 +161,7 @@ pub async fn put_credential(
         Err(e) => return internal(&state, "put_credential", &e),
     };
     info!(credential = %stored.name, version = stored.version, header = %stored.header,
-        route = %stored.route, "credential registered");
+        routes = %stored.routes.join(","), "credential registered");
     let status = if stored.version == 1 {
         StatusCode::CREATED
     } else {

@@ -31,7 +31,7 @@ async fn put(s: &TestServer, name: &str, body: Value) -> (u16, String) {
 }
 
 fn spec(secret: &str) -> Value {
-    json!({"header": "Authorization", "form": "bearer", "route": "pay_route", "secret": secret})
+    json!({"header": "Authorization", "form": "bearer", "routes": ["pay_route"], "secret": secret})
 }
 
 fn authz(token: &str, key: &str) -> Value {
@@ -75,7 +75,7 @@ async fn credentials_are_registered_rotated_and_listed_without_their_secret() {
     assert_eq!(
         v["credential"],
         json!({"name": "pay", "version": 1, "header": "authorization", "form": "bearer",
-               "route": "pay_route", "created_at": v["credential"]["created_at"]})
+               "routes": ["pay_route"], "created_at": v["credential"]["created_at"]})
     );
     let (st, body) = put(&s, "pay", spec(SECRET_2)).await;
     assert_eq!(st, 200, "{body}");
@@ -90,23 +90,23 @@ async fn credentials_are_registered_rotated_and_listed_without_their_secret() {
     // Refusals name the field and never echo the secret.
     for (bad, field) in [
         (
-            json!({"header": "atmost-permit", "form": "raw", "route": "r", "secret": SECRET_1}),
+            json!({"header": "atmost-permit", "form": "raw", "routes": ["r"], "secret": SECRET_1}),
             "header",
         ),
         (
-            json!({"header": "x-api-key", "form": "basic", "route": "r", "secret": SECRET_1}),
+            json!({"header": "x-api-key", "form": "basic", "routes": ["r"], "secret": SECRET_1}),
             "body",
         ),
         (
-            json!({"header": "x-api-key", "form": "raw", "route": "", "secret": SECRET_1}),
-            "route",
+            json!({"header": "x-api-key", "form": "raw", "routes": [], "secret": SECRET_1}),
+            "routes",
         ),
         (
-            json!({"header": "x-api-key", "form": "raw", "route": "r", "secret": "a\nb sk-live"}),
+            json!({"header": "x-api-key", "form": "raw", "routes": ["r"], "secret": "a\nb sk-live"}),
             "credential",
         ),
         (
-            json!({"header": "x-api-key", "form": "raw", "route": "r", "secret": SECRET_1, "extra": 1}),
+            json!({"header": "x-api-key", "form": "raw", "routes": ["r"], "secret": SECRET_1, "extra": 1}),
             "body",
         ),
     ] {
@@ -154,7 +154,7 @@ async fn a_dispatch_carries_the_permits_credential_and_nothing_else_does() {
     assert_eq!(
         d["credential"],
         json!({"name": "pay", "version": 1, "header": "authorization",
-               "value": format!("Bearer {SECRET_1}"), "route": "pay_route"})
+               "value": format!("Bearer {SECRET_1}"), "routes": ["pay_route"]})
     );
     // Rotation: the next dispatch carries the new version.
     assert_eq!(put(&s, "pay", spec(SECRET_2)).await.0, 200);

@@ -2534,7 +2534,7 @@ fn credential(name: &str, header: &str, sealed: &str, at: i64) -> StoredCredenti
         version: 0,
         header: header.into(),
         form: CredentialForm::Bearer,
-        route: "tool_route".into(),
+        routes: vec!["tool_route".into(), "tool_sse".into()],
         sealed: Some(sealed.into()),
         created_at_ms: at,
     }
@@ -2567,6 +2567,7 @@ pub async fn credentials_versions_and_reads(h: &dyn Harness) {
     assert_eq!(newest.sealed.as_deref(), Some("v1.sealed-b"));
     assert_eq!(newest.header, "x-api-key");
     assert_eq!(newest.created_at_ms, T0 + MIN);
+    assert_eq!(newest.routes, ["tool_route", "tool_sse"]);
     let listed = other.credentials().await.unwrap();
     let shown: Vec<_> = listed
         .iter()

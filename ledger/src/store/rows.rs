@@ -93,7 +93,7 @@ impl TryFrom<CredentialRow> for StoredCredential {
                 .ok_or_else(|| LedgerError::Corrupt(format!("credential form {:?}", row.form)))?,
             name: row.name,
             header: row.header,
-            route: row.route,
+            routes: crate::credentials::routes_of_column(&row.route),
             sealed: row.sealed,
             created_at_ms: row.created_at,
         })

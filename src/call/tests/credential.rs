@@ -12,7 +12,7 @@ fn credential(route: &str) -> UpstreamCredential {
         version: 3,
         header: "authorization".into(),
         value: SecretValue::new(SECRET.into()),
-        route: route.into(),
+        routes: vec![route.into()],
     }
 }
 

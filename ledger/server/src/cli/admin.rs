@@ -255,7 +255,7 @@ pub(super) fn run_credential(
             v.version,
             v.header,
             v.form.as_str(),
-            v.route,
+            v.routes.join(","),
             v.created_at
         )
     };
@@ -271,7 +271,7 @@ pub(super) fn run_credential(
                 .map(|s| s.strip_suffix('\r').unwrap_or(s))
                 .unwrap_or(&text);
             let body = serde_json::json!({
-                "header": a.header, "form": a.form, "route": a.route, "secret": secret,
+                "header": a.header, "form": a.form, "routes": a.route, "secret": secret,
             });
             let (resp, raw): (CredentialResponseBody, _) = c.put(
                 &format!(

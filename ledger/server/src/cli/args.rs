@@ -306,9 +306,10 @@ pub struct CredentialSetArgs {
     /// `bearer` (`Bearer <secret>`) or `raw` (the secret as it is).
     #[arg(long)]
     pub form: String,
-    /// The Envoy route name (`xds.route_name`) of the tool's requests.
-    #[arg(long)]
-    pub route: String,
+    /// An Envoy route name (`xds.route_name`) of the tool's requests (repeatable: its POST
+    /// route and its GET stream's, say).
+    #[arg(long, required = true)]
+    pub route: Vec<String>,
     /// File holding the secret ('-' for standard input); one trailing newline is dropped.
     #[arg(long)]
     pub secret_file: PathBuf,

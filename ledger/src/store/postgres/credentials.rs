@@ -5,7 +5,7 @@
 use deadpool_postgres::GenericClient;
 
 use super::rows::{exec, query};
-use crate::credentials::StoredCredential;
+use crate::credentials::{routes_column, StoredCredential};
 use crate::error::LedgerError;
 
 /// Key of the advisory lock that serializes the credential writes of every replica.
@@ -45,7 +45,7 @@ pub(super) async fn put_credential<C: GenericClient>(
             &i64::from(version),
             &cred.header,
             &cred.form.as_str(),
-            &cred.route,
+            &routes_column(&cred.routes),
             &sealed,
             &cred.created_at_ms,
         ],

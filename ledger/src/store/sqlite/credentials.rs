@@ -3,7 +3,7 @@
 
 use rusqlite::{params, Connection};
 
-use crate::credentials::StoredCredential;
+use crate::credentials::{routes_column, StoredCredential};
 use crate::error::LedgerError;
 
 /// Stores `c` as the next version of its name; answers it with that version.
@@ -29,7 +29,7 @@ pub(super) fn put_credential(
         version,
         c.header,
         c.form.as_str(),
-        c.route,
+        routes_column(&c.routes),
         sealed,
         c.created_at_ms
     ])?;
