@@ -669,6 +669,10 @@ fn observe(w: &mut Watch, cfg: &Config, a: &Answer, done: &Done, from_ledger: bo
     }
     for c in &done.callouts {
         match c.endpoint {
+            // The harness's calls take no part in session credentials: none is ever asked.
+            Endpoint::Credential => {
+                panic!("a credential callout from a call without session credentials")
+            }
             Endpoint::Authorize => {
                 w.authorize_callouts += 1;
                 w.authorize_pending = true;
