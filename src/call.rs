@@ -73,6 +73,7 @@ mod body_hold;
 mod head;
 mod ledger_reply;
 mod response;
+mod sent_body;
 mod session_credential;
 mod step;
 pub mod upgrade;
@@ -83,6 +84,7 @@ use permit_meta::TextAt;
 use receipt::{Passed, ResultKind, SseCapture, SseProgress};
 use reply::{rpc_code, LocalReply};
 use resume::{CallPermit, Ticket};
+use sent_body::SentBody;
 use signing::Signing;
 use upstream_key::UNGOVERNED_PERMIT_ID;
 
@@ -120,47 +122,6 @@ struct Upstream {
     body: Option<SentBody>,
     /// `request_hold: headers`: the request the ledger is asked to sign.
     signing: Option<Signing>,
-}
-
-/// A request body as it goes upstream after the key rewrite.
-#[derive(Debug, Clone, PartialEq)]
-struct SentBody {
-    /// Bytes of the body Envoy holds, which `body` replaces.
-    original_len: usize,
-    body: Vec<u8>,
-    /// The request announced a `content-length`, which must follow the new size.
-    had_content_length: bool,
-}
-
-impl SentBody {
-    /// `original` with its idempotency key members (`spans`) edited: `value` gets each
-    /// member's raw JSON value and returns its upstream form, or `None` to remove it.
-    fn rewritten(
-        original: &[u8],
-        spans: &[key_rewrite::MemberSpan],
-        had_content_length: bool,
-        value: impl FnMut(&[u8]) -> Option<String>,
-    ) -> SentBody {
-        SentBody {
-            original_len: original.len(),
-            body: key_rewrite::rewrite_all(original, spans, value),
-            had_content_length,
-        }
-    }
-
-    /// The request edits that put this body in place.
-    fn effects(self) -> Vec<Effect> {
-        let length = self.had_content_length.then(|| {
-            Effect::SetRequestHeader("content-length".into(), self.body.len().to_string())
-        });
-        let mut effects = Vec::with_capacity(2);
-        effects.push(Effect::ReplaceRequestBody {
-            original_len: self.original_len,
-            body: self.body,
-        });
-        effects.extend(length);
-        effects
-    }
 }
 
 #[derive(Debug, Clone)]
