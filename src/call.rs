@@ -56,6 +56,7 @@ use atmost_protocol::{
 use serde_json::Value;
 use std::rc::Rc;
 
+pub mod credential;
 pub mod denial;
 pub mod effects;
 pub mod outcome;
@@ -72,6 +73,8 @@ mod body_hold;
 mod head;
 mod ledger_reply;
 mod response;
+mod sent_body;
+mod session_credential;
 mod step;
 pub mod upgrade;
 
@@ -81,6 +84,7 @@ use permit_meta::TextAt;
 use receipt::{Passed, ResultKind, SseCapture, SseProgress};
 use reply::{rpc_code, LocalReply};
 use resume::{CallPermit, Ticket};
+use sent_body::SentBody;
 use signing::Signing;
 use upstream_key::UNGOVERNED_PERMIT_ID;
 
@@ -95,6 +99,9 @@ struct Pending {
     path: String,
     key: Option<String>,
     session_id: Option<String>,
+    /// The Envoy route the request was given (`xds.route_name`), which a credential must
+    /// belong to ([`credential`]).
+    route: Option<String>,
     /// What goes upstream if the ledger dispatches; `None` when the token names no permit
     /// (the ledger authenticates no such token, and nothing could be derived for it).
     upstream: Option<Box<Upstream>>,
@@ -115,47 +122,6 @@ struct Upstream {
     body: Option<SentBody>,
     /// `request_hold: headers`: the request the ledger is asked to sign.
     signing: Option<Signing>,
-}
-
-/// A request body as it goes upstream after the key rewrite.
-#[derive(Debug, Clone, PartialEq)]
-struct SentBody {
-    /// Bytes of the body Envoy holds, which `body` replaces.
-    original_len: usize,
-    body: Vec<u8>,
-    /// The request announced a `content-length`, which must follow the new size.
-    had_content_length: bool,
-}
-
-impl SentBody {
-    /// `original` with its idempotency key members (`spans`) edited: `value` gets each
-    /// member's raw JSON value and returns its upstream form, or `None` to remove it.
-    fn rewritten(
-        original: &[u8],
-        spans: &[key_rewrite::MemberSpan],
-        had_content_length: bool,
-        value: impl FnMut(&[u8]) -> Option<String>,
-    ) -> SentBody {
-        SentBody {
-            original_len: original.len(),
-            body: key_rewrite::rewrite_all(original, spans, value),
-            had_content_length,
-        }
-    }
-
-    /// The request edits that put this body in place.
-    fn effects(self) -> Vec<Effect> {
-        let length = self.had_content_length.then(|| {
-            Effect::SetRequestHeader("content-length".into(), self.body.len().to_string())
-        });
-        let mut effects = Vec::with_capacity(2);
-        effects.push(Effect::ReplaceRequestBody {
-            original_len: self.original_len,
-            body: self.body,
-        });
-        effects.extend(length);
-        effects
-    }
 }
 
 #[derive(Debug, Clone)]
@@ -254,6 +220,8 @@ pub struct Call {
     /// `completion_reports: batched`: this call's report went to the root's batch
     /// ([`Effect::Complete`]) and the machine has not heard that the batch is done.
     in_completion_batch: bool,
+    /// `credential_cache_ms` > 0: the session's credential ([`session_credential`]).
+    session: Option<session_credential::Session>,
 }
 
 fn deny_step(config: &Config, denial: &Denial, id: &Value, tool: &str) -> Step {
@@ -369,6 +337,7 @@ impl Call {
             state: State::Start,
             ahead: None,
             in_completion_batch: false,
+            session: None,
         }
     }
 
@@ -398,6 +367,12 @@ impl Call {
     }
 
     pub fn on_request_headers(&mut self, head: RequestHead) -> Step {
+        self.note_session(&head);
+        let step = self.request_headers(head);
+        self.with_session_credential(step)
+    }
+
+    fn request_headers(&mut self, head: RequestHead) -> Step {
         if !matches!(self.state, State::Start) {
             return Step::cont();
         }
@@ -639,6 +614,11 @@ impl Call {
 
     /// The whole request body, after [`BodyStep::Read`].
     pub fn on_request_body_data(&mut self, body_bytes: &[u8]) -> Step {
+        let step = self.request_body_data(body_bytes);
+        self.with_session_credential(step)
+    }
+
+    fn request_body_data(&mut self, body_bytes: &[u8]) -> Step {
         let body = body_bytes;
         let State::ReadingBody(head) = std::mem::replace(&mut self.state, State::Answered) else {
             // Not expected; put nothing at risk.
@@ -669,6 +649,7 @@ impl Call {
             Ok(Message::ToolCall(call)) => call,
         };
         if !self.config.governed_tools.contains(&call.name) {
+            self.no_session_credential();
             let keyed = call.keys.any_field();
             return self.pass(&head, keyed.then_some(body), call.id, Some(call.name));
         }
@@ -770,6 +751,7 @@ impl Call {
             tool: call.name,
             key,
             session_id: head.session_id.clone(),
+            route: head.route.clone(),
             upstream,
         });
         Step {

@@ -3,6 +3,7 @@
 //! expected JSON are all failures (the authorize caller then fails closed).
 
 use atmost_config::LedgerConfig;
+use atmost_protocol::credential::{CredentialRequest, CredentialResponse, UpstreamCredential};
 use atmost_protocol::signature::DispatchSignature;
 use atmost_protocol::{
     AuthorizeResponse, DispatchGrant, LimitsRequest, LimitsResponse, OutcomeAck, OutcomesRequest,
@@ -17,6 +18,7 @@ pub enum Endpoint {
     Authorize,
     Outcomes,
     Limits,
+    Credential,
 }
 
 impl Endpoint {
@@ -25,6 +27,7 @@ impl Endpoint {
             Endpoint::Authorize => atmost_protocol::AUTHORIZE_PATH,
             Endpoint::Outcomes => atmost_protocol::OUTCOMES_PATH,
             Endpoint::Limits => atmost_protocol::LIMITS_PATH,
+            Endpoint::Credential => atmost_protocol::credential::CREDENTIAL_PATH,
         }
     }
 }
@@ -50,6 +53,17 @@ impl Callout {
         Callout {
             endpoint: Endpoint::Limits,
             body: serde_json::to_vec(request).unwrap_or_default(),
+        }
+    }
+
+    /// A `POST /v1/credential` for the permit `permit_token` names.
+    pub fn credential(permit_token: &str) -> Callout {
+        let request = CredentialRequest {
+            permit_token: permit_token.to_string(),
+        };
+        Callout {
+            endpoint: Endpoint::Credential,
+            body: serde_json::to_vec(&request).unwrap_or_default(),
         }
     }
 }
@@ -107,6 +121,9 @@ impl fmt::Display for LedgerError {
             }
             LedgerError::Unreadable(Endpoint::Limits) => {
                 f.write_str("ledger answer to limits is not a LimitsResponse")
+            }
+            LedgerError::Unreadable(Endpoint::Credential) => {
+                f.write_str("ledger answer to credential is not a CredentialResponse")
             }
             LedgerError::UnreadableDispatch(g) => write!(
                 f,
@@ -184,6 +201,18 @@ impl LedgerReply {
         })
     }
 
+    /// Reads a credential answer: the permit's credential, or none (the permit names none,
+    /// or the ledger refused the token with 403 `permit_invalid`).
+    pub fn credential(&self) -> Result<Option<UpstreamCredential>, LedgerError> {
+        match self.ok_body() {
+            Ok(body) => serde_json::from_slice::<CredentialResponse>(body)
+                .map(|r| r.credential)
+                .map_err(|_| LedgerError::Unreadable(Endpoint::Credential)),
+            Err(LedgerError::Status(403)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Reads a limits answer.
     pub fn limits(&self) -> Result<LimitsResponse, LedgerError> {
         serde_json::from_slice(self.ok_body()?)
@@ -227,6 +256,9 @@ struct DispatchAnswer {
     /// against the request it asked the ledger to sign.
     #[serde(default)]
     signature: Option<DispatchSignature>,
+    /// The permit's credential, to set upstream (crate::call::credential).
+    #[serde(default)]
+    credential: Option<UpstreamCredential>,
 }
 
 /// What must be read of a Dispatch answer to report on its round, when the rest of it
@@ -257,6 +289,7 @@ impl From<DispatchAnswer> for AuthorizeResponse {
             capability: a.capability,
             limits: a.limits,
             signature: a.signature,
+            credential: a.credential,
         }
     }
 }

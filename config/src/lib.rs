@@ -25,6 +25,10 @@ pub const DEFAULT_PERMIT_HEADER: &str = "atmost-permit";
 pub const DEFAULT_AUTHORITY: &str = "atmost-ledger";
 /// Default `ledger.timeout_ms`.
 pub const DEFAULT_TIMEOUT_MS: u64 = 1000;
+/// Longest `credential_cache_ms`: five minutes, the longest a rotation or a revocation may
+/// take to reach a session's requests other than a dispatched call.
+pub const MAX_CREDENTIAL_CACHE_MS: u64 = 300_000;
+
 /// Default `max_body_bytes` and `max_receipt_bytes` (1 MiB).
 pub const DEFAULT_MAX_BYTES: u64 = 1_048_576;
 /// Largest accepted `max_body_bytes` / `max_receipt_bytes` (64 MiB).
@@ -226,6 +230,13 @@ pub struct Config {
     /// with one the ledger does not authenticate, or when the ledger cannot be asked, the
     /// answer passes unchanged.
     pub tools_list_limits: bool,
+    /// `credential_cache_ms` (integer, default 0, 0..=300000): the session's requests other
+    /// than a dispatched `tools/call` (`initialize`, `tools/list`, notifications, `GET`
+    /// streams, ungoverned calls) under a permit carry the permit's credential too, which
+    /// the filter asks of the ledger (`POST /v1/credential`) and keeps per permit, in each
+    /// worker's memory, for this many milliseconds. 0: it asks nothing, and those requests
+    /// carry no credential.
+    pub credential_cache_ms: u64,
     /// `request_hold` (`"headers"` | `"body"`, default `"headers"`): what of a POST the
     /// filter holds until the ledger has decided. `headers`: the whole request, headers
     /// included; Envoy must allow it (`allow_on_headers_stop_iteration: true` in the Wasm
@@ -551,6 +562,7 @@ impl Config {
             "completion_reports",
             "answer_release",
             "tools_list_limits",
+            "credential_cache_ms",
             "request_hold",
             "signature_validity_s",
             "upgrade_routes",
@@ -702,6 +714,8 @@ impl Config {
             ));
         }
         let tools_list_limits = top.boolean("tools_list_limits", false)?;
+        let credential_cache_ms =
+            top.integer("credential_cache_ms", 0, 0, MAX_CREDENTIAL_CACHE_MS)?;
         let request_hold = request_hold(&top)?;
         let signature_validity_s = top.integer(
             "signature_validity_s",
@@ -729,6 +743,7 @@ impl Config {
             completion_reports,
             answer_release,
             tools_list_limits,
+            credential_cache_ms,
             request_hold,
             signature_validity_s,
             upgrade_routes,
@@ -827,6 +842,22 @@ mod tests {
         ] {
             v["signature_validity_s"] = bad.clone();
             assert_eq!(field_of(&v), "signature_validity_s", "{bad}");
+        }
+    }
+
+    #[test]
+    fn credential_cache_ms_is_off_by_default_and_bounded() {
+        let mut v = minimal();
+        assert_eq!(config_from(&v).credential_cache_ms, 0);
+        v["credential_cache_ms"] = json!(30_000);
+        assert_eq!(config_from(&v).credential_cache_ms, 30_000);
+        for bad in [json!(300_001), json!(-1), json!("10s"), json!(1.5)] {
+            v["credential_cache_ms"] = bad.clone();
+            let e = Config::parse(v.to_string().as_bytes());
+            assert!(
+                matches!(&e, Err(e) if e.to_string().contains("credential_cache_ms")),
+                "{bad}: {e:?}"
+            );
         }
     }
 

@@ -278,6 +278,7 @@ impl effects::Host for FuzzHost<'_> {
             effect,
             Effect::RemoveRequestHeader(_)
                 | Effect::SetRequestHeader(..)
+                | Effect::SetRequestSecret(..)
                 | Effect::ReplaceRequestBody { .. }
         );
         if request_edit && self.refuse_request_edit && !self.done.refused {
@@ -451,7 +452,9 @@ fn released(e: &Effect, why: &str) -> bool {
 fn edits_request_header(e: &Effect) -> bool {
     matches!(
         e,
-        Effect::SetRequestHeader(..) | Effect::RemoveRequestHeader(_)
+        Effect::SetRequestHeader(..)
+            | Effect::SetRequestSecret(..)
+            | Effect::RemoveRequestHeader(_)
     )
 }
 
@@ -667,6 +670,10 @@ fn observe(w: &mut Watch, cfg: &Config, a: &Answer, done: &Done, from_ledger: bo
     }
     for c in &done.callouts {
         match c.endpoint {
+            // The harness's calls take no part in session credentials: none is ever asked.
+            Endpoint::Credential => {
+                panic!("a credential callout from a call without session credentials")
+            }
             Endpoint::Authorize => {
                 w.authorize_callouts += 1;
                 w.authorize_pending = true;

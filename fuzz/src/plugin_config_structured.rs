@@ -231,6 +231,7 @@ pub fn check(data: &[u8]) {
         max_receipt_bytes: max_receipt.unwrap_or(DEFAULT_MAX_BYTES),
         report_interval_ms: report.unwrap_or(DEFAULT_REPORT_INTERVAL_MS),
         tools_list_limits: false,
+        credential_cache_ms: 0,
         completion_reports: atmost_config::CompletionReports::Batched,
         answer_release: atmost_config::AnswerRelease::AfterReceipt,
         request_hold: atmost_config::RequestHold::Headers,

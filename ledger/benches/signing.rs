@@ -62,6 +62,7 @@ fn answer() -> AuthorizeResponse {
         capability: token::sha256_hex("capability"),
         limits: None,
         signature: None,
+        credential: None,
     }
 }
 

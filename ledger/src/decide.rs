@@ -11,6 +11,7 @@ use atmost_protocol::{
 use serde_json::Value;
 
 use crate::clock::Millis;
+use crate::credentials::CredentialUse;
 use crate::error::ResolveError;
 use crate::model::{
     Attempt, AttemptState, BudgetTotals, CostRule, GuardMode, Permit, Resolution, ResolutionSource,
@@ -60,6 +61,9 @@ pub struct DecideParams {
     /// The capability a dispatch (of a new attempt or a continuation round) hands out;
     /// only its hash is kept. Minted by the store from the operating system's CSPRNG.
     pub new_capability: String,
+    /// The credential (newest version of the one the permit names) a dispatch carries, as
+    /// the ledger read it before deciding; kept with a new attempt.
+    pub credential: Option<CredentialUse>,
 }
 
 /// What the store must write, in the same transaction as the read.
@@ -385,6 +389,7 @@ fn decide_under(
                         capability: params.new_capability.clone(),
                         limits: None,
                         signature: None,
+                        credential: None,
                     },
                     mutation: Mutation::Update(next),
                     notices: Vec::new(),
@@ -544,6 +549,7 @@ fn decide_under(
         forwarded_key_carriers: req.forwarded_key_carriers,
         arguments: (!req.arguments.is_null()).then(|| req.arguments.to_string()),
         dispatch_body_sha256: dispatch_body(req),
+        credential: params.credential.clone(),
     };
     Decision {
         response: AuthorizeResponse::Dispatch {
@@ -554,6 +560,7 @@ fn decide_under(
             capability: params.new_capability.clone(),
             limits: None,
             signature: None,
+            credential: None,
         },
         mutation: Mutation::Reserve(attempt),
         notices,

@@ -59,6 +59,7 @@ fn params() -> DecideParams {
         lease_ms: 60_000,
         new_attempt_id: "att_new".into(),
         new_capability: CAP.into(),
+        credential: None,
     }
 }
 
@@ -128,6 +129,7 @@ fn new_key_dispatches_and_reserves() {
             capability: CAP.into(),
             limits: open_limits(),
             signature: None,
+            credential: None,
         }
     );
     let Mutation::Reserve(a) = d.mutation else {
@@ -801,6 +803,7 @@ fn awaiting_input_continuation_dispatches_again_under_the_same_attempt() {
                 ..open_limits().unwrap()
             }),
             signature: None,
+            credential: None,
         }
     );
     let Mutation::Update(next) = d.mutation else {

@@ -10,6 +10,7 @@
 //! `atmost-ledger-server` crate in `ledger/server/`.
 
 pub mod clock;
+pub mod credentials;
 pub mod decide;
 pub mod error;
 pub mod keys;

@@ -6,6 +6,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::clock::Millis;
+use crate::credentials::CredentialUse;
 pub use atmost_protocol::{KeyCarrier, KeyCarriers};
 
 atmost_protocol::closed_set! {
@@ -85,6 +86,10 @@ pub struct CallRules {
     pub cost_default: u64,
     #[serde(default, deserialize_with = "default_if_null")]
     pub duplicate_guard: GuardMode,
+    /// The registered credential ([`crate::credentials`]) the filter sets on this permit's
+    /// calls, by name; `None`: the permit names none, and its calls carry none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credential: Option<String>,
 }
 
 impl Default for CallRules {
@@ -99,6 +104,7 @@ impl Default for CallRules {
             cost: BTreeMap::new(),
             cost_default: 0,
             duplicate_guard: GuardMode::default(),
+            credential: None,
         }
     }
 }
@@ -403,6 +409,9 @@ pub struct Attempt {
     /// records. `None` for a round dispatched without a signature (`request_hold: body`) and
     /// for attempts stored before it was kept.
     pub dispatch_body_sha256: Option<String>,
+    /// The credential (name, version) the dispatch of its first round carried; `None` when
+    /// its permit names none, and for attempts stored before it was kept.
+    pub credential: Option<CredentialUse>,
 }
 
 #[cfg(any(test, feature = "test-support"))]
@@ -432,6 +441,7 @@ impl Attempt {
             forwarded_key_carriers: KeyCarriers::NONE,
             dispatch_body_sha256: None,
             arguments: None,
+            credential: None,
         }
     }
 }

@@ -209,6 +209,7 @@ mod tests {
             capability: "c".into(),
             limits: None,
             signature: None,
+            credential: None,
         }
     }
 

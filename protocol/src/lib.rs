@@ -5,12 +5,15 @@
 //! - `POST /v1/authorize`: [`AuthorizeRequest`] → [`AuthorizeResponse`]
 //! - `POST /v1/outcomes`: [`OutcomesRequest`] → [`OutcomesResponse`]
 //! - `POST /v1/limits`: [`LimitsRequest`] → [`LimitsResponse`]
+//! - `POST /v1/credential`: [`credential::CredentialRequest`] →
+//!   [`credential::CredentialResponse`]
 //!
 //! Every path requires `authorization: Bearer <service token>`. A report also needs the
 //! round's capability from the Dispatch answer: the service token alone (which an agent
 //! sharing the sidecar's loopback can read) cannot move an attempt.
 
 pub mod closed_set;
+pub mod credential;
 pub mod signature;
 pub mod token;
 pub mod tool_refusal;
@@ -115,6 +118,11 @@ pub enum AuthorizeResponse {
         /// the request named one. The filter sends nothing upstream without it.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         signature: Option<signature::DispatchSignature>,
+        /// The credential of the permit (its newest version) the filter sets on this call,
+        /// in place of whatever the agent sent under its header; absent when the permit names
+        /// none. Only a Dispatch carries one: a replay or a denial sends nothing upstream.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        credential: Option<credential::UpstreamCredential>,
     },
     /// The same key and fingerprint completed before: answer with this receipt.
     Replay {
@@ -633,6 +641,7 @@ mod tests {
             capability: "c".into(),
             limits: Some(limits()),
             signature: None,
+            credential: None,
         };
         let json = serde_json::to_value(&dispatch).unwrap_or_default();
         assert_eq!(

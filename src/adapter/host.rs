@@ -181,3 +181,12 @@ impl Metrics {
         }
     }
 }
+
+/// Unix milliseconds by Envoy's clock.
+pub fn now_ms() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}

@@ -15,6 +15,7 @@ use atmost_protocol::OutcomeReport;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
+use std::rc::Rc;
 
 pub struct Http {
     shared: Shared,
@@ -24,7 +25,10 @@ pub struct Http {
 
 impl Http {
     pub fn new(shared: Shared, context_id: u32) -> Http {
-        let call = Call::new(shared.config.clone());
+        let mut call = Call::new(shared.config.clone());
+        if let Some(cache) = &shared.credentials {
+            call = call.with_session_credentials(Rc::clone(cache), host::now_ms());
+        }
         Http {
             shared,
             call,
@@ -61,8 +65,9 @@ impl Http {
         if let Some(key) = head.resume_key() {
             head.resume = host::take_shared(&key, |stored| head.admit_resume(stored));
         }
-        // Only a request that asks to upgrade is decided by its route.
-        if head.upgrade.is_some() {
+        // Decided by its route: a request that asks to upgrade, and one under a permit,
+        // whose credential belongs to one route (crate::call::credential).
+        if head.upgrade.is_some() || !head.permit.is_empty() {
             head.route = host::route_name();
         }
         head
@@ -94,6 +99,10 @@ impl effects::Host for Exec<'_> {
             }
             Effect::SetRequestHeader(name, value) => {
                 return host::set_header(MapType::HttpRequestHeaders, &name, &value).ok_or(Refused)
+            }
+            Effect::SetRequestSecret(name, value) => {
+                return host::set_header(MapType::HttpRequestHeaders, &name, value.expose())
+                    .ok_or(Refused)
             }
             Effect::ReplaceRequestBody { original_len, body } => {
                 if hostcalls::set_buffer(BufferType::HttpRequestBody, 0, original_len, &body)

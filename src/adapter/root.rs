@@ -5,6 +5,7 @@ use super::host;
 use super::http::{Http, Refuse};
 use super::shared::Shared;
 use super::verify::{VerifyHttp, VerifyRoot};
+use crate::call::credential::CredentialCache;
 use crate::call::Level;
 use crate::ledger_client::{self, Callout};
 use crate::report::{self, Reporter, RootEffect, RootHost, Tasks};
@@ -233,11 +234,17 @@ impl Root {
         self.reporter
             .borrow_mut()
             .configure(config.ledger.timeout_ms, config.report_interval_ms);
+        let credentials = (config.credential_cache_ms > 0).then(|| {
+            Rc::new(RefCell::new(CredentialCache::new(
+                config.credential_cache_ms,
+            )))
+        });
         self.shared = Some(Shared {
             config: Rc::new(config),
             reporter: Rc::clone(&self.reporter),
             doorbell: self.doorbell,
             metrics,
+            credentials,
         });
         true
     }

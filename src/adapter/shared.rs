@@ -1,6 +1,7 @@
 //! What the root context shares with its HTTP contexts (one VM is single-threaded).
 
 use super::host::{self, Metrics};
+use crate::call::credential::CredentialCache;
 use crate::report::{Reporter, RootEffect};
 use atmost_config::Config;
 use proxy_wasm::hostcalls;
@@ -14,6 +15,8 @@ pub struct Shared {
     /// The root's doorbell: a shared queue registered under a name unique to this VM.
     pub doorbell: Option<u32>,
     pub metrics: Rc<Metrics>,
+    /// This worker's credentials for the session's requests (`credential_cache_ms` > 0).
+    pub credentials: Option<Rc<RefCell<CredentialCache>>>,
 }
 
 impl Shared {

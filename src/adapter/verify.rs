@@ -19,7 +19,7 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 /// The root's tick in this role: how soon a fetch is started when the doorbell could not
 /// ring, and the resolution of `verify.jwks.refresh_ms`.
@@ -47,15 +47,6 @@ impl SharedSlots for HostSlots {
     fn create(&mut self, key: &str) {
         host::set_shared(key, &[]);
     }
-}
-
-/// Unix milliseconds by Envoy's clock.
-fn now_ms() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
 }
 
 /// Carries out a verifier's step in the current context; returns its flow.
@@ -127,7 +118,7 @@ impl VerifyRoot {
 
     /// Starts a fetch of the key set if one is asked for or due.
     pub fn fetch_if_due(&mut self) {
-        let now = now_ms();
+        let now = host::now_ms();
         let source = {
             let Ok(mut verifier) = self.shared.verifier.try_borrow_mut() else {
                 return;
@@ -192,7 +183,7 @@ impl VerifyRoot {
             let Ok(mut verifier) = self.shared.verifier.try_borrow_mut() else {
                 return;
             };
-            verifier.on_keys(body, now_ms(), &mut HostSlots)
+            verifier.on_keys(body, host::now_ms(), &mut HostSlots)
         };
         self.shared.metrics.inc(stat);
         for (context_id, step) in finished {
@@ -270,7 +261,7 @@ impl HttpContext for VerifyHttp {
                 &body,
                 &mut verifier,
                 self.context_id,
-                now_ms(),
+                host::now_ms(),
                 &mut HostSlots,
             )
         };

@@ -15,7 +15,7 @@ pub struct Refused;
 
 pub trait Host {
     /// Carries out one effect. Only the request edits (`RemoveRequestHeader`,
-    /// `SetRequestHeader`, `ReplaceRequestBody`) and the response edits
+    /// `SetRequestHeader`, `SetRequestSecret`, `ReplaceRequestBody`) and the response edits
     /// ([`Effect::edits_response`]) may answer [`Refused`]; any other failure is the host's
     /// to log.
     fn effect(&mut self, effect: Effect) -> Result<(), Refused>;
@@ -107,6 +107,7 @@ mod tests {
             capability: "cap-1".into(),
             limits,
             signature: None,
+            credential: None,
         };
         let answer = signed(&call, answer);
         let step = call.on_ledger_reply(&LedgerReply {

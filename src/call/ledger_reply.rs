@@ -7,6 +7,9 @@ use atmost_protocol::signature::DispatchNonce;
 impl Call {
     /// The callout of the last step could not even be dispatched.
     pub fn on_callout_failed(&mut self) -> Step {
+        if let Some(step) = self.on_session_credential_failed() {
+            return step;
+        }
         match &mut self.state {
             State::Authorizing(p) => {
                 let (id, tool) = (p.id.clone(), p.tool.clone());
@@ -49,6 +52,9 @@ impl Call {
 
     /// The ledger answered (or failed to answer) the pending callout.
     pub fn on_ledger_reply(&mut self, reply: &LedgerReply) -> Step {
+        if let Some(step) = self.on_session_credential_reply(reply) {
+            return step;
+        }
         if matches!(self.state, State::Listing(_)) {
             return self.on_limits_reply(reply);
         }
@@ -141,6 +147,7 @@ impl Call {
                 capability,
                 limits,
                 signature,
+                credential,
                 ..
             }) => {
                 let grant = DispatchGrant {
@@ -165,6 +172,14 @@ impl Call {
                     }
                     signature_headers = signature.as_ref().map(|s| signing.headers(s));
                 }
+                let credential_edits = match &credential {
+                    Some(c) => match credential::edits(c, p.route.as_deref(), self.ahead.is_none())
+                    {
+                        Ok(edits) => edits,
+                        Err(why) => return not_sent(&cfg, &p, &grant, NotSent::Credential(why)),
+                    },
+                    None => Vec::new(),
+                };
                 // Every edit comes before the resume, which the adapter skips if one is
                 // refused: the body with its key members in upstream form, the key header
                 // (with `request_hold: body` none goes upstream: the headers left already),
@@ -181,6 +196,7 @@ impl Call {
                 }
                 let step = step
                     .with_all(signature_headers.into_iter().flatten())
+                    .with_all(credential_edits)
                     .with(Effect::Count(Stat::Dispatched))
                     .with(Effect::Log(
                         Level::Info,
@@ -220,6 +236,8 @@ enum NotSent {
     OtherPermit,
     /// `request_hold: headers`: the answer carries no signature the filter can send.
     Unsigned(signing::Unusable),
+    /// The answer's credential cannot go on the call ([`credential::Unsendable`]).
+    Credential(credential::Unsendable),
 }
 
 /// A dispatched call the filter does not send: denied `gateway_unavailable`, and its round
@@ -240,6 +258,11 @@ fn not_sent(config: &Config, p: &Pending, grant: &DispatchGrant, why: NotSent) -
             "dispatch_unsigned",
             "the atmost ledger's dispatch carried no usable signature; the call was not sent",
             unusable.as_str().to_string(),
+        ),
+        NotSent::Credential(why) => (
+            why.as_str(),
+            "the tool's credential could not be set on the call; it was not sent",
+            format!("a credential it could not set ({})", why.as_str()),
         ),
     };
     let denial = Denial::new(DenialCode::GatewayUnavailable, message);

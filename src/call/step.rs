@@ -7,6 +7,7 @@ use crate::call::upgrade::Upgrade;
 use crate::ledger_client::Callout;
 use crate::parse::mcp::Mirrored;
 use crate::stats::Stat;
+use atmost_protocol::credential::SecretValue;
 use atmost_protocol::OutcomeReport;
 
 /// Name of the idempotency header, as Envoy stores it.
@@ -99,9 +100,12 @@ pub enum Level {
 pub enum Effect {
     RemoveRequestHeader(String),
     SetRequestHeader(String, String),
+    /// A request header set to the ledger's credential ([`crate::call::credential`]): a
+    /// request edit like `SetRequestHeader`, whose `Debug` never shows the value.
+    SetRequestSecret(String, SecretValue),
     /// Replace the buffered request body (`original_len` bytes) with `body`.
     ///
-    /// The three request edits (`RemoveRequestHeader`, `SetRequestHeader`,
+    /// The request edits (`RemoveRequestHeader`, `SetRequestHeader`, `SetRequestSecret`,
     /// `ReplaceRequestBody`) must all take effect before the request may go on: when the
     /// host refuses one, the adapter carries out nothing more of the step (no
     /// `ResumeRequest`, no `Continue`) and calls [`Call::on_rewrite_failed`] instead.

@@ -134,6 +134,7 @@ fn dispatch() -> AuthorizeResponse {
         capability: "cap-1".into(),
         limits: None,
         signature: None,
+        credential: None,
     }
 }
 
@@ -1999,6 +2000,7 @@ fn a_tools_list_answer_in_an_sse_event_gains_the_figures_in_place() {
 mod answer_release;
 mod body_hold;
 mod control_headers;
+mod credential;
 mod signed_dispatch;
 mod sse_trailers;
 mod tool_refusal;

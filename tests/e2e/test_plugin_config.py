@@ -33,6 +33,8 @@ BAD = [
     ("ledger.service_token", {**GOOD, "ledger": {**GOOD["ledger"], "service_token": SHORT_TOKEN}}),
     ("governed_tool", {**GOOD, "governed_tool": ["pay_invoice"]}),  # a typo of governed_tools
     ("answer_release", {**GOOD, "answer_release": "later"}),
+    # Longer than five minutes: a revocation would take that long to reach a session's requests.
+    ("credential_cache_ms", {**GOOD, "credential_cache_ms": 300_001}),
     # Released at once, a request's own report callout would die with the request.
     ("answer_release", {**GOOD, "answer_release": "at_once", "completion_reports": "per_call"}),
     # The verifier at the tool: a gateway setting in its configuration, and the reverse.

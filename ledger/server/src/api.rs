@@ -7,6 +7,7 @@ use serde_json::Value;
 
 use crate::redact::Redaction;
 use atmost_ledger::clock::{self, Millis};
+use atmost_ledger::credentials::CredentialUse;
 use atmost_ledger::keys::PublicSigningKey;
 use atmost_ledger::model::{
     Attempt, AttemptState, CallRules, KeyCarriers, Permit, PermitDetail, Resolution,
@@ -17,6 +18,7 @@ pub const ADMIN_PERMITS_PATH: &str = "/admin/v1/permits";
 pub const ADMIN_ATTEMPTS_PATH: &str = "/admin/v1/attempts";
 pub const ADMIN_ATTEMPTS_EXPORT_PATH: &str = "/admin/v1/attempts/export";
 pub const ADMIN_KEYS_PATH: &str = "/admin/v1/keys";
+pub const ADMIN_CREDENTIALS_PATH: &str = "/admin/v1/credentials";
 pub const ADMIN_KEYS_ROTATE_PATH: &str = "/admin/v1/keys/rotate";
 pub const ADMIN_INBOX_SESSIONS_REVOKE_PATH: &str = "/admin/v1/inbox/sessions/revoke";
 
@@ -205,6 +207,10 @@ pub struct AttemptView {
     /// attempt stored before arguments were kept).
     #[serde(default)]
     pub arguments: Option<Value>,
+    /// The credential (name and version, never its secret) the dispatch carried; `None` when
+    /// its permit names none, or for an attempt stored before it was kept.
+    #[serde(default)]
+    pub credential: Option<CredentialUse>,
 }
 
 impl AttemptView {
@@ -228,6 +234,7 @@ impl AttemptView {
             forwarded_key: a.forwarded_key.clone(),
             forwarded_key_carriers: a.forwarded_key_carriers,
             arguments: a.arguments.as_deref().map(|t| redaction.show(t)),
+            credential: a.credential.clone(),
         }
     }
 }

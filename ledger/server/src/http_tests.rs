@@ -81,6 +81,7 @@ async fn start_in(
         tool_refusal_keys: Default::default(),
         auth_limit: Default::default(),
         purge_ended_permits_after: None,
+        credential_key: None,
     };
     configure(&mut config);
     let state = Arc::new(AppState::new(
@@ -164,6 +165,13 @@ impl TestServer {
     pub async fn metrics(&self) -> String {
         let resp = self.http.get(self.url("/metrics")).send().await.unwrap();
         resp.text().await.unwrap()
+    }
+
+    /// Revokes the permit `id` (answered 200).
+    pub async fn revoke(&self, id: &str) {
+        let path = format!("/admin/v1/permits/{id}/revoke");
+        let (st, v) = self.post(&path, Some(ADM), json!({})).await;
+        assert_eq!(st, 200, "{v}");
     }
 
     pub async fn create_permit(&self, body: Value) -> (String, String) {
@@ -608,14 +616,7 @@ async fn limits_name_each_tool_asked_about_under_the_service_token() {
         refused("atmp_nope".into()).await,
         (403, json!({"error": "permit_invalid"}))
     );
-    let (st, _) = s
-        .post(
-            &format!("/admin/v1/permits/{id}/revoke"),
-            Some(ADM),
-            json!({}),
-        )
-        .await;
-    assert_eq!(st, 200);
+    s.revoke(&id).await;
     assert_eq!(
         refused(tok.clone()).await,
         (403, json!({"error": "permit_invalid"}))

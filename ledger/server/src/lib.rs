@@ -1,5 +1,5 @@
 //! The atmost ledger server: the service API the filter calls (`/v1/authorize`,
-//! `/v1/outcomes`, `/v1/limits`), the admin API, the reconciliation inbox, the reconciler and
+//! `/v1/outcomes`, `/v1/limits`, `/v1/credential`), the admin API, the reconciliation inbox, the reconciler and
 //! the sweeper, over a store of the `atmost-ledger` library; and the `atmost` command line
 //! (the server, the admin client, the offline config check).
 
@@ -7,6 +7,7 @@ pub mod api;
 pub mod auth_limit;
 pub mod cli;
 pub mod config_check;
+pub mod credentials;
 pub mod decision_loop;
 pub mod drain;
 pub mod inbox;
@@ -19,5 +20,7 @@ pub mod signer;
 pub mod tls;
 pub mod tool_refusal;
 
+#[cfg(test)]
+mod credentials_tests;
 #[cfg(test)]
 mod http_tests;

@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use atmost_protocol::credential::CREDENTIAL_PATH;
 use atmost_protocol::signature::{Jwks, KEYS_PATH};
 use atmost_protocol::{
     AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, LimitsRequest, Outcome, OutcomeAck,
@@ -16,7 +17,7 @@ use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{any, get, post};
+use axum::routing::{any, get, post, put};
 use axum::{Json, Router};
 use serde::Deserialize;
 use tracing::{error, info, warn};
@@ -28,12 +29,14 @@ use crate::api::{
     SessionsRevokeResponse,
 };
 use crate::auth_limit::{AuthLimit, FailureLimiter, Verdict};
+use crate::credentials;
 use crate::inbox::{self, InboxConfig};
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
 use crate::redact::Redaction;
 use crate::signer::{KeyUnavailable, Signer};
 use atmost_ledger::clock::{Clock, Deadline};
+use atmost_ledger::credentials::CredentialKey;
 use atmost_ledger::decide::{self, Mutation, Notice, ResolveInput};
 use atmost_ledger::error::{LedgerError, ResolveError};
 use atmost_ledger::keys::PublicSigningKey;
@@ -73,6 +76,9 @@ pub struct ServerConfig {
     /// How long after a permit stopped authorizing the sweeper purges its history; `None`
     /// keeps everything (docs/design.md#purging-ended-permits).
     pub purge_ended_permits_after: Option<Duration>,
+    /// The key the credentials in the ledger's custody are sealed under
+    /// (`--credential-key-file`, `ATMOST_CREDENTIAL_KEY`); without it the ledger keeps none.
+    pub credential_key: Option<Arc<CredentialKey>>,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -89,6 +95,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("tool_refusal_keys", &self.tool_refusal_keys)
             .field("auth_limit", &self.auth_limit)
             .field("purge_ended_permits_after", &self.purge_ended_permits_after)
+            .field("credential_key", &self.credential_key)
             .finish()
     }
 }
@@ -106,6 +113,8 @@ pub struct AppState {
     pub auth_failures: FailureLimiter,
     /// When the gauges read from the store were last read (see [`refresh_store_gauges`]).
     store_gauges_read_at: tokio::sync::Mutex<Option<Instant>>,
+    /// Which credential each permit names (crate::credentials).
+    pub custody: crate::credentials::Custody,
 }
 
 impl AppState {
@@ -128,6 +137,7 @@ impl AppState {
             readiness: Readiness::default(),
             auth_failures,
             store_gauges_read_at: tokio::sync::Mutex::new(None),
+            custody: Default::default(),
         }
     }
 
@@ -145,7 +155,7 @@ impl AppState {
 
 pub type Shared = Arc<AppState>;
 
-fn error_response(status: StatusCode, error: &str, message: Option<String>) -> Response {
+pub(crate) fn error_response(status: StatusCode, error: &str, message: Option<String>) -> Response {
     (
         status,
         Json(ErrorBody {
@@ -168,7 +178,7 @@ fn not_found(what: &str) -> Response {
 /// over: [`LedgerError::is_transient`]) answers 503 `store_unavailable`, which the filter turns
 /// into `gateway_unavailable`, so nothing is dispatched on a decision that was not committed.
 /// Anything else is a bug or bad data, not an outage: 500 `internal`, logged as such.
-fn internal(state: &AppState, op: &str, e: &LedgerError) -> Response {
+pub(crate) fn internal(state: &AppState, op: &str, e: &LedgerError) -> Response {
     state.metrics.store_errors.with_label_values(&[op]).inc();
     if e.is_transient() {
         error!(op, error = %e, "store unavailable");
@@ -281,6 +291,7 @@ pub fn api_router(state: Shared) -> Router {
         .route(AUTHORIZE_PATH, post(authorize))
         .route(OUTCOMES_PATH, post(outcomes))
         .route(LIMITS_PATH, post(limits))
+        .route(CREDENTIAL_PATH, post(credentials::fetch))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_service,
@@ -312,6 +323,14 @@ pub fn admin_router(state: Shared) -> Router {
         .route("/admin/v1/attempts/{id}", get(show_attempt))
         .route("/admin/v1/attempts/{id}/resolve", post(resolve_attempt))
         .route(api::ADMIN_KEYS_PATH, get(list_keys))
+        .route(
+            api::ADMIN_CREDENTIALS_PATH,
+            get(credentials::list_credentials),
+        )
+        .route(
+            "/admin/v1/credentials/{name}",
+            put(credentials::put_credential),
+        )
         .route(api::ADMIN_KEYS_ROTATE_PATH, post(rotate_key))
         .route(
             api::ADMIN_INBOX_SESSIONS_REVOKE_PATH,
@@ -413,10 +432,16 @@ async fn authorize(
             Err(e) => return unsignable(&state, permit_id, &req.tool, &e),
         },
     };
+    // Read and opened before the decision: a credential that cannot be sent reserves nothing.
+    let credential = match credentials::for_dispatch(&state, &req.permit_token).await {
+        Ok(c) => c,
+        Err(e) => return internal(&state, "credential", &e),
+    };
+    let (used, credential) = credential.unzip();
     let now = state.clock.now_ms();
     let decision = match state
         .store
-        .authorize(&req, state.lease_ms(), now, deadline)
+        .authorize_with(&req, used.clone(), state.lease_ms(), now, deadline)
         .await
     {
         Ok(d) => d,
@@ -435,6 +460,9 @@ async fn authorize(
         Mutation::None => None,
     };
     let mut response = decision.response;
+    if let AuthorizeResponse::Dispatch { credential: c, .. } = &mut response {
+        *c = credential;
+    }
     let signed_by = match key.as_deref() {
         Some(key) => {
             match signing::sign_answer(&req, &mut response, key, now, recorded_body.as_deref()) {
@@ -484,8 +512,11 @@ async fn authorize(
                 .authorize
                 .with_label_values(&["dispatch", "none"])
                 .inc();
+            let (credential, version) = used
+                .as_ref()
+                .map_or(("-", 0), |u| (u.name.as_str(), u.version));
             info!(permit_id, tool = %req.tool, attempt_id = %attempt_id, decision = "dispatch",
-                kid = signed_by.unwrap_or("-"), "authorize");
+                kid = signed_by.unwrap_or("-"), credential, credential_version = version, "authorize");
         }
         AuthorizeResponse::Replay { attempt_id, .. } => {
             state
@@ -619,12 +650,9 @@ async fn limits(
     }
     let now = state.clock.now_ms();
     let permit_id = token::permit_id_of(&req.permit_token);
-    let permit = match permit_id {
-        Some(id) => match state.store.get_permit(id).await {
-            Ok(p) => p,
-            Err(e) => return internal(&state, "limits", &e),
-        },
-        None => None,
+    let permit = match permit_of(&state, &req.permit_token).await {
+        Ok(p) => p,
+        Err(e) => return internal(&state, "limits", &e),
     };
     let counters = match permit.as_ref() {
         Some(p) if decide::authenticate(&req.permit_token, Some(p)).is_some() => {
@@ -656,6 +684,17 @@ async fn limits(
             info!(permit_id, code = "permit_invalid", "limits refused");
             error_response(StatusCode::FORBIDDEN, "permit_invalid", None)
         }
+    }
+}
+
+/// The permit whose id the token names (authenticated or not), `None` when it names none.
+pub(crate) async fn permit_of(
+    state: &AppState,
+    permit_token: &str,
+) -> Result<Option<atmost_ledger::model::Permit>, LedgerError> {
+    match token::permit_id_of(permit_token) {
+        Some(id) => state.store.get_permit(id).await,
+        None => Ok(None),
     }
 }
 
@@ -738,6 +777,11 @@ async fn create_permit(
         Ok(b) => b,
         Err(r) => return json_rejection(r),
     };
+    if let Some(name) = req.policy.rules.credential.as_deref() {
+        if let Err(refused) = credentials::check_named(&state, name).await {
+            return refused;
+        }
+    }
     let now = state.clock.now_ms();
     let (permit, tok) = match req.issue(now) {
         Ok(p) => p,

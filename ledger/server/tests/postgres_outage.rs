@@ -72,6 +72,7 @@ mod postgres_outage {
                 admin_token: "adm".into(),
                 auth_limit: Default::default(),
                 purge_ended_permits_after: None,
+                credential_key: None,
                 lease: Duration::from_secs(60),
                 callout_timeout: Duration::from_secs(30),
                 redaction: Default::default(),

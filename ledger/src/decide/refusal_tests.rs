@@ -193,6 +193,7 @@ fn the_same_key_after_a_proven_refusal_is_a_new_call() {
         lease_ms: 60_000,
         new_attempt_id: "att_new".into(),
         new_capability: "cap-new".into(),
+        credential: None,
     };
     let d = decide(&req, &snapshot, &params);
     assert!(

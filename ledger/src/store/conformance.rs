@@ -17,6 +17,7 @@ use serde_json::{json, Value};
 
 use super::{AttemptFilter, PurgeReport, Store};
 use crate::clock;
+use crate::credentials::{CredentialForm, CredentialUse, StoredCredential};
 use crate::decide::{Notice, ResolveInput};
 use crate::error::ResolveError;
 use crate::keys::PUBLISHED_AFTER_RETIREMENT_MS;
@@ -62,7 +63,8 @@ macro_rules! conformance_suite {
             race_released_key_dispatched_again, permit_limits_in_answers, inbox_reads,
             uncertain_pages, signing_keys_rotation_and_publication, race_signing_keys,
             inbox_sessions, decisions_past_their_deadline_commit_nothing, purge_of_ended_permits,
-            purge_in_bounded_batches, refusals_at_the_tool, dispatch_bodies_recorded);
+            purge_in_bounded_batches, refusals_at_the_tool, dispatch_bodies_recorded,
+            credentials_versions_and_reads, race_credential_versions, attempts_keep_their_credential);
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
         $(
@@ -2646,5 +2648,153 @@ pub async fn dispatch_bodies_recorded(h: &dyn Harness) {
     assert_eq!(
         kept.dispatch_body_sha256,
         Some(token::sha256_hex("round 2"))
+    );
+}
+
+/// A credential as a store receives it: `sealed` stands for a sealed secret (the stores
+/// keep it as text and never open it).
+fn credential(name: &str, header: &str, sealed: &str, at: i64) -> StoredCredential {
+    StoredCredential {
+        name: name.into(),
+        version: 0,
+        header: header.into(),
+        form: CredentialForm::Bearer,
+        routes: vec!["tool_route".into(), "tool_sse".into()],
+        sealed: Some(sealed.into()),
+        created_at_ms: at,
+    }
+}
+
+/// Credentials: each registration of a name is its next version; the newest is read with its
+/// sealed secret by name, listed without it; every handle sees them, and they outlive a reopen.
+pub async fn credentials_versions_and_reads(h: &dyn Harness) {
+    let s = h.store().await;
+    let other = h.second_handle().await;
+    assert_eq!(s.credential("pay").await.unwrap(), None);
+    assert!(s.credentials().await.unwrap().is_empty());
+    let v1 = s
+        .put_credential(&credential("pay", "authorization", "v1.sealed-a", T0))
+        .await
+        .unwrap();
+    assert_eq!(v1.version, 1);
+    let mut given = credential("pay", "x-api-key", "v1.sealed-b", T0 + MIN);
+    given.version = 7;
+    let v2 = other.put_credential(&given).await.unwrap();
+    assert_eq!(v2.version, 2, "the store numbers versions, not the caller");
+    let o1 = s
+        .put_credential(&credential("search", "x-api-key", "v1.sealed-c", T0))
+        .await
+        .unwrap();
+    assert_eq!(o1.version, 1);
+
+    let newest = s.credential("pay").await.unwrap().unwrap();
+    assert_eq!(newest, v2);
+    assert_eq!(newest.sealed.as_deref(), Some("v1.sealed-b"));
+    assert_eq!(newest.header, "x-api-key");
+    assert_eq!(newest.created_at_ms, T0 + MIN);
+    assert_eq!(newest.routes, ["tool_route", "tool_sse"]);
+    let listed = other.credentials().await.unwrap();
+    let shown: Vec<_> = listed
+        .iter()
+        .map(|c| (c.name.as_str(), c.version, c.sealed.clone()))
+        .collect();
+    assert_eq!(shown, vec![("pay", 2, None), ("search", 1, None)]);
+    drop((s, other));
+    let s = h.reopen().await;
+    assert_eq!(s.credential("pay").await.unwrap(), Some(v2));
+    assert_eq!(s.credential("search").await.unwrap(), Some(o1));
+}
+
+/// Registrations of one name from two handles at once each get a version of their own.
+pub async fn race_credential_versions(h: &dyn Harness) {
+    let sides = Sides::of(h).await;
+    let mut puts = Vec::new();
+    for i in 0..10 {
+        let (store, _) = sides.sides(i);
+        puts.push(tokio::spawn(async move {
+            let sealed = format!("v1.sealed-{i}");
+            store
+                .put_credential(&credential("pay", "authorization", &sealed, T0))
+                .await
+                .unwrap()
+                .version
+        }));
+    }
+    let mut versions = Vec::new();
+    for p in puts {
+        versions.push(p.await.unwrap());
+    }
+    versions.sort_unstable();
+    assert_eq!(versions, (1..=10).collect::<Vec<u32>>());
+    let newest = sides.two.credential("pay").await.unwrap().unwrap();
+    assert_eq!(newest.version, 10);
+}
+
+/// A new attempt keeps the credential its dispatch carried (name and version); one whose
+/// permit names none keeps none; every read of attempts shows it.
+pub async fn attempts_keep_their_credential(h: &dyn Harness) {
+    let s = h.store().await;
+    let (_, tok) = make_permit(&*s, policy(), T0 + HOUR).await;
+    let carried = CredentialUse {
+        name: "pay.eu".into(),
+        version: 3,
+    };
+    let r = req(&tok, "pay", Some("k1"), "fp1", json!({}));
+    let answer = s
+        .authorize_with(&r, Some(carried.clone()), LEASE_MS, T0, patient())
+        .await
+        .unwrap()
+        .response;
+    let with = dispatched(&answer);
+    let r = req(&tok, "pay", Some("k2"), "fp2", json!({}));
+    let without = dispatched(&auth(&*s, &r, T0).await);
+    let other = h.second_handle().await;
+    let a = other.get_attempt(&with).await.unwrap().unwrap();
+    assert_eq!(a.credential, Some(carried.clone()));
+    assert_eq!(
+        other
+            .get_attempt(&without)
+            .await
+            .unwrap()
+            .unwrap()
+            .credential,
+        None
+    );
+    let listed = other
+        .list_attempts(&AttemptFilter::default())
+        .await
+        .unwrap();
+    let kept: Vec<_> = listed
+        .iter()
+        .map(|a| (a.id.clone(), a.credential.clone()))
+        .collect();
+    assert!(
+        kept.contains(&(with.clone(), Some(carried.clone()))),
+        "{kept:?}"
+    );
+    assert!(kept.contains(&(without, None)), "{kept:?}");
+    // A replay under the same key carries nothing new and keeps the attempt's record.
+    s.record_outcome(
+        &report_of(
+            &with,
+            Outcome::Completed {
+                receipt: "{}".into(),
+            },
+        ),
+        T0 + 1,
+    )
+    .await
+    .unwrap();
+    let r = req(&tok, "pay", Some("k1"), "fp1", json!({}));
+    assert!(matches!(
+        s.authorize_with(&r, None, LEASE_MS, T0 + 2, patient())
+            .await
+            .unwrap()
+            .response,
+        AuthorizeResponse::Replay { .. }
+    ));
+    assert_eq!(
+        s.get_attempt(&with).await.unwrap().unwrap().credential,
+        Some(carried)
     );
 }

@@ -16,6 +16,7 @@ use async_trait::async_trait;
 use atmost_protocol::{AuthorizeRequest, OutcomeAck, OutcomeReport};
 
 use crate::clock::{Deadline, Millis};
+use crate::credentials::{CredentialUse, StoredCredential};
 use crate::decide::{Decision, ResolveInput};
 use crate::error::{LedgerError, ResolveError};
 use crate::keys::{Rotation, SigningKey};
@@ -91,14 +92,33 @@ pub trait Decisions: Send + Sync {
     /// mutant shows why: as two steps, two replicas both pass a cap of 1. Nothing is
     /// committed after `deadline` (the caller stopped waiting and was told nothing was
     /// reserved): a decision that cannot commit before it fails with
-    /// [`LedgerError::DeadlinePassed`].
+    /// [`LedgerError::DeadlinePassed`]. A new attempt keeps `credential`, the credential its
+    /// dispatch carries (the ledger read it, by the permit's name for it, before deciding).
+    async fn authorize_with(
+        &self,
+        req: &AuthorizeRequest,
+        credential: Option<CredentialUse>,
+        lease_ms: u64,
+        now: Millis,
+        deadline: Deadline,
+    ) -> Result<Decision, LedgerError>;
+
+    /// [`Decisions::authorize_with`] for a permit that names no credential.
     async fn authorize(
         &self,
         req: &AuthorizeRequest,
         lease_ms: u64,
         now: Millis,
         deadline: Deadline,
-    ) -> Result<Decision, LedgerError>;
+    ) -> Result<Decision, LedgerError> {
+        self.authorize_with(req, None, lease_ms, now, deadline)
+            .await
+    }
+
+    /// Stores a new version of the credential `c` names (its secret already sealed): version
+    /// 1 for a new name, else one more than the newest, whatever `c.version` says. Two
+    /// registrations of one name at once get two versions. Answers what was stored.
+    async fn put_credential(&self, c: &StoredCredential) -> Result<StoredCredential, LedgerError>;
 
     /// Applies one outcome report.
     async fn record_outcome(

@@ -12,11 +12,13 @@ use std::collections::BTreeMap;
 use async_trait::async_trait;
 
 use crate::clock::Millis;
+use crate::credentials::StoredCredential;
 use crate::error::LedgerError;
 use crate::keys::{PublicSigningKey, SigningKey, StoredSigningKey, PUBLISHED_AFTER_RETIREMENT_MS};
 use crate::model::{Attempt, AttemptState, BudgetTotals, Permit, PermitDetail, ToolUsage};
 use crate::store::rows::{
-    to_u64, ATTEMPT_COLS, KEY_ORDER, PERMIT_COLS, SIGNING_KEY_COLS, SIGNING_KEY_PUBLIC_COLS,
+    to_u64, ATTEMPT_COLS, CREDENTIAL_COLS, CREDENTIAL_PUBLIC_COLS, KEY_ORDER, PERMIT_COLS,
+    SIGNING_KEY_COLS, SIGNING_KEY_PUBLIC_COLS,
 };
 use crate::store::{AttemptFilter, PermitCounters};
 
@@ -56,6 +58,8 @@ pub enum RowShape {
     Numbers { columns: usize },
     /// The columns of [`SIGNING_KEY_COLS`] (the private key may be NULL).
     SigningKey,
+    /// The columns of [`CREDENTIAL_COLS`] (the sealed secret may be NULL).
+    Credential,
 }
 
 /// One statement of a read.
@@ -75,6 +79,7 @@ pub enum Rows {
     Counts(Vec<(Vec<String>, i64)>),
     Numbers(Vec<Vec<Option<i64>>>),
     SigningKeys(Vec<StoredSigningKey>),
+    Credentials(Vec<StoredCredential>),
 }
 
 impl Rows {
@@ -110,6 +115,13 @@ impl Rows {
         match self {
             Rows::SigningKeys(k) => Ok(k),
             other => Err(shape_mismatch("signing keys", &other)),
+        }
+    }
+
+    fn credentials(self) -> Result<Vec<StoredCredential>, LedgerError> {
+        match self {
+            Rows::Credentials(c) => Ok(c),
+            other => Err(shape_mismatch("credentials", &other)),
         }
     }
 }
@@ -367,6 +379,32 @@ impl ReadSql {
             rows: RowShape::SigningKey,
         }
     }
+
+    /// The newest version of the named credential, its sealed secret included.
+    pub fn credential(&self, name: &str) -> Statement {
+        Statement {
+            sql: format!(
+                "SELECT {CREDENTIAL_COLS} FROM credentials WHERE name = {} \
+                 ORDER BY version DESC LIMIT 1",
+                self.p(1)
+            ),
+            params: vec![Param::Text(name.to_string())],
+            rows: RowShape::Credential,
+        }
+    }
+
+    /// The newest version of every credential, without their secrets, by name.
+    pub fn credentials(&self) -> Statement {
+        Statement {
+            sql: format!(
+                "SELECT {CREDENTIAL_PUBLIC_COLS} FROM credentials c \
+                 WHERE version = (SELECT MAX(version) FROM credentials n WHERE n.name = c.name) \
+                 ORDER BY name"
+            ),
+            params: Vec::new(),
+            rows: RowShape::Credential,
+        }
+    }
 }
 
 /// Runs the statements of one read and answers their rows, one each.
@@ -463,6 +501,13 @@ pub trait Reads: Send + Sync {
 
     /// Every signing key ever made, newest first.
     async fn signing_keys(&self) -> Result<Vec<PublicSigningKey>, LedgerError>;
+
+    /// The newest version of the named credential with its sealed secret, to answer a
+    /// dispatch; `None` when no credential has that name.
+    async fn credential(&self, name: &str) -> Result<Option<StoredCredential>, LedgerError>;
+
+    /// The newest version of every credential, by name, without their secrets.
+    async fn credentials(&self) -> Result<Vec<StoredCredential>, LedgerError>;
 }
 
 #[async_trait]
@@ -637,6 +682,16 @@ impl<S: ReadQueries + ?Sized> Reads for S {
             .iter()
             .map(StoredSigningKey::public)
             .collect())
+    }
+
+    async fn credential(&self, name: &str) -> Result<Option<StoredCredential>, LedgerError> {
+        let [rows] = run(self, [ReadSql::new(self.dialect()).credential(name)]).await?;
+        Ok(rows.credentials()?.into_iter().next())
+    }
+
+    async fn credentials(&self) -> Result<Vec<StoredCredential>, LedgerError> {
+        let [rows] = run(self, [ReadSql::new(self.dialect()).credentials()]).await?;
+        rows.credentials()
     }
 }
 

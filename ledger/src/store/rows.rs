@@ -5,6 +5,7 @@
 //! mean (the policy's JSON, the state's name, the resolution's three columns, the round's
 //! range) is checked here once, so the stores cannot read a permit or an attempt differently.
 
+use crate::credentials::{CredentialForm, CredentialUse, StoredCredential};
 use crate::error::LedgerError;
 use crate::model::{Attempt, KeyCarriers, Permit, Resolution, ResolutionSource};
 
@@ -46,7 +47,7 @@ pub const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerp
      a.updated_at, a.lease_expires_at, a.finished_at, a.receipt, a.reason, a.replay_count, a.pruned_at, \
      a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note, a.round, a.capability_hash, \
      a.resolution_source, a.provider_answer, a.forwarded_key, a.arguments, a.forwarded_key_carriers, \
-     a.dispatch_body_sha256";
+     a.dispatch_body_sha256, a.credential";
 
 /// The `signing_keys` columns, in the order a store reads them into a
 /// [`StoredSigningKey`](crate::keys::StoredSigningKey).
@@ -60,6 +61,46 @@ pub const KEY_ORDER: &str = "retired_at IS NOT NULL, retired_at DESC, created_at
 pub const SIGNING_KEY_PUBLIC_COLS: &str =
     "kid, public_key, CAST(NULL AS TEXT), created_at, retired_at";
 
+/// The `credentials` columns, in the order [`CredentialRow`] reads them.
+pub const CREDENTIAL_COLS: &str = "name, version, header, form, route, sealed, created_at";
+
+/// The same columns with NULL for the sealed secret: every read but a dispatch's, so the
+/// secret leaves the store only to be sent.
+pub const CREDENTIAL_PUBLIC_COLS: &str =
+    "name, version, header, form, route, CAST(NULL AS TEXT), created_at";
+
+/// One `credentials` row's column values as the driver read them, in [`CREDENTIAL_COLS`]
+/// order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CredentialRow {
+    pub name: String,
+    pub version: i64,
+    pub header: String,
+    pub form: String,
+    pub route: String,
+    pub sealed: Option<String>,
+    pub created_at: i64,
+}
+
+impl TryFrom<CredentialRow> for StoredCredential {
+    type Error = LedgerError;
+
+    fn try_from(row: CredentialRow) -> Result<Self, Self::Error> {
+        Ok(StoredCredential {
+            version: u32::try_from(row.version).map_err(|_| {
+                LedgerError::Corrupt(format!("credential version {} out of range", row.version))
+            })?,
+            form: CredentialForm::from_wire(&row.form)
+                .ok_or_else(|| LedgerError::Corrupt(format!("credential form {:?}", row.form)))?,
+            name: row.name,
+            header: row.header,
+            routes: crate::credentials::routes_of_column(&row.route),
+            sealed: row.sealed,
+            created_at_ms: row.created_at,
+        })
+    }
+}
+
 /// A count or amount as both stores keep it (SQL's signed 64-bit integer); larger is refused.
 pub fn to_i64(n: u64) -> Result<i64, LedgerError> {
     i64::try_from(n).map_err(|_| LedgerError::Invalid(format!("{n} is too large to store")))
@@ -71,7 +112,7 @@ pub fn to_u64(n: i64) -> u64 {
 }
 
 /// How many columns [`ATTEMPT_COLS`] selects: queries append their own columns after them.
-pub const ATTEMPT_NCOLS: usize = 27;
+pub const ATTEMPT_NCOLS: usize = 28;
 
 /// One attempt row's column values as the driver read them, in [`ATTEMPT_COLS`] order, not yet
 /// checked.
@@ -106,6 +147,8 @@ pub struct AttemptRow {
     pub forwarded_key_carriers: Option<String>,
     /// `NULL` before version 11, and for rounds dispatched without a signature.
     pub dispatch_body_sha256: Option<String>,
+    /// [`CredentialUse::to_column`]; `NULL` (none, or written before version 11) is none.
+    pub credential: Option<String>,
 }
 
 /// How both stores keep an attempt's [`KeyCarriers`]: their names joined by `,`, or `NULL`
@@ -169,6 +212,11 @@ impl TryFrom<AttemptRow> for Attempt {
             .map_err(LedgerError::Corrupt)?,
             arguments: row.arguments,
             dispatch_body_sha256: row.dispatch_body_sha256,
+            credential: row
+                .credential
+                .as_deref()
+                .map(CredentialUse::from_column)
+                .transpose()?,
         })
     }
 }
@@ -207,6 +255,7 @@ mod tests {
             arguments: Some(r#"{"amount":5}"#.into()),
             forwarded_key_carriers: Some("header,params._meta".into()),
             dispatch_body_sha256: None,
+            credential: Some("pay:2".into()),
         }
     }
 
@@ -223,6 +272,13 @@ mod tests {
         assert_eq!(a.capability_hash.as_deref(), Some("ch"));
         assert_eq!(a.forwarded_key.as_deref(), Some("fk"));
         assert_eq!(a.forwarded_key_carriers.to_list(), "header,params._meta");
+        assert_eq!(
+            a.credential,
+            Some(CredentialUse {
+                name: "pay".into(),
+                version: 2
+            })
+        );
         assert_eq!(a.arguments.as_deref(), Some(r#"{"amount":5}"#));
         assert_eq!(a.resolution, None);
     }

@@ -1,7 +1,9 @@
 //! The admin commands (`permit …`, `attempts …`, `keys …`, `inbox …`): each one request, its
 //! answer printed.
 
-use super::args::{AttemptsCommand, InboxCommand, KeysCommand, PermitCommand, SessionsCommand};
+use super::args::{
+    AttemptsCommand, CredentialCommand, InboxCommand, KeysCommand, PermitCommand, SessionsCommand,
+};
 use super::client::{urlencode, Client};
 use super::print::{opt, print_attempt, print_attempt_row, print_json, print_keys, print_permit};
 use super::CliError;
@@ -235,6 +237,68 @@ pub(super) fn run_inbox(c: &Client, json: bool, cmd: InboxCommand) -> Result<(),
                 "{} inbox session(s) ended; everyone signs in again",
                 resp.revoked
             );
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn run_credential(
+    c: &Client,
+    json: bool,
+    cmd: CredentialCommand,
+) -> Result<(), CliError> {
+    use crate::credentials::{CredentialListResponse, CredentialResponseBody};
+    let show = |v: &atmost_ledger::credentials::CredentialView| {
+        println!(
+            "{:<24} v{:<5} {:<20} {:<7} {:<24} {}",
+            v.name,
+            v.version,
+            v.header,
+            v.form.as_str(),
+            v.routes.join(","),
+            v.created_at
+        )
+    };
+    match cmd {
+        CredentialCommand::Set(a) => {
+            let text = if a.secret_file.as_os_str() == "-" {
+                std::io::read_to_string(std::io::stdin())?
+            } else {
+                std::fs::read_to_string(&a.secret_file)?
+            };
+            let secret = text
+                .strip_suffix('\n')
+                .map(|s| s.strip_suffix('\r').unwrap_or(s))
+                .unwrap_or(&text);
+            let body = serde_json::json!({
+                "header": a.header, "form": a.form, "routes": a.route, "secret": secret,
+            });
+            let (resp, raw): (CredentialResponseBody, _) = c.put(
+                &format!(
+                    "{}/{}",
+                    crate::api::ADMIN_CREDENTIALS_PATH,
+                    urlencode(&a.name)
+                ),
+                &body,
+            )?;
+            if json {
+                return print_json(&raw);
+            }
+            show(&resp.credential);
+        }
+        CredentialCommand::List => {
+            let (resp, raw): (CredentialListResponse, _) =
+                c.get(crate::api::ADMIN_CREDENTIALS_PATH, &[])?;
+            if json {
+                return print_json(&raw);
+            }
+            println!(
+                "{:<24} {:<6} {:<20} {:<7} {:<24} CREATED",
+                "NAME", "VER", "HEADER", "FORM", "ROUTE"
+            );
+            for v in &resp.credentials {
+                show(v);
+            }
         }
     }
     Ok(())

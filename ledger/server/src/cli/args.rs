@@ -44,6 +44,11 @@ pub enum Command {
         #[command(subcommand)]
         command: AttemptsCommand,
     },
+    /// Register, rotate and list the tool credentials in the ledger's custody (admin API).
+    Credential {
+        #[command(subcommand)]
+        command: CredentialCommand,
+    },
     /// List and rotate the ledger's signing keys (admin API).
     Keys {
         #[command(subcommand)]
@@ -204,6 +209,14 @@ pub struct LedgerArgs {
     /// refusal is proven, and a refused dispatch turns uncertain.
     #[arg(long, env = "ATMOST_TOOL_REFUSAL_KEYS")]
     pub tool_refusal_keys: Option<PathBuf>,
+    /// File holding the key (64 hexadecimal digits, `openssl rand -hex 32`) that seals the
+    /// tool credentials in the ledger's custody (`atmost credential set`). Every replica on one
+    /// store needs the same key. Without a key the ledger keeps no credentials.
+    #[arg(long, env = "ATMOST_CREDENTIAL_KEY_FILE")]
+    pub credential_key_file: Option<PathBuf>,
+    /// The same key given directly (prefer the file: a flag shows in the process list).
+    #[arg(long, env = "ATMOST_CREDENTIAL_KEY", hide_env_values = true)]
+    pub credential_key: Option<String>,
 }
 
 /// `--purge-ended-permits-after`: a delay, or `off`.
@@ -280,6 +293,35 @@ pub enum SessionsCommand {
 }
 
 #[derive(Debug, Subcommand)]
+pub enum CredentialCommand {
+    /// Register a credential under NAME, or rotate it (a new version, which the next dispatch
+    /// carries). The secret is read from a file or standard input, never from the command
+    /// line, and is never shown again.
+    Set(CredentialSetArgs),
+    /// List the credentials: name, newest version, header, form, route (never the secret).
+    List,
+}
+
+#[derive(Debug, Args)]
+pub struct CredentialSetArgs {
+    /// The name permits give (`permit create --credential NAME`): a-z, 0-9, '.', '_', '-'.
+    pub name: String,
+    /// The request header it goes in (`authorization`, `x-api-key`).
+    #[arg(long)]
+    pub header: String,
+    /// `bearer` (`Bearer <secret>`) or `raw` (the secret as it is).
+    #[arg(long)]
+    pub form: String,
+    /// An Envoy route name (`xds.route_name`) of the tool's requests (repeatable: its POST
+    /// route and its GET stream's, say).
+    #[arg(long, required = true)]
+    pub route: Vec<String>,
+    /// File holding the secret ('-' for standard input); one trailing newline is dropped.
+    #[arg(long)]
+    pub secret_file: PathBuf,
+}
+
+#[derive(Debug, Subcommand)]
 pub enum KeysCommand {
     /// List every signing key: its kid, status, when it was made, retired, and until when
     /// `/v1/keys` publishes it.
@@ -351,6 +393,10 @@ pub struct CreateArgs {
     /// How long completed receipts stay replayable (default 7d).
     #[arg(long)]
     pub retention: Option<String>,
+    /// The registered credential (`atmost credential set`) the filter sets on this permit's
+    /// calls; without it they carry none.
+    #[arg(long)]
+    pub credential: Option<String>,
 }
 
 impl CreateArgs {
@@ -373,6 +419,7 @@ impl CreateArgs {
                     cost: self.cost.into_iter().collect(),
                     cost_default: self.cost_default.unwrap_or(defaults.cost_default),
                     duplicate_guard: self.duplicate_guard.unwrap_or(defaults.duplicate_guard),
+                    credential: self.credential,
                 },
                 retention: self.retention,
             },

@@ -93,6 +93,14 @@ impl Client {
     ) -> Result<(T, serde_json::Value), CliError> {
         self.send(self.http.post(format!("{}{}", self.base, path)).json(body))
     }
+
+    pub fn put<B: Serialize, T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &B,
+    ) -> Result<(T, serde_json::Value), CliError> {
+        self.send(self.http.put(format!("{}{}", self.base, path)).json(body))
+    }
 }
 
 /// The CA certificates of `--ledger-ca-file`: at least one, or the file is refused.

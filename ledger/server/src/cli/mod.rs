@@ -7,14 +7,15 @@ mod print;
 mod serve;
 
 pub use args::{
-    AttemptsCommand, Cli, ClientArgs, Command, ConfigCommand, CreateArgs, InboxCommand,
-    KeysCommand, LedgerArgs, LogFormat, PermitCommand, ResolveArgs, SessionsCommand,
+    AttemptsCommand, Cli, ClientArgs, Command, ConfigCommand, CreateArgs, CredentialCommand,
+    CredentialSetArgs, InboxCommand, KeysCommand, LedgerArgs, LogFormat, PermitCommand,
+    ResolveArgs, SessionsCommand,
 };
 pub use client::Client;
 
 use thiserror::Error;
 
-use admin::{run_attempts, run_inbox, run_keys, run_permit};
+use admin::{run_attempts, run_credential, run_inbox, run_keys, run_permit};
 use serve::run_ledger;
 
 use atmost_ledger::error::LedgerError;
@@ -54,6 +55,9 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
             run_attempts(&Client::new(&cli.client)?, cli.client.json, command)
         }
         Command::Keys { command } => run_keys(&Client::new(&cli.client)?, cli.client.json, command),
+        Command::Credential { command } => {
+            run_credential(&Client::new(&cli.client)?, cli.client.json, command)
+        }
         Command::Inbox { command } => {
             run_inbox(&Client::new(&cli.client)?, cli.client.json, command)
         }

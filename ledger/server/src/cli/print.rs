@@ -45,6 +45,9 @@ pub(super) fn print_permit(p: &PermitView) {
         opt(rules.max_calls_default, "none")
     );
     println!("budget     {}", opt(rules.budget, "no limit"));
+    if let Some(name) = &rules.credential {
+        println!("credential {name}");
+    }
     let costs: Vec<String> = rules
         .cost
         .iter()
@@ -122,6 +125,9 @@ pub(super) fn print_attempt(a: &AttemptView) {
     );
     if let Some(args) = &a.arguments {
         println!("arguments  {args}");
+    }
+    if let Some(c) = &a.credential {
+        println!("credential {} v{}", c.name, c.version);
     }
     if let Some(r) = &a.resolution {
         println!(

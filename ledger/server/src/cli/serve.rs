@@ -15,6 +15,7 @@ use crate::redact::Redaction;
 use crate::server::{self, AppState, ServerConfig};
 use crate::tls::{self, CertReloader, TlsFiles, TlsListener};
 use atmost_ledger::clock::SystemClock;
+use atmost_ledger::credentials::CredentialKey;
 #[cfg(feature = "postgres")]
 use atmost_ledger::store::postgres::{self, PgOptions, PgStore};
 #[cfg(feature = "sqlite")]
@@ -89,6 +90,7 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
         .map(|files| CertReloader::load(files, Arc::new(rustls::crypto::ring::default_provider())))
         .transpose()
         .map_err(|e| CliError::Usage(e.to_string()))?;
+    let credential_key = credential_key(&args)?;
     init_logs(args.log_format);
     // The admin API, the inbox, the sweeper, the reconciler and /metrics.
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -123,6 +125,7 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
             tool_refusal_keys,
             auth_limit: Default::default(),
             purge_ended_permits_after: args.purge_ended_permits_after.delay(),
+            credential_key,
         },
         Arc::new(Metrics::new()?),
     ));
@@ -305,4 +308,24 @@ async fn open_postgres(_: &LedgerArgs, _: &str) -> Result<Arc<dyn Store>, CliErr
     Err(CliError::Usage(
         "this atmost is built without the PostgreSQL store (cargo feature `postgres`): --store must be `sqlite`".into(),
     ))
+}
+
+/// The credential key from `--credential-key-file` or `--credential-key` (at most one may be
+/// given); `None` without either: the ledger then keeps no credentials.
+fn credential_key(args: &LedgerArgs) -> Result<Option<Arc<CredentialKey>>, CliError> {
+    let text = match (&args.credential_key_file, &args.credential_key) {
+        (Some(_), Some(_)) => {
+            return Err(CliError::Usage(
+                "give the credential key once: --credential-key-file or --credential-key".into(),
+            ))
+        }
+        (Some(path), None) => std::fs::read_to_string(path).map_err(|e| {
+            CliError::Usage(format!("--credential-key-file {}: {e}", path.display()))
+        })?,
+        (None, Some(text)) => text.clone(),
+        (None, None) => return Ok(None),
+    };
+    CredentialKey::from_hex(&text)
+        .map(|k| Some(Arc::new(k)))
+        .map_err(|why| CliError::Usage(format!("credential key: {why}")))
 }

@@ -232,11 +232,23 @@ CREATE INDEX permits_by_retention ON permits(retention_ms);
     Migration {
         version: 11,
         compatible_from: 4,
-        description: "the SHA-256 of the body each attempt's current round was signed over",
-        // As in SQLite's version 11. Additive: an older ledger's upsert leaves the column as
-        // it was; attempts stored before it have none.
+        description: "the SHA-256 of the body each attempt's current round was signed over; tool credentials in the ledger's custody (sealed), and the credential each attempt carried",
+        // As in SQLite's version 11. Additive: an older ledger's upsert leaves the columns as
+        // they were, attempts stored before it have neither, and an older ledger never reads
+        // the credentials (its dispatches carry none).
         sql: r#"
 ALTER TABLE attempts ADD COLUMN dispatch_body_sha256 TEXT;
+CREATE TABLE credentials (
+    name       TEXT NOT NULL,
+    version    BIGINT NOT NULL,
+    header     TEXT NOT NULL,
+    form       TEXT NOT NULL,
+    route      TEXT NOT NULL,
+    sealed     TEXT NOT NULL,
+    created_at BIGINT NOT NULL,
+    PRIMARY KEY (name, version)
+);
+ALTER TABLE attempts ADD COLUMN credential TEXT;
 "#,
     },
 ];

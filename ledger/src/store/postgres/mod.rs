@@ -29,6 +29,7 @@
 //! or spend budget, expire or get pruned is asked of the model and of the pure transitions in
 //! [`crate::decide`], so a new state needs no change here.
 
+mod credentials;
 mod decisions;
 mod errors;
 mod group_queue;
@@ -59,6 +60,7 @@ use super::purge::{next_batch, PurgeReport, CANDIDATES_PER_READ};
 use super::reads::{Dialect, ReadQueries, Rows, Statement};
 use super::{Decisions, OutcomeResult, SweepReport};
 use crate::clock::{Deadline, Millis};
+use crate::credentials::{CredentialUse, StoredCredential};
 use crate::decide::{self, DecideParams, Decision, ResolveInput, Snapshot};
 use crate::error::{LedgerError, ResolveError};
 use crate::keys::{Rotation, SigningKey};
@@ -355,9 +357,10 @@ impl Decisions for PgStore {
     /// Decisions on one permit are queued and taken in groups: one transaction, one row lock
     /// and one commit for the whole group, the decisions made one after another inside it
     /// (each sees the writes of the ones before). No answer leaves before the group committed.
-    async fn authorize(
+    async fn authorize_with(
         &self,
         req: &AuthorizeRequest,
+        credential: Option<CredentialUse>,
         lease_ms: u64,
         now: Millis,
         deadline: Deadline,
@@ -366,6 +369,7 @@ impl Decisions for PgStore {
             lease_ms,
             new_attempt_id: token::new_attempt_id()?,
             new_capability: token::new_capability()?,
+            credential,
         };
         if token::permit_id_of(&req.permit_token).is_none() {
             // No permit is named: nothing to read or write.
@@ -593,6 +597,19 @@ impl Decisions for PgStore {
             return Ok(candidate);
         }
         SigningKey::from_stored(&active)
+    }
+
+    async fn put_credential(
+        &self,
+        cred: &StoredCredential,
+    ) -> Result<StoredCredential, LedgerError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let tx = c.transaction().await.map_err(pg_err)?;
+            let stored = credentials::put_credential(&tx, cred).await?;
+            tx.commit().await.map_err(pg_err)?;
+            Ok::<_, LedgerError>(stored)
+        })
+        .await
     }
 
     async fn rotate_signing_key(&self, now: Millis) -> Result<Rotation, LedgerError> {

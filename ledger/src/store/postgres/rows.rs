@@ -9,11 +9,12 @@ use tokio_postgres::Row;
 
 use super::column_err;
 use super::pg_err;
+use crate::credentials::StoredCredential;
 use crate::error::LedgerError;
 use crate::keys::{PrivateKeyText, StoredSigningKey};
 use crate::model::{Attempt, Permit};
 use crate::store::reads::{Param, RowShape, Rows, Statement};
-use crate::store::rows::{AttemptRow, PermitRow, ATTEMPT_COLS, PERMIT_COLS};
+use crate::store::rows::{AttemptRow, CredentialRow, PermitRow, ATTEMPT_COLS, PERMIT_COLS};
 
 /// The columns of [`PERMIT_COLS`] as PostgreSQL returns them.
 fn permit_row(row: &Row) -> Result<PermitRow, tokio_postgres::Error> {
@@ -75,11 +76,29 @@ fn attempt_row(row: &Row) -> Result<AttemptRow, tokio_postgres::Error> {
         arguments: row.try_get(24)?,
         forwarded_key_carriers: row.try_get(25)?,
         dispatch_body_sha256: row.try_get(26)?,
+        credential: row.try_get(27)?,
     })
 }
 
 pub(super) fn read_attempt(row: &Row) -> Result<Attempt, LedgerError> {
     Attempt::try_from(attempt_row(row).map_err(column_err)?)
+}
+
+/// The columns of [`CREDENTIAL_COLS`](crate::store::rows::CREDENTIAL_COLS) as PostgreSQL
+/// returns them.
+fn read_credential(row: &Row) -> Result<StoredCredential, LedgerError> {
+    let read = || -> Result<CredentialRow, tokio_postgres::Error> {
+        Ok(CredentialRow {
+            name: row.try_get(0)?,
+            version: row.try_get(1)?,
+            header: row.try_get(2)?,
+            form: row.try_get(3)?,
+            route: row.try_get(4)?,
+            sealed: row.try_get(5)?,
+            created_at: row.try_get(6)?,
+        })
+    };
+    StoredCredential::try_from(read().map_err(column_err)?)
 }
 
 /// The columns of [`SIGNING_KEY_COLS`](crate::store::rows::SIGNING_KEY_COLS) as PostgreSQL
@@ -242,6 +261,9 @@ pub(super) async fn run_statement<C: GenericClient>(
         ),
         RowShape::SigningKey => {
             Rows::SigningKeys(rows.map(read_signing_key).collect::<Result<_, _>>()?)
+        }
+        RowShape::Credential => {
+            Rows::Credentials(rows.map(read_credential).collect::<Result<_, _>>()?)
         }
     })
 }

@@ -12,11 +12,11 @@ use crate::store::rows::carriers_column;
 
 const INSERT_ATTEMPTS_SQL: &str = "WITH ins AS (INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, \
          updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, round, capability_hash, \
-         forwarded_key, arguments, forwarded_key_carriers, dispatch_body_sha256) \
+         forwarded_key, arguments, forwarded_key_carriers, dispatch_body_sha256, credential) \
          SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::TEXT[], $5::TEXT[], $6::BIGINT[], \
          $7::TEXT[], $8::BIGINT[], $9::BIGINT[], $10::BIGINT[], $11::BIGINT[], $12::TEXT[], $13::TEXT[], \
          $14::BIGINT[], $15::BIGINT[], $16::INTEGER[], $17::TEXT[], $18::TEXT[], $19::TEXT[], $20::TEXT[], \
-         $21::TEXT[]) \
+         $21::TEXT[], $22::TEXT[]) \
          RETURNING id, permit_id, key_hash) \
          INSERT INTO idempotency_keys (permit_id, key_hash, attempt_id) \
          SELECT permit_id, key_hash, id FROM ins WHERE key_hash IS NOT NULL \
@@ -91,6 +91,7 @@ pub(super) async fn insert_attempts<C: GenericClient>(
         replays.push(to_i64(a.replay_count)?);
     }
     let carriers = column(attempts, |a| carriers_column(a.forwarded_key_carriers));
+    let credentials = column(attempts, |a| a.credential.as_ref().map(|c| c.to_column()));
     let col = |f: fn(&Attempt) -> &str| attempts.iter().map(f).collect::<Vec<&str>>();
     let opt =
         |f: fn(&Attempt) -> Option<&str>| attempts.iter().map(f).collect::<Vec<Option<&str>>>();
@@ -122,6 +123,7 @@ pub(super) async fn insert_attempts<C: GenericClient>(
             &opt(|a| a.arguments.as_deref()),
             &carriers,
             &opt(|a| a.dispatch_body_sha256.as_deref()),
+            &credentials,
         ],
     )
     .await?;

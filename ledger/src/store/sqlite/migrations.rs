@@ -169,11 +169,25 @@ CREATE INDEX IF NOT EXISTS permits_by_retention ON permits(retention_ms);
 "#;
 
 /// Version 11: the SHA-256 of the body the current round was signed over, so a dispatch
-/// signature is tied to the attempt it records (docs/signatures.md#signed-receipts). Additive:
-/// an older ledger's update leaves the column as it was, and attempts stored before it have
-/// none.
+/// signature is tied to the attempt it records (docs/signatures.md#signed-receipts); tool
+/// credentials in the ledger's custody (crate::credentials), one row per version of each name,
+/// the secret sealed; and which credential (`name:version`) each attempt's dispatch carried.
+/// Additive: an older ledger's update leaves the columns as they were, attempts stored before
+/// it have neither, and an older ledger never reads the credentials (its dispatches carry
+/// none).
 pub(super) const MIGRATION_11: &str = r#"
 ALTER TABLE attempts ADD COLUMN dispatch_body_sha256 TEXT;
+CREATE TABLE IF NOT EXISTS credentials (
+    name       TEXT NOT NULL,
+    version    INTEGER NOT NULL,
+    header     TEXT NOT NULL,
+    form       TEXT NOT NULL,
+    route      TEXT NOT NULL,
+    sealed     TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    PRIMARY KEY (name, version)
+) WITHOUT ROWID;
+ALTER TABLE attempts ADD COLUMN credential TEXT;
 "#;
 
 /// Version 12, the rehearsal of the next schema version (feature `schema-rehearsal`, never

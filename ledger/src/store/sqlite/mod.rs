@@ -3,6 +3,7 @@
 //! which takes SQLite's write lock before the first read: check and reserve are atomic,
 //! also across processes sharing the file.
 
+mod credentials;
 mod keys;
 mod migrations;
 mod operations;
@@ -26,6 +27,7 @@ use super::purge::{next_batch, PurgeReport};
 use super::reads::{Dialect, ReadQueries, Rows, Statement};
 use super::{Decisions, OutcomeResult, SweepReport};
 use crate::clock::{Deadline, Millis};
+use crate::credentials::{CredentialUse, StoredCredential};
 use crate::decide::{self, DecideParams, Decision, Mutation, ResolveInput};
 use crate::error::{LedgerError, ResolveError};
 use crate::keys::{Rotation, SigningKey};
@@ -368,9 +370,10 @@ impl Decisions for SqliteStore {
         .await
     }
 
-    async fn authorize(
+    async fn authorize_with(
         &self,
         req: &AuthorizeRequest,
+        credential: Option<CredentialUse>,
         lease_ms: u64,
         now: Millis,
         deadline: Deadline,
@@ -380,6 +383,7 @@ impl Decisions for SqliteStore {
             lease_ms,
             new_attempt_id: token::new_attempt_id()?,
             new_capability: token::new_capability()?,
+            credential,
         };
         self.write_by(
             Some(deadline),
@@ -523,6 +527,12 @@ impl Decisions for SqliteStore {
             return Ok(candidate);
         }
         SigningKey::from_stored(&active)
+    }
+
+    async fn put_credential(&self, c: &StoredCredential) -> Result<StoredCredential, LedgerError> {
+        let c = c.clone();
+        self.write(move |tx: &GroupTx<'_>| credentials::put_credential(tx, &c))
+            .await
     }
 
     async fn rotate_signing_key(&self, now: Millis) -> Result<Rotation, LedgerError> {

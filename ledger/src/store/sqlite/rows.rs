@@ -5,11 +5,12 @@ use std::sync::LazyLock;
 
 use rusqlite::{params, Connection, OptionalExtension, Row, ToSql};
 
+use crate::credentials::StoredCredential;
 use crate::error::LedgerError;
 use crate::keys::{PrivateKeyText, StoredSigningKey};
 use crate::model::{Attempt, Permit};
 use crate::store::reads::{Param, RowShape, Rows, Statement};
-use crate::store::rows::{AttemptRow, PermitRow, ATTEMPT_COLS, PERMIT_COLS};
+use crate::store::rows::{AttemptRow, CredentialRow, PermitRow, ATTEMPT_COLS, PERMIT_COLS};
 
 /// The columns of [`PERMIT_COLS`] as SQLite returns them.
 fn read_permit(row: &Row<'_>) -> rusqlite::Result<PermitRow> {
@@ -54,6 +55,7 @@ pub(super) fn read_attempt(row: &Row<'_>) -> rusqlite::Result<AttemptRow> {
         arguments: row.get(24)?,
         forwarded_key_carriers: row.get(25)?,
         dispatch_body_sha256: row.get(26)?,
+        credential: row.get(27)?,
     })
 }
 
@@ -66,6 +68,20 @@ pub(super) fn read_signing_key(row: &Row<'_>) -> rusqlite::Result<StoredSigningK
         private_pkcs8: row.get::<_, Option<String>>(2)?.map(PrivateKeyText::new),
         created_at_ms: row.get(3)?,
         retired_at_ms: row.get(4)?,
+    })
+}
+
+/// The columns of [`CREDENTIAL_COLS`](crate::store::rows::CREDENTIAL_COLS) as SQLite returns
+/// them.
+fn read_credential(row: &Row<'_>) -> rusqlite::Result<CredentialRow> {
+    Ok(CredentialRow {
+        name: row.get(0)?,
+        version: row.get(1)?,
+        header: row.get(2)?,
+        form: row.get(3)?,
+        route: row.get(4)?,
+        sealed: row.get(5)?,
+        created_at: row.get(6)?,
     })
 }
 
@@ -157,6 +173,9 @@ pub(super) fn run_statement(conn: &Connection, s: &Statement) -> Result<Rows, Le
             Ok((0..columns).map(|i| r.get(i)).collect::<Result<_, _>>()?)
         })?),
         RowShape::SigningKey => Rows::SigningKeys(each_row(rows, |r| Ok(read_signing_key(r)?))?),
+        RowShape::Credential => Rows::Credentials(each_row(rows, |r| {
+            StoredCredential::try_from(read_credential(r)?)
+        })?),
     })
 }
 

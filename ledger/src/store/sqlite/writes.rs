@@ -15,8 +15,9 @@ pub(super) fn insert_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerE
     tx.prepare_cached(
         "INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, updated_at, \
          lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, round, capability_hash, \
-         forwarded_key, arguments, forwarded_key_carriers, dispatch_body_sha256) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21)",
+         forwarded_key, arguments, forwarded_key_carriers, dispatch_body_sha256, credential) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, \
+         ?22)",
     )?
     .execute(params![
         a.id,
@@ -40,6 +41,7 @@ pub(super) fn insert_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerE
         a.arguments,
         carriers_column(a.forwarded_key_carriers),
         a.dispatch_body_sha256,
+        a.credential.as_ref().map(|c| c.to_column()),
     ])?;
     if let Some(kh) = a.key_hash.as_ref() {
         tx.prepare_cached(
