@@ -41,7 +41,7 @@
 //! and `Authorizing`; a response before the decision leads to `Overtaken`, where the body is
 //! held for good and a reserved attempt is released.
 
-use crate::ledger_client::{Callout, Endpoint, LedgerError, LedgerReply};
+use crate::ledger_client::{Callout, CalloutError, Endpoint, LedgerReply};
 use crate::parse::body_encoding;
 use crate::parse::fingerprint::fingerprint;
 use crate::parse::idempotency;

@@ -89,7 +89,7 @@ pub fn headers(cfg: &LedgerConfig, endpoint: Endpoint) -> Vec<(String, String)> 
 
 /// Why a callout brought back no usable answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LedgerError {
+pub enum CalloutError {
     /// Zero headers or no `:status`: dispatch refused, reset, timed out.
     Unreachable,
     /// Answered, but not HTTP 200.
@@ -108,38 +108,38 @@ pub enum LedgerError {
     NoAnswer,
 }
 
-impl fmt::Display for LedgerError {
+impl fmt::Display for CalloutError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            LedgerError::Unreachable => f.write_str("ledger unreachable or timed out"),
-            LedgerError::Status(s) => write!(f, "ledger answered HTTP {s}"),
-            LedgerError::Unreadable(Endpoint::Authorize) => {
+            CalloutError::Unreachable => f.write_str("ledger unreachable or timed out"),
+            CalloutError::Status(s) => write!(f, "ledger answered HTTP {s}"),
+            CalloutError::Unreadable(Endpoint::Authorize) => {
                 f.write_str("ledger answer to authorize is not an AuthorizeResponse")
             }
-            LedgerError::Unreadable(Endpoint::Outcomes) => {
+            CalloutError::Unreadable(Endpoint::Outcomes) => {
                 f.write_str("ledger answer to outcomes is not an OutcomesResponse")
             }
-            LedgerError::Unreadable(Endpoint::Limits) => {
+            CalloutError::Unreadable(Endpoint::Limits) => {
                 f.write_str("ledger answer to limits is not a LimitsResponse")
             }
-            LedgerError::Unreadable(Endpoint::Credential) => {
+            CalloutError::Unreadable(Endpoint::Credential) => {
                 f.write_str("ledger answer to credential is not a CredentialResponse")
             }
-            LedgerError::UnreadableDispatch(g) => write!(
+            CalloutError::UnreadableDispatch(g) => write!(
                 f,
                 "ledger answer to authorize dispatches attempt {} (round {}) but is not an AuthorizeResponse",
                 g.attempt_id, g.round
             ),
-            LedgerError::AckCount { acked, sent } => {
+            CalloutError::AckCount { acked, sent } => {
                 write!(f, "ledger acknowledged {acked} of {sent} reports")
             }
-            LedgerError::NotDispatched => f.write_str("dispatch failed"),
-            LedgerError::NoAnswer => f.write_str("no answer"),
+            CalloutError::NotDispatched => f.write_str("dispatch failed"),
+            CalloutError::NoAnswer => f.write_str("no answer"),
         }
     }
 }
 
-impl std::error::Error for LedgerError {}
+impl std::error::Error for CalloutError {}
 
 /// What came back from a callout, as the adapter read it.
 #[derive(Debug, Clone, PartialEq)]
@@ -175,56 +175,56 @@ impl LedgerReply {
         }
     }
 
-    fn ok_body(&self) -> Result<&[u8], LedgerError> {
+    fn ok_body(&self) -> Result<&[u8], CalloutError> {
         match self.status {
-            None => Err(LedgerError::Unreachable),
+            None => Err(CalloutError::Unreachable),
             Some(200) => Ok(&self.body),
-            Some(s) => Err(LedgerError::Status(s)),
+            Some(s) => Err(CalloutError::Status(s)),
         }
     }
 
     /// Reads an authorize answer.
-    pub fn authorize(&self) -> Result<AuthorizeResponse, LedgerError> {
+    pub fn authorize(&self) -> Result<AuthorizeResponse, CalloutError> {
         let body = self.ok_body()?;
         if let Ok(dispatch) = serde_json::from_slice::<DispatchAnswer>(body) {
             return Ok(dispatch.into());
         }
         serde_json::from_slice(body).map_err(|_| {
             match serde_json::from_slice::<DispatchGrantOf>(body) {
-                Ok(g) => LedgerError::UnreadableDispatch(Box::new(DispatchGrant {
+                Ok(g) => CalloutError::UnreadableDispatch(Box::new(DispatchGrant {
                     attempt_id: g.attempt_id,
                     round: g.round,
                     capability: g.capability,
                 })),
-                Err(_) => LedgerError::Unreadable(Endpoint::Authorize),
+                Err(_) => CalloutError::Unreadable(Endpoint::Authorize),
             }
         })
     }
 
     /// Reads a credential answer: the permit's credential, or none (the permit names none,
     /// or the ledger refused the token with 403 `permit_invalid`).
-    pub fn credential(&self) -> Result<Option<UpstreamCredential>, LedgerError> {
+    pub fn credential(&self) -> Result<Option<UpstreamCredential>, CalloutError> {
         match self.ok_body() {
             Ok(body) => serde_json::from_slice::<CredentialResponse>(body)
                 .map(|r| r.credential)
-                .map_err(|_| LedgerError::Unreadable(Endpoint::Credential)),
-            Err(LedgerError::Status(403)) => Ok(None),
+                .map_err(|_| CalloutError::Unreadable(Endpoint::Credential)),
+            Err(CalloutError::Status(403)) => Ok(None),
             Err(e) => Err(e),
         }
     }
 
     /// Reads a limits answer.
-    pub fn limits(&self) -> Result<LimitsResponse, LedgerError> {
+    pub fn limits(&self) -> Result<LimitsResponse, CalloutError> {
         serde_json::from_slice(self.ok_body()?)
-            .map_err(|_| LedgerError::Unreadable(Endpoint::Limits))
+            .map_err(|_| CalloutError::Unreadable(Endpoint::Limits))
     }
 
     /// Reads an outcomes answer for `sent` reports.
-    pub fn outcomes(&self, sent: usize) -> Result<Vec<OutcomeAck>, LedgerError> {
+    pub fn outcomes(&self, sent: usize) -> Result<Vec<OutcomeAck>, CalloutError> {
         let resp: OutcomesResponse = serde_json::from_slice(self.ok_body()?)
-            .map_err(|_| LedgerError::Unreadable(Endpoint::Outcomes))?;
+            .map_err(|_| CalloutError::Unreadable(Endpoint::Outcomes))?;
         if resp.acks.len() != sent {
-            return Err(LedgerError::AckCount {
+            return Err(CalloutError::AckCount {
                 acked: resp.acks.len(),
                 sent,
             });
@@ -347,7 +347,7 @@ mod tests {
         let mut dispatches = 0;
         for body in bodies {
             let tagged = serde_json::from_str::<AuthorizeResponse>(body)
-                .map_err(|_| LedgerError::Unreadable(Endpoint::Authorize));
+                .map_err(|_| CalloutError::Unreadable(Endpoint::Authorize));
             let read = LedgerReply {
                 status: Some(200),
                 body: body.as_bytes().to_vec(),
@@ -368,8 +368,8 @@ mod tests {
             }
             .authorize()
         };
-        let grant = || -> Result<AuthorizeResponse, LedgerError> {
-            Err(LedgerError::UnreadableDispatch(Box::new(DispatchGrant {
+        let grant = || -> Result<AuthorizeResponse, CalloutError> {
+            Err(CalloutError::UnreadableDispatch(Box::new(DispatchGrant {
                 attempt_id: "a".into(),
                 round: 2,
                 capability: "c".into(),
@@ -390,7 +390,7 @@ mod tests {
         ] {
             assert_eq!(
                 read(body),
-                Err(LedgerError::Unreadable(Endpoint::Authorize)),
+                Err(CalloutError::Unreadable(Endpoint::Authorize)),
                 "{body}"
             );
         }
@@ -428,7 +428,7 @@ mod tests {
         assert_eq!(ok.authorize(), Ok(deny));
         assert_eq!(
             LedgerReply::failed().authorize(),
-            Err(LedgerError::Unreachable)
+            Err(CalloutError::Unreachable)
         );
         assert_eq!(
             LedgerReply {
@@ -436,7 +436,7 @@ mod tests {
                 body: ok.body.clone()
             }
             .authorize(),
-            Err(LedgerError::Status(503))
+            Err(CalloutError::Status(503))
         );
         assert_eq!(
             LedgerReply {
@@ -444,7 +444,7 @@ mod tests {
                 body: b"{}".to_vec()
             }
             .authorize(),
-            Err(LedgerError::Unreadable(Endpoint::Authorize))
+            Err(CalloutError::Unreadable(Endpoint::Authorize))
         );
         let acks = LedgerReply {
             status: Some(200),
@@ -456,10 +456,10 @@ mod tests {
         );
         assert_eq!(
             acks.outcomes(3),
-            Err(LedgerError::AckCount { acked: 2, sent: 3 })
+            Err(CalloutError::AckCount { acked: 2, sent: 3 })
         );
         assert_eq!(
-            LedgerError::AckCount { acked: 2, sent: 3 }.to_string(),
+            CalloutError::AckCount { acked: 2, sent: 3 }.to_string(),
             "ledger acknowledged 2 of 3 reports"
         );
         assert_eq!(parse_status(b"200"), Some(200));

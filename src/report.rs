@@ -14,7 +14,7 @@ pub mod completion_batch;
 pub mod outcome_queue;
 
 use crate::call::Level;
-use crate::ledger_client::{Callout, LedgerError, LedgerReply};
+use crate::ledger_client::{Callout, CalloutError, LedgerReply};
 use crate::stats::Stat;
 use atmost_protocol::OutcomeReport;
 use completion_batch::{Completions, Finished};
@@ -162,7 +162,7 @@ impl Reporter {
             Batch::Reports => {
                 self.reports_out = None;
                 let mut tasks = Tasks::default();
-                self.queue.finish_batch(Err(LedgerError::NotDispatched));
+                self.queue.finish_batch(Err(CalloutError::NotDispatched));
                 tasks.effect(RootEffect::Count(Stat::ReportBatchFailed));
                 tasks
             }
@@ -170,7 +170,7 @@ impl Reporter {
                 self.completions_out = None;
                 let done = self
                     .completions
-                    .finish_batch(Err(LedgerError::NotDispatched));
+                    .finish_batch(Err(CalloutError::NotDispatched));
                 let mut tasks = self.finish_completions(done);
                 tasks.append(self.send_completions());
                 tasks
@@ -226,7 +226,7 @@ impl Reporter {
             out.ticks += 1;
             if out.ticks > limit {
                 self.completions_out = None;
-                let done = self.completions.finish_batch(Err(LedgerError::NoAnswer));
+                let done = self.completions.finish_batch(Err(CalloutError::NoAnswer));
                 tasks.append(self.finish_completions(done));
             }
         }
@@ -237,7 +237,7 @@ impl Reporter {
                 return tasks;
             }
             self.reports_out = None;
-            self.queue.finish_batch(Err(LedgerError::NoAnswer));
+            self.queue.finish_batch(Err(CalloutError::NoAnswer));
             tasks.log(
                 Level::Warn,
                 "atmost: a batch of outcome reports got no answer; requeued".into(),

@@ -173,7 +173,7 @@ impl Call {
                 round,
                 capability,
             }),
-            Err(LedgerError::UnreadableDispatch(grant)) => Ok(*grant),
+            Err(CalloutError::UnreadableDispatch(grant)) => Ok(*grant),
             Ok(AuthorizeResponse::Deny(d)) => Err(format!("denied it ({})", d.code)),
             Ok(AuthorizeResponse::Replay { attempt_id, .. }) => {
                 Err(format!("had a receipt (attempt {attempt_id})"))

@@ -112,7 +112,7 @@ impl Call {
     fn on_authorize_reply(&mut self, p: Pending, reply: &LedgerReply) -> Step {
         let cfg = Rc::clone(&self.config);
         match reply.authorize() {
-            Err(LedgerError::UnreadableDispatch(grant)) => {
+            Err(CalloutError::UnreadableDispatch(grant)) => {
                 not_sent(&cfg, &p, &grant, NotSent::Unreadable)
             }
             Err(reason) => deny_step(&cfg, &gateway_unavailable(), &p.id, &p.tool).with(

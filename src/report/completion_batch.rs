@@ -16,7 +16,7 @@
 //! went on when it was found, so nothing is resumed for it and no context waits on it; it is
 //! sent, or requeued when its batch fails, like any other.
 
-use crate::ledger_client::LedgerError;
+use crate::ledger_client::CalloutError;
 use atmost_protocol::{OutcomeAck, OutcomeReport, OutcomesRequest};
 use std::collections::{HashSet, VecDeque};
 
@@ -33,7 +33,7 @@ pub struct Finished {
     /// Delivered reports the ledger did not apply (conflict, unknown attempt), by attempt id.
     pub not_applied: Vec<(String, OutcomeAck)>,
     /// Why the batch failed, if it did.
-    pub failure: Option<LedgerError>,
+    pub failure: Option<CalloutError>,
 }
 
 /// The VM's list of completion reports waiting for the ledger.
@@ -106,7 +106,7 @@ impl Completions {
 
     /// The ledger's answer for the batch that is out (`Err` = not delivered: zero headers,
     /// non-200, unreadable or incomplete answer, or the callout could not be dispatched).
-    pub fn finish_batch(&mut self, acks: Result<Vec<OutcomeAck>, LedgerError>) -> Finished {
+    pub fn finish_batch(&mut self, acks: Result<Vec<OutcomeAck>, CalloutError>) -> Finished {
         let batch = std::mem::take(&mut self.in_flight);
         let mut done = Finished {
             resume: Vec::with_capacity(batch.len()),
@@ -219,7 +219,7 @@ mod tests {
         c.push(Some(1), report(1));
         c.push(Some(2), report(2));
         c.next_batch();
-        let done = c.finish_batch(Err(LedgerError::Unreachable));
+        let done = c.finish_batch(Err(CalloutError::Unreachable));
         assert_eq!(done.resume, vec![1, 2]);
         assert_eq!(
             done.requeue
@@ -228,7 +228,7 @@ mod tests {
                 .collect::<Vec<_>>(),
             vec!["a1", "a2"]
         );
-        assert_eq!(done.failure, Some(LedgerError::Unreachable));
+        assert_eq!(done.failure, Some(CalloutError::Unreachable));
         assert!(!c.is_waiting(1) && !c.is_waiting(2));
         assert!(c.next_batch().is_none(), "requeued reports leave this list");
     }
@@ -268,7 +268,7 @@ mod tests {
         c.answered_doorbell();
         let b = c.next_batch().map(|b| ids(&b));
         assert_eq!(b, Some(vec!["a1".to_string(), "a2".to_string()]));
-        let done = c.finish_batch(Err(LedgerError::Unreachable));
+        let done = c.finish_batch(Err(CalloutError::Unreachable));
         assert_eq!(done.resume, vec![2], "only the held response is resumed");
         let requeued: Vec<&str> = done.requeue.iter().map(|r| r.attempt_id.as_str()).collect();
         assert_eq!(
@@ -282,7 +282,7 @@ mod tests {
     fn finishing_with_nothing_out_is_harmless() {
         let mut c = Completions::new();
         c.push(Some(9), report(9));
-        let done = c.finish_batch(Err(LedgerError::NoAnswer));
+        let done = c.finish_batch(Err(CalloutError::NoAnswer));
         assert!(done.resume.is_empty() && done.requeue.is_empty());
         assert!(c.is_waiting(9), "pending report untouched");
         assert_eq!(c.pending_len(), 1);

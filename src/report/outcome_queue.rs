@@ -8,7 +8,7 @@
 //! (logged and counted); the ledger's lease sweeper then turns that attempt `uncertain`,
 //! never `released`.
 
-use crate::ledger_client::LedgerError;
+use crate::ledger_client::CalloutError;
 use atmost_protocol::{OutcomeAck, OutcomeReport, OutcomesRequest};
 use std::collections::VecDeque;
 
@@ -91,7 +91,7 @@ impl ReportQueue {
     }
 
     /// The ledger's answer for the batch that is out (`Err` = not delivered).
-    pub fn finish_batch(&mut self, acks: Result<Vec<OutcomeAck>, LedgerError>) -> BatchResult {
+    pub fn finish_batch(&mut self, acks: Result<Vec<OutcomeAck>, CalloutError>) -> BatchResult {
         let batch = std::mem::take(&mut self.in_flight);
         match acks {
             Ok(acks) => BatchResult::Delivered {
@@ -141,7 +141,7 @@ mod tests {
         assert_eq!(b, Some(100));
         assert!(q.next_batch().is_none(), "one batch out at a time");
         assert_eq!(
-            q.finish_batch(Err(LedgerError::Unreachable)),
+            q.finish_batch(Err(CalloutError::Unreachable)),
             BatchResult::Requeued { count: 100 }
         );
         // Order is kept after a failure.
