@@ -50,7 +50,7 @@ pub use atmost_protocol::MIN_SERVICE_TOKEN_BYTES;
 /// one the filter checked. The last three are the dispatch signature's: the filter writes
 /// them on a signed dispatch and removes a client's own from every request.
 pub const HEADERS_ATMOST_READS: [&str; 12] = [
-    "idempotency-key",
+    atmost_protocol::IDEMPOTENCY_KEY_HEADER,
     "mcp-method",
     "mcp-name",
     "mcp-protocol-version",

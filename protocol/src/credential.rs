@@ -33,7 +33,7 @@ pub const RESERVED_HEADERS: &[&str] = &[
     "proxy-connection",
     "expect",
     "cookie",
-    "idempotency-key",
+    crate::IDEMPOTENCY_KEY_HEADER,
     "signature",
     "signature-input",
     "content-digest",

@@ -37,6 +37,10 @@ pub const LIMITS_PATH: &str = "/v1/limits";
 /// (answered 503). A ledger that does not know the header ignores it; without it, the ledger
 /// assumes its `--callout-timeout`.
 pub const CALLOUT_TIMEOUT_HEADER: &str = "atmost-callout-timeout-ms";
+/// The header a governed call carries to its tool: the key the agent sent, or the one the
+/// filter derived (`upstream_key`), as Envoy stores header names (lowercase). The filter sets
+/// or removes it, the verifier reads it into what it checks, and no credential may claim it.
+pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
 /// Shortest service token, in bytes, that either side accepts: the ledger refuses to start
 /// with a shorter `--service-token` (or `--admin-token`), and the filter refuses a
 /// configuration whose `ledger.service_token` is shorter, which could never be accepted.

@@ -11,7 +11,7 @@ use atmost_protocol::credential::SecretValue;
 use atmost_protocol::OutcomeReport;
 
 /// Name of the idempotency header, as Envoy stores it.
-pub const IDEMPOTENCY_HEADER: &str = "idempotency-key";
+pub use atmost_protocol::IDEMPOTENCY_KEY_HEADER as IDEMPOTENCY_HEADER;
 
 /// What the request headers told us ([`RequestHead::from_headers`]).
 #[derive(Debug, Clone, Default, PartialEq)]

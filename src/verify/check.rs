@@ -41,7 +41,7 @@ impl SignedHead {
                 "signature-input" => head.signature_input.push(value),
                 "signature" => head.signature.push(value),
                 "content-digest" => head.content_digest.push(value),
-                "idempotency-key" => head.idempotency_key.push(value),
+                atmost_protocol::IDEMPOTENCY_KEY_HEADER => head.idempotency_key.push(value),
                 _ => {}
             }
         }
