@@ -25,8 +25,8 @@ mod refusal_tests;
 pub use refusal::refusal_proven;
 use refusal::report_target;
 
-/// Longest idempotency key accepted, in bytes.
-pub const MAX_KEY_LEN: usize = 255;
+/// Longest idempotency key accepted, in bytes (the protocol's one rule, the filter's too).
+pub use atmost_protocol::idempotency_key::MAX_KEY_BYTES as MAX_KEY_LEN;
 /// Upper bound of `retry_after` for a key still in flight, in seconds.
 pub const MAX_RETRY_AFTER_SECS: i64 = 30;
 /// Reason recorded when the sweeper turns an expired lease into `uncertain`.
@@ -151,10 +151,10 @@ pub fn authenticate<'a>(token: &str, permit: Option<&'a Permit>) -> Option<&'a P
     Some(permit)
 }
 
-/// An idempotency key (or the value forwarded for one) the ledger accepts: 1 to
-/// [`MAX_KEY_LEN`] bytes without control characters.
+/// An idempotency key (or the value forwarded for one) the ledger accepts: the protocol's
+/// rule, the one the filter applies (1 to [`MAX_KEY_LEN`] bytes of printable ASCII).
 pub fn valid_key(key: &str) -> bool {
-    !key.is_empty() && key.len() <= MAX_KEY_LEN && !key.chars().any(char::is_control)
+    atmost_protocol::idempotency_key::check_key(key).is_ok()
 }
 
 /// Checks what the filter states about the key it forwards, before anything is decided: the
@@ -163,7 +163,7 @@ pub fn valid_key(key: &str) -> bool {
 pub fn check_forwarded(req: &AuthorizeRequest) -> Result<(), String> {
     match &req.forwarded_key {
         Some(k) if !valid_key(k) => Err(format!(
-            "forwarded_key must be 1 to {MAX_KEY_LEN} bytes without control characters"
+            "forwarded_key must be 1 to {MAX_KEY_LEN} bytes of printable ASCII"
         )),
         None if !req.forwarded_key_carriers.is_empty() => {
             Err("forwarded_key_carriers needs a forwarded_key".into())
@@ -296,7 +296,7 @@ fn decide_under(
         if !valid_key(key) {
             return Decision::deny(Denial::new(
                 DenialCode::InvalidIdempotencyKey,
-                format!("an idempotency key must be 1 to {MAX_KEY_LEN} bytes without control characters"),
+                format!("an idempotency key must be 1 to {MAX_KEY_LEN} bytes of printable ASCII"),
             ));
         }
     }

@@ -187,7 +187,8 @@ fn unknown_wrong_or_revoked_token_is_permit_invalid() {
 
 #[test]
 fn invalid_key_is_refused() {
-    for k in ["", &"x".repeat(MAX_KEY_LEN + 1), "a\nb"] {
+    // The filter's rule too: a key the filter would refuse, the ledger refuses from any caller.
+    for k in ["", &"x".repeat(MAX_KEY_LEN + 1), "a\nb", "clé"] {
         assert_eq!(
             code(&decide(&req(Some(k), "fp"), &snap(permit()), &params())),
             Some(DenialCode::InvalidIdempotencyKey)

@@ -14,6 +14,7 @@
 
 pub mod closed_set;
 pub mod credential;
+pub mod idempotency_key;
 pub mod signature;
 pub mod token;
 pub mod tool_refusal;

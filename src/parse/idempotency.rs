@@ -141,30 +141,20 @@ pub fn carries_key(params: &Map<String, Value>) -> bool {
         .any(|source| source.value_in(params).is_some())
 }
 
-/// Longest accepted key, in bytes.
-pub const MAX_KEY_BYTES: usize = 255;
+/// Longest accepted key, in bytes (the protocol's one rule).
+pub use atmost_protocol::idempotency_key::MAX_KEY_BYTES;
 
 fn invalid(message: &str) -> Denial {
     Denial::new(DenialCode::InvalidIdempotencyKey, message)
 }
 
 fn check(key: &str, source: &str) -> Result<(), Denial> {
-    if key.is_empty() {
-        return Err(invalid(&format!(
-            "the idempotency key from {source} is empty"
-        )));
-    }
-    if key.len() > MAX_KEY_BYTES {
-        return Err(invalid(&format!(
-            "the idempotency key from {source} is longer than {MAX_KEY_BYTES} bytes"
-        )));
-    }
-    if !key.bytes().all(|b| (0x20..=0x7e).contains(&b)) {
-        return Err(invalid(&format!(
-            "the idempotency key from {source} must be printable ASCII (0x20-0x7E)"
-        )));
-    }
-    Ok(())
+    atmost_protocol::idempotency_key::check_key(key).map_err(|fault| {
+        invalid(&format!(
+            "the idempotency key from {source} {}",
+            fault.describe()
+        ))
+    })
 }
 
 /// Decodes one `Idempotency-Key` header value: `"quoted"` with `\"` and `\\` escapes
