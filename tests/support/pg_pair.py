@@ -262,8 +262,11 @@ class PgPair:
                    f"{self.standby.name} streaming synchronously from {self.primary.name}")
 
     def wait_caught_up(self, within: float = 20.0) -> None:
-        """The standby has replayed everything the primary has written so far."""
-        lsn = self.primary.sql("SELECT pg_current_wal_lsn()")
+        """The standby has replayed everything the primary has committed so far, asynchronous
+        commits included (the ledger's report groups): their records may still be in the WAL
+        buffers, past pg_current_wal_lsn() (what was written), until the WAL writer writes them,
+        so the position waited for is where the primary inserts."""
+        lsn = self.primary.sql("SELECT pg_current_wal_insert_lsn()")
         wait_until(lambda: self.standby.sql(f"SELECT pg_last_wal_replay_lsn() >= '{lsn}'::pg_lsn") == "t", within,
                    f"{self.standby.name} replaying up to {lsn}")
 
