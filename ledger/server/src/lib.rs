@@ -3,6 +3,7 @@
 //! the sweeper, over a store of the `atmost-ledger` library; and the `atmost` command line
 //! (the server, the admin client, the offline config check).
 
+pub mod access;
 pub mod api;
 pub mod auth_limit;
 pub mod cli;
@@ -17,6 +18,8 @@ pub mod reconcile;
 pub mod redact;
 pub mod server;
 pub mod signer;
+pub mod state;
+pub mod sweeper;
 pub mod tls;
 pub mod tool_refusal;
 

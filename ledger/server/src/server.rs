@@ -1,7 +1,5 @@
 //! The ledger's HTTP server (HTTP/1.1 and h2c prior knowledge) and its sweeper.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use atmost_protocol::credential::CREDENTIAL_PATH;
@@ -12,10 +10,9 @@ use atmost_protocol::{
     MAX_LIMITS_TOOLS, OUTCOMES_PATH,
 };
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{ConnectInfo, FromRequestParts, Path, Query, Request, State};
-use axum::http::request::Parts;
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
-use axum::middleware::{self, Next};
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post, put};
 use axum::{Json, Router};
@@ -24,26 +21,19 @@ use tracing::{error, info, warn};
 
 use crate::api::{
     self, AttemptListResponse, AttemptResponse, AttemptView, CreatePermitRequest,
-    CreatePermitResponse, ErrorBody, KeyListResponse, KeyRotateResponse, KeyView,
-    PermitListResponse, PermitResponse, PermitShowResponse, PermitView, ReceiptExportResponse,
-    SessionsRevokeResponse,
+    CreatePermitResponse, KeyListResponse, KeyRotateResponse, KeyView, PermitListResponse,
+    PermitResponse, PermitShowResponse, PermitView, ReceiptExportResponse, SessionsRevokeResponse,
 };
-use crate::auth_limit::{AuthLimit, FailureLimiter, Verdict};
 use crate::credentials;
-use crate::inbox::{self, InboxConfig};
-use crate::metrics::Metrics;
-use crate::readiness::Readiness;
-use crate::redact::Redaction;
-use crate::signer::{KeyUnavailable, Signer};
-use atmost_ledger::clock::{Clock, Deadline};
-use atmost_ledger::credentials::CredentialKey;
+use crate::inbox::{self};
+use crate::signer::KeyUnavailable;
+use atmost_ledger::clock::Deadline;
 use atmost_ledger::decide::{self, Mutation, Notice, ResolveInput};
 use atmost_ledger::error::{LedgerError, ResolveError};
 use atmost_ledger::keys::PublicSigningKey;
 use atmost_ledger::model::{Attempt, AttemptState, BudgetTotals, GuardMode};
 use atmost_ledger::receipts::{sign_receipt, ReceiptClaims};
-use atmost_ledger::store::purge::PURGE_PER_SWEEP;
-use atmost_ledger::store::{AttemptFilter, Store};
+use atmost_ledger::store::AttemptFilter;
 use atmost_ledger::{signing, token};
 
 /// Largest request body accepted (receipts ride in outcome reports).
@@ -53,236 +43,14 @@ pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 /// signs as soon as it is made, so a verifier meeting an unknown `keyid` should fetch again.
 pub const KEYS_MAX_AGE_S: u64 = 60;
 
-/// Secrets and timings of a running ledger.
-#[derive(Clone)]
-pub struct ServerConfig {
-    pub service_token: String,
-    pub admin_token: String,
-    pub lease: Duration,
-    /// How long a filter that does not send [`CALLOUT_TIMEOUT_HEADER`] waits for an
-    /// authorize (`--callout-timeout`).
-    pub callout_timeout: Duration,
-    /// Argument fields never shown (admin API, CLI, inbox).
-    pub redaction: Redaction,
-    pub inbox: InboxConfig,
-    /// How long a replica signs with the active key it read before reading it again.
-    pub key_refresh: Duration,
-    /// The `iss` of the receipts it signs.
-    pub receipt_issuer: String,
-    /// The keys verifiers at the tool prove their refusals with (`--tool-refusal-keys`).
-    pub tool_refusal_keys: crate::tool_refusal::RefusalKeys,
-    /// Failed authentications per source before 429 (crate::auth_limit).
-    pub auth_limit: AuthLimit,
-    /// How long after a permit stopped authorizing the sweeper purges its history; `None`
-    /// keeps everything (docs/design.md#purging-ended-permits).
-    pub purge_ended_permits_after: Option<Duration>,
-    /// The key the credentials in the ledger's custody are sealed under
-    /// (`--credential-key-file`, `ATMOST_CREDENTIAL_KEY`); without it the ledger keeps none.
-    pub credential_key: Option<Arc<CredentialKey>>,
-}
+pub use crate::state::{AppState, ServerConfig, Shared};
+use crate::sweeper::refresh_store_gauges;
+pub use crate::sweeper::{read_store_gauges, spawn_sweeper, sweep_once};
 
-impl std::fmt::Debug for ServerConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServerConfig")
-            .field("service_token", &"<redacted>")
-            .field("admin_token", &"<redacted>")
-            .field("lease", &self.lease)
-            .field("callout_timeout", &self.callout_timeout)
-            .field("redaction", &self.redaction)
-            .field("inbox", &self.inbox)
-            .field("key_refresh", &self.key_refresh)
-            .field("receipt_issuer", &self.receipt_issuer)
-            .field("tool_refusal_keys", &self.tool_refusal_keys)
-            .field("auth_limit", &self.auth_limit)
-            .field("purge_ended_permits_after", &self.purge_ended_permits_after)
-            .field("credential_key", &self.credential_key)
-            .finish()
-    }
-}
-
-pub struct AppState {
-    pub store: Arc<dyn Store>,
-    pub clock: Arc<dyn Clock>,
-    pub config: ServerConfig,
-    pub metrics: Arc<Metrics>,
-    /// The active signing key as this replica holds it.
-    pub signer: Signer,
-    /// The latest background store check, which `/readyz` answers from.
-    pub readiness: Readiness,
-    /// Failed authentications per source (bearer tokens, inbox sign-ins).
-    pub auth_failures: FailureLimiter,
-    /// When the gauges read from the store were last read (see [`refresh_store_gauges`]).
-    store_gauges_read_at: tokio::sync::Mutex<Option<Instant>>,
-    /// Which credential each permit names (crate::credentials).
-    pub custody: crate::credentials::Custody,
-}
-
-impl AppState {
-    /// The state of a ledger on `store`; its signer holds no key until
-    /// [`Signer::start`] (the ledger calls it before it listens).
-    pub fn new(
-        store: Arc<dyn Store>,
-        clock: Arc<dyn Clock>,
-        config: ServerConfig,
-        metrics: Arc<Metrics>,
-    ) -> Self {
-        let signer = Signer::new(config.key_refresh);
-        let auth_failures = FailureLimiter::new(config.auth_limit);
-        AppState {
-            store,
-            clock,
-            config,
-            metrics,
-            signer,
-            readiness: Readiness::default(),
-            auth_failures,
-            store_gauges_read_at: tokio::sync::Mutex::new(None),
-            custody: Default::default(),
-        }
-    }
-
-    /// Makes sure the store has an active signing key and holds it.
-    pub async fn start_signing(&self) -> Result<(), LedgerError> {
-        let key = self.signer.start(&*self.store, self.clock.now_ms()).await?;
-        info!(kid = key.kid(), "signing key ready");
-        Ok(())
-    }
-
-    fn lease_ms(&self) -> u64 {
-        u64::try_from(self.config.lease.as_millis()).unwrap_or(u64::MAX)
-    }
-}
-
-pub type Shared = Arc<AppState>;
-
-pub(crate) fn error_response(status: StatusCode, error: &str, message: Option<String>) -> Response {
-    (
-        status,
-        Json(ErrorBody {
-            error: error.to_string(),
-            message,
-        }),
-    )
-        .into_response()
-}
-
-fn bad_request(message: impl Into<String>) -> Response {
-    error_response(StatusCode::BAD_REQUEST, "bad_request", Some(message.into()))
-}
-
-fn not_found(what: &str) -> Response {
-    error_response(StatusCode::NOT_FOUND, what, None)
-}
-
-/// A store failure. A transient one (the store is down, timed out, read-only, full or failing
-/// over: [`LedgerError::is_transient`]) answers 503 `store_unavailable`, which the filter turns
-/// into `gateway_unavailable`, so nothing is dispatched on a decision that was not committed.
-/// Anything else is a bug or bad data, not an outage: 500 `internal`, logged as such.
-pub(crate) fn internal(state: &AppState, op: &str, e: &LedgerError) -> Response {
-    state.metrics.store_errors.with_label_values(&[op]).inc();
-    if e.is_transient() {
-        error!(op, error = %e, "store unavailable");
-        return error_response(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", None);
-    }
-    error!(op, error = %e, bug = true, "store operation failed on a broken invariant");
-    error_response(StatusCode::INTERNAL_SERVER_ERROR, "internal", None)
-}
-
-fn json_rejection(r: JsonRejection) -> Response {
-    bad_request(r.body_text())
-}
-
-fn bearer(headers: &HeaderMap) -> Option<&str> {
-    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
-    let (scheme, rest) = v.split_once(' ')?;
-    if !scheme.eq_ignore_ascii_case("bearer") {
-        return None;
-    }
-    Some(rest.trim())
-}
-
-/// The address a request came from, as the listener saw it (none for a router served without
-/// connection info: nothing is then counted per source).
-pub fn peer(req: &Request) -> Option<SocketAddr> {
-    req.extensions()
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|c| c.0)
-}
-
-/// [`peer`] as a handler's extractor.
-pub struct Peer(pub Option<SocketAddr>);
-
-impl<S: Send + Sync> FromRequestParts<S> for Peer {
-    type Rejection = std::convert::Infallible;
-
-    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-        Ok(Peer(
-            parts
-                .extensions
-                .get::<ConnectInfo<SocketAddr>>()
-                .map(|c| c.0),
-        ))
-    }
-}
-
-/// Counts a failed authentication of `api` from `peer`: what to answer it with
-/// ([`crate::auth_limit`]).
-pub fn failed_authentication(state: &AppState, api: &str, peer: Option<SocketAddr>) -> Verdict {
-    state.metrics.unauthorized.with_label_values(&[api]).inc();
-    let verdict = match peer {
-        Some(p) => state.auth_failures.fail(p.ip(), Instant::now()),
-        None => Verdict::Refuse,
-    };
-    if let Verdict::TooMany { .. } = verdict {
-        state.metrics.auth_limited.with_label_values(&[api]).inc();
-    }
-    verdict
-}
-
-/// HTTP 429 `too_many_failures` with `Retry-After`.
-pub fn too_many_failures(retry_after_s: u64) -> Response {
-    let mut resp = error_response(
-        StatusCode::TOO_MANY_REQUESTS,
-        "too_many_failures",
-        Some(format!(
-            "too many failed authentications from this address; retry after {retry_after_s} s"
-        )),
-    );
-    resp.headers_mut()
-        .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
-    resp
-}
-
-fn unauthorized(state: &AppState, api: &str, peer: Option<SocketAddr>) -> Response {
-    match failed_authentication(state, api, peer) {
-        Verdict::Refuse => error_response(StatusCode::UNAUTHORIZED, "unauthorized", None),
-        Verdict::TooMany { retry_after_s } => too_many_failures(retry_after_s),
-    }
-}
-
-async fn require_service(State(state): State<Shared>, req: Request, next: Next) -> Response {
-    match bearer(req.headers()) {
-        Some(t) if token::secrets_equal(t, &state.config.service_token) => next.run(req).await,
-        _ => unauthorized(&state, "service", peer(&req)),
-    }
-}
-
-async fn require_admin(State(state): State<Shared>, req: Request, next: Next) -> Response {
-    match bearer(req.headers()) {
-        Some(t) if token::secrets_equal(t, &state.config.admin_token) => next.run(req).await,
-        _ => unauthorized(&state, "admin", peer(&req)),
-    }
-}
-
-/// What the API listener answers under `/admin`: the admin API and the inbox are served on the
-/// admin listener only (`--admin-listen`).
-async fn admin_elsewhere() -> Response {
-    error_response(
-        StatusCode::NOT_FOUND,
-        "admin_elsewhere",
-        Some("the admin API and the inbox answer on the ledger's admin listener (--admin-listen), not on this one".into()),
-    )
-}
+pub(crate) use crate::access::{
+    admin_elsewhere, bad_request, error_response, failed_authentication, internal, json_rejection,
+    not_found, require_admin, require_service, Peer,
+};
 
 /// The routes of the API listener (`--listen`): the filter's API, `/v1/keys`, `/metrics` and
 /// the health checks.
@@ -982,127 +750,4 @@ pub fn resolved(state: &AppState, a: &Attempt, input: &ResolveInput, via: &str) 
     state.metrics.resolutions.with_label_values(&[result]).inc();
     info!(attempt_id = %a.id, permit_id = %a.permit_id, result, by = %input.by,
         source = input.source.as_str(), via, "attempt resolved");
-}
-
-/// Counts and logs a failed store operation of the sweeper (`op`: `sweep`, `purge`); the next
-/// sweep tries again.
-fn sweeper_failed(state: &AppState, op: &str, e: &LedgerError) {
-    state.metrics.store_errors.with_label_values(&[op]).inc();
-    error!(error = %e, op, "sweeper store operation failed");
-}
-
-/// One sweep: expired leases → uncertain, old receipts → tombstones, the history of permits
-/// ended long enough ago purged.
-pub async fn sweep_once(state: &AppState) {
-    let now = state.clock.now_ms();
-    state.metrics.sweeps.inc();
-    match state.store.sweep(now).await {
-        Ok(r) => {
-            state.metrics.leases_expired.inc_by(r.leases_expired);
-            state.metrics.receipts_pruned.inc_by(r.receipts_pruned);
-            if r.leases_expired > 0 || r.receipts_pruned > 0 {
-                info!(
-                    leases_expired = r.leases_expired,
-                    receipts_pruned = r.receipts_pruned,
-                    "sweep"
-                );
-            }
-        }
-        Err(e) => sweeper_failed(state, "sweep", &e),
-    }
-    if let Some(after) = state.config.purge_ended_permits_after {
-        let after_ms = i64::try_from(after.as_millis()).unwrap_or(i64::MAX);
-        match state
-            .store
-            .purge(now.saturating_sub(after_ms), PURGE_PER_SWEEP)
-            .await
-        {
-            Ok(r) => {
-                state.metrics.attempts_purged.inc_by(r.attempts_purged);
-                state.metrics.permits_purged.inc_by(r.permits_purged);
-                if r.attempts_purged > 0 || r.permits_purged > 0 {
-                    info!(
-                        attempts_purged = r.attempts_purged,
-                        permits_purged = r.permits_purged,
-                        "purge"
-                    );
-                }
-            }
-            Err(e) => sweeper_failed(state, "purge", &e),
-        }
-    }
-}
-
-/// How often, at most, a scrape of `/metrics` reads the store's gauges: however many
-/// scrapers (or callers: `/metrics` needs no token), one read a second per replica.
-const STORE_GAUGES_MIN_INTERVAL: Duration = Duration::from_secs(1);
-
-/// Reads the gauges that come from the store (`atmost_attempts{state}`,
-/// `atmost_uncertain_oldest_seconds`) when `/metrics` is scraped, instead of on every sweep.
-/// Their reads grow with the store: on PostgreSQL the attempts per state are summed over one
-/// row per permit and state, 28 ms at 10^5 permits. Read once a second whatever the load, that
-/// was the largest cost PostgreSQL paid per call as permits piled up (docs/performance.md);
-/// read when scraped it costs nothing when nobody scrapes, and one read per scrape interval
-/// when Prometheus does. A scrape that finds the store failing serves the values last read
-/// and counts `atmost_store_errors_total{op}`.
-async fn refresh_store_gauges(state: &AppState) {
-    let mut read_at = state.store_gauges_read_at.lock().await;
-    if read_at.is_some_and(|at| at.elapsed() < STORE_GAUGES_MIN_INTERVAL) {
-        return;
-    }
-    *read_at = Some(Instant::now());
-    read_store_gauges(state).await;
-}
-
-/// Reads the store's gauges now (see [`refresh_store_gauges`], which calls it).
-pub async fn read_store_gauges(state: &AppState) {
-    let now = state.clock.now_ms();
-    match state.store.attempt_counts().await {
-        Ok(counts) => {
-            for (s, n) in counts {
-                state
-                    .metrics
-                    .attempts
-                    .with_label_values(&[s.as_str()])
-                    .set(i64::try_from(n).unwrap_or(i64::MAX));
-            }
-        }
-        Err(e) => {
-            state
-                .metrics
-                .store_errors
-                .with_label_values(&["attempt_counts"])
-                .inc();
-            error!(error = %e, "attempt counts failed");
-        }
-    }
-    match state.store.oldest_uncertain().await {
-        Ok(oldest) => {
-            let ms = oldest.map_or(0, |t| now.saturating_sub(t).max(0));
-            state
-                .metrics
-                .uncertain_oldest_seconds
-                .set(ms as f64 / 1000.0);
-        }
-        Err(e) => {
-            state
-                .metrics
-                .store_errors
-                .with_label_values(&["oldest_uncertain"])
-                .inc();
-            error!(error = %e, "oldest uncertain attempt could not be read");
-        }
-    }
-}
-
-/// Runs the sweeper every `interval` until the task is dropped.
-pub fn spawn_sweeper(state: Shared, interval: Duration) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(interval.max(Duration::from_millis(10)));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            sweep_once(&state).await;
-        }
-    })
 }

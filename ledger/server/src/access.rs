@@ -1,0 +1,165 @@
+//! The answers every handler shares (errors, refusals) and who may call: the service and
+//! admin tokens, the failure limiter, the caller's address.
+
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{ConnectInfo, FromRequestParts, Request, State};
+use axum::http::request::Parts;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use tracing::error;
+
+use crate::api::ErrorBody;
+use crate::auth_limit::Verdict;
+use atmost_ledger::error::LedgerError;
+use atmost_ledger::token;
+
+/// Largest request body accepted (receipts ride in outcome reports).
+pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+
+/// How long a client may keep `GET /v1/keys`'s answer (`cache-control: max-age`). A new key
+/// signs as soon as it is made, so a verifier meeting an unknown `keyid` should fetch again.
+pub const KEYS_MAX_AGE_S: u64 = 60;
+
+use crate::state::{AppState, Shared};
+
+pub(crate) fn error_response(status: StatusCode, error: &str, message: Option<String>) -> Response {
+    (
+        status,
+        Json(ErrorBody {
+            error: error.to_string(),
+            message,
+        }),
+    )
+        .into_response()
+}
+
+pub(crate) fn bad_request(message: impl Into<String>) -> Response {
+    error_response(StatusCode::BAD_REQUEST, "bad_request", Some(message.into()))
+}
+
+pub(crate) fn not_found(what: &str) -> Response {
+    error_response(StatusCode::NOT_FOUND, what, None)
+}
+
+/// A store failure. A transient one (the store is down, timed out, read-only, full or failing
+/// over: [`LedgerError::is_transient`]) answers 503 `store_unavailable`, which the filter turns
+/// into `gateway_unavailable`, so nothing is dispatched on a decision that was not committed.
+/// Anything else is a bug or bad data, not an outage: 500 `internal`, logged as such.
+pub(crate) fn internal(state: &AppState, op: &str, e: &LedgerError) -> Response {
+    state.metrics.store_errors.with_label_values(&[op]).inc();
+    if e.is_transient() {
+        error!(op, error = %e, "store unavailable");
+        return error_response(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", None);
+    }
+    error!(op, error = %e, bug = true, "store operation failed on a broken invariant");
+    error_response(StatusCode::INTERNAL_SERVER_ERROR, "internal", None)
+}
+
+pub(crate) fn json_rejection(r: JsonRejection) -> Response {
+    bad_request(r.body_text())
+}
+
+pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, rest) = v.split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    Some(rest.trim())
+}
+
+/// The address a request came from, as the listener saw it (none for a router served without
+/// connection info: nothing is then counted per source).
+pub fn peer(req: &Request) -> Option<SocketAddr> {
+    req.extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0)
+}
+
+/// [`peer`] as a handler's extractor.
+pub struct Peer(pub Option<SocketAddr>);
+
+impl<S: Send + Sync> FromRequestParts<S> for Peer {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(Peer(
+            parts
+                .extensions
+                .get::<ConnectInfo<SocketAddr>>()
+                .map(|c| c.0),
+        ))
+    }
+}
+
+/// Counts a failed authentication of `api` from `peer`: what to answer it with
+/// ([`crate::auth_limit`]).
+pub fn failed_authentication(state: &AppState, api: &str, peer: Option<SocketAddr>) -> Verdict {
+    state.metrics.unauthorized.with_label_values(&[api]).inc();
+    let verdict = match peer {
+        Some(p) => state.auth_failures.fail(p.ip(), Instant::now()),
+        None => Verdict::Refuse,
+    };
+    if let Verdict::TooMany { .. } = verdict {
+        state.metrics.auth_limited.with_label_values(&[api]).inc();
+    }
+    verdict
+}
+
+/// HTTP 429 `too_many_failures` with `Retry-After`.
+pub fn too_many_failures(retry_after_s: u64) -> Response {
+    let mut resp = error_response(
+        StatusCode::TOO_MANY_REQUESTS,
+        "too_many_failures",
+        Some(format!(
+            "too many failed authentications from this address; retry after {retry_after_s} s"
+        )),
+    );
+    resp.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+    resp
+}
+
+pub(crate) fn unauthorized(state: &AppState, api: &str, peer: Option<SocketAddr>) -> Response {
+    match failed_authentication(state, api, peer) {
+        Verdict::Refuse => error_response(StatusCode::UNAUTHORIZED, "unauthorized", None),
+        Verdict::TooMany { retry_after_s } => too_many_failures(retry_after_s),
+    }
+}
+
+pub(crate) async fn require_service(
+    State(state): State<Shared>,
+    req: Request,
+    next: Next,
+) -> Response {
+    match bearer(req.headers()) {
+        Some(t) if token::secrets_equal(t, &state.config.service_token) => next.run(req).await,
+        _ => unauthorized(&state, "service", peer(&req)),
+    }
+}
+
+pub(crate) async fn require_admin(
+    State(state): State<Shared>,
+    req: Request,
+    next: Next,
+) -> Response {
+    match bearer(req.headers()) {
+        Some(t) if token::secrets_equal(t, &state.config.admin_token) => next.run(req).await,
+        _ => unauthorized(&state, "admin", peer(&req)),
+    }
+}
+
+/// What the API listener answers under `/admin`: the admin API and the inbox are served on the
+/// admin listener only (`--admin-listen`).
+pub(crate) async fn admin_elsewhere() -> Response {
+    error_response(
+        StatusCode::NOT_FOUND,
+        "admin_elsewhere",
+        Some("the admin API and the inbox answer on the ledger's admin listener (--admin-listen), not on this one".into()),
+    )
+}

@@ -1,0 +1,119 @@
+//! What every handler shares: the ledger's configuration and its running state.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tracing::info;
+
+use crate::auth_limit::{AuthLimit, FailureLimiter};
+use crate::inbox::InboxConfig;
+use crate::metrics::Metrics;
+use crate::readiness::Readiness;
+use crate::redact::Redaction;
+use crate::signer::Signer;
+use atmost_ledger::clock::Clock;
+use atmost_ledger::credentials::CredentialKey;
+use atmost_ledger::error::LedgerError;
+use atmost_ledger::store::Store;
+
+/// Secrets and timings of a running ledger.
+#[derive(Clone)]
+pub struct ServerConfig {
+    pub service_token: String,
+    pub admin_token: String,
+    pub lease: Duration,
+    /// How long a filter that does not send [`CALLOUT_TIMEOUT_HEADER`] waits for an
+    /// authorize (`--callout-timeout`).
+    pub callout_timeout: Duration,
+    /// Argument fields never shown (admin API, CLI, inbox).
+    pub redaction: Redaction,
+    pub inbox: InboxConfig,
+    /// How long a replica signs with the active key it read before reading it again.
+    pub key_refresh: Duration,
+    /// The `iss` of the receipts it signs.
+    pub receipt_issuer: String,
+    /// The keys verifiers at the tool prove their refusals with (`--tool-refusal-keys`).
+    pub tool_refusal_keys: crate::tool_refusal::RefusalKeys,
+    /// Failed authentications per source before 429 (crate::auth_limit).
+    pub auth_limit: AuthLimit,
+    /// How long after a permit stopped authorizing the sweeper purges its history; `None`
+    /// keeps everything (docs/design.md#purging-ended-permits).
+    pub purge_ended_permits_after: Option<Duration>,
+    /// The key the credentials in the ledger's custody are sealed under
+    /// (`--credential-key-file`, `ATMOST_CREDENTIAL_KEY`); without it the ledger keeps none.
+    pub credential_key: Option<Arc<CredentialKey>>,
+}
+
+impl std::fmt::Debug for ServerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerConfig")
+            .field("service_token", &"<redacted>")
+            .field("admin_token", &"<redacted>")
+            .field("lease", &self.lease)
+            .field("callout_timeout", &self.callout_timeout)
+            .field("redaction", &self.redaction)
+            .field("inbox", &self.inbox)
+            .field("key_refresh", &self.key_refresh)
+            .field("receipt_issuer", &self.receipt_issuer)
+            .field("tool_refusal_keys", &self.tool_refusal_keys)
+            .field("auth_limit", &self.auth_limit)
+            .field("purge_ended_permits_after", &self.purge_ended_permits_after)
+            .field("credential_key", &self.credential_key)
+            .finish()
+    }
+}
+
+pub struct AppState {
+    pub store: Arc<dyn Store>,
+    pub clock: Arc<dyn Clock>,
+    pub config: ServerConfig,
+    pub metrics: Arc<Metrics>,
+    /// The active signing key as this replica holds it.
+    pub signer: Signer,
+    /// The latest background store check, which `/readyz` answers from.
+    pub readiness: Readiness,
+    /// Failed authentications per source (bearer tokens, inbox sign-ins).
+    pub auth_failures: FailureLimiter,
+    /// When the gauges read from the store were last read (see [`refresh_store_gauges`]).
+    pub(crate) store_gauges_read_at: tokio::sync::Mutex<Option<Instant>>,
+    /// Which credential each permit names (crate::credentials).
+    pub custody: crate::credentials::Custody,
+}
+
+impl AppState {
+    /// The state of a ledger on `store`; its signer holds no key until
+    /// [`Signer::start`] (the ledger calls it before it listens).
+    pub fn new(
+        store: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+        config: ServerConfig,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let signer = Signer::new(config.key_refresh);
+        let auth_failures = FailureLimiter::new(config.auth_limit);
+        AppState {
+            store,
+            clock,
+            config,
+            metrics,
+            signer,
+            readiness: Readiness::default(),
+            auth_failures,
+            store_gauges_read_at: tokio::sync::Mutex::new(None),
+            custody: Default::default(),
+        }
+    }
+
+    /// Makes sure the store has an active signing key and holds it.
+    pub async fn start_signing(&self) -> Result<(), LedgerError> {
+        let key = self.signer.start(&*self.store, self.clock.now_ms()).await?;
+        info!(kid = key.kid(), "signing key ready");
+        Ok(())
+    }
+
+    pub(crate) fn lease_ms(&self) -> u64 {
+        u64::try_from(self.config.lease.as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+pub type Shared = Arc<AppState>;
