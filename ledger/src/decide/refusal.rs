@@ -6,7 +6,7 @@ use atmost_protocol::signature::DispatchNonce;
 use atmost_protocol::tool_refusal::{self, ToolRefusal};
 use atmost_protocol::{Outcome, OutcomeReport};
 
-use super::{dispatch_lease, outcome_target};
+use super::rounds::{dispatch_lease, outcome_target};
 use crate::clock::Millis;
 use crate::model::{Attempt, AttemptState};
 
