@@ -8,7 +8,7 @@
 //! roles, unless the route Envoy picked for the request is named here
 //! (docs/design.md#every-route-goes-through-the-filter).
 
-use crate::{err, printable_ascii, ConfigError, Obj};
+use crate::reader::{err, printable_ascii, ConfigError, Obj};
 use serde_json::Value;
 
 /// Most routes `upgrade_routes` may name.

@@ -2,9 +2,11 @@
 //! server, refusing governed `tools/call`s without a valid dispatch signature
 //! (docs/signatures.md, "The verifier at the tool").
 
-use crate::{err, ConfigError, DenialFormat, Obj, RequestHold, ToolSet, UpgradeRoutes};
-use crate::{UpstreamSecret, DEFAULT_AUTHORITY, DEFAULT_MAX_BYTES};
-use crate::{DEFAULT_TIMEOUT_MS, MAX_MAX_BYTES};
+use crate::bounds::{DEFAULT_AUTHORITY, DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_MS, MAX_MAX_BYTES};
+use crate::choices::{DenialFormat, RequestHold};
+use crate::reader::{err, ConfigError, Obj, ToolSet};
+use crate::upgrade::UpgradeRoutes;
+use crate::upstream_secret::UpstreamSecret;
 use atmost_protocol::signature::{Jwk, KEYS_PATH};
 use serde_json::{Map, Value};
 
@@ -195,9 +197,9 @@ pub(crate) fn parse(
             "is empty, which governs nothing; use [\"*\"] to govern every tool",
         ));
     }
-    let denial_format = crate::denial_format(top)?;
+    let denial_format = top.choice::<DenialFormat>("denial_format")?;
     let max_body_bytes = top.integer("max_body_bytes", DEFAULT_MAX_BYTES, 1, MAX_MAX_BYTES)?;
-    let request_hold = crate::request_hold(top)?;
+    let request_hold = top.choice::<RequestHold>("request_hold")?;
     let upgrade_routes = crate::upgrade::parse(top)?;
     Ok(VerifyConfig {
         keys,
