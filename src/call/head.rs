@@ -5,8 +5,7 @@
 //! Which value of a request header counts when it repeats is decided here, not by the host.
 
 use super::signing::SIGNATURE_HEADERS;
-use super::step::{RequestHead, ResponseHead, IDEMPOTENCY_HEADER};
-use super::upgrade::Upgrade;
+use super::step::{RequestHead, ResponseHead, Upgrade, IDEMPOTENCY_HEADER};
 use crate::call::resume::Ticket;
 
 /// Request headers by which a client steers what Envoy's router does with the request
