@@ -504,14 +504,14 @@ impl Call {
         let mode = &self.config.upstream_key;
         let mut step = Step::cont();
         if let Some(body) = body.filter(|_| *mode != UpstreamKey::Raw) {
-            let spans = key_rewrite::find_all(body);
-            if !spans.is_empty() {
+            let rewritten = key_rewrite::rewritten(body, |raw| {
+                let key = idempotency::valid_body_key(raw);
+                upstream_key::upstream_value(mode, UNGOVERNED_PERMIT_ID, key.as_deref())
+            });
+            if let Some(sent) = rewritten {
                 let length = head.content_length.is_some();
-                let sent = SentBody::rewritten(body, &spans, length, |raw| {
-                    let key = idempotency::valid_body_key(raw);
-                    upstream_key::upstream_value(mode, UNGOVERNED_PERMIT_ID, key.as_deref())
-                });
-                step.effects.extend(sent.effects());
+                step.effects
+                    .extend(SentBody::new(body, sent, length).effects());
             }
         }
         if self.ahead.is_none() {
@@ -688,12 +688,8 @@ impl Call {
             let body = match mode {
                 UpstreamKey::Raw => None,
                 _ if !in_body => None,
-                _ => Some(key_rewrite::find_all(body_bytes))
-                    .filter(|spans| !spans.is_empty())
-                    .map(|spans| {
-                        let length = head.content_length.is_some();
-                        SentBody::rewritten(body_bytes, &spans, length, |_| key.clone())
-                    }),
+                _ => key_rewrite::rewritten(body_bytes, |_| key.clone())
+                    .map(|sent| SentBody::new(body_bytes, sent, head.content_length.is_some())),
             };
             let signing = hold_headers.then(|| {
                 let line = signing::RequestLine {
