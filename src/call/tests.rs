@@ -1,9 +1,18 @@
 //! Event → action table for the per-request state machine.
 
+use super::phase::Phase;
 use super::*;
+use crate::ledger_client::Endpoint;
+use crate::parse::mcp;
 use crate::test_config::{config_from, minimal};
+use atmost_config::UpstreamKey;
 use atmost_protocol::signature::{self, DispatchNonce, DispatchSignature, DispatchTarget};
 use atmost_protocol::OutcomeReport;
+use atmost_protocol::{
+    AuthorizeRequest, AuthorizeResponse, DispatchGrant, LimitsRequest, LimitsResponse, Outcome,
+    OutcomesRequest, PermitLimits,
+};
+use resume::Ticket;
 use serde_json::json;
 
 fn cfg() -> Rc<Config> {
@@ -155,8 +164,8 @@ pub(crate) fn ledger_signature(
 
 /// The request `call` (waiting for its authorize answer) asked the ledger to sign.
 pub(crate) fn asked_to_sign(call: &Call) -> Option<DispatchTarget> {
-    match &call.state {
-        State::Authorizing(p) => p
+    match &call.phase {
+        Phase::Authorizing(p) => p
             .upstream
             .as_ref()
             .and_then(|u| u.signing.as_ref())
@@ -168,8 +177,8 @@ pub(crate) fn asked_to_sign(call: &Call) -> Option<DispatchTarget> {
 /// `answer` as a ledger gives it to `call`: a Dispatch carries the signature over the
 /// request the call asked to have signed, and none when it asked for none.
 pub(crate) fn signed(call: &Call, mut answer: AuthorizeResponse) -> AuthorizeResponse {
-    let tool = match &call.state {
-        State::Authorizing(p) => p.tool.clone(),
+    let tool = match &call.phase {
+        Phase::Authorizing(p) => p.tool.clone(),
         _ => return answer,
     };
     let target = asked_to_sign(call);
