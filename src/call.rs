@@ -250,10 +250,10 @@ impl Call {
         if let Some(s) = &mut self.cx.session {
             s.note(&head, &self.cx.config.permit_header);
         }
-        let step = self.advance(|phase, cx| match phase {
-            Phase::Start => start::on_request_headers(cx, head),
-            other => (other, Step::cont()),
-        });
+        let step = match self.phase {
+            Phase::Start => self.advance(|_, cx| start::on_request_headers(cx, head)),
+            _ => Step::cont(),
+        };
         self.with_session_credential(step)
     }
 
@@ -276,23 +276,29 @@ impl Call {
     }
 
     pub fn on_request_body(&mut self, size: usize, end_of_stream: bool) -> BodyStep {
-        self.advance(|phase, cx| match phase {
-            Phase::ReadingBody(r) => r.on_request_body(&cx.config, size, end_of_stream),
-            held @ (Phase::Authorizing(_) | Phase::Answered | Phase::Overtaken) => {
-                (held, BodyStep::Done(Step::pause()))
+        match &self.phase {
+            Phase::ReadingBody(r) => {
+                match r.on_request_body(&self.cx.config, size, end_of_stream) {
+                    Ok(step) => step,
+                    Err(refusal) => {
+                        self.phase = Phase::Answered;
+                        BodyStep::Done(refusal)
+                    }
+                }
             }
-            other => (other, BodyStep::Done(Step::cont())),
-        })
+            Phase::Authorizing(_) | Phase::Answered | Phase::Overtaken => {
+                BodyStep::Done(Step::pause())
+            }
+            _ => BodyStep::Done(Step::cont()),
+        }
     }
 
     pub fn on_request_trailers(&mut self) -> Step {
-        self.advance(|phase, _| match phase {
-            Phase::ReadingBody(_) => (Phase::Answered, trailers_refused()),
-            held @ (Phase::Authorizing(_) | Phase::Answered | Phase::Overtaken) => {
-                (held, Step::pause())
-            }
-            other => (other, Step::cont()),
-        })
+        match self.phase {
+            Phase::ReadingBody(_) => self.advance(|_, _| (Phase::Answered, trailers_refused())),
+            Phase::Authorizing(_) | Phase::Answered | Phase::Overtaken => Step::pause(),
+            _ => Step::cont(),
+        }
     }
 
     /// The whole request body, after [`BodyStep::Read`].
@@ -307,16 +313,18 @@ impl Call {
 
     pub fn on_response_headers(&mut self, head: ResponseHead) -> Step {
         if self.awaits_decision() {
-            return self.advance(|phase, cx| match phase {
+            return match &self.phase {
                 Phase::Authorizing(a) => {
-                    if let Some(ahead) = &mut cx.ahead {
+                    if let Some(ahead) = &mut self.cx.ahead {
                         ahead.answered_early = true;
                     }
-                    let step = a.on_response_before_decision();
-                    (Phase::Authorizing(a), step)
+                    a.on_response_before_decision()
                 }
-                _ => (Phase::Overtaken, ReadingBody::on_response_before_decision()),
-            });
+                _ => {
+                    self.phase = Phase::Overtaken;
+                    ReadingBody::on_response_before_decision()
+                }
+            };
         }
         match &mut self.phase {
             Phase::Dispatched(d) => d.on_response_headers(&self.cx.config, head),
@@ -382,18 +390,16 @@ impl Call {
         {
             return step;
         }
-        self.advance(|phase, cx| match phase {
-            Phase::Authorizing(a) => (Phase::Answered, a.on_callout_failed(&cx.config)),
-            Phase::Listing(mut l) => {
-                let step = l.on_callout_failed();
-                (Phase::Listing(l), step)
+        match &mut self.phase {
+            Phase::Authorizing(a) => {
+                let step = a.on_callout_failed(&self.cx.config);
+                self.phase = Phase::Answered;
+                step
             }
-            Phase::Dispatched(mut d) => {
-                let step = d.on_callout_failed();
-                (Phase::Dispatched(d), step)
-            }
-            other => (other, Step::cont()),
-        })
+            Phase::Listing(l) => l.on_callout_failed(),
+            Phase::Dispatched(d) => d.on_callout_failed(),
+            _ => Step::cont(),
+        }
     }
 
     /// The ledger answered (or failed to answer) the pending callout.
@@ -401,21 +407,18 @@ impl Call {
         if let Some(step) = self.cx.session.as_mut().and_then(|s| s.on_reply(reply)) {
             return step;
         }
-        self.advance(|phase, cx| match phase {
-            Phase::Listing(mut l) => {
-                let step = l.on_limits_reply(reply);
-                (Phase::Listing(l), step)
-            }
-            Phase::Authorizing(a) if answered_early(cx) => {
-                (Phase::Overtaken, a.after_early_answer(reply))
-            }
-            Phase::Authorizing(a) => a.on_authorize_reply(cx, reply),
-            Phase::Dispatched(mut d) => {
-                let step = d.on_report_reply(reply);
-                (Phase::Dispatched(d), step)
-            }
-            other => (other, Step::cont()),
-        })
+        match &mut self.phase {
+            Phase::Listing(l) => l.on_limits_reply(reply),
+            Phase::Dispatched(d) => d.on_report_reply(reply),
+            Phase::Authorizing(_) => self.advance(|phase, cx| match phase {
+                Phase::Authorizing(a) if answered_early(cx) => {
+                    (Phase::Overtaken, a.after_early_answer(reply))
+                }
+                Phase::Authorizing(a) => a.on_authorize_reply(cx, reply),
+                other => (other, Step::cont()),
+            }),
+            _ => Step::cont(),
+        }
     }
 
     /// Whether a completion report is out and the response held (the adapter then checks

@@ -393,7 +393,7 @@ impl Authorizing {
     }
 
     /// The authorize callout could not be dispatched: the call is denied.
-    pub(in crate::call) fn on_callout_failed(self, config: &Config) -> Step {
+    pub(in crate::call) fn on_callout_failed(&self, config: &Config) -> Step {
         deny_step(config, &gateway_unavailable(), &self.id, &self.tool).with(Effect::Log(
             Level::Warn,
             "atmost: could not dispatch the authorize callout; call denied (gateway_unavailable)"

@@ -26,23 +26,20 @@ impl ReadingBody {
         Phase::ReadingBody(Box::new(ReadingBody { head }))
     }
 
-    /// Part of the body arrived (`size` bytes so far): it is read once whole, and refused
-    /// past `max_body_bytes`.
+    /// Part of the body arrived (`size` bytes so far): it is read once whole. Past
+    /// `max_body_bytes` it is refused (`Err`), and the request is answered.
     pub(in crate::call) fn on_request_body(
-        self: Box<Self>,
+        &self,
         config: &Config,
         size: usize,
         end_of_stream: bool,
-    ) -> (Phase, BodyStep) {
+    ) -> Result<BodyStep, Step> {
         if size as u64 > config.max_body_bytes {
-            (
-                Phase::Answered,
-                BodyStep::Done(too_large(config.max_body_bytes)),
-            )
+            Err(too_large(config.max_body_bytes))
         } else if end_of_stream {
-            (Phase::ReadingBody(self), BodyStep::Read { len: size })
+            Ok(BodyStep::Read { len: size })
         } else {
-            (Phase::ReadingBody(self), BodyStep::Done(Step::pause()))
+            Ok(BodyStep::Done(Step::pause()))
         }
     }
 
