@@ -472,3 +472,6 @@ fn not_sent(config: &Config, p: &Authorizing, grant: &DispatchGrant, why: NotSen
         ),
     ))
 }
+
+#[cfg(test)]
+mod tests;

@@ -496,3 +496,6 @@ fn receipt_too_large(attempt_id: &str) -> Step {
             format!("atmost: response of attempt {attempt_id} exceeds max_receipt_bytes; it will be reported uncertain (receipt_too_large)"),
         ))
 }
+
+#[cfg(test)]
+mod tests;

@@ -226,3 +226,6 @@ fn unchanged(level: Level, why: &str) -> Step {
             format!("atmost: tools/list answer passes without the permit's figures: {why}"),
         ))
 }
+
+#[cfg(test)]
+mod tests;

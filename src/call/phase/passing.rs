@@ -103,3 +103,6 @@ pub(in crate::call) fn ungoverned_key_header(mode: &UpstreamKey, values: &[Vec<u
         None => Effect::RemoveRequestHeader(IDEMPOTENCY_HEADER.into()),
     }
 }
+
+#[cfg(test)]
+mod tests;

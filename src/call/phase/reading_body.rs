@@ -84,3 +84,6 @@ pub(in crate::call) fn on_body(head: RequestHead, cx: &mut Context, body: &[u8])
     }
     Authorizing::ask(cx, &head, call, body)
 }
+
+#[cfg(test)]
+mod tests;

@@ -121,3 +121,6 @@ fn key_header_ahead(config: &Config, head: &RequestHead, governed: bool) -> (Opt
         false,
     )
 }
+
+#[cfg(test)]
+mod tests;
