@@ -8,11 +8,7 @@
 //! the phase the request is in, and keeps what lasts through all of them ([`Context`]).
 
 use crate::ledger_client::LedgerReply;
-use crate::parse::body_encoding;
-use crate::stats::Stat;
 use atmost_config::Config;
-use atmost_protocol::{Denial, DenialCode};
-use serde_json::Value;
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -32,6 +28,7 @@ pub mod upstream_key;
 mod body_hold;
 mod head;
 mod phase;
+mod refusal;
 mod sent_body;
 mod session_credential;
 mod step;
@@ -40,8 +37,12 @@ pub mod upgrade;
 use body_hold::Ahead;
 use phase::reading_body::{self, ReadingBody};
 use phase::{start, Phase};
-use reply::{rpc_code, LocalReply};
+use refusal::rewrite_failed;
 use session_credential::Session;
+
+pub(crate) use refusal::{
+    alias_refused, bad_request, too_large, trailers_refused, unreadable_body,
+};
 
 pub use head::{ENVOY_CONTROL_HEADERS, HEADERS_ATMOST_READS, MAX_RETRIES_HEADER};
 pub use phase::PhaseName;
@@ -67,138 +68,8 @@ pub struct Call {
     cx: Context,
 }
 
-fn deny_step(config: &Config, denial: &Denial, id: &Value, tool: &str) -> Step {
-    let mut step = Step::pause()
-        .with(Effect::LocalReply(denial::render(
-            denial,
-            id,
-            config.denial_format,
-        )))
-        .with(Effect::Count(Stat::Denied))
-        .with(Effect::Count(Stat::DeniedCode(denial.code)));
-    if denial.code == DenialCode::GatewayUnavailable {
-        step = step.with(Effect::Count(Stat::GatewayUnavailable));
-    }
-    step.with(Effect::Log(
-        Level::Info,
-        format!("atmost: denied tools/call of `{tool}`: {}", denial.code),
-    ))
-}
-
-pub(crate) fn bad_request(reply: LocalReply) -> Step {
-    Step::pause()
-        .with(Effect::LocalReply(reply))
-        .with(Effect::Count(Stat::BadRequest))
-}
-
-/// A header named like one atmost reads, spelled otherwise: an upstream that reads `_` as
-/// `-` could take its value for the one atmost checked, so nothing of the request is sent.
-pub(crate) fn alias_refused(name: &str) -> Step {
-    bad_request(LocalReply::rpc_error(
-        400,
-        None,
-        rpc_code::INVALID_REQUEST,
-        &format!(
-            "header `{name}` is refused: servers that read `_` as `-` take it for a header atmost checks under its own name; send that header only as it is spelled with `-`"
-        ),
-    ))
-}
-
-/// The refusal of request trailers on a POST whose body is read: what they would add is
-/// read by no check, in either role.
-pub(crate) fn trailers_refused() -> Step {
-    bad_request(LocalReply::rpc_error(
-        400,
-        None,
-        rpc_code::INVALID_REQUEST,
-        "request trailers are not accepted by atmost",
-    ))
-}
-
-/// The refusal of a POST whose body the filter will not read (an encoding or charset other
-/// than plain UTF-8, or a stated length past `max_body_bytes`), the same in both roles.
-pub(crate) fn unreadable_body(head: &RequestHead, max_body_bytes: u64) -> Option<Step> {
-    if let Err(refusal) = body_encoding::check(&head.content_type, &head.content_encoding) {
-        return Some(bad_request(LocalReply::rpc_error(
-            400,
-            None,
-            rpc_code::INVALID_REQUEST,
-            refusal.message(),
-        )));
-    }
-    head.content_length
-        .filter(|n| *n > max_body_bytes)
-        .map(|_| too_large(max_body_bytes))
-}
-
-pub(crate) fn too_large(max: u64) -> Step {
-    bad_request(LocalReply::rpc_error(
-        413,
-        None,
-        rpc_code::INVALID_REQUEST,
-        &format!("request body exceeds max_body_bytes ({max})"),
-    ))
-}
-
-fn gateway_unavailable() -> Denial {
-    Denial::new(
-        DenialCode::GatewayUnavailable,
-        "the atmost ledger could not be asked; the call was not sent",
-    )
-}
-
-/// The denial when the host refused to rewrite the request: nothing went upstream.
-fn rewrite_refused() -> Denial {
-    Denial::new(
-        DenialCode::GatewayUnavailable,
-        "atmost could not rewrite the request for its upstream (idempotency key or permit header); it was not sent",
-    )
-}
-
-/// The log line of a request refused because the host refused to rewrite it (`what` says
-/// which, or is empty).
-fn rewrite_failed_log(what: &str) -> Effect {
-    Effect::Log(
-        Level::Error,
-        format!("atmost: could not rewrite the request {what}; refused, not sent"),
-    )
-}
-
-/// The refusal when the host refused to rewrite a request that is no governed call: `id` is
-/// its JSON-RPC id, once read.
-fn rewrite_failed(id: Option<&Value>) -> Step {
-    bad_request(LocalReply::rpc_error(
-        503,
-        id,
-        rpc_code::INTERNAL_ERROR,
-        &rewrite_refused().message,
-    ))
-    .with(rewrite_failed_log(""))
-}
-
-/// What a response's body is, when it is one the machine reads for an answer: JSON
-/// (`Some(true)`) or an SSE stream (`Some(false)`); `None` when it has no body to read.
-fn body_kind(head: &ResponseHead) -> Option<bool> {
-    if head.end_of_stream {
-        return None;
-    }
-    content_kind(head.content_type.as_deref())
-}
-
-fn content_kind(content_type: Option<&str>) -> Option<bool> {
-    let media = content_type?
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
-    match media.as_str() {
-        "application/json" => Some(true),
-        "text/event-stream" => Some(false),
-        _ => None,
-    }
-}
-
+/// A configured byte count as a length in memory: past what `usize` holds (wasm32), as
+/// much as it can hold.
 fn usize_of(n: u64) -> usize {
     usize::try_from(n).unwrap_or(usize::MAX)
 }

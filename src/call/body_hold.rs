@@ -25,8 +25,9 @@
 //! callout is out it is held until the ledger answered, so a reserved attempt is released
 //! now rather than turning uncertain when its lease runs out. The body never follows.
 
+use super::refusal::bad_request;
 use super::reply::{rpc_code, LocalReply};
-use super::{bad_request, Step};
+use super::Step;
 use crate::parse::mcp;
 use atmost_config::ToolSet;
 use serde_json::Value;

@@ -203,6 +203,27 @@ impl ResponseHead {
             tool_refusal: None,
         }
     }
+
+    /// What the response's body is, when it is one the machine reads for an answer: JSON
+    /// (`Some(true)`) or an SSE stream (`Some(false)`); `None` when it has no body to read.
+    pub(super) fn body_kind(&self) -> Option<bool> {
+        if self.end_of_stream {
+            return None;
+        }
+        let media = self
+            .content_type
+            .as_deref()?
+            .split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
+        match media.as_str() {
+            "application/json" => Some(true),
+            "text/event-stream" => Some(false),
+            _ => None,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@ pub(super) use super::phase::Phase;
 pub(super) use super::*;
 pub(super) use crate::ledger_client::Endpoint;
 pub(super) use crate::parse::mcp;
+pub(super) use crate::stats::Stat;
 pub(super) use crate::test_config::{config_from, minimal};
 pub(super) use atmost_config::UpstreamKey;
 pub(super) use atmost_protocol::signature::{
@@ -15,8 +16,11 @@ pub(super) use atmost_protocol::{
     AuthorizeRequest, AuthorizeResponse, DispatchGrant, LimitsRequest, LimitsResponse, Outcome,
     OutcomesRequest, PermitLimits,
 };
+pub(super) use atmost_protocol::{Denial, DenialCode};
+pub(super) use reply::LocalReply;
 pub(super) use resume::Ticket;
 pub(super) use serde_json::json;
+pub(super) use serde_json::Value;
 
 pub(super) fn cfg() -> Rc<Config> {
     Rc::new(config_from(&minimal()))

@@ -5,13 +5,15 @@
 
 use super::dispatched::{Dispatched, Watch};
 use super::Phase;
+use crate::call::refusal::{
+    bad_request, deny_step, gateway_unavailable, rewrite_failed_log, rewrite_refused,
+};
 use crate::call::reply::{rpc_code, LocalReply};
 use crate::call::resume::CallPermit;
 use crate::call::sent_body::SentBody;
 use crate::call::signing::{self, Signing};
 use crate::call::{
-    bad_request, credential, deny_step, gateway_unavailable, permit, replay, rewrite_failed_log,
-    rewrite_refused, upstream_key, Context, Effect, Flow, Level, RequestHead, Step,
+    credential, permit, replay, upstream_key, Context, Effect, Flow, Level, RequestHead, Step,
     IDEMPOTENCY_HEADER,
 };
 use crate::ledger_client::{Callout, CalloutError, Endpoint, LedgerReply};

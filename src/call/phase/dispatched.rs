@@ -7,11 +7,9 @@ use super::PhaseName;
 use crate::call::outcome::{self, NoReceipt};
 use crate::call::permit_meta::{self, TextAt};
 use crate::call::receipt::{self, Passed, ResultKind, SseCapture, SseProgress};
+use crate::call::refusal::{deny_step, rewrite_failed_log, rewrite_refused};
 use crate::call::resume::{self, CallPermit, Ticket};
-use crate::call::{
-    body_kind, deny_step, rewrite_failed_log, rewrite_refused, usize_of, BodyStep, Context, Effect,
-    Flow, Level, LogProps, ResponseHead, Step,
-};
+use crate::call::{usize_of, BodyStep, Context, Effect, Flow, Level, LogProps, ResponseHead, Step};
 use crate::ledger_client::{Callout, LedgerReply};
 use crate::stats::Stat;
 use atmost_config::{AnswerRelease, CompletionReports, Config};
@@ -160,7 +158,7 @@ impl Dispatched {
             return Step::cont();
         }
         // JSON or SSE: the answer to find (and edit) is in the body.
-        let kind = body_kind(&head);
+        let kind = head.body_kind();
         let max = usize_of(config.max_receipt_bytes);
         self.watch = match kind {
             Some(true) => Watch::BufferingJson { size: 0 },

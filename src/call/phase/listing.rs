@@ -5,9 +5,8 @@
 use super::{Phase, PhaseName};
 use crate::call::permit_meta::{self, TextAt};
 use crate::call::receipt::{SseCapture, SseProgress};
-use crate::call::{
-    body_kind, rewrite_failed, usize_of, BodyStep, Effect, Flow, Level, ResponseHead, Step,
-};
+use crate::call::refusal::rewrite_failed;
+use crate::call::{usize_of, BodyStep, Effect, Flow, Level, ResponseHead, Step};
 use crate::ledger_client::{Callout, CalloutError, LedgerReply};
 use crate::stats::Stat;
 use atmost_config::Config;
@@ -71,7 +70,7 @@ impl Listing {
         if !self.awaits_response_headers() {
             return Step::cont();
         }
-        let kind = body_kind(head);
+        let kind = head.body_kind();
         let max = usize_of(config.max_receipt_bytes);
         self.watch = match kind {
             Some(true) => ListWatch::BufferingJson { size: 0 },

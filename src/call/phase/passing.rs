@@ -3,12 +3,10 @@
 //! was rewritten, which has something to refuse if the host refuses the rewrite.
 
 use super::Phase;
+use crate::call::refusal::{deny_step, rewrite_failed, rewrite_failed_log, rewrite_refused};
 use crate::call::sent_body::SentBody;
 use crate::call::upstream_key::{self, UNGOVERNED_PERMIT_ID};
-use crate::call::{
-    body_hold, deny_step, rewrite_failed, rewrite_failed_log, rewrite_refused, Context, Effect,
-    RequestHead, Step, IDEMPOTENCY_HEADER,
-};
+use crate::call::{body_hold, Context, Effect, RequestHead, Step, IDEMPOTENCY_HEADER};
 use crate::parse::{idempotency, key_rewrite};
 use atmost_config::{Config, UpstreamKey};
 use serde_json::Value;

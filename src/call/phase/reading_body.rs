@@ -6,9 +6,8 @@ use super::authorizing::Authorizing;
 use super::listing::Listing;
 use super::passing::pass;
 use super::Phase;
-use crate::call::{
-    bad_request, permit, too_large, BodyStep, Context, Effect, Level, RequestHead, Step,
-};
+use crate::call::refusal::{bad_request, too_large};
+use crate::call::{permit, BodyStep, Context, Effect, Level, RequestHead, Step};
 use crate::parse::mcp::{self, Message};
 use crate::stats::Stat;
 use atmost_config::Config;

@@ -7,9 +7,9 @@ use super::passing::{passing_key_header, ungoverned_key_header, Forwarding};
 use super::reading_body::ReadingBody;
 use super::Phase;
 use crate::call::body_hold::{self, Ahead};
+use crate::call::refusal::{alias_refused, unreadable_body};
 use crate::call::{
-    alias_refused, unreadable_body, upgrade, Context, Effect, Level, RequestHead, Step,
-    IDEMPOTENCY_HEADER, MAX_RETRIES_HEADER,
+    upgrade, Context, Effect, Level, RequestHead, Step, IDEMPOTENCY_HEADER, MAX_RETRIES_HEADER,
 };
 use crate::stats::Stat;
 use atmost_config::{Config, RequestHold, UpstreamKey};
