@@ -35,7 +35,7 @@ mod step;
 pub mod upgrade;
 
 use body_hold::Ahead;
-use phase::reading_body::{self, ReadingBody};
+use phase::reading_body::ReadingBody;
 use phase::{start, Phase};
 use refusal::rewrite_failed;
 use session_credential::Session;
@@ -175,7 +175,7 @@ impl Call {
     /// The whole request body, after [`BodyStep::Read`].
     pub fn on_request_body_data(&mut self, body: &[u8]) -> Step {
         let step = self.advance(|phase, cx| match phase {
-            Phase::ReadingBody(r) => reading_body::on_body(r.head, cx, body),
+            Phase::ReadingBody(r) => r.on_body(cx, body),
             // Not expected; put nothing at risk.
             _ => (Phase::Answered, Step::pause()),
         });

@@ -24,6 +24,10 @@
 //! callout the response goes on to the client at once (nothing is reserved); while the
 //! callout is out it is held until the ledger answered, so a reserved attempt is released
 //! now rather than turning uncertain when its lease runs out. The body never follows.
+//!
+//! Each of these steps is taken by the phase it happens in ([`super::phase`]): `Start` lets
+//! the headers go ahead, the passing phase refuses a message whose key header was held
+//! back, and `ReadingBody` and `Authorizing` meet an early answer.
 
 use super::refusal::bad_request;
 use super::reply::{rpc_code, LocalReply};

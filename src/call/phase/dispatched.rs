@@ -89,6 +89,7 @@ impl Dispatched {
         }
     }
 
+    /// The phase's name, told by how far its response is watched.
     pub(super) fn name(&self) -> PhaseName {
         self.watch.name()
     }
@@ -99,6 +100,7 @@ impl Dispatched {
         self.resumed && self.awaits_response_headers()
     }
 
+    /// Upstream has not answered yet.
     pub(in crate::call) fn awaits_response_headers(&self) -> bool {
         matches!(self.watch, Watch::AwaitingHeaders)
     }
@@ -143,6 +145,8 @@ impl Dispatched {
         }
     }
 
+    /// The upstream's response headers: how its body is watched for the answer, and the
+    /// permit's figures as headers.
     pub(in crate::call) fn on_response_headers(
         &mut self,
         config: &Config,
@@ -187,6 +191,8 @@ impl Dispatched {
         }
     }
 
+    /// Part of the response body arrived (`size` bytes so far): JSON is read once whole
+    /// (up to `max` bytes), each SSE chunk as it comes.
     pub(in crate::call) fn on_response_body(
         &mut self,
         max: u64,

@@ -46,6 +46,7 @@ impl Listing {
         }))
     }
 
+    /// The phase's name: whether the limits callout is out.
     pub(super) fn name(&self) -> PhaseName {
         match self.watch {
             ListWatch::Asking(_) => PhaseName::ListingAsking,
@@ -53,6 +54,7 @@ impl Listing {
         }
     }
 
+    /// Upstream has not answered yet.
     pub(in crate::call) fn awaits_response_headers(&self) -> bool {
         matches!(self.watch, ListWatch::AwaitingHeaders)
     }
@@ -62,6 +64,7 @@ impl Listing {
         rewrite_failed(Some(&self.id))
     }
 
+    /// The upstream's response headers: how its body is watched for the answer.
     pub(in crate::call) fn on_response_headers(
         &mut self,
         config: &Config,
@@ -91,6 +94,8 @@ impl Listing {
         }
     }
 
+    /// Part of the response body arrived (`size` bytes so far): JSON is read once whole
+    /// (up to `max` bytes, or left unchanged), each SSE chunk as it comes.
     pub(in crate::call) fn on_response_body(
         &mut self,
         max: u64,

@@ -16,7 +16,7 @@ use serde_json::Value;
 /// The request's head, kept while its body is read.
 #[derive(Debug, Clone)]
 pub(in crate::call) struct ReadingBody {
-    pub(in crate::call) head: RequestHead,
+    head: RequestHead,
 }
 
 impl ReadingBody {
@@ -52,36 +52,37 @@ impl ReadingBody {
                 "atmost: the upstream answered before the request body was read; the body is not sent".into(),
             ))
     }
-}
 
-/// The whole body of the request with `head`.
-pub(in crate::call) fn on_body(head: RequestHead, cx: &mut Context, body: &[u8]) -> (Phase, Step) {
-    let call = match mcp::parse(body, &head.mirrored) {
-        Err(reply) => return (Phase::Answered, bad_request(*reply)),
-        Ok(Message::Other) => return pass(cx, &head, None, Value::Null, None),
-        Ok(Message::KeyedOther(id)) => return pass(cx, &head, Some(body), id, None),
-        Ok(Message::ToolsList { id, keyed }) => {
-            let (passed, step) = pass(cx, &head, keyed.then_some(body), id.clone(), None);
-            // A refused pass (`request_hold: body`) answered it: nothing to watch.
-            if !cx.config.tools_list_limits || matches!(passed, Phase::Answered) {
-                return (passed, step);
+    /// The whole body, after [`BodyStep::Read`].
+    pub(in crate::call) fn on_body(self, cx: &mut Context, body: &[u8]) -> (Phase, Step) {
+        let head = self.head;
+        let call = match mcp::parse(body, &head.mirrored) {
+            Err(reply) => return (Phase::Answered, bad_request(*reply)),
+            Ok(Message::Other) => return pass(cx, &head, None, Value::Null, None),
+            Ok(Message::KeyedOther(id)) => return pass(cx, &head, Some(body), id, None),
+            Ok(Message::ToolsList { id, keyed }) => {
+                let (passed, step) = pass(cx, &head, keyed.then_some(body), id.clone(), None);
+                // A refused pass (`request_hold: body`) answered it: nothing to watch.
+                if !cx.config.tools_list_limits || matches!(passed, Phase::Answered) {
+                    return (passed, step);
+                }
+                // Without a readable permit there is nothing to ask: it passes unchanged.
+                return match permit::token(&head.permit, &cx.config.permit_header) {
+                    Ok(permit_token) => (Listing::of(id, permit_token), step),
+                    Err(_) => (passed, step),
+                };
             }
-            // Without a readable permit there is nothing to ask: it passes unchanged.
-            return match permit::token(&head.permit, &cx.config.permit_header) {
-                Ok(permit_token) => (Listing::of(id, permit_token), step),
-                Err(_) => (passed, step),
-            };
+            Ok(Message::ToolCall(call)) => call,
+        };
+        if !cx.config.governed_tools.contains(&call.name) {
+            if let Some(s) = &mut cx.session {
+                s.forget_permit();
+            }
+            let keyed = call.keys.any_field();
+            return pass(cx, &head, keyed.then_some(body), call.id, Some(call.name));
         }
-        Ok(Message::ToolCall(call)) => call,
-    };
-    if !cx.config.governed_tools.contains(&call.name) {
-        if let Some(s) = &mut cx.session {
-            s.forget_permit();
-        }
-        let keyed = call.keys.any_field();
-        return pass(cx, &head, keyed.then_some(body), call.id, Some(call.name));
+        Authorizing::ask(cx, &head, call, body)
     }
-    Authorizing::ask(cx, &head, call, body)
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use crate::call::{
 use crate::stats::Stat;
 use atmost_config::{Config, RequestHold, UpstreamKey};
 
+/// The request's headers: the only event `Start` handles, and the one that leaves it.
 pub(in crate::call) fn on_request_headers(cx: &mut Context, head: RequestHead) -> (Phase, Step) {
     let config = &cx.config;
     if let Some(alias) = &head.alias {
@@ -83,8 +84,8 @@ fn head_edits(config: &Config, head: &RequestHead) -> Vec<Effect> {
     edits
 }
 
-/// Headers of a POST with a body, after the header checks: they go on now, edited, and
-/// the body is read next.
+/// `request_hold: body` ([`body_hold`]): the headers of a POST with a body, after the
+/// header checks, go on now, edited; the body is read next, and waits for the decision.
 fn let_headers_go(cx: &mut Context, mut head: RequestHead, edits: Vec<Effect>) -> (Phase, Step) {
     let governed = body_hold::may_be_governed(&head.mirrored, &cx.config.governed_tools);
     let (key_effect, key_held_back) = key_header_ahead(&cx.config, &head, governed);
