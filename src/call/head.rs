@@ -5,8 +5,7 @@
 //! Which value of a request header counts when it repeats is decided here, not by the host.
 
 use super::signing::SIGNATURE_HEADERS;
-use super::step::{RequestHead, ResponseHead, IDEMPOTENCY_HEADER};
-use super::upgrade::Upgrade;
+use super::step::{RequestHead, ResponseHead, Upgrade, IDEMPOTENCY_HEADER};
 use crate::call::resume::Ticket;
 
 /// Request headers by which a client steers what Envoy's router does with the request
@@ -202,6 +201,27 @@ impl ResponseHead {
             content_type: value.map(|v| String::from_utf8_lossy(v).into_owned()),
             end_of_stream,
             tool_refusal: None,
+        }
+    }
+
+    /// What the response's body is, when it is one the machine reads for an answer: JSON
+    /// (`Some(true)`) or an SSE stream (`Some(false)`); `None` when it has no body to read.
+    pub(super) fn body_kind(&self) -> Option<bool> {
+        if self.end_of_stream {
+            return None;
+        }
+        let media = self
+            .content_type
+            .as_deref()?
+            .split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
+        match media.as_str() {
+            "application/json" => Some(true),
+            "text/event-stream" => Some(false),
+            _ => None,
         }
     }
 }

@@ -1,7 +1,6 @@
 //! A request body as it goes upstream, its idempotency key members in their upstream form.
 
 use crate::call::Effect;
-use crate::parse::key_rewrite;
 
 /// A request body as it goes upstream after the key rewrite.
 #[derive(Debug, Clone, PartialEq)]
@@ -14,17 +13,12 @@ pub(super) struct SentBody {
 }
 
 impl SentBody {
-    /// `original` with its idempotency key members (`spans`) edited: `value` gets each
-    /// member's raw JSON value and returns its upstream form, or `None` to remove it.
-    pub(super) fn rewritten(
-        original: &[u8],
-        spans: &[key_rewrite::MemberSpan],
-        had_content_length: bool,
-        value: impl FnMut(&[u8]) -> Option<String>,
-    ) -> SentBody {
+    /// `body` in place of `original`, as
+    /// [`rewritten`](crate::parse::key_rewrite::rewritten) made it.
+    pub(super) fn new(original: &[u8], body: Vec<u8>, had_content_length: bool) -> SentBody {
         SentBody {
             original_len: original.len(),
-            body: key_rewrite::rewrite_all(original, spans, value),
+            body,
             had_content_length,
         }
     }

@@ -15,7 +15,8 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use super::credential::{self, CredentialCache};
-use super::*;
+use super::{permit, Effect, Flow, Level, RequestHead, Step};
+use crate::ledger_client::{Callout, LedgerReply};
 use atmost_protocol::credential::UpstreamCredential;
 
 /// What the machine keeps for the session's credential.
@@ -31,62 +32,45 @@ pub(super) struct Session {
     asking: bool,
 }
 
-impl Call {
-    /// This call takes part in the session's credentials: `cache` is its worker's, `now_ms`
-    /// the time its request began.
-    pub fn with_session_credentials(
-        mut self,
-        cache: Rc<RefCell<CredentialCache>>,
-        now_ms: u64,
-    ) -> Call {
-        self.session = Some(Session {
+impl Session {
+    /// The session's credentials for a request: `cache` is its worker's, `now_ms` the time
+    /// the request began.
+    pub(super) fn new(cache: Rc<RefCell<CredentialCache>>, now_ms: u64) -> Session {
+        Session {
             cache,
             now_ms,
             permit: None,
             asking: false,
-        });
-        self
+        }
     }
 
     /// Notes the request's permit and route, read from its headers.
-    pub(super) fn note_session(&mut self, head: &RequestHead) {
-        if let Some(s) = &mut self.session {
-            s.permit = permit::token(&head.permit, &self.config.permit_header)
-                .ok()
-                .map(|t| (t, head.route.clone()));
-        }
+    pub(super) fn note(&mut self, head: &RequestHead, permit_header: &str) {
+        self.permit = permit::token(&head.permit, permit_header)
+            .ok()
+            .map(|t| (t, head.route.clone()));
     }
 
     /// A `tools/call` passing ungoverned: it carries no credential.
-    pub(super) fn no_session_credential(&mut self) {
-        if let Some(s) = &mut self.session {
-            s.permit = None;
-        }
+    pub(super) fn forget_permit(&mut self) {
+        self.permit = None;
     }
 
-    /// `step`, which lets the request pass, with the credential added: from the cache, or
-    /// held for the ledger's answer. Any other step is given back unchanged.
-    pub(super) fn with_session_credential(&mut self, step: Step) -> Step {
-        let passing = match &self.state {
-            State::Passing | State::Forwarding(..) | State::Listing(_) => true,
-            State::Dispatched(d) => d.resumed && matches!(d.watch, Watch::AwaitingHeaders),
-            _ => false,
-        };
-        let headers_held = self.ahead.is_none();
-        let Some(s) = self.session.as_mut() else {
-            return step;
-        };
-        if !passing || !headers_held || step.flow != Flow::Continue || step.callout.is_some() {
+    /// `step`, of a request that passes with its headers held, with the credential added:
+    /// from the cache, or held for the ledger's answer. A step that does not let the
+    /// request go on is given back unchanged.
+    pub(super) fn add_to(&mut self, step: Step) -> Step {
+        if step.flow != Flow::Continue || step.callout.is_some() {
             return step;
         }
-        let Some((token, route)) = s.permit.as_ref() else {
+        let Some((token, route)) = self.permit.as_ref() else {
             return step;
         };
-        let cached = s.cache.borrow().get(token, s.now_ms);
+        let cached = self.cache.borrow().get(token, self.now_ms);
         match cached {
             Some(found) => step.with_all(edits_for(found.as_ref(), route.as_deref())),
             None => {
-                s.asking = true;
+                self.asking = true;
                 let callout = Callout::credential(token);
                 Step {
                     flow: Flow::Pause,
@@ -99,13 +83,17 @@ impl Call {
 
     /// The ledger's answer to this request's credential callout, if one is out: the request
     /// resumes, with the credential when there is one for its route.
-    pub(super) fn on_session_credential_reply(&mut self, reply: &LedgerReply) -> Option<Step> {
-        let s = self.session.as_mut().filter(|s| s.asking)?;
-        s.asking = false;
-        let (token, route) = s.permit.take()?;
+    pub(super) fn on_reply(&mut self, reply: &LedgerReply) -> Option<Step> {
+        if !self.asking {
+            return None;
+        }
+        self.asking = false;
+        let (token, route) = self.permit.take()?;
         let step = match reply.credential() {
             Ok(found) => {
-                s.cache.borrow_mut().put(&token, s.now_ms, found.clone());
+                self.cache
+                    .borrow_mut()
+                    .put(&token, self.now_ms, found.clone());
                 Step::cont().with_all(edits_for(found.as_ref(), route.as_deref()))
             }
             Err(e) => Step::cont().with(Effect::Log(
@@ -117,9 +105,11 @@ impl Call {
     }
 
     /// The credential callout could not be dispatched: the request goes on without it.
-    pub(super) fn on_session_credential_failed(&mut self) -> Option<Step> {
-        let s = self.session.as_mut().filter(|s| s.asking)?;
-        s.asking = false;
+    pub(super) fn on_callout_failed(&mut self) -> Option<Step> {
+        if !self.asking {
+            return None;
+        }
+        self.asking = false;
         Some(
             Step::cont().with(Effect::Log(
                 Level::Warn,

@@ -3,7 +3,6 @@
 
 use crate::call::reply::LocalReply;
 use crate::call::resume::Ticket;
-use crate::call::upgrade::Upgrade;
 use crate::ledger_client::Callout;
 use crate::parse::mcp::Mirrored;
 use crate::stats::Stat;
@@ -58,6 +57,30 @@ pub struct RequestHead {
     /// property `xds.route_name`), which the adapter reads only then; `None` when Envoy
     /// names none.
     pub route: Option<String>,
+}
+
+/// How a request asks to switch protocols.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Upgrade {
+    /// An `Upgrade` header, whatever its value.
+    Header,
+    /// `:method` `CONNECT`: a tunnel to whatever the route's cluster is.
+    Connect,
+    /// A `:protocol` pseudo-header (RFC 8441 extended CONNECT) as the filter sees it.
+    Protocol,
+}
+
+impl Upgrade {
+    /// The request header that asks for an upgrade, by name (lowercase) and `:method` value;
+    /// `None` for every other header.
+    pub fn of_header(name: &str, value: &[u8]) -> Option<Upgrade> {
+        match name {
+            "upgrade" => Some(Upgrade::Header),
+            ":protocol" => Some(Upgrade::Protocol),
+            ":method" if value.eq_ignore_ascii_case(b"CONNECT") => Some(Upgrade::Connect),
+            _ => None,
+        }
+    }
 }
 
 /// What the response headers told us.

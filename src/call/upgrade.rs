@@ -16,35 +16,15 @@ use super::step::{Effect, Level, RequestHead, Step};
 use crate::stats::Stat;
 use atmost_config::UpgradeRoutes;
 
-/// How a request asks to switch protocols.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Upgrade {
-    /// An `Upgrade` header, whatever its value.
-    Header,
-    /// `:method` `CONNECT`: a tunnel to whatever the route's cluster is.
-    Connect,
-    /// A `:protocol` pseudo-header (RFC 8441 extended CONNECT) as the filter sees it.
-    Protocol,
-}
+/// The ways to ask, read with the rest of the request's head.
+pub use super::step::Upgrade;
 
-impl Upgrade {
-    /// The request header that asks for an upgrade, by name (lowercase) and `:method` value;
-    /// `None` for every other header.
-    pub fn of_header(name: &str, value: &[u8]) -> Option<Upgrade> {
-        match name {
-            "upgrade" => Some(Upgrade::Header),
-            ":protocol" => Some(Upgrade::Protocol),
-            ":method" if value.eq_ignore_ascii_case(b"CONNECT") => Some(Upgrade::Connect),
-            _ => None,
-        }
-    }
-
-    fn what(self) -> &'static str {
-        match self {
-            Upgrade::Header => "a request with an `Upgrade` header",
-            Upgrade::Connect => "a CONNECT request",
-            Upgrade::Protocol => "an extended CONNECT (`:protocol`)",
-        }
+/// How the refusal names what the request asked for.
+fn described(upgrade: Upgrade) -> &'static str {
+    match upgrade {
+        Upgrade::Header => "a request with an `Upgrade` header",
+        Upgrade::Connect => "a CONNECT request",
+        Upgrade::Protocol => "an extended CONNECT (`:protocol`)",
     }
 }
 
@@ -62,7 +42,7 @@ pub fn refusal(head: &RequestHead, routes: &UpgradeRoutes) -> Option<Step> {
     };
     let message = format!(
         "protocol upgrade refused: {} would carry messages past atmost unread; {route} is not in upgrade_routes",
-        upgrade.what()
+        described(upgrade)
     );
     Some(
         Step::pause()

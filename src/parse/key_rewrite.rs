@@ -62,6 +62,13 @@ fn spans_of_message(body: &[u8], at: usize, out: &mut Vec<MemberSpan>) {
     }
 }
 
+/// The body with each of its idempotency key members ([`find_all`]) edited as
+/// [`rewrite_all`] does; `None` when it has none, so nothing needs to replace it.
+pub fn rewritten(body: &[u8], replacement: impl FnMut(&[u8]) -> Option<String>) -> Option<Vec<u8>> {
+    let spans = find_all(body);
+    (!spans.is_empty()).then(|| rewrite_all(body, &spans, replacement))
+}
+
 /// The body with each member in `spans` edited: `replacement` gets the member's raw value
 /// (JSON text) and returns the string to put there, or `None` to remove the member.
 pub fn rewrite_all(
@@ -153,6 +160,20 @@ mod tests {
         assert!(!text.contains("raw-key"));
         // Every other byte is as sent (10.50 is not re-serialised as 10.5).
         assert_eq!(text, BODY.replace("\"raw-key\"", "\"derived\""));
+    }
+
+    #[test]
+    fn a_body_without_key_members_is_not_rewritten() {
+        let plain = br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"pay"}}"#;
+        assert_eq!(rewritten(plain, |_| Some("derived".into())), None);
+        let mut seen = Vec::new();
+        let sent = rewritten(BODY.as_bytes(), |raw| {
+            seen.push(raw.to_vec());
+            None
+        });
+        assert_eq!(seen, [b"\"raw-key\"".to_vec()]);
+        let sent: Value = serde_json::from_slice(&sent.unwrap_or_default()).unwrap_or_default();
+        assert_eq!(sent["params"]["_meta"], json!({"a":[1,{"b":"}"}],"z":true}));
     }
 
     #[test]
