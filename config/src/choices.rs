@@ -9,9 +9,8 @@ use atmost_protocol::closed_set;
 pub(crate) trait Choice: Copy + Sized + 'static {
     /// Every name, in table order; the first is the default.
     fn names() -> &'static [&'static str];
-    fn from_name(name: &str) -> Option<Self>;
-    /// The value of an absent field: the table's first row.
-    fn default_choice() -> Self;
+    /// The row at `index` of [`Choice::names`] (the first when out of range).
+    fn row(index: usize) -> Self;
 }
 
 /// Implements [`Choice`] for a closed set from its table.
@@ -21,11 +20,8 @@ macro_rules! choice {
             fn names() -> &'static [&'static str] {
                 &$set::NAMES
             }
-            fn from_name(name: &str) -> Option<Self> {
-                $set::from_wire(name)
-            }
-            fn default_choice() -> Self {
-                $set::ALL[0]
+            fn row(index: usize) -> Self {
+                $set::ALL.get(index).copied().unwrap_or($set::ALL[0])
             }
         }
     )+};

@@ -172,16 +172,24 @@ impl<'a> Obj<'a> {
     /// A field whose value names one row of a closed set ([`Choice`]); absent, the set's
     /// default.
     pub(crate) fn choice<T: Choice>(&self, key: &str) -> Result<T, ConfigError> {
+        Ok(T::row(self.index_of_name(key, T::names())?.unwrap_or(0)))
+    }
+
+    /// Which of `names` the field holds (`None`: absent); one body for every closed set.
+    fn index_of_name(&self, key: &str, names: &[&str]) -> Result<Option<usize>, ConfigError> {
         let Some(name) = self.string(key)? else {
-            return Ok(T::default_choice());
+            return Ok(None);
         };
-        T::from_name(&name).ok_or_else(|| {
-            let names: Vec<String> = T::names().iter().map(|n| format!("`{n}`")).collect();
-            err(
-                &self.field_path(key),
-                format!("must be one of {}", names.join(", ")),
-            )
-        })
+        match names.iter().position(|n| *n == name) {
+            Some(index) => Ok(Some(index)),
+            None => {
+                let listed: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+                Err(err(
+                    &self.field_path(key),
+                    format!("must be one of {}", listed.join(", ")),
+                ))
+            }
+        }
     }
 
     pub(crate) fn tool_set(&self, key: &str, default: ToolSet) -> Result<ToolSet, ConfigError> {
