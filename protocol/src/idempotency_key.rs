@@ -26,8 +26,28 @@ impl KeyFault {
     }
 }
 
+/// A key that passed the rule: only [`IdempotencyKey::parse`] makes one, so a function taking
+/// one needs no check of its own.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    /// The key, if it is 1 to [`MAX_KEY_BYTES`] bytes of printable ASCII.
+    pub fn parse(key: &str) -> Result<IdempotencyKey, KeyFault> {
+        check_key(key).map(|()| IdempotencyKey(key.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    pub fn into_string(self) -> String {
+        self.0
+    }
+}
+
 /// Checks a key against the rule: 1 to [`MAX_KEY_BYTES`] bytes of printable ASCII.
-pub fn check_key(key: &str) -> Result<(), KeyFault> {
+fn check_key(key: &str) -> Result<(), KeyFault> {
     if key.is_empty() {
         Err(KeyFault::Empty)
     } else if key.len() > MAX_KEY_BYTES {
@@ -56,5 +76,10 @@ mod tests {
         for bad in ["a\nb", "a\tb", "a\u{7f}b", "clé"] {
             assert_eq!(check_key(bad), Err(KeyFault::NotPrintableAscii), "{bad:?}");
         }
+        assert_eq!(
+            IdempotencyKey::parse("k").map(IdempotencyKey::into_string),
+            Ok("k".into())
+        );
+        assert_eq!(IdempotencyKey::parse(""), Err(KeyFault::Empty));
     }
 }

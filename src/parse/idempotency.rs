@@ -141,6 +141,7 @@ pub fn carries_key(params: &Map<String, Value>) -> bool {
         .any(|source| source.value_in(params).is_some())
 }
 
+use atmost_protocol::idempotency_key::IdempotencyKey;
 /// Longest accepted key, in bytes (the protocol's one rule).
 pub use atmost_protocol::idempotency_key::MAX_KEY_BYTES;
 
@@ -148,8 +149,8 @@ fn invalid(message: &str) -> Denial {
     Denial::new(DenialCode::InvalidIdempotencyKey, message)
 }
 
-fn check(key: &str, source: &str) -> Result<(), Denial> {
-    atmost_protocol::idempotency_key::check_key(key).map_err(|fault| {
+fn check(key: &str, source: &str) -> Result<IdempotencyKey, Denial> {
+    IdempotencyKey::parse(key).map_err(|fault| {
         invalid(&format!(
             "the idempotency key from {source} {}",
             fault.describe()
@@ -160,6 +161,11 @@ fn check(key: &str, source: &str) -> Result<(), Denial> {
 /// Decodes one `Idempotency-Key` header value: `"quoted"` with `\"` and `\\` escapes
 /// (RFC 8941 sf-string), or a bare value taken as is. Surrounding spaces are ignored.
 pub fn parse_header_value(raw: &[u8]) -> Result<String, Denial> {
+    header_key(raw).map(IdempotencyKey::into_string)
+}
+
+/// [`parse_header_value`], the key as the checked type.
+fn header_key(raw: &[u8]) -> Result<IdempotencyKey, Denial> {
     const SRC: &str = "the Idempotency-Key header";
     let Ok(text) = std::str::from_utf8(raw) else {
         return Err(invalid(
@@ -173,8 +179,7 @@ pub fn parse_header_value(raw: &[u8]) -> Result<String, Denial> {
                 "the Idempotency-Key header is neither a quoted sf-string nor a bare token",
             ));
         }
-        check(text, SRC)?;
-        return Ok(text.to_string());
+        return check(text, SRC);
     };
     let mut out = String::with_capacity(rest.len());
     let mut chars = rest.chars();
@@ -198,17 +203,19 @@ pub fn parse_header_value(raw: &[u8]) -> Result<String, Denial> {
             "the Idempotency-Key header has data after its quoted string (parameters are not accepted)",
         ));
     }
-    check(&out, SRC)?;
-    Ok(out)
+    check(&out, SRC)
 }
 
 /// The call's key, from every source the client used: `Ok(None)` when it sent none. Two
 /// sources that disagree, a header sent twice, or an invalid key →
 /// `invalid_idempotency_key`.
-pub fn resolve(header_values: &[Vec<u8>], body: &BodyKeys) -> Result<Option<String>, Denial> {
+pub fn resolve(
+    header_values: &[Vec<u8>],
+    body: &BodyKeys,
+) -> Result<Option<IdempotencyKey>, Denial> {
     let from_header = match header_values {
         [] => None,
-        [one] => Some(parse_header_value(one)?),
+        [one] => Some(header_key(one)?),
         _ => {
             return Err(invalid(
                 "the Idempotency-Key header was sent more than once",
@@ -219,7 +226,7 @@ pub fn resolve(header_values: &[Vec<u8>], body: &BodyKeys) -> Result<Option<Stri
     for (source, field) in body.iter() {
         from_body.push(body_key(field, &source.label())?);
     }
-    let mut key: Option<String> = None;
+    let mut key: Option<IdempotencyKey> = None;
     for k in std::iter::once(from_header).chain(from_body).flatten() {
         match &key {
             Some(first) if *first != k => return Err(disagreement()),
@@ -242,14 +249,11 @@ fn disagreement() -> Denial {
     ))
 }
 
-fn body_key(field: &KeyField, source: &str) -> Result<Option<String>, Denial> {
+fn body_key(field: &KeyField, source: &str) -> Result<Option<IdempotencyKey>, Denial> {
     match field {
         KeyField::Absent => Ok(None),
         KeyField::NotAString => Err(invalid(&format!("{source} must be a string"))),
-        KeyField::Present(k) => {
-            check(k, source)?;
-            Ok(Some(k.clone()))
-        }
+        KeyField::Present(k) => check(k, source).map(Some),
     }
 }
 
@@ -257,8 +261,9 @@ fn body_key(field: &KeyField, source: &str) -> Result<Option<String>, Denial> {
 /// traffic that is not governed takes only such keys; anything else is dropped).
 pub fn valid_body_key(raw_json: &[u8]) -> Option<String> {
     let key: String = serde_json::from_slice(raw_json).ok()?;
-    check(&key, "a body key member").ok()?;
-    Some(key)
+    check(&key, "a body key member")
+        .ok()
+        .map(IdempotencyKey::into_string)
 }
 
 #[cfg(test)]
@@ -316,7 +321,11 @@ mod tests {
         use KeyField::{Absent, NotAString, Present};
         let hv = |s: &str| vec![s.as_bytes().to_vec()];
         let p = |s: &str| Present(s.into());
-        let key = |h: &[Vec<u8>], m: &KeyField, q: &KeyField| resolve(h, &body(m, q)).ok();
+        let key = |h: &[Vec<u8>], m: &KeyField, q: &KeyField| {
+            resolve(h, &body(m, q))
+                .ok()
+                .map(|k| k.map(IdempotencyKey::into_string))
+        };
         assert_eq!(key(&[], &Absent, &Absent), Some(None));
         assert_eq!(
             key(&hv("\"k1\""), &Absent, &Absent),

@@ -22,6 +22,7 @@ use crate::parse::mcp::ToolCall;
 use crate::parse::{idempotency, key_rewrite};
 use crate::stats::Stat;
 use atmost_config::{Config, RequestHold, UpstreamKey};
+use atmost_protocol::idempotency_key::IdempotencyKey;
 use atmost_protocol::signature::DispatchNonce;
 use atmost_protocol::{
     AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, DispatchGrant, Outcome, PermitLimits,
@@ -84,7 +85,7 @@ impl Authorizing {
         };
         let permit = CallPermit::Token(permit_token.clone());
         let key = match idempotency::resolve(&head.idempotency_key, &call.keys) {
-            Ok(k) => k,
+            Ok(k) => k.map(IdempotencyKey::into_string),
             Err(d) => {
                 return (
                     Phase::Answered,
