@@ -4,6 +4,7 @@
 //! also across processes sharing the file.
 
 mod credentials;
+mod group_tx;
 mod keys;
 mod migrations;
 mod operations;
@@ -34,11 +35,12 @@ use crate::keys::{Rotation, SigningKey};
 use crate::model::{Attempt, AttemptState, Permit};
 use crate::store::rows::{ATTEMPT_COLS, ATTEMPT_NCOLS};
 use crate::token;
+use group_tx::GroupTx;
 use migrations::migrate;
 use operations::{apply_report, load_snapshot};
 use rows::{load_attempt, load_permit, query_attempts, read_attempt, run_statement};
 pub use writer::CommitCounts;
-use writer::{writer, CommitCounters, Durability, GroupTx, Op, Pending};
+use writer::{writer, CommitCounters, Durability, Op, Pending};
 use writes::write_attempt;
 
 /// File name of the database inside the data directory.

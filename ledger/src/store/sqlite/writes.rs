@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 
 use rusqlite::{params, Connection};
 
+use super::group_tx::GroupTx;
 use super::to_i64;
-use super::writer::GroupTx;
 use crate::error::LedgerError;
 use crate::model::{Attempt, AttemptState};
 use crate::store::counters::CounterMoves;
