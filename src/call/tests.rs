@@ -1616,11 +1616,9 @@ fn bodiless_requests_forward_the_key_header_only_in_the_upstream_form() {
 }
 
 fn figures() -> PermitLimits {
-    PermitLimits {
-        calls_left: Some(0),
-        budget_left: Some(48_750),
-        expires_at: "2030-01-01T00:00:00.000Z".into(),
-    }
+    PermitLimits::until("2030-01-01T00:00:00.000Z")
+        .with_calls_left(Some(0))
+        .with_budget_left(Some(48_750))
 }
 
 fn figures_json() -> Value {
