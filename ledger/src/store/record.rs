@@ -1,9 +1,10 @@
 //! A stored record written once: one table of its columns, from which [`record!`] derives
 //! what each store needs of it.
 //!
-//! A record's columns were spelled out about ten times (the column list and its count, the
-//! row type, each store's reader by position, each store's insert and update statements),
-//! lists that compile while one of them misses a column or has two swapped. The table gives
+//! Written by hand, a record's columns are spelled out about ten times (the column list and
+//! its count, the row type, each store's reader by position, each store's insert and update
+//! statements), lists that compile while one of them misses a column or has two swapped.
+//! The table gives
 //! each column once, as the row type's field (named as the column), its Rust type, and when
 //! it is written; from it come:
 //!

@@ -4,29 +4,31 @@
 //! [`ATTEMPT_COLS`] into an [`AttemptRow`] (a getter per column, nothing else); what the values
 //! mean (the policy's JSON, the state's name, the resolution's three columns, the round's
 //! range) is checked here once, so the stores cannot read a permit or an attempt differently.
-//! The attempt's columns are one table ([`record!`](crate::store::record)): its row type,
-//! select list, readers and write statements all come from it, and both stores write an
-//! attempt from the [`AttemptRow`] made here.
+//! The permit's columns and the attempt's are one table each
+//! ([`record!`](crate::store::record)): the row type, the select list and both stores'
+//! readers come from it, and for the attempt both stores' write statements too; both stores
+//! write an attempt from the [`AttemptRow`] made here.
 
 use crate::credentials::{CredentialForm, CredentialUse, StoredCredential};
 use crate::error::LedgerError;
 use crate::model::{Attempt, KeyCarriers, Permit, Resolution, ResolutionSource};
 use crate::store::record::record;
 
-/// The permit columns, in the order [`PermitRow`] reads them; queries may append their own.
-pub const PERMIT_COLS: &str = "id, token_hash, label, created_at, expires_at, revoked_at, policy";
-
-/// One permit row's column values as the driver read them, in [`PERMIT_COLS`] order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PermitRow {
-    pub id: String,
-    pub token_hash: String,
-    pub label: String,
-    pub created_at: i64,
-    pub expires_at: i64,
-    pub revoked_at: Option<i64>,
-    /// The policy as JSON text.
-    pub policy: String,
+record! {
+    /// One permit row's column values as the driver read them (by name: queries may append
+    /// their own columns), not yet checked. A permit is written by statements of its own
+    /// (they also write its retention, a column only queries read); this table gives its reads.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct PermitRow, columns PERMIT_COLS for "", table PERMIT_TABLE {
+        id: String, Insert;
+        token_hash: String, Insert;
+        label: String, Insert;
+        created_at: i64, Insert;
+        expires_at: i64, Insert;
+        revoked_at: Option<i64>, Update;
+        /// The policy as JSON text.
+        policy: String, Insert;
+    }
 }
 
 impl TryFrom<PermitRow> for Permit {

@@ -93,8 +93,8 @@ pub(super) async fn decision_worker(
             for row in locked {
                 let p = read_permit(&row)?;
                 let budget: (i64, i64) = (
-                    row.try_get(7).map_err(column_err)?,
-                    row.try_get(8).map_err(column_err)?,
+                    row.try_get("reserved").map_err(column_err)?,
+                    row.try_get("spent").map_err(column_err)?,
                 );
                 permits.insert(p.id.clone(), (p, budget));
             }

@@ -16,21 +16,10 @@ use crate::model::{Attempt, Permit};
 use crate::store::reads::{Param, RowShape, Rows, Statement};
 use crate::store::rows::{AttemptRow, CredentialRow, PermitRow, ATTEMPT_COLS, PERMIT_COLS};
 
-/// The columns of [`PERMIT_COLS`] as PostgreSQL returns them.
-fn permit_row(row: &Row) -> Result<PermitRow, tokio_postgres::Error> {
-    Ok(PermitRow {
-        id: row.try_get(0)?,
-        token_hash: row.try_get(1)?,
-        label: row.try_get(2)?,
-        created_at: row.try_get(3)?,
-        expires_at: row.try_get(4)?,
-        revoked_at: row.try_get(5)?,
-        policy: row.try_get(6)?,
-    })
-}
-
+/// The columns of [`PERMIT_COLS`] as PostgreSQL returns them, read by name (a query may
+/// select others after them).
 pub(super) fn read_permit(row: &Row) -> Result<Permit, LedgerError> {
-    Permit::try_from(permit_row(row).map_err(column_err)?)
+    Permit::try_from(PermitRow::from_postgres(row).map_err(column_err)?)
 }
 
 /// The permit with this id, if any.

@@ -12,19 +12,6 @@ use crate::model::{Attempt, Permit};
 use crate::store::reads::{Param, RowShape, Rows, Statement};
 use crate::store::rows::{AttemptRow, CredentialRow, PermitRow, ATTEMPT_COLS, PERMIT_COLS};
 
-/// The columns of [`PERMIT_COLS`] as SQLite returns them.
-fn read_permit(row: &Row<'_>) -> rusqlite::Result<PermitRow> {
-    Ok(PermitRow {
-        id: row.get(0)?,
-        token_hash: row.get(1)?,
-        label: row.get(2)?,
-        created_at: row.get(3)?,
-        expires_at: row.get(4)?,
-        revoked_at: row.get(5)?,
-        policy: row.get(6)?,
-    })
-}
-
 /// The columns of [`SIGNING_KEY_COLS`](crate::store::rows::SIGNING_KEY_COLS) as SQLite
 /// returns them.
 pub(super) fn read_signing_key(row: &Row<'_>) -> rusqlite::Result<StoredSigningKey> {
@@ -55,7 +42,7 @@ pub(super) fn load_permit(conn: &Connection, id: &str) -> Result<Option<Permit>,
     static SQL: LazyLock<String> =
         LazyLock::new(|| format!("SELECT {PERMIT_COLS} FROM permits WHERE id = ?1"));
     conn.prepare_cached(&SQL)?
-        .query_row(params![id], read_permit)
+        .query_row(params![id], PermitRow::from_sqlite)
         .optional()?
         .map(Permit::try_from)
         .transpose()
@@ -127,7 +114,9 @@ pub(super) fn run_statement(conn: &Connection, s: &Statement) -> Result<Rows, Le
     let mut rows = stmt.query(&*params)?;
     let rows = &mut rows;
     Ok(match s.rows {
-        RowShape::Permit => Rows::Permits(each_row(rows, |r| Permit::try_from(read_permit(r)?))?),
+        RowShape::Permit => Rows::Permits(each_row(rows, |r| {
+            Permit::try_from(PermitRow::from_sqlite(r)?)
+        })?),
         RowShape::Attempt => Rows::Attempts(each_row(rows, |r| {
             Attempt::try_from(AttemptRow::from_sqlite(r)?)
         })?),
