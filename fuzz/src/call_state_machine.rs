@@ -482,15 +482,13 @@ fn limits_answer(asked: Option<&LimitsRequest>, n: u8) -> LimitsResponse {
             .iter()
             .enumerate()
             .map(|(i, tool)| {
-                let limits = PermitLimits {
-                    calls_left: match (usize::from(n) + i) % 3 {
+                let limits = PermitLimits::until("2030-01-01T00:00:00.000Z")
+                    .with_calls_left(match (usize::from(n) + i) % 3 {
                         0 => None,
                         1 => Some(0),
                         _ => Some(u64::from(n)),
-                    },
-                    budget_left: n.is_multiple_of(2).then_some(97),
-                    expires_at: "2030-01-01T00:00:00.000Z".into(),
-                };
+                    })
+                    .with_budget_left(n.is_multiple_of(2).then_some(97));
                 (tool.clone(), limits)
             })
             .collect(),

@@ -21,6 +21,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::clock::Millis;
 use crate::error::LedgerError;
+// Defined beside the attempt that keeps it, so the model imports nothing from here (this
+// module imports the errors, which name the model's states); its column form stays here,
+// beside the name rule it checks.
+pub use crate::model::CredentialUse;
 
 closed_set! {
     /// How a registered secret becomes its header's value.
@@ -135,13 +139,6 @@ pub struct StoredCredential {
     /// `v1.` and the base64url of the nonce and the sealed secret.
     pub sealed: Option<String>,
     pub created_at_ms: Millis,
-}
-
-/// Which credential (name and version) a dispatch carried; kept with its attempt.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CredentialUse {
-    pub name: String,
-    pub version: u32,
 }
 
 impl CredentialUse {

@@ -104,11 +104,7 @@ fn denial(d: &Decision) -> atmost_protocol::Denial {
 
 /// The figures of [`permit`] (no cap, no budget) in every answer under it.
 fn open_limits() -> Option<PermitLimits> {
-    Some(PermitLimits {
-        calls_left: None,
-        budget_left: None,
-        expires_at: crate::clock::rfc3339(NOW + HOUR),
-    })
+    Some(PermitLimits::until(crate::clock::rfc3339(NOW + HOUR)))
 }
 
 fn is_dispatch(d: &Decision) -> bool {
@@ -213,11 +209,9 @@ fn completed_same_fingerprint_replays_without_slot_even_after_expiry() {
             attempt_id: "att_old".into(),
             receipt: r#"{"jsonrpc":"2.0","id":1,"result":{}}"#.into(),
             // Expired: no new call can pass, though the replay does.
-            limits: Some(PermitLimits {
-                calls_left: Some(0),
-                budget_left: None,
-                expires_at: crate::clock::rfc3339(NOW - 1),
-            }),
+            limits: Some(
+                PermitLimits::until(crate::clock::rfc3339(NOW - 1)).with_calls_left(Some(0))
+            ),
         }
     );
     let Mutation::Update(a) = d.mutation else {
@@ -799,10 +793,7 @@ fn awaiting_input_continuation_dispatches_again_under_the_same_attempt() {
             round: 2,
             capability: "cap-of-round-2".into(),
             // The cap is reached by this very attempt, which takes no second slot.
-            limits: Some(PermitLimits {
-                calls_left: Some(0),
-                ..open_limits().unwrap()
-            }),
+            limits: open_limits().map(|l| l.with_calls_left(Some(0))),
             signature: None,
             credential: None,
         }
@@ -1168,11 +1159,11 @@ fn limits_of(d: &Decision) -> Option<PermitLimits> {
 }
 
 fn figures(calls_left: Option<u64>, budget_left: Option<u64>) -> Option<PermitLimits> {
-    Some(PermitLimits {
-        calls_left,
-        budget_left,
-        expires_at: crate::clock::rfc3339(NOW + HOUR),
-    })
+    Some(
+        PermitLimits::until(crate::clock::rfc3339(NOW + HOUR))
+            .with_calls_left(calls_left)
+            .with_budget_left(budget_left),
+    )
 }
 
 #[test]

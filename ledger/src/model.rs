@@ -6,7 +6,6 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::clock::Millis;
-use crate::credentials::CredentialUse;
 pub use atmost_protocol::{KeyCarrier, KeyCarriers};
 
 atmost_protocol::closed_set! {
@@ -412,6 +411,14 @@ pub struct Attempt {
     /// The credential (name, version) the dispatch of its first round carried; `None` when
     /// its permit names none, and for attempts stored before it was kept.
     pub credential: Option<CredentialUse>,
+}
+
+/// Which credential (name and version) a dispatch carried; kept with its attempt. How the
+/// stores keep it in one column is in [`crate::credentials`], with the rule for its name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CredentialUse {
+    pub name: String,
+    pub version: u32,
 }
 
 #[cfg(any(test, feature = "test-support"))]

@@ -174,17 +174,45 @@ impl Denial {
 
 /// What a permit still allows for one tool, as the agent sees it in
 /// `_meta["dev.atmost/permit"]` and in the `atmost-*` response headers.
+///
+/// The fields are declared in key order, the order a `serde_json` object writes its members
+/// in: the filter writes this struct straight into an answer's text, and that text must be
+/// the same, byte for byte, as the one of the JSON value it puts in the answers it builds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PermitLimits {
+    /// Budget left in minor units (budget minus spent and reserved); `None` (`null`) when
+    /// the permit has no budget.
+    pub budget_left: Option<u64>,
     /// New calls of the tool the permit still allows: its cap minus the slots held; 0 when
     /// the tool is outside the permit's scope or the permit has expired; `None` (JSON
     /// `null`) when the tool has no cap.
     pub calls_left: Option<u64>,
-    /// Budget left in minor units (budget minus spent and reserved); `None` (`null`) when
-    /// the permit has no budget.
-    pub budget_left: Option<u64>,
     /// When the permit expires, RFC 3339 (UTC).
     pub expires_at: String,
+}
+
+impl PermitLimits {
+    /// The figures of a permit that expires at `expires_at` (RFC 3339) and has neither a cap
+    /// nor a budget; the `with_` methods set what is left.
+    pub fn until(expires_at: impl Into<String>) -> PermitLimits {
+        PermitLimits {
+            budget_left: None,
+            calls_left: None,
+            expires_at: expires_at.into(),
+        }
+    }
+
+    /// The same figures with `calls_left` calls left (`None`: no cap).
+    pub fn with_calls_left(mut self, calls_left: Option<u64>) -> PermitLimits {
+        self.calls_left = calls_left;
+        self
+    }
+
+    /// The same figures with `budget_left` left of the budget (`None`: no budget).
+    pub fn with_budget_left(mut self, budget_left: Option<u64>) -> PermitLimits {
+        self.budget_left = budget_left;
+        self
+    }
 }
 
 /// Body of `POST /v1/limits`: the figures of a permit for the tools a `tools/list` answer
@@ -629,11 +657,7 @@ mod tests {
     }
 
     fn limits() -> PermitLimits {
-        PermitLimits {
-            calls_left: Some(2),
-            budget_left: None,
-            expires_at: "2030-01-01T00:00:00Z".into(),
-        }
+        PermitLimits::until("2030-01-01T00:00:00Z").with_calls_left(Some(2))
     }
 
     #[test]

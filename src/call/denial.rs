@@ -164,11 +164,10 @@ mod tests {
     #[test]
     fn the_permits_figures_ride_in_either_format() {
         let mut d = cap_denial();
-        d.limits = Some(atmost_protocol::PermitLimits {
-            calls_left: Some(0),
-            budget_left: None,
-            expires_at: "2030-01-01T00:00:00.000Z".into(),
-        });
+        d.limits = Some(
+            atmost_protocol::PermitLimits::until("2030-01-01T00:00:00.000Z")
+                .with_calls_left(Some(0)),
+        );
         let figures =
             json!({"calls_left": 0, "budget_left": null, "expires_at": "2030-01-01T00:00:00.000Z"});
         let r = render(&d, &json!(1), DenialFormat::Result);

@@ -195,11 +195,8 @@ mod tests {
 
     #[test]
     fn a_refused_response_edit_lets_the_answer_go_on_unedited() {
-        let limits = atmost_protocol::PermitLimits {
-            calls_left: Some(1),
-            budget_left: None,
-            expires_at: "2030-01-01T00:00:00.000Z".into(),
-        };
+        let limits = atmost_protocol::PermitLimits::until("2030-01-01T00:00:00.000Z")
+            .with_calls_left(Some(1));
         let (mut call, step) = dispatching_with(Some(limits));
         let mut host = Recorder {
             done: Vec::new(),

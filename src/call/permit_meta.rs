@@ -12,7 +12,6 @@
 use crate::parse::json_text::{self, member, Member};
 use crate::parse::sse::Event;
 use atmost_protocol::PermitLimits;
-use serde::Serialize;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
@@ -37,37 +36,17 @@ pub fn headers(limits: &PermitLimits) -> [(&'static str, String); 3] {
     ]
 }
 
-/// The figures as the agent reads them in `_meta["dev.atmost/permit"]`: a figure without a
-/// limit is `null`. The members are declared in key order, the order a `serde_json` object
-/// writes them in, so the text written straight from this struct and the text of the JSON
-/// value agree byte for byte.
-#[derive(Serialize)]
-struct Figures<'a> {
-    budget_left: Option<u64>,
-    calls_left: Option<u64>,
-    expires_at: &'a str,
-}
-
-impl<'a> Figures<'a> {
-    fn of(limits: &'a PermitLimits) -> Figures<'a> {
-        Figures {
-            budget_left: limits.budget_left,
-            calls_left: limits.calls_left,
-            expires_at: &limits.expires_at,
-        }
-    }
-}
-
-/// The figures as a JSON value, for an answer the filter builds. Writing plain numbers and a
-/// string cannot fail.
+/// The figures as a JSON value, for an answer the filter builds: a figure without a limit is
+/// `null`. Writing plain numbers and a string cannot fail.
 fn figures(limits: &PermitLimits) -> Value {
-    serde_json::to_value(Figures::of(limits)).unwrap_or(Value::Null)
+    serde_json::to_value(limits).unwrap_or(Value::Null)
 }
 
 /// The figures as JSON text, without building the tree: it goes into every dispatched
-/// call's answer. Writing plain numbers and a string cannot fail.
+/// call's answer. [`PermitLimits`] declares its fields in key order, so this text and the
+/// text of [`figures`] agree byte for byte. Writing plain numbers and a string cannot fail.
 fn figures_text(limits: &PermitLimits) -> String {
-    serde_json::to_string(&Figures::of(limits)).unwrap_or_else(|_| "null".into())
+    serde_json::to_string(limits).unwrap_or_else(|_| "null".into())
 }
 
 /// Puts the figures into a JSON-RPC response the filter built: `result._meta` (created, or
@@ -342,11 +321,7 @@ mod tests {
     use serde_json::json;
 
     fn limits() -> PermitLimits {
-        PermitLimits {
-            calls_left: Some(2),
-            budget_left: None,
-            expires_at: "2030-01-01T00:00:00.000Z".into(),
-        }
+        PermitLimits::until("2030-01-01T00:00:00.000Z").with_calls_left(Some(2))
     }
 
     fn meta() -> Value {
@@ -362,16 +337,11 @@ mod tests {
     fn figures_text_is_the_figures_as_serde_json_writes_them() {
         for limits in [
             limits(),
-            PermitLimits {
-                calls_left: None,
-                budget_left: Some(u64::MAX),
-                expires_at: "2030-01-01T00:00:00Z \"\\\u{1}\u{e9}".into(),
-            },
-            PermitLimits {
-                calls_left: Some(0),
-                budget_left: Some(0),
-                expires_at: String::new(),
-            },
+            PermitLimits::until("2030-01-01T00:00:00Z \"\\\u{1}\u{e9}")
+                .with_budget_left(Some(u64::MAX)),
+            PermitLimits::until(String::new())
+                .with_calls_left(Some(0))
+                .with_budget_left(Some(0)),
         ] {
             assert_eq!(figures_text(&limits), figures(&limits).to_string());
         }
@@ -383,11 +353,9 @@ mod tests {
             figures_text(&limits()),
             r#"{"budget_left":null,"calls_left":2,"expires_at":"2030-01-01T00:00:00.000Z"}"#
         );
-        let most = PermitLimits {
-            calls_left: Some(u64::MAX),
-            budget_left: Some(48_750),
-            expires_at: "a\"b\\c\u{1}\u{7f}\u{e9}".into(),
-        };
+        let most = PermitLimits::until("a\"b\\c\u{1}\u{7f}\u{e9}")
+            .with_calls_left(Some(u64::MAX))
+            .with_budget_left(Some(48_750));
         assert_eq!(
             figures_text(&most),
             "{\"budget_left\":48750,\"calls_left\":18446744073709551615,\"expires_at\":\"a\\\"b\\\\c\\u0001\u{7f}\u{e9}\"}"

@@ -118,11 +118,9 @@ mod tests {
 
     #[test]
     fn the_permits_figures_ride_in_meta_and_headers() {
-        let limits = PermitLimits {
-            calls_left: Some(0),
-            budget_left: Some(250),
-            expires_at: "2030-01-01T00:00:00.000Z".into(),
-        };
+        let limits = PermitLimits::until("2030-01-01T00:00:00.000Z")
+            .with_calls_left(Some(0))
+            .with_budget_left(Some(250));
         let stored = r#"{"jsonrpc":"2.0","id":1,"result":{"content":[]}}"#;
         let r = render(stored, &json!(3), Some(&limits)).ok();
         let r = r.as_ref();

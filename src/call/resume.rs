@@ -151,11 +151,7 @@ mod tests {
             tool: "pay".into(),
             permit_hash: permit_hash(b"atmp_pmt_1_secret"),
             path: "/mcp".into(),
-            limits: Some(PermitLimits {
-                calls_left: Some(1),
-                budget_left: None,
-                expires_at: "2030-01-01T00:00:00.000Z".into(),
-            }),
+            limits: Some(PermitLimits::until("2030-01-01T00:00:00.000Z").with_calls_left(Some(1))),
         }
     }
 

@@ -332,11 +332,9 @@ pub(super) fn derived(c: &Config, permit_id: &str, key: &str) -> String {
 pub(super) const PARAMS_PAY: &str = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"idempotencyKey":"raw-p","name":"pay_invoice","arguments":{"invoice":"INV-1","amount":1250},"_meta":{"dev.atmost/idempotency-key":"raw-p"}}}"#;
 
 pub(super) fn figures() -> PermitLimits {
-    PermitLimits {
-        calls_left: Some(0),
-        budget_left: Some(48_750),
-        expires_at: "2030-01-01T00:00:00.000Z".into(),
-    }
+    PermitLimits::until("2030-01-01T00:00:00.000Z")
+        .with_calls_left(Some(0))
+        .with_budget_left(Some(48_750))
 }
 
 pub(super) fn figures_json() -> Value {

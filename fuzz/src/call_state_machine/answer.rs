@@ -241,11 +241,7 @@ mod tests {
     use super::*;
 
     fn figures() -> BTreeMap<String, PermitLimits> {
-        let limits = PermitLimits {
-            calls_left: Some(2),
-            budget_left: None,
-            expires_at: "2030-01-01T00:00:00.000Z".into(),
-        };
+        let limits = PermitLimits::until("2030-01-01T00:00:00.000Z").with_calls_left(Some(2));
         [("pay".to_string(), limits)].into_iter().collect()
     }
 

@@ -27,6 +27,7 @@ pub mod counters;
 pub mod postgres;
 pub mod purge;
 pub mod reads;
+pub mod record;
 pub mod rows;
 pub mod schema;
 pub mod snapshot;

@@ -4,25 +4,31 @@
 //! [`ATTEMPT_COLS`] into an [`AttemptRow`] (a getter per column, nothing else); what the values
 //! mean (the policy's JSON, the state's name, the resolution's three columns, the round's
 //! range) is checked here once, so the stores cannot read a permit or an attempt differently.
+//! The permit's columns and the attempt's are one table each
+//! ([`record!`](crate::store::record)): the row type, the select list and both stores'
+//! readers come from it, and for the attempt both stores' write statements too; both stores
+//! write an attempt from the [`AttemptRow`] made here.
 
 use crate::credentials::{CredentialForm, CredentialUse, StoredCredential};
 use crate::error::LedgerError;
 use crate::model::{Attempt, KeyCarriers, Permit, Resolution, ResolutionSource};
+use crate::store::record::record;
 
-/// The permit columns, in the order [`PermitRow`] reads them; queries may append their own.
-pub const PERMIT_COLS: &str = "id, token_hash, label, created_at, expires_at, revoked_at, policy";
-
-/// One permit row's column values as the driver read them, in [`PERMIT_COLS`] order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PermitRow {
-    pub id: String,
-    pub token_hash: String,
-    pub label: String,
-    pub created_at: i64,
-    pub expires_at: i64,
-    pub revoked_at: Option<i64>,
-    /// The policy as JSON text.
-    pub policy: String,
+record! {
+    /// One permit row's column values as the driver read them (by name: queries may append
+    /// their own columns), not yet checked. A permit is written by statements of its own
+    /// (they also write its retention, a column only queries read); this table gives its reads.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct PermitRow, columns PERMIT_COLS for "", table PERMIT_TABLE {
+        id: String, Insert;
+        token_hash: String, Insert;
+        label: String, Insert;
+        created_at: i64, Insert;
+        expires_at: i64, Insert;
+        revoked_at: Option<i64>, Update;
+        /// The policy as JSON text.
+        policy: String, Insert;
+    }
 }
 
 impl TryFrom<PermitRow> for Permit {
@@ -40,14 +46,6 @@ impl TryFrom<PermitRow> for Permit {
         })
     }
 }
-
-/// The attempt columns, in the order [`AttemptRow`] reads them, for a query whose attempts
-/// table is aliased `a`.
-pub const ATTEMPT_COLS: &str = "a.id, a.permit_id, a.tool, a.key_hash, a.fingerprint, a.cost, a.state, a.created_at, \
-     a.updated_at, a.lease_expires_at, a.finished_at, a.receipt, a.reason, a.replay_count, a.pruned_at, \
-     a.resolved_executed, a.resolved_by, a.resolved_at, a.resolution_note, a.round, a.capability_hash, \
-     a.resolution_source, a.provider_answer, a.forwarded_key, a.arguments, a.forwarded_key_carriers, \
-     a.dispatch_body_sha256, a.credential";
 
 /// The `signing_keys` columns, in the order a store reads them into a
 /// [`StoredSigningKey`](crate::keys::StoredSigningKey).
@@ -111,44 +109,46 @@ pub fn to_u64(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
 }
 
-/// How many columns [`ATTEMPT_COLS`] selects: queries append their own columns after them.
-pub const ATTEMPT_NCOLS: usize = 28;
-
-/// One attempt row's column values as the driver read them, in [`ATTEMPT_COLS`] order, not yet
-/// checked.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AttemptRow {
-    pub id: String,
-    pub permit_id: String,
-    pub tool: String,
-    pub key_hash: Option<String>,
-    pub fingerprint: String,
-    pub cost: i64,
-    pub state: String,
-    pub created_at: i64,
-    pub updated_at: i64,
-    pub lease_expires_at: i64,
-    pub finished_at: Option<i64>,
-    pub receipt: Option<String>,
-    pub reason: Option<String>,
-    pub replay_count: i64,
-    pub pruned_at: Option<i64>,
-    pub resolved_executed: Option<bool>,
-    pub resolved_by: Option<String>,
-    pub resolved_at: Option<i64>,
-    pub resolution_note: Option<String>,
-    pub round: i64,
-    pub capability_hash: Option<String>,
-    pub resolution_source: Option<String>,
-    pub provider_answer: Option<String>,
-    pub forwarded_key: Option<String>,
-    pub arguments: Option<String>,
-    /// [`KeyCarriers::to_list`]; `NULL` (written before version 6, or empty) is none.
-    pub forwarded_key_carriers: Option<String>,
-    /// `NULL` before version 11, and for rounds dispatched without a signature.
-    pub dispatch_body_sha256: Option<String>,
-    /// [`CredentialUse::to_column`]; `NULL` (none, or written before version 11) is none.
-    pub credential: Option<String>,
+record! {
+    /// One attempt row's column values as the driver read them (or as they are written), not
+    /// yet checked. This table is the attempt's one list of columns: a new one is a line here
+    /// (with its conversions below, and a migration of each store).
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct AttemptRow, columns ATTEMPT_COLS for "a.", table ATTEMPT_TABLE {
+        id: String, Insert;
+        permit_id: String, Insert;
+        tool: String, Insert;
+        key_hash: Option<String>, Insert;
+        fingerprint: String, Insert;
+        cost: i64, Insert;
+        state: String, Both;
+        created_at: i64, Insert;
+        updated_at: i64, Both;
+        lease_expires_at: i64, Both;
+        finished_at: Option<i64>, Both;
+        receipt: Option<String>, Both;
+        reason: Option<String>, Both;
+        replay_count: i64, Both;
+        pruned_at: Option<i64>, Both;
+        // The resolution: its three columns written together, its source and evidence
+        // with them (see the conversion below).
+        resolved_executed: Option<bool>, Update;
+        resolved_by: Option<String>, Update;
+        resolved_at: Option<i64>, Update;
+        resolution_note: Option<String>, Update;
+        round: i64 as i32, Both;
+        capability_hash: Option<String>, Both;
+        resolution_source: Option<String>, Update;
+        provider_answer: Option<String>, Update;
+        forwarded_key: Option<String>, Both;
+        arguments: Option<String>, Both;
+        /// [`KeyCarriers::to_list`]; `NULL` (written before version 6, or empty) is none.
+        forwarded_key_carriers: Option<String>, Both;
+        /// `NULL` before version 11, and for rounds dispatched without a signature.
+        dispatch_body_sha256: Option<String>, Both;
+        /// [`CredentialUse::to_column`]; `NULL` (none, or written before version 11) is none.
+        credential: Option<String>, Insert;
+    }
 }
 
 /// How both stores keep an attempt's [`KeyCarriers`]: their names joined by `,`, or `NULL`
@@ -161,6 +161,44 @@ pub fn carriers_column(carriers: KeyCarriers) -> Option<String> {
 /// negative one, and one read back counts as none.
 fn unsigned(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
+}
+
+impl AttemptRow {
+    /// The columns an attempt is written as: the inverse of reading it back. A count too
+    /// large to store is refused here, before anything is sent.
+    pub fn of(a: &Attempt) -> Result<AttemptRow, LedgerError> {
+        let r = a.resolution.as_ref();
+        Ok(AttemptRow {
+            id: a.id.clone(),
+            permit_id: a.permit_id.clone(),
+            tool: a.tool.clone(),
+            key_hash: a.key_hash.clone(),
+            fingerprint: a.fingerprint.clone(),
+            cost: to_i64(a.cost)?,
+            state: a.state.as_str().to_string(),
+            created_at: a.created_at_ms,
+            updated_at: a.updated_at_ms,
+            lease_expires_at: a.lease_expires_at_ms,
+            finished_at: a.finished_at_ms,
+            receipt: a.receipt.clone(),
+            reason: a.reason.clone(),
+            replay_count: to_i64(a.replay_count)?,
+            pruned_at: a.pruned_at_ms,
+            resolved_executed: r.map(|r| r.executed),
+            resolved_by: r.map(|r| r.by.clone()),
+            resolved_at: r.map(|r| r.at_ms),
+            resolution_note: r.and_then(|r| r.note.clone()),
+            round: i64::from(a.round),
+            capability_hash: a.capability_hash.clone(),
+            resolution_source: r.map(|r| r.source.as_str().to_string()),
+            provider_answer: r.and_then(|r| r.source.provider_answer().map(str::to_string)),
+            forwarded_key: a.forwarded_key.clone(),
+            arguments: a.arguments.clone(),
+            forwarded_key_carriers: carriers_column(a.forwarded_key_carriers),
+            dispatch_body_sha256: a.dispatch_body_sha256.clone(),
+            credential: a.credential.as_ref().map(CredentialUse::to_column),
+        })
+    }
 }
 
 impl TryFrom<AttemptRow> for Attempt {
@@ -281,6 +319,23 @@ mod tests {
         );
         assert_eq!(a.arguments.as_deref(), Some(r#"{"amount":5}"#));
         assert_eq!(a.resolution, None);
+    }
+
+    #[test]
+    fn an_attempt_is_written_as_the_row_it_is_read_from() {
+        let mut r = row();
+        r.resolved_executed = Some(true);
+        r.resolved_by = Some("ops".into());
+        r.resolved_at = Some(9);
+        r.resolution_note = Some("checked".into());
+        r.resolution_source = Some("reconciler".into());
+        r.provider_answer = Some(r#"{"status":"paid"}"#.into());
+        r.dispatch_body_sha256 = Some("ab".into());
+        let a = Attempt::try_from(r.clone()).unwrap();
+        assert_eq!(AttemptRow::of(&a).unwrap(), r);
+        assert_eq!(ATTEMPT_TABLE.len(), AttemptRow::NCOLS);
+        assert!(ATTEMPT_COLS.starts_with("a.id, a.permit_id, "));
+        assert!(ATTEMPT_COLS.ends_with(", a.dispatch_body_sha256, a.credential"));
     }
 
     #[test]

@@ -18,7 +18,7 @@ use crate::decide::{self, DecideParams, Decision, Mutation};
 use crate::error::LedgerError;
 use crate::model::{Attempt, Permit};
 use crate::store::counters::CounterMoves;
-use crate::store::rows::{ATTEMPT_COLS, ATTEMPT_NCOLS, PERMIT_COLS};
+use crate::store::rows::{ATTEMPT_COLS, PERMIT_COLS};
 use crate::store::snapshot::{self, DuplicateLookup, PermitRead, SnapshotReads};
 use crate::token;
 
@@ -93,8 +93,8 @@ pub(super) async fn decision_worker(
             for row in locked {
                 let p = read_permit(&row)?;
                 let budget: (i64, i64) = (
-                    row.try_get(7).map_err(column_err)?,
-                    row.try_get(8).map_err(column_err)?,
+                    row.try_get("reserved").map_err(column_err)?,
+                    row.try_get("spent").map_err(column_err)?,
                 );
                 permits.insert(p.id.clone(), (p, budget));
             }
@@ -131,7 +131,8 @@ pub(super) async fn decision_worker(
 /// `permits.retention_ms` is the policy's, written with the permit).
 static DUPLICATES_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT {ATTEMPT_COLS}, j.i FROM unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::BIGINT[]) \
+        "SELECT {ATTEMPT_COLS}, j.i AS job_number \
+         FROM unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::BIGINT[]) \
          WITH ORDINALITY AS j(p, fp, kh, now, i) \
          CROSS JOIN LATERAL (SELECT retention_ms FROM permits r WHERE r.id = j.p LIMIT 1) r \
          CROSS JOIN LATERAL (SELECT * FROM attempts d WHERE d.permit_id = j.p \
@@ -362,8 +363,8 @@ pub(super) async fn read_batch<C: GenericClient>(
     let mut reads = BatchReads::default();
     for row in keys.map_err(pg_err)? {
         let (permit, kh): (String, String) = (
-            row.try_get(ATTEMPT_NCOLS).map_err(column_err)?,
-            row.try_get(ATTEMPT_NCOLS + 1).map_err(column_err)?,
+            row.try_get("asked_permit").map_err(column_err)?,
+            row.try_get("asked_key").map_err(column_err)?,
         );
         reads.by_key.insert((permit, kh), read_attempt(&row)?);
     }
@@ -377,7 +378,7 @@ pub(super) async fn read_batch<C: GenericClient>(
         );
     }
     for row in dups.map_err(pg_err)? {
-        let i: i64 = row.try_get(ATTEMPT_NCOLS).map_err(column_err)?;
+        let i: i64 = row.try_get("job_number").map_err(column_err)?;
         // ORDINALITY counts from 1.
         let job = usize::try_from(i)
             .ok()

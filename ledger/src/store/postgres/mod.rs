@@ -125,8 +125,6 @@ impl std::fmt::Debug for PgStore {
     }
 }
 
-use crate::store::rows::to_i64;
-
 /// Waits for a queued operation's answer from its group worker, at most `deadline`.
 async fn group_answer<T>(
     answer: tokio::sync::oneshot::Receiver<Result<T, LedgerError>>,

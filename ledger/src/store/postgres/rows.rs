@@ -16,21 +16,10 @@ use crate::model::{Attempt, Permit};
 use crate::store::reads::{Param, RowShape, Rows, Statement};
 use crate::store::rows::{AttemptRow, CredentialRow, PermitRow, ATTEMPT_COLS, PERMIT_COLS};
 
-/// The columns of [`PERMIT_COLS`] as PostgreSQL returns them.
-fn permit_row(row: &Row) -> Result<PermitRow, tokio_postgres::Error> {
-    Ok(PermitRow {
-        id: row.try_get(0)?,
-        token_hash: row.try_get(1)?,
-        label: row.try_get(2)?,
-        created_at: row.try_get(3)?,
-        expires_at: row.try_get(4)?,
-        revoked_at: row.try_get(5)?,
-        policy: row.try_get(6)?,
-    })
-}
-
+/// The columns of [`PERMIT_COLS`] as PostgreSQL returns them, read by name (a query may
+/// select others after them).
 pub(super) fn read_permit(row: &Row) -> Result<Permit, LedgerError> {
-    Permit::try_from(permit_row(row).map_err(column_err)?)
+    Permit::try_from(PermitRow::from_postgres(row).map_err(column_err)?)
 }
 
 /// The permit with this id, if any.
@@ -46,42 +35,10 @@ pub(super) async fn load_permit<C: GenericClient>(
         .transpose()
 }
 
-/// The columns of [`ATTEMPT_COLS`] as PostgreSQL returns them (the round is an INTEGER).
-fn attempt_row(row: &Row) -> Result<AttemptRow, tokio_postgres::Error> {
-    Ok(AttemptRow {
-        id: row.try_get(0)?,
-        permit_id: row.try_get(1)?,
-        tool: row.try_get(2)?,
-        key_hash: row.try_get(3)?,
-        fingerprint: row.try_get(4)?,
-        cost: row.try_get(5)?,
-        state: row.try_get(6)?,
-        created_at: row.try_get(7)?,
-        updated_at: row.try_get(8)?,
-        lease_expires_at: row.try_get(9)?,
-        finished_at: row.try_get(10)?,
-        receipt: row.try_get(11)?,
-        reason: row.try_get(12)?,
-        replay_count: row.try_get(13)?,
-        pruned_at: row.try_get(14)?,
-        resolved_executed: row.try_get(15)?,
-        resolved_by: row.try_get(16)?,
-        resolved_at: row.try_get(17)?,
-        resolution_note: row.try_get(18)?,
-        round: i64::from(row.try_get::<_, i32>(19)?),
-        capability_hash: row.try_get(20)?,
-        resolution_source: row.try_get(21)?,
-        provider_answer: row.try_get(22)?,
-        forwarded_key: row.try_get(23)?,
-        arguments: row.try_get(24)?,
-        forwarded_key_carriers: row.try_get(25)?,
-        dispatch_body_sha256: row.try_get(26)?,
-        credential: row.try_get(27)?,
-    })
-}
-
+/// The columns of [`ATTEMPT_COLS`] as PostgreSQL returns them, read by name (a query may
+/// select others after them).
 pub(super) fn read_attempt(row: &Row) -> Result<Attempt, LedgerError> {
-    Attempt::try_from(attempt_row(row).map_err(column_err)?)
+    Attempt::try_from(AttemptRow::from_postgres(row).map_err(column_err)?)
 }
 
 /// The columns of [`CREDENTIAL_COLS`](crate::store::rows::CREDENTIAL_COLS) as PostgreSQL
@@ -162,11 +119,13 @@ pub(super) fn load_attempts_sql() -> &'static str {
 }
 
 /// The attempts that the keys `$2` of the permits `$1` (pairwise) name, each row ending with
-/// its permit and key (see [`LOCK_PERMITS_OF_ATTEMPTS`] for the form).
+/// its permit and key as asked (`asked_permit`, `asked_key`); see [`LOCK_PERMITS_OF_ATTEMPTS`]
+/// for the form.
 pub(super) fn attempts_by_keys_sql() -> &'static str {
     static SQL: LazyLock<String> = LazyLock::new(|| {
         format!(
-            "SELECT {ATTEMPT_COLS}, u.p, u.kh FROM unnest($1::TEXT[], $2::TEXT[]) AS u(p, kh) CROSS JOIN LATERAL \
+            "SELECT {ATTEMPT_COLS}, u.p AS asked_permit, u.kh AS asked_key \
+             FROM unnest($1::TEXT[], $2::TEXT[]) AS u(p, kh) CROSS JOIN LATERAL \
              (SELECT x.* FROM idempotency_keys k JOIN attempts x ON x.id = k.attempt_id \
               WHERE k.permit_id = u.p AND k.key_hash = u.kh LIMIT 1) a"
         )
@@ -216,15 +175,6 @@ pub(super) async fn lock_permit_of_attempt<C: GenericClient>(
     )
     .await?;
     Ok(())
-}
-
-/// The attempts' rounds as PostgreSQL's INTEGER (a round past `i32::MAX` cannot happen: each
-/// takes a client round trip; it would be stored as the largest value).
-pub(super) fn rounds(attempts: &[Attempt]) -> Vec<i32> {
-    attempts
-        .iter()
-        .map(|a| i32::try_from(a.round).unwrap_or(i32::MAX))
-        .collect()
 }
 
 /// Runs one statement of the shared reads and reads its rows as its shape says.

@@ -1,44 +1,33 @@
 //! Writes of attempts and of the counters that move with them, one statement per kind.
 
+use std::sync::LazyLock;
+
 use deadpool_postgres::GenericClient;
+use tokio_postgres::types::ToSql;
 
-use super::rows::{exec, prepared, rounds};
-use super::to_i64;
-use crate::clock::Millis;
+use super::rows::{exec, prepared};
 use crate::error::LedgerError;
-use crate::model::{Attempt, Resolution};
+use crate::model::Attempt;
 use crate::store::counters::CounterMoves;
-use crate::store::rows::carriers_column;
+use crate::store::record::{pg_insert, pg_upsert};
+use crate::store::rows::{AttemptRow, ATTEMPT_TABLE};
 
-const INSERT_ATTEMPTS_SQL: &str = "WITH ins AS (INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, \
-         updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, round, capability_hash, \
-         forwarded_key, arguments, forwarded_key_carriers, dispatch_body_sha256, credential) \
-         SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::TEXT[], $5::TEXT[], $6::BIGINT[], \
-         $7::TEXT[], $8::BIGINT[], $9::BIGINT[], $10::BIGINT[], $11::BIGINT[], $12::TEXT[], $13::TEXT[], \
-         $14::BIGINT[], $15::BIGINT[], $16::INTEGER[], $17::TEXT[], $18::TEXT[], $19::TEXT[], $20::TEXT[], \
-         $21::TEXT[], $22::TEXT[]) \
-         RETURNING id, permit_id, key_hash) \
+/// Inserts the attempts (their inserted columns, one array each, in table order) and points
+/// their keys at them.
+static INSERT_ATTEMPTS_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH ins AS ({} RETURNING id, permit_id, key_hash) \
          INSERT INTO idempotency_keys (permit_id, key_hash, attempt_id) \
          SELECT permit_id, key_hash, id FROM ins WHERE key_hash IS NOT NULL \
-         ON CONFLICT (permit_id, key_hash) DO UPDATE SET attempt_id = excluded.attempt_id";
+         ON CONFLICT (permit_id, key_hash) DO UPDATE SET attempt_id = excluded.attempt_id",
+        pg_insert("attempts", ATTEMPT_TABLE)
+    )
+});
 
-const UPSERT_ATTEMPTS_SQL: &str = "INSERT INTO attempts (id, state, updated_at, lease_expires_at, finished_at, receipt, reason, replay_count, \
-         pruned_at, resolved_executed, resolved_by, resolved_at, resolution_note, round, capability_hash, \
-         resolution_source, provider_answer, forwarded_key, arguments, permit_id, tool, key_hash, fingerprint, cost, \
-         created_at, forwarded_key_carriers, dispatch_body_sha256) \
-         SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[], $4::BIGINT[], $5::BIGINT[], $6::TEXT[], $7::TEXT[], \
-         $8::BIGINT[], $9::BIGINT[], $10::BOOLEAN[], $11::TEXT[], $12::BIGINT[], $13::TEXT[], $14::INTEGER[], \
-         $15::TEXT[], $16::TEXT[], $17::TEXT[], $18::TEXT[], $19::TEXT[], $20::TEXT[], $21::TEXT[], $22::TEXT[], \
-         $23::TEXT[], $24::BIGINT[], $25::BIGINT[], $26::TEXT[], $27::TEXT[]) \
-         ON CONFLICT (id) DO UPDATE SET state = excluded.state, updated_at = excluded.updated_at, \
-         lease_expires_at = excluded.lease_expires_at, finished_at = excluded.finished_at, receipt = excluded.receipt, \
-         reason = excluded.reason, replay_count = excluded.replay_count, pruned_at = excluded.pruned_at, \
-         resolved_executed = excluded.resolved_executed, resolved_by = excluded.resolved_by, \
-         resolved_at = excluded.resolved_at, resolution_note = excluded.resolution_note, round = excluded.round, \
-         capability_hash = excluded.capability_hash, resolution_source = excluded.resolution_source, \
-         provider_answer = excluded.provider_answer, forwarded_key = excluded.forwarded_key, \
-         arguments = excluded.arguments, forwarded_key_carriers = excluded.forwarded_key_carriers, \
-         dispatch_body_sha256 = excluded.dispatch_body_sha256";
+/// Every column of the attempts, one array each in table order; on the conflict every such
+/// write has (see [`update_attempts`]) the updated columns are set.
+static UPSERT_ATTEMPTS_SQL: LazyLock<String> =
+    LazyLock::new(|| pg_upsert("attempts", "id", ATTEMPT_TABLE));
 
 const ADD_SLOTS_SQL: &str = "INSERT INTO permit_tool_usage (permit_id, tool, slots_held) \
              SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[]) \
@@ -64,8 +53,8 @@ const ADD_STATE_COUNTS_SQL: &str = "INSERT INTO permit_state_counts (permit_id, 
 /// transaction. So the group workers call this before their first flight.
 pub(super) async fn prepare_writes<C: GenericClient>(c: &C) -> Result<(), LedgerError> {
     for sql in [
-        INSERT_ATTEMPTS_SQL,
-        UPSERT_ATTEMPTS_SQL,
+        INSERT_ATTEMPTS_SQL.as_str(),
+        UPSERT_ATTEMPTS_SQL.as_str(),
         ADD_SLOTS_SQL,
         ADD_BUDGET_SQL,
         ADD_STATE_COUNTS_SQL,
@@ -84,49 +73,15 @@ pub(super) async fn insert_attempts<C: GenericClient>(
     if attempts.is_empty() {
         return Ok(());
     }
-    let mut costs = Vec::with_capacity(attempts.len());
-    let mut replays = Vec::with_capacity(attempts.len());
-    for a in attempts {
-        costs.push(to_i64(a.cost)?);
-        replays.push(to_i64(a.replay_count)?);
-    }
-    let carriers = column(attempts, |a| carriers_column(a.forwarded_key_carriers));
-    let credentials = column(attempts, |a| a.credential.as_ref().map(|c| c.to_column()));
-    let col = |f: fn(&Attempt) -> &str| attempts.iter().map(f).collect::<Vec<&str>>();
-    let opt =
-        |f: fn(&Attempt) -> Option<&str>| attempts.iter().map(f).collect::<Vec<Option<&str>>>();
-    let num = |f: fn(&Attempt) -> Millis| attempts.iter().map(f).collect::<Vec<Millis>>();
-    let opt_num =
-        |f: fn(&Attempt) -> Option<Millis>| attempts.iter().map(f).collect::<Vec<Option<Millis>>>();
-    exec(
-        c,
-        INSERT_ATTEMPTS_SQL,
-        &[
-            &col(|a| &a.id),
-            &col(|a| &a.permit_id),
-            &col(|a| &a.tool),
-            &opt(|a| a.key_hash.as_deref()),
-            &col(|a| &a.fingerprint),
-            &costs,
-            &col(|a| a.state.as_str()),
-            &num(|a| a.created_at_ms),
-            &num(|a| a.updated_at_ms),
-            &num(|a| a.lease_expires_at_ms),
-            &opt_num(|a| a.finished_at_ms),
-            &opt(|a| a.receipt.as_deref()),
-            &opt(|a| a.reason.as_deref()),
-            &replays,
-            &opt_num(|a| a.pruned_at_ms),
-            &rounds(attempts),
-            &opt(|a| a.capability_hash.as_deref()),
-            &opt(|a| a.forwarded_key.as_deref()),
-            &opt(|a| a.arguments.as_deref()),
-            &carriers,
-            &opt(|a| a.dispatch_body_sha256.as_deref()),
-            &credentials,
-        ],
-    )
-    .await?;
+    let rows = rows_of(attempts)?;
+    let arrays = AttemptRow::pg_arrays(&rows);
+    let params: Vec<&(dyn ToSql + Sync)> = arrays
+        .iter()
+        .zip(ATTEMPT_TABLE)
+        .filter(|(_, c)| c.written.on_insert())
+        .map(|(a, _)| a.as_ref() as &(dyn ToSql + Sync))
+        .collect();
+    exec(c, &INSERT_ATTEMPTS_SQL, &params).await?;
     Ok(())
 }
 
@@ -149,57 +104,19 @@ pub(super) async fn update_attempts<C: GenericClient>(
     if attempts.is_empty() {
         return Ok(());
     }
-    let mut costs = Vec::with_capacity(attempts.len());
-    let mut replays = Vec::with_capacity(attempts.len());
-    for a in attempts {
-        costs.push(to_i64(a.cost)?);
-        replays.push(to_i64(a.replay_count)?);
-    }
-    fn res(a: &Attempt) -> Option<&Resolution> {
-        a.resolution.as_ref()
-    }
-    exec(
-        c,
-        UPSERT_ATTEMPTS_SQL,
-        &[
-            &column(attempts, |a| a.id.as_str()),
-            &column(attempts, |a| a.state.as_str()),
-            &column(attempts, |a| a.updated_at_ms),
-            &column(attempts, |a| a.lease_expires_at_ms),
-            &column(attempts, |a| a.finished_at_ms),
-            &column(attempts, |a| a.receipt.as_deref()),
-            &column(attempts, |a| a.reason.as_deref()),
-            &replays,
-            &column(attempts, |a| a.pruned_at_ms),
-            &column(attempts, |a| res(a).map(|r| r.executed)),
-            &column(attempts, |a| res(a).map(|r| r.by.as_str())),
-            &column(attempts, |a| res(a).map(|r| r.at_ms)),
-            &column(attempts, |a| res(a).and_then(|r| r.note.as_deref())),
-            &rounds(attempts),
-            &column(attempts, |a| a.capability_hash.as_deref()),
-            &column(attempts, |a| res(a).map(|r| r.source.as_str())),
-            &column(attempts, |a| {
-                res(a).and_then(|r| r.source.provider_answer())
-            }),
-            &column(attempts, |a| a.forwarded_key.as_deref()),
-            &column(attempts, |a| a.arguments.as_deref()),
-            &column(attempts, |a| a.permit_id.as_str()),
-            &column(attempts, |a| a.tool.as_str()),
-            &column(attempts, |a| a.key_hash.as_deref()),
-            &column(attempts, |a| a.fingerprint.as_str()),
-            &costs,
-            &column(attempts, |a| a.created_at_ms),
-            &column(attempts, |a| carriers_column(a.forwarded_key_carriers)),
-            &column(attempts, |a| a.dispatch_body_sha256.as_deref()),
-        ],
-    )
-    .await?;
+    let rows = rows_of(attempts)?;
+    let arrays = AttemptRow::pg_arrays(&rows);
+    let params: Vec<&(dyn ToSql + Sync)> = arrays
+        .iter()
+        .map(|a| a.as_ref() as &(dyn ToSql + Sync))
+        .collect();
+    exec(c, &UPSERT_ATTEMPTS_SQL, &params).await?;
     Ok(())
 }
 
-/// One column of the attempts, as an array parameter.
-fn column<'a, T>(attempts: &'a [Attempt], field: impl Fn(&'a Attempt) -> T) -> Vec<T> {
-    attempts.iter().map(field).collect()
+/// The rows the attempts are written as; refused whole if one cannot be stored.
+fn rows_of(attempts: &[Attempt]) -> Result<Vec<AttemptRow>, LedgerError> {
+    attempts.iter().map(AttemptRow::of).collect()
 }
 
 /// Writes the counter moves a transaction summed ([`CounterMoves`]), in the caller's
@@ -289,7 +206,5 @@ pub(super) async fn write_attempt<C: GenericClient>(
 
 /// A value the attempts table cannot hold is refused before anything is sent.
 pub(super) fn storable(a: &Attempt) -> Result<(), LedgerError> {
-    to_i64(a.cost)?;
-    to_i64(a.replay_count)?;
-    Ok(())
+    AttemptRow::of(a).map(drop)
 }

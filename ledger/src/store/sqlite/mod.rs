@@ -4,6 +4,7 @@
 //! also across processes sharing the file.
 
 mod credentials;
+mod group_tx;
 mod keys;
 mod migrations;
 mod operations;
@@ -32,13 +33,14 @@ use crate::decide::{self, DecideParams, Decision, Mutation, ResolveInput};
 use crate::error::{LedgerError, ResolveError};
 use crate::keys::{Rotation, SigningKey};
 use crate::model::{Attempt, AttemptState, Permit};
-use crate::store::rows::{ATTEMPT_COLS, ATTEMPT_NCOLS};
+use crate::store::rows::{AttemptRow, ATTEMPT_COLS};
 use crate::token;
+use group_tx::GroupTx;
 use migrations::migrate;
 use operations::{apply_report, load_snapshot};
-use rows::{load_attempt, load_permit, query_attempts, read_attempt, run_statement};
+use rows::{load_attempt, load_permit, query_attempts, run_statement};
 pub use writer::CommitCounts;
-use writer::{writer, CommitCounters, Durability, GroupTx, Op, Pending};
+use writer::{writer, CommitCounters, Durability, Op, Pending};
 use writes::write_attempt;
 
 /// File name of the database inside the data directory.
@@ -69,7 +71,8 @@ fn expired_leases_sql() -> String {
 /// the prunable index that ends at `?2`.
 fn prunable_receipts_sql() -> String {
     format!(
-        "SELECT {ATTEMPT_COLS}, p.retention_ms FROM attempts a INDEXED BY attempts_prunable \
+        "SELECT {ATTEMPT_COLS}, p.retention_ms AS retention_ms \
+         FROM attempts a INDEXED BY attempts_prunable \
          JOIN permits p ON p.id = a.permit_id \
          WHERE a.pruned_at IS NULL AND a.state IN {} \
          AND COALESCE(a.finished_at, a.updated_at) <= ?2 \
@@ -95,8 +98,6 @@ impl std::fmt::Debug for SqliteStore {
             .finish()
     }
 }
-
-use crate::store::rows::to_i64;
 
 fn sql_err(e: rusqlite::Error) -> LedgerError {
     LedgerError::from(e)
@@ -483,7 +484,10 @@ impl Decisions for SqliteStore {
                 let mut stmt = tx.prepare_cached(&prunable_receipts_sql())?;
                 let before = now.saturating_sub(shortest.max(0));
                 let rows = stmt.query_map(params![now, before], |r| {
-                    Ok((read_attempt(r)?, r.get::<_, i64>(ATTEMPT_NCOLS)?))
+                    Ok((
+                        AttemptRow::from_sqlite(r)?,
+                        r.get::<_, i64>("retention_ms")?,
+                    ))
                 })?;
                 let mut out = Vec::new();
                 for r in rows {

@@ -4,9 +4,9 @@ use std::sync::LazyLock;
 
 use atmost_protocol::{AuthorizeRequest, OutcomeReport};
 
+use super::group_tx::GroupTx;
 use super::rows::{budget_counters, load_attempt, load_permit, query_attempts, slots_held};
 use super::states;
-use super::writer::GroupTx;
 use super::writes::write_attempt;
 use crate::clock::Millis;
 use crate::decide::{self, Snapshot};

@@ -3,8 +3,8 @@
 
 use rusqlite::params;
 
+use super::group_tx::GroupTx;
 use super::placeholder;
-use super::writer::GroupTx;
 use super::writes::write_counters;
 use crate::clock::Millis;
 use crate::error::LedgerError;

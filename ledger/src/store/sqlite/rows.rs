@@ -12,53 +12,6 @@ use crate::model::{Attempt, Permit};
 use crate::store::reads::{Param, RowShape, Rows, Statement};
 use crate::store::rows::{AttemptRow, CredentialRow, PermitRow, ATTEMPT_COLS, PERMIT_COLS};
 
-/// The columns of [`PERMIT_COLS`] as SQLite returns them.
-fn read_permit(row: &Row<'_>) -> rusqlite::Result<PermitRow> {
-    Ok(PermitRow {
-        id: row.get(0)?,
-        token_hash: row.get(1)?,
-        label: row.get(2)?,
-        created_at: row.get(3)?,
-        expires_at: row.get(4)?,
-        revoked_at: row.get(5)?,
-        policy: row.get(6)?,
-    })
-}
-
-/// The columns of [`ATTEMPT_COLS`] as SQLite returns them.
-pub(super) fn read_attempt(row: &Row<'_>) -> rusqlite::Result<AttemptRow> {
-    Ok(AttemptRow {
-        id: row.get(0)?,
-        permit_id: row.get(1)?,
-        tool: row.get(2)?,
-        key_hash: row.get(3)?,
-        fingerprint: row.get(4)?,
-        cost: row.get(5)?,
-        state: row.get(6)?,
-        created_at: row.get(7)?,
-        updated_at: row.get(8)?,
-        lease_expires_at: row.get(9)?,
-        finished_at: row.get(10)?,
-        receipt: row.get(11)?,
-        reason: row.get(12)?,
-        replay_count: row.get(13)?,
-        pruned_at: row.get(14)?,
-        resolved_executed: row.get(15)?,
-        resolved_by: row.get(16)?,
-        resolved_at: row.get(17)?,
-        resolution_note: row.get(18)?,
-        round: row.get(19)?,
-        capability_hash: row.get(20)?,
-        resolution_source: row.get(21)?,
-        provider_answer: row.get(22)?,
-        forwarded_key: row.get(23)?,
-        arguments: row.get(24)?,
-        forwarded_key_carriers: row.get(25)?,
-        dispatch_body_sha256: row.get(26)?,
-        credential: row.get(27)?,
-    })
-}
-
 /// The columns of [`SIGNING_KEY_COLS`](crate::store::rows::SIGNING_KEY_COLS) as SQLite
 /// returns them.
 pub(super) fn read_signing_key(row: &Row<'_>) -> rusqlite::Result<StoredSigningKey> {
@@ -89,7 +42,7 @@ pub(super) fn load_permit(conn: &Connection, id: &str) -> Result<Option<Permit>,
     static SQL: LazyLock<String> =
         LazyLock::new(|| format!("SELECT {PERMIT_COLS} FROM permits WHERE id = ?1"));
     conn.prepare_cached(&SQL)?
-        .query_row(params![id], read_permit)
+        .query_row(params![id], PermitRow::from_sqlite)
         .optional()?
         .map(Permit::try_from)
         .transpose()
@@ -99,7 +52,7 @@ pub(super) fn load_attempt(conn: &Connection, id: &str) -> Result<Option<Attempt
     static SQL: LazyLock<String> =
         LazyLock::new(|| format!("SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.id = ?1"));
     conn.prepare_cached(&SQL)?
-        .query_row(params![id], read_attempt)
+        .query_row(params![id], AttemptRow::from_sqlite)
         .optional()?
         .map(Attempt::try_from)
         .transpose()
@@ -111,7 +64,7 @@ pub(super) fn query_attempts(
     args: &[&dyn rusqlite::ToSql],
 ) -> Result<Vec<Attempt>, LedgerError> {
     let mut stmt = conn.prepare_cached(sql)?;
-    let rows = stmt.query_map(args, read_attempt)?;
+    let rows = stmt.query_map(args, AttemptRow::from_sqlite)?;
     let mut out = Vec::new();
     for r in rows {
         out.push(Attempt::try_from(r?)?);
@@ -161,10 +114,12 @@ pub(super) fn run_statement(conn: &Connection, s: &Statement) -> Result<Rows, Le
     let mut rows = stmt.query(&*params)?;
     let rows = &mut rows;
     Ok(match s.rows {
-        RowShape::Permit => Rows::Permits(each_row(rows, |r| Permit::try_from(read_permit(r)?))?),
-        RowShape::Attempt => {
-            Rows::Attempts(each_row(rows, |r| Attempt::try_from(read_attempt(r)?))?)
-        }
+        RowShape::Permit => Rows::Permits(each_row(rows, |r| {
+            Permit::try_from(PermitRow::from_sqlite(r)?)
+        })?),
+        RowShape::Attempt => Rows::Attempts(each_row(rows, |r| {
+            Attempt::try_from(AttemptRow::from_sqlite(r)?)
+        })?),
         RowShape::Count { keys } => Rows::Counts(each_row(rows, |r| {
             let names = (0..keys).map(|i| r.get(i)).collect::<Result<_, _>>()?;
             Ok((names, r.get(keys)?))

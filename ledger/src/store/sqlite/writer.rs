@@ -3,7 +3,6 @@
 //! that reads the requests (the ledger's decision loop), so a decision goes from socket to
 //! commit without a hand-off to another thread (docs/design.md#the-ledgers-hot-path).
 
-use std::cell::RefCell;
 use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -12,53 +11,11 @@ use std::time::Duration;
 use rusqlite::Connection;
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use super::group_tx::GroupTx;
 use super::writes::write_counters;
 use crate::clock::Deadline;
 use crate::error::LedgerError;
-use crate::model::Attempt;
 use crate::store::counters::CounterMoves;
-use crate::store::snapshot::PendingMoves;
-
-/// The group transaction one queued operation runs in: the connection (it derefs to it), the
-/// counter moves of the group's earlier operations (written once, before the commit) and its
-/// own. Counter reads add both to what is stored.
-pub(super) struct GroupTx<'a> {
-    conn: &'a Connection,
-    earlier: &'a CounterMoves,
-    own: RefCell<CounterMoves>,
-}
-
-impl std::ops::Deref for GroupTx<'_> {
-    type Target = Connection;
-
-    fn deref(&self) -> &Connection {
-        self.conn
-    }
-}
-
-impl GroupTx<'_> {
-    /// Adds what this operation's write of an attempt moves to its own counter moves.
-    pub(super) fn record_move(&self, old: Option<&Attempt>, new: &Attempt) {
-        self.own.borrow_mut().record(old, new);
-    }
-}
-
-/// The group's earlier operations' moves plus this one's, none written yet.
-impl PendingMoves for GroupTx<'_> {
-    fn slots(&self, permit_id: &str, tool: &str) -> i64 {
-        self.earlier
-            .slots(permit_id, tool)
-            .saturating_add(self.own.borrow().slots(permit_id, tool))
-    }
-
-    fn budget(&self, permit_id: &str) -> (i64, i64) {
-        let (a, b) = (
-            self.earlier.budget(permit_id),
-            self.own.borrow().budget(permit_id),
-        );
-        (a.0.saturating_add(b.0), a.1.saturating_add(b.1))
-    }
-}
 
 /// Most operations one group transaction takes from the queue.
 pub(super) const MAX_GROUP: usize = 256;
@@ -304,13 +261,9 @@ pub(super) fn run_group(
                 return fail_all(conn, group, LedgerError::from(e));
             }
         }
-        let tx = GroupTx {
-            conn,
-            earlier: &moves,
-            own: RefCell::default(),
-        };
+        let tx = GroupTx::new(conn, &moves);
         let ok = op.run(&tx);
-        let own = tx.own.into_inner();
+        let own = tx.into_own();
         if conn.is_autocommit() {
             // SQLite rolled the whole transaction back (disk full, I/O error): nothing of
             // this group is durable.

@@ -1,48 +1,37 @@
 //! Writes of attempts and of the counters that move with them.
 
 use std::collections::BTreeMap;
+use std::sync::LazyLock;
 
-use rusqlite::{params, Connection};
+use rusqlite::{params, params_from_iter, Connection, ToSql};
 
-use super::to_i64;
-use super::writer::GroupTx;
+use super::group_tx::GroupTx;
 use crate::error::LedgerError;
 use crate::model::{Attempt, AttemptState};
 use crate::store::counters::CounterMoves;
-use crate::store::rows::carriers_column;
+use crate::store::record::{sqlite_insert, sqlite_update, Written};
+use crate::store::rows::{AttemptRow, ATTEMPT_TABLE};
+
+/// `INSERT` of an attempt's inserted columns, `?1`… in table order.
+static INSERT_SQL: LazyLock<String> = LazyLock::new(|| sqlite_insert("attempts", ATTEMPT_TABLE));
+
+/// `UPDATE` of an attempt's updated columns by its id (`?1`).
+static UPDATE_SQL: LazyLock<String> =
+    LazyLock::new(|| sqlite_update("attempts", "id", ATTEMPT_TABLE));
+
+/// The row's values for the columns `which` picks, in table order.
+fn bound(row: &AttemptRow, which: fn(Written) -> bool) -> impl Iterator<Item = &dyn ToSql> {
+    row.sqlite_values()
+        .into_iter()
+        .zip(ATTEMPT_TABLE)
+        .filter(move |(_, c)| which(c.written))
+        .map(|(v, _)| v)
+}
 
 pub(super) fn insert_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerError> {
-    tx.prepare_cached(
-        "INSERT INTO attempts (id, permit_id, tool, key_hash, fingerprint, cost, state, created_at, updated_at, \
-         lease_expires_at, finished_at, receipt, reason, replay_count, pruned_at, round, capability_hash, \
-         forwarded_key, arguments, forwarded_key_carriers, dispatch_body_sha256, credential) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, \
-         ?22)",
-    )?
-    .execute(params![
-        a.id,
-        a.permit_id,
-        a.tool,
-        a.key_hash,
-        a.fingerprint,
-        to_i64(a.cost)?,
-        a.state.as_str(),
-        a.created_at_ms,
-        a.updated_at_ms,
-        a.lease_expires_at_ms,
-        a.finished_at_ms,
-        a.receipt,
-        a.reason,
-        to_i64(a.replay_count)?,
-        a.pruned_at_ms,
-        a.round,
-        a.capability_hash,
-        a.forwarded_key,
-        a.arguments,
-        carriers_column(a.forwarded_key_carriers),
-        a.dispatch_body_sha256,
-        a.credential.as_ref().map(|c| c.to_column()),
-    ])?;
+    let row = AttemptRow::of(a)?;
+    tx.prepare_cached(&INSERT_SQL)?
+        .execute(params_from_iter(bound(&row, Written::on_insert)))?;
     if let Some(kh) = a.key_hash.as_ref() {
         tx.prepare_cached(
             "INSERT INTO idempotency_keys (permit_id, key_hash, attempt_id) VALUES (?1, ?2, ?3) \
@@ -54,37 +43,11 @@ pub(super) fn insert_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerE
 }
 
 pub(super) fn update_attempt(tx: &Connection, a: &Attempt) -> Result<(), LedgerError> {
-    let r = a.resolution.as_ref();
-    tx.prepare_cached(
-        "UPDATE attempts SET state = ?2, updated_at = ?3, lease_expires_at = ?4, finished_at = ?5, receipt = ?6, \
-         reason = ?7, replay_count = ?8, pruned_at = ?9, resolved_executed = ?10, resolved_by = ?11, \
-         resolved_at = ?12, resolution_note = ?13, round = ?14, capability_hash = ?15, \
-         resolution_source = ?16, provider_answer = ?17, forwarded_key = ?18, arguments = ?19, \
-         forwarded_key_carriers = ?20, dispatch_body_sha256 = ?21 WHERE id = ?1",
-    )?
-    .execute(params![
-        a.id,
-        a.state.as_str(),
-        a.updated_at_ms,
-        a.lease_expires_at_ms,
-        a.finished_at_ms,
-        a.receipt,
-        a.reason,
-        to_i64(a.replay_count)?,
-        a.pruned_at_ms,
-        r.map(|r| r.executed),
-        r.map(|r| r.by.as_str()),
-        r.map(|r| r.at_ms),
-        r.and_then(|r| r.note.as_deref()),
-        a.round,
-        a.capability_hash,
-        r.map(|r| r.source.as_str()),
-        r.and_then(|r| r.source.provider_answer()),
-        a.forwarded_key,
-        a.arguments,
-        carriers_column(a.forwarded_key_carriers),
-        a.dispatch_body_sha256,
-    ])?;
+    let row = AttemptRow::of(a)?;
+    let id: &dyn ToSql = &row.id;
+    tx.prepare_cached(&UPDATE_SQL)?.execute(params_from_iter(
+        std::iter::once(id).chain(bound(&row, Written::on_update)),
+    ))?;
     Ok(())
 }
 
