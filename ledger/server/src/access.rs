@@ -1,5 +1,5 @@
 //! The answers every handler shares (errors, refusals) and who may call: the service and
-//! admin tokens, the failure limiter, the caller's address.
+//! admin tokens, the failure limiter, the caller's address, the permit a token names.
 
 use std::net::SocketAddr;
 use std::time::Instant;
@@ -15,17 +15,9 @@ use tracing::error;
 
 use crate::api::ErrorBody;
 use crate::auth_limit::Verdict;
+use crate::state::{AppState, Shared};
 use atmost_ledger::error::LedgerError;
 use atmost_ledger::token;
-
-/// Largest request body accepted (receipts ride in outcome reports).
-pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
-
-/// How long a client may keep `GET /v1/keys`'s answer (`cache-control: max-age`). A new key
-/// signs as soon as it is made, so a verifier meeting an unknown `keyid` should fetch again.
-pub const KEYS_MAX_AGE_S: u64 = 60;
-
-use crate::state::{AppState, Shared};
 
 pub(crate) fn error_response(status: StatusCode, error: &str, message: Option<String>) -> Response {
     (
@@ -162,4 +154,15 @@ pub(crate) async fn admin_elsewhere() -> Response {
         "admin_elsewhere",
         Some("the admin API and the inbox answer on the ledger's admin listener (--admin-listen), not on this one".into()),
     )
+}
+
+/// The permit whose id the token names (authenticated or not), `None` when it names none.
+pub(crate) async fn permit_of(
+    state: &AppState,
+    permit_token: &str,
+) -> Result<Option<atmost_ledger::model::Permit>, LedgerError> {
+    match token::permit_id_of(permit_token) {
+        Some(id) => state.store.get_permit(id).await,
+        None => Ok(None),
+    }
 }

@@ -3,9 +3,6 @@
 //! the filter, in a Dispatch answer or on `POST /v1/credential`. The secret is opened only for
 //! those two answers and appears in no other answer, no log line and no metric.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -14,22 +11,12 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use crate::server::{error_response, internal, permit_of, AppState, Shared};
+use crate::access::{error_response, internal, permit_of};
+use crate::state::{AppState, Shared};
 use atmost_ledger::credentials::{CredentialSpec, CredentialUse, CredentialView, StoredCredential};
 use atmost_ledger::error::LedgerError;
 use atmost_ledger::{decide, token};
 use atmost_protocol::credential::{CredentialRequest, CredentialResponse, UpstreamCredential};
-
-/// Most permits whose credential name a replica keeps in memory before it forgets them all.
-const MAX_CACHED_PERMITS: usize = 65_536;
-
-/// What a replica remembers of credentials: which credential each permit it has seen names
-/// (a permit's credential never changes, so this is never stale). The credentials themselves
-/// are read from the store at each use, so a rotation on any replica is the next dispatch's.
-#[derive(Debug, Default)]
-pub struct Custody {
-    names: Mutex<HashMap<String, Option<String>>>,
-}
 
 /// Answer of `PUT /admin/v1/credentials/{name}` and element of the list: never the secret.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -60,25 +47,14 @@ async fn named_by(
     state: &AppState,
     permit_id: &str,
 ) -> Result<Option<StoredCredential>, LedgerError> {
-    let cached = state
-        .custody
-        .names
-        .lock()
-        .ok()
-        .and_then(|names| names.get(permit_id).cloned());
-    let name = match cached {
+    let name = match state.custody.name_of(permit_id) {
         Some(name) => name,
         None => {
             let Some(permit) = state.store.get_permit(permit_id).await? else {
                 return Ok(None);
             };
             let name = permit.policy.rules.credential.clone();
-            if let Ok(mut names) = state.custody.names.lock() {
-                if names.len() >= MAX_CACHED_PERMITS {
-                    names.clear();
-                }
-                names.insert(permit_id.to_string(), name.clone());
-            }
+            state.custody.remember(permit_id, name.clone());
             name
         }
     };

@@ -19,19 +19,26 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use tracing::{error, info, warn};
 
+use crate::access::{
+    admin_elsewhere, bad_request, error_response, internal, json_rejection, not_found, permit_of,
+    require_admin, require_service,
+};
 use crate::api::{
     self, AttemptListResponse, AttemptResponse, AttemptView, CreatePermitRequest,
     CreatePermitResponse, KeyListResponse, KeyRotateResponse, KeyView, PermitListResponse,
     PermitResponse, PermitShowResponse, PermitView, ReceiptExportResponse, SessionsRevokeResponse,
 };
 use crate::credentials;
-use crate::inbox::{self};
+use crate::inbox;
+use crate::resolution::resolved;
 use crate::signer::KeyUnavailable;
+use crate::state::{AppState, Shared};
+use crate::sweeper::refresh_store_gauges;
 use atmost_ledger::clock::Deadline;
 use atmost_ledger::decide::{self, Mutation, Notice, ResolveInput};
 use atmost_ledger::error::{LedgerError, ResolveError};
 use atmost_ledger::keys::PublicSigningKey;
-use atmost_ledger::model::{Attempt, AttemptState, BudgetTotals, GuardMode};
+use atmost_ledger::model::{AttemptState, BudgetTotals, GuardMode};
 use atmost_ledger::receipts::{sign_receipt, ReceiptClaims};
 use atmost_ledger::store::AttemptFilter;
 use atmost_ledger::{signing, token};
@@ -42,15 +49,6 @@ pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 /// How long a client may keep `GET /v1/keys`'s answer (`cache-control: max-age`). A new key
 /// signs as soon as it is made, so a verifier meeting an unknown `keyid` should fetch again.
 pub const KEYS_MAX_AGE_S: u64 = 60;
-
-pub use crate::state::{AppState, ServerConfig, Shared};
-use crate::sweeper::refresh_store_gauges;
-pub use crate::sweeper::{read_store_gauges, spawn_sweeper, sweep_once};
-
-pub(crate) use crate::access::{
-    admin_elsewhere, bad_request, error_response, failed_authentication, internal, json_rejection,
-    not_found, require_admin, require_service, Peer,
-};
 
 /// The routes of the API listener (`--listen`): the filter's API, `/v1/keys`, `/metrics` and
 /// the health checks.
@@ -455,17 +453,6 @@ async fn limits(
     }
 }
 
-/// The permit whose id the token names (authenticated or not), `None` when it names none.
-pub(crate) async fn permit_of(
-    state: &AppState,
-    permit_token: &str,
-) -> Result<Option<atmost_ledger::model::Permit>, LedgerError> {
-    match token::permit_id_of(permit_token) {
-        Some(id) => state.store.get_permit(id).await,
-        None => Ok(None),
-    }
-}
-
 async fn outcomes(
     State(state): State<Shared>,
     body: Result<Json<OutcomesRequest>, JsonRejection>,
@@ -737,17 +724,4 @@ async fn resolve_attempt(
         ),
         Err(ResolveError::Ledger(e)) => internal(&state, "resolve_attempt", &e),
     }
-}
-
-/// Counts and logs a resolution the store applied; `via` names the way it came (`api`,
-/// `inbox`).
-pub fn resolved(state: &AppState, a: &Attempt, input: &ResolveInput, via: &str) {
-    let result = if input.executed {
-        "executed"
-    } else {
-        "not_executed"
-    };
-    state.metrics.resolutions.with_label_values(&[result]).inc();
-    info!(attempt_id = %a.id, permit_id = %a.permit_id, result, by = %input.by,
-        source = input.source.as_str(), via, "attempt resolved");
 }

@@ -14,7 +14,6 @@ pub mod session;
 mod tests;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use askama::Template;
@@ -27,9 +26,11 @@ use axum_extra::extract::cookie::Key;
 use serde::Deserialize;
 use tracing::{error, info, warn};
 
+use crate::access::{failed_authentication, Peer};
 use crate::api::{key_carriers_text, PermitShowResponse};
 use crate::auth_limit::Verdict;
-use crate::server::{failed_authentication, AppState, Peer};
+use crate::resolution::resolved;
+use crate::state::{AppState, Shared};
 use atmost_ledger::clock::{self, Millis};
 use atmost_ledger::decide::ResolveInput;
 use atmost_ledger::error::ResolveError;
@@ -37,8 +38,6 @@ use atmost_ledger::model::{Attempt, AttemptState, KeyCarrier, Permit, Resolution
 use atmost_ledger::token;
 use figures::{PermitFigures, Timeline};
 use session::{Presented, Session};
-
-type Shared = Arc<AppState>;
 
 /// The pages' Content-Security-Policy: nothing but this origin's stylesheet, no scripts, no
 /// frames, forms posting to this origin only.
@@ -50,33 +49,6 @@ pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; style-src 'self';
 pub const PAGE_LIMIT: u32 = 200;
 /// Longest note accepted with a resolution, in characters.
 pub const MAX_NOTE_CHARS: usize = 2000;
-
-/// The inbox's settings (`atmost ledger --inbox-…`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InboxConfig {
-    /// How long a session lasts after sign-in.
-    pub session_ttl: Duration,
-    /// An `awaiting_input` attempt is listed once it has waited this long.
-    pub stuck_after: Duration,
-    /// Mark cookies `Secure` on every response, not only when a proxy says the page was
-    /// reached over TLS.
-    pub secure_cookies: bool,
-    /// Per tool, the form of the key its reconcile rule's lookup searches by (a rule whose
-    /// lookup names `{{forwarded_key}}`); a tool without one is taken to be searched by the
-    /// `Idempotency-Key` header.
-    pub lookup_forms: BTreeMap<String, KeyCarrier>,
-}
-
-impl Default for InboxConfig {
-    fn default() -> Self {
-        InboxConfig {
-            session_ttl: Duration::from_secs(3600),
-            stuck_after: Duration::from_secs(60),
-            secure_cookies: false,
-            lookup_forms: BTreeMap::new(),
-        }
-    }
-}
 
 /// How a person knows each place a key can go.
 fn carrier_label(c: KeyCarrier) -> &'static str {
@@ -901,7 +873,7 @@ async fn resolve(
     let now = state.clock.now_ms();
     match state.store.resolve_attempt(&id, &input, now).await {
         Ok(a) => {
-            crate::server::resolved(&state, &a, &input, "inbox");
+            resolved(&state, &a, &input, "inbox");
             Redirect::to(&format!("/admin/?resolved={}", a.id)).into_response()
         }
         Err(ResolveError::UnknownAttempt) => message(

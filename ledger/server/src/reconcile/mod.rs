@@ -26,7 +26,8 @@ use serde_json::{Map, Value};
 use tokio::sync::Semaphore;
 use tracing::{info, warn};
 
-use crate::server::{resolved, Shared};
+use crate::resolution::resolved;
+use crate::state::Shared;
 use atmost_ledger::clock::Millis;
 use atmost_ledger::decide::ResolveInput;
 use atmost_ledger::error::ResolveError;
