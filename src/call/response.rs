@@ -351,7 +351,7 @@ impl Call {
                     .with(Effect::Count(Stat::ToolsListFigures))
             }
             // The ledger does not authenticate the permit: nothing to show.
-            Err(CalloutError::Status(403)) => unchanged(Level::Info, "permit_invalid"),
+            Err(e) if e.is_permit_invalid() => unchanged(Level::Info, "permit_invalid"),
             Err(e) => unchanged(Level::Warn, &e.to_string()),
         };
         step.with(Effect::ResumeResponse)

@@ -3,6 +3,7 @@
 use std::time::{Duration, Instant};
 
 use atmost_protocol::credential::CREDENTIAL_PATH;
+use atmost_protocol::ledger_error::LedgerErrorCode;
 use atmost_protocol::signature::{Jwks, KEYS_PATH};
 use atmost_protocol::{
     AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, LimitsRequest, Outcome, OutcomeAck,
@@ -20,7 +21,7 @@ use serde::Deserialize;
 use tracing::{error, info, warn};
 
 use crate::access::{
-    admin_elsewhere, bad_request, error_response, internal, json_rejection, not_found, permit_of,
+    admin_elsewhere, bad_request, error_response, internal, json_rejection, permit_of,
     require_admin, require_service,
 };
 use crate::api::{
@@ -115,8 +116,7 @@ async fn healthz() -> Response {
 async fn readyz(State(state): State<Shared>) -> Response {
     if state.metrics.is_draining() {
         return error_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "draining",
+            LedgerErrorCode::Draining,
             Some(
                 "the ledger is draining before it stops; every other request is still served"
                     .into(),
@@ -127,7 +127,7 @@ async fn readyz(State(state): State<Shared>) -> Response {
     if state.readiness.store_ready(Instant::now()) {
         (StatusCode::OK, Json(serde_json::json!({"status": "ready"}))).into_response()
     } else {
-        error_response(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", None)
+        error_response(LedgerErrorCode::StoreUnavailable, None)
     }
 }
 
@@ -215,7 +215,7 @@ async fn authorize(
             state.metrics.decisions_past_deadline.inc();
             warn!(permit_id, tool = %req.tool, timeout_ms = timeout.as_millis() as u64, why,
                 "authorize not committed: the caller's deadline passed (answered 503)");
-            return error_response(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", None);
+            return error_response(LedgerErrorCode::StoreUnavailable, None);
         }
         Err(e) => return internal(&state, "authorize", &e),
     };
@@ -447,8 +447,9 @@ async fn limits(
             (StatusCode::OK, Json(answer)).into_response()
         }
         None => {
-            info!(permit_id, code = "permit_invalid", "limits refused");
-            error_response(StatusCode::FORBIDDEN, "permit_invalid", None)
+            let code = LedgerErrorCode::PermitInvalid;
+            info!(permit_id, code = code.as_str(), "limits refused");
+            error_response(code, None)
         }
     }
 }
@@ -572,7 +573,7 @@ async fn show_permit(State(state): State<Shared>, Path(id): Path<String>) -> Res
     let now = state.clock.now_ms();
     match state.store.permit_detail(&id).await {
         Ok(Some(d)) => Json(PermitShowResponse::new(&d, now)).into_response(),
-        Ok(None) => not_found("unknown_permit"),
+        Ok(None) => error_response(LedgerErrorCode::UnknownPermit, None),
         Err(e) => internal(&state, "permit_detail", &e),
     }
 }
@@ -588,7 +589,7 @@ async fn revoke_permit(State(state): State<Shared>, Path(id): Path<String>) -> R
             })
             .into_response()
         }
-        Ok(None) => not_found("unknown_permit"),
+        Ok(None) => error_response(LedgerErrorCode::UnknownPermit, None),
         Err(e) => internal(&state, "revoke_permit", &e),
     }
 }
@@ -650,11 +651,7 @@ async fn export_attempts(State(state): State<Shared>, Query(q): Query<AttemptQue
         Err(KeyUnavailable::Store(e)) => return internal(&state, "export_attempts", &e),
         Err(e @ KeyUnavailable::NoActiveKey) => {
             error!(error = %e, "receipts cannot be signed");
-            return error_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "no_signing_key",
-                Some(e.to_string()),
-            );
+            return error_response(LedgerErrorCode::NoSigningKey, Some(e.to_string()));
         }
     };
     let attempts = match state.store.list_attempts(&filter).await {
@@ -688,7 +685,7 @@ async fn show_attempt(State(state): State<Shared>, Path(id): Path<String>) -> Re
             attempt: AttemptView::new(&a, &state.config.redaction),
         })
         .into_response(),
-        Ok(None) => not_found("unknown_attempt"),
+        Ok(None) => error_response(LedgerErrorCode::UnknownAttempt, None),
         Err(e) => internal(&state, "get_attempt", &e),
     }
 }
@@ -714,10 +711,9 @@ async fn resolve_attempt(
             })
             .into_response()
         }
-        Err(ResolveError::UnknownAttempt) => not_found("unknown_attempt"),
+        Err(ResolveError::UnknownAttempt) => error_response(LedgerErrorCode::UnknownAttempt, None),
         Err(ResolveError::NotUncertain(s)) => error_response(
-            StatusCode::CONFLICT,
-            "not_uncertain",
+            LedgerErrorCode::NotUncertain,
             Some(format!(
                 "attempt is {s}; only uncertain attempts can be resolved"
             )),
