@@ -214,7 +214,12 @@ impl LedgerReply {
     /// already: a reader of its own for the error body would cost the module kilobytes.
     fn error_code(&self) -> Option<LedgerErrorCode> {
         let body = serde_json::from_slice::<serde_json::Value>(&self.body).ok()?;
-        LedgerErrorCode::from_wire(body.get("error")?.as_str()?)
+        let named = body.get("error")?.as_str()?;
+        // Looked up among the names the log line prints anyway, not by `from_wire`, whose
+        // match of its own would cost the module another half kilobyte.
+        LedgerErrorCode::ALL
+            .into_iter()
+            .find(|c| c.as_str() == named)
     }
 
     /// Reads an authorize answer.
