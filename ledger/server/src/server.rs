@@ -1,4 +1,7 @@
-//! The ledger's HTTP server (HTTP/1.1 and h2c prior knowledge) and its sweeper.
+//! The ledger's two routers, the API listener's and the admin listener's (served over
+//! HTTP/1.1 and h2c prior knowledge), and the handlers of the filter's API and the admin API;
+//! the credentials and the inbox bring their own, and what every handler shares lies beneath
+//! (crate::state, crate::access).
 
 use std::time::{Duration, Instant};
 
