@@ -1,9 +1,12 @@
 //! Talking to the ledger: callout headers, and reading its answers. A failed or timed-out
 //! callout arrives with zero headers; that, a non-200 `:status`, or a body that is not the
-//! expected JSON are all failures (the authorize caller then fails closed).
+//! expected JSON are all failures (the authorize caller then fails closed). A non-200 answer
+//! is known by the `error` code its body names (the ledger's closed set), its status standing
+//! in only for a body that names none this filter knows.
 
 use atmost_config::LedgerConfig;
 use atmost_protocol::credential::{CredentialRequest, CredentialResponse, UpstreamCredential};
+use atmost_protocol::ledger_error::LedgerErrorCode;
 use atmost_protocol::signature::DispatchSignature;
 use atmost_protocol::{
     AuthorizeResponse, DispatchGrant, LimitsRequest, LimitsResponse, OutcomeAck, OutcomesRequest,
@@ -92,7 +95,10 @@ pub fn headers(cfg: &LedgerConfig, endpoint: Endpoint) -> Vec<(String, String)> 
 pub enum CalloutError {
     /// Zero headers or no `:status`: dispatch refused, reset, timed out.
     Unreachable,
-    /// Answered, but not HTTP 200.
+    /// Answered, not HTTP 200, with a body naming what went wrong.
+    Refused { status: u32, code: LedgerErrorCode },
+    /// Answered, not HTTP 200, with a body that names no code this filter knows (a ledger of
+    /// another version, or a proxy in front of it): the status is all there is to go on.
     Status(u32),
     /// HTTP 200 with a body that is not the endpoint's answer.
     Unreadable(Endpoint),
@@ -112,6 +118,10 @@ impl fmt::Display for CalloutError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             CalloutError::Unreachable => f.write_str("ledger unreachable or timed out"),
+            CalloutError::Refused { status, code } => {
+                // The name, not the code's Display: a formatter of its own costs the module.
+                write!(f, "ledger answered HTTP {status} {}", code.as_str())
+            }
             CalloutError::Status(s) => write!(f, "ledger answered HTTP {s}"),
             CalloutError::Unreadable(Endpoint::Authorize) => {
                 f.write_str("ledger answer to authorize is not an AuthorizeResponse")
@@ -140,6 +150,19 @@ impl fmt::Display for CalloutError {
 }
 
 impl std::error::Error for CalloutError {}
+
+impl CalloutError {
+    /// Whether the ledger refused the permit token: `permit_invalid`, or, from a body that
+    /// names no code, the status that code is sent with.
+    pub fn is_permit_invalid(&self) -> bool {
+        const PERMIT_INVALID: LedgerErrorCode = LedgerErrorCode::PermitInvalid;
+        match self {
+            CalloutError::Refused { code, .. } => *code == PERMIT_INVALID,
+            CalloutError::Status(s) => *s == u32::from(PERMIT_INVALID.http_status()),
+            _ => false,
+        }
+    }
+}
 
 /// What came back from a callout, as the adapter read it.
 #[derive(Debug, Clone, PartialEq)]
@@ -179,8 +202,24 @@ impl LedgerReply {
         match self.status {
             None => Err(CalloutError::Unreachable),
             Some(200) => Ok(&self.body),
-            Some(s) => Err(CalloutError::Status(s)),
+            Some(status) => Err(match self.error_code() {
+                Some(code) => CalloutError::Refused { status, code },
+                None => CalloutError::Status(status),
+            }),
         }
+    }
+
+    /// The code an error answer's body names (`{"error": CODE}`, [`LedgerErrorCode`]), if it
+    /// names one this filter knows. Read as a JSON value, as the filter reads other answers
+    /// already: a reader of its own for the error body would cost the module kilobytes.
+    fn error_code(&self) -> Option<LedgerErrorCode> {
+        let body = serde_json::from_slice::<serde_json::Value>(&self.body).ok()?;
+        let named = body.get("error")?.as_str()?;
+        // Looked up among the names the log line prints anyway, not by `from_wire`, whose
+        // match of its own would cost the module another half kilobyte.
+        LedgerErrorCode::ALL
+            .into_iter()
+            .find(|c| c.as_str() == named)
     }
 
     /// Reads an authorize answer.
@@ -208,7 +247,7 @@ impl LedgerReply {
             Ok(body) => serde_json::from_slice::<CredentialResponse>(body)
                 .map(|r| r.credential)
                 .map_err(|_| CalloutError::Unreadable(Endpoint::Credential)),
-            Err(CalloutError::Status(403)) => Ok(None),
+            Err(e) if e.is_permit_invalid() => Ok(None),
             Err(e) => Err(e),
         }
     }
@@ -464,5 +503,42 @@ mod tests {
         );
         assert_eq!(parse_status(b"200"), Some(200));
         assert_eq!(parse_status(b"x"), None);
+    }
+
+    #[test]
+    fn an_error_answer_is_known_by_the_code_its_body_names() {
+        let answer = |status: u32, body: &[u8]| LedgerReply {
+            status: Some(status),
+            body: body.to_vec(),
+        };
+        let down = answer(503, br#"{"error":"store_unavailable"}"#);
+        assert_eq!(
+            down.authorize(),
+            Err(CalloutError::Refused {
+                status: 503,
+                code: LedgerErrorCode::StoreUnavailable
+            })
+        );
+        assert_eq!(
+            down.limits().map_err(|e| e.to_string()),
+            Err("ledger answered HTTP 503 store_unavailable".to_string())
+        );
+        // A code this filter does not know, or no code: the status is what is left.
+        assert_eq!(
+            answer(503, br#"{"error":"a_later_code"}"#).authorize(),
+            Err(CalloutError::Status(503))
+        );
+        // The permit refused, by its code or (a body naming none) by its status.
+        for refused in [
+            answer(403, br#"{"error":"permit_invalid","message":"no"}"#),
+            answer(403, b"forbidden"),
+        ] {
+            assert_eq!(refused.credential(), Ok(None));
+        }
+        assert!(matches!(
+            answer(403, br#"{"error":"unauthorized"}"#).credential(),
+            Err(CalloutError::Refused { status: 403, .. })
+        ));
+        assert!(answer(503, b"").credential().is_err());
     }
 }

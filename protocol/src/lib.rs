@@ -8,6 +8,9 @@
 //! - `POST /v1/credential`: [`credential::CredentialRequest`] →
 //!   [`credential::CredentialResponse`]
 //!
+//! An answer that is not a success is `{"error": CODE}`, CODE one of
+//! [`ledger_error::LedgerErrorCode`], each sent with its own status.
+//!
 //! Every path requires `authorization: Bearer <service token>`. A report also needs the
 //! round's capability from the Dispatch answer: the service token alone (which an agent
 //! sharing the sidecar's loopback can read) cannot move an attempt.
@@ -15,6 +18,7 @@
 pub mod closed_set;
 pub mod credential;
 pub mod idempotency_key;
+pub mod ledger_error;
 pub mod signature;
 pub mod token;
 pub mod tool_refusal;

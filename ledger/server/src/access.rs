@@ -1,5 +1,5 @@
 //! The answers every handler shares (errors, refusals) and who may call: the service and
-//! admin tokens, the failure limiter, the caller's address.
+//! admin tokens, the failure limiter, the caller's address, the permit a token names.
 
 use std::net::SocketAddr;
 use std::time::Instant;
@@ -13,25 +13,22 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use tracing::error;
 
-use crate::api::ErrorBody;
 use crate::auth_limit::Verdict;
+use crate::state::{AppState, Shared};
 use atmost_ledger::error::LedgerError;
 use atmost_ledger::token;
+use atmost_protocol::ledger_error::{LedgerErrorBody, LedgerErrorCode};
 
-/// Largest request body accepted (receipts ride in outcome reports).
-pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
-
-/// How long a client may keep `GET /v1/keys`'s answer (`cache-control: max-age`). A new key
-/// signs as soon as it is made, so a verifier meeting an unknown `keyid` should fetch again.
-pub const KEYS_MAX_AGE_S: u64 = 60;
-
-use crate::state::{AppState, Shared};
-
-pub(crate) fn error_response(status: StatusCode, error: &str, message: Option<String>) -> Response {
+/// The error answer `code` names, at the status it is sent with: every error answer of the
+/// ledger is built here, so none can pair a code with another status or spell it another way.
+pub(crate) fn error_response(code: LedgerErrorCode, message: Option<String>) -> Response {
+    // Every status of the set is a valid one; a 500 stands in should one ever not be.
+    let status =
+        StatusCode::from_u16(code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     (
         status,
-        Json(ErrorBody {
-            error: error.to_string(),
+        Json(LedgerErrorBody {
+            error: code,
             message,
         }),
     )
@@ -39,11 +36,7 @@ pub(crate) fn error_response(status: StatusCode, error: &str, message: Option<St
 }
 
 pub(crate) fn bad_request(message: impl Into<String>) -> Response {
-    error_response(StatusCode::BAD_REQUEST, "bad_request", Some(message.into()))
-}
-
-pub(crate) fn not_found(what: &str) -> Response {
-    error_response(StatusCode::NOT_FOUND, what, None)
+    error_response(LedgerErrorCode::BadRequest, Some(message.into()))
 }
 
 /// A store failure. A transient one (the store is down, timed out, read-only, full or failing
@@ -54,10 +47,10 @@ pub(crate) fn internal(state: &AppState, op: &str, e: &LedgerError) -> Response 
     state.metrics.store_errors.with_label_values(&[op]).inc();
     if e.is_transient() {
         error!(op, error = %e, "store unavailable");
-        return error_response(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", None);
+        return error_response(LedgerErrorCode::StoreUnavailable, None);
     }
     error!(op, error = %e, bug = true, "store operation failed on a broken invariant");
-    error_response(StatusCode::INTERNAL_SERVER_ERROR, "internal", None)
+    error_response(LedgerErrorCode::Internal, None)
 }
 
 pub(crate) fn json_rejection(r: JsonRejection) -> Response {
@@ -114,8 +107,7 @@ pub fn failed_authentication(state: &AppState, api: &str, peer: Option<SocketAdd
 /// HTTP 429 `too_many_failures` with `Retry-After`.
 pub fn too_many_failures(retry_after_s: u64) -> Response {
     let mut resp = error_response(
-        StatusCode::TOO_MANY_REQUESTS,
-        "too_many_failures",
+        LedgerErrorCode::TooManyFailures,
         Some(format!(
             "too many failed authentications from this address; retry after {retry_after_s} s"
         )),
@@ -127,7 +119,7 @@ pub fn too_many_failures(retry_after_s: u64) -> Response {
 
 pub(crate) fn unauthorized(state: &AppState, api: &str, peer: Option<SocketAddr>) -> Response {
     match failed_authentication(state, api, peer) {
-        Verdict::Refuse => error_response(StatusCode::UNAUTHORIZED, "unauthorized", None),
+        Verdict::Refuse => error_response(LedgerErrorCode::Unauthorized, None),
         Verdict::TooMany { retry_after_s } => too_many_failures(retry_after_s),
     }
 }
@@ -158,8 +150,18 @@ pub(crate) async fn require_admin(
 /// admin listener only (`--admin-listen`).
 pub(crate) async fn admin_elsewhere() -> Response {
     error_response(
-        StatusCode::NOT_FOUND,
-        "admin_elsewhere",
+        LedgerErrorCode::AdminElsewhere,
         Some("the admin API and the inbox answer on the ledger's admin listener (--admin-listen), not on this one".into()),
     )
+}
+
+/// The permit whose id the token names (authenticated or not), `None` when it names none.
+pub(crate) async fn permit_of(
+    state: &AppState,
+    permit_token: &str,
+) -> Result<Option<atmost_ledger::model::Permit>, LedgerError> {
+    match token::permit_id_of(permit_token) {
+        Some(id) => state.store.get_permit(id).await,
+        None => Ok(None),
+    }
 }

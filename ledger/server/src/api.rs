@@ -322,7 +322,9 @@ pub struct ReceiptExportResponse {
     pub receipts: Vec<String>,
 }
 
-/// Error body of every endpoint.
+/// An error answer as the admin CLI reads it. The ledger writes
+/// [`atmost_protocol::ledger_error::LedgerErrorBody`]; the code is read here as text, so the
+/// CLI still shows a code of a newer ledger it does not know.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorBody {
     pub error: String,

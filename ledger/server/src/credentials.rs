@@ -3,9 +3,6 @@
 //! the filter, in a Dispatch answer or on `POST /v1/credential`. The secret is opened only for
 //! those two answers and appears in no other answer, no log line and no metric.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -14,22 +11,13 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use crate::server::{error_response, internal, permit_of, AppState, Shared};
+use crate::access::{bad_request, error_response, internal, permit_of};
+use crate::state::{AppState, Shared};
 use atmost_ledger::credentials::{CredentialSpec, CredentialUse, CredentialView, StoredCredential};
 use atmost_ledger::error::LedgerError;
 use atmost_ledger::{decide, token};
 use atmost_protocol::credential::{CredentialRequest, CredentialResponse, UpstreamCredential};
-
-/// Most permits whose credential name a replica keeps in memory before it forgets them all.
-const MAX_CACHED_PERMITS: usize = 65_536;
-
-/// What a replica remembers of credentials: which credential each permit it has seen names
-/// (a permit's credential never changes, so this is never stale). The credentials themselves
-/// are read from the store at each use, so a rotation on any replica is the next dispatch's.
-#[derive(Debug, Default)]
-pub struct Custody {
-    names: Mutex<HashMap<String, Option<String>>>,
-}
+use atmost_protocol::ledger_error::LedgerErrorCode;
 
 /// Answer of `PUT /admin/v1/credentials/{name}` and element of the list: never the secret.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -45,8 +33,7 @@ pub struct CredentialListResponse {
 
 fn no_key() -> Response {
     error_response(
-        StatusCode::CONFLICT,
-        "credential_key_unset",
+        LedgerErrorCode::CredentialKeyUnset,
         Some(
             "this ledger was started without a credential key (--credential-key-file or \
              ATMOST_CREDENTIAL_KEY): it keeps no credentials"
@@ -60,25 +47,14 @@ async fn named_by(
     state: &AppState,
     permit_id: &str,
 ) -> Result<Option<StoredCredential>, LedgerError> {
-    let cached = state
-        .custody
-        .names
-        .lock()
-        .ok()
-        .and_then(|names| names.get(permit_id).cloned());
-    let name = match cached {
+    let name = match state.custody.name_of(permit_id) {
         Some(name) => name,
         None => {
             let Some(permit) = state.store.get_permit(permit_id).await? else {
                 return Ok(None);
             };
             let name = permit.policy.rules.credential.clone();
-            if let Ok(mut names) = state.custody.names.lock() {
-                if names.len() >= MAX_CACHED_PERMITS {
-                    names.clear();
-                }
-                names.insert(permit_id.to_string(), name.clone());
-            }
+            state.custody.remember(permit_id, name.clone());
             name
         }
     };
@@ -128,19 +104,14 @@ pub async fn put_credential(
     let spec = match body {
         // A rejection's text may quote the body, and so the secret: never passed on.
         Err(_) => {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "bad_request",
-                Some(
-                    "the body must be JSON {\"header\", \"form\": \"bearer\"|\"raw\", \"routes\", \
-                     \"secret\"} and nothing else"
-                        .into(),
-                ),
+            return bad_request(
+                "the body must be JSON {\"header\", \"form\": \"bearer\"|\"raw\", \"routes\", \
+                 \"secret\"} and nothing else",
             )
         }
         Ok(Json(spec)) => match spec.validate(&name) {
             Ok(spec) => spec,
-            Err(why) => return error_response(StatusCode::BAD_REQUEST, "bad_request", Some(why)),
+            Err(why) => return bad_request(why),
         },
     };
     let sealed = match key.seal(&name, &spec) {
@@ -190,13 +161,9 @@ pub async fn check_named(state: &AppState, name: &str) -> Result<(), Response> {
     }
     match state.store.credential(name).await {
         Ok(Some(_)) => Ok(()),
-        Ok(None) => Err(error_response(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            Some(format!(
-                "no credential is registered as {name:?} (atmost credential set)"
-            )),
-        )),
+        Ok(None) => Err(bad_request(format!(
+            "no credential is registered as {name:?} (atmost credential set)"
+        ))),
         Err(e) => Err(internal(state, "check_credential", &e)),
     }
 }
@@ -210,13 +177,7 @@ pub async fn fetch(
 ) -> Response {
     let req = match body {
         Ok(Json(req)) => req,
-        Err(_) => {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "bad_request",
-                Some("the body must be JSON {\"permit_token\"}".into()),
-            )
-        }
+        Err(_) => return bad_request("the body must be JSON {\"permit_token\"}"),
     };
     let now = state.clock.now_ms();
     let permit_id = token::permit_id_of(&req.permit_token);
@@ -229,8 +190,9 @@ pub async fn fetch(
         .is_some();
     let permit_id = permit_id.unwrap_or("-");
     if !live {
-        info!(permit_id, code = "permit_invalid", "credential refused");
-        return error_response(StatusCode::FORBIDDEN, "permit_invalid", None);
+        let code = LedgerErrorCode::PermitInvalid;
+        info!(permit_id, code = code.as_str(), "credential refused");
+        return error_response(code, None);
     }
     match for_dispatch(&state, &req.permit_token).await {
         Ok(found) => {

@@ -11,7 +11,9 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::metrics::Metrics;
-use crate::server::{self, AppState, ServerConfig};
+use crate::server;
+use crate::state::{AppState, ServerConfig};
+use crate::sweeper::sweep_once;
 use atmost_ledger::clock::{Clock, ManualClock};
 use atmost_ledger::store::sqlite::SqliteStore;
 
@@ -91,7 +93,7 @@ async fn start_in(
         Arc::new(Metrics::new().unwrap()),
     ));
     state.start_signing().await.unwrap();
-    crate::readiness::check_once(&state).await;
+    crate::readiness::check_once(&state.readiness, &*state.store, &state.metrics).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let admin_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -422,7 +424,7 @@ async fn full_flow_over_http() {
         .await;
     let unc = d["attempt_id"].as_str().unwrap().to_string();
     s.clock.advance_ms(61_000);
-    server::sweep_once(&s.state).await;
+    sweep_once(&s.state).await;
     let (st, v) = s
         .get(
             &format!("/admin/v1/attempts?state=uncertain&permit={id}"),
@@ -556,7 +558,7 @@ async fn a_scrape_reads_the_attempt_gauges_from_the_store() {
 
     // The lease runs out; 30 s later a scrape (a second after the last) reads the change.
     s.clock.advance_ms(61_000);
-    server::sweep_once(&s.state).await;
+    sweep_once(&s.state).await;
     s.clock.advance_ms(30_000);
     tokio::time::sleep(Duration::from_millis(1_100)).await;
     assert_eq!(gauges().await, ["0", "1", "30"]);
@@ -1305,7 +1307,7 @@ async fn attempts_export_as_receipts_signed_by_the_active_key() {
         .post("/v1/authorize", Some(SVC), authz(&tok, "k2", "fp2"))
         .await;
     s.clock.advance_ms(61_000);
-    server::sweep_once(&s.state).await;
+    sweep_once(&s.state).await;
     let lost_id = lost["attempt_id"].as_str().unwrap();
     let (st, _) = s
         .post(
@@ -1491,7 +1493,7 @@ async fn readyz_answers_from_the_background_check_without_reading_the_store() {
     }
     // No background task runs in the test server: every answer came from the one check.
     assert_eq!(checks(), before);
-    crate::readiness::check_once(&s.state).await;
+    crate::readiness::check_once(&s.state.readiness, &*s.state.store, &s.state.metrics).await;
     assert_eq!(checks(), before + 1);
 }
 
@@ -1558,7 +1560,7 @@ async fn the_sweeper_purges_ended_permits_after_the_delay() {
 
     // Ended (5 min) but not for 10 min yet: kept, and the key still replays.
     s.clock.advance_ms(15 * 60_000 - 1);
-    server::sweep_once(&s.state).await;
+    sweep_once(&s.state).await;
     assert_eq!(purged(&s), [false, false]);
     let (_, v) = s
         .post("/v1/authorize", Some(SVC), authz(&tok, "k1", "fp1"))
@@ -1566,7 +1568,7 @@ async fn the_sweeper_purges_ended_permits_after_the_delay() {
     assert_eq!(v["decision"], "replay");
 
     s.clock.advance_ms(1);
-    server::sweep_once(&s.state).await;
+    sweep_once(&s.state).await;
     assert_eq!(purged(&s), [true, true]);
     for key in ["k1", "k2"] {
         let (st, v) = s

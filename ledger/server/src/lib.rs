@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod readiness;
 pub mod reconcile;
 pub mod redact;
+pub mod resolution;
 pub mod server;
 pub mod signer;
 pub mod state;

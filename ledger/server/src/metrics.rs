@@ -7,10 +7,40 @@ use prometheus::{
 
 use atmost_ledger::decide::Headroom;
 use atmost_ledger::error::LedgerError;
+use atmost_protocol::closed_set;
 
 /// The buckets of `atmost_permit_left_ratio`: an alert picks its threshold among them
 /// (`le="0.1"`: a reservation left a tenth or less).
 pub const PERMIT_LEFT_BUCKETS: [f64; 6] = [0.0, 0.05, 0.1, 0.25, 0.5, 1.0];
+
+closed_set! {
+    /// What one reconciler lookup came to: the `result` label of
+    /// `atmost_reconciler_lookups_total` ([`Metrics::count_lookup`]), which the shipped alert
+    /// on failing lookups names (a test holds the rules to this set).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum LookupResult {
+        /// The provider says the call ran: the attempt is resolved executed.
+        Executed => "executed";
+        /// The provider says it did not run, and the rule trusts it: resolved not executed.
+        NotExecuted => "not_executed";
+        /// The lookup failed (connection, HTTP or MCP error, `isError: true`).
+        Error => "error";
+        /// The lookup took longer than the rule's timeout.
+        Timeout => "timeout";
+        /// The answer has nothing at the rule's pointer.
+        MissingField => "missing_field";
+        /// The answer holds a value neither of the rule's lists holds.
+        UnknownValue => "unknown_value";
+        /// "Not found", from a lookup the rule does not call authoritative.
+        NotFoundUnconfirmed => "not_found_unconfirmed";
+        /// The attempt lacks what the rule's arguments name: nothing was asked.
+        NoInput => "no_input";
+        /// The resolution could not be recorded.
+        StoreError => "store_error";
+        /// Someone resolved the attempt first.
+        AlreadyResolved => "already_resolved";
+    }
+}
 
 pub struct Metrics {
     registry: Registry,
@@ -29,10 +59,9 @@ pub struct Metrics {
     pub duplicates: IntCounterVec,
     /// Admin resolutions by result (executed, not_executed).
     pub resolutions: IntCounterVec,
-    /// Reconciler lookups by result: `executed`, `not_executed` (each resolved the attempt),
-    /// `error`, `timeout`, `unknown_value`, `missing_field`, `no_input`, `store_error` (each
-    /// left it uncertain), `already_resolved` (resolved elsewhere first).
-    pub reconciler_lookups: IntCounterVec,
+    /// Reconciler lookups by [`LookupResult`]: counted only through [`Metrics::count_lookup`],
+    /// so no label outside the set reaches the alert that reads it.
+    reconciler_lookups: IntCounterVec,
     /// Requests refused for a missing or wrong bearer token, by api (service, admin).
     pub unauthorized: IntCounterVec,
     pub auth_limited: IntCounterVec,
@@ -271,8 +300,118 @@ impl Metrics {
         }
     }
 
+    /// Counts one reconciler lookup under its result.
+    pub fn count_lookup(&self, result: LookupResult) {
+        self.reconciler_lookups
+            .with_label_values(&[result.as_str()])
+            .inc();
+    }
+
     /// Whether a stop signal has come: the ledger reports not ready while it drains.
     pub fn is_draining(&self) -> bool {
         self.draining.get() != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Where the shipped alerts and their runbook name `atmost_reconciler_lookups_total`.
+    const RULES: [(&str, &str); 3] = [
+        (
+            "monitoring/atmost-rules.yml",
+            include_str!(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../monitoring/atmost-rules.yml"
+            )),
+        ),
+        (
+            "monitoring/prometheusrule.yaml",
+            include_str!(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../monitoring/prometheusrule.yaml"
+            )),
+        ),
+        (
+            "docs/monitoring.md",
+            include_str!(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../docs/monitoring.md"
+            )),
+        ),
+    ];
+
+    /// The values every `result` matcher of a `atmost_reconciler_lookups_total{…}` selector
+    /// in `text` names (`result="a"`, `result=~"a|b"`, and their negations).
+    fn lookup_results_named(text: &str) -> Vec<&str> {
+        const SELECTOR: &str = "atmost_reconciler_lookups_total{";
+        text.match_indices(SELECTOR)
+            .filter_map(|(at, _)| {
+                let rest = &text[at + SELECTOR.len()..];
+                rest.get(..rest.find('}')?)
+            })
+            .flat_map(|selector| selector.split(','))
+            .filter_map(|matcher| {
+                let value = matcher.trim().strip_prefix("result")?;
+                let value = value.trim_start_matches(['=', '!', '~']);
+                value.strip_prefix('"')?.strip_suffix('"')
+            })
+            .flat_map(|values| values.split('|'))
+            .collect()
+    }
+
+    #[test]
+    fn the_alerts_name_only_lookup_results_the_reconciler_counts() {
+        for (file, text) in RULES {
+            let named = lookup_results_named(text);
+            assert!(!named.is_empty(), "{file} names no lookup result any more");
+            for value in named {
+                assert!(
+                    LookupResult::from_wire(value).is_some(),
+                    "{file} names the lookup result {value:?}, which the reconciler never counts \
+                     (it counts {:?})",
+                    LookupResult::NAMES
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_reconciler_docs_name_every_lookup_result() {
+        let doc = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/ledger.md"));
+        let list = "Each lookup is counted in `atmost_reconciler_lookups_total{result}`:";
+        let at = doc
+            .find(list)
+            .expect("docs/ledger.md lists the lookup results");
+        let paragraph = doc[at..].split("\n\n").next().unwrap_or_default();
+        for name in LookupResult::NAMES {
+            assert!(
+                paragraph.contains(&format!("`{name}`")),
+                "docs/ledger.md's list of lookup results lacks `{name}`"
+            );
+        }
+    }
+
+    #[test]
+    fn a_result_outside_the_set_is_seen() {
+        let named = lookup_results_named(
+            r#"sum(atmost_reconciler_lookups_total{job="x", result=~"error|gone"}) + atmost_reconciler_lookups_total{result!="timeout"}"#,
+        );
+        assert_eq!(named, ["error", "gone", "timeout"]);
+        assert!(LookupResult::from_wire("gone").is_none());
+    }
+
+    #[test]
+    fn every_lookup_result_is_counted_under_its_name() {
+        let metrics = Metrics::new().unwrap();
+        for result in LookupResult::ALL {
+            metrics.count_lookup(result);
+        }
+        let text = metrics.render().unwrap();
+        for name in LookupResult::NAMES {
+            let series = format!("atmost_reconciler_lookups_total{{result=\"{name}\"}} 1");
+            assert!(text.contains(&series), "no {series} in:\n{text}");
+        }
     }
 }

@@ -7,12 +7,13 @@
 //! read hanging on an unreachable database), answers 503 `store_unavailable`. Each check is
 //! counted in `atmost_readiness_checks_total{result}`.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tracing::warn;
 
-use crate::server::{AppState, Shared};
+use crate::metrics::Metrics;
+use atmost_ledger::store::Store;
 
 /// How often the store is checked.
 pub const CHECK_INTERVAL: Duration = Duration::from_secs(1);
@@ -43,34 +44,34 @@ impl Readiness {
     }
 }
 
-/// Reads the store once and keeps the result.
-pub async fn check_once(state: &AppState) {
-    let result = state.store.ping().await;
+/// Reads the store once and keeps the result in `readiness`. Given the store and the
+/// metrics rather than the ledger's state, which holds the answer: the check sits beneath it.
+pub async fn check_once(readiness: &Readiness, store: &dyn Store, metrics: &Metrics) {
+    let result = store.ping().await;
     let ok = result.is_ok();
-    state
-        .metrics
+    metrics
         .readiness_checks
         .with_label_values(&[if ok { "ok" } else { "error" }])
         .inc();
     if let Err(e) = result {
-        state
-            .metrics
-            .store_errors
-            .with_label_values(&["ping"])
-            .inc();
+        metrics.store_errors.with_label_values(&["ping"]).inc();
         warn!(error = %e, "store not ready");
     }
-    state.readiness.record(Instant::now(), ok);
+    readiness.record(Instant::now(), ok);
 }
 
 /// Checks the store every [`CHECK_INTERVAL`] until the task is dropped.
-pub fn spawn_checks(state: Shared) -> tokio::task::JoinHandle<()> {
+pub fn spawn_checks(
+    readiness: Arc<Readiness>,
+    store: Arc<dyn Store>,
+    metrics: Arc<Metrics>,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(CHECK_INTERVAL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            check_once(&state).await;
+            check_once(&readiness, &*store, &metrics).await;
         }
     })
 }

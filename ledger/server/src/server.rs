@@ -1,8 +1,12 @@
-//! The ledger's HTTP server (HTTP/1.1 and h2c prior knowledge) and its sweeper.
+//! The ledger's two routers, the API listener's and the admin listener's (served over
+//! HTTP/1.1 and h2c prior knowledge), and the handlers of the filter's API and the admin API;
+//! the credentials and the inbox bring their own, and what every handler shares lies beneath
+//! (crate::state, crate::access).
 
 use std::time::{Duration, Instant};
 
 use atmost_protocol::credential::CREDENTIAL_PATH;
+use atmost_protocol::ledger_error::LedgerErrorCode;
 use atmost_protocol::signature::{Jwks, KEYS_PATH};
 use atmost_protocol::{
     AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, LimitsRequest, Outcome, OutcomeAck,
@@ -19,19 +23,26 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use tracing::{error, info, warn};
 
+use crate::access::{
+    admin_elsewhere, bad_request, error_response, internal, json_rejection, permit_of,
+    require_admin, require_service,
+};
 use crate::api::{
     self, AttemptListResponse, AttemptResponse, AttemptView, CreatePermitRequest,
     CreatePermitResponse, KeyListResponse, KeyRotateResponse, KeyView, PermitListResponse,
     PermitResponse, PermitShowResponse, PermitView, ReceiptExportResponse, SessionsRevokeResponse,
 };
 use crate::credentials;
-use crate::inbox::{self};
+use crate::inbox;
+use crate::resolution::resolved;
 use crate::signer::KeyUnavailable;
+use crate::state::{AppState, Shared};
+use crate::sweeper::refresh_store_gauges;
 use atmost_ledger::clock::Deadline;
 use atmost_ledger::decide::{self, Mutation, Notice, ResolveInput};
 use atmost_ledger::error::{LedgerError, ResolveError};
 use atmost_ledger::keys::PublicSigningKey;
-use atmost_ledger::model::{Attempt, AttemptState, BudgetTotals, GuardMode};
+use atmost_ledger::model::{AttemptState, BudgetTotals, GuardMode};
 use atmost_ledger::receipts::{sign_receipt, ReceiptClaims};
 use atmost_ledger::store::AttemptFilter;
 use atmost_ledger::{signing, token};
@@ -42,15 +53,6 @@ pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 /// How long a client may keep `GET /v1/keys`'s answer (`cache-control: max-age`). A new key
 /// signs as soon as it is made, so a verifier meeting an unknown `keyid` should fetch again.
 pub const KEYS_MAX_AGE_S: u64 = 60;
-
-pub use crate::state::{AppState, ServerConfig, Shared};
-use crate::sweeper::refresh_store_gauges;
-pub use crate::sweeper::{read_store_gauges, spawn_sweeper, sweep_once};
-
-pub(crate) use crate::access::{
-    admin_elsewhere, bad_request, error_response, failed_authentication, internal, json_rejection,
-    not_found, require_admin, require_service, Peer,
-};
 
 /// The routes of the API listener (`--listen`): the filter's API, `/v1/keys`, `/metrics` and
 /// the health checks.
@@ -117,8 +119,7 @@ async fn healthz() -> Response {
 async fn readyz(State(state): State<Shared>) -> Response {
     if state.metrics.is_draining() {
         return error_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "draining",
+            LedgerErrorCode::Draining,
             Some(
                 "the ledger is draining before it stops; every other request is still served"
                     .into(),
@@ -129,7 +130,7 @@ async fn readyz(State(state): State<Shared>) -> Response {
     if state.readiness.store_ready(Instant::now()) {
         (StatusCode::OK, Json(serde_json::json!({"status": "ready"}))).into_response()
     } else {
-        error_response(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", None)
+        error_response(LedgerErrorCode::StoreUnavailable, None)
     }
 }
 
@@ -217,7 +218,7 @@ async fn authorize(
             state.metrics.decisions_past_deadline.inc();
             warn!(permit_id, tool = %req.tool, timeout_ms = timeout.as_millis() as u64, why,
                 "authorize not committed: the caller's deadline passed (answered 503)");
-            return error_response(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", None);
+            return error_response(LedgerErrorCode::StoreUnavailable, None);
         }
         Err(e) => return internal(&state, "authorize", &e),
     };
@@ -449,20 +450,10 @@ async fn limits(
             (StatusCode::OK, Json(answer)).into_response()
         }
         None => {
-            info!(permit_id, code = "permit_invalid", "limits refused");
-            error_response(StatusCode::FORBIDDEN, "permit_invalid", None)
+            let code = LedgerErrorCode::PermitInvalid;
+            info!(permit_id, code = code.as_str(), "limits refused");
+            error_response(code, None)
         }
-    }
-}
-
-/// The permit whose id the token names (authenticated or not), `None` when it names none.
-pub(crate) async fn permit_of(
-    state: &AppState,
-    permit_token: &str,
-) -> Result<Option<atmost_ledger::model::Permit>, LedgerError> {
-    match token::permit_id_of(permit_token) {
-        Some(id) => state.store.get_permit(id).await,
-        None => Ok(None),
     }
 }
 
@@ -585,7 +576,7 @@ async fn show_permit(State(state): State<Shared>, Path(id): Path<String>) -> Res
     let now = state.clock.now_ms();
     match state.store.permit_detail(&id).await {
         Ok(Some(d)) => Json(PermitShowResponse::new(&d, now)).into_response(),
-        Ok(None) => not_found("unknown_permit"),
+        Ok(None) => error_response(LedgerErrorCode::UnknownPermit, None),
         Err(e) => internal(&state, "permit_detail", &e),
     }
 }
@@ -601,7 +592,7 @@ async fn revoke_permit(State(state): State<Shared>, Path(id): Path<String>) -> R
             })
             .into_response()
         }
-        Ok(None) => not_found("unknown_permit"),
+        Ok(None) => error_response(LedgerErrorCode::UnknownPermit, None),
         Err(e) => internal(&state, "revoke_permit", &e),
     }
 }
@@ -663,11 +654,7 @@ async fn export_attempts(State(state): State<Shared>, Query(q): Query<AttemptQue
         Err(KeyUnavailable::Store(e)) => return internal(&state, "export_attempts", &e),
         Err(e @ KeyUnavailable::NoActiveKey) => {
             error!(error = %e, "receipts cannot be signed");
-            return error_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "no_signing_key",
-                Some(e.to_string()),
-            );
+            return error_response(LedgerErrorCode::NoSigningKey, Some(e.to_string()));
         }
     };
     let attempts = match state.store.list_attempts(&filter).await {
@@ -701,7 +688,7 @@ async fn show_attempt(State(state): State<Shared>, Path(id): Path<String>) -> Re
             attempt: AttemptView::new(&a, &state.config.redaction),
         })
         .into_response(),
-        Ok(None) => not_found("unknown_attempt"),
+        Ok(None) => error_response(LedgerErrorCode::UnknownAttempt, None),
         Err(e) => internal(&state, "get_attempt", &e),
     }
 }
@@ -727,27 +714,13 @@ async fn resolve_attempt(
             })
             .into_response()
         }
-        Err(ResolveError::UnknownAttempt) => not_found("unknown_attempt"),
+        Err(ResolveError::UnknownAttempt) => error_response(LedgerErrorCode::UnknownAttempt, None),
         Err(ResolveError::NotUncertain(s)) => error_response(
-            StatusCode::CONFLICT,
-            "not_uncertain",
+            LedgerErrorCode::NotUncertain,
             Some(format!(
                 "attempt is {s}; only uncertain attempts can be resolved"
             )),
         ),
         Err(ResolveError::Ledger(e)) => internal(&state, "resolve_attempt", &e),
     }
-}
-
-/// Counts and logs a resolution the store applied; `via` names the way it came (`api`,
-/// `inbox`).
-pub fn resolved(state: &AppState, a: &Attempt, input: &ResolveInput, via: &str) {
-    let result = if input.executed {
-        "executed"
-    } else {
-        "not_executed"
-    };
-    state.metrics.resolutions.with_label_values(&[result]).inc();
-    info!(attempt_id = %a.id, permit_id = %a.permit_id, result, by = %input.by,
-        source = input.source.as_str(), via, "attempt resolved");
 }

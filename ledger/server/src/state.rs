@@ -1,12 +1,12 @@
 //! What every handler shares: the ledger's configuration and its running state.
 
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tracing::info;
 
 use crate::auth_limit::{AuthLimit, FailureLimiter};
-use crate::inbox::InboxConfig;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
 use crate::redact::Redaction;
@@ -14,6 +14,7 @@ use crate::signer::Signer;
 use atmost_ledger::clock::Clock;
 use atmost_ledger::credentials::CredentialKey;
 use atmost_ledger::error::LedgerError;
+use atmost_ledger::model::KeyCarrier;
 use atmost_ledger::store::Store;
 
 /// Secrets and timings of a running ledger.
@@ -63,6 +64,67 @@ impl std::fmt::Debug for ServerConfig {
     }
 }
 
+/// The inbox's settings (`atmost ledger --inbox-…`; crate::inbox).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxConfig {
+    /// How long a session lasts after sign-in.
+    pub session_ttl: Duration,
+    /// An `awaiting_input` attempt is listed once it has waited this long.
+    pub stuck_after: Duration,
+    /// Mark cookies `Secure` on every response, not only when a proxy says the page was
+    /// reached over TLS.
+    pub secure_cookies: bool,
+    /// Per tool, the form of the key its reconcile rule's lookup searches by (a rule whose
+    /// lookup names `{{forwarded_key}}`); a tool without one is taken to be searched by the
+    /// `Idempotency-Key` header.
+    pub lookup_forms: BTreeMap<String, KeyCarrier>,
+}
+
+impl Default for InboxConfig {
+    fn default() -> Self {
+        InboxConfig {
+            session_ttl: Duration::from_secs(3600),
+            stuck_after: Duration::from_secs(60),
+            secure_cookies: false,
+            lookup_forms: BTreeMap::new(),
+        }
+    }
+}
+
+/// Most permits whose credential name a replica keeps in memory before it forgets them all.
+const MAX_CACHED_PERMITS: usize = 65_536;
+
+/// What a replica remembers of credentials (crate::credentials): which credential each permit
+/// it has seen names (a permit's credential never changes, so this is never stale). The
+/// credentials themselves are read from the store at each use, so a rotation on any replica
+/// is the next dispatch's.
+#[derive(Debug, Default)]
+pub struct Custody {
+    names: Mutex<HashMap<String, Option<String>>>,
+}
+
+impl Custody {
+    /// The credential name remembered for `permit_id` (`Some(None)`: it names none), `None`
+    /// when this replica has not seen the permit.
+    pub fn name_of(&self, permit_id: &str) -> Option<Option<String>> {
+        self.names
+            .lock()
+            .ok()
+            .and_then(|names| names.get(permit_id).cloned())
+    }
+
+    /// Remembers the credential `permit_id` names; past [`MAX_CACHED_PERMITS`] everything is
+    /// forgotten first (a permit read again costs one store read).
+    pub fn remember(&self, permit_id: &str, name: Option<String>) {
+        if let Ok(mut names) = self.names.lock() {
+            if names.len() >= MAX_CACHED_PERMITS {
+                names.clear();
+            }
+            names.insert(permit_id.to_string(), name);
+        }
+    }
+}
+
 pub struct AppState {
     pub store: Arc<dyn Store>,
     pub clock: Arc<dyn Clock>,
@@ -70,14 +132,15 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// The active signing key as this replica holds it.
     pub signer: Signer,
-    /// The latest background store check, which `/readyz` answers from.
-    pub readiness: Readiness,
+    /// The latest background store check, which `/readyz` answers from (shared with the
+    /// task that makes it).
+    pub readiness: Arc<Readiness>,
     /// Failed authentications per source (bearer tokens, inbox sign-ins).
     pub auth_failures: FailureLimiter,
     /// When the gauges read from the store were last read (see [`refresh_store_gauges`]).
     pub(crate) store_gauges_read_at: tokio::sync::Mutex<Option<Instant>>,
-    /// Which credential each permit names (crate::credentials).
-    pub custody: crate::credentials::Custody,
+    /// Which credential each permit names.
+    pub custody: Custody,
 }
 
 impl AppState {
@@ -97,7 +160,7 @@ impl AppState {
             config,
             metrics,
             signer,
-            readiness: Readiness::default(),
+            readiness: Arc::default(),
             auth_failures,
             store_gauges_read_at: tokio::sync::Mutex::new(None),
             custody: Default::default(),

@@ -64,10 +64,10 @@ mod postgres_outage {
 
     /// Serves the ledger's routes on `store`; returns the base URL.
     async fn serve(store: Arc<PgStore>) -> String {
-        let state = Arc::new(atmost_ledger_server::server::AppState::new(
+        let state = Arc::new(atmost_ledger_server::state::AppState::new(
             store,
             Arc::new(atmost_ledger::clock::SystemClock),
-            atmost_ledger_server::server::ServerConfig {
+            atmost_ledger_server::state::ServerConfig {
                 service_token: "svc".into(),
                 admin_token: "adm".into(),
                 auth_limit: Default::default(),
@@ -85,8 +85,17 @@ mod postgres_outage {
         ));
         state.start_signing().await.unwrap();
         // /readyz answers from the background check, as the ledger runs it.
-        atmost_ledger_server::readiness::check_once(&state).await;
-        atmost_ledger_server::readiness::spawn_checks(state.clone());
+        atmost_ledger_server::readiness::check_once(
+            &state.readiness,
+            &*state.store,
+            &state.metrics,
+        )
+        .await;
+        atmost_ledger_server::readiness::spawn_checks(
+            state.readiness.clone(),
+            state.store.clone(),
+            state.metrics.clone(),
+        );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let app = atmost_ledger_server::server::api_router(state);

@@ -7,7 +7,7 @@ use crate::call::permit_meta::{self, TextAt};
 use crate::call::receipt::{SseCapture, SseProgress};
 use crate::call::refusal::rewrite_failed;
 use crate::call::{usize_of, BodyStep, Effect, Flow, Level, ResponseHead, Step};
-use crate::ledger_client::{Callout, CalloutError, LedgerReply};
+use crate::ledger_client::{Callout, LedgerReply};
 use crate::stats::Stat;
 use atmost_config::Config;
 use atmost_protocol::{LimitsRequest, LimitsResponse, MAX_LIMITS_TOOLS};
@@ -204,7 +204,7 @@ impl Listing {
                     .with(Effect::Count(Stat::ToolsListFigures))
             }
             // The ledger does not authenticate the permit: nothing to show.
-            Err(CalloutError::Status(403)) => unchanged(Level::Info, "permit_invalid"),
+            Err(e) if e.is_permit_invalid() => unchanged(Level::Info, "permit_invalid"),
             Err(e) => unchanged(Level::Warn, &e.to_string()),
         };
         step.with(Effect::ResumeResponse)

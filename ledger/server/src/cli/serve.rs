@@ -9,10 +9,10 @@ use axum::Router;
 use super::args::LedgerArgs;
 use super::{init_logs, CliError};
 use crate::decision_loop::DecisionLoop;
-use crate::inbox::InboxConfig;
 use crate::metrics::Metrics;
 use crate::redact::Redaction;
-use crate::server::{self, AppState, ServerConfig};
+use crate::server;
+use crate::state::{AppState, InboxConfig, ServerConfig};
 use crate::tls::{self, CertReloader, TlsFiles, TlsListener};
 use atmost_ledger::clock::SystemClock;
 use atmost_ledger::credentials::CredentialKey;
@@ -135,15 +135,19 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
     rt.block_on(async move {
         let stop_signals = crate::drain::os_stop_signals()?;
         // The first answer of /readyz is a real check; then one a second, in the background.
-        crate::readiness::check_once(&state).await;
+        crate::readiness::check_once(&state.readiness, &*state.store, &state.metrics).await;
         // Bound here, so that a port in use stops the start; served on the decision loop.
         let listener = std::net::TcpListener::bind(args.listen)?;
         listener.set_nonblocking(true)?;
         let admin_listener = tokio::net::TcpListener::bind(args.admin_listen).await?;
         tracing::info!(listen = %args.listen, admin_listen = %args.admin_listen,
             lease_ms = state.config.lease.as_millis() as u64, tls = tls.is_some(), "ledger listening");
-        let sweeper = server::spawn_sweeper(state.clone(), args.sweep_interval);
-        let readiness = crate::readiness::spawn_checks(state.clone());
+        let sweeper = crate::sweeper::spawn_sweeper(state.clone(), args.sweep_interval);
+        let readiness = crate::readiness::spawn_checks(
+            state.readiness.clone(),
+            state.store.clone(),
+            state.metrics.clone(),
+        );
         let reconciler = match reconcile_rules {
             Some(rules) => Some(
                 crate::reconcile::spawn(state.clone(), rules)

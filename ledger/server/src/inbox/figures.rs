@@ -4,6 +4,8 @@
 //! [`Pct`] of the figure's width, so a figure drawn at 100% of any screen keeps its text at
 //! the text's size. Integer arithmetic throughout: no division by zero, no NaN.
 
+use std::time::Duration;
+
 use atmost_ledger::clock::{self, Millis};
 use atmost_ledger::model::{Attempt, AttemptState};
 
@@ -405,7 +407,7 @@ impl Timeline {
                     detail,
                     at_ms,
                     at: clock::rfc3339(at_ms),
-                    after: format!("+{}", super::span(at_ms.saturating_sub(start))),
+                    after: format!("+{}", span(at_ms.saturating_sub(start))),
                     x,
                     from_x,
                     y: TOP + row * ROW,
@@ -429,7 +431,7 @@ impl Timeline {
                 rounds_were(n)
             )),
         };
-        let length = super::span(end.saturating_sub(start));
+        let length = span(end.saturating_sub(start));
         Timeline {
             now_x: placed.iter().find(|m| m.kind == MarkKind::Now).map(|m| m.x),
             summary: format!(
@@ -450,6 +452,12 @@ impl Timeline {
             untimed_rounds,
         }
     }
+}
+
+/// A span of time as people read it: `3m 12s`, `2h 5m` (whole seconds).
+pub fn span(ms: Millis) -> String {
+    let secs = u64::try_from(ms.max(0) / 1000).unwrap_or(0);
+    humantime::format_duration(Duration::from_secs(secs)).to_string()
 }
 
 #[cfg(test)]

@@ -10,6 +10,8 @@
 //! keeps.
 //! The sign-in form has a CSRF token of its own, in a short-lived cookie signed the same way.
 
+use std::time::Duration;
+
 use axum::http::{header, HeaderMap};
 use axum_extra::extract::cookie::{Cookie, Key, SameSite, SignedCookieJar};
 use sha2::{Digest, Sha256, Sha512};
@@ -177,6 +179,11 @@ pub fn jar(key: &Key, cookies: Vec<Cookie<'static>>) -> SignedCookieJar {
     cookies
         .into_iter()
         .fold(SignedCookieJar::new(key.clone()), |jar, c| jar.add(c))
+}
+
+/// A setting's span (a session's life, how long an attempt waits) in the store's milliseconds.
+pub fn millis(d: Duration) -> Millis {
+    Millis::try_from(d.as_millis()).unwrap_or(Millis::MAX)
 }
 
 #[cfg(test)]

@@ -443,13 +443,13 @@ async fn the_oldest_uncertain_call_is_a_metric() {
             .find_map(|l| l.strip_prefix("atmost_uncertain_oldest_seconds "))
             .map(str::to_string)
     };
-    crate::server::sweep_once(&s.state).await;
-    crate::server::read_store_gauges(&s.state).await;
+    crate::sweeper::sweep_once(&s.state).await;
+    crate::sweeper::read_store_gauges(&s.state).await;
     assert_eq!(gauge(&s).as_deref(), Some("0"));
     let (_, id) = lost_call(&s).await;
     s.clock.advance_ms(90_500);
-    crate::server::sweep_once(&s.state).await;
-    crate::server::read_store_gauges(&s.state).await;
+    crate::sweeper::sweep_once(&s.state).await;
+    crate::sweeper::read_store_gauges(&s.state).await;
     assert_eq!(gauge(&s).as_deref(), Some("90.5"));
     let input = atmost_ledger::decide::ResolveInput {
         executed: true,
@@ -459,8 +459,8 @@ async fn the_oldest_uncertain_call_is_a_metric() {
         source: Default::default(),
     };
     s.state.store.resolve_attempt(&id, &input, 0).await.unwrap();
-    crate::server::sweep_once(&s.state).await;
-    crate::server::read_store_gauges(&s.state).await;
+    crate::sweeper::sweep_once(&s.state).await;
+    crate::sweeper::read_store_gauges(&s.state).await;
     assert_eq!(gauge(&s).as_deref(), Some("0"));
 }
 

@@ -11,7 +11,8 @@
 //! a timeout, an unknown value, a missing field, a "not found" the rule does not trust, an
 //! attempt lacking what the arguments template names, or whose key its upstream did not
 //! receive in the form the lookup searches) leaves it `uncertain`, is logged and counted in
-//! `atmost_reconciler_lookups_total{result}`, and the attempt is asked again after a backoff.
+//! `atmost_reconciler_lookups_total{result}` (a [`LookupResult`]), and the attempt is asked
+//! again after a backoff.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -26,7 +27,9 @@ use serde_json::{Map, Value};
 use tokio::sync::Semaphore;
 use tracing::{info, warn};
 
-use crate::server::{resolved, Shared};
+use crate::metrics::LookupResult;
+use crate::resolution::resolved;
+use crate::state::Shared;
 use atmost_ledger::clock::Millis;
 use atmost_ledger::decide::ResolveInput;
 use atmost_ledger::error::ResolveError;
@@ -156,12 +159,8 @@ impl Reconciler {
         self.rules.rules.iter().find(|r| r.tool == tool)
     }
 
-    fn count(&self, result: &str) {
-        self.state
-            .metrics
-            .reconciler_lookups
-            .with_label_values(&[result])
-            .inc();
+    fn count(&self, result: LookupResult) {
+        self.state.metrics.count_lookup(result);
     }
 
     /// One pass: starts a lookup for each attempt that is due, as slots allow. The pass goes
@@ -288,7 +287,7 @@ impl Reconciler {
         let arguments = match rule.arguments_for(&facts) {
             Ok(args) => args,
             Err(why) => {
-                self.count("no_input");
+                self.count(LookupResult::NoInput);
                 warn!(attempt_id = %a.id, rule = %rule.name, why = %why,
                     "reconciler cannot look this attempt up; it stays uncertain");
                 return false;
@@ -298,13 +297,13 @@ impl Reconciler {
             tokio::time::timeout(self.rules.timeout, lookup(&self.http, rule, arguments)).await;
         let (is_error, structured) = match answer {
             Err(_) => {
-                self.count("timeout");
+                self.count(LookupResult::Timeout);
                 warn!(attempt_id = %a.id, rule = %rule.name, timeout_ms = millis(self.rules.timeout),
                     "lookup timed out; the attempt stays uncertain");
                 return false;
             }
             Ok(Err(e)) => {
-                self.count("error");
+                self.count(LookupResult::Error);
                 warn!(attempt_id = %a.id, rule = %rule.name, error = %e,
                     "lookup failed; the attempt stays uncertain");
                 return false;
@@ -318,25 +317,25 @@ impl Reconciler {
             Reading::Executed(v) => (true, v),
             Reading::NotExecuted(v) => (false, v),
             Reading::NotFoundUnconfirmed(v) => {
-                self.count("not_found_unconfirmed");
+                self.count(LookupResult::NotFoundUnconfirmed);
                 warn!(attempt_id = %a.id, rule = %rule.name, pointer = %rule.pointer, value = %v,
                     "lookup did not find the call, and the rule does not call its lookup authoritative (answer.not_found_authoritative); the attempt stays uncertain for a person");
                 return false;
             }
             Reading::ToolError => {
-                self.count("error");
+                self.count(LookupResult::Error);
                 warn!(attempt_id = %a.id, rule = %rule.name, answer = %evidence,
                     "lookup answered isError; the attempt stays uncertain");
                 return false;
             }
             Reading::MissingField => {
-                self.count("missing_field");
+                self.count(LookupResult::MissingField);
                 warn!(attempt_id = %a.id, rule = %rule.name, pointer = %rule.pointer, answer = %evidence,
                     "lookup answer has nothing at the rule's pointer; the attempt stays uncertain");
                 return false;
             }
             Reading::UnknownValue(v) => {
-                self.count("unknown_value");
+                self.count(LookupResult::UnknownValue);
                 warn!(attempt_id = %a.id, rule = %rule.name, pointer = %rule.pointer, value = %v,
                     "lookup answered a value the rule does not list; the attempt stays uncertain");
                 return false;
@@ -362,22 +361,26 @@ impl Reconciler {
         let now = self.state.clock.now_ms();
         match self.state.store.resolve_attempt(&a.id, &input, now).await {
             Ok(done) => {
-                self.count(if executed { "executed" } else { "not_executed" });
+                self.count(if executed {
+                    LookupResult::Executed
+                } else {
+                    LookupResult::NotExecuted
+                });
                 resolved(&self.state, &done, &input, "reconciler");
                 true
             }
             Err(ResolveError::NotUncertain(s)) => {
-                self.count("already_resolved");
+                self.count(LookupResult::AlreadyResolved);
                 info!(attempt_id = %a.id, rule = %rule.name, state = %s,
                     "attempt was resolved elsewhere first; this resolution is dropped");
                 true
             }
             Err(ResolveError::UnknownAttempt) => {
-                self.count("already_resolved");
+                self.count(LookupResult::AlreadyResolved);
                 true
             }
             Err(ResolveError::Ledger(e)) => {
-                self.count("store_error");
+                self.count(LookupResult::StoreError);
                 warn!(attempt_id = %a.id, rule = %rule.name, error = %e,
                     "could not record the resolution; the attempt stays uncertain");
                 false
