@@ -11,6 +11,7 @@ pub mod config_check;
 pub mod credentials;
 pub mod decision_loop;
 pub mod drain;
+pub mod file_watch;
 pub mod inbox;
 pub mod metrics;
 pub mod readiness;
