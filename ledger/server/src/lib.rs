@@ -4,6 +4,7 @@
 //! (the server, the admin client, the offline config check).
 
 pub mod access;
+pub mod admins;
 pub mod api;
 pub mod auth_limit;
 pub mod cli;
