@@ -1,5 +1,5 @@
-//! The answers every handler shares (errors, refusals) and who may call: the service and
-//! admin tokens, the failure limiter, the caller's address, the permit a token names.
+//! The answers every handler shares (errors, refusals) and who may call: the service token and
+//! the admins' (crate::admins), the failure limiter, the caller's address, the permit a token names.
 
 use std::net::SocketAddr;
 use std::time::Instant;
@@ -11,7 +11,7 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use tracing::error;
+use tracing::{error, info};
 
 use crate::auth_limit::Verdict;
 use crate::state::{AppState, Shared};
@@ -135,15 +135,25 @@ pub(crate) async fn require_service(
     }
 }
 
+/// Lets through a request whose bearer token is an admin's, with that admin
+/// ([`crate::admins::AuthenticatedAdmin`]) among its extensions, and logs it under the admin's name once
+/// answered: what each admin did is in the log whichever handler served it.
 pub(crate) async fn require_admin(
     State(state): State<Shared>,
-    req: Request,
+    mut req: Request,
     next: Next,
 ) -> Response {
-    match bearer(req.headers()) {
-        Some(t) if token::secrets_equal(t, &state.config.admin_token) => next.run(req).await,
-        _ => unauthorized(&state, "admin", peer(&req)),
-    }
+    let Some(admin) = bearer(req.headers()).and_then(|t| state.config.admins.authenticate(t))
+    else {
+        return unauthorized(&state, "admin", peer(&req));
+    };
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    req.extensions_mut().insert(admin.clone());
+    let resp = next.run(req).await;
+    info!(admin = %admin.name, method = %method, path = %path, status = resp.status().as_u16(),
+        "admin request");
+    resp
 }
 
 /// What the API listener answers under `/admin`: the admin API and the inbox are served on the

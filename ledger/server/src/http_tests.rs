@@ -73,7 +73,7 @@ async fn start_in(
     let clock = Arc::new(ManualClock::new(1_800_000_000_000));
     let mut config = ServerConfig {
         service_token: SVC.into(),
-        admin_token: ADM.into(),
+        admins: crate::admins::Admins::shared(ADM),
         lease: Duration::from_secs(60),
         callout_timeout: Duration::from_secs(30),
         redaction: Default::default(),

@@ -4,6 +4,7 @@
 //! (the server, the admin client, the offline config check).
 
 pub mod access;
+pub mod admins;
 pub mod api;
 pub mod auth_limit;
 pub mod cli;
@@ -11,6 +12,7 @@ pub mod config_check;
 pub mod credentials;
 pub mod decision_loop;
 pub mod drain;
+pub mod file_watch;
 pub mod inbox;
 pub mod metrics;
 pub mod readiness;

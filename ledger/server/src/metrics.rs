@@ -97,6 +97,8 @@ pub struct Metrics {
     pub tls_reload_failing: IntGauge,
     /// Connections that failed or did not finish their TLS handshake.
     pub tls_handshake_failures: IntCounter,
+    /// 1 while the admin tokens file on disk was refused and the previous admins are in force.
+    pub admin_tokens_reload_failing: IntGauge,
 }
 
 fn m<T>(r: Result<T, prometheus::Error>) -> Result<T, LedgerError> {
@@ -249,6 +251,11 @@ impl Metrics {
             "atmost_tls_handshake_failures_total",
             "Connections that failed or did not finish their TLS handshake.",
         )?;
+        let admin_tokens_reload_failing = m(IntGauge::new(
+            "atmost_admin_tokens_reload_failing",
+            "1 while the admin tokens file on disk is refused and the admins read before stay in force, else 0.",
+        ))?;
+        m(registry.register(Box::new(admin_tokens_reload_failing.clone())))?;
         Ok(Metrics {
             registry,
             authorize,
@@ -279,6 +286,7 @@ impl Metrics {
             tls_reloads,
             tls_reload_failing,
             tls_handshake_failures,
+            admin_tokens_reload_failing,
         })
     }
 

@@ -19,7 +19,7 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post, put};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use serde::Deserialize;
 use tracing::{error, info, warn};
 
@@ -27,6 +27,7 @@ use crate::access::{
     admin_elsewhere, bad_request, error_response, internal, json_rejection, permit_of,
     require_admin, require_service,
 };
+use crate::admins::AuthenticatedAdmin;
 use crate::api::{
     self, AttemptListResponse, AttemptResponse, AttemptView, CreatePermitRequest,
     CreatePermitResponse, KeyListResponse, KeyRotateResponse, KeyView, PermitListResponse,
@@ -696,6 +697,7 @@ async fn show_attempt(State(state): State<Shared>, Path(id): Path<String>) -> Re
 async fn resolve_attempt(
     State(state): State<Shared>,
     Path(id): Path<String>,
+    Extension(admin): Extension<AuthenticatedAdmin>,
     body: Result<Json<ResolveInput>, JsonRejection>,
 ) -> Response {
     let Json(input) = match body {
@@ -708,7 +710,7 @@ async fn resolve_attempt(
     let now = state.clock.now_ms();
     match state.store.resolve_attempt(&id, &input, now).await {
         Ok(a) => {
-            resolved(&state, &a, &input, "api");
+            resolved(&state, &a, &input, "api", Some(&admin.name));
             Json(AttemptResponse {
                 attempt: AttemptView::new(&a, &state.config.redaction),
             })

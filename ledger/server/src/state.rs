@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use tracing::info;
 
+use crate::admins::Admins;
 use crate::auth_limit::{AuthLimit, FailureLimiter};
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
@@ -21,7 +22,9 @@ use atmost_ledger::store::Store;
 #[derive(Clone)]
 pub struct ServerConfig {
     pub service_token: String,
-    pub admin_token: String,
+    /// Who may call the admin API and sign in to the inbox (`--admin-token`,
+    /// `--admin-tokens-file`), shared with the task that reads the file again.
+    pub admins: Arc<Admins>,
     pub lease: Duration,
     /// How long a filter that does not send [`CALLOUT_TIMEOUT_HEADER`] waits for an
     /// authorize (`--callout-timeout`).
@@ -49,7 +52,7 @@ impl std::fmt::Debug for ServerConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ServerConfig")
             .field("service_token", &"<redacted>")
-            .field("admin_token", &"<redacted>")
+            .field("admins", &self.admins)
             .field("lease", &self.lease)
             .field("callout_timeout", &self.callout_timeout)
             .field("redaction", &self.redaction)

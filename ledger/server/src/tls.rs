@@ -8,9 +8,9 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
-use std::time::{Duration, SystemTime};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 use rustls::crypto::CryptoProvider;
 use rustls::server::{ClientHello, ResolvesServerCert};
@@ -24,10 +24,10 @@ use tokio::task::JoinHandle;
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
+use crate::file_watch::{spawn_looks, Look, Swapped, WatchedFiles};
 use crate::metrics::Metrics;
 
-/// How often the files are looked at for a change: a renewal is served within about this long.
-pub const RELOAD_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+pub use crate::file_watch::RELOAD_CHECK_INTERVAL;
 
 /// A client that connects and never finishes its handshake holds a task this long at most.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -91,71 +91,26 @@ pub fn load_certified_key(
     })
 }
 
-/// What tells a changed file from an unchanged one without reading it: its modification time,
-/// length and, on Unix, inode (a Kubernetes Secret volume swaps a symlink to new files).
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct FileStamp {
-    modified: Option<SystemTime>,
-    len: u64,
-    inode: u64,
-}
-
-impl FileStamp {
-    fn of(path: &Path) -> io::Result<Self> {
-        let meta = std::fs::metadata(path)?;
-        Ok(FileStamp {
-            modified: meta.modified().ok(),
-            len: meta.len(),
-            inode: inode(&meta),
-        })
-    }
-}
-
-#[cfg(unix)]
-fn inode(meta: &std::fs::Metadata) -> u64 {
-    std::os::unix::fs::MetadataExt::ino(meta)
-}
-
-#[cfg(not(unix))]
-fn inode(_: &std::fs::Metadata) -> u64 {
-    0
-}
-
-type PairStamp = (FileStamp, FileStamp);
-
-fn pair_stamp(files: &TlsFiles) -> io::Result<PairStamp> {
-    Ok((FileStamp::of(&files.cert)?, FileStamp::of(&files.key)?))
-}
-
 /// Hands every handshake the pair loaded last; the reloader swaps it.
 #[derive(Debug)]
 pub struct ReloadingCertResolver {
-    current: RwLock<Arc<CertifiedKey>>,
+    current: Swapped<CertifiedKey>,
 }
 
 impl ReloadingCertResolver {
     fn new(key: CertifiedKey) -> Self {
         ReloadingCertResolver {
-            current: RwLock::new(Arc::new(key)),
+            current: Swapped::new(key),
         }
     }
 
     /// The pair served now.
     pub fn current(&self) -> Arc<CertifiedKey> {
-        // A writer cannot panic halfway through replacing an Arc, so a poisoned lock still
-        // holds a whole pair.
-        match self.current.read() {
-            Ok(guard) => guard.clone(),
-            Err(poisoned) => poisoned.into_inner().clone(),
-        }
+        self.current.current()
     }
 
     fn replace(&self, key: CertifiedKey) {
-        let key = Arc::new(key);
-        match self.current.write() {
-            Ok(mut guard) => *guard = key,
-            Err(poisoned) => *poisoned.into_inner() = key,
-        }
+        self.current.replace(key);
     }
 }
 
@@ -183,21 +138,19 @@ pub struct CertReloader {
     provider: Arc<CryptoProvider>,
     resolver: Arc<ReloadingCertResolver>,
     /// The files as they were when last looked at (loaded, or failed to load).
-    seen: Option<PairStamp>,
+    watched: WatchedFiles,
 }
 
 impl CertReloader {
     /// Loads the pair once: a ledger told to serve TLS does not start without a pair that loads.
     pub fn load(files: TlsFiles, provider: Arc<CryptoProvider>) -> Result<Self, TlsError> {
-        // Stamped before reading, so a write that lands while the files are read is seen as a
-        // change at the next check rather than lost.
-        let seen = pair_stamp(&files).ok();
+        let watched = WatchedFiles::new(vec![files.cert.clone(), files.key.clone()]);
         let key = load_certified_key(&files, &provider)?;
         Ok(CertReloader {
             files,
             provider,
             resolver: Arc::new(ReloadingCertResolver::new(key)),
-            seen,
+            watched,
         })
     }
 
@@ -211,58 +164,41 @@ impl CertReloader {
 
     /// Looks at the files once and loads them if they changed.
     pub fn check(&mut self) -> ReloadCheck {
-        let stamp = match pair_stamp(&self.files) {
-            Ok(stamp) => Some(stamp),
-            Err(e) => {
-                // A file missing for a moment (being replaced) is a failure once, then quiet
-                // until it comes back.
-                if self.seen.is_none() {
-                    return ReloadCheck::Unchanged;
+        match self.watched.look() {
+            Look::Unchanged => ReloadCheck::Unchanged,
+            // A file missing for a moment (being replaced) is a failure once, then quiet until
+            // it comes back.
+            Look::Unreadable(e) => ReloadCheck::Failed(TlsError::Certificate {
+                path: self.files.cert.clone(),
+                reason: format!("cannot read the certificate or key file: {e}"),
+            }),
+            Look::Changed => match load_certified_key(&self.files, &self.provider) {
+                Ok(key) => {
+                    self.resolver.replace(key);
+                    ReloadCheck::Reloaded
                 }
-                self.seen = None;
-                return ReloadCheck::Failed(TlsError::Certificate {
-                    path: self.files.cert.clone(),
-                    reason: format!("cannot read the certificate or key file: {e}"),
-                });
-            }
-        };
-        if stamp == self.seen {
-            return ReloadCheck::Unchanged;
-        }
-        self.seen = stamp;
-        match load_certified_key(&self.files, &self.provider) {
-            Ok(key) => {
-                self.resolver.replace(key);
-                ReloadCheck::Reloaded
-            }
-            Err(e) => ReloadCheck::Failed(e),
+                Err(e) => ReloadCheck::Failed(e),
+            },
         }
     }
 }
 
-/// Checks the files every RELOAD_CHECK_INTERVAL for as long as the ledger runs; each reload
-/// and each failed one is logged and counted.
+/// Checks the files every [`RELOAD_CHECK_INTERVAL`] for as long as the ledger runs; each
+/// reload and each failed one is logged and counted.
 pub fn spawn_reloader(mut reloader: CertReloader, metrics: Arc<Metrics>) -> JoinHandle<()> {
-    tokio::spawn(async move {
-        let mut ticks = tokio::time::interval(RELOAD_CHECK_INTERVAL);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            ticks.tick().await;
-            match reloader.check() {
-                ReloadCheck::Unchanged => {}
-                ReloadCheck::Reloaded => {
-                    metrics.tls_reloads.with_label_values(&["ok"]).inc();
-                    metrics.tls_reload_failing.set(0);
-                    tracing::info!(cert = %reloader.files().cert.display(), key = %reloader.files().key.display(),
-                        "TLS certificate reloaded: new connections get the new one");
-                }
-                ReloadCheck::Failed(e) => {
-                    metrics.tls_reloads.with_label_values(&["error"]).inc();
-                    metrics.tls_reload_failing.set(1);
-                    tracing::error!(error = %e,
-                        "TLS certificate not reloaded: the previous certificate is still served");
-                }
-            }
+    spawn_looks(move || match reloader.check() {
+        ReloadCheck::Unchanged => {}
+        ReloadCheck::Reloaded => {
+            metrics.tls_reloads.with_label_values(&["ok"]).inc();
+            metrics.tls_reload_failing.set(0);
+            tracing::info!(cert = %reloader.files().cert.display(), key = %reloader.files().key.display(),
+                "TLS certificate reloaded: new connections get the new one");
+        }
+        ReloadCheck::Failed(e) => {
+            metrics.tls_reloads.with_label_values(&["error"]).inc();
+            metrics.tls_reload_failing.set(1);
+            tracing::error!(error = %e,
+                "TLS certificate not reloaded: the previous certificate is still served");
         }
     })
 }

@@ -69,7 +69,7 @@ mod postgres_outage {
             Arc::new(atmost_ledger::clock::SystemClock),
             atmost_ledger_server::state::ServerConfig {
                 service_token: "svc".into(),
-                admin_token: "adm".into(),
+                admins: atmost_ledger_server::admins::Admins::shared("adm"),
                 auth_limit: Default::default(),
                 purge_ended_permits_after: None,
                 credential_key: None,

@@ -64,6 +64,22 @@ pub enum Command {
         #[command(subcommand)]
         command: ConfigCommand,
     },
+    /// Named admins' tokens, for `atmost ledger --admin-tokens-file` (offline).
+    AdminToken {
+        #[command(subcommand)]
+        command: AdminTokenCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AdminTokenCommand {
+    /// Print the tokens file's line of the admin NAME, `NAME SHA256`: the SHA-256 of the
+    /// token read from standard input (one line, at least 32 bytes; `openssl rand -hex 32`
+    /// makes one). The line holds no secret; give the token to the admin alone.
+    Line {
+        /// 1 to 64 bytes of A-Z a-z 0-9 . _ @ - (recorded as the admin's name).
+        name: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -144,6 +160,14 @@ pub struct LedgerArgs {
     /// (`openssl rand -hex 32` makes one).
     #[arg(long, env = "ATMOST_SERVICE_TOKEN", hide_env_values = true)]
     pub service_token: String,
+    /// A file of named admins, one `NAME SHA256` a line (the SHA-256 of that admin's token, in
+    /// lowercase hex: `atmost admin-token line NAME` makes the line); blank lines and lines
+    /// starting with `#` are skipped. Each admin calls the admin API and signs in to the inbox
+    /// with its own token (at least 32 bytes), under its name. Read again when it changes; a
+    /// file that is refused leaves the admins read before. With --admin-token, which stays
+    /// the admin named `admin`; at least one of the two is required.
+    #[arg(long, env = "ATMOST_ADMIN_TOKENS_FILE")]
+    pub admin_tokens_file: Option<PathBuf>,
     /// How long an in_flight attempt waits for its outcome before it turns uncertain. Keep it
     /// longer than the filter's `ledger.timeout_ms` plus the MCP route's timeout (120 s in the
     /// shipped Envoy config), or a call still running when its lease ends is recorded
@@ -255,8 +279,9 @@ pub struct ClientArgs {
         default_value = "http://127.0.0.1:8082"
     )]
     pub ledger: String,
-    /// Admin bearer token: the admin CLI sends it; `atmost ledger` requires it (at least 32
-    /// bytes, and not the service token).
+    /// Admin bearer token: the admin CLI sends it; `atmost ledger` takes it as the admin named
+    /// `admin` (at least 32 bytes, and not the service token), and requires it unless
+    /// --admin-tokens-file is given.
     #[arg(
         long,
         global = true,

@@ -7,9 +7,9 @@ mod print;
 mod serve;
 
 pub use args::{
-    AttemptsCommand, Cli, ClientArgs, Command, ConfigCommand, CreateArgs, CredentialCommand,
-    CredentialSetArgs, InboxCommand, KeysCommand, LedgerArgs, LogFormat, PermitCommand,
-    ResolveArgs, SessionsCommand,
+    AdminTokenCommand, AttemptsCommand, Cli, ClientArgs, Command, ConfigCommand, CreateArgs,
+    CredentialCommand, CredentialSetArgs, InboxCommand, KeysCommand, LedgerArgs, LogFormat,
+    PermitCommand, ResolveArgs, SessionsCommand,
 };
 pub use client::Client;
 
@@ -44,9 +44,13 @@ pub enum CliError {
 /// Runs the parsed command line.
 pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
-        Command::Ledger(args) => {
-            let admin_token = cli.client.admin_token.clone().unwrap_or_default();
-            run_ledger(*args, admin_token)
+        Command::Ledger(args) => run_ledger(*args, cli.client.admin_token.clone()),
+        Command::AdminToken {
+            command: AdminTokenCommand::Line { name },
+        } => {
+            let input = std::io::read_to_string(std::io::stdin())?;
+            println!("{}", admin_token_line(&name, &input)?);
+            Ok(())
         }
         Command::Permit { command } => {
             run_permit(&Client::new(&cli.client)?, cli.client.json, command)
@@ -82,6 +86,35 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
             Err(line) => Err(CliError::Config(line)),
         },
     }
+}
+
+/// `atmost admin-token line NAME`: the tokens file's line of `name`, whose token is `input`
+/// (one line; its line ending is not part of the token).
+fn admin_token_line(name: &str, input: &str) -> Result<String, CliError> {
+    if !crate::admins::valid_admin_name(name) {
+        return Err(CliError::Usage(format!(
+            "an admin's name is 1 to {} bytes of A-Z a-z 0-9 . _ @ -",
+            crate::admins::MAX_ADMIN_NAME_BYTES
+        )));
+    }
+    let token = input
+        .strip_suffix('\n')
+        .map(|t| t.strip_suffix('\r').unwrap_or(t))
+        .unwrap_or(input);
+    if token.contains(['\n', '\r']) {
+        return Err(CliError::Usage(
+            "standard input holds more than one line: give the one token alone".into(),
+        ));
+    }
+    // The file holds only the hash, which cannot show the token's length: checked here.
+    if token.len() < serve::MIN_TOKEN_BYTES {
+        return Err(CliError::Usage(format!(
+            "the token on standard input is {} bytes long; it must be at least {} (make one with `openssl rand -hex 32`)",
+            token.len(),
+            serve::MIN_TOKEN_BYTES
+        )));
+    }
+    Ok(crate::admins::tokens_file_line(name, token))
 }
 
 fn init_logs(format: LogFormat) {

@@ -8,6 +8,7 @@ use axum::Router;
 
 use super::args::LedgerArgs;
 use super::{init_logs, CliError};
+use crate::admins::{AdminSet, Admins, FixedTokens, TokensFile};
 use crate::decision_loop::DecisionLoop;
 use crate::metrics::Metrics;
 use crate::redact::Redaction;
@@ -26,18 +27,30 @@ use atmost_ledger::store::Store;
 /// configuration refuses a shorter service token by the same figure.
 pub const MIN_TOKEN_BYTES: usize = atmost_protocol::MIN_SERVICE_TOKEN_BYTES;
 
-/// Refuses a missing, short or shared pair of tokens, naming the flag at fault.
-pub(super) fn check_tokens(service_token: &str, admin_token: &str) -> Result<(), CliError> {
-    if service_token.trim().is_empty() || admin_token.trim().is_empty() {
+/// Refuses a missing, short or shared token, naming the flag at fault. `admin_token` is
+/// `--admin-token` (none when not given or empty); without it, `--admin-tokens-file` must be
+/// given (`tokens_file`), whose tokens are checked as it is read (crate::admins).
+pub(super) fn check_tokens(
+    service_token: &str,
+    admin_token: Option<&str>,
+    tokens_file: bool,
+) -> Result<(), CliError> {
+    if service_token.trim().is_empty() {
         return Err(CliError::Usage(
-            "--service-token (ATMOST_SERVICE_TOKEN) and --admin-token (ATMOST_ADMIN_TOKEN) are required"
+            "--service-token (ATMOST_SERVICE_TOKEN) is required".into(),
+        ));
+    }
+    if admin_token.is_none() && !tokens_file {
+        return Err(CliError::Usage(
+            "an admin token is required: --admin-token (ATMOST_ADMIN_TOKEN), --admin-tokens-file (ATMOST_ADMIN_TOKENS_FILE), or both"
                 .into(),
         ));
     }
-    for (flag, token) in [
-        ("--service-token (ATMOST_SERVICE_TOKEN)", service_token),
-        ("--admin-token (ATMOST_ADMIN_TOKEN)", admin_token),
-    ] {
+    let admin = admin_token.map(|t| ("--admin-token (ATMOST_ADMIN_TOKEN)", t));
+    for (flag, token) in [("--service-token (ATMOST_SERVICE_TOKEN)", service_token)]
+        .into_iter()
+        .chain(admin)
+    {
         if token.len() < MIN_TOKEN_BYTES {
             return Err(CliError::Usage(format!(
                 "{flag} is {} bytes long; it must be at least {MIN_TOKEN_BYTES} (make one with `openssl rand -hex 32`)",
@@ -45,7 +58,7 @@ pub(super) fn check_tokens(service_token: &str, admin_token: &str) -> Result<(),
             )));
         }
     }
-    if service_token == admin_token {
+    if admin_token == Some(service_token) {
         return Err(CliError::Usage(
             "--admin-token must differ from --service-token".into(),
         ));
@@ -53,8 +66,37 @@ pub(super) fn check_tokens(service_token: &str, admin_token: &str) -> Result<(),
     Ok(())
 }
 
-pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), CliError> {
-    check_tokens(&args.service_token, &admin_token)?;
+/// The admins the ledger starts with (crate::admins): `--admin-token`'s, and the tokens
+/// file's, read now (a file that is refused stops the start) and again as it changes.
+fn starting_admins(
+    args: &LedgerArgs,
+    admin_token: Option<String>,
+) -> Result<(Arc<Admins>, Option<TokensFile>), CliError> {
+    let fixed = FixedTokens {
+        admin_token,
+        service_token: args.service_token.clone(),
+    };
+    match &args.admin_tokens_file {
+        Some(path) => {
+            let file = TokensFile::load(path.clone(), fixed)
+                .map_err(|e| CliError::Usage(e.to_string()))?;
+            Ok((file.admins(), Some(file)))
+        }
+        None => {
+            let set = AdminSet::parse("", &fixed)
+                .map_err(|e| CliError::Usage(format!("--admin-token (ATMOST_ADMIN_TOKEN): {e}")))?;
+            Ok((Arc::new(Admins::new(set)), None))
+        }
+    }
+}
+
+pub(super) fn run_ledger(args: LedgerArgs, admin_token: Option<String>) -> Result<(), CliError> {
+    let admin_token = admin_token.filter(|t| !t.trim().is_empty());
+    check_tokens(
+        &args.service_token,
+        admin_token.as_deref(),
+        args.admin_tokens_file.is_some(),
+    )?;
     if args.listen == args.admin_listen {
         return Err(CliError::Usage(format!(
             "--admin-listen must differ from --listen (both are {}): the admin API and the inbox have a port of their own",
@@ -91,6 +133,7 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
         .transpose()
         .map_err(|e| CliError::Usage(e.to_string()))?;
     let credential_key = credential_key(&args)?;
+    let (admins, tokens_file) = starting_admins(&args, admin_token)?;
     init_logs(args.log_format);
     // The admin API, the inbox, the sweeper, the reconciler and /metrics.
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -104,7 +147,7 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
         Arc::new(SystemClock),
         ServerConfig {
             service_token: args.service_token,
-            admin_token,
+            admins,
             lease: args.lease,
             callout_timeout: args.callout_timeout,
             redaction,
@@ -143,6 +186,8 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
         tracing::info!(listen = %args.listen, admin_listen = %args.admin_listen,
             lease_ms = state.config.lease.as_millis() as u64, tls = tls.is_some(), "ledger listening");
         let sweeper = crate::sweeper::spawn_sweeper(state.clone(), args.sweep_interval);
+        let admins_reloader = tokens_file
+            .map(|file| crate::admins::spawn_reloader(file, state.metrics.clone()));
         let readiness = crate::readiness::spawn_checks(
             state.readiness.clone(),
             state.store.clone(),
@@ -187,6 +232,9 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: String) -> Result<(), Cl
             r.abort();
         }
         sweeper.abort();
+        if let Some(r) = admins_reloader {
+            r.abort();
+        }
         readiness.abort();
         if let Some(r) = reconciler {
             r.abort();

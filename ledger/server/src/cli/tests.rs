@@ -108,37 +108,47 @@ fn a_bad_reconcile_rule_file_stops_the_ledger_before_it_listens() {
             "lookup": {"tool": "lookup"}, "answer": {"pointer": "/s", "executed": [1], "not_executed": [0]}}]}"#,
     )
     .unwrap();
-    let cli = Cli::try_parse_from([
-        "atmost",
-        "--admin-token",
-        "admin-token-of-32-bytes-or-more-0",
+    let m = refused_before_the_store(
+        dir.path(),
+        &rules,
+        &["--admin-token", "admin-token-of-32-bytes-or-more-0"],
+        &["--reconcile-rules", rules.to_str().unwrap()],
+    );
+    assert!(m.contains(rules.to_str().unwrap()), "{m}");
+    assert!(m.contains("unknown field `token`"), "{m}");
+}
+
+/// Runs `atmost ledger` on the data directory `dir`, which holds only `file`, with `global`
+/// flags before the command and `args` after the usual ones: the ledger must refuse to start
+/// with a usage error (returned), before it opens a store there.
+fn refused_before_the_store(dir: &Path, file: &Path, global: &[&str], args: &[&str]) -> String {
+    let mut argv = vec!["atmost"];
+    argv.extend_from_slice(global);
+    argv.extend([
         "ledger",
         "--service-token",
         "service-token-of-32-bytes-or-more",
         "--listen",
         "127.0.0.1:1",
         "--data-dir",
-        dir.path().to_str().unwrap(),
-        "--reconcile-rules",
-        rules.to_str().unwrap(),
-    ])
-    .unwrap();
-    match run(cli) {
-        Err(CliError::Usage(m)) => {
-            assert!(m.contains(rules.to_str().unwrap()), "{m}");
-            assert!(m.contains("unknown field `token`"), "{m}");
-        }
+        dir.to_str().unwrap(),
+    ]);
+    argv.extend_from_slice(args);
+    let message = match run(Cli::try_parse_from(argv).unwrap()) {
+        Err(CliError::Usage(m)) => m,
         other => panic!("expected a usage error, got {other:?}"),
-    }
-    let left: Vec<_> = std::fs::read_dir(dir.path())
+    };
+    let left: Vec<_> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
     assert_eq!(
         left,
-        vec![std::ffi::OsString::from("rules.json")],
-        "no store is opened before the rules are checked"
+        vec![file.file_name().unwrap().to_os_string()],
+        "no store is opened before {} is read ({message})",
+        file.display()
     );
+    message
 }
 
 #[test]
@@ -219,4 +229,73 @@ fn the_purge_delay_is_a_duration_or_off_and_thirty_days_by_default() {
     assert_eq!(delay(&["--purge-ended-permits-after", "off"]), Ok(None));
     let refused = delay(&["--purge-ended-permits-after", "soon"]).unwrap_err();
     assert!(refused.contains("or off"), "{refused}");
+}
+
+#[test]
+fn an_admin_token_or_a_tokens_file_is_required_and_either_will_do() {
+    let svc = "service-token-of-32-bytes-or-more";
+    let adm = "admin-token-of-32-bytes-or-more-0";
+    match serve::check_tokens(svc, None, false) {
+        Err(CliError::Usage(m)) => assert!(
+            m.contains("--admin-token (ATMOST_ADMIN_TOKEN)")
+                && m.contains("--admin-tokens-file (ATMOST_ADMIN_TOKENS_FILE)"),
+            "{m}"
+        ),
+        other => panic!("expected a usage error, got {other:?}"),
+    }
+    assert!(serve::check_tokens(svc, None, true).is_ok());
+    assert!(serve::check_tokens(svc, Some(adm), false).is_ok());
+    assert!(serve::check_tokens(svc, Some(adm), true).is_ok());
+    match serve::check_tokens(svc, Some("short"), true) {
+        Err(CliError::Usage(m)) => assert!(m.contains("is 5 bytes long"), "{m}"),
+        other => panic!("expected a usage error, got {other:?}"),
+    }
+    assert!(serve::check_tokens(svc, Some(svc), true).is_err());
+    match serve::check_tokens("", Some(adm), false) {
+        Err(CliError::Usage(m)) => assert!(m.contains("--service-token"), "{m}"),
+        other => panic!("expected a usage error, got {other:?}"),
+    }
+}
+
+#[test]
+fn admin_token_line_prints_the_name_and_the_tokens_sha256() {
+    let cli = Cli::try_parse_from(["atmost", "admin-token", "line", "ana@example.org"]).unwrap();
+    assert!(matches!(
+        cli.command,
+        Command::AdminToken {
+            command: AdminTokenCommand::Line { ref name }
+        } if name == "ana@example.org"
+    ));
+    let token = "t".repeat(32);
+    for input in [format!("{token}\n"), format!("{token}\r\n"), token.clone()] {
+        let line = admin_token_line("ana", &input).unwrap();
+        assert_eq!(line, crate::admins::tokens_file_line("ana", &token));
+        assert!(!line.contains(&token));
+    }
+    for (name, input, why) in [
+        ("ana", "t".repeat(31), "is 31 bytes long"),
+        ("ana", format!("{token}\n{token}\n"), "more than one line"),
+        ("ana ops", token.clone(), "an admin's name"),
+        ("", token.clone(), "an admin's name"),
+    ] {
+        match admin_token_line(name, &input) {
+            Err(CliError::Usage(m)) => assert!(m.contains(why), "{m}"),
+            other => panic!("expected a usage error, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_refused_tokens_file_stops_the_ledger_before_it_listens() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("admins");
+    std::fs::write(&file, "# admins\nana not-a-sha256\n").unwrap();
+    let m = refused_before_the_store(
+        dir.path(),
+        &file,
+        &[],
+        &["--admin-tokens-file", file.to_str().unwrap()],
+    );
+    assert!(m.contains(file.to_str().unwrap()), "{m}");
+    assert!(m.contains("line 2:"), "{m}");
 }

@@ -2,8 +2,9 @@
 //! who check uncertain calls with the provider and record what they found.
 //!
 //! Server-rendered (askama templates in `ledger/server/templates/inbox/`), one stylesheet, no
-//! scripts, no third-party host. Sign-in takes the admin token (in a form body, never a URL)
-//! and gives a signed session cookie ([`session`]); every form that changes state carries
+//! scripts, no third-party host. Sign-in takes an admin's token (in a form body, never a
+//! URL; crate::admins) and gives a signed session cookie ([`session`]) under that admin's
+//! name (with the shared `--admin-token`, under the name typed beside it); every form that changes state carries
 //! the session's CSRF token; every page is sent with a strict Content-Security-Policy.
 //! Resolving goes through the store's one resolve operation, so slots and budget move
 //! exactly as for `atmost attempts resolve`.
@@ -17,7 +18,7 @@ mod pages;
 pub mod session;
 mod sign_in;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::collections::BTreeMap;
 
@@ -348,7 +349,7 @@ async fn resolve(
     let now = state.clock.now_ms();
     match state.store.resolve_attempt(&id, &input, now).await {
         Ok(a) => {
-            resolved(&state, &a, &input, "inbox");
+            resolved(&state, &a, &input, "inbox", Some(&s.admin));
             Redirect::to(&format!("/admin/?resolved={}", a.id)).into_response()
         }
         Err(ResolveError::UnknownAttempt) => message(

@@ -1,13 +1,15 @@
 //! The inbox's sessions: signed cookies, each also recorded in the store.
 //!
-//! Signing in with the admin token gives a cookie holding the person's name, the session's
-//! id, expiry and CSRF token, signed (HMAC-SHA256) with a key derived from the admin token,
-//! and records the session in the store (the SHA-256 of its id). A request's session must be
-//! both: a cookie this admin token signed, and a session the store still holds. Signing out
-//! deletes it from the store, `atmost inbox sessions revoke --all` deletes every one, so a
-//! copied cookie stops working on every replica at once; changing the admin token ends
-//! every session too. Its expiry is checked against the ledger's clock, whatever the browser
-//! keeps.
+//! Signing in with an admin's token (crate::admins) gives a cookie holding the person's name,
+//! the admin whose token it was and which token (its credential id), the session's id,
+//! expiry and CSRF token, signed (HMAC-SHA256) with a key derived from the service token,
+//! and records the session in the store (a SHA-256 of its id, admin, credential and name). A
+//! request's session must be all three: a cookie this ledger signed, an admin still holding
+//! that token, and a session the store still holds. Signing out deletes it from the store,
+//! `atmost inbox sessions revoke --all` deletes every one, so a copied cookie stops working
+//! on every replica at once; an admin removed from the tokens file, or whose token changed,
+//! loses its sessions at the next page. Its expiry is checked against the ledger's clock,
+//! whatever the browser keeps.
 //! The sign-in form has a CSRF token of its own, in a short-lived cookie signed the same way.
 
 use std::time::Duration;
@@ -30,12 +32,14 @@ pub const SIGN_IN_FORM_MS: Millis = 15 * 60 * 1000;
 /// Longest name a person may sign in with, in characters.
 pub const MAX_NAME_CHARS: usize = 64;
 
-/// The signing key of this admin token's sessions. Deriving it from the token means a leaked
-/// cookie cannot outlive a token change.
-pub fn key(admin_token: &str) -> Option<Key> {
+/// The signing key of the inbox's cookies, derived from `service_token`: a secret every
+/// replica of one ledger shares, whoever its admins are. The key alone does not make a
+/// session: a cookie re-signed to name another admin or person names no session the store
+/// holds ([`Session::id_hash`]).
+pub fn key(service_token: &str) -> Option<Key> {
     let derived = Sha512::new()
-        .chain_update(b"atmost inbox sessions\0")
-        .chain_update(admin_token.as_bytes())
+        .chain_update(b"atmost inbox sessions, named admins\0")
+        .chain_update(service_token.as_bytes())
         .finalize();
     Key::try_from(derived.as_slice()).ok()
 }
@@ -43,9 +47,15 @@ pub fn key(admin_token: &str) -> Option<Key> {
 /// A signed-in person.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Session {
-    /// Who resolves (recorded as the resolution's `by`).
+    /// Who resolves (recorded as the resolution's `by`): a named admin's name, or the name
+    /// typed at sign-in with the shared `--admin-token`.
     pub name: String,
-    /// Random; the store holds its SHA-256 ([`Session::id_hash`]) while the session is open.
+    /// The admin whose token signed in.
+    pub admin: String,
+    /// Which token of that admin ([`crate::admins::AuthenticatedAdmin::credential`]): the
+    /// session ends once the admin holds another, or is gone.
+    pub credential: String,
+    /// Random; the store holds a hash of it ([`Session::id_hash`]) while the session is open.
     pub id: String,
     /// Every state-changing form of the session must carry it.
     pub csrf: String,
@@ -65,31 +75,45 @@ pub enum Presented {
 impl Session {
     fn encode(&self) -> String {
         format!(
-            "{}.{}.{}.{}",
+            "{}.{}.{}.{}.{}.{}",
             self.expires_at_ms,
             self.csrf,
             self.id,
-            hex::encode(self.name.as_bytes())
+            hex::encode(self.name.as_bytes()),
+            hex::encode(self.admin.as_bytes()),
+            self.credential
         )
     }
 
     fn decode(value: &str) -> Option<Session> {
-        let mut parts = value.splitn(4, '.');
+        let mut parts = value.splitn(6, '.');
         let expires_at_ms = parts.next()?.parse().ok()?;
         let csrf = parts.next()?.to_string();
         let id = parts.next()?.to_string();
         let name = String::from_utf8(hex::decode(parts.next()?).ok()?).ok()?;
+        let admin = String::from_utf8(hex::decode(parts.next()?).ok()?).ok()?;
+        let credential = parts.next()?.to_string();
         (!id.is_empty()).then_some(Session {
             name,
+            admin,
+            credential,
             id,
             csrf,
             expires_at_ms,
         })
     }
 
-    /// What the store keeps of the session's id.
+    /// What the store keeps of the session: a SHA-256 of its id with its admin, credential and
+    /// name, so a cookie naming anything else than what signed in names no open session.
     pub fn id_hash(&self) -> String {
-        hex::encode(Sha256::digest(self.id.as_bytes()))
+        let mut digest = Sha256::new();
+        // None of the four holds a NUL (names exclude control characters, the rest is hex or
+        // [A-Za-z0-9._@-]): the separators keep them apart.
+        for part in [&self.id, &self.admin, &self.credential, &self.name] {
+            digest.update(part.as_bytes());
+            digest.update([0u8]);
+        }
+        hex::encode(digest.finalize())
     }
 
     /// Whether a form's CSRF token is this session's (compared in constant time).
@@ -211,9 +235,11 @@ mod tests {
 
     #[test]
     fn a_session_reads_back_until_it_expires() {
-        let key = key("admin-token").unwrap();
+        let key = key("service-token").unwrap();
         let s = Session {
             name: "Ana Müller".into(),
+            admin: "ana@example.org".into(),
+            credential: "c4ed".into(),
             id: "5e551011".into(),
             csrf: "c0ffee".into(),
             expires_at_ms: 1_000,
@@ -221,8 +247,8 @@ mod tests {
         let h = signed(&key, session_cookie(&s, 0, false));
         assert_eq!(presented(&h, &key, 999), Presented::Valid(s.clone()));
         assert_eq!(presented(&h, &key, 1_000), Presented::Expired);
-        // Another admin token's key does not accept it.
-        let other = super::key("another-admin-token").unwrap();
+        // Another service token's key does not accept it.
+        let other = super::key("another-service-token").unwrap();
         assert_eq!(presented(&h, &other, 0), Presented::None);
         // Nor does an unsigned cookie of the same name.
         let mut forged = HeaderMap::new();
@@ -236,9 +262,50 @@ mod tests {
     }
 
     #[test]
+    fn the_stored_hash_binds_the_admin_its_credential_and_the_name() {
+        let s = Session {
+            name: "Ana".into(),
+            admin: "ana".into(),
+            credential: "c4ed".into(),
+            id: "5e551011".into(),
+            csrf: "c0ffee".into(),
+            expires_at_ms: 1_000,
+        };
+        for altered in [
+            Session {
+                admin: "bob".into(),
+                ..s.clone()
+            },
+            Session {
+                credential: "c4ee".into(),
+                ..s.clone()
+            },
+            Session {
+                name: "Bob".into(),
+                ..s.clone()
+            },
+            Session {
+                id: "5e551012".into(),
+                ..s.clone()
+            },
+        ] {
+            assert_ne!(altered.id_hash(), s.id_hash(), "{altered:?}");
+        }
+        // The CSRF token and the expiry are not the session's identity.
+        let same = Session {
+            csrf: "other".into(),
+            expires_at_ms: 2_000,
+            ..s.clone()
+        };
+        assert_eq!(same.id_hash(), s.id_hash());
+    }
+
+    #[test]
     fn cookies_are_http_only_strict_and_secure_over_tls() {
         let s = Session {
             name: "n".into(),
+            admin: "admin".into(),
+            credential: "c".into(),
             id: "i".into(),
             csrf: "c".into(),
             expires_at_ms: 3_600_000,
@@ -267,7 +334,7 @@ mod tests {
 
     #[test]
     fn the_sign_in_token_expires() {
-        let key = key("admin-token").unwrap();
+        let key = key("service-token").unwrap();
         let h = signed(&key, sign_in_cookie("abc", 0, false));
         assert_eq!(sign_in_token(&h, &key, 1).as_deref(), Some("abc"));
         assert_eq!(sign_in_token(&h, &key, SIGN_IN_FORM_MS), None);

@@ -26,7 +26,7 @@ pub(super) fn routes() -> Router<Shared> {
 }
 
 fn session_key(state: &AppState) -> Option<Key> {
-    let key = session::key(&state.config.admin_token);
+    let key = session::key(&state.config.service_token);
     if key.is_none() {
         error!(bug = true, "inbox: no session key could be derived");
     }
@@ -70,6 +70,17 @@ pub(super) async fn signed_in(state: &AppState, headers: &HeaderMap) -> Result<S
     };
     let now = state.clock.now_ms();
     match session::presented(headers, &key, now) {
+        Presented::Valid(s) if !admin_holds(state, &s) => {
+            warn!(by = %s.name, admin = %s.admin,
+                "inbox: session refused: its admin was removed or holds another token now");
+            Err(sign_in_form(
+                state,
+                headers,
+                StatusCode::UNAUTHORIZED,
+                Some("Your session has ended: the admin token it was signed in with is no longer in force. Sign in again."),
+                "",
+            ))
+        }
         Presented::Valid(s) => match state.store.inbox_session_open(&s.id_hash(), now).await {
             Ok(true) => Ok(s),
             Ok(false) => Err(sign_in_form(
@@ -98,10 +109,23 @@ pub(super) async fn signed_in(state: &AppState, headers: &HeaderMap) -> Result<S
     }
 }
 
+/// Whether the admin a session was signed in with still holds the token it was signed in
+/// with (crate::admins: the tokens file may have changed since).
+fn admin_holds(state: &AppState, s: &Session) -> bool {
+    state
+        .config
+        .admins
+        .credential_of(&s.admin)
+        .is_some_and(|credential| credential == s.credential)
+}
+
 async fn sign_in_page(State(state): State<Shared>, headers: HeaderMap) -> Response {
     if let Some(key) = session_key(&state) {
         let now = state.clock.now_ms();
         if let Presented::Valid(s) = session::presented(&headers, &key, now) {
+            if !admin_holds(&state, &s) {
+                return sign_in_form(&state, &headers, StatusCode::OK, None, "");
+            }
             if let Ok(true) = state.store.inbox_session_open(&s.id_hash(), now).await {
                 return Redirect::to("/admin/").into_response();
             }
@@ -142,7 +166,12 @@ async fn sign_in(
             &form.name,
         );
     }
-    if form.token.is_empty() || !token::secrets_equal(&form.token, &state.config.admin_token) {
+    let admin = if form.token.is_empty() {
+        None
+    } else {
+        state.config.admins.authenticate(&form.token)
+    };
+    let Some(admin) = admin else {
         warn!("inbox: sign-in refused: wrong admin token");
         return match failed_authentication(&state, "inbox", peer) {
             Verdict::Refuse => sign_in_form(
@@ -167,8 +196,15 @@ async fn sign_in(
                 page
             }
         };
-    }
-    let Some(name) = session::valid_name(&form.name) else {
+    };
+    // A named admin's token says who signs in; the shared --admin-token does not, so its
+    // holder says it.
+    let name = if admin.shared {
+        session::valid_name(&form.name)
+    } else {
+        Some(admin.name.clone())
+    };
+    let Some(name) = name else {
         return sign_in_form(
             &state,
             &headers,
@@ -183,6 +219,8 @@ async fn sign_in(
     };
     let s = Session {
         name,
+        admin: admin.name,
+        credential: admin.credential,
         id,
         csrf,
         expires_at_ms: now.saturating_add(session::millis(state.config.inbox.session_ttl)),
@@ -195,7 +233,8 @@ async fn sign_in(
         return store_failed(&state, "inbox_session", &e);
     }
     let secure = session::over_tls(&headers, state.config.inbox.secure_cookies);
-    info!(by = %s.name, expires_at = %clock::rfc3339(s.expires_at_ms), "inbox: signed in");
+    info!(by = %s.name, admin = %s.admin, expires_at = %clock::rfc3339(s.expires_at_ms),
+        "inbox: signed in");
     let jar = session::jar(
         &key,
         vec![
@@ -224,7 +263,8 @@ pub(super) async fn signed_in_form(
     if s.csrf_matches(csrf) {
         return Ok(s);
     }
-    warn!(by = %s.name, "inbox: form refused: its CSRF token is missing or not the session's");
+    warn!(by = %s.name, admin = %s.admin,
+        "inbox: form refused: its CSRF token is missing or not the session's");
     Err(message(
         StatusCode::FORBIDDEN,
         Nav::new("inbox", &s),
@@ -250,7 +290,7 @@ async fn sign_out(
         return store_failed(&state, "inbox_session", &e);
     }
     let secure = session::over_tls(&headers, state.config.inbox.secure_cookies);
-    info!(by = %s.name, "inbox: signed out");
+    info!(by = %s.name, admin = %s.admin, "inbox: signed out");
     let jar = session::jar(
         &key,
         vec![session::removal(session::SESSION_COOKIE, secure)],

@@ -128,7 +128,7 @@ impl<'a> Browser<'a> {
 
 /// A permit with a cap of 1 and a budget, and one call under it that was sent and whose
 /// answer was lost (reported `uncertain` by its filter); returns (permit id, attempt id).
-async fn lost_call(s: &TestServer) -> (String, String) {
+pub(crate) async fn lost_call(s: &TestServer) -> (String, String) {
     lost_call_carried(s, None).await
 }
 
@@ -379,7 +379,8 @@ async fn cookies_are_secure_behind_a_tls_proxy_and_sessions_end_with_the_admin_t
         .contains("Secure"));
     assert_eq!(b.get("/admin/").await.status, 200);
     // Another ledger with another admin token does not take this session.
-    let other = start_with(|c| c.admin_token = "another-admin-token".into()).await;
+    let other =
+        start_with(|c| c.admins = crate::admins::Admins::shared("another-admin-token")).await;
     let mut elsewhere = Browser::new(&other);
     elsewhere.cookies = b.cookies.clone();
     assert_eq!(elsewhere.get("/admin/").await.status, 401);
@@ -868,4 +869,79 @@ async fn an_attempts_page_draws_its_life_on_a_time_scale() {
             .status,
         401
     );
+}
+
+#[tokio::test]
+async fn a_named_admin_signs_in_under_its_name_and_resolves_as_it() {
+    use crate::admins::http_tests::{ana_and_bob, ANA, BOB};
+    let s = start_with(|c| c.admins = ana_and_bob()).await;
+    let (_, id) = lost_call(&s).await;
+    let mut b = Browser::new(&s);
+    // The token says who signs in: a name typed beside it is not taken.
+    let signed = b.sign_in("Mallory", ANA).await;
+    assert_eq!(signed.status, 303, "{}", signed.body);
+    let inbox = b.get("/admin/").await;
+    assert_eq!(inbox.status, 200);
+    let csrf = inbox.csrf();
+    let done = b
+        .post(
+            &format!("/admin/attempts/{id}/resolve"),
+            &[("csrf", &csrf), ("result", "executed"), ("note", "charged")],
+        )
+        .await;
+    assert_eq!(done.status, 303, "{}", done.body);
+    let (_, a) = s.get(&format!("/admin/v1/attempts/{id}"), Some(BOB)).await;
+    assert_eq!(a["attempt"]["resolution"]["by"], "ana");
+
+    // The shared token says nobody's name: its holder gives one, as before.
+    let mut shared = Browser::new(&s);
+    assert_eq!(shared.sign_in("", ADM).await.status, 400);
+    assert_eq!(shared.sign_in("Carol", ADM).await.status, 303);
+    assert_eq!(shared.get("/admin/").await.status, 200);
+}
+
+#[tokio::test]
+async fn a_session_ends_when_its_admin_is_removed_or_holds_another_token() {
+    use crate::admins::http_tests::{ANA, BOB};
+    use crate::admins::tests::replace_file;
+    use crate::admins::{tokens_file_line, FixedTokens, ReloadCheck, TokensFile};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("admins");
+    let line = |name, token| format!("{}\n", tokens_file_line(name, token));
+    std::fs::write(&path, line("ana", ANA) + &line("bob", BOB)).unwrap();
+    let fixed = FixedTokens {
+        admin_token: Some(ADM.into()),
+        service_token: SVC.into(),
+    };
+    let mut file = TokensFile::load(path.clone(), fixed).unwrap();
+    let admins = file.admins();
+    let s = start_with(|c| c.admins = admins).await;
+    let mut ana = Browser::new(&s);
+    let mut bob = Browser::new(&s);
+    let mut carol = Browser::new(&s);
+    assert_eq!(ana.sign_in("", ANA).await.status, 303);
+    assert_eq!(bob.sign_in("", BOB).await.status, 303);
+    assert_eq!(carol.sign_in("Carol", ADM).await.status, 303);
+    for b in [&mut ana, &mut bob, &mut carol] {
+        assert_eq!(b.get("/admin/").await.status, 200);
+    }
+
+    // Bob removed: his session ends, and his token signs in no more.
+    replace_file(&path, &line("ana", ANA));
+    assert!(matches!(file.check(), ReloadCheck::Reloaded));
+    let ended = bob.get("/admin/").await;
+    assert_eq!(ended.status, 401);
+    assert!(ended.body.contains("no longer in force"), "{}", ended.body);
+    assert_eq!(bob.sign_in("", BOB).await.status, 401);
+    assert_eq!(ana.get("/admin/").await.status, 200);
+    assert_eq!(carol.get("/admin/").await.status, 200);
+
+    // Ana given another token: the session signed in with the old one ends.
+    let renewed = "ana-renewed-admin-token-of-32-bytes-or-more";
+    replace_file(&path, &line("ana", renewed));
+    assert!(matches!(file.check(), ReloadCheck::Reloaded));
+    assert_eq!(ana.get("/admin/").await.status, 401);
+    assert_eq!(ana.sign_in("", renewed).await.status, 303);
+    assert_eq!(ana.get("/admin/").await.status, 200);
+    assert_eq!(carol.get("/admin/").await.status, 200);
 }

@@ -366,7 +366,7 @@ impl Reconciler {
                 } else {
                     LookupResult::NotExecuted
                 });
-                resolved(&self.state, &done, &input, "reconciler");
+                resolved(&self.state, &done, &input, "reconciler", None);
                 true
             }
             Err(ResolveError::NotUncertain(s)) => {
