@@ -17,7 +17,7 @@ use sha2::{Digest, Sha256};
 use thiserror::Error;
 use tokio::task::JoinHandle;
 
-use crate::file_watch::{spawn_looks, Look, Swapped, WatchedFiles};
+use crate::file_watch::{spawn_looks, Swapped, WatchedFiles};
 use crate::metrics::Metrics;
 use atmost_ledger::token;
 
@@ -326,17 +326,8 @@ fn read_set(path: &Path, fixed: &FixedTokens) -> Result<AdminSet, AdminsFileErro
     })
 }
 
-/// What one look at the tokens file found.
-#[derive(Debug)]
-pub enum ReloadCheck {
-    /// The file has not changed since it was last read (or failed to be).
-    Unchanged,
-    /// The file changed and its admins are in force from now on.
-    Reloaded,
-    /// The file changed (or cannot be read) and was refused: the previous admins stay in
-    /// force. Reported once per change.
-    Failed(AdminsFileError),
-}
+/// What one look at the tokens file came to.
+pub type ReloadCheck = crate::file_watch::ReloadCheck<AdminsFileError>;
 
 /// `--admin-tokens-file`: read at start, and again whenever it changes.
 pub struct TokensFile {
@@ -371,22 +362,17 @@ impl TokensFile {
 
     /// Looks at the file once and reads it if it changed.
     pub fn check(&mut self) -> ReloadCheck {
-        match self.watched.look() {
-            Look::Unchanged => ReloadCheck::Unchanged,
-            // Missing for a moment (being replaced): a failure once, then quiet until it is
-            // back; the admins read before stay meanwhile.
-            Look::Unreadable(e) => ReloadCheck::Failed(AdminsFileError::Unreadable {
-                path: self.path.clone(),
+        // Missing for a moment (being replaced): a failure once, then quiet until it is back;
+        // the admins read before stay meanwhile.
+        let (path, fixed, admins) = (&self.path, &self.fixed, &self.admins);
+        self.watched.reload(
+            |e| AdminsFileError::Unreadable {
+                path: path.clone(),
                 reason: e.to_string(),
-            }),
-            Look::Changed => match read_set(&self.path, &self.fixed) {
-                Ok(set) => {
-                    self.admins.current.replace(set);
-                    ReloadCheck::Reloaded
-                }
-                Err(e) => ReloadCheck::Failed(e),
             },
-        }
+            || read_set(path, fixed),
+            |set| admins.current.replace(set),
+        )
     }
 }
 

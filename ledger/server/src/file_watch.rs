@@ -89,6 +89,41 @@ impl WatchedFiles {
     }
 }
 
+/// What one look at watched files, and reading them again when they changed, came to.
+#[derive(Debug)]
+pub enum ReloadCheck<E> {
+    /// The files have not changed since they were last read (or failed to be).
+    Unchanged,
+    /// The files changed and what was read from them is in force from now on.
+    Reloaded,
+    /// The files changed (or cannot be looked at) and were refused: what was read before
+    /// stays in force. Reported once per change.
+    Failed(E),
+}
+
+impl WatchedFiles {
+    /// Looks once and, when the files changed, reads them (`read`) and puts what was read in
+    /// force (`apply`); `unreadable` names the error of a file that cannot be looked at.
+    pub fn reload<T, E>(
+        &mut self,
+        unreadable: impl FnOnce(io::Error) -> E,
+        read: impl FnOnce() -> Result<T, E>,
+        apply: impl FnOnce(T),
+    ) -> ReloadCheck<E> {
+        match self.look() {
+            Look::Unchanged => ReloadCheck::Unchanged,
+            Look::Unreadable(e) => ReloadCheck::Failed(unreadable(e)),
+            Look::Changed => match read() {
+                Ok(value) => {
+                    apply(value);
+                    ReloadCheck::Reloaded
+                }
+                Err(e) => ReloadCheck::Failed(e),
+            },
+        }
+    }
+}
+
 fn stamps(paths: &[PathBuf]) -> io::Result<Vec<FileStamp>> {
     paths.iter().map(|p| FileStamp::of(p)).collect()
 }

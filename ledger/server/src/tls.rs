@@ -24,7 +24,7 @@ use tokio::task::JoinHandle;
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
-use crate::file_watch::{spawn_looks, Look, Swapped, WatchedFiles};
+use crate::file_watch::{spawn_looks, Swapped, WatchedFiles};
 use crate::metrics::Metrics;
 
 pub use crate::file_watch::RELOAD_CHECK_INTERVAL;
@@ -120,17 +120,8 @@ impl ResolvesServerCert for ReloadingCertResolver {
     }
 }
 
-/// What one look at the files found.
-#[derive(Debug)]
-pub enum ReloadCheck {
-    /// Neither file changed since the last load or failed attempt.
-    Unchanged,
-    /// The files changed and the new pair is served from now on.
-    Reloaded,
-    /// The files changed (or cannot be read) and the new pair did not load: the previous one
-    /// is still served. Reported once per change.
-    Failed(TlsError),
-}
+/// What one look at the certificate and key came to.
+pub type ReloadCheck = crate::file_watch::ReloadCheck<TlsError>;
 
 /// Loads the pair at start and again whenever the files change.
 pub struct CertReloader {
@@ -164,22 +155,17 @@ impl CertReloader {
 
     /// Looks at the files once and loads them if they changed.
     pub fn check(&mut self) -> ReloadCheck {
-        match self.watched.look() {
-            Look::Unchanged => ReloadCheck::Unchanged,
-            // A file missing for a moment (being replaced) is a failure once, then quiet until
-            // it comes back.
-            Look::Unreadable(e) => ReloadCheck::Failed(TlsError::Certificate {
-                path: self.files.cert.clone(),
+        // A file missing for a moment (being replaced) is a failure once, then quiet until it
+        // comes back.
+        let (files, provider, resolver) = (&self.files, &self.provider, &self.resolver);
+        self.watched.reload(
+            |e| TlsError::Certificate {
+                path: files.cert.clone(),
                 reason: format!("cannot read the certificate or key file: {e}"),
-            }),
-            Look::Changed => match load_certified_key(&self.files, &self.provider) {
-                Ok(key) => {
-                    self.resolver.replace(key);
-                    ReloadCheck::Reloaded
-                }
-                Err(e) => ReloadCheck::Failed(e),
             },
-        }
+            || load_certified_key(files, provider),
+            |key| resolver.replace(key),
+        )
     }
 }
 
