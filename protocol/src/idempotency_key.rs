@@ -37,6 +37,12 @@ impl IdempotencyKey {
         check_key(key).map(|()| IdempotencyKey(key.to_owned()))
     }
 
+    /// The same rule as [`IdempotencyKey::parse`], for a caller that only needs to know
+    /// (the ledger's decision, on every call) and so makes no copy.
+    pub fn check(key: &str) -> Result<(), KeyFault> {
+        check_key(key)
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }

@@ -37,7 +37,7 @@ pub fn authenticate<'a>(token: &str, permit: Option<&'a Permit>) -> Option<&'a P
 /// An idempotency key (or the value forwarded for one) the ledger accepts: the protocol's
 /// rule, the one the filter applies (1 to [`MAX_KEY_LEN`] bytes of printable ASCII).
 pub fn valid_key(key: &str) -> bool {
-    atmost_protocol::idempotency_key::IdempotencyKey::parse(key).is_ok()
+    atmost_protocol::idempotency_key::IdempotencyKey::check(key).is_ok()
 }
 
 /// Checks what the filter states about the key it forwards, before anything is decided: the
