@@ -229,10 +229,22 @@ def ledger_binary() -> Path:
     return max(existing, key=lambda b: b.stat().st_mtime)
 
 
+_PORTS_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on now and that this process has not handed out before.
+    The kernel may give the same ephemeral port to two binds in a row once the first socket is
+    closed, so a ledger's `--listen` and `--admin-listen`, asked for one after the other, could
+    be the same port; remembering what was handed out rules that out."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS_HANDED_OUT:
+            _PORTS_HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no loopback port that was not handed out already after 100 binds")
 
 
 class ProcessExited(RuntimeError):
