@@ -257,6 +257,13 @@ closed_set! {
         IdempotencyKeyExpired => "idempotency_key_expired", -31011;
         GatewayUnavailable => "gateway_unavailable", -31012;
         InvalidIdempotencyKey => "invalid_idempotency_key", -31013;
+        /// The permit asks a person to approve this call: its slot and cost are held, nothing
+        /// was sent; the same key again after the approval dispatches it (docs/approvals.md).
+        ApprovalRequired => "approval_required", -31014;
+        /// A person rejected the call this key asked for; its slot and cost went back.
+        ApprovalRejected => "approval_rejected", -31015;
+        /// Nobody decided in time, or an approval was not used in time; slot and cost back.
+        ApprovalExpired => "approval_expired", -31016;
         // The verifier at the tool (`role: "verify"`, docs/signatures.md): a governed call
         // without a valid, fresh, unseen dispatch signature. Numbered from -31020 on.
         /// No `atmost` signature (`Signature-Input` / `Signature` member).
