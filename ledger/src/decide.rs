@@ -16,6 +16,9 @@ use crate::clock::Millis;
 use crate::credentials::CredentialUse;
 use crate::model::{Attempt, BudgetTotals, Permit, ToolUsage};
 
+pub mod approval;
+#[cfg(test)]
+mod approval_tests;
 pub mod counters;
 pub mod limits;
 mod refusal;
@@ -26,6 +29,7 @@ pub mod rounds;
 pub mod rules;
 pub mod settle;
 
+pub use approval::{decide_approval, ApprovalInput, ApprovalRefused};
 pub use counters::{counter_delta, counter_weight, reads_needed, CounterDelta, Reads};
 pub use limits::{limits_answer, permit_limits, Headroom};
 pub use refusal::refusal_proven;
@@ -59,10 +63,36 @@ pub struct Snapshot {
     pub now_ms: Millis,
 }
 
+/// How long what a decision reserves may last, in milliseconds: the ledger's settings, the
+/// same for every call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Leases {
+    /// A dispatched call's lease (`--lease`).
+    pub call_ms: u64,
+    /// How long a call that needs a person's approval waits for the decision
+    /// (`--approval-wait`).
+    pub approval_wait_ms: u64,
+}
+
+impl Leases {
+    /// The default wait for a person's decision: 15 minutes.
+    pub const DEFAULT_APPROVAL_WAIT_MS: u64 = 15 * 60 * 1000;
+
+    /// A call lease of `call_ms`, with the default wait for approvals.
+    pub fn call(call_ms: u64) -> Leases {
+        Leases {
+            call_ms,
+            approval_wait_ms: Self::DEFAULT_APPROVAL_WAIT_MS,
+        }
+    }
+}
+
 /// Values the store supplies for a possible reservation.
 #[derive(Debug, Clone)]
 pub struct DecideParams {
     pub lease_ms: u64,
+    /// How long a call waiting for a person's approval holds its slot before it lapses.
+    pub approval_wait_ms: u64,
     /// The id a new attempt gets if the call dispatches.
     pub new_attempt_id: String,
     /// The capability a dispatch (of a new attempt or a continuation round) hands out;

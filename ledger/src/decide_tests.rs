@@ -57,6 +57,7 @@ fn snap(p: Permit) -> Snapshot {
 fn params() -> DecideParams {
     DecideParams {
         lease_ms: 60_000,
+        approval_wait_ms: 900_000,
         new_attempt_id: "att_new".into(),
         new_capability: CAP.into(),
         credential: None,

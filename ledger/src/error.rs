@@ -82,3 +82,14 @@ pub enum ResolveError {
     #[error(transparent)]
     Ledger(#[from] LedgerError),
 }
+
+/// Why a person's decision on an approval was refused.
+#[derive(Debug, Error)]
+pub enum ApprovalError {
+    #[error("no attempt has that id")]
+    UnknownAttempt,
+    #[error(transparent)]
+    Refused(#[from] crate::decide::ApprovalRefused),
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+}

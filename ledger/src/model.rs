@@ -63,6 +63,42 @@ impl FromStr for CostRule {
     }
 }
 
+/// When a permit asks a person to approve a new call of a tool (docs/approvals.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalRule {
+    /// Every new call (`"always"`).
+    Always,
+    /// A call whose cost is more than this many minor units (`{"cost_above": N}`).
+    CostAbove(u64),
+}
+
+impl ApprovalRule {
+    /// Whether a call of this cost needs a person's approval.
+    pub fn asks_for(self, cost: u64) -> bool {
+        match self {
+            ApprovalRule::Always => true,
+            ApprovalRule::CostAbove(amount) => cost > amount,
+        }
+    }
+}
+
+impl FromStr for ApprovalRule {
+    type Err = String;
+    /// The CLI's spelling: `always` or `cost-above:N`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == "always" {
+            return Ok(ApprovalRule::Always);
+        }
+        s.strip_prefix("cost-above:")
+            .and_then(|n| n.parse::<u64>().ok())
+            .map(ApprovalRule::CostAbove)
+            .ok_or_else(|| {
+                format!("an approval rule is always or cost-above:N (N a non-negative integer), not {s:?}")
+            })
+    }
+}
+
 /// What calls a permit lets through and what they cost: the part of its policy that the
 /// operator writes (`POST /admin/v1/permits`), the store keeps (the policy's JSON) and the admin
 /// API shows in one shape. A field added here is taken, stored and shown with no other change;
@@ -89,6 +125,13 @@ pub struct CallRules {
     /// calls, by name; `None`: the permit names none, and its calls carry none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credential: Option<String>,
+    /// Per tool, when a person must approve a new call first; a tool not named here follows
+    /// [`CallRules::approval_default`].
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub approval: BTreeMap<String, ApprovalRule>,
+    /// The approval rule of every tool `approval` does not name; `None`: no approval.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval_default: Option<ApprovalRule>,
 }
 
 impl Default for CallRules {
@@ -104,6 +147,8 @@ impl Default for CallRules {
             cost_default: 0,
             duplicate_guard: GuardMode::default(),
             credential: None,
+            approval: BTreeMap::new(),
+            approval_default: None,
         }
     }
 }
@@ -133,6 +178,11 @@ impl CallRules {
 
     pub fn limit_for(&self, tool: &str) -> Option<u64> {
         self.max_calls.get(tool).copied().or(self.max_calls_default)
+    }
+
+    /// The approval rule for a tool, if a person must approve some of its calls.
+    pub fn approval_for(&self, tool: &str) -> Option<ApprovalRule> {
+        self.approval.get(tool).copied().or(self.approval_default)
     }
 
     pub fn cost_rule_for(&self, tool: &str) -> CostRule {
@@ -191,7 +241,8 @@ pub struct StateRules {
     pub leased: bool,
     /// A stored receipt of this state is answered as a replay.
     pub replays: bool,
-    /// The attempt gave its slot and budget back; its key may be used again.
+    /// The attempt gave its slot and budget back. Its key may be used again, but for an
+    /// approval that was rejected or expired (docs/approvals.md), whose key keeps answering so.
     pub gave_back: bool,
     /// Nothing is left to happen to the attempt: no report, lease or resolution moves it.
     /// Once its permit has stopped authorizing for long enough, the purge may delete it
@@ -247,6 +298,19 @@ atmost_protocol::closed_set! {
         /// proved it (an HMAC the ledger checked over the round's nonce): slot and budget
         /// back, and the same key may try again, as after `released`.
         RefusedAtTool => "refused_at_tool",  rules(false, Budget::Returned, false, false, true);
+        /// The permit asks a person to approve the call (docs/approvals.md): slot and cost
+        /// held, nothing sent. Its lease is the request's lapse time; past it the sweeper
+        /// turns it `approval_expired`.
+        AwaitingApproval => "awaiting_approval", rules(true, Budget::Reserved, true, false, false);
+        /// A person approved it: the same key and fingerprint dispatch it, once (to
+        /// `in_flight`). Its lease is the approval's use-by time, then `approval_expired`.
+        Approved => "approved",              rules(true,  Budget::Reserved, true,  false, false);
+        /// A person rejected it: nothing was sent, slot and cost back; its key answers
+        /// `approval_rejected` from then on.
+        ApprovalRejected => "approval_rejected", rules(false, Budget::Returned, false, false, true);
+        /// Nobody decided in time, or the approval was not used in time: nothing was sent,
+        /// slot and cost back; its key answers `approval_expired` from then on.
+        ApprovalExpired => "approval_expired", rules(false, Budget::Returned, false, false, true);
     }
 }
 
@@ -411,6 +475,58 @@ pub struct Attempt {
     /// The credential (name, version) the dispatch of its first round carried; `None` when
     /// its permit names none, and for attempts stored before it was kept.
     pub credential: Option<CredentialUse>,
+    /// The person's approval the call waited for, when its permit asked for one
+    /// (docs/approvals.md); `None` for every other call.
+    pub approval: Option<Approval>,
+}
+
+/// A call's approval: when it was asked for and what a person decided. It is part of the
+/// call's attempt, so it is bound to the attempt's permit, tool, fingerprint and key, and the
+/// attempt's one move from `approved` to `in_flight` consumes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Approval {
+    pub requested_at_ms: Millis,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decision: Option<ApprovalDecision>,
+}
+
+/// Who decided an approval, when, and how.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApprovalDecision {
+    pub approved: bool,
+    /// The admin's name (with the person an authenticating proxy named: `proxy:person`).
+    pub by: String,
+    pub at_ms: Millis,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+/// An approval as the admin API, the CLI and signed receipts show it: times in RFC 3339,
+/// the decision by name (`approved`, `rejected`, or none while a person has not decided).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApprovalView {
+    pub requested_at: String,
+    #[serde(default)]
+    pub decision: Option<String>,
+    #[serde(default)]
+    pub decided_by: Option<String>,
+    #[serde(default)]
+    pub decided_at: Option<String>,
+    #[serde(default)]
+    pub note: Option<String>,
+}
+
+impl From<&Approval> for ApprovalView {
+    fn from(a: &Approval) -> Self {
+        let d = a.decision.as_ref();
+        ApprovalView {
+            requested_at: crate::clock::rfc3339(a.requested_at_ms),
+            decision: d.map(|d| if d.approved { "approved" } else { "rejected" }.to_string()),
+            decided_by: d.map(|d| d.by.clone()),
+            decided_at: d.map(|d| crate::clock::rfc3339(d.at_ms)),
+            note: d.and_then(|d| d.note.clone()),
+        }
+    }
 }
 
 /// Which credential (name and version) a dispatch carried; kept with its attempt. How the
@@ -449,6 +565,7 @@ impl Attempt {
             dispatch_body_sha256: None,
             arguments: None,
             credential: None,
+            approval: None,
         }
     }
 }
@@ -499,7 +616,7 @@ mod tests {
         assert!(AwaitingInput.leased() && InFlight.leased() && !Accepted.leased());
         assert_eq!(
             AttemptState::sql_list(AttemptState::reserves_budget),
-            "('in_flight','awaiting_input')"
+            "('in_flight','awaiting_input','awaiting_approval','approved')"
         );
     }
 
@@ -508,25 +625,28 @@ mod tests {
         let with = |rule: fn(AttemptState) -> bool| AttemptState::sql_list(rule);
         assert_eq!(
             with(AttemptState::holds_slot),
-            "('in_flight','completed','uncertain','resolved_executed','awaiting_input','accepted')"
+            "('in_flight','completed','uncertain','resolved_executed','awaiting_input','accepted','awaiting_approval','approved')"
         );
         assert_eq!(
             with(AttemptState::spends_budget),
             "('completed','uncertain','resolved_executed','accepted')"
         );
-        assert_eq!(with(AttemptState::leased), "('in_flight','awaiting_input')");
+        assert_eq!(
+            with(AttemptState::leased),
+            "('in_flight','awaiting_input','awaiting_approval','approved')"
+        );
         assert_eq!(
             with(AttemptState::replays),
             "('completed','resolved_executed','accepted')"
         );
         assert_eq!(
             with(AttemptState::gave_back),
-            "('released','resolved_not_executed','refused_at_tool')"
+            "('released','resolved_not_executed','refused_at_tool','approval_rejected','approval_expired')"
         );
         // Whatever a report, a lease or a resolution may still move stays: the purge keeps it.
         assert_eq!(
             with(AttemptState::settled),
-            "('completed','released','resolved_executed','resolved_not_executed','accepted','refused_at_tool')"
+            "('completed','released','resolved_executed','resolved_not_executed','accepted','refused_at_tool','approval_rejected','approval_expired')"
         );
     }
 

@@ -13,7 +13,7 @@ use thiserror::Error;
 
 use crate::clock::{self, Millis};
 use crate::error::LedgerError;
-use crate::model::{CallRules, CostRule, Permit, Policy};
+use crate::model::{ApprovalRule, CallRules, CostRule, Permit, Policy};
 use crate::token;
 
 /// Default replay retention of a permit.
@@ -38,6 +38,9 @@ pub enum PermitError {
     /// The tool whose fixed cost is larger than a store keeps.
     #[error("cost for {0:?} is too large")]
     CostTooLarge(String),
+    /// The tool (`*`: the default) whose approval amount no cost can exceed.
+    #[error("approval cost_above for {0:?} is too large")]
+    ApprovalAmountTooLarge(String),
     #[error("bad duration {text:?}: {reason}")]
     UnreadableRetention { text: String, reason: String },
     #[error("duration {0:?} is too long")]
@@ -88,6 +91,16 @@ impl CallRules {
                     return Err(PermitError::CostTooLarge(tool.clone()));
                 }
                 CostRule::Pointer(_) | CostRule::Fixed(_) => {}
+            }
+        }
+        let approvals = self
+            .approval
+            .iter()
+            .map(|(tool, rule)| (tool.as_str(), rule))
+            .chain(self.approval_default.iter().map(|rule| ("*", rule)));
+        for (tool, rule) in approvals {
+            if matches!(rule, ApprovalRule::CostAbove(n) if i64::try_from(*n).is_err()) {
+                return Err(PermitError::ApprovalAmountTooLarge(tool.to_string()));
             }
         }
         Ok(())
@@ -217,6 +230,12 @@ impl PolicyBuilder {
 
     pub fn duplicate_guard(mut self, mode: crate::model::GuardMode) -> Self {
         self.0.rules.duplicate_guard = mode;
+        self
+    }
+
+    /// The approval rule of one tool.
+    pub fn approval(mut self, tool: &str, rule: ApprovalRule) -> Self {
+        self.0.rules.approval.insert(tool.into(), rule);
         self
     }
 

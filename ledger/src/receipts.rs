@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::clock::{rfc3339, Millis};
 use crate::error::LedgerError;
 use crate::keys::SigningKey;
-use crate::model::{Attempt, Resolution};
+use crate::model::{ApprovalView, Attempt, Resolution};
 use crate::token::sha256_hex;
 
 /// The JWS `typ` of a receipt (RFC 8725 §3.11: explicit typing, so a receipt is never taken
@@ -93,6 +93,10 @@ pub struct ReceiptClaims {
     pub finished_at: Option<String>,
     pub pruned_at: Option<String>,
     pub resolution: Option<ReceiptResolution>,
+    /// The person's approval the call waited for, and who gave (or refused) it; absent for a
+    /// call that needed none (docs/approvals.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<ApprovalView>,
 }
 
 impl ReceiptClaims {
@@ -126,6 +130,7 @@ impl ReceiptClaims {
             finished_at: a.finished_at_ms.map(rfc3339),
             pruned_at: a.pruned_at_ms.map(rfc3339),
             resolution: a.resolution.as_ref().map(ReceiptResolution::from),
+            approval: a.approval.as_ref().map(ApprovalView::from),
         }
     }
 }

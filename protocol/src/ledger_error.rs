@@ -27,6 +27,8 @@ closed_set! {
         AdminElsewhere => "admin_elsewhere", 404;
         /// A resolution of an attempt that is not uncertain.
         NotUncertain => "not_uncertain", 409;
+        /// A decision on an approval whose attempt is not waiting for one (or lapsed).
+        NotAwaitingApproval => "not_awaiting_approval", 409;
         /// A credential registered or named on a ledger started without a credential key.
         CredentialKeyUnset => "credential_key_unset", 409;
         /// Too many failed authentications from the caller's address (with `Retry-After`).

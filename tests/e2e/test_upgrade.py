@@ -40,8 +40,8 @@ from tests.support.recording_upstream import RecordingUpstream
 from tests.support.stack import ROOT, Envoy, Ledger, free_port, http_get, ledger_binary, wait_until
 
 UPSTREAM_SECRET = "upgrade-upstream-secret-0123456789"
-RELEASED_SCHEMA = 11
-NEXT_SCHEMA = 12
+RELEASED_SCHEMA = 12
+NEXT_SCHEMA = 13
 WORKERS = 4
 # Calls each replica must decide after a swap before the next step: both versions served.
 CALLS_PER_STEP = 40
@@ -197,7 +197,7 @@ def test_rolling_upgrade_to_the_next_schema_under_load(log_dir, data_root, datab
     try:
         for r in running:
             r.start()
-        assert schema_versions(database_url, schema)[-1] == (RELEASED_SCHEMA, 4)
+        assert schema_versions(database_url, schema)[-1] == (RELEASED_SCHEMA, RELEASED_SCHEMA)
         envoy = Envoy(log_dir, upstream.port, [a.port, b.port], name="envoy-upgrade", plugin_overrides={
             "ledger": {"service_token": a.service_token},
             "upstream_key": {"mode": "hmac", "secret": UPSTREAM_SECRET},

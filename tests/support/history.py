@@ -241,7 +241,8 @@ def pg_rows(url: str, schema: str) -> list[dict]:
 def recount_mismatches(url: str, schema: str) -> list[str]:
     """The O(1) counters against a recount from the attempts (the state lists of
     AttemptState::holds_slot, reserves_budget, spends_budget): every mismatching row."""
-    slots = "('in_flight','completed','uncertain','resolved_executed','awaiting_input','accepted')"
+    slots = ("('in_flight','completed','uncertain','resolved_executed','awaiting_input','accepted',"
+             "'awaiting_approval','approved')")
     sql = f"""
     SELECT 'slots ' || coalesce(u.permit_id, r.permit_id) || ' ' || coalesce(u.tool, r.tool)
            || ': stored ' || coalesce(u.slots_held, 0) || ', recount ' || coalesce(r.n, 0)
@@ -254,7 +255,8 @@ def recount_mismatches(url: str, schema: str) -> list[str]:
            || coalesce(b.reserved, 0) || '/' || coalesce(b.spent, 0)
     FROM {schema}.permits p
     LEFT JOIN (SELECT permit_id,
-                      sum(cost) FILTER (WHERE state IN ('in_flight','awaiting_input')) AS reserved,
+                      sum(cost) FILTER (WHERE state IN ('in_flight','awaiting_input','awaiting_approval',
+                                                        'approved')) AS reserved,
                       sum(cost) FILTER (WHERE state IN ('completed','uncertain','resolved_executed',
                                                         'accepted')) AS spent
                FROM {schema}.attempts GROUP BY permit_id) b ON b.permit_id = p.id

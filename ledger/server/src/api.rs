@@ -10,7 +10,7 @@ use atmost_ledger::clock::{self, Millis};
 use atmost_ledger::credentials::CredentialUse;
 use atmost_ledger::keys::PublicSigningKey;
 use atmost_ledger::model::{
-    Attempt, AttemptState, CallRules, KeyCarriers, Permit, PermitDetail, Resolution,
+    ApprovalView, Attempt, AttemptState, CallRules, KeyCarriers, Permit, PermitDetail, Resolution,
     ResolutionSource,
 };
 
@@ -211,6 +211,10 @@ pub struct AttemptView {
     /// its permit names none, or for an attempt stored before it was kept.
     #[serde(default)]
     pub credential: Option<CredentialUse>,
+    /// The person's approval the call waited for (docs/approvals.md); absent for a call that
+    /// needed none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<ApprovalView>,
 }
 
 impl AttemptView {
@@ -235,6 +239,7 @@ impl AttemptView {
             forwarded_key_carriers: a.forwarded_key_carriers,
             arguments: a.arguments.as_deref().map(|t| redaction.show(t)),
             credential: a.credential.clone(),
+            approval: a.approval.as_ref().map(ApprovalView::from),
         }
     }
 }

@@ -84,6 +84,7 @@ async fn start_in(
         auth_limit: Default::default(),
         purge_ended_permits_after: None,
         credential_key: None,
+        approvals: Default::default(),
     };
     configure(&mut config);
     let state = Arc::new(AppState::new(

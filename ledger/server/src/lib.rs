@@ -6,6 +6,7 @@
 pub mod access;
 pub mod admins;
 pub mod api;
+pub mod approvals;
 pub mod auth_limit;
 pub mod cli;
 pub mod config_check;

@@ -99,6 +99,15 @@ pub struct Metrics {
     pub tls_handshake_failures: IntCounter,
     /// 1 while the admin tokens file on disk was refused and the previous admins are in force.
     pub admin_tokens_reload_failing: IntGauge,
+    /// People's decisions on approvals, by decision (approved, rejected).
+    pub approval_decisions: IntCounterVec,
+    /// Seconds from a call's approval request to a person's decision.
+    pub approval_decision_seconds: Histogram,
+    /// Requests and approvals the sweeper expired (`approval_expired`).
+    pub approvals_expired: IntCounter,
+    /// How long the oldest call waiting for approval has waited (0 when none is), read from
+    /// the store when scraped.
+    pub approval_oldest_waiting_seconds: Gauge,
 }
 
 fn m<T>(r: Result<T, prometheus::Error>) -> Result<T, LedgerError> {
@@ -256,6 +265,30 @@ impl Metrics {
             "1 while the admin tokens file on disk is refused and the admins read before stay in force, else 0.",
         ))?;
         m(registry.register(Box::new(admin_tokens_reload_failing.clone())))?;
+        let approval_decisions = counter_vec(
+            "atmost_approval_decisions_total",
+            "People's decisions on calls waiting for approval, by decision (approved, rejected).",
+            &["decision"],
+        )?;
+        let approval_decision_seconds = m(Histogram::with_opts(
+            HistogramOpts::new(
+                "atmost_approval_decision_seconds",
+                "Seconds from a call's approval request to a person's decision.",
+            )
+            .buckets(vec![
+                5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+            ]),
+        ))?;
+        m(registry.register(Box::new(approval_decision_seconds.clone())))?;
+        let approvals_expired = counter(
+            "atmost_approvals_expired_total",
+            "Calls waiting for approval nobody decided in time, and approvals not used in time, expired by the sweeper (slot and cost back).",
+        )?;
+        let approval_oldest_waiting_seconds = m(Gauge::new(
+            "atmost_approval_oldest_waiting_seconds",
+            "Seconds the oldest call waiting for a person's approval has waited (0 when none is), read from the store when scraped (at most once a second).",
+        ))?;
+        m(registry.register(Box::new(approval_oldest_waiting_seconds.clone())))?;
         Ok(Metrics {
             registry,
             authorize,
@@ -287,6 +320,10 @@ impl Metrics {
             tls_reload_failing,
             tls_handshake_failures,
             admin_tokens_reload_failing,
+            approval_decisions,
+            approval_decision_seconds,
+            approvals_expired,
+            approval_oldest_waiting_seconds,
         })
     }
 

@@ -33,6 +33,7 @@ use crate::api::{
     CreatePermitResponse, KeyListResponse, KeyRotateResponse, KeyView, PermitListResponse,
     PermitResponse, PermitShowResponse, PermitView, ReceiptExportResponse, SessionsRevokeResponse,
 };
+use crate::approvals;
 use crate::credentials;
 use crate::inbox;
 use crate::resolution::resolved;
@@ -107,6 +108,7 @@ pub fn admin_router(state: Shared) -> Router {
             api::ADMIN_INBOX_SESSIONS_REVOKE_PATH,
             post(revoke_inbox_sessions),
         )
+        .merge(approvals::routes())
         .route_layer(middleware::from_fn_with_state(state.clone(), require_admin))
         .merge(inbox::routes())
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -211,7 +213,7 @@ async fn authorize(
     let now = state.clock.now_ms();
     let decision = match state
         .store
-        .authorize_with(&req, used.clone(), state.lease_ms(), now, deadline)
+        .authorize_with(&req, used.clone(), state.leases(), now, deadline)
         .await
     {
         Ok(d) => d,
@@ -225,6 +227,12 @@ async fn authorize(
     };
     // Signed after the store answered: no permit's lock is held while it signs, and only over
     // the body the attempt it wrote records.
+    if let Mutation::Reserve(a) = &decision.mutation {
+        if a.state == AttemptState::AwaitingApproval {
+            info!(permit_id, tool = %req.tool, attempt_id = %a.id, cost = a.cost,
+                "approval requested: the call waits for a person, nothing sent");
+        }
+    }
     let recorded_body = match &decision.mutation {
         Mutation::Reserve(a) | Mutation::Update(a) => a.dispatch_body_sha256.clone(),
         Mutation::None => None,

@@ -14,6 +14,7 @@ use crate::redact::Redaction;
 use crate::signer::Signer;
 use atmost_ledger::clock::Clock;
 use atmost_ledger::credentials::CredentialKey;
+use atmost_ledger::decide::Leases;
 use atmost_ledger::error::LedgerError;
 use atmost_ledger::model::KeyCarrier;
 use atmost_ledger::store::Store;
@@ -46,6 +47,37 @@ pub struct ServerConfig {
     /// The key the credentials in the ledger's custody are sealed under
     /// (`--credential-key-file`, `ATMOST_CREDENTIAL_KEY`); without it the ledger keeps none.
     pub credential_key: Option<Arc<CredentialKey>>,
+    /// Approvals' lapse times and who may name the person deciding (docs/approvals.md).
+    pub approvals: ApprovalConfig,
+}
+
+/// The approval settings (`atmost ledger --approval-…`, `--admin-identity-…`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApprovalConfig {
+    /// How long a request waits for a person's decision (`--approval-wait`).
+    pub wait: Duration,
+    /// How long an approval waits for the agent's retry (`--approval-use-within`).
+    pub use_within: Duration,
+    /// The authenticating proxy whose header names the person deciding, if one is trusted.
+    pub identity: Option<IdentityProxy>,
+}
+
+impl Default for ApprovalConfig {
+    fn default() -> Self {
+        ApprovalConfig {
+            wait: Duration::from_millis(Leases::DEFAULT_APPROVAL_WAIT_MS),
+            use_within: Duration::from_secs(600),
+            identity: None,
+        }
+    }
+}
+
+/// An authenticating proxy in front of the admin port: the admin whose token it alone holds,
+/// and the header it names the signed-in person in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdentityProxy {
+    pub admin: String,
+    pub header: axum::http::HeaderName,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -63,6 +95,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("auth_limit", &self.auth_limit)
             .field("purge_ended_permits_after", &self.purge_ended_permits_after)
             .field("credential_key", &self.credential_key)
+            .field("approvals", &self.approvals)
             .finish()
     }
 }
@@ -178,8 +211,20 @@ impl AppState {
     }
 
     pub(crate) fn lease_ms(&self) -> u64 {
-        u64::try_from(self.config.lease.as_millis()).unwrap_or(u64::MAX)
+        millis(self.config.lease)
     }
+
+    /// The call lease and the approval wait every decision is made with.
+    pub(crate) fn leases(&self) -> Leases {
+        Leases {
+            call_ms: self.lease_ms(),
+            approval_wait_ms: millis(self.config.approvals.wait),
+        }
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 pub type Shared = Arc<AppState>;

@@ -24,6 +24,7 @@ pub async fn sweep_once(state: &AppState) {
     match state.store.sweep(now).await {
         Ok(r) => {
             state.metrics.leases_expired.inc_by(r.leases_expired);
+            state.metrics.approvals_expired.inc_by(r.approvals_expired);
             state.metrics.receipts_pruned.inc_by(r.receipts_pruned);
             if r.leases_expired > 0 || r.receipts_pruned > 0 {
                 info!(
@@ -116,6 +117,23 @@ pub async fn read_store_gauges(state: &AppState) {
                 .with_label_values(&["oldest_uncertain"])
                 .inc();
             error!(error = %e, "oldest uncertain attempt could not be read");
+        }
+    }
+    match state.store.oldest_awaiting_approval().await {
+        Ok(oldest) => {
+            let ms = oldest.map_or(0, |t| now.saturating_sub(t).max(0));
+            state
+                .metrics
+                .approval_oldest_waiting_seconds
+                .set(ms as f64 / 1000.0);
+        }
+        Err(e) => {
+            state
+                .metrics
+                .store_errors
+                .with_label_values(&["oldest_awaiting_approval"])
+                .inc();
+            error!(error = %e, "oldest call awaiting approval could not be read");
         }
     }
 }

@@ -191,6 +191,7 @@ fn the_same_key_after_a_proven_refusal_is_a_new_call() {
     };
     let params = DecideParams {
         lease_ms: 60_000,
+        approval_wait_ms: 900_000,
         new_attempt_id: "att_new".into(),
         new_capability: "cap-new".into(),
         credential: None,

@@ -1,14 +1,15 @@
 //! The decision table of docs/design.md#the-decision-table, one function per rule in the
 //! table's order: [`authenticate`] (1), [`key_shape`] (2), [`by_the_keys_attempt`] (3), the
 //! checks of a new call (4: [`permit_expired`], [`tool_not_allowed`], [`key_missing`],
-//! [`cap_reached`], [`cost_of`], [`over_budget`], [`duplicate_guard`]) and `reserve` (5).
+//! [`cap_reached`], [`cost_of`], [`over_budget`], [`duplicate_guard`], and the approval the
+//! permit may ask for, [`approval_needed`](super::approval::approval_needed)) and `reserve` (5).
 //! A check returns the denial that ends the decision, or `None` to go on.
 
 use atmost_protocol::{AuthorizeRequest, AuthorizeResponse, Denial, DenialCode};
 use serde_json::Value;
 
 use super::{
-    DecideParams, Decision, Mutation, Notice, Snapshot, MAX_KEY_LEN, MAX_RETRY_AFTER_SECS,
+    approval, DecideParams, Decision, Mutation, Notice, Snapshot, MAX_KEY_LEN, MAX_RETRY_AFTER_SECS,
 };
 use crate::clock::Millis;
 use crate::model::{Attempt, AttemptState, BudgetTotals, CallRules, CostRule, GuardMode, Permit};
@@ -156,6 +157,12 @@ pub fn by_the_keys_attempt(
         AttemptState::Released | AttemptState::ResolvedNotExecuted | AttemptState::RefusedAtTool => {
             None
         }
+        AttemptState::AwaitingApproval
+        | AttemptState::Approved
+        | AttemptState::ApprovalRejected
+        | AttemptState::ApprovalExpired => {
+            Some(approval::by_approval(existing, permit, req, params, now))
+        }
     }
 }
 
@@ -252,10 +259,19 @@ fn new_call(
         return Decision::deny(denial);
     }
     let key_hash = key_hash(req);
-    match duplicate_guard(permit, req, snap, key_hash.as_deref()) {
-        Ok(notices) => reserve(permit, req, params, cost, key_hash, notices, snap.now_ms),
-        Err(refused) => *refused,
-    }
+    let notices = match duplicate_guard(permit, req, snap, key_hash.as_deref()) {
+        Ok(notices) => notices,
+        Err(refused) => return *refused,
+    };
+    let attempt = new_attempt(permit, req, params, cost, key_hash, snap.now_ms);
+    // Rule 4.8: a person approves it first; the reservation is the same, the dispatch waits.
+    let mut decision = if approval::approval_needed(rules, &req.tool, cost) {
+        approval::await_approval(attempt, params, snap.now_ms)
+    } else {
+        reserve(permit, params, attempt)
+    };
+    decision.notices = notices;
+    decision
 }
 
 /// Rule 4.1 (and the continuation's only check): the permit has expired.
@@ -374,16 +390,25 @@ pub fn duplicate_guard(
 
 /// Rule 5, reserve: a new `in_flight` attempt takes a slot and the cost before anything is
 /// sent, with a lease, round 1 and a fresh capability; the answer is dispatch.
-fn reserve(
+fn reserve(permit: &Permit, params: &DecideParams, attempt: Attempt) -> Decision {
+    Decision {
+        response: dispatch(&attempt.id, permit, params, 1),
+        mutation: Mutation::Reserve(attempt),
+        notices: Vec::new(),
+        headroom: None,
+    }
+}
+
+/// The attempt a new call reserves: `in_flight`, round 1, a fresh capability and a lease.
+fn new_attempt(
     permit: &Permit,
     req: &AuthorizeRequest,
     params: &DecideParams,
     cost: u64,
     key_hash: Option<String>,
-    notices: Vec<Notice>,
     now: Millis,
-) -> Decision {
-    let attempt = Attempt {
+) -> Attempt {
+    Attempt {
         id: params.new_attempt_id.clone(),
         permit_id: permit.id.clone(),
         tool: req.tool.clone(),
@@ -407,18 +432,13 @@ fn reserve(
         arguments: (!req.arguments.is_null()).then(|| req.arguments.to_string()),
         dispatch_body_sha256: dispatch_body(req),
         credential: params.credential.clone(),
-    };
-    Decision {
-        response: dispatch(&attempt.id, permit, params, 1),
-        mutation: Mutation::Reserve(attempt),
-        notices,
-        headroom: None,
+        approval: None,
     }
 }
 
 /// The dispatch answer for `round` of an attempt; the limits, signature and credential are
 /// filled in after the decision.
-fn dispatch(
+pub(super) fn dispatch(
     attempt_id: &str,
     permit: &Permit,
     params: &DecideParams,
@@ -436,12 +456,12 @@ fn dispatch(
     }
 }
 
-fn lease_of(params: &DecideParams) -> Millis {
+pub(super) fn lease_of(params: &DecideParams) -> Millis {
     i64::try_from(params.lease_ms).unwrap_or(i64::MAX)
 }
 
 /// The SHA-256 of the body a dispatch of `req` is signed over, which its attempt records for
 /// the round (docs/signatures.md#signed-receipts).
-fn dispatch_body(req: &AuthorizeRequest) -> Option<String> {
+pub(super) fn dispatch_body(req: &AuthorizeRequest) -> Option<String> {
     req.dispatch.as_ref().map(|d| d.body_sha256.clone())
 }

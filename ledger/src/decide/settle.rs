@@ -75,10 +75,18 @@ pub fn resolve(a: &Attempt, input: &ResolveInput, now: Millis) -> Result<Attempt
 }
 
 /// The sweeper: an `in_flight` or `awaiting_input` attempt past its lease becomes
-/// `uncertain` (never `released`). Modelled in `ledger/model/atmost.pml` (`EXPIRE`).
+/// `uncertain` (never `released`). Modelled in `ledger/model/atmost.pml` (`EXPIRE`). A call
+/// waiting for a person's approval, or approved and not used, past its lapse time becomes
+/// `approval_expired` instead: it gives its slot back, as nothing of it was sent.
 pub fn expire_lease(a: &Attempt, now: Millis) -> Option<Attempt> {
     if !a.state.leased() || now < a.lease_expires_at_ms {
         return None;
+    }
+    if matches!(
+        a.state,
+        AttemptState::AwaitingApproval | AttemptState::Approved
+    ) {
+        return Some(super::approval::expired(a, now));
     }
     let mut next = a.clone();
     next.reason = Some(

@@ -17,8 +17,8 @@ use atmost_protocol::{AuthorizeRequest, OutcomeAck, OutcomeReport};
 
 use crate::clock::{Deadline, Millis};
 use crate::credentials::{CredentialUse, StoredCredential};
-use crate::decide::{Decision, ResolveInput};
-use crate::error::{LedgerError, ResolveError};
+use crate::decide::{ApprovalInput, Decision, Leases, ResolveInput};
+use crate::error::{ApprovalError, LedgerError, ResolveError};
 use crate::keys::{Rotation, SigningKey};
 use crate::model::{Attempt, AttemptState, Permit};
 
@@ -54,8 +54,22 @@ pub struct AttemptFilter {
 pub struct SweepReport {
     /// `in_flight` attempts past their lease turned `uncertain`.
     pub leases_expired: u64,
+    /// Calls waiting for a person's approval, or approved and not used, past their lapse time
+    /// turned `approval_expired`.
+    pub approvals_expired: u64,
     /// Receipts past retention dropped to a tombstone.
     pub receipts_pruned: u64,
+}
+
+impl SweepReport {
+    /// Counts one attempt the sweeper moved, by where it went.
+    pub fn count_expiry(&mut self, next: &Attempt) {
+        if next.state == AttemptState::ApprovalExpired {
+            self.approvals_expired += 1;
+        } else {
+            self.leases_expired += 1;
+        }
+    }
 }
 
 /// How an outcome report was taken, with the state the attempt had before (for logs).
@@ -99,12 +113,13 @@ pub trait Decisions: Send + Sync {
         &self,
         req: &AuthorizeRequest,
         credential: Option<CredentialUse>,
-        lease_ms: u64,
+        leases: Leases,
         now: Millis,
         deadline: Deadline,
     ) -> Result<Decision, LedgerError>;
 
-    /// [`Decisions::authorize_with`] for a permit that names no credential.
+    /// [`Decisions::authorize_with`] for a permit that names no credential, with a call lease
+    /// of `lease_ms` and the default wait for approvals.
     async fn authorize(
         &self,
         req: &AuthorizeRequest,
@@ -112,9 +127,18 @@ pub trait Decisions: Send + Sync {
         now: Millis,
         deadline: Deadline,
     ) -> Result<Decision, LedgerError> {
-        self.authorize_with(req, None, lease_ms, now, deadline)
+        self.authorize_with(req, None, Leases::call(lease_ms), now, deadline)
             .await
     }
+
+    /// A person's decision on a call waiting for approval (docs/approvals.md), applied under
+    /// the permit's serialization like every write of an attempt.
+    async fn decide_approval(
+        &self,
+        id: &str,
+        input: &ApprovalInput,
+        now: Millis,
+    ) -> Result<Attempt, ApprovalError>;
 
     /// Stores a new version of the credential `c` names (its secret already sealed): version
     /// 1 for a new name, else one more than the newest, whatever `c.version` says. Two

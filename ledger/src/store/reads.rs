@@ -344,6 +344,21 @@ impl ReadSql {
         }
     }
 
+    /// When the call waiting for approval the longest was asked for. It reads
+    /// `attempts_leased` (its literal state list, then narrowed): the waiting calls are among
+    /// the few attempts a lapse time holds.
+    pub fn oldest_awaiting_approval(&self) -> Statement {
+        Statement {
+            sql: format!(
+                "SELECT MIN(a.created_at) FROM attempts a WHERE a.state IN {} \
+                 AND a.state = 'awaiting_approval'",
+                AttemptState::sql_list(AttemptState::leased)
+            ),
+            params: Vec::new(),
+            rows: RowShape::Numbers { columns: 1 },
+        }
+    }
+
     /// The active signing key, its private half included (at most one row: a unique index
     /// holds the active keys).
     pub fn active_signing_key(&self) -> Statement {
@@ -487,6 +502,10 @@ pub trait Reads: Send + Sync {
 
     /// When the attempt that has been `uncertain` the longest turned so; `None` when none is.
     async fn oldest_uncertain(&self) -> Result<Option<Millis>, LedgerError>;
+
+    /// When the call waiting for a person's approval the longest was asked for; `None` when
+    /// none is waiting.
+    async fn oldest_awaiting_approval(&self) -> Result<Option<Millis>, LedgerError>;
 
     /// The signing key that signs now, `None` when no key is active. A row that does not
     /// hold a usable key is [`LedgerError::Corrupt`].
@@ -639,6 +658,17 @@ impl<S: ReadQueries + ?Sized> Reads for S {
 
     async fn oldest_uncertain(&self) -> Result<Option<Millis>, LedgerError> {
         let [oldest] = run(self, [ReadSql::new(self.dialect()).oldest_uncertain()]).await?;
+        Ok(oldest
+            .numbers()?
+            .into_iter()
+            .next()
+            .and_then(|row| row.into_iter().next())
+            .flatten())
+    }
+
+    async fn oldest_awaiting_approval(&self) -> Result<Option<Millis>, LedgerError> {
+        let statement = ReadSql::new(self.dialect()).oldest_awaiting_approval();
+        let [oldest] = run(self, [statement]).await?;
         Ok(oldest
             .numbers()?
             .into_iter()

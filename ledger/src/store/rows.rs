@@ -11,7 +11,7 @@
 
 use crate::credentials::{CredentialForm, CredentialUse, StoredCredential};
 use crate::error::LedgerError;
-use crate::model::{Attempt, KeyCarriers, Permit, Resolution, ResolutionSource};
+use crate::model::{Approval, Attempt, KeyCarriers, Permit, Resolution, ResolutionSource};
 use crate::store::record::record;
 
 record! {
@@ -147,7 +147,10 @@ record! {
         /// `NULL` before version 11, and for rounds dispatched without a signature.
         dispatch_body_sha256: Option<String>, Both;
         /// [`CredentialUse::to_column`]; `NULL` (none, or written before version 11) is none.
-        credential: Option<String>, Insert;
+        /// Written again when an approved attempt is dispatched (it carries one from then).
+        credential: Option<String>, Both;
+        /// The [`Approval`] as JSON; `NULL` (none, or written before version 12) is none.
+        approval: Option<String>, Both;
     }
 }
 
@@ -197,6 +200,7 @@ impl AttemptRow {
             forwarded_key_carriers: carriers_column(a.forwarded_key_carriers),
             dispatch_body_sha256: a.dispatch_body_sha256.clone(),
             credential: a.credential.as_ref().map(CredentialUse::to_column),
+            approval: a.approval.as_ref().map(serde_json::to_string).transpose()?,
         })
     }
 }
@@ -255,6 +259,12 @@ impl TryFrom<AttemptRow> for Attempt {
                 .as_deref()
                 .map(CredentialUse::from_column)
                 .transpose()?,
+            approval: row
+                .approval
+                .as_deref()
+                .map(serde_json::from_str::<Approval>)
+                .transpose()
+                .map_err(|e| LedgerError::Corrupt(format!("attempt approval: {e}")))?,
         })
     }
 }
@@ -294,6 +304,7 @@ mod tests {
             forwarded_key_carriers: Some("header,params._meta".into()),
             dispatch_body_sha256: None,
             credential: Some("pay:2".into()),
+            approval: None,
         }
     }
 
@@ -335,7 +346,7 @@ mod tests {
         assert_eq!(AttemptRow::of(&a).unwrap(), r);
         assert_eq!(ATTEMPT_TABLE.len(), AttemptRow::NCOLS);
         assert!(ATTEMPT_COLS.starts_with("a.id, a.permit_id, "));
-        assert!(ATTEMPT_COLS.ends_with(", a.dispatch_body_sha256, a.credential"));
+        assert!(ATTEMPT_COLS.ends_with(", a.dispatch_body_sha256, a.credential, a.approval"));
     }
 
     #[test]

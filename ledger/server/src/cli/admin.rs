@@ -2,7 +2,8 @@
 //! answer printed.
 
 use super::args::{
-    AttemptsCommand, CredentialCommand, InboxCommand, KeysCommand, PermitCommand, SessionsCommand,
+    ApprovalCommand, AttemptsCommand, CredentialCommand, InboxCommand, KeysCommand, PermitCommand,
+    SessionsCommand,
 };
 use super::client::{urlencode, Client};
 use super::print::{opt, print_attempt, print_attempt_row, print_json, print_keys, print_permit};
@@ -12,6 +13,7 @@ use crate::api::{
     PermitListResponse, PermitResponse, PermitShowResponse, ReceiptExportResponse,
     SessionsRevokeResponse,
 };
+use crate::approvals::{ApprovalListResponse, DecisionBody};
 use atmost_ledger::decide::ResolveInput;
 use atmost_ledger::model::AttemptState;
 
@@ -92,6 +94,48 @@ pub(super) fn run_permit(c: &Client, json: bool, cmd: PermitCommand) -> Result<(
             );
         }
     }
+    Ok(())
+}
+
+pub(super) fn run_approval(c: &Client, json: bool, cmd: ApprovalCommand) -> Result<(), CliError> {
+    let (id, note, verb) = match cmd {
+        ApprovalCommand::List { state, permit } => {
+            let q = attempt_query(state, permit, None);
+            let (resp, raw): (ApprovalListResponse, _) =
+                c.get(crate::approvals::ADMIN_APPROVALS_PATH, &q)?;
+            if json {
+                return print_json(&raw);
+            }
+            println!(
+                "{:<37} {:<28} {:<22} {:<24} {:>6} {:<24} LAPSES",
+                "ID", "PERMIT", "STATE", "TOOL", "COST", "ASKED"
+            );
+            for a in &resp.approvals {
+                println!(
+                    "{:<37} {:<28} {:<22} {:<24} {:>6} {:<24} {}",
+                    a.id,
+                    a.permit_id,
+                    a.state.as_str(),
+                    a.tool,
+                    a.cost,
+                    a.created_at,
+                    a.lease_expires_at
+                );
+            }
+            return Ok(());
+        }
+        ApprovalCommand::Approve { id, note } => (id, note, "approve"),
+        ApprovalCommand::Reject { id, note } => (id, note, "reject"),
+    };
+    let (resp, raw): (AttemptResponse, _) = c.post(
+        &format!("/admin/v1/approvals/{}/{verb}", urlencode(&id)),
+        &DecisionBody { note },
+    )?;
+    if json {
+        return print_json(&raw);
+    }
+    println!("attempt {} is now {}", resp.attempt.id, resp.attempt.state);
+    print_attempt(&resp.attempt);
     Ok(())
 }
 

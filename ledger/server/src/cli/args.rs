@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::api::CreatePermitRequest;
-use atmost_ledger::model::{AttemptState, CallRules, CostRule, GuardMode};
+use atmost_ledger::model::{ApprovalRule, AttemptState, CallRules, CostRule, GuardMode};
 use atmost_ledger::policy::PolicySpec;
 
 #[derive(Debug, Parser)]
@@ -43,6 +43,12 @@ pub enum Command {
     Attempts {
         #[command(subcommand)]
         command: AttemptsCommand,
+    },
+    /// List, approve and reject calls waiting for a person's approval (admin API;
+    /// docs/approvals.md).
+    Approval {
+        #[command(subcommand)]
+        command: ApprovalCommand,
     },
     /// Register, rotate and list the tool credentials in the ledger's custody (admin API).
     Credential {
@@ -174,6 +180,31 @@ pub struct LedgerArgs {
     /// uncertain even if its answer then arrives.
     #[arg(long, env = "ATMOST_LEASE", default_value = DEFAULT_LEASE, value_parser = humantime::parse_duration)]
     pub lease: Duration,
+    /// How long a call that needs a person's approval waits for the decision, holding its slot
+    /// and cost, before it lapses (`approval_expired`); 1 s to 7 days (docs/approvals.md).
+    #[arg(long, env = "ATMOST_APPROVAL_WAIT", default_value = "15m", value_parser = humantime::parse_duration)]
+    pub approval_wait: Duration,
+    /// How long an approval waits for the agent's retry with the same key before it lapses
+    /// (`approval_expired`); 1 s to 7 days.
+    #[arg(long, env = "ATMOST_APPROVAL_USE_WITHIN", default_value = "10m", value_parser = humantime::parse_duration)]
+    pub approval_use_within: Duration,
+    /// With --admin-identity-from: the header an authenticating proxy in front of the admin
+    /// port names the signed-in person in (e.g. X-Forwarded-Email). Believed only on requests
+    /// that authenticate as the admin --admin-identity-from names.
+    #[arg(
+        long,
+        env = "ATMOST_ADMIN_IDENTITY_HEADER",
+        requires = "admin_identity_from"
+    )]
+    pub admin_identity_header: Option<String>,
+    /// With --admin-identity-header: the admin (its name in --admin-tokens-file, or `admin`)
+    /// whose token the authenticating proxy holds.
+    #[arg(
+        long,
+        env = "ATMOST_ADMIN_IDENTITY_FROM",
+        requires = "admin_identity_header"
+    )]
+    pub admin_identity_from: Option<String>,
     /// How long the filter waits for an authorize, for a filter that does not say so in its
     /// request (a filter sends its `ledger.timeout_ms` in the `atmost-callout-timeout-ms`
     /// header; set this to it for filters older than that header). No decision is
@@ -422,6 +453,20 @@ pub struct CreateArgs {
     /// calls; without it they carry none.
     #[arg(long)]
     pub credential: Option<String>,
+    /// A person approves one tool's new calls first: TOOL=always or TOOL=cost-above:N
+    /// (repeatable; docs/approvals.md).
+    #[arg(long = "approval", value_parser = parse_tool_approval)]
+    pub approval: Vec<(String, ApprovalRule)>,
+    /// The approval rule of tools without their own --approval: always or cost-above:N.
+    #[arg(long, value_parser = |s: &str| s.parse::<ApprovalRule>())]
+    pub approval_default: Option<ApprovalRule>,
+}
+
+pub(super) fn parse_tool_approval(s: &str) -> Result<(String, ApprovalRule), String> {
+    let (tool, rule) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected TOOL=always or TOOL=cost-above:N, got {s:?}"))?;
+    Ok((tool.trim().to_string(), rule.trim().parse()?))
 }
 
 impl CreateArgs {
@@ -445,6 +490,8 @@ impl CreateArgs {
                     cost_default: self.cost_default.unwrap_or(defaults.cost_default),
                     duplicate_guard: self.duplicate_guard.unwrap_or(defaults.duplicate_guard),
                     credential: self.credential,
+                    approval: self.approval.into_iter().collect(),
+                    approval_default: self.approval_default,
                 },
                 retention: self.retention,
             },
@@ -483,6 +530,36 @@ pub enum AttemptsCommand {
     },
     /// Resolve an uncertain attempt after checking the provider.
     Resolve(ResolveArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ApprovalCommand {
+    /// List calls in an approval state (default: waiting), oldest first.
+    List {
+        /// awaiting_approval (default), approved, approval_rejected or approval_expired.
+        #[arg(long, value_parser = |s: &str| s.parse::<AttemptState>())]
+        state: Option<AttemptState>,
+        /// Only this permit.
+        #[arg(long)]
+        permit: Option<String>,
+    },
+    /// Approve a waiting call: the agent's retry with the same key sends it, once. Recorded
+    /// under the admin whose token the CLI uses.
+    Approve {
+        /// The approval's id (its attempt's id).
+        id: String,
+        /// Why, for the record.
+        #[arg(long)]
+        note: Option<String>,
+    },
+    /// Reject a waiting call: nothing is sent, its slot and cost come back.
+    Reject {
+        /// The approval's id (its attempt's id).
+        id: String,
+        /// Why, for the record.
+        #[arg(long)]
+        note: Option<String>,
+    },
 }
 
 #[derive(Debug, Args)]

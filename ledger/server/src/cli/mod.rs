@@ -15,7 +15,7 @@ pub use client::Client;
 
 use thiserror::Error;
 
-use admin::{run_attempts, run_credential, run_inbox, run_keys, run_permit};
+use admin::{run_approval, run_attempts, run_credential, run_inbox, run_keys, run_permit};
 use serve::run_ledger;
 
 use atmost_ledger::error::LedgerError;
@@ -54,6 +54,9 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Permit { command } => {
             run_permit(&Client::new(&cli.client)?, cli.client.json, command)
+        }
+        Command::Approval { command } => {
+            run_approval(&Client::new(&cli.client)?, cli.client.json, command)
         }
         Command::Attempts { command } => {
             run_attempts(&Client::new(&cli.client)?, cli.client.json, command)

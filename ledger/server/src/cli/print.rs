@@ -129,6 +129,18 @@ pub(super) fn print_attempt(a: &AttemptView) {
     if let Some(c) = &a.credential {
         println!("credential {} v{}", c.name, c.version);
     }
+    if let Some(ap) = &a.approval {
+        println!("approval   asked {}", ap.requested_at);
+        if let (Some(d), Some(by), Some(at)) = (&ap.decision, &ap.decided_by, &ap.decided_at) {
+            println!(
+                "decided    {d} by {by} at {at}{}",
+                ap.note
+                    .as_deref()
+                    .map(|n| format!(" — {n}"))
+                    .unwrap_or_default()
+            );
+        }
+    }
     if let Some(r) = &a.resolution {
         println!(
             "resolved   {} by {} at {}{}",

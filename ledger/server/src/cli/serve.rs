@@ -3,6 +3,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
 
@@ -13,7 +14,7 @@ use crate::decision_loop::DecisionLoop;
 use crate::metrics::Metrics;
 use crate::redact::Redaction;
 use crate::server;
-use crate::state::{AppState, InboxConfig, ServerConfig};
+use crate::state::{AppState, ApprovalConfig, IdentityProxy, InboxConfig, ServerConfig};
 use crate::tls::{self, CertReloader, TlsFiles, TlsListener};
 use atmost_ledger::clock::SystemClock;
 use atmost_ledger::credentials::CredentialKey;
@@ -106,6 +107,7 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: Option<String>) -> Resul
     if args.lease.is_zero() {
         return Err(CliError::Usage("--lease must be positive".into()));
     }
+    let approvals = approval_config(&args)?;
     if args.callout_timeout.is_zero() {
         return Err(CliError::Usage("--callout-timeout must be positive".into()));
     }
@@ -169,6 +171,7 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: Option<String>) -> Resul
             auth_limit: Default::default(),
             purge_ended_permits_after: args.purge_ended_permits_after.delay(),
             credential_key,
+            approvals,
         },
         Arc::new(Metrics::new()?),
     ));
@@ -360,6 +363,49 @@ async fn open_postgres(_: &LedgerArgs, _: &str) -> Result<Arc<dyn Store>, CliErr
     Err(CliError::Usage(
         "this atmost is built without the PostgreSQL store (cargo feature `postgres`): --store must be `sqlite`".into(),
     ))
+}
+
+/// The longest `--approval-wait` and `--approval-use-within`: a week.
+const MAX_APPROVAL_TIME: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// The approval settings, checked: each lapse time 1 s to 7 days; a proxy's identity header a
+/// valid header name, believed from an admin name that is one.
+fn approval_config(args: &LedgerArgs) -> Result<ApprovalConfig, CliError> {
+    for (flag, d) in [
+        ("--approval-wait", args.approval_wait),
+        ("--approval-use-within", args.approval_use_within),
+    ] {
+        if d < Duration::from_secs(1) || d > MAX_APPROVAL_TIME {
+            return Err(CliError::Usage(format!(
+                "{flag} must be 1s to 7d, not {}",
+                humantime::format_duration(d)
+            )));
+        }
+    }
+    let identity = match (&args.admin_identity_header, &args.admin_identity_from) {
+        (Some(header), Some(admin)) => {
+            let header = axum::http::HeaderName::try_from(header.as_str()).map_err(|_| {
+                CliError::Usage(format!(
+                    "--admin-identity-header {header:?} is not a header name"
+                ))
+            })?;
+            if !crate::admins::valid_admin_name(admin) {
+                return Err(CliError::Usage(format!(
+                    "--admin-identity-from {admin:?} is not an admin name (1 to 64 bytes of A-Z a-z 0-9 . _ @ -)"
+                )));
+            }
+            Some(IdentityProxy {
+                admin: admin.clone(),
+                header,
+            })
+        }
+        _ => None,
+    };
+    Ok(ApprovalConfig {
+        wait: args.approval_wait,
+        use_within: args.approval_use_within,
+        identity,
+    })
 }
 
 /// The credential key from `--credential-key-file` or `--credential-key` (at most one may be

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use atmost_ledger::clock::{self, Millis};
-use atmost_ledger::model::{Attempt, AttemptState};
+use atmost_ledger::model::{Approval, Attempt, AttemptState};
 
 use crate::api::PermitShowResponse;
 
@@ -180,8 +180,12 @@ atmost_protocol::closed_set! {
     /// What a mark on an attempt's timeline stands for (its class on the page).
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub enum MarkKind {
-        /// Round 1 dispatched: the attempt was created.
+        /// Round 1 dispatched: the attempt was created (or its approval used).
         Sent => "sent";
+        /// The permit asked a person to approve the call (the attempt was created).
+        Asked => "asked";
+        /// A person approved or rejected it.
+        Decided => "decided";
         /// A continuation round dispatched (known for the current round while in flight).
         Dispatched => "dispatched";
         /// The current round's outcome: the state the attempt entered.
@@ -299,18 +303,77 @@ fn outcome_words(a: &Attempt) -> (String, String) {
             "refused at the tool".into(),
             format!("Refused by the verifier at the tool, which proved it: the tool never ran it, the slot and budget came back{why}"),
         ),
+        AttemptState::AwaitingApproval => (
+            "awaiting approval".into(),
+            "Waiting for a person's approval: its slot and cost held, nothing sent".into(),
+        ),
+        AttemptState::Approved => (
+            "approved".into(),
+            "Approved: the agent's retry with the same key sends it, once".into(),
+        ),
+        AttemptState::ApprovalRejected => (
+            "rejected".into(),
+            "Rejected by a person: nothing sent, the slot and budget came back".into(),
+        ),
+        AttemptState::ApprovalExpired => (
+            "approval lapsed".into(),
+            format!("The approval lapsed: nothing sent, the slot and budget came back{why}"),
+        ),
         other => (other.as_str().into(), other.as_str().into()),
     }
 }
 
-impl Timeline {
-    pub fn new(a: &Attempt, now: Millis) -> Timeline {
-        let mut marks: Vec<(MarkKind, String, String, Millis)> = vec![(
+/// The first marks of a call that waited for a person: asked, decided, and sent when the
+/// approval was used (its dispatch is the attempt's latest change while it is in flight).
+fn approval_marks(a: &Attempt, approval: &Approval) -> Vec<(MarkKind, String, String, Millis)> {
+    let mut marks = vec![(
+        MarkKind::Asked,
+        "approval asked".into(),
+        "The permit asked a person to approve the call: its slot and cost held, nothing sent"
+            .into(),
+        approval.requested_at_ms,
+    )];
+    if let Some(d) = &approval.decision {
+        let (label, verb) = if d.approved {
+            ("approved", "Approved")
+        } else {
+            ("rejected", "Rejected")
+        };
+        let note = d
+            .note
+            .as_deref()
+            .map(|n| format!(": {n}"))
+            .unwrap_or_default();
+        marks.push((
+            MarkKind::Decided,
+            label.into(),
+            format!("{verb} by {}{note}", d.by),
+            d.at_ms,
+        ));
+    }
+    if a.state == AttemptState::InFlight && a.round == 1 {
+        marks.push((
             MarkKind::Sent,
             "sent".into(),
-            "Round 1 dispatched to the upstream".into(),
-            a.created_at_ms,
-        )];
+            "The approved call dispatched to the upstream".into(),
+            a.updated_at_ms,
+        ));
+    }
+    marks
+}
+
+impl Timeline {
+    pub fn new(a: &Attempt, now: Millis) -> Timeline {
+        let mut marks: Vec<(MarkKind, String, String, Millis)> = match &a.approval {
+            // A call that waited for a person was asked for first, and sent (if ever) after.
+            Some(approval) => approval_marks(a, approval),
+            None => vec![(
+                MarkKind::Sent,
+                "sent".into(),
+                "Round 1 dispatched to the upstream".into(),
+                a.created_at_ms,
+            )],
+        };
         match a.state {
             AttemptState::InFlight if a.round > 1 => marks.push((
                 MarkKind::Dispatched,
@@ -348,15 +411,33 @@ impl Timeline {
                     a.finished_at_ms.unwrap_or(a.updated_at_ms),
                 ));
             }
+            AttemptState::AwaitingApproval | AttemptState::Approved => {}
             AttemptState::Released
             | AttemptState::RefusedAtTool
             | AttemptState::Uncertain
-            | AttemptState::AwaitingInput => {
+            | AttemptState::AwaitingInput
+            | AttemptState::ApprovalRejected
+            | AttemptState::ApprovalExpired => {
                 let (label, detail) = outcome_words(a);
                 marks.push((MarkKind::Outcome, label, detail, a.updated_at_ms));
             }
         }
-        if a.state.leased() {
+        if matches!(
+            a.state,
+            AttemptState::AwaitingApproval | AttemptState::Approved
+        ) {
+            marks.push((
+                MarkKind::LeaseEnds,
+                "approval lapses".into(),
+                if a.state == AttemptState::Approved {
+                    "Unless the agent's retry uses the approval by then, it lapses and the slot comes back"
+                } else {
+                    "Unless a person decides by then, the request lapses and the slot comes back"
+                }
+                .into(),
+                a.lease_expires_at_ms,
+            ));
+        } else if a.state.leased() {
             let ran_out = a.lease_expires_at_ms <= now;
             marks.push((
                 MarkKind::LeaseEnds,
@@ -380,7 +461,11 @@ impl Timeline {
         }
         let open = matches!(
             a.state,
-            AttemptState::InFlight | AttemptState::AwaitingInput | AttemptState::Uncertain
+            AttemptState::InFlight
+                | AttemptState::AwaitingInput
+                | AttemptState::Uncertain
+                | AttemptState::AwaitingApproval
+                | AttemptState::Approved
         );
         if open {
             marks.push((

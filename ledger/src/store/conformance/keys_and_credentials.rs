@@ -4,6 +4,7 @@ use atmost_protocol::{AuthorizeResponse, Outcome};
 use serde_json::json;
 
 use crate::credentials::CredentialUse;
+use crate::decide::Leases;
 use crate::keys::PUBLISHED_AFTER_RETIREMENT_MS;
 use crate::store::AttemptFilter;
 
@@ -213,7 +214,13 @@ pub async fn attempts_keep_their_credential(h: &dyn Harness) {
     };
     let r = req(&tok, "pay", Some("k1"), "fp1", json!({}));
     let answer = s
-        .authorize_with(&r, Some(carried.clone()), LEASE_MS, T0, patient())
+        .authorize_with(
+            &r,
+            Some(carried.clone()),
+            Leases::call(LEASE_MS),
+            T0,
+            patient(),
+        )
         .await
         .unwrap()
         .response;
@@ -259,7 +266,7 @@ pub async fn attempts_keep_their_credential(h: &dyn Harness) {
     .unwrap();
     let r = req(&tok, "pay", Some("k1"), "fp1", json!({}));
     assert!(matches!(
-        s.authorize_with(&r, None, LEASE_MS, T0 + 2, patient())
+        s.authorize_with(&r, None, Leases::call(LEASE_MS), T0 + 2, patient())
             .await
             .unwrap()
             .response,

@@ -29,7 +29,8 @@ pub(super) struct Migration {
 /// Never edit a released one: add the next version. Versions 2 to 4 each changed what
 /// every writer must keep (counters, per-state counts, dispatch rounds), so each needs a
 /// ledger that knows it; 5 only added columns and indexes an older ledger leaves empty, 6
-/// and 8 tables an older ledger never reads, 7 a column and 9 indexes.
+/// and 8 tables an older ledger never reads, 7 a column and 9 indexes; 12 new attempt
+/// states an older ledger cannot read.
 pub(super) const RELEASED: &[Migration] = &[
     Migration {
         version: 1,
@@ -251,6 +252,19 @@ CREATE TABLE credentials (
 ALTER TABLE attempts ADD COLUMN credential TEXT;
 "#,
     },
+    Migration {
+        version: 12,
+        compatible_from: 12,
+        description: "approvals: the approval each attempt waited for; the sweeper's index takes in the two approval states with a lapse time",
+        // As in SQLite's version 12. Not additive: an older ledger would not know the new
+        // states. The index is built anew with the model's `leased` list, literally.
+        sql: r#"
+ALTER TABLE attempts ADD COLUMN approval TEXT;
+DROP INDEX attempts_leased;
+CREATE INDEX attempts_leased ON attempts(lease_expires_at)
+    WHERE state IN ('in_flight','awaiting_input','awaiting_approval','approved');
+"#,
+    },
 ];
 
 /// The rehearsal of the next schema version (feature `schema-rehearsal`, never released): an
@@ -260,8 +274,8 @@ ALTER TABLE attempts ADD COLUMN credential TEXT;
 /// index.
 #[cfg(feature = "schema-rehearsal")]
 const NEXT: &[Migration] = &[Migration {
-    version: 12,
-    compatible_from: 11,
+    version: 13,
+    compatible_from: 12,
     description:
         "rehearsal: the deciding replica per attempt (nullable), attempts by permit and time",
     sql: r#"
@@ -530,7 +544,7 @@ mod tests {
         let applied = [(1, None), (2, Some(2))];
         let plan = plan(&all, &applied);
         let pending: Vec<i32> = plan.pending.iter().map(|m| m.version).collect();
-        assert_eq!(pending, (3..=11).collect::<Vec<_>>());
+        assert_eq!(pending, (3..=12).collect::<Vec<_>>());
         let sql = plan.sql;
         assert!(
             !sql.contains("compatible_from) VALUES (1,"),

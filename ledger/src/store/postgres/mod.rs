@@ -61,8 +61,8 @@ use super::reads::{Dialect, ReadQueries, Rows, Statement};
 use super::{Decisions, OutcomeResult, SweepReport};
 use crate::clock::{Deadline, Millis};
 use crate::credentials::{CredentialUse, StoredCredential};
-use crate::decide::{self, DecideParams, Decision, ResolveInput, Snapshot};
-use crate::error::{LedgerError, ResolveError};
+use crate::decide::{self, ApprovalInput, DecideParams, Decision, Leases, ResolveInput, Snapshot};
+use crate::error::{ApprovalError, LedgerError, ResolveError};
 use crate::keys::{Rotation, SigningKey};
 use crate::model::{Attempt, AttemptState, Permit};
 use crate::store::rows::ATTEMPT_COLS;
@@ -359,12 +359,13 @@ impl Decisions for PgStore {
         &self,
         req: &AuthorizeRequest,
         credential: Option<CredentialUse>,
-        lease_ms: u64,
+        leases: Leases,
         now: Millis,
         deadline: Deadline,
     ) -> Result<Decision, LedgerError> {
         let params = DecideParams {
-            lease_ms,
+            lease_ms: leases.call_ms,
+            approval_wait_ms: leases.approval_wait_ms,
             new_attempt_id: token::new_attempt_id()?,
             new_capability: token::new_capability()?,
             credential,
@@ -481,6 +482,28 @@ impl Decisions for PgStore {
         .await
     }
 
+    async fn decide_approval(
+        &self,
+        id: &str,
+        input: &ApprovalInput,
+        now: Millis,
+    ) -> Result<Attempt, ApprovalError> {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let tx = c.transaction().await.map_err(pg_err)?;
+            lock_permit_of_attempt(&tx, id).await?;
+            let Some(existing) = load_attempt(&tx, id).await? else {
+                return Err(ApprovalError::UnknownAttempt);
+            };
+            let next = decide::decide_approval(&existing, input, now)?;
+            let mut moves = CounterMoves::default();
+            write_attempt(&tx, &existing, &next, &mut moves).await?;
+            write_counters(&tx, &moves).await?;
+            tx.commit().await.map_err(pg_err)?;
+            Ok(next)
+        })
+        .await
+    }
+
     /// Safe with every replica sweeping at once: each permit is swept in its own transaction
     /// under its row lock, and each row is re-read under that lock and passed through the pure
     /// transition again, so a row another replica already moved is left alone (and not counted).
@@ -526,7 +549,7 @@ impl Decisions for PgStore {
                 for a in query_attempts(&tx, &sql, &[&permit_id, &now]).await? {
                     if let Some(next) = decide::expire_lease(&a, now) {
                         write_attempt(&tx, &a, &next, &mut moves).await?;
-                        report.leases_expired += 1;
+                        report.count_expiry(&next);
                     }
                 }
                 let sql = format!(

@@ -243,9 +243,11 @@ async fn one_group_of_queued_decisions_sees_its_own_earlier_decisions() {
 async fn sweeper_queries_read_the_partial_indexes() {
     use crate::model::AttemptState;
     let v3 = RELEASED.iter().find(|m| m.version == 3).unwrap().sql;
+    // Version 12 built the leased index anew when the approval states joined the list.
+    let v12 = RELEASED.iter().find(|m| m.version == 12).unwrap().sql;
     let leased = AttemptState::sql_list(AttemptState::leased);
     let replays = AttemptState::sql_list(AttemptState::replays);
-    assert!(v3.contains(&format!("WHERE state IN {leased};")), "{v3}");
+    assert!(v12.contains(&format!("WHERE state IN {leased};")), "{v12}");
     assert!(
         v3.contains(&format!("WHERE pruned_at IS NULL AND state IN {replays};")),
         "{v3}"

@@ -192,8 +192,20 @@ ALTER TABLE attempts ADD COLUMN credential TEXT;
 
 /// Version 12, the rehearsal of the next schema version (feature `schema-rehearsal`, never
 /// released): as PostgreSQL's version 12, additive.
+/// Version 12: approvals (docs/approvals.md). Each attempt may keep the approval it waited
+/// for; two new states hold a slot with a lapse time the sweeper keeps, so the sweeper's
+/// partial index takes them in (its list is the model's `leased`, literally: a partial index
+/// serves only a query that names the same list). Not additive: an older ledger would not know
+/// the new states, so it may not serve once a newer one migrated the file.
+pub(super) const MIGRATION_12: &str = r#"
+ALTER TABLE attempts ADD COLUMN approval TEXT;
+DROP INDEX IF EXISTS attempts_leased;
+CREATE INDEX IF NOT EXISTS attempts_leased ON attempts(lease_expires_at)
+    WHERE state IN ('in_flight','awaiting_input','awaiting_approval','approved');
+"#;
+
 #[cfg(feature = "schema-rehearsal")]
-const MIGRATION_12: &str = r#"
+const MIGRATION_13: &str = r#"
 ALTER TABLE attempts ADD COLUMN decided_by TEXT;
 CREATE INDEX IF NOT EXISTS attempts_by_permit_created ON attempts(permit_id, created_at);
 "#;
@@ -216,8 +228,9 @@ const COMPATIBLE_FROM: &[(i64, i64)] = &[
     (9, 4),
     (10, 4),
     (11, 4),
+    (12, 12),
     #[cfg(feature = "schema-rehearsal")]
-    (12, 11),
+    (13, 12),
 ];
 
 const COMPAT_TABLE: &str = "CREATE TABLE IF NOT EXISTS atmost_schema_compat (\
@@ -272,9 +285,12 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), LedgerError> {
     if version < 11 {
         tx.execute_batch(MIGRATION_11)?;
     }
-    #[cfg(feature = "schema-rehearsal")]
     if version < 12 {
         tx.execute_batch(MIGRATION_12)?;
+    }
+    #[cfg(feature = "schema-rehearsal")]
+    if version < 13 {
+        tx.execute_batch(MIGRATION_13)?;
     }
     for (v, compatible_from) in COMPATIBLE_FROM {
         tx.execute(

@@ -29,8 +29,8 @@ use super::reads::{Dialect, ReadQueries, Rows, Statement};
 use super::{Decisions, OutcomeResult, SweepReport};
 use crate::clock::{Deadline, Millis};
 use crate::credentials::{CredentialUse, StoredCredential};
-use crate::decide::{self, DecideParams, Decision, Mutation, ResolveInput};
-use crate::error::{LedgerError, ResolveError};
+use crate::decide::{self, ApprovalInput, DecideParams, Decision, Leases, Mutation, ResolveInput};
+use crate::error::{ApprovalError, LedgerError, ResolveError};
 use crate::keys::{Rotation, SigningKey};
 use crate::model::{Attempt, AttemptState, Permit};
 use crate::store::rows::{AttemptRow, ATTEMPT_COLS};
@@ -375,13 +375,14 @@ impl Decisions for SqliteStore {
         &self,
         req: &AuthorizeRequest,
         credential: Option<CredentialUse>,
-        lease_ms: u64,
+        leases: Leases,
         now: Millis,
         deadline: Deadline,
     ) -> Result<Decision, LedgerError> {
         let req = req.clone();
         let params = DecideParams {
-            lease_ms,
+            lease_ms: leases.call_ms,
+            approval_wait_ms: leases.approval_wait_ms,
             new_attempt_id: token::new_attempt_id()?,
             new_capability: token::new_capability()?,
             credential,
@@ -462,13 +463,32 @@ impl Decisions for SqliteStore {
         .await
     }
 
+    async fn decide_approval(
+        &self,
+        id: &str,
+        input: &ApprovalInput,
+        now: Millis,
+    ) -> Result<Attempt, ApprovalError> {
+        let id = id.to_string();
+        let input = input.clone();
+        self.write(move |tx: &GroupTx<'_>| {
+            let Some(existing) = load_attempt(tx, &id)? else {
+                return Err(ApprovalError::UnknownAttempt);
+            };
+            let next = decide::decide_approval(&existing, &input, now)?;
+            write_attempt(tx, Some(&existing), &next)?;
+            Ok(next)
+        })
+        .await
+    }
+
     async fn sweep(&self, now: Millis) -> Result<SweepReport, LedgerError> {
         self.write(move |tx: &GroupTx<'_>| {
             let mut report = SweepReport::default();
             for a in query_attempts(tx, &expired_leases_sql(), &[&now])? {
                 if let Some(next) = decide::expire_lease(&a, now) {
                     write_attempt(tx, Some(&a), &next)?;
-                    report.leases_expired += 1;
+                    report.count_expiry(&next);
                 }
             }
             // Nothing finished after `now - shortest retention` can be due: the index range
