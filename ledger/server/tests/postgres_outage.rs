@@ -73,6 +73,7 @@ mod postgres_outage {
                 auth_limit: Default::default(),
                 purge_ended_permits_after: None,
                 credential_key: None,
+                approvals: Default::default(),
                 lease: Duration::from_secs(60),
                 callout_timeout: Duration::from_secs(30),
                 redaction: Default::default(),

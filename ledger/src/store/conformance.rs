@@ -8,8 +8,9 @@
 //! The checks are grouped by what they are about: decisions (`decisions.rs`), reports
 //! (`reports.rs`), races between two handles (`races.rs`), attempts and permits over time
 //! (`lifecycle.rs`), the shared reads (`reads.rs`), signing keys and credentials
-//! (`keys_and_credentials.rs`); what they share is `support.rs`.
+//! (`keys_and_credentials.rs`), approvals (`approvals.rs`); what they share is `support.rs`.
 
+mod approvals;
 mod decisions;
 mod keys_and_credentials;
 mod lifecycle;
@@ -18,6 +19,7 @@ mod reads;
 mod reports;
 mod support;
 
+pub use approvals::*;
 pub use decisions::*;
 pub use keys_and_credentials::*;
 pub use lifecycle::*;
@@ -43,7 +45,9 @@ macro_rules! conformance_suite {
             uncertain_pages, signing_keys_rotation_and_publication, race_signing_keys,
             inbox_sessions, decisions_past_their_deadline_commit_nothing, purge_of_ended_permits,
             purge_in_bounded_batches, refusals_at_the_tool, dispatch_bodies_recorded,
-            credentials_versions_and_reads, race_credential_versions, attempts_keep_their_credential);
+            credentials_versions_and_reads, race_credential_versions, attempts_keep_their_credential,
+            approvals, approvals_rejected_and_lapsed, race_approved_key_dispatched_once,
+            race_two_decisions);
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
         $(
