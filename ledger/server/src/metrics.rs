@@ -441,6 +441,32 @@ mod tests {
     }
 
     #[test]
+    fn the_docs_name_every_webhook_delivery_result() {
+        let docs = [
+            (
+                "docs/approvals.md",
+                include_str!(concat!(
+                    env!("CARGO_MANIFEST_DIR"),
+                    "/../../docs/approvals.md"
+                )),
+            ),
+            ("docs/monitoring.md", RULES[2].1),
+        ];
+        for (file, text) in docs {
+            let at = text
+                .find("atmost_approval_webhook_deliveries_total{result")
+                .unwrap_or_else(|| panic!("{file} does not name the webhook's counter"));
+            let paragraph = text[at..].split("\n\n").next().unwrap_or_default();
+            for name in WebhookDelivery::NAMES {
+                assert!(
+                    paragraph.contains(&format!("`{name}`")),
+                    "{file}'s paragraph on atmost_approval_webhook_deliveries_total lacks `{name}`"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn every_webhook_delivery_result_is_exported_before_the_first_event() {
         let metrics = Metrics::new().unwrap();
         metrics.show_webhook_deliveries();
