@@ -26,6 +26,7 @@ pub mod state;
 pub mod sweeper;
 pub mod tls;
 pub mod tool_refusal;
+pub mod webhook;
 
 #[cfg(test)]
 mod credentials_tests;

@@ -42,6 +42,20 @@ closed_set! {
     }
 }
 
+closed_set! {
+    /// What became of one approval event sent to `--approval-webhook`: the `result` label of
+    /// `atmost_approval_webhook_deliveries_total` ([`Metrics::count_webhook_delivery`]).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum WebhookDelivery {
+        /// A try was answered 2xx.
+        Delivered => "delivered";
+        /// Every try failed (an answer other than 2xx, a timeout, no connection): dropped.
+        Failed => "failed";
+        /// The queue was full when the event came: dropped unsent.
+        DroppedQueueFull => "dropped_queue_full";
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
     /// Authorize answers by decision (dispatch, replay, deny) and denial code ("none" otherwise).
@@ -62,6 +76,9 @@ pub struct Metrics {
     /// Reconciler lookups by [`LookupResult`]: counted only through [`Metrics::count_lookup`],
     /// so no label outside the set reaches the alert that reads it.
     reconciler_lookups: IntCounterVec,
+    /// Approval events sent to the webhook by [`WebhookDelivery`], counted only through
+    /// [`Metrics::count_webhook_delivery`].
+    webhook_deliveries: IntCounterVec,
     /// Requests refused for a missing or wrong bearer token, by api (service, admin).
     pub unauthorized: IntCounterVec,
     pub auth_limited: IntCounterVec,
@@ -156,6 +173,11 @@ impl Metrics {
         let reconciler_lookups = counter_vec(
             "atmost_reconciler_lookups_total",
             "Reconciler lookups at the provider by result; only executed and not_executed resolve an attempt.",
+            &["result"],
+        )?;
+        let webhook_deliveries = counter_vec(
+            "atmost_approval_webhook_deliveries_total",
+            "Approval events for --approval-webhook by result: delivered (a 2xx answer), failed (every try failed) or dropped_queue_full.",
             &["result"],
         )?;
         let unauthorized = counter_vec(
@@ -299,6 +321,7 @@ impl Metrics {
             duplicates,
             resolutions,
             reconciler_lookups,
+            webhook_deliveries,
             unauthorized,
             auth_limited,
             readiness_checks,
@@ -350,6 +373,22 @@ impl Metrics {
         self.reconciler_lookups
             .with_label_values(&[result.as_str()])
             .inc();
+    }
+
+    /// Counts one approval event under what became of it.
+    pub fn count_webhook_delivery(&self, result: WebhookDelivery) {
+        self.webhook_deliveries
+            .with_label_values(&[result.as_str()])
+            .inc();
+    }
+
+    /// Exports every [`WebhookDelivery`] series at 0, so that a ledger with a webhook shows
+    /// them (and a rate over them is 0, not absent) before the first event.
+    pub fn show_webhook_deliveries(&self) {
+        for result in WebhookDelivery::ALL {
+            self.webhook_deliveries
+                .with_label_values(&[result.as_str()]);
+        }
     }
 
     /// Whether a stop signal has come: the ledger reports not ready while it drains.
@@ -435,6 +474,46 @@ mod tests {
                 paragraph.contains(&format!("`{name}`")),
                 "docs/ledger.md's list of lookup results lacks `{name}`"
             );
+        }
+    }
+
+    #[test]
+    fn the_docs_name_every_webhook_delivery_result() {
+        let docs = [
+            (
+                "docs/approvals.md",
+                include_str!(concat!(
+                    env!("CARGO_MANIFEST_DIR"),
+                    "/../../docs/approvals.md"
+                )),
+            ),
+            ("docs/monitoring.md", RULES[2].1),
+        ];
+        for (file, text) in docs {
+            let at = text
+                .find("atmost_approval_webhook_deliveries_total{result")
+                .unwrap_or_else(|| panic!("{file} does not name the webhook's counter"));
+            let paragraph = text[at..].split("\n\n").next().unwrap_or_default();
+            for name in WebhookDelivery::NAMES {
+                assert!(
+                    paragraph.contains(&format!("`{name}`")),
+                    "{file}'s paragraph on atmost_approval_webhook_deliveries_total lacks `{name}`"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_webhook_delivery_result_is_exported_before_the_first_event() {
+        let metrics = Metrics::new().unwrap();
+        metrics.show_webhook_deliveries();
+        metrics.count_webhook_delivery(WebhookDelivery::Failed);
+        let text = metrics.render().unwrap();
+        for result in WebhookDelivery::ALL {
+            let n = u8::from(result == WebhookDelivery::Failed);
+            let series =
+                format!("atmost_approval_webhook_deliveries_total{{result=\"{result}\"}} {n}");
+            assert!(text.contains(&series), "no {series} in:\n{text}");
         }
     }
 

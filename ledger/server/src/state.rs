@@ -12,6 +12,7 @@ use crate::metrics::Metrics;
 use crate::readiness::Readiness;
 use crate::redact::Redaction;
 use crate::signer::Signer;
+use crate::webhook::{ApprovalEvent, Webhook};
 use atmost_ledger::clock::Clock;
 use atmost_ledger::credentials::CredentialKey;
 use atmost_ledger::decide::Leases;
@@ -177,6 +178,9 @@ pub struct AppState {
     pub(crate) store_gauges_read_at: tokio::sync::Mutex<Option<Instant>>,
     /// Which credential each permit names.
     pub custody: Custody,
+    /// Where approval events go (`--approval-webhook`); none without the flag. Set by the
+    /// ledger's start once the runtime it sends on exists.
+    pub webhook: Option<Webhook>,
 }
 
 impl AppState {
@@ -200,6 +204,15 @@ impl AppState {
             auth_failures,
             store_gauges_read_at: tokio::sync::Mutex::new(None),
             custody: Default::default(),
+            webhook: None,
+        }
+    }
+
+    /// Hands `event` to the webhook, if there is one; returns at once whatever becomes of it
+    /// (crate::webhook).
+    pub fn notify_approval(&self, event: ApprovalEvent) {
+        if let Some(webhook) = &self.webhook {
+            webhook.notify(event);
         }
     }
 

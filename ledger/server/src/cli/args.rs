@@ -264,6 +264,16 @@ pub struct LedgerArgs {
     /// refusal is proven, and a refused dispatch turns uncertain.
     #[arg(long, env = "ATMOST_TOOL_REFUSAL_KEYS")]
     pub tool_refusal_keys: Option<PathBuf>,
+    /// Approvals: the http:// or https:// URL each new request for approval and each
+    /// decision is POSTed to, as one signed JSON event (docs/approvals.md, "Webhook").
+    /// Requires --approval-webhook-secret-file. Without it, nothing is sent.
+    #[arg(long, env = "ATMOST_APPROVAL_WEBHOOK", hide_env_values = true)]
+    pub approval_webhook: Option<String>,
+    /// File holding the secret the approval webhook's events are signed with (HMAC-SHA256,
+    /// header `atmost-signature`): its bytes, one trailing newline removed, at least 32
+    /// (`openssl rand -hex 32` makes one).
+    #[arg(long, env = "ATMOST_APPROVAL_WEBHOOK_SECRET_FILE")]
+    pub approval_webhook_secret_file: Option<PathBuf>,
     /// File holding the key (64 hexadecimal digits, `openssl rand -hex 32`) that seals the
     /// tool credentials in the ledger's custody (`atmost credential set`). Every replica on one
     /// store needs the same key. Without a key the ledger keeps no credentials.

@@ -135,6 +135,11 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: Option<String>) -> Resul
         .transpose()
         .map_err(|e| CliError::Usage(e.to_string()))?;
     let credential_key = credential_key(&args)?;
+    let webhook = crate::webhook::WebhookConfig::from_flags(
+        args.approval_webhook.as_deref(),
+        args.approval_webhook_secret_file.as_deref(),
+    )
+    .map_err(CliError::Usage)?;
     let (admins, tokens_file) = starting_admins(&args, admin_token)?;
     init_logs(args.log_format);
     // The admin API, the inbox, the sweeper, the reconciler and /metrics.
@@ -144,7 +149,7 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: Option<String>) -> Resul
     // The filter's requests, from socket to commit (crate::decision_loop).
     let mut decisions = DecisionLoop::start()?;
     let store = rt.block_on(open_store(&args, decisions.handle()))?;
-    let state = Arc::new(AppState::new(
+    let mut state = AppState::new(
         store,
         Arc::new(SystemClock),
         ServerConfig {
@@ -174,7 +179,15 @@ pub(super) fn run_ledger(args: LedgerArgs, admin_token: Option<String>) -> Resul
             approvals,
         },
         Arc::new(Metrics::new()?),
-    ));
+    );
+    if let Some(config) = webhook {
+        let _runtime = rt.enter();
+        state.webhook = Some(
+            crate::webhook::Webhook::spawn(config, state.metrics.clone(), state.clock.clone())
+                .map_err(CliError::Usage)?,
+        );
+    }
+    let state = Arc::new(state);
     // Replicas starting together on one store end with one key, the same for all.
     rt.block_on(state.start_signing())?;
     let decision_loop = &mut decisions;

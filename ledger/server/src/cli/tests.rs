@@ -299,3 +299,36 @@ fn a_refused_tokens_file_stops_the_ledger_before_it_listens() {
     assert!(m.contains(file.to_str().unwrap()), "{m}");
     assert!(m.contains("line 2:"), "{m}");
 }
+
+#[test]
+fn a_webhook_secret_too_short_or_alone_stops_the_ledger_before_it_listens() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("webhook-secret");
+    std::fs::write(&file, "twelve bytes\n").unwrap();
+    let admin = ["--admin-token", "admin-token-of-32-bytes-or-more-0"];
+    let m = refused_before_the_store(
+        dir.path(),
+        &file,
+        &admin,
+        &[
+            "--approval-webhook",
+            "https://hooks.example.org/atmost",
+            "--approval-webhook-secret-file",
+            file.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(
+        m,
+        format!(
+            "--approval-webhook-secret-file {}: the secret is 12 bytes long; it must be at least 32 (make one with `openssl rand -hex 32`)",
+            file.display()
+        )
+    );
+    let m = refused_before_the_store(
+        dir.path(),
+        &file,
+        &admin,
+        &["--approval-webhook-secret-file", file.to_str().unwrap()],
+    );
+    assert!(m.contains("without --approval-webhook"), "{m}");
+}
