@@ -101,15 +101,15 @@ def test_a_call_waits_for_a_person_and_its_retry_is_sent_once(stacks, server):
     key = new_key()
     asked = denial(_pay(client, permit, key))
     assert asked["code"] == "approval_required", asked
-    approval_id = asked["data"]["approval_id"]
-    assert 1 <= asked["data"]["retry_after"] <= 5 and asked["data"]["approval_expires_at"]
+    approval_id = asked["approval_id"]
+    assert 1 <= asked["retry_after"] <= 5 and asked["approval_expires_at"]
     # What the permit still allows counts the slot and cost the request holds.
     first_answer = _pay(client, permit, key)
     assert first_answer.json()["result"]["_meta"]["dev.atmost/permit"]["calls_left"] == 0, first_answer.text
     assert server.executions("pay_invoice") == 0
     # The slot and cost are held while a person decides; the same key asks nothing new.
     assert _usage(ledger, permit) == (1, 120)
-    assert denial(_pay(client, permit, key))["data"]["approval_id"] == approval_id
+    assert denial(_pay(client, permit, key))["approval_id"] == approval_id
     assert denial_code(_pay(client, permit, new_key(), invoice="other")) == "permit_max_calls_exceeded"
     # Other arguments under the key: a conflict, as always.
     assert denial_code(_pay(client, permit, key, amount=121)) == "idempotency_key_conflict"
@@ -147,7 +147,7 @@ def test_racing_retries_of_an_approved_key_are_sent_once(stacks, server):
     permit = ledger.create_permit(*ASKS_FIRST)
     key = new_key()
     c = RawMcp(envoy.url)
-    approval_id = denial(_pay(c, permit, key))["data"]["approval_id"]
+    approval_id = denial(_pay(c, permit, key))["approval_id"]
     c.close()
     assert _admin(ledger, f"/admin/v1/approvals/{approval_id}/approve", {})[0] == 200
 
@@ -172,12 +172,12 @@ def test_a_rejection_gives_the_slot_back_and_the_key_keeps_it(stacks, server):
     permit = ledger.create_permit(*ASKS_FIRST)
     client = RawMcp(envoy.url)
     key = new_key()
-    approval_id = denial(_pay(client, permit, key))["data"]["approval_id"]
+    approval_id = denial(_pay(client, permit, key))["approval_id"]
     status, body = _admin(ledger, f"/admin/v1/approvals/{approval_id}/reject", {"note": "not this one"})
     assert status == 200 and body["attempt"]["state"] == "approval_rejected", body
     assert _usage(ledger, permit) == (0, 0)
     rejected = denial(_pay(client, permit, key))
-    assert rejected["code"] == "approval_rejected" and rejected["data"]["decided_by"] == "admin"
+    assert rejected["code"] == "approval_rejected" and rejected["decided_by"] == "admin"
     # The slot is free again: a new key asks anew.
     assert denial_code(_pay(client, permit, new_key(), invoice="inv-2")) == "approval_required"
     assert server.executions("pay_invoice") == 0
@@ -192,7 +192,7 @@ def test_only_the_proxys_credential_names_a_person(stacks, server):
     ledger, envoy = stacks["main"]
     permit = ledger.create_permit(*ASKS_FIRST)
     client = RawMcp(envoy.url)
-    first = denial(_pay(client, permit, new_key()))["data"]["approval_id"]
+    first = denial(_pay(client, permit, new_key()))["approval_id"]
     # The proxy's credential without the header: refused, nothing decided.
     status, body = _admin(ledger, f"/admin/v1/approvals/{first}/approve", {}, token=PROXY_TOKEN)
     assert status == 400 and "x-forwarded-email" in body["message"].lower(), body
@@ -201,7 +201,7 @@ def test_only_the_proxys_credential_names_a_person(stacks, server):
                           headers={"X-Forwarded-Email": "mallory@example.org"})
     assert status == 200 and body["attempt"]["approval"]["decided_by"] == "admin"
     # Through the proxy, the person it names.
-    second = denial(_pay(client, permit, new_key(), invoice="inv-b"))["data"]["approval_id"]
+    second = denial(_pay(client, permit, new_key(), invoice="inv-b"))["approval_id"]
     status, body = _admin(ledger, f"/admin/v1/approvals/{second}/approve", {}, token=PROXY_TOKEN,
                           headers={"X-Forwarded-Email": "ana@example.org"})
     assert status == 200, body
@@ -214,14 +214,14 @@ def test_nobody_deciding_or_an_unused_approval_lapses_and_gives_the_slot_back(st
     permit = ledger.create_permit(*ASKS_FIRST)
     client = RawMcp(envoy.url)
     undecided = new_key()
-    approval_id = denial(_pay(client, permit, undecided))["data"]["approval_id"]
+    approval_id = denial(_pay(client, permit, undecided))["approval_id"]
     wait_until(lambda: ledger.cli_json("attempts", "show", approval_id)["attempt"]["state"] == "approval_expired",
                15, "the undecided request lapsed")
     assert _usage(ledger, permit) == (0, 0)
     assert denial_code(_pay(client, permit, undecided)) == "approval_expired"
 
     unused = new_key()
-    approval_id = denial(_pay(client, permit, unused, invoice="inv-u"))["data"]["approval_id"]
+    approval_id = denial(_pay(client, permit, unused, invoice="inv-u"))["approval_id"]
     assert _admin(ledger, f"/admin/v1/approvals/{approval_id}/approve", {})[0] == 200
     lapsed = wait_until(lambda: (a := ledger.cli_json("attempts", "show", approval_id)["attempt"])["state"]
                         == "approval_expired" and a, 15, "the unused approval lapsed")

@@ -8,12 +8,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use serde::{Deserialize, Serialize};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::access::{bad_request, error_response, internal};
 use crate::admins::AuthenticatedAdmin;
 use crate::api::{AttemptResponse, AttemptView};
 use crate::state::{AppState, Shared};
+use crate::webhook::{self, ApprovalEvent, ApprovalSubject};
 use atmost_ledger::decide::{ApprovalInput, ApprovalRefused};
 use atmost_ledger::error::ApprovalError;
 use atmost_ledger::model::{Attempt, AttemptState};
@@ -232,7 +233,54 @@ pub async fn decide(
     }
     info!(attempt_id = %a.id, permit_id = %a.permit_id, tool = %a.tool, decision, by = %input.by,
         via, "approval decided");
+    announce(state, &a).await;
     Ok(a)
+}
+
+/// Hands the webhook (if there is one) the event of an attempt that has just asked for a
+/// person's approval or got a decision. The permit's label is read for it after the
+/// decision's commit, so announcing never delays a decision.
+pub async fn announce(state: &AppState, a: &Attempt) {
+    let Some(approval) = a.approval.as_ref().filter(|_| state.webhook.is_some()) else {
+        return;
+    };
+    let permit_label = match state.store.get_permit(&a.permit_id).await {
+        Ok(p) => p.map(|p| p.label).unwrap_or_default(),
+        Err(e) => {
+            warn!(attempt_id = %a.id, error = %e, "approval event without its permit's label");
+            String::new()
+        }
+    };
+    let subject = ApprovalSubject {
+        approval_id: a.id.clone(),
+        permit_id: a.permit_id.clone(),
+        permit_label,
+        tool: a.tool.clone(),
+        cost: a.cost,
+    };
+    let event = match &approval.decision {
+        None => ApprovalEvent::requested(
+            subject,
+            a.arguments
+                .as_deref()
+                .map(|t| state.config.redaction.show(t)),
+            approval.requested_at_ms,
+            a.lease_expires_at_ms,
+        ),
+        Some(d) => {
+            let decision = webhook::Decision {
+                by: d.by.clone(),
+                at: d.at_ms,
+                note: d.note.clone(),
+            };
+            if d.approved {
+                ApprovalEvent::approved(subject, decision, a.lease_expires_at_ms)
+            } else {
+                ApprovalEvent::rejected(subject, decision)
+            }
+        }
+    };
+    state.notify_approval(event);
 }
 
 /// The error answer of a refused decision.

@@ -231,6 +231,8 @@ async fn authorize(
         if a.state == AttemptState::AwaitingApproval {
             info!(permit_id, tool = %req.tool, attempt_id = %a.id, cost = a.cost,
                 "approval requested: the call waits for a person, nothing sent");
+            let (state, asked) = (state.clone(), a.clone());
+            tokio::spawn(async move { approvals::announce(&state, &asked).await });
         }
     }
     let recorded_body = match &decision.mutation {

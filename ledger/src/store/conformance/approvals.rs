@@ -27,7 +27,9 @@ fn approved_first() -> crate::model::Policy {
     pol.rules.max_calls.insert("pay".into(), 1);
     pol.rules.budget = Some(10);
     pol.rules.cost_default = 5;
-    pol.rules.approval.insert("pay".into(), ApprovalRule::Always);
+    pol.rules
+        .approval
+        .insert("pay".into(), ApprovalRule::Always);
     pol
 }
 
@@ -59,7 +61,10 @@ pub async fn approvals(h: &dyn Harness) {
     );
 
     // A person approves it, once.
-    let a = s.decide_approval(&id, &person(true), T0 + 10).await.unwrap();
+    let a = s
+        .decide_approval(&id, &person(true), T0 + 10)
+        .await
+        .unwrap();
     assert_eq!(a.state, AttemptState::Approved);
     assert!(matches!(
         s.decide_approval(&id, &person(false), T0 + 11).await,
@@ -68,7 +73,8 @@ pub async fn approvals(h: &dyn Harness) {
         )))
     ));
     assert!(matches!(
-        s.decide_approval("att_unknown", &person(true), T0 + 11).await,
+        s.decide_approval("att_unknown", &person(true), T0 + 11)
+            .await,
         Err(ApprovalError::UnknownAttempt)
     ));
 
@@ -92,7 +98,11 @@ pub async fn approvals(h: &dyn Harness) {
     let decision = kept.approval.and_then(|x| x.decision).unwrap();
     assert!(decision.approved);
     assert_eq!(
-        (decision.by.as_str(), decision.at_ms, decision.note.as_deref()),
+        (
+            decision.by.as_str(),
+            decision.at_ms,
+            decision.note.as_deref()
+        ),
         ("ana", T0 + 10, Some("checked"))
     );
     assert_eq!(kept.state, AttemptState::Completed);
@@ -105,7 +115,10 @@ pub async fn approvals_rejected_and_lapsed(h: &dyn Harness) {
     let (p, tok) = make_permit(&*s, approved_first(), T0 + 2 * HOUR).await;
     let first = req(&tok, "pay", Some("k1"), "A", json!({}));
     let id = approval_id(&auth(&*s, &first, T0).await);
-    let a = s.decide_approval(&id, &person(false), T0 + 5).await.unwrap();
+    let a = s
+        .decide_approval(&id, &person(false), T0 + 5)
+        .await
+        .unwrap();
     assert_eq!(a.state, AttemptState::ApprovalRejected);
     let back = counters_match_recount(&*s, &p.id).await;
     assert_eq!((back.usage["pay"].calls_made, back.budget.reserved), (0, 0));
@@ -119,7 +132,13 @@ pub async fn approvals_rejected_and_lapsed(h: &dyn Harness) {
     let asked_at = T0 + 10;
     let id = approval_id(&auth(&*s, &second, asked_at).await);
     let wait = Leases::DEFAULT_APPROVAL_WAIT_MS as i64;
-    assert_eq!(s.sweep(asked_at + wait - 1).await.unwrap().approvals_expired, 0);
+    assert_eq!(
+        s.sweep(asked_at + wait - 1)
+            .await
+            .unwrap()
+            .approvals_expired,
+        0
+    );
     let swept = s.sweep(asked_at + wait).await.unwrap();
     assert_eq!((swept.approvals_expired, swept.leases_expired), (1, 0));
     assert_eq!(state_of(&*s, &id).await, AttemptState::ApprovalExpired);
@@ -131,7 +150,8 @@ pub async fn approvals_rejected_and_lapsed(h: &dyn Harness) {
     );
     // A decision after the lapse is refused.
     assert!(matches!(
-        s.decide_approval(&id, &person(true), asked_at + wait + 2).await,
+        s.decide_approval(&id, &person(true), asked_at + wait + 2)
+            .await,
         Err(ApprovalError::Refused(ApprovalRefused::NotAwaiting(
             AttemptState::ApprovalExpired
         )))
