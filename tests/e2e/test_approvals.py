@@ -10,6 +10,7 @@ import base64
 import concurrent.futures
 import hashlib
 import json
+import re
 import urllib.error
 import urllib.request
 import uuid
@@ -20,8 +21,10 @@ from tests.e2e.conftest import new_key
 from tests.e2e.test_replicas import database_url, drop_schema  # noqa: F401 (fixture)
 from tests.support.mcp_raw import RawMcp, denial, denial_code, result_text
 from tests.support.stack import Envoy, Ledger, wait_until
+from tests.support.webhook_receiver import WebhookReceiver
 
 PROXY_TOKEN = "sso-proxy-token-of-32-bytes-or-more-0123"
+WEBHOOK_SECRET = b"approval-webhook-secret-of-32-bytes-or-more"
 ASKS_FIRST = ("--tools", "pay_invoice,echo", "--max-calls", "pay_invoice=1", "--budget", "1000",
               "--cost", "pay_invoice=/amount", "--approval", "pay_invoice=always")
 
@@ -43,9 +46,13 @@ def stacks(request, log_dir, data_root, mcp_server, database_url):  # noqa: F811
     store = request.param
     tokens = data_root / f"approval-admins-{store}"
     tokens.write_text(f"sso-proxy {hashlib.sha256(PROXY_TOKEN.encode()).hexdigest()}\n")
+    secret_file = data_root / f"approval-webhook-secret-{store}"
+    secret_file.write_bytes(WEBHOOK_SECRET + b"\n")
+    receiver = WebhookReceiver(WEBHOOK_SECRET).start()
     configs = {
         "main": ["--admin-tokens-file", str(tokens), "--admin-identity-header", "X-Forwarded-Email",
-                 "--admin-identity-from", "sso-proxy", "--approval-wait", "60s", "--approval-use-within", "60s"],
+                 "--admin-identity-from", "sso-proxy", "--approval-wait", "60s", "--approval-use-within", "60s",
+                 "--approval-webhook", receiver.url, "--approval-webhook-secret-file", str(secret_file)],
         "quick": ["--approval-wait", "2s", "--approval-use-within", "2s", "--sweep-interval", "200ms"],
     }
     out, started, schemas = {}, [], []
@@ -62,10 +69,12 @@ def stacks(request, log_dir, data_root, mcp_server, database_url):  # noqa: F811
             envoy.start()
             started.append(envoy)
             out[name] = (ledger, envoy)
+        out["webhook"] = receiver
         yield out
     finally:
         for p in reversed(started):
             p.stop()
+        receiver.stop()
         for schema in schemas:
             drop_schema(database_url, schema)
 
@@ -230,4 +239,29 @@ def test_nobody_deciding_or_an_unused_approval_lapses_and_gives_the_slot_back(st
     assert _usage(ledger, permit) == (0, 0)
     assert server.executions("pay_invoice") == 0
     assert "atmost_approvals_expired_total 2" in ledger.metrics()
+    client.close()
+
+
+def test_people_are_asked_where_they_are_by_a_signed_webhook(stacks, server):
+    """Each request and each decision is posted, signed (checked here by the receiver's own
+    HMAC code, not the ledger's), and a receiver that fails twice still gets the event once."""
+    ledger, envoy = stacks["main"]
+    receiver = stacks["webhook"]
+    permit = ledger.create_permit(*ASKS_FIRST, label="billing agent")
+    client = RawMcp(envoy.url)
+    receiver.answer_with(500, 503)
+    approval_id = denial(_pay(client, permit, new_key()))["approval_id"]
+    asked = receiver.wait_for("approval.requested", timeout=20, approval_id=approval_id)
+    assert asked["permit_label"] == "billing agent" and asked["tool"] == "pay_invoice"
+    assert asked["cost"] == 120 and asked["arguments"]["amount"] == 120 and asked["expires_at"]
+    tries = [r for r in receiver.requests() if approval_id.encode() in r.body]
+    assert [r.status for r in tries] == [500, 503, 200], tries
+    assert all(r.refused is None for r in tries)
+    status, _ = _admin(ledger, f"/admin/v1/approvals/{approval_id}/approve", {"note": "ok"})
+    assert status == 200
+    approved = receiver.wait_for("approval.approved", timeout=20, approval_id=approval_id)
+    assert approved["decided_by"] == "admin" and approved["note"] == "ok" and approved["use_by"]
+    delivered = re.search(r'^atmost_approval_webhook_deliveries_total\{result="delivered"\} (\d+)$',
+                          ledger.metrics(), re.M)
+    assert delivered and int(delivered.group(1)) >= 2, "the request and the decision at least"
     client.close()
