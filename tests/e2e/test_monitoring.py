@@ -239,3 +239,16 @@ def test_every_dashboard_query_answers_in_that_prometheus(scenario):
     for title, ref, expr in queries:
         if title in NO_DATA_EXPECTED:
             assert prometheus.query(expr) == [], f"{title} ({ref}) has data, yet nothing failed: {expr}"
+
+
+def test_the_approval_alert_reads_a_series_the_ledger_exports(scenario):
+    """AtmostApprovalWaitingLong needs ten minutes of waiting to fire (promtool shows it
+    firing, tests/prometheus/atmost-rules.test.yml); here the real Prometheus evaluates it
+    healthy over the gauge the real ledger exports, 0 with nobody waiting."""
+    _, prometheus = scenario
+    [rule] = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]
+              if r["name"] == "AtmostApprovalWaitingLong"]
+    wait_until(lambda: prometheus.query("max(atmost_approval_oldest_waiting_seconds)"), 30,
+               "the approval gauge scraped")
+    assert rule["health"] == "ok", rule
+    assert [s["value"][1] for s in prometheus.query("max(atmost_approval_oldest_waiting_seconds)")] == ["0"]
