@@ -400,7 +400,8 @@ pub enum KeysCommand {
 #[derive(Debug, Subcommand)]
 pub enum PermitCommand {
     /// Create a permit and print its token (shown once).
-    Create(CreateArgs),
+    // Boxed: its rules outweigh every other permit command's.
+    Create(Box<CreateArgs>),
     /// Show a permit with usage per tool, budget and attempt counts.
     Show { id: String },
     /// List permits.
