@@ -16,11 +16,11 @@
  *                       decision is one transaction (SQLite BEGIN IMMEDIATE, PostgreSQL
  *                       SELECT ... FOR UPDATE of the permit row), here one d_step.
  *     decide            ledger/src/decide.rs `decide` (authorize) plus the reservation.
- *     apply_report      ledger/src/decide.rs `apply_outcome` with the round and capability
- *                       rules.
- *     EXPIRE            ledger/src/decide.rs `expire_lease`, the sweeper (any lease may run
- *                       out at any moment: time is abstracted away).
- *     RESOLVE           ledger/src/decide.rs `resolve` (admin API / reconciler).
+ *     apply_report      ledger/src/decide/reports.rs `apply_outcome` with the round and
+ *                       capability rules.
+ *     EXPIRE            ledger/src/decide/settle.rs `expire_lease`, the sweeper (any lease
+ *                       may run out at any moment: time is abstracted away).
+ *     RESOLVE           ledger/src/decide/settle.rs `resolve` (admin API / reconciler).
  *   Upstream            the MCP server. It records executions: this is what "executed" means.
  *   Attacker            the agent turned against its owner: it holds the permit token and
  *                       the filter's service token, so it calls authorize directly and posts
@@ -176,7 +176,7 @@ byte readVer[FILTERS + 1];    /* the version a replica read with the cap */
 byte upAtt[FILTERS];          /* attempt + 1; 0: nothing sent */
 byte upAns[FILTERS];          /* 0: no answer yet */
 
-/* (S) the counter the stores keep (ledger/src/decide.rs counter_delta) matches the rows. */
+/* (S) the counter the stores keep (ledger/src/decide/counters.rs counter_delta) matches the rows. */
 #define HOLDS(i)  (i < nA && HOLDS_SLOT(aState[i]))
 #define CHECK_SLOTS() assert(HOLDS(0) + HOLDS(1) + HOLDS(2) + HOLDS(3) == slots && slots <= N)
 
@@ -223,7 +223,7 @@ inline decide(c, k, cont, fits) {
 }
 
 /*
- * apply_report (ledger/src/decide.rs `apply_outcome` and the report handler): unknown
+ * apply_report (ledger/src/decide/reports.rs `apply_outcome` and the report handler): unknown
  * attempt -> ignored; round ahead or wrong capability -> refused (counted); round behind
  * -> stale; current round and in_flight -> applied; current round otherwise -> no change.
  */
@@ -292,11 +292,11 @@ inline apply_report(ra, rr, rc, ro) {
 #define SERVE(c) SERVE1(c, 0, false) SERVE1(c, 1, false) SERVE1(c, 0, true) SERVE1(c, 1, true)
 #endif
 
-/* The lease sweeper (ledger/src/decide.rs `expire_lease`): uncertain, never released. */
+/* The lease sweeper (ledger/src/decide/settle.rs `expire_lease`): uncertain, never released. */
 #define EXPIRE(i) :: d_step { LEASED(aState[i]) -> aState[i] = S_UNCERTAIN; CHECK_SLOTS() }
 
 /*
- * The admin or reconciler (ledger/src/decide.rs `resolve`), after checking the provider.
+ * The admin or reconciler (ledger/src/decide/settle.rs `resolve`), after checking the provider.
  * Truthful: "not executed" only when the upstream did not execute the attempt and no round
  * of it is still on its way (the lease outlasts Envoy's route timeout, and resolution waits
  * for the lease; the model has no clock, so it states this directly).
