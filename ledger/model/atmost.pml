@@ -55,6 +55,9 @@
  *   -DNO_VERSION_CHECK      (with -DVERSIONED_WRITE) the decision is written whatever the
  *                           permit's version has become since it was read: the same
  *                           counterexample as NO_ATOMIC_RESERVE.
+ *   -DAPPROVAL_REUSABLE     the approval is not consumed by its dispatch: a retry of the
+ *                           approved key while that dispatch is in flight is dispatched
+ *                           again, so the key executes twice (P2).
  *
  * A variant checked as the real model is, against the same properties:
  *   -DVERSIONED_WRITE       the one-round-trip decision designed for PostgreSQL
@@ -210,6 +213,21 @@ byte upAns[FILTERS];          /* 0: no answer yet */
 #define NEEDS_APPROVAL(k) ((k) == 0 && nA == 0)
 
 /*
+ * APPROVAL_REUSABLE: the approval is not consumed by its dispatch. The attempt keeps the
+ * decision (its `approval` record), and the rule reads that record before the attempt's
+ * state, so a retry of the key while its dispatch is in flight is dispatched again, in a
+ * new round with its own capability, instead of idempotency_in_progress.
+ */
+#ifdef APPROVAL_REUSABLE
+bool aApproved[ROWS];        /* the attempt's approval record says approved */
+#define REUSED(a) (a != NONE && aApproved[a] && aState[a] == S_INFLIGHT && aRound[a] < MAXR)
+#define RECORD_APPROVAL(i) aApproved[i] = true
+#else
+#define REUSED(a) false
+#define RECORD_APPROVAL(i) skip
+#endif
+
+/*
  * decide (ledger/src/decide.rs `decide`): the authorize decision and the reservation, one
  * transaction. Answers caller c asking for key k (cont: a continuation). `fits` is whether
  * the cap leaves a slot, read in the same transaction (NO_ATOMIC_RESERVE: an earlier one).
@@ -218,7 +236,10 @@ inline decide(c, k, cont, fits) {
     a = keyAtt[k];
     if
     :: a != NONE && (aState[a] == S_DONE || aState[a] == S_RES_EXEC) -> ansOf[c] = A_REPLAY
-    :: a != NONE && aState[a] == S_INFLIGHT -> ansOf[c] = A_DENY     /* idempotency_in_progress */
+    :: a != NONE && aState[a] == S_INFLIGHT && !REUSED(a) -> ansOf[c] = A_DENY /* idempotency_in_progress */
+#ifdef APPROVAL_REUSABLE
+    :: REUSED(a) -> aRound[a]++; ansOf[c] = A_DISPATCH   /* the approval dispatches again */
+#endif
     :: a != NONE && aState[a] == S_AWAIT && cont && aRound[a] < MAXR ->
         /* the same call continued: same attempt, next round, no new slot */
         aRound[a]++; aState[a] = S_INFLIGHT; ansOf[c] = A_DISPATCH
@@ -347,7 +368,7 @@ inline apply_report(ra, rr, rc, ro) {
  * was sent: (P4). Only attempt 0 can be a request (NEEDS_APPROVAL), so only it is instanced.
  */
 #define DECIDE_APPROVAL(i) \
-    :: d_step { aState[i] == S_APPR_WAIT -> aState[i] = S_APPROVED; CHECK_SLOTS() } \
+    :: d_step { aState[i] == S_APPR_WAIT -> aState[i] = S_APPROVED; RECORD_APPROVAL(i); CHECK_SLOTS() } \
     :: d_step { aState[i] == S_APPR_WAIT -> \
                 assert(!reached[i] && !live[i]);                /* (P4) */ \
                 aState[i] = S_APPR_REJ; slots--; CHECK_SLOTS() }
