@@ -15,12 +15,20 @@
  *   Replica (x 2)       two ledger processes over ONE store (ledger/src/store/): every
  *                       decision is one transaction (SQLite BEGIN IMMEDIATE, PostgreSQL
  *                       SELECT ... FOR UPDATE of the permit row), here one d_step.
- *     decide            ledger/src/decide.rs `decide` (authorize) plus the reservation.
- *     apply_report      ledger/src/decide.rs `apply_outcome` with the round and capability
- *                       rules.
- *     EXPIRE            ledger/src/decide.rs `expire_lease`, the sweeper (any lease may run
- *                       out at any moment: time is abstracted away).
- *     RESOLVE           ledger/src/decide.rs `resolve` (admin API / reconciler).
+ *     decide            ledger/src/decide.rs `decide` (authorize) plus the reservation;
+ *                       ledger/src/decide/approval.rs `approval_needed` (rule 4.8: a new
+ *                       call that needs a person is reserved as awaiting_approval, nothing
+ *                       sent) and `by_approval` (rule 3's rows for the approval states: an
+ *                       approved attempt is dispatched once, in the same transaction).
+ *     apply_report      ledger/src/decide/reports.rs `apply_outcome` with the round and
+ *                       capability rules.
+ *     EXPIRE            ledger/src/decide/settle.rs `expire_lease`, the sweeper (any lease
+ *                       may run out at any moment: time is abstracted away).
+ *     RESOLVE           ledger/src/decide/settle.rs `resolve` (admin API / reconciler).
+ *     DECIDE_APPROVAL   ledger/src/decide/approval.rs `decide_approval`: a person approves
+ *                       or rejects a request waiting for approval, at any moment.
+ *     EXPIRE_APPROVAL   `expire_lease` again: a request nobody decided, or an approval
+ *                       nobody used, lapses at any moment.
  *   Upstream            the MCP server. It records executions: this is what "executed" means.
  *   Attacker            the agent turned against its owner: it holds the permit token and
  *                       the filter's service token, so it calls authorize directly and posts
@@ -33,6 +41,8 @@
  *        an attempt and every attempt under the key.
  *   (P3) no attempt is released (slot given back automatically) once any of its rounds
  *        reached the upstream.
+ *   (P4) a rejection or an expiry of an approval gives the slot back only while nothing of
+ *        the attempt was sent: no round of it reached the upstream or is on its way there.
  *   (S)  the slot counter equals the number of attempts in a slot-holding state, and never
  *        exceeds N (the store's own consistency; a failure here is a model error).
  *
@@ -45,6 +55,9 @@
  *   -DNO_VERSION_CHECK      (with -DVERSIONED_WRITE) the decision is written whatever the
  *                           permit's version has become since it was read: the same
  *                           counterexample as NO_ATOMIC_RESERVE.
+ *   -DAPPROVAL_REUSABLE     the approval is not consumed by its dispatch: a retry of the
+ *                           approved key while that dispatch is in flight is dispatched
+ *                           again, so the key executes twice (P2).
  *
  * A variant checked as the real model is, against the same properties:
  *   -DVERSIONED_WRITE       the one-round-trip decision designed for PostgreSQL
@@ -52,17 +65,22 @@
  *                           replica reads what a decision needs about the permit (whether the
  *                           cap leaves a slot, and the permit's version) in one step, decides,
  *                           and writes in another step only if the version is still the one
- *                           it read; a reservation bumps the version, reports and resolutions
- *                           (which only give slots back) do not; a write whose version moved
+ *                           it read; a reservation (a request for approval included) bumps
+ *                           the version, reports, resolutions, rejections and expiries
+ *                           (which only give slots back) do not, nor do a person's approval
+ *                           and its dispatch (no slot moves); a write whose version moved
  *                           is decided again under the permit's lock. The stores do not take
  *                           this path yet: the model is its design, checked before it is
  *                           built.
  *
  * Bounds (exhaustive within them): one permit, one governed tool, cap N = 1, two keys,
  * at most MAXA attempts and MAXR rounds per attempt, CALLS gateway calls made by FILTERS
- * concurrent filters, ATT_STEPS attacker actions that change the store, DUPS duplicate
- * report deliveries. Fingerprints always match (a mismatch is a plain denial), budget
- * and expiry are left out (they only deny more), completed and accepted are one state.
+ * concurrent filters, ATT_STEPS attacker actions that change the store (a request for
+ * approval is not counted: it is answered with a denial), DUPS duplicate report
+ * deliveries, one approval request per run (the permit's first call, if made with key 0;
+ * every other call needs none: see NEEDS_APPROVAL). Fingerprints always match (a mismatch
+ * is a plain denial), budget and expiry are left out (they only deny more), completed and
+ * accepted are one state.
  */
 
 #define N          1
@@ -95,8 +113,13 @@
 #define S_RELEASED    5
 #define S_RES_EXEC    6
 #define S_RES_NOT     7
+#define S_APPR_WAIT   8       /* awaiting_approval: reserved, no round yet, nothing sent */
+#define S_APPROVED    9
+#define S_APPR_REJ    10      /* approval_rejected */
+#define S_APPR_EXP    11      /* approval_expired */
 
-#define HOLDS_SLOT(s) ((s) == S_INFLIGHT || (s) == S_AWAIT || (s) == S_DONE || (s) == S_UNCERTAIN || (s) == S_RES_EXEC)
+#define HOLDS_SLOT(s) ((s) == S_INFLIGHT || (s) == S_AWAIT || (s) == S_DONE || (s) == S_UNCERTAIN || (s) == S_RES_EXEC || \
+                       (s) == S_APPR_WAIT || (s) == S_APPROVED)
 #define LEASED(s)     ((s) == S_INFLIGHT || (s) == S_AWAIT)
 
 /* Outcomes named by a report; the upstream answers with O_DONE, O_INPUT or NO_ANSWER. */
@@ -176,9 +199,33 @@ byte readVer[FILTERS + 1];    /* the version a replica read with the cap */
 byte upAtt[FILTERS];          /* attempt + 1; 0: nothing sent */
 byte upAns[FILTERS];          /* 0: no answer yet */
 
-/* (S) the counter the stores keep (ledger/src/decide.rs counter_delta) matches the rows. */
+/* (S) the counter the stores keep (ledger/src/decide/counters.rs counter_delta) matches the rows. */
 #define HOLDS(i)  (i < nA && HOLDS_SLOT(aState[i]))
 #define CHECK_SLOTS() assert(HOLDS(0) + HOLDS(1) + HOLDS(2) + HOLDS(3) == slots && slots <= N)
+
+/*
+ * approval_needed (ledger/src/decide/approval.rs, rule 4.8): whether a new call must wait for
+ * a person. The permit's rule decides it from the tool and the call's cost, which the model
+ * does not have; it bounds approvals to one request per run instead: the permit's first
+ * call, when it is made with key 0. The keys are interchangeable everywhere else, so every
+ * run without an approval is still checked, with the keys swapped.
+ */
+#define NEEDS_APPROVAL(k) ((k) == 0 && nA == 0)
+
+/*
+ * APPROVAL_REUSABLE: the approval is not consumed by its dispatch. The attempt keeps the
+ * decision (its `approval` record), and the rule reads that record before the attempt's
+ * state, so a retry of the key while its dispatch is in flight is dispatched again, in a
+ * new round with its own capability, instead of idempotency_in_progress.
+ */
+#ifdef APPROVAL_REUSABLE
+bool aApproved[ROWS];        /* the attempt's approval record says approved */
+#define REUSED(a) (a != NONE && aApproved[a] && aState[a] == S_INFLIGHT && aRound[a] < MAXR)
+#define RECORD_APPROVAL(i) aApproved[i] = true
+#else
+#define REUSED(a) false
+#define RECORD_APPROVAL(i) skip
+#endif
 
 /*
  * decide (ledger/src/decide.rs `decide`): the authorize decision and the reservation, one
@@ -189,19 +236,37 @@ inline decide(c, k, cont, fits) {
     a = keyAtt[k];
     if
     :: a != NONE && (aState[a] == S_DONE || aState[a] == S_RES_EXEC) -> ansOf[c] = A_REPLAY
-    :: a != NONE && aState[a] == S_INFLIGHT -> ansOf[c] = A_DENY     /* idempotency_in_progress */
+    :: a != NONE && aState[a] == S_INFLIGHT && !REUSED(a) -> ansOf[c] = A_DENY /* idempotency_in_progress */
+#ifdef APPROVAL_REUSABLE
+    :: REUSED(a) -> aRound[a]++; ansOf[c] = A_DISPATCH   /* the approval dispatches again */
+#endif
     :: a != NONE && aState[a] == S_AWAIT && cont && aRound[a] < MAXR ->
         /* the same call continued: same attempt, next round, no new slot */
         aRound[a]++; aState[a] = S_INFLIGHT; ansOf[c] = A_DISPATCH
     :: a != NONE && aState[a] == S_AWAIT && cont && aRound[a] == MAXR -> ansOf[c] = A_DENY /* model bound */
     :: a != NONE && aState[a] == S_AWAIT && !cont -> ansOf[c] = A_DENY  /* awaiting input */
     :: a != NONE && aState[a] == S_UNCERTAIN -> ansOf[c] = A_DENY    /* delivery_uncertain */
+    /* by_approval (ledger/src/decide/approval.rs, rule 3's rows for the approval states) */
+    :: a != NONE && aState[a] == S_APPROVED ->
+        /* the approval's one dispatch: round 1 and its capability, no new slot (it holds
+           one), even at the cap; the same transaction consumes the approval */
+        aRound[a] = 1; aState[a] = S_INFLIGHT; ansOf[c] = A_DISPATCH
+    :: a != NONE && aState[a] == S_APPR_WAIT -> ansOf[c] = A_DENY    /* approval_required */
+    :: a != NONE && aState[a] == S_APPR_REJ -> ansOf[c] = A_DENY     /* approval_rejected */
+    :: a != NONE && aState[a] == S_APPR_EXP -> ansOf[c] = A_DENY     /* approval_expired */
     :: a == NONE || aState[a] == S_RELEASED || aState[a] == S_RES_NOT ->
-        /* a new call (or a key given back): check the cap, reserve, dispatch round 1 */
+        /* a new call (or a key given back): check the cap, reserve, then dispatch round 1
+           or, if it needs a person, hold the slot while one decides */
         if
         :: !(fits) -> ansOf[c] = A_DENY                               /* permit_max_calls_exceeded */
         :: (fits) && nA == MAXA -> ansOf[c] = A_DENY                  /* model bound */
-        :: (fits) && nA < MAXA ->
+        :: (fits) && nA < MAXA && NEEDS_APPROVAL(k) ->
+            /* approval_needed: the slot is held while a person decides; nothing is sent */
+            a = nA; nA++;
+            aKey[a] = k; aState[a] = S_APPR_WAIT; aRound[a] = 0;
+            keyAtt[k] = a; slots++; BUMP_VERSION;
+            ansOf[c] = A_DENY                                          /* approval_required */
+        :: (fits) && nA < MAXA && !NEEDS_APPROVAL(k) ->
             a = nA; nA++;
             aKey[a] = k; aState[a] = S_INFLIGHT; aRound[a] = 1;
             keyAtt[k] = a; slots++; BUMP_VERSION;
@@ -223,7 +288,7 @@ inline decide(c, k, cont, fits) {
 }
 
 /*
- * apply_report (ledger/src/decide.rs `apply_outcome` and the report handler): unknown
+ * apply_report (ledger/src/decide/reports.rs `apply_outcome` and the report handler): unknown
  * attempt -> ignored; round ahead or wrong capability -> refused (counted); round behind
  * -> stale; current round and in_flight -> applied; current round otherwise -> no change.
  */
@@ -292,11 +357,28 @@ inline apply_report(ra, rr, rc, ro) {
 #define SERVE(c) SERVE1(c, 0, false) SERVE1(c, 1, false) SERVE1(c, 0, true) SERVE1(c, 1, true)
 #endif
 
-/* The lease sweeper (ledger/src/decide.rs `expire_lease`): uncertain, never released. */
+/* The lease sweeper (ledger/src/decide/settle.rs `expire_lease`): uncertain, never released. */
 #define EXPIRE(i) :: d_step { LEASED(aState[i]) -> aState[i] = S_UNCERTAIN; CHECK_SLOTS() }
 
 /*
- * The admin or reconciler (ledger/src/decide.rs `resolve`), after checking the provider.
+ * A person deciding a request (ledger/src/decide/approval.rs `decide_approval`, through the
+ * admin API), and the sweeper expiring a request nobody decided or an approval nobody used
+ * (ledger/src/decide/settle.rs `expire_lease`): each one transaction, at any moment. A
+ * rejection or an expiry gives the slot back, which is sound only if nothing of the attempt
+ * was sent: (P4). Only attempt 0 can be a request (NEEDS_APPROVAL), so only it is instanced.
+ */
+#define DECIDE_APPROVAL(i) \
+    :: d_step { aState[i] == S_APPR_WAIT -> aState[i] = S_APPROVED; RECORD_APPROVAL(i); CHECK_SLOTS() } \
+    :: d_step { aState[i] == S_APPR_WAIT -> \
+                assert(!reached[i] && !live[i]);                /* (P4) */ \
+                aState[i] = S_APPR_REJ; slots--; CHECK_SLOTS() }
+#define EXPIRE_APPROVAL(i) \
+    :: d_step { (aState[i] == S_APPR_WAIT || aState[i] == S_APPROVED) -> \
+                assert(!reached[i] && !live[i]);                /* (P4) */ \
+                aState[i] = S_APPR_EXP; slots--; CHECK_SLOTS() }
+
+/*
+ * The admin or reconciler (ledger/src/decide/settle.rs `resolve`), after checking the provider.
  * Truthful: "not executed" only when the upstream did not execute the attempt and no round
  * of it is still on its way (the lease outlasts Envoy's route timeout, and resolution waits
  * for the lease; the model has no clock, so it states this directly).
@@ -312,8 +394,8 @@ inline apply_report(ra, rr, rc, ro) {
  * (ledger/src/store/: SQLite BEGIN IMMEDIATE, PostgreSQL SELECT ... FOR UPDATE of the
  * permit row). Filter i's callouts go to replica i (the cluster's load balancer), so two
  * decisions race on the store. Replica 0 also applies the queued reports, replica 1 runs
- * the sweeper and the admin's resolutions: each is one transaction whichever replica runs
- * it, so the split only spares the checker duplicate work.
+ * the sweeper, the admin's resolutions and the person's approval decisions: each is one
+ * transaction whichever replica runs it, so the split only spares the checker duplicate work.
  */
 proctype Replica(byte id) {
     byte a;
@@ -346,6 +428,8 @@ end_1:  if
         RESOLVE(1)
         RESOLVE(2)
         RESOLVE(3)
+        DECIDE_APPROVAL(0)
+        EXPIRE_APPROVAL(0)
         fi
     od
 }

@@ -11,7 +11,7 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 model="$root/ledger/model/atmost.pml"
 out="$root/target/model"
 variants=(real VERSIONED_WRITE)
-mutants=(NO_ROUND_CHECK NO_CAPABILITY_CHECK NO_ATOMIC_RESERVE VERSIONED_WRITE+NO_VERSION_CHECK)
+mutants=(NO_ROUND_CHECK NO_CAPABILITY_CHECK NO_ATOMIC_RESERVE VERSIONED_WRITE+NO_VERSION_CHECK APPROVAL_REUSABLE)
 
 # The spin flags of a variant or mutant: "real" none, else -D for each `+`-joined switch.
 flags() {
