@@ -233,7 +233,10 @@ impl Root {
     }
 
     /// Hands `event` to the machine of HTTP context `context_id` and carries out its step
-    /// there, as that context's own callback would; then back to the root.
+    /// there, as that context's own callback would; then back to the root. Envoy defers a
+    /// resume or a local reply made here until the root's callback returns, so no callback
+    /// of that context runs (and borrows its machine) meanwhile; it defers a callout's
+    /// answer likewise, so a re-ask's token is in the table before its answer can come.
     fn in_context(
         &self,
         context_id: u32,
