@@ -380,8 +380,17 @@ impl Authorizing {
 
     /// The ledger's answer after the upstream answered: nothing is sent (the request is
     /// `Overtaken`). A dispatch is released at once; the upstream's answer goes on to the
-    /// client.
+    /// client, which ends a hold for approval as any other answer does.
     pub(in crate::call) fn after_early_answer(&self, reply: &LedgerReply) -> Step {
+        let mut step = self.early_answer_step(reply);
+        if self.held.is_some() {
+            step.effects
+                .insert(0, Effect::Count(Stat::ApprovalHoldAnswered));
+        }
+        step
+    }
+
+    fn early_answer_step(&self, reply: &LedgerReply) -> Step {
         let grant = match reply.authorize() {
             Ok(AuthorizeResponse::Dispatch {
                 attempt_id,
