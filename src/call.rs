@@ -7,7 +7,7 @@
 //! events that reach it and says what the request steps to. [`Call`] routes each event to
 //! the phase the request is in, and keeps what lasts through all of them ([`Context`]).
 
-use crate::ledger_client::LedgerReply;
+use crate::ledger_client::{Callout, LedgerReply};
 use atmost_config::Config;
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -59,6 +59,15 @@ struct Context {
     in_completion_batch: bool,
     /// `credential_cache_ms` > 0: the session's credential ([`session_credential`]).
     session: Option<Session>,
+    /// Unix milliseconds now, by Envoy's clock: when a hold for approval began and whether
+    /// its bound is reached.
+    clock: fn() -> u64,
+}
+
+/// The clock of a call no adapter gave one: time stands still, so a hold for approval ends
+/// only by the ledger's answer.
+fn still() -> u64 {
+    0
 }
 
 /// One request's state machine.
@@ -88,8 +97,15 @@ impl Call {
                 ahead: None,
                 in_completion_batch: false,
                 session: None,
+                clock: still,
             },
         }
+    }
+
+    /// This call reads the time from `clock` (Unix milliseconds).
+    pub fn with_clock(mut self, clock: fn() -> u64) -> Call {
+        self.cx.clock = clock;
+        self
     }
 
     /// This call takes part in the session's credentials: `cache` is its worker's, `now_ms`
@@ -289,6 +305,23 @@ impl Call {
                 other => (other, Step::cont()),
             }),
             _ => Step::cont(),
+        }
+    }
+
+    /// `approval_hold_ms`: the call is held open for a person's approval, its request paused,
+    /// until the ledger is asked again ([`Call::reask`]).
+    pub fn is_held(&self) -> bool {
+        matches!(&self.phase, Phase::Authorizing(a) if a.is_held())
+    }
+
+    /// The authorize request of a held call, to send again once its wait is over
+    /// ([`Effect::HoldForApproval`]); its answer comes back through
+    /// [`Call::on_ledger_reply`], or [`Call::on_callout_failed`] when it cannot be sent.
+    /// `None` for a call not held.
+    pub fn reask(&self) -> Option<Callout> {
+        match &self.phase {
+            Phase::Authorizing(a) => a.reask(),
+            _ => None,
         }
     }
 

@@ -12,6 +12,8 @@
 //!   request or its response;
 //! - [`report`]: the root context's outcome reports (the after-the-fact queue and the
 //!   batch of completion reports whose responses are held);
+//! - [`held_calls`]: the calls the root context holds open for a person's approval
+//!   (`approval_hold_ms`), and when each asks the ledger again;
 //! - [`ledger_client`]: the callouts to the ledger and reading its answers;
 //! - [`stats`]: the counters;
 //! - [`verify`]: the verifier at the tool (`role: "verify"`), which lets a governed call
@@ -25,6 +27,7 @@
 //! idempotency key*; the remote side effect itself is not guaranteed to happen only once.
 
 pub mod call;
+pub mod held_calls;
 pub mod ledger_client;
 pub mod parse;
 pub mod report;

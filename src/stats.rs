@@ -87,6 +87,20 @@ stat_table! {
     /// One of Envoy's steering headers ([`crate::call::ENVOY_CONTROL_HEADERS`]) was removed
     /// from a request.
     ControlHeaderRemoved => "atmost_control_header_removed";
+    /// `approval_hold_ms`: a call the ledger answered `approval_required` was held open, the
+    /// ledger to be asked again (once per call, at its first such answer).
+    ApprovalHeld => "atmost_approval_held";
+    /// A held call the ledger then dispatched (a person approved it while it waited).
+    ApprovalHoldDispatched => "atmost_approval_hold_dispatched";
+    /// A held call the ledger then answered otherwise (`approval_rejected`,
+    /// `approval_expired`, any other denial or a replay; the ledger unreachable): that
+    /// answer was given.
+    ApprovalHoldAnswered => "atmost_approval_hold_answered";
+    /// A held call still `approval_required` at `approval_hold_ms`: that denial was given.
+    ApprovalHoldTimedOut => "atmost_approval_hold_timed_out";
+    /// A held call whose request ended (the client went away) before the hold did: the
+    /// ledger is not asked again.
+    ApprovalHoldAbandoned => "atmost_approval_hold_abandoned";
     /// `role: "verify"`: a governed call whose dispatch signature verified; it went to the tool.
     Verified => "atmost_verified";
     /// `role: "verify"`: a fetch of the ledger's JWKS that answered a key set.

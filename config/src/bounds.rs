@@ -10,6 +10,15 @@ pub const DEFAULT_TIMEOUT_MS: u64 = 1000;
 /// take to reach a session's requests other than a dispatched call.
 pub const MAX_CREDENTIAL_CACHE_MS: u64 = 300_000;
 
+/// Longest `approval_hold_ms`: four minutes, a minute under Envoy's default
+/// `stream_idle_timeout` (five minutes), which a held request counts against: nothing moves
+/// on its stream while it waits, and the route's timeout has not begun (the router has not
+/// had the request yet).
+pub const MAX_APPROVAL_HOLD_MS: u64 = 240_000;
+/// Longest `report_interval_ms` with `approval_hold_ms` above 0: the root's tick re-asks the
+/// ledger for held calls, so a re-ask is never more than this late.
+pub const MAX_HOLD_TICK_MS: u64 = 1_000;
+
 /// Default `max_body_bytes` and `max_receipt_bytes` (1 MiB).
 pub const DEFAULT_MAX_BYTES: u64 = 1_048_576;
 /// Largest accepted `max_body_bytes` / `max_receipt_bytes` (64 MiB).

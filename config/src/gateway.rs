@@ -99,6 +99,14 @@ pub struct Config {
     /// refuses it, since what the upgraded connection carries is never read
     /// ([`UpgradeRoutes`]).
     pub upgrade_routes: UpgradeRoutes,
+    /// `approval_hold_ms` (integer, default 0, 0..=240000): a call the ledger answers
+    /// `approval_required` is held open for up to this many milliseconds from that first
+    /// answer, the ledger asked again each `retry_after` (1 to 5 s), so that an agent that
+    /// does not retry still gets through a quick approval: dispatched once a person approves,
+    /// or the ledger's other answer, or at the bound the last `approval_required`. 0: the
+    /// denial is answered at once. Needs `report_interval_ms` at most 1000 (the root's tick
+    /// re-asks).
+    pub approval_hold_ms: u64,
 }
 
 /// `ledger`: the callout target.
@@ -176,6 +184,7 @@ impl Config {
             "request_hold",
             "signature_validity_s",
             "upgrade_routes",
+            "approval_hold_ms",
         ])?;
 
         let ledger_map = top
@@ -323,6 +332,15 @@ impl Config {
             MAX_VALIDITY_S,
         )?;
         let upgrade_routes = crate::upgrade::parse(&top)?;
+        let approval_hold_ms = top.integer("approval_hold_ms", 0, 0, MAX_APPROVAL_HOLD_MS)?;
+        if approval_hold_ms > 0 && report_interval_ms > MAX_HOLD_TICK_MS {
+            // Held calls are asked again on the root's tick: a slower tick would leave an
+            // approved call waiting for most of it.
+            return Err(err(
+                "approval_hold_ms",
+                format!("needs `report_interval_ms` at most {MAX_HOLD_TICK_MS} (the tick that asks the ledger again for held calls); it is {report_interval_ms}"),
+            ));
+        }
 
         Ok(Config {
             ledger: LedgerConfig {
@@ -346,6 +364,7 @@ impl Config {
             request_hold,
             signature_validity_s,
             upgrade_routes,
+            approval_hold_ms,
         })
     }
 }

@@ -109,6 +109,33 @@ fn credential_cache_ms_is_off_by_default_and_bounded() {
 }
 
 #[test]
+fn approval_hold_ms_is_off_by_default_bounded_and_needs_a_quick_tick() {
+    let mut v = minimal();
+    assert_eq!(config_from(&v).approval_hold_ms, 0);
+    v["approval_hold_ms"] = json!(MAX_APPROVAL_HOLD_MS);
+    assert_eq!(config_from(&v).approval_hold_ms, 240_000);
+    for bad in [
+        json!(240_001),
+        json!(-1),
+        json!("30s"),
+        json!(1.5),
+        json!(null),
+    ] {
+        v["approval_hold_ms"] = bad.clone();
+        assert_eq!(field_of(&v), "approval_hold_ms", "{bad}");
+    }
+    // Re-asks ride the root's tick: a tick slower than a second is refused with a hold, and
+    // stays allowed without one.
+    v["approval_hold_ms"] = json!(30_000);
+    v["report_interval_ms"] = json!(1_000);
+    assert_eq!(config_from(&v).approval_hold_ms, 30_000);
+    v["report_interval_ms"] = json!(1_001);
+    assert_eq!(field_of(&v), "approval_hold_ms");
+    v["approval_hold_ms"] = json!(0);
+    assert_eq!(config_from(&v).report_interval_ms, 1_001);
+}
+
+#[test]
 fn tools_list_limits_is_a_boolean() {
     let mut v = minimal();
     v["tools_list_limits"] = json!(true);

@@ -37,7 +37,7 @@ pub const SHARED_FIELDS: [&str; 5] = [
     "upgrade_routes",
 ];
 /// The top-level fields only the gateway reads: refused in `role: "verify"`.
-pub const GATEWAY_ONLY_FIELDS: [&str; 9] = [
+pub const GATEWAY_ONLY_FIELDS: [&str; 10] = [
     "ledger",
     "permit_header",
     "key_required_tools",
@@ -47,6 +47,7 @@ pub const GATEWAY_ONLY_FIELDS: [&str; 9] = [
     "completion_reports",
     "answer_release",
     "tools_list_limits",
+    "approval_hold_ms",
 ];
 
 /// The checked configuration of `role: "verify"`.

@@ -5,7 +5,7 @@ use atmost_fuzz::call_state_machine::{reached, Reached};
 
 type Goal = (&'static str, fn(&Reached) -> bool);
 
-const GOALS: [Goal; 9] = [
+const GOALS: [Goal; 10] = [
     ("dispatch and report", |r| r.dispatched && r.reports > 0),
     ("request_hold body: dispatch", |r| r.body_mode_dispatched),
     (
@@ -25,6 +25,9 @@ const GOALS: [Goal; 9] = [
         "answer_release at_once: answer released before its report",
         |r| r.released_unwaited,
     ),
+    ("approval_hold_ms: held, then dispatched", |r| {
+        r.held_for_approval && r.dispatched
+    }),
 ];
 
 fn main() {

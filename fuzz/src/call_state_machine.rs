@@ -58,6 +58,9 @@
 //! - `answer_release: at_once`: a `completed` or `accepted` report goes to the root's batch
 //!   unwaited, in a step that lets the answer go on; an `input_required` answer is held for
 //!   its report as under `after_receipt`, which holds every answer for its report;
+//! - `approval_hold_ms`: an `approval_required` answer holds the call (no reply, no resume)
+//!   only as the answer to its authorize, and the call asks again with that authorize's
+//!   exact bytes, whose answer (the next ledger answer) it handles as the first;
 //! - every local reply is JSON; a denial answers with the request's JSON-RPC id;
 //! - at most one outcome report per dispatched attempt is handed to the root queue, and a
 //!   receipt-bearing report (`completed`, …) is never followed by `released`.
@@ -86,7 +89,7 @@ use std::rc::Rc;
 mod answer;
 
 const CONFIGS: [&str; 8] = [
-    r#"{"ledger":{"cluster":"l","service_token":"svc-token-0123456789abcdef0123456789"},"upstream_key":{"secret":"0123456789abcdef0123"}}"#,
+    r#"{"ledger":{"cluster":"l","service_token":"svc-token-0123456789abcdef0123456789"},"upstream_key":{"secret":"0123456789abcdef0123"},"approval_hold_ms":60000}"#,
     r#"{"ledger":{"cluster":"l","service_token":"svc-token-0123456789abcdef0123456789"},"upstream_key":{"mode":"raw"},"denial_format":"error","max_body_bytes":64,"max_receipt_bytes":48,"governed_tools":["pay"]}"#,
     r#"{"ledger":{"cluster":"l","service_token":"svc-token-0123456789abcdef0123456789"},"upstream_key":{"mode":"off"},"key_required_tools":["*"],"permit_header":"x-permit","answer_release":"at_once"}"#,
     r#"{"ledger":{"cluster":"l","service_token":"svc-token-0123456789abcdef0123456789"},"upstream_key":{"secret":"0123456789abcdef0123"},"max_body_bytes":1,"max_receipt_bytes":1}"#,
@@ -394,6 +397,9 @@ pub struct Reached {
     pub limits_not_dispatched: bool,
     /// `answer_release: at_once`: an answer went on before its report was acknowledged.
     pub released_unwaited: bool,
+    /// `approval_hold_ms`: a governed call the ledger answered `approval_required` was held
+    /// open, the ledger to be asked again.
+    pub held_for_approval: bool,
 }
 
 #[derive(Default)]
@@ -411,6 +417,8 @@ struct Watch {
     /// The authorize request made, which a `dispatch` answer is for (its permit, and the
     /// request it asked the ledger to sign).
     asked: Option<AuthorizeRequest>,
+    /// Its bytes, which a held call sends again unchanged.
+    asked_body: Option<Vec<u8>>,
     /// Outcome reports handed to the queue or sent, in order (kind names).
     reports: Vec<&'static str>,
     /// A report is out on an outcomes callout.
@@ -535,6 +543,13 @@ fn ledger_reply(
                    "receipt": String::from_utf8_lossy(r.get(&RESPONSES))})
             .to_string()
             .into_bytes(),
+            false,
+        ),
+        // The top of the range is `approval_required`, which a configuration with
+        // `approval_hold_ms` holds open (the harness's clock stands still: only the
+        // ledger's next answer ends the hold).
+        LedgerBody::Deny(c) if *c >= 240 => (
+            json!({"decision":"deny","code":"approval_required","message":"a person decides","data":{"approval_id":"att-0","retry_after":c % 7,"approval_expires_at":"2030-01-01T00:00:00Z"}}).to_string().into_bytes(),
             false,
         ),
         LedgerBody::Deny(c) => {
@@ -692,6 +707,7 @@ fn observe(w: &mut Watch, cfg: &Config, a: &Answer, done: &Done, from_ledger: bo
                         );
                         w.raw_key = req.idempotency_key.clone();
                         w.asked = Some(req);
+                        w.asked_body = Some(c.body.clone());
                     }
                     Err(e) => panic!("authorize callout body is not an AuthorizeRequest: {e}"),
                 }
@@ -1120,7 +1136,8 @@ fn run(data: &[u8]) -> Reached {
                 // answer's delivery is not judged.
                 w.off_script |= !(w.authorize_pending || w.outcomes_pending || w.limits_pending);
                 let state = call.state_name();
-                let authorizing = w.authorize_pending && state == "authorizing";
+                let authorizing =
+                    w.authorize_pending && (state == "authorizing" || state == "held_for_approval");
                 let listing = w.limits_pending && state == "listing_asking";
                 let LedgerAnswer {
                     reply,
@@ -1142,6 +1159,25 @@ fn run(data: &[u8]) -> Reached {
                     w.limits_pending = false;
                 }
                 observe(&mut w, &cfg, &a, &done, true);
+                if done.has(|e| matches!(e, Effect::HoldForApproval { .. })) {
+                    assert!(
+                        authorizing && cfg.approval_hold_ms > 0,
+                        "held for approval outside an authorize answer, or without approval_hold_ms: {done:?}"
+                    );
+                    assert_eq!(call.state_name(), "held_for_approval");
+                    assert!(
+                        !done.has(|e| matches!(e, Effect::LocalReply(_) | Effect::ResumeRequest)),
+                        "a held call was answered or let go: {done:?}"
+                    );
+                    // The root asks again with the same bytes; the next answer is to that.
+                    assert_eq!(
+                        call.reask().map(|c| c.body).as_ref(),
+                        w.asked_body.as_ref(),
+                        "a held call asks the ledger again with other bytes"
+                    );
+                    w.authorize_pending = true;
+                    w.reached.held_for_approval = true;
+                }
                 let resumes = done
                     .effects
                     .iter()

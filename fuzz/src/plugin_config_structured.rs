@@ -236,6 +236,7 @@ pub fn check(data: &[u8]) {
         answer_release: atmost_config::AnswerRelease::AfterReceipt,
         request_hold: atmost_config::RequestHold::Headers,
         signature_validity_s: atmost_config::DEFAULT_SIGNATURE_VALIDITY_S,
+        approval_hold_ms: 0,
         upgrade_routes: atmost_config::UpgradeRoutes::none(),
     };
 

@@ -106,6 +106,18 @@ fn state_machine_seeds_reach_request_hold_body() {
     );
 }
 
+/// `approval_hold_ms`: a seed has the ledger answer `approval_required`, the call held open,
+/// and the ledger's next answer dispatch it.
+#[test]
+fn state_machine_seeds_reach_a_held_call_dispatched() {
+    assert!(
+        state_machine_seeds()
+            .iter()
+            .any(|r| r.held_for_approval && r.dispatched),
+        "no seed in corpus/call_state_machine holds a call for approval and then dispatches it"
+    );
+}
+
 /// `answer_release: at_once`: a seed has an answer go on before its report was acknowledged.
 #[test]
 fn state_machine_seeds_reach_an_answer_released_before_its_report() {

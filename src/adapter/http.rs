@@ -15,23 +15,28 @@ use atmost_protocol::OutcomeReport;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
+use std::cell::RefCell;
 use std::rc::Rc;
+use std::rc::Weak;
 
 pub struct Http {
     shared: Shared,
-    call: Call,
+    /// In an `Rc` so that, while the call is held for approval, the root can reach it
+    /// (weakly, through [`Shared::holds`]) to hand it the ledger's answers to its re-asks
+    /// ([`crate::held_calls`]).
+    call: Rc<RefCell<Call>>,
     context_id: u32,
 }
 
 impl Http {
     pub fn new(shared: Shared, context_id: u32) -> Http {
-        let mut call = Call::new(shared.config.clone());
+        let mut call = Call::new(shared.config.clone()).with_clock(host::now_ms);
         if let Some(cache) = &shared.credentials {
             call = call.with_session_credentials(Rc::clone(cache), host::now_ms());
         }
         Http {
             shared,
-            call,
+            call: Rc::new(RefCell::new(call)),
             context_id,
         }
     }
@@ -42,15 +47,12 @@ impl Http {
         let reporter = &self.shared.reporter;
         let context_id = self.context_id;
         self.call
+            .borrow_mut()
             .check_completion_batch(|| reporter.borrow().is_waiting(context_id));
     }
 
     fn apply(&mut self, step: Step) -> Action {
-        let mut exec = Exec {
-            shared: &self.shared,
-            context_id: self.context_id,
-        };
-        match effects::apply(&mut self.call, step, &mut exec) {
+        match carry_out(&self.shared, self.context_id, &self.call, step) {
             Flow::Continue => Action::Continue,
             Flow::Pause => Action::Pause,
         }
@@ -74,10 +76,27 @@ impl Http {
     }
 }
 
+/// Carries out `step` of the machine `call` of HTTP context `context_id`, which must be the
+/// effective context: from its own callbacks, or from the root's once it switched to it.
+pub(super) fn carry_out(
+    shared: &Shared,
+    context_id: u32,
+    call: &Rc<RefCell<Call>>,
+    step: Step,
+) -> Flow {
+    let mut exec = Exec {
+        shared,
+        context_id,
+        call: Rc::downgrade(call),
+    };
+    effects::apply(&mut call.borrow_mut(), step, &mut exec)
+}
+
 /// What carries out the machine's effects for one HTTP context.
 struct Exec<'a> {
     shared: &'a Shared,
     context_id: u32,
+    call: Weak<RefCell<Call>>,
 }
 
 impl Exec<'_> {
@@ -145,6 +164,14 @@ impl effects::Host for Exec<'_> {
             }
             Effect::Complete(completed) => self.complete(Some(self.context_id), completed),
             Effect::CompleteUnwaited(completed) => self.complete(None, completed),
+            Effect::HoldForApproval { wait_ms } => {
+                let due_ms = host::now_ms().saturating_add(wait_ms);
+                let call = self.call.clone();
+                self.shared
+                    .holds
+                    .borrow_mut()
+                    .wait(self.context_id, due_ms, call);
+            }
             Effect::SaveResume(key, ticket) => host::set_shared(&key, &ticket.to_bytes()),
             Effect::Count(stat) => self.shared.metrics.inc(stat),
             Effect::Log(level, message) => host::log(level, &message),
@@ -168,7 +195,7 @@ impl Context for Http {
         _num_trailers: usize,
     ) {
         let reply = host::callout_reply(num_headers, body_size);
-        let step = self.call.on_ledger_reply(&reply);
+        let step = self.call.borrow_mut().on_ledger_reply(&reply);
         // Returned flow is meaningless in a callout callback; resumes are explicit effects.
         let _ = self.apply(step);
     }
@@ -177,29 +204,33 @@ impl Context for Http {
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let head = self.request_head(end_of_stream);
-        let step = self.call.on_request_headers(head);
+        let step = self.call.borrow_mut().on_request_headers(head);
         self.apply(step)
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        match self.call.on_request_body(body_size, end_of_stream) {
+        let body_step = self
+            .call
+            .borrow_mut()
+            .on_request_body(body_size, end_of_stream);
+        match body_step {
             BodyStep::Done(step) => self.apply(step),
             BodyStep::Read { len } => {
                 let body = host::buffer(BufferType::HttpRequestBody, len);
-                let step = self.call.on_request_body_data(&body);
+                let step = self.call.borrow_mut().on_request_body_data(&body);
                 self.apply(step)
             }
         }
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
-        let step = self.call.on_request_trailers();
+        let step = self.call.borrow_mut().on_request_trailers();
         self.apply(step)
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         // Only a dispatched call watches its response; other traffic costs no lookup.
-        if !self.call.watches_response_headers() {
+        if !self.call.borrow().watches_response_headers() {
             return Action::Continue;
         }
         // One lookup, not the whole map: this runs for every dispatched call.
@@ -207,17 +238,24 @@ impl HttpContext for Http {
         let mut head = ResponseHead::from_content_type(content_type.as_deref(), end_of_stream);
         head.tool_refusal = host::header(MapType::HttpResponseHeaders, tool_refusal::HEADER)
             .map(|v| String::from_utf8_lossy(&v).into_owned());
-        let step = self.call.on_response_headers(head);
+        let step = self.call.borrow_mut().on_response_headers(head);
         self.apply(step)
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         self.sync_batch();
-        match self.call.on_response_body(body_size, end_of_stream) {
+        let body_step = self
+            .call
+            .borrow_mut()
+            .on_response_body(body_size, end_of_stream);
+        match body_step {
             BodyStep::Done(step) => self.apply(step),
             BodyStep::Read { len } => {
                 let bytes = host::buffer(BufferType::HttpResponseBody, len);
-                let step = self.call.on_response_body_data(&bytes, end_of_stream);
+                let step = self
+                    .call
+                    .borrow_mut()
+                    .on_response_body_data(&bytes, end_of_stream);
                 self.apply(step)
             }
         }
@@ -225,11 +263,12 @@ impl HttpContext for Http {
 
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
         self.sync_batch();
-        match self.call.on_response_trailers() {
+        let body_step = self.call.borrow_mut().on_response_trailers();
+        match body_step {
             BodyStep::Done(step) => self.apply(step),
             BodyStep::Read { len } => {
                 let bytes = host::buffer(BufferType::HttpResponseBody, len);
-                let step = self.call.on_response_body_data(&bytes, true);
+                let step = self.call.borrow_mut().on_response_body_data(&bytes, true);
                 self.apply(step)
             }
         }
@@ -238,7 +277,11 @@ impl HttpContext for Http {
     fn on_log(&mut self) {
         self.sync_batch();
         // Envoy's properties only matter for a dispatched call not settled yet.
-        let props = if self.call.needs_log_props() {
+        if self.call.borrow().is_held() {
+            // The root asks no more for it; an answer still out is dropped.
+            self.shared.holds.borrow_mut().forget(self.context_id);
+        }
+        let props = if self.call.borrow().needs_log_props() {
             LogProps {
                 attempts: host::property_int(&["upstream", "request_attempt_count"]),
                 flags: host::property_int(&["response", "flags"]),
@@ -246,7 +289,7 @@ impl HttpContext for Http {
         } else {
             LogProps::default()
         };
-        let step = self.call.on_log(props);
+        let step = self.call.borrow_mut().on_log(props);
         let _ = self.apply(step);
     }
 }

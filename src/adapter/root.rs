@@ -2,11 +2,11 @@
 //! (report queue on every tick, completion batches on the doorbell) with hostcalls.
 
 use super::host;
-use super::http::{Http, Refuse};
-use super::shared::Shared;
+use super::http::{self, Http, Refuse};
+use super::shared::{Holds, Shared};
 use super::verify::{VerifyHttp, VerifyRoot};
 use crate::call::credential::CredentialCache;
-use crate::call::Level;
+use crate::call::{Call, Level, Step};
 use crate::ledger_client::{self, Callout};
 use crate::report::{self, Reporter, RootEffect, RootHost, Tasks};
 use atmost_config::{Config, PluginConfig};
@@ -24,6 +24,8 @@ pub struct Root {
     context_id: u32,
     shared: Option<Shared>,
     reporter: Rc<RefCell<Reporter>>,
+    /// The calls held for approval, kept across reconfigurations as the reporter is.
+    holds: Holds,
     doorbell: Option<u32>,
     /// `role: "verify"`: the verifier, in place of the gateway's `shared`.
     verify: Option<VerifyRoot>,
@@ -79,6 +81,7 @@ impl Root {
             context_id,
             shared: None,
             reporter: Rc::new(RefCell::new(Reporter::new())),
+            holds: Holds::default(),
             doorbell: None,
             verify: None,
         }
@@ -109,6 +112,13 @@ impl Context for Root {
             return;
         }
         let reply = host::callout_reply(num_headers, body_size);
+        let held = self.holds.borrow_mut().answered(token_id);
+        if let Some((context_id, call)) = held {
+            if let Some(call) = call.upgrade() {
+                self.in_context(context_id, &call, |c| c.on_ledger_reply(&reply));
+            }
+            return;
+        }
         let tasks = self
             .reporter
             .borrow_mut()
@@ -174,6 +184,7 @@ impl RootContext for Root {
         }
         let tasks = self.reporter.borrow_mut().on_tick();
         self.run(tasks);
+        self.reask_held();
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
@@ -194,6 +205,54 @@ impl RootContext for Root {
 }
 
 impl Root {
+    /// Asks the ledger again about each held call whose wait is over, as the root's own
+    /// callout ([`crate::held_calls`] says why the root).
+    fn reask_held(&self) {
+        let Some(shared) = &self.shared else { return };
+        if shared.holds.borrow().is_empty() {
+            return;
+        }
+        let due = shared.holds.borrow_mut().due(host::now_ms());
+        for (context_id, call) in due {
+            let call = call.upgrade();
+            let callout = call.as_ref().and_then(|c| c.borrow().reask());
+            let (Some(call), Some(callout)) = (call, callout) else {
+                shared.holds.borrow_mut().forget(context_id);
+                continue;
+            };
+            let cfg = &shared.config.ledger;
+            let headers = ledger_client::headers(cfg, callout.endpoint);
+            match host::dispatch(&cfg.cluster, &headers, &callout.body, cfg.timeout_ms) {
+                Some(token) => shared.holds.borrow_mut().sent(context_id, token),
+                None => {
+                    shared.holds.borrow_mut().forget(context_id);
+                    self.in_context(context_id, &call, Call::on_callout_failed);
+                }
+            }
+        }
+    }
+
+    /// Hands `event` to the machine of HTTP context `context_id` and carries out its step
+    /// there, as that context's own callback would; then back to the root. Envoy defers a
+    /// resume or a local reply made here until the root's callback returns, so no callback
+    /// of that context runs (and borrows its machine) meanwhile; it defers a callout's
+    /// answer likewise, so a re-ask's token is in the table before its answer can come.
+    fn in_context(
+        &self,
+        context_id: u32,
+        call: &Rc<RefCell<Call>>,
+        event: impl FnOnce(&mut Call) -> Step,
+    ) {
+        let Some(shared) = &self.shared else { return };
+        if hostcalls::set_effective_context(context_id).is_err() {
+            // The request is gone: nothing to answer.
+            return;
+        }
+        let step = event(&mut call.borrow_mut());
+        let _ = http::carry_out(shared, context_id, call, step);
+        let _ = hostcalls::set_effective_context(self.context_id);
+    }
+
     /// The counters, defined once per VM.
     fn metrics(&self) -> Rc<host::Metrics> {
         match (&self.shared, &self.verify) {
@@ -245,6 +304,7 @@ impl Root {
             doorbell: self.doorbell,
             metrics,
             credentials,
+            holds: Rc::clone(&self.holds),
         });
         true
     }

@@ -2,11 +2,17 @@
 
 use super::host::{self, Metrics};
 use crate::call::credential::CredentialCache;
+use crate::call::Call;
+use crate::held_calls::HeldCalls;
 use crate::report::{Reporter, RootEffect};
 use atmost_config::Config;
 use proxy_wasm::hostcalls;
 use std::cell::RefCell;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
+
+/// The calls this worker holds for approval, each reached through its HTTP context's
+/// machine (weakly: a request that ends drops it, whatever the table still says).
+pub type Holds = Rc<RefCell<HeldCalls<Weak<RefCell<Call>>>>>;
 
 #[derive(Clone)]
 pub struct Shared {
@@ -17,6 +23,8 @@ pub struct Shared {
     pub metrics: Rc<Metrics>,
     /// This worker's credentials for the session's requests (`credential_cache_ms` > 0).
     pub credentials: Option<Rc<RefCell<CredentialCache>>>,
+    /// The calls held for approval (`approval_hold_ms`), which the root asks about again.
+    pub holds: Holds,
 }
 
 impl Shared {

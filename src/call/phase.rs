@@ -12,6 +12,9 @@
 //!   │ ──no permit / bad key─────────────────────────────────────────▶ Answered (denial)
 //!   ▼ governed tools/call: ONE authorize callout
 //! Authorizing ──deny / replay / ledger unavailable──────────────────▶ Answered
+//!   │ ──approval_required, `approval_hold_ms`: held, the ledger asked again on the root's
+//!   │   tick after `retry_after`; its next answer is handled as this one; at the bound
+//!   │   the last approval_required is answered────────────────────────────────▶ Answered
 //!   │ ──dispatch under another permit than the token names, or (`request_hold: headers`)
 //!   │   without a signature over what was asked: deny, report `released`──▶ Answered
 //!   │ dispatch: rewrite the key, add the ledger's signature, then resume the request
@@ -85,6 +88,8 @@ atmost_protocol::closed_set! {
         Passing => "passing";
         ReadingBody => "reading_body";
         Authorizing => "authorizing";
+        /// Authorizing, held for a person's approval until the ledger is asked again.
+        HeldForApproval => "held_for_approval";
         Answered => "answered";
         Overtaken => "overtaken";
         Listing => "listing";
@@ -107,6 +112,7 @@ impl Phase {
             Phase::Start => PhaseName::Start,
             Phase::Passing | Phase::Forwarding(_) => PhaseName::Passing,
             Phase::ReadingBody(_) => PhaseName::ReadingBody,
+            Phase::Authorizing(a) if a.is_held() => PhaseName::HeldForApproval,
             Phase::Authorizing(_) => PhaseName::Authorizing,
             Phase::Answered => PhaseName::Answered,
             Phase::Overtaken => PhaseName::Overtaken,

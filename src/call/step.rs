@@ -164,6 +164,12 @@ pub enum Effect {
     /// the same step (its flow is `Continue`) and the root alone sees the report through
     /// (sent, or queued for retry when it fails). The machine hears nothing more of it.
     CompleteUnwaited(OutcomeReport),
+    /// `approval_hold_ms`: the call stays paused, held for a person's approval; the ledger
+    /// is asked again ([`Call::reask`]) once `wait_ms` have passed. The root context keeps
+    /// the time ([`crate::held_calls`]); the request's end forgets it.
+    HoldForApproval {
+        wait_ms: u64,
+    },
     /// Store a resume ticket in shared data under this key (see [`crate::call::resume`]).
     SaveResume(String, Ticket),
     Count(Stat),

@@ -1,7 +1,9 @@
 //! `Authorizing`: a governed `tools/call` waits for the ledger's decision. The authorize
 //! request states what goes upstream if the ledger dispatches ([`Upstream`]); the decision
 //! sends it with its edits, answers with a denial or a replay, or, for a dispatch the
-//! filter cannot send as asked, denies it and reports the round never sent.
+//! filter cannot send as asked, denies it and reports the round never sent. With
+//! `approval_hold_ms`, an `approval_required` answer holds the call open and the ledger is
+//! asked again ([`hold`]) until it answers otherwise or the hold's bound is reached.
 
 use super::dispatched::{Dispatched, Watch};
 use super::Phase;
@@ -27,6 +29,7 @@ use atmost_protocol::signature::DispatchNonce;
 use atmost_protocol::{
     AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, DispatchGrant, Outcome, PermitLimits,
 };
+use hold::Held;
 use serde_json::Value;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -44,6 +47,11 @@ pub(in crate::call) struct Authorizing {
     /// What goes upstream if the ledger dispatches; `None` when the token names no permit
     /// (the ledger authenticates no such token, and nothing could be derived for it).
     pub(in crate::call) upstream: Option<Box<Upstream>>,
+    /// `approval_hold_ms` above 0: the authorize request, kept to be sent again as it was
+    /// (same key, same arguments) while the call is held.
+    request: Option<Vec<u8>>,
+    /// Held for a person's approval ([`hold`]).
+    held: Option<Held>,
 }
 
 /// What the filter sends upstream if the ledger dispatches the call, fixed before it asks
@@ -166,7 +174,10 @@ impl Authorizing {
                 return (Phase::Answered, denied);
             }
         };
+        let request = (cx.config.approval_hold_ms > 0).then(|| body.clone());
         let asking = Phase::Authorizing(Authorizing {
+            request,
+            held: None,
             permit,
             path: head.path.clone(),
             id: call.id,
@@ -187,15 +198,61 @@ impl Authorizing {
         (asking, step)
     }
 
-    /// The ledger's decision. A dispatch goes on with its edits, or is not sent and
-    /// reported never sent; anything else is answered here.
+    /// The ledger's decision. `approval_required` under `approval_hold_ms` holds the call
+    /// open until the ledger is asked again ([`Effect::HoldForApproval`]); a dispatch goes on
+    /// with its edits, or is not sent and reported never sent; anything else is answered
+    /// here.
     pub(in crate::call) fn on_authorize_reply(
-        self,
+        mut self,
         cx: &Context,
         reply: &LedgerReply,
     ) -> (Phase, Step) {
+        let answer = reply.authorize();
+        let mut ended = None;
+        if let Ok(AuthorizeResponse::Deny(d)) = &answer {
+            if d.code == DenialCode::ApprovalRequired && self.request.is_some() {
+                let now_ms = (cx.clock)();
+                let since_ms = self.held.map_or(now_ms, |h| h.since_ms);
+                let hold_ms = cx.config.approval_hold_ms;
+                match hold::wait_ms(hold_ms, since_ms, now_ms, d) {
+                    Some(wait_ms) => {
+                        let mut step = Step::pause();
+                        if self.held.replace(Held { since_ms }).is_none() {
+                            step = step
+                                .with(Effect::Count(Stat::ApprovalHeld))
+                                .with(Effect::Log(
+                                    Level::Info,
+                                    format!("atmost: `{}` awaits approval; held open", self.tool),
+                                ));
+                        }
+                        let step = step.with(Effect::HoldForApproval { wait_ms });
+                        return (Phase::Authorizing(self), step);
+                    }
+                    None => ended = Some(Stat::ApprovalHoldTimedOut),
+                }
+            }
+        }
+        if self.held.is_some() {
+            let stat = match &answer {
+                Ok(AuthorizeResponse::Dispatch { .. }) => Stat::ApprovalHoldDispatched,
+                _ => ended.unwrap_or(Stat::ApprovalHoldAnswered),
+            };
+            let (phase, mut step) = self.decide(cx, answer);
+            step.effects.insert(0, Effect::Count(stat));
+            return (phase, step);
+        }
+        self.decide(cx, answer)
+    }
+
+    /// The ledger's `answer`, given to the agent: a dispatch goes on with its edits, or is
+    /// not sent and reported never sent; anything else is answered here.
+    fn decide(
+        self,
+        cx: &Context,
+        answer: Result<AuthorizeResponse, CalloutError>,
+    ) -> (Phase, Step) {
         let (p, cfg) = (self, &cx.config);
-        let step = match reply.authorize() {
+        let step = match answer {
             Err(CalloutError::UnreadableDispatch(grant)) => {
                 not_sent(cfg, &p, &grant, NotSent::Unreadable)
             }
@@ -323,8 +380,17 @@ impl Authorizing {
 
     /// The ledger's answer after the upstream answered: nothing is sent (the request is
     /// `Overtaken`). A dispatch is released at once; the upstream's answer goes on to the
-    /// client.
+    /// client, which ends a hold for approval as any other answer does.
     pub(in crate::call) fn after_early_answer(&self, reply: &LedgerReply) -> Step {
+        let mut step = self.early_answer_step(reply);
+        if self.held.is_some() {
+            step.effects
+                .insert(0, Effect::Count(Stat::ApprovalHoldAnswered));
+        }
+        step
+    }
+
+    fn early_answer_step(&self, reply: &LedgerReply) -> Step {
         let grant = match reply.authorize() {
             Ok(AuthorizeResponse::Dispatch {
                 attempt_id,
@@ -395,17 +461,50 @@ impl Authorizing {
             .with(rewrite_failed_log(&format!("for `{}`", self.tool)))
     }
 
+    /// Held for a person's approval ([`hold`]).
+    pub(in crate::call) fn is_held(&self) -> bool {
+        self.held.is_some()
+    }
+
+    /// The authorize request to send again, the same bytes as the first, while the call is
+    /// held.
+    pub(in crate::call) fn reask(&self) -> Option<Callout> {
+        self.held?;
+        self.request.clone().map(|body| Callout {
+            endpoint: Endpoint::Authorize,
+            body,
+        })
+    }
+
     /// The authorize callout could not be dispatched: the call is denied.
     pub(in crate::call) fn on_callout_failed(&self, config: &Config) -> Step {
-        deny_step(config, &gateway_unavailable(), &self.id, &self.tool).with(Effect::Log(
+        let mut step = deny_step(config, &gateway_unavailable(), &self.id, &self.tool)
+            .with(Effect::Log(
             Level::Warn,
             "atmost: could not dispatch the authorize callout; call denied (gateway_unavailable)"
                 .into(),
-        ))
+        ));
+        if self.held.is_some() {
+            step.effects
+                .insert(0, Effect::Count(Stat::ApprovalHoldAnswered));
+        }
+        step
     }
 
-    /// The request ended before the ledger answered.
+    /// The request ended before the ledger answered, or while it was held.
     pub(in crate::call) fn on_log(self) -> Step {
+        if self.held.is_some() {
+            // Nothing was reserved in flight: the attempt waits for its person, or lapses.
+            return Step::cont()
+                .with(Effect::Count(Stat::ApprovalHoldAbandoned))
+                .with(Effect::Log(
+                    Level::Info,
+                    format!(
+                        "atmost: request ended while `{}` was held for approval; the ledger is not asked again",
+                        self.tool
+                    ),
+                ));
+        }
         Step::cont().with(Effect::Log(
             Level::Warn,
             format!(
@@ -475,6 +574,8 @@ fn not_sent(config: &Config, p: &Authorizing, grant: &DispatchGrant, why: NotSen
         ),
     ))
 }
+
+mod hold;
 
 #[cfg(test)]
 mod tests;

@@ -487,6 +487,33 @@ fn an_answer_while_the_ledger_decides_is_held_and_the_dispatch_released() {
 }
 
 #[test]
+fn an_answer_while_the_call_is_held_for_approval_ends_the_hold_at_the_next_ask() {
+    let mut call = Call::new(body_cfg_with(json!({"approval_hold_ms": 60_000})));
+    call.on_request_headers(call_head(&[TOKEN], &["\"k1\""], "pay_invoice", PAY.len()));
+    body_after_headers(&mut call, PAY);
+    let approval_required = AuthorizeResponse::Deny(
+        Denial::new(DenialCode::ApprovalRequired, "a person decides").with("retry_after", 1),
+    );
+    let s = call.on_ledger_reply(&ledger(&approval_required));
+    assert!(s
+        .effects
+        .contains(&Effect::HoldForApproval { wait_ms: 1_000 }));
+    // The upstream gives up on the body meanwhile: its answer is held until the next ask.
+    let s = call.on_response_headers(json_head());
+    assert_eq!(s.flow, Flow::Pause);
+    assert!(call.is_held());
+    let s = call.on_ledger_reply(&ledger(&approval_required));
+    assert_eq!(
+        counts(&s),
+        vec![Stat::ApprovalHoldAnswered],
+        "the hold is over, not renewed"
+    );
+    assert_eq!(s.effects.last(), Some(&Effect::ResumeResponse));
+    assert!(!call.is_held());
+    assert_eq!(call.state_name(), "overtaken");
+}
+
+#[test]
 fn a_denial_or_replay_after_an_early_answer_lets_that_answer_go_and_reserves_nothing() {
     let replay = AuthorizeResponse::Replay {
         attempt_id: "att_0".into(),

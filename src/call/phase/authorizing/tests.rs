@@ -408,3 +408,234 @@ fn replays_and_ledger_denials_carry_the_figures_the_filters_own_denials_none() {
         assert!(!String::from_utf8_lossy(&r.body).contains("dev.atmost/permit"));
     }
 }
+
+// Holding the call open (`approval_hold_ms`): an `approval_required` answer waits, the
+// ledger asked again with the same request, until it answers otherwise or the bound is
+// reached.
+
+thread_local! {
+    /// The held calls' clock (Unix ms), moved by the tests.
+    static NOW: std::cell::Cell<u64> = const { std::cell::Cell::new(1_000_000) };
+}
+
+fn now() -> u64 {
+    NOW.with(std::cell::Cell::get)
+}
+
+fn later(ms: u64) {
+    NOW.with(|n| n.set(n.get() + ms));
+}
+
+fn approval_required(retry_after: Value) -> AuthorizeResponse {
+    let mut d = Denial::new(
+        DenialCode::ApprovalRequired,
+        "a person must approve this call",
+    )
+    .with("approval_id", "att_9")
+    .with("approval_expires_at", "2030-01-01T00:00:00Z");
+    if !retry_after.is_null() {
+        d = d.with("retry_after", retry_after);
+    }
+    AuthorizeResponse::Deny(d)
+}
+
+/// A governed call under `approval_hold_ms` = `hold_ms`, its first authorize out; returns
+/// the call and that authorize request's bytes.
+fn holding(hold_ms: u64) -> (Call, Vec<u8>) {
+    let mut call = Call::new(cfg_with(json!({"approval_hold_ms": hold_ms}))).with_clock(now);
+    let s = send(&mut call, post(&[TOKEN], &["\"k1\""]), PAY);
+    let body = s.callout.map(|c| c.body).unwrap_or_default();
+    (call, body)
+}
+
+fn hold_waits(step: &Step) -> Vec<u64> {
+    picked(step, |e| match e {
+        Effect::HoldForApproval { wait_ms } => Some(*wait_ms),
+        _ => None,
+    })
+}
+
+#[test]
+fn without_a_hold_approval_required_is_answered_at_once() {
+    let mut call = Call::new(cfg()).with_clock(now);
+    send(&mut call, post(&[TOKEN], &["\"k1\""]), PAY);
+    let s = call.on_ledger_reply(&ledger(&approval_required(json!(1))));
+    assert_eq!(
+        local_reply(&s).header("atmost-denial"),
+        Some("approval_required")
+    );
+    assert!(hold_waits(&s).is_empty());
+    assert!(!call.is_held());
+    assert_eq!(call.reask(), None);
+    assert_eq!(call.state_name(), "answered");
+}
+
+#[test]
+fn a_held_call_waits_unanswered_and_asks_again_with_the_same_request() {
+    let (mut call, first) = holding(60_000);
+    let s = call.on_ledger_reply(&ledger(&approval_required(json!(2))));
+    assert_eq!(s.flow, Flow::Pause);
+    assert!(!s.effects.iter().any(|e| matches!(e, Effect::LocalReply(_))));
+    assert_eq!(counts(&s), vec![Stat::ApprovalHeld]);
+    assert_eq!(hold_waits(&s), vec![2_000], "the denial's retry_after");
+    assert!(call.is_held());
+    assert_eq!(call.state_name(), "held_for_approval");
+    // The request's body callbacks keep it paused meanwhile.
+    assert_eq!(done(call.on_request_body(0, true)).flow, Flow::Pause);
+    let again = call.reask();
+    assert_eq!(
+        again,
+        Some(Callout {
+            endpoint: Endpoint::Authorize,
+            body: first.clone()
+        }),
+        "the same bytes: same key, same arguments"
+    );
+    // Still waiting: held again, counted once.
+    later(2_000);
+    let s = call.on_ledger_reply(&ledger(&approval_required(json!(1))));
+    assert_eq!(counts(&s), vec![]);
+    assert_eq!(hold_waits(&s), vec![1_000]);
+    assert_eq!(call.reask().map(|c| c.body), Some(first));
+}
+
+#[test]
+fn an_approval_during_the_hold_dispatches_as_a_first_dispatch_does() {
+    let mut plain = Call::new(cfg_with(json!({"approval_hold_ms": 60_000}))).with_clock(now);
+    send(&mut plain, post(&[TOKEN], &["\"k1\""]), PAY);
+    let first_dispatch = plain.on_ledger_reply(&ledger(&signed(&plain, dispatch())));
+
+    let (mut call, _) = holding(60_000);
+    call.on_ledger_reply(&ledger(&approval_required(json!(1))));
+    later(1_000);
+    call.on_ledger_reply(&ledger(&approval_required(json!(1))));
+    later(1_000);
+    let s = call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
+    assert_eq!(
+        s.effects.first(),
+        Some(&Effect::Count(Stat::ApprovalHoldDispatched))
+    );
+    assert_eq!(s.effects[1..], first_dispatch.effects[..]);
+    assert_eq!(s.flow, first_dispatch.flow);
+    assert_eq!(s.effects.last(), Some(&Effect::ResumeRequest));
+    assert_eq!(call.state_name(), "dispatched");
+    assert!(!call.is_held());
+    assert_eq!(call.reask(), None);
+}
+
+#[test]
+fn any_other_answer_during_the_hold_is_given() {
+    let rejected = AuthorizeResponse::Deny(
+        Denial::new(DenialCode::ApprovalRejected, "rejected")
+            .with("approval_id", "att_9")
+            .with("decided_by", "ana"),
+    );
+    let answers = [
+        (ledger(&rejected), "approval_rejected"),
+        (LedgerReply::failed(), "gateway_unavailable"),
+    ];
+    for (answer, code) in answers {
+        let (mut call, _) = holding(60_000);
+        call.on_ledger_reply(&ledger(&approval_required(json!(1))));
+        later(1_000);
+        let s = call.on_ledger_reply(&answer);
+        assert_eq!(local_reply(&s).header("atmost-denial"), Some(code));
+        assert_eq!(counts(&s)[0], Stat::ApprovalHoldAnswered, "{code}");
+        assert_eq!(call.state_name(), "answered");
+    }
+    // A re-ask the host would not send: denied, the hold over.
+    let (mut call, _) = holding(60_000);
+    call.on_ledger_reply(&ledger(&approval_required(json!(1))));
+    let s = call.on_callout_failed();
+    assert_eq!(
+        local_reply(&s).header("atmost-denial"),
+        Some("gateway_unavailable")
+    );
+    assert_eq!(counts(&s)[0], Stat::ApprovalHoldAnswered);
+}
+
+#[test]
+fn at_the_bound_the_last_approval_required_is_answered() {
+    let (mut call, _) = holding(2_500);
+    let s = call.on_ledger_reply(&ledger(&approval_required(json!(2))));
+    assert_eq!(hold_waits(&s), vec![2_000]);
+    later(2_000);
+    // 500 ms left: the last ask falls on the bound.
+    let s = call.on_ledger_reply(&ledger(&approval_required(json!(2))));
+    assert_eq!(hold_waits(&s), vec![500]);
+    later(500);
+    let s = call.on_ledger_reply(&ledger(&approval_required(json!(2))));
+    assert_eq!(counts(&s)[0], Stat::ApprovalHoldTimedOut);
+    let r = local_reply(&s);
+    assert_eq!(r.header("atmost-denial"), Some("approval_required"));
+    let v = r.body_json().unwrap_or(Value::Null);
+    assert_eq!(
+        v["result"]["structuredContent"]["error"]["approval_id"], "att_9",
+        "{v}"
+    );
+    assert_eq!(call.state_name(), "answered");
+}
+
+#[test]
+fn the_wait_is_retry_after_within_one_to_five_seconds() {
+    for (retry_after, wait) in [
+        (json!(1), 1_000),
+        (json!(5), 5_000),
+        (json!(0), 1_000),
+        (json!(9), 5_000),
+        (json!(u64::MAX), 5_000),
+        (json!("2"), 1_000),
+        (Value::Null, 1_000),
+    ] {
+        let (mut call, _) = holding(60_000);
+        let s = call.on_ledger_reply(&ledger(&approval_required(retry_after.clone())));
+        assert_eq!(hold_waits(&s), vec![wait], "{retry_after}");
+    }
+}
+
+#[test]
+fn a_request_that_ends_while_held_stops_the_hold() {
+    let (mut call, _) = holding(60_000);
+    call.on_ledger_reply(&ledger(&approval_required(json!(1))));
+    let s = call.on_log(LogProps::default());
+    assert_eq!(counts(&s), vec![Stat::ApprovalHoldAbandoned]);
+    assert!(!call.is_held());
+    assert_eq!(call.reask(), None);
+    // A re-ask's answer that was already out finds nothing to act on.
+    let s = call.on_ledger_reply(&ledger(&signed(&call, dispatch())));
+    assert_eq!(s, Step::cont());
+}
+
+/// What a held call costs: the root's tick (200 ms) drives it through the table, the
+/// ledger answering `approval_required` with `retry_after: 1` for a minute; it asks at most
+/// once a second, and each ask is one authorize callout.
+#[test]
+fn a_held_call_asks_the_ledger_at_most_once_a_second() {
+    use crate::held_calls::HeldCalls;
+    let (mut call, _) = holding(60_000);
+    let mut held: HeldCalls<()> = HeldCalls::default();
+    let start = now();
+    let mut answer = call.on_ledger_reply(&ledger(&approval_required(json!(1))));
+    let mut asks = 0;
+    while call.is_held() {
+        for wait_ms in hold_waits(&answer) {
+            held.wait(1, now() + wait_ms, ());
+        }
+        answer = Step::pause();
+        later(200);
+        for (context_id, ()) in held.due(now()) {
+            let again = call.reask();
+            assert!(again.is_some());
+            asks += 1;
+            held.sent(context_id, asks);
+            if let Some((_, ())) = held.answered(asks) {
+                answer = call.on_ledger_reply(&ledger(&approval_required(json!(1))));
+            }
+        }
+    }
+    let held_ms = now() - start;
+    assert!((60_000..=60_200).contains(&held_ms), "{held_ms}");
+    assert_eq!(asks, 60, "one authorize a second for the minute");
+    assert_eq!(counts(&answer)[0], Stat::ApprovalHoldTimedOut);
+    assert!(held.is_empty());
+}
