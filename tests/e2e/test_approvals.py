@@ -11,6 +11,7 @@ import concurrent.futures
 import hashlib
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -25,6 +26,7 @@ from tests.support.webhook_receiver import WebhookReceiver
 
 PROXY_TOKEN = "sso-proxy-token-of-32-bytes-or-more-0123"
 WEBHOOK_SECRET = b"approval-webhook-secret-of-32-bytes-or-more"
+HOLD_MS = 8000
 ASKS_FIRST = ("--tools", "pay_invoice,echo", "--max-calls", "pay_invoice=1", "--budget", "1000",
               "--cost", "pay_invoice=/amount", "--approval", "pay_invoice=always")
 
@@ -69,6 +71,14 @@ def stacks(request, log_dir, data_root, mcp_server, database_url):  # noqa: F811
             envoy.start()
             started.append(envoy)
             out[name] = (ledger, envoy)
+            if name == "main":
+                # A gateway that holds a call open while a person decides (up to 8 s).
+                holding = Envoy(log_dir, mcp_server.port, [ledger.port], name=f"envoy-approvals-hold-{tag}",
+                                plugin_overrides={"ledger": {"service_token": ledger.service_token},
+                                                  "approval_hold_ms": HOLD_MS, "report_interval_ms": 200})
+                holding.start()
+                started.append(holding)
+                out["holding"] = holding
         out["webhook"] = receiver
         yield out
     finally:
@@ -265,3 +275,54 @@ def test_people_are_asked_where_they_are_by_a_signed_webhook(stacks, server):
                           ledger.metrics(), re.M)
     assert delivered and int(delivered.group(1)) >= 2, "the request and the decision at least"
     client.close()
+
+
+def test_a_held_call_is_sent_once_a_person_approves_without_a_retry(stacks, server):
+    """`approval_hold_ms`: the agent's one request stays open while a person decides, and its
+    answer is the tool's, sent once; the gateway asked the ledger again on its own."""
+    ledger, _ = stacks["main"]
+    holding = stacks["holding"]
+    receiver = stacks["webhook"]
+    permit = ledger.create_permit(*ASKS_FIRST)
+    held_before = holding.stat("wasmcustom.atmost_approval_held")
+    dispatched_before = holding.stat("wasmcustom.atmost_approval_hold_dispatched")
+    invoice = f"inv-held-{uuid.uuid4().hex[:6]}"
+
+    def agent():
+        c = RawMcp(holding.url)
+        try:
+            return _pay(c, permit, new_key(), invoice=invoice)
+        finally:
+            c.close()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        answer = pool.submit(agent)
+        # The request shows up as a waiting approval (the webhook says so); the agent waits.
+        asked = wait_until(lambda: next((e for e in receiver.events() if e["type"] == "approval.requested"
+                                         and e["arguments"].get("invoice") == invoice), None),
+                           20, "the held call's approval request")
+        assert not answer.done()
+        assert _admin(ledger, f"/admin/v1/approvals/{asked['approval_id']}/approve", {})[0] == 200
+        sent = answer.result(timeout=30)
+    assert denial(sent) is None and "executions=" in result_text(sent), sent.text
+    assert server.executions("pay_invoice") == 1
+    assert holding.stat("wasmcustom.atmost_approval_held") == held_before + 1
+    assert holding.stat("wasmcustom.atmost_approval_hold_dispatched") == dispatched_before + 1
+
+
+def test_a_held_call_nobody_decides_is_answered_approval_required_at_the_bound(stacks, server):
+    ledger, _ = stacks["main"]
+    holding = stacks["holding"]
+    permit = ledger.create_permit(*ASKS_FIRST)
+    timed_out_before = holding.stat("wasmcustom.atmost_approval_hold_timed_out")
+    c = RawMcp(holding.url)
+    try:
+        started = time.monotonic()
+        answer = _pay(c, permit, new_key())
+        waited = time.monotonic() - started
+    finally:
+        c.close()
+    assert denial_code(answer) == "approval_required", answer.text
+    assert HOLD_MS / 1000 - 0.5 <= waited < HOLD_MS / 1000 + 10, waited
+    assert holding.stat("wasmcustom.atmost_approval_hold_timed_out") == timed_out_before + 1
+    assert server.executions("pay_invoice") == 0
