@@ -305,6 +305,14 @@ bench-scale: setup-run wasm ledger-release bench-tools
 bench-steady: setup-run venv-bench wasm ledger-release bench-tools
 	$(WITH_PG) $(VPY) bench/steady.py
 
+## What a call held open for a person's approval costs the gateway (bench/held_calls.py,
+## docs/approvals.md#holding-the-call-open): Envoy's CPU per held call and second, and the
+## ledger's re-asks, next to Envoy's CPU per governed call in the same run. About a minute.
+## Writes target/bench/held/results.md and results.json.
+.PHONY: bench-held
+bench-held: setup-run venv-test wasm ledger
+	$(VPY) bench/held_calls.py
+
 # wrk (Debian) for the ceilings; oha (crates.io, pinned) to cross-check the fixed-rate
 # latencies; valgrind (Debian) to count the filter's instructions per call; the stubs, the
 # load generator, the call-cost driver and the two reference wasm filters (bench/).
