@@ -11,8 +11,10 @@
 //!
 //! Here: the routes and the pages' handlers. [`sign_in`] signs people in and out and is the
 //! gate every other page passes; [`pages`] is what the pages show and how they are rendered;
-//! [`figures`] draws the bars and the timeline; [`session`] is the cookies.
+//! [`figures`] draws the bars and the timeline; [`session`] is the cookies; [`approvals`] is
+//! the page where people decide the calls waiting for approval.
 
+mod approvals;
 pub mod figures;
 mod pages;
 pub mod session;
@@ -64,6 +66,7 @@ pub fn routes() -> Router<Shared> {
         .route("/admin/attempts/{id}", get(attempt_page))
         .route("/admin/attempts/{id}/resolve", post(resolve))
         .route("/admin/inbox.css", get(stylesheet))
+        .merge(approvals::routes())
         .merge(sign_in::routes())
         .layer(axum::middleware::map_response(security_headers))
 }
@@ -132,7 +135,7 @@ async fn inbox_page(
         .filter(|id| !id.is_empty())
         .map(|id| format!("Resolved {id}: it is in the history."));
     let page = InboxPage {
-        nav: Nav::new("inbox", &s),
+        nav: approvals::nav(&state, "inbox", &s).await,
         csrf: s.csrf.clone(),
         message,
         more: open.len() >= usize::try_from(PAGE_LIMIT).unwrap_or(usize::MAX),
@@ -189,7 +192,7 @@ async fn history_page(State(state): State<Shared>, headers: HeaderMap) -> Respon
     html(
         StatusCode::OK,
         &HistoryPage {
-            nav: Nav::new("history", &s),
+            nav: approvals::nav(&state, "history", &s).await,
             items,
         },
     )
@@ -245,7 +248,7 @@ async fn permits_page(State(state): State<Shared>, headers: HeaderMap) -> Respon
     html(
         StatusCode::OK,
         &PermitsPage {
-            nav: Nav::new("permits", &s),
+            nav: approvals::nav(&state, "permits", &s).await,
             permits,
         },
     )
@@ -295,7 +298,7 @@ async fn attempt_page(
     html(
         StatusCode::OK,
         &AttemptPage {
-            nav: Nav::new("attempt", &s),
+            nav: approvals::nav(&state, "attempt", &s).await,
             timeline: Timeline::new(&a, now),
             a: detail,
         },

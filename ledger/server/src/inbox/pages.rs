@@ -65,6 +65,9 @@ pub(super) struct Nav {
     pub(super) here: &'static str,
     pub(super) name: String,
     pub(super) csrf: String,
+    /// How many calls wait for approval, shown beside the Approvals link; `None` where the
+    /// page did not count them (a message page, or the store could not say).
+    pub(super) waiting: Option<u64>,
 }
 
 impl Nav {
@@ -73,6 +76,7 @@ impl Nav {
             here,
             name: s.name.clone(),
             csrf: s.csrf.clone(),
+            waiting: None,
         })
     }
 }

@@ -945,3 +945,170 @@ async fn a_session_ends_when_its_admin_is_removed_or_holds_another_token() {
     assert_eq!(ana.get("/admin/").await.status, 200);
     assert_eq!(carol.get("/admin/").await.status, 200);
 }
+
+/// A permit whose `pay` calls wait for a person's approval, one earlier call of another tool
+/// under it, and one `pay` call now waiting; returns (permit id, waiting attempt id, earlier
+/// attempt id).
+async fn waiting_call(s: &TestServer) -> (String, String, String) {
+    let (pid, tok) = s
+        .create_permit(json!({
+            "label": "billing-agent", "expires": "24h", "max_calls": {"pay": 3},
+            "budget": 1000, "cost": {"pay": "/amount"}, "approval": {"pay": "always"}
+        }))
+        .await;
+    let earlier = dispatch(s, &tok, "lookup", "look-1", 0).await;
+    report(
+        s,
+        &earlier,
+        json!({"outcome": "completed", "receipt": "{}"}),
+    )
+    .await;
+    let (_, d) = s
+        .post(
+            "/v1/authorize",
+            Some(SVC),
+            json!({"permit_token": tok, "tool": "pay", "idempotency_key": "pay-1",
+                   "fingerprint": "fp-pay-1",
+                   "arguments": {"invoice": "INV-7", "amount": 250, "card": {"number": "4242"}}}),
+        )
+        .await;
+    assert_eq!(d["decision"], "deny", "{d}");
+    let (_, listed) = s.get("/admin/v1/approvals", Some(ADM)).await;
+    let id = listed["approvals"][0]["id"].as_str().unwrap().to_string();
+    let earlier_id = earlier["attempt_id"].as_str().unwrap().to_string();
+    (pid, id, earlier_id)
+}
+
+async fn attempt_state(s: &TestServer, id: &str) -> Value {
+    let (_, a) = s.get(&format!("/admin/v1/attempts/{id}"), Some(ADM)).await;
+    a["attempt"].clone()
+}
+
+#[tokio::test]
+async fn the_approvals_page_lists_a_waiting_call_with_what_a_person_judges_it_by() {
+    let s = redacting().await;
+    let (pid, id, earlier) = waiting_call(&s).await;
+    let mut b = Browser::new(&s);
+    assert_eq!(b.sign_in("Ana", ADM).await.status, 303);
+
+    // Every page's navigation links to the page with the number waiting.
+    let inbox = b.get("/admin/").await;
+    assert!(
+        inbox.body.contains(
+            r#"<a href="/admin/approvals">Approvals <span class="nav-count">1</span></a>"#
+        ),
+        "{}",
+        inbox.body
+    );
+
+    let page = b.get("/admin/approvals").await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    assert_eq!(
+        page.headers["content-security-policy"],
+        CONTENT_SECURITY_POLICY
+    );
+    let c = card(&page, &id);
+    for shown in [
+        "pay",
+        "billing-agent",
+        pid.as_str(),
+        "INV-7",
+        r#"<dd class="cost">250</dd>"#,
+        // The cap of 3 with this call's slot held; 1000 less this call's 250 reserved.
+        r#"<dd class="calls-left">2 for pay"#,
+        r#"<dd class="budget-left">750"#,
+        // The request lapses after the default wait for a decision (15 min).
+        "2027-01-15T08:15:00",
+        "(in 15m)",
+        earlier.as_str(),
+        "lookup",
+        &format!("/admin/approvals/{id}/approve"),
+        &format!("/admin/approvals/{id}/reject"),
+        r#"name="note""#,
+    ] {
+        assert!(c.contains(shown), "{shown} in {c}");
+    }
+    assert!(c.contains("[redacted]") && !page.body.contains("4242"));
+    // The waiting call is not among its own earlier calls.
+    let earlier_list = part(c, "<ol class=\"earlier\">", "</ol>");
+    assert!(!earlier_list.contains(&id), "{earlier_list}");
+}
+
+#[tokio::test]
+async fn approving_through_the_page_records_the_signed_in_name_and_a_second_decision_is_refused() {
+    let s = start_with(|_| {}).await;
+    let (_, id, _) = waiting_call(&s).await;
+    let mut b = Browser::new(&s);
+    assert_eq!(b.sign_in("Ana", ADM).await.status, 303);
+    let csrf = b.get("/admin/approvals").await.csrf();
+
+    let done = b
+        .post(
+            &format!("/admin/approvals/{id}/approve"),
+            &[("csrf", &csrf), ("note", "  invoice checked  ")],
+        )
+        .await;
+    assert_eq!(done.status, 303, "{}", done.body);
+    assert_eq!(
+        done.headers[LOCATION],
+        format!("/admin/approvals?approved={id}")
+    );
+    let a = attempt_state(&s, &id).await;
+    assert_eq!(a["state"], "approved", "{a}");
+    assert_eq!(a["approval"]["decision"], "approved", "{a}");
+    assert_eq!(a["approval"]["decided_by"], "Ana", "{a}");
+    assert_eq!(a["approval"]["note"], "invoice checked", "{a}");
+    assert!(s
+        .state
+        .metrics
+        .render()
+        .unwrap()
+        .contains(r#"atmost_approval_decisions_total{decision="approved"} 1"#));
+
+    let after = b.get(&format!("/admin/approvals?approved={id}")).await;
+    assert!(after.body.contains(&format!("Approved {id}")));
+    assert!(!after.body.contains(&format!("id=\"{id}\"")));
+    assert!(after.body.contains("Nothing waits for approval."));
+
+    // Deciding again is refused as the admin API refuses it, and changes nothing.
+    let again = b
+        .post(&format!("/admin/approvals/{id}/reject"), &[("csrf", &csrf)])
+        .await;
+    assert_eq!(again.status, 409, "{}", again.body);
+    assert!(
+        again.body.contains("not_awaiting_approval"),
+        "{}",
+        again.body
+    );
+    assert_eq!(attempt_state(&s, &id).await["state"], "approved");
+}
+
+#[tokio::test]
+async fn a_decision_without_the_sessions_csrf_token_is_refused_and_decides_nothing() {
+    let s = start_with(|_| {}).await;
+    let (pid, id, _) = waiting_call(&s).await;
+    let mut b = Browser::new(&s);
+    assert_eq!(b.sign_in("Ana", ADM).await.status, 303);
+    for form in [vec![], vec![("csrf", "not-the-token")]] {
+        for verb in ["approve", "reject"] {
+            let refused = b
+                .post(&format!("/admin/approvals/{id}/{verb}"), &form)
+                .await;
+            assert_eq!(refused.status, 403, "{}", refused.body);
+            assert!(refused.body.contains("nothing was changed"));
+        }
+    }
+    let a = attempt_state(&s, &id).await;
+    assert_eq!(a["state"], "awaiting_approval", "{a}");
+    assert!(a["approval"]["decided_by"].is_null(), "{a}");
+    // The slot is still held for the call.
+    assert_eq!(usage(&s, &pid).await.0["calls_made"], 1);
+
+    // Signed out, a form is the sign-in page and decides nothing either.
+    let mut stranger = Browser::new(&s);
+    let page = stranger
+        .post(&format!("/admin/approvals/{id}/approve"), &[("csrf", "x")])
+        .await;
+    assert_eq!(page.status, 401);
+    assert_eq!(attempt_state(&s, &id).await["state"], "awaiting_approval");
+}
