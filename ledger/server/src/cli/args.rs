@@ -397,9 +397,6 @@ pub enum KeysCommand {
     Rotate,
 }
 
-// One command is parsed per run and moved once: the size of `Create`'s flags costs nothing,
-// and boxing them would only make clap's derive and every match on it less direct.
-#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum PermitCommand {
     /// Create a permit and print its token (shown once).
