@@ -8,7 +8,7 @@ in front of the example MCP server, one ledger on SQLite. Three windows of BENCH
 each (default 20):
 
   idle     nothing is sent: Envoy's own timers and the filter's tick;
-  held     BENCH_HELD_CALLS calls (default 50), each under a permit that asks a person first,
+  held     BENCH_HELD_CALLS calls (default 200), each under a permit that asks a person first,
            held open for the whole window (nobody decides): Envoy's CPU over the idle window's,
            per held call and second, and the ledger's authorize answers `approval_required`
            per held call and second (the filter's re-asks);
@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 from atmost_stack import Envoy, ExampleServer, Ledger, wait_until  # noqa: E402
 from tests.support.mcp_raw import RawMcp, denial_code  # noqa: E402
 
-HELD = int(os.environ.get("BENCH_HELD_CALLS", "50"))
-SECONDS = float(os.environ.get("BENCH_HELD_SECONDS", "20"))
+HELD = int(os.environ.get("BENCH_HELD_CALLS", "200"))
+SECONDS = float(os.environ.get("BENCH_HELD_SECONDS", "30"))
 REFERENCE = int(os.environ.get("BENCH_HELD_REFERENCE", "400"))
 OUT = ROOT / "target" / "bench" / "held"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
