@@ -134,6 +134,16 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// `response`, with `attempt` written over the key's attempt.
+    fn updating(response: AuthorizeResponse, attempt: Attempt) -> Self {
+        Decision {
+            response,
+            mutation: Mutation::Update(attempt),
+            notices: Vec::new(),
+            headroom: None,
+        }
+    }
+
     fn deny(d: Denial) -> Self {
         Decision {
             response: AuthorizeResponse::Deny(d),

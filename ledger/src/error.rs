@@ -93,3 +93,23 @@ pub enum ApprovalError {
     #[error(transparent)]
     Ledger(#[from] LedgerError),
 }
+
+/// The error of a person's move of one attempt (a resolution, a decision on an approval): the
+/// attempt may be unknown, the pure step may refuse, the store may fail. Both stores apply
+/// such a move the same way, generic over it.
+pub trait AttemptMoveError: From<LedgerError> + Send + 'static {
+    /// No attempt has the id.
+    fn unknown_attempt() -> Self;
+}
+
+impl AttemptMoveError for ResolveError {
+    fn unknown_attempt() -> Self {
+        ResolveError::UnknownAttempt
+    }
+}
+
+impl AttemptMoveError for ApprovalError {
+    fn unknown_attempt() -> Self {
+        ApprovalError::UnknownAttempt
+    }
+}

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use tracing::{error, info};
 
 use crate::state::{AppState, Shared};
+use atmost_ledger::clock::Millis;
 use atmost_ledger::error::LedgerError;
 use atmost_ledger::store::purge::PURGE_PER_SWEEP;
 
@@ -102,38 +103,41 @@ pub async fn read_store_gauges(state: &AppState) {
             error!(error = %e, "attempt counts failed");
         }
     }
-    match state.store.oldest_uncertain().await {
-        Ok(oldest) => {
-            let ms = oldest.map_or(0, |t| now.saturating_sub(t).max(0));
-            state
-                .metrics
-                .uncertain_oldest_seconds
-                .set(ms as f64 / 1000.0);
+    let oldest = state.store.oldest_uncertain().await;
+    set_age(
+        state,
+        &state.metrics.uncertain_oldest_seconds,
+        now,
+        oldest,
+        "oldest_uncertain",
+    );
+    let oldest = state.store.oldest_awaiting_approval().await;
+    set_age(
+        state,
+        &state.metrics.approval_oldest_waiting_seconds,
+        now,
+        oldest,
+        "oldest_awaiting_approval",
+    );
+}
+
+/// Sets a gauge to the seconds since `since` (0 when there is none); a store that failed
+/// leaves it as it was and is counted under `op`.
+fn set_age(
+    state: &AppState,
+    gauge: &prometheus::Gauge,
+    now: Millis,
+    since: Result<Option<Millis>, LedgerError>,
+    op: &str,
+) {
+    match since {
+        Ok(since) => {
+            let ms = since.map_or(0, |t| now.saturating_sub(t).max(0));
+            gauge.set(ms as f64 / 1000.0);
         }
         Err(e) => {
-            state
-                .metrics
-                .store_errors
-                .with_label_values(&["oldest_uncertain"])
-                .inc();
-            error!(error = %e, "oldest uncertain attempt could not be read");
-        }
-    }
-    match state.store.oldest_awaiting_approval().await {
-        Ok(oldest) => {
-            let ms = oldest.map_or(0, |t| now.saturating_sub(t).max(0));
-            state
-                .metrics
-                .approval_oldest_waiting_seconds
-                .set(ms as f64 / 1000.0);
-        }
-        Err(e) => {
-            state
-                .metrics
-                .store_errors
-                .with_label_values(&["oldest_awaiting_approval"])
-                .inc();
-            error!(error = %e, "oldest call awaiting approval could not be read");
+            state.metrics.store_errors.with_label_values(&[op]).inc();
+            error!(error = %e, op, "a gauge's age could not be read");
         }
     }
 }

@@ -7,13 +7,12 @@
 //! move from `approved` to `in_flight`, which is a decision like any other (one transaction
 //! under the permit's serialization). Modelled in `ledger/model/atmost.pml`.
 
-use atmost_protocol::{AuthorizeRequest, Denial, DenialCode};
+use atmost_protocol::{AuthorizeRequest, AuthorizeResponse, Denial, DenialCode};
 
-use super::rules::{dispatch, dispatch_body, lease_of, permit_expired};
+use super::rules::{dispatch, permit_expired, redispatched};
 use super::{DecideParams, Decision, Mutation};
 use crate::clock::{rfc3339, Millis};
 use crate::model::{Approval, ApprovalDecision, Attempt, AttemptState, CallRules, Permit};
-use crate::token;
 
 /// Upper bound of `retry_after` for a call waiting for a person, in seconds: short, so an
 /// agent that retries gets through soon after a quick approval.
@@ -44,7 +43,7 @@ pub fn await_approval(mut attempt: Attempt, params: &DecideParams, now: Millis) 
         decision: None,
     });
     Decision {
-        response: atmost_protocol::AuthorizeResponse::Deny(required(&attempt, now)),
+        response: AuthorizeResponse::Deny(required(&attempt, now)),
         mutation: Mutation::Reserve(attempt),
         notices: Vec::new(),
         headroom: None,
@@ -65,14 +64,10 @@ pub fn by_approval(
         {
             // Lapsed, and the sweeper has not come by yet: the retry expires it, so the slot
             // comes back now and the answer is the one the sweeper's move would give.
-            let mut lapsed = expired(existing, now);
-            lapsed.updated_at_ms = now;
-            Decision {
-                response: atmost_protocol::AuthorizeResponse::Deny(expired_denial(existing)),
-                mutation: Mutation::Update(lapsed),
-                notices: Vec::new(),
-                headroom: None,
-            }
+            Decision::updating(
+                AuthorizeResponse::Deny(expired_denial(existing)),
+                expired(existing, now),
+            )
         }
         AttemptState::AwaitingApproval => Decision::deny(required(existing, now)),
         AttemptState::Approved => dispatch_approved(existing, permit, req, params, now),
@@ -109,21 +104,11 @@ fn dispatch_approved(
     if let Some(denial) = permit_expired(permit, now) {
         return Decision::deny(denial);
     }
-    let mut next = existing.clone();
-    next.state = AttemptState::InFlight;
-    next.updated_at_ms = now;
-    next.lease_expires_at_ms = now.saturating_add(lease_of(params));
-    next.capability_hash = Some(token::sha256_hex(&params.new_capability));
-    next.dispatch_body_sha256 = dispatch_body(req);
+    let mut next = redispatched(existing, req, params, now);
     next.forwarded_key = req.forwarded_key.clone();
     next.forwarded_key_carriers = req.forwarded_key_carriers;
     next.credential = params.credential.clone();
-    Decision {
-        response: dispatch(&existing.id, permit, params, next.round),
-        mutation: Mutation::Update(next),
-        notices: Vec::new(),
-        headroom: None,
-    }
+    Decision::updating(dispatch(&existing.id, permit, params, next.round), next)
 }
 
 /// `approval_required`, the same for the first ask and every retry while nobody decided.

@@ -180,16 +180,14 @@ fn replay(existing: &Attempt) -> Decision {
     };
     let mut replayed = existing.clone();
     replayed.replay_count = replayed.replay_count.saturating_add(1);
-    Decision {
-        response: AuthorizeResponse::Replay {
+    Decision::updating(
+        AuthorizeResponse::Replay {
             attempt_id: existing.id.clone(),
             receipt: receipt.clone(),
             limits: None,
         },
-        mutation: Mutation::Update(replayed),
-        notices: Vec::new(),
-        headroom: None,
-    }
+        replayed,
+    )
 }
 
 /// Seconds until a leased attempt's lease ends, from 1 to [`MAX_RETRY_AFTER_SECS`].
@@ -210,16 +208,10 @@ fn continue_round(
     if let Some(denial) = permit_expired(permit, now) {
         return Decision::deny(denial);
     }
-    let mut next = existing.clone();
-    next.state = AttemptState::InFlight;
-    next.updated_at_ms = now;
-    next.lease_expires_at_ms = now.saturating_add(lease_of(params));
     // A new round with a new capability: reports about the earlier round (late, retried or
     // forged) can no longer move the attempt.
+    let mut next = redispatched(existing, req, params, now);
     next.round = existing.round.saturating_add(1);
-    next.capability_hash = Some(token::sha256_hex(&params.new_capability));
-    // The body this round is signed over (its own: the continuation's).
-    next.dispatch_body_sha256 = dispatch_body(req);
     // Same key, same permit: the same forwarded value, kept from the first round (an attempt
     // stored before the value was kept learns it now). Where it went is kept with it, from
     // the same round: a round that states no value says nothing about where an earlier
@@ -228,12 +220,24 @@ fn continue_round(
         next.forwarded_key = req.forwarded_key.clone();
         next.forwarded_key_carriers = req.forwarded_key_carriers;
     }
-    Decision {
-        response: dispatch(&existing.id, permit, params, next.round),
-        mutation: Mutation::Update(next),
-        notices: Vec::new(),
-        headroom: None,
-    }
+    Decision::updating(dispatch(&existing.id, permit, params, next.round), next)
+}
+
+/// `existing` dispatched again at `now`, in its current round: `in_flight` with a new lease
+/// and a new capability, signed over this request's body (its own).
+pub(super) fn redispatched(
+    existing: &Attempt,
+    req: &AuthorizeRequest,
+    params: &DecideParams,
+    now: Millis,
+) -> Attempt {
+    let mut next = existing.clone();
+    next.state = AttemptState::InFlight;
+    next.updated_at_ms = now;
+    next.lease_expires_at_ms = now.saturating_add(lease_of(params));
+    next.capability_hash = Some(token::sha256_hex(&params.new_capability));
+    next.dispatch_body_sha256 = dispatch_body(req);
+    next
 }
 
 /// Rule 4, a new call: its checks in order, the first that fails is the answer; then rule 5.

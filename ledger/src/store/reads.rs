@@ -436,6 +436,21 @@ async fn run<S: ReadQueries + ?Sized, const N: usize>(
     })
 }
 
+/// The first column of the first row of a one-column [`RowShape::Numbers`] statement; `None`
+/// without a row or for NULL (an aggregate over no row).
+async fn first_number<S: ReadQueries + ?Sized>(
+    store: &S,
+    statement: Statement,
+) -> Result<Option<i64>, LedgerError> {
+    let [rows] = run(store, [statement]).await?;
+    Ok(rows
+        .numbers()?
+        .into_iter()
+        .next()
+        .and_then(|row| row.into_iter().next())
+        .flatten())
+}
+
 /// The first row's columns of a [`RowShape::Numbers`] statement, 0 for NULL; `None` without
 /// a row.
 fn first_numbers<const N: usize>(rows: Rows) -> Result<Option<[i64; N]>, LedgerError> {
@@ -657,24 +672,15 @@ impl<S: ReadQueries + ?Sized> Reads for S {
     }
 
     async fn oldest_uncertain(&self) -> Result<Option<Millis>, LedgerError> {
-        let [oldest] = run(self, [ReadSql::new(self.dialect()).oldest_uncertain()]).await?;
-        Ok(oldest
-            .numbers()?
-            .into_iter()
-            .next()
-            .and_then(|row| row.into_iter().next())
-            .flatten())
+        first_number(self, ReadSql::new(self.dialect()).oldest_uncertain()).await
     }
 
     async fn oldest_awaiting_approval(&self) -> Result<Option<Millis>, LedgerError> {
-        let statement = ReadSql::new(self.dialect()).oldest_awaiting_approval();
-        let [oldest] = run(self, [statement]).await?;
-        Ok(oldest
-            .numbers()?
-            .into_iter()
-            .next()
-            .and_then(|row| row.into_iter().next())
-            .flatten())
+        first_number(
+            self,
+            ReadSql::new(self.dialect()).oldest_awaiting_approval(),
+        )
+        .await
     }
 
     async fn active_signing_key(&self) -> Result<Option<SigningKey>, LedgerError> {

@@ -62,7 +62,7 @@ use super::{Decisions, OutcomeResult, SweepReport};
 use crate::clock::{Deadline, Millis};
 use crate::credentials::{CredentialUse, StoredCredential};
 use crate::decide::{self, ApprovalInput, DecideParams, Decision, Leases, ResolveInput, Snapshot};
-use crate::error::{ApprovalError, LedgerError, ResolveError};
+use crate::error::{ApprovalError, AttemptMoveError, LedgerError, ResolveError};
 use crate::keys::{Rotation, SigningKey};
 use crate::model::{Attempt, AttemptState, Permit};
 use crate::store::rows::ATTEMPT_COLS;
@@ -270,6 +270,30 @@ impl PgStore {
         &self.description
     }
 
+    /// A person's move of one attempt (a resolution, a decision on an approval): under its
+    /// permit's row lock, the attempt read, passed through the pure `step`, and what it returns
+    /// written with the counters it moves, in one transaction.
+    async fn move_attempt<E, F>(&self, id: &str, step: F) -> Result<Attempt, E>
+    where
+        E: AttemptMoveError,
+        F: FnOnce(&Attempt) -> Result<Attempt, E>,
+    {
+        self.timed(async |c: &mut deadpool_postgres::Object| {
+            let tx = c.transaction().await.map_err(pg_err)?;
+            lock_permit_of_attempt(&tx, id).await?;
+            let Some(existing) = load_attempt(&tx, id).await? else {
+                return Err(E::unknown_attempt());
+            };
+            let next = step(&existing)?;
+            let mut moves = CounterMoves::default();
+            write_attempt(&tx, &existing, &next, &mut moves).await?;
+            write_counters(&tx, &moves).await?;
+            tx.commit().await.map_err(pg_err)?;
+            Ok(next)
+        })
+        .await
+    }
+
     /// Runs `f` on a pooled connection under the operation deadline: a database that does not
     /// answer becomes an error, never a hang. An operation cut off mid-flight may still have
     /// statements (a `COMMIT` even) on their way to the server: its connection is closed,
@@ -466,20 +490,8 @@ impl Decisions for PgStore {
         input: &ResolveInput,
         now: Millis,
     ) -> Result<Attempt, ResolveError> {
-        self.timed(async |c: &mut deadpool_postgres::Object| {
-            let tx = c.transaction().await.map_err(pg_err)?;
-            lock_permit_of_attempt(&tx, id).await?;
-            let Some(existing) = load_attempt(&tx, id).await? else {
-                return Err(ResolveError::UnknownAttempt);
-            };
-            let next = decide::resolve(&existing, input, now)?;
-            let mut moves = CounterMoves::default();
-            write_attempt(&tx, &existing, &next, &mut moves).await?;
-            write_counters(&tx, &moves).await?;
-            tx.commit().await.map_err(pg_err)?;
-            Ok(next)
-        })
-        .await
+        self.move_attempt(id, |a| decide::resolve(a, input, now))
+            .await
     }
 
     async fn decide_approval(
@@ -488,18 +500,8 @@ impl Decisions for PgStore {
         input: &ApprovalInput,
         now: Millis,
     ) -> Result<Attempt, ApprovalError> {
-        self.timed(async |c: &mut deadpool_postgres::Object| {
-            let tx = c.transaction().await.map_err(pg_err)?;
-            lock_permit_of_attempt(&tx, id).await?;
-            let Some(existing) = load_attempt(&tx, id).await? else {
-                return Err(ApprovalError::UnknownAttempt);
-            };
-            let next = decide::decide_approval(&existing, input, now)?;
-            let mut moves = CounterMoves::default();
-            write_attempt(&tx, &existing, &next, &mut moves).await?;
-            write_counters(&tx, &moves).await?;
-            tx.commit().await.map_err(pg_err)?;
-            Ok(next)
+        self.move_attempt(id, |a| {
+            decide::decide_approval(a, input, now).map_err(ApprovalError::from)
         })
         .await
     }

@@ -30,7 +30,7 @@ use super::{Decisions, OutcomeResult, SweepReport};
 use crate::clock::{Deadline, Millis};
 use crate::credentials::{CredentialUse, StoredCredential};
 use crate::decide::{self, ApprovalInput, DecideParams, Decision, Leases, Mutation, ResolveInput};
-use crate::error::{ApprovalError, LedgerError, ResolveError};
+use crate::error::{ApprovalError, AttemptMoveError, LedgerError, ResolveError};
 use crate::keys::{Rotation, SigningKey};
 use crate::model::{Attempt, AttemptState, Permit};
 use crate::store::rows::{AttemptRow, ATTEMPT_COLS};
@@ -215,6 +215,25 @@ impl SqliteStore {
 
     /// Runs `f` in the writer, inside the next group transaction and its own savepoint, and
     /// answers only once that transaction committed durably (or failed).
+    /// A person's move of one attempt (a resolution, a decision on an approval): the attempt
+    /// read, passed through the pure `step`, and what it returns written, in one transaction.
+    async fn move_attempt<E, F>(&self, id: &str, step: F) -> Result<Attempt, E>
+    where
+        E: AttemptMoveError,
+        F: FnOnce(&Attempt) -> Result<Attempt, E> + Send + 'static,
+    {
+        let id = id.to_string();
+        self.write(move |tx: &GroupTx<'_>| {
+            let Some(existing) = load_attempt(tx, &id)? else {
+                return Err(E::unknown_attempt());
+            };
+            let next = step(&existing)?;
+            write_attempt(tx, Some(&existing), &next)?;
+            Ok(next)
+        })
+        .await
+    }
+
     async fn write<R, E, F>(&self, f: F) -> Result<R, E>
     where
         R: Send + 'static,
@@ -450,17 +469,9 @@ impl Decisions for SqliteStore {
         input: &ResolveInput,
         now: Millis,
     ) -> Result<Attempt, ResolveError> {
-        let id = id.to_string();
         let input = input.clone();
-        self.write(move |tx: &GroupTx<'_>| {
-            let Some(existing) = load_attempt(tx, &id)? else {
-                return Err(ResolveError::UnknownAttempt);
-            };
-            let next = decide::resolve(&existing, &input, now)?;
-            write_attempt(tx, Some(&existing), &next)?;
-            Ok(next)
-        })
-        .await
+        self.move_attempt(id, move |a| decide::resolve(a, &input, now))
+            .await
     }
 
     async fn decide_approval(
@@ -469,15 +480,9 @@ impl Decisions for SqliteStore {
         input: &ApprovalInput,
         now: Millis,
     ) -> Result<Attempt, ApprovalError> {
-        let id = id.to_string();
         let input = input.clone();
-        self.write(move |tx: &GroupTx<'_>| {
-            let Some(existing) = load_attempt(tx, &id)? else {
-                return Err(ApprovalError::UnknownAttempt);
-            };
-            let next = decide::decide_approval(&existing, &input, now)?;
-            write_attempt(tx, Some(&existing), &next)?;
-            Ok(next)
+        self.move_attempt(id, move |a| {
+            decide::decide_approval(a, &input, now).map_err(ApprovalError::from)
         })
         .await
     }
