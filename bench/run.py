@@ -83,6 +83,8 @@ Environment (knobs):
   BENCH_PLUGIN        JSON merged into atmost's plugin configuration,
                       e.g. '{"completion_reports": "per_call"}'
                       (setups Da and Ea add answer_release at_once to it)
+  BENCH_LEDGER_HTTP   the protocol of Envoy's ledger cluster: 2 (default, h2c, as shipped) or 1
+                      (HTTP/1.1, a connection per callout in flight), to compare the two
   BENCH_PG_BINDIR     PostgreSQL's binaries for the bench's own cluster
                       (default /usr/lib/postgresql/15/bin)
   BENCH_PG_SETTINGS   more server settings of the bench's own cluster, space-separated,
@@ -144,6 +146,9 @@ RATES = tuple(float(x) for x in os.environ.get("BENCH_RATES", "1,5").split(",") 
 PERMITS = int(os.environ.get("BENCH_PERMITS", "1000"))
 PG_BINDIR = Path(os.environ.get("BENCH_PG_BINDIR", "/usr/lib/postgresql/15/bin"))
 LEDGER_ALONE = os.environ.get("BENCH_LEDGER_ALONE", "1") != "0"
+LEDGER_HTTP = os.environ.get("BENCH_LEDGER_HTTP", "2")
+if LEDGER_HTTP not in ("1", "2"):
+    raise SystemExit(f"BENCH_LEDGER_HTTP must be 1 or 2, not {LEDGER_HTTP!r}")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SERVICE_TOKEN = "bench-service-token-of-32-bytes-or-more"
 ADMIN_TOKEN = "bench-admin-token-of-32-bytes-or-more"
@@ -431,6 +436,14 @@ class Envoy(stack.Process):
         # file's TLS to the ledger is not in these numbers yet.
         config = stack.sidecar_config(self.port, self.admin_port, upstream_port, ledger_ports, plugin_overrides,
                                       wasm=wasm or ATMOST_WASM, plain=wasm is None, ledger_tls=False)
+        if LEDGER_HTTP == "1":
+            for cluster in config["static_resources"]["clusters"]:
+                if cluster["name"] == "atmost_ledger":
+                    options = cluster["typed_extension_protocol_options"][
+                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+                    options["explicit_http_config"] = {"http_protocol_options": {}}
+                    for check in cluster.get("health_checks", []):
+                        check["http_health_check"]["codec_client_type"] = "HTTP1"
         if plugin is not None:
             wasm_filter = next(f for f in stack.listener_hcm(config)["http_filters"]
                                if f["name"] == "envoy.filters.http.wasm")
