@@ -111,13 +111,17 @@ pub async fn read_store_gauges(state: &AppState) {
         oldest,
         "oldest_uncertain",
     );
-    let oldest = state.store.oldest_awaiting_approval().await;
+    let oldest = state
+        .store
+        .awaiting_approval()
+        .await
+        .map(|(_, oldest)| oldest);
     set_age(
         state,
         &state.metrics.approval_oldest_waiting_seconds,
         now,
         oldest,
-        "oldest_awaiting_approval",
+        "awaiting_approval",
     );
 }
 

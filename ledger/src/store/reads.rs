@@ -344,18 +344,18 @@ impl ReadSql {
         }
     }
 
-    /// When the call waiting for approval the longest was asked for. It reads
-    /// `attempts_leased` (its literal state list, then narrowed): the waiting calls are among
-    /// the few attempts a lapse time holds.
-    pub fn oldest_awaiting_approval(&self) -> Statement {
+    /// How many calls wait for approval, and when the one waiting the longest was asked for.
+    /// It reads `attempts_leased` (its literal state list, then narrowed): the waiting calls
+    /// are among the few attempts a lapse time holds, however long the history.
+    pub fn awaiting_approval(&self) -> Statement {
         Statement {
             sql: format!(
-                "SELECT MIN(a.created_at) FROM attempts a WHERE a.state IN {} \
+                "SELECT COUNT(*), MIN(a.created_at) FROM attempts a WHERE a.state IN {} \
                  AND a.state = 'awaiting_approval'",
                 AttemptState::sql_list(AttemptState::leased)
             ),
             params: Vec::new(),
-            rows: RowShape::Numbers { columns: 1 },
+            rows: RowShape::Numbers { columns: 2 },
         }
     }
 
@@ -518,9 +518,9 @@ pub trait Reads: Send + Sync {
     /// When the attempt that has been `uncertain` the longest turned so; `None` when none is.
     async fn oldest_uncertain(&self) -> Result<Option<Millis>, LedgerError>;
 
-    /// When the call waiting for a person's approval the longest was asked for; `None` when
-    /// none is waiting.
-    async fn oldest_awaiting_approval(&self) -> Result<Option<Millis>, LedgerError>;
+    /// How many calls wait for a person's approval, and when the one waiting the longest was
+    /// asked for (`None` when none is waiting).
+    async fn awaiting_approval(&self) -> Result<(u64, Option<Millis>), LedgerError>;
 
     /// The signing key that signs now, `None` when no key is active. A row that does not
     /// hold a usable key is [`LedgerError::Corrupt`].
@@ -675,12 +675,15 @@ impl<S: ReadQueries + ?Sized> Reads for S {
         first_number(self, ReadSql::new(self.dialect()).oldest_uncertain()).await
     }
 
-    async fn oldest_awaiting_approval(&self) -> Result<Option<Millis>, LedgerError> {
-        first_number(
-            self,
-            ReadSql::new(self.dialect()).oldest_awaiting_approval(),
-        )
-        .await
+    async fn awaiting_approval(&self) -> Result<(u64, Option<Millis>), LedgerError> {
+        let [rows] = run(self, [ReadSql::new(self.dialect()).awaiting_approval()]).await?;
+        let row = rows.numbers()?.into_iter().next().unwrap_or_default();
+        let count = row
+            .first()
+            .copied()
+            .flatten()
+            .map_or(0, super::rows::to_u64);
+        Ok((count, row.get(1).copied().flatten()))
     }
 
     async fn active_signing_key(&self) -> Result<Option<SigningKey>, LedgerError> {

@@ -43,8 +43,8 @@ pub(super) fn routes() -> Router<Shared> {
 /// is no reason to fail a page: when the store cannot say, the link shows no number.
 pub(super) async fn nav(state: &AppState, here: &'static str, s: &Session) -> Option<Nav> {
     let mut nav = Nav::new(here, s)?;
-    match state.store.attempt_counts().await {
-        Ok(counts) => nav.waiting = counts.get(&AttemptState::AwaitingApproval).copied(),
+    match state.store.awaiting_approval().await {
+        Ok((waiting, _)) => nav.waiting = Some(waiting),
         Err(e) => warn!(error = %e, "inbox: the calls waiting for approval were not counted"),
     }
     Some(nav)

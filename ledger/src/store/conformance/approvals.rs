@@ -51,6 +51,7 @@ pub async fn approvals(h: &dyn Harness) {
     assert_eq!(state_of(&*s, &id).await, AttemptState::AwaitingApproval);
     let held = counters_match_recount(&*s, &p.id).await;
     assert_eq!((held.usage["pay"].calls_made, held.budget.reserved), (1, 5));
+    assert_eq!(s.awaiting_approval().await.unwrap(), (1, Some(T0)));
     // The same key again: the same request, nothing more taken.
     assert_eq!(approval_id(&auth(&*s, &call, T0 + 1).await), id);
     // Another call meanwhile cannot pass the cap the waiting one holds.
@@ -66,6 +67,7 @@ pub async fn approvals(h: &dyn Harness) {
         .await
         .unwrap();
     assert_eq!(a.state, AttemptState::Approved);
+    assert_eq!(s.awaiting_approval().await.unwrap(), (0, None));
     assert!(matches!(
         s.decide_approval(&id, &person(false), T0 + 11).await,
         Err(ApprovalError::Refused(ApprovalRefused::NotAwaiting(

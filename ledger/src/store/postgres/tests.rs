@@ -778,6 +778,7 @@ async fn inbox_queries_read_their_partial_indexes() {
         ),
         ("attempts_resolved", "(bigint)", "(0)", sql.resolved(0).sql),
         ("attempts_uncertain", "", "", sql.oldest_uncertain().sql),
+        ("attempts_leased", "", "", sql.awaiting_approval().sql),
     ])
     .await;
 }

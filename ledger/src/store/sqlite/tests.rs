@@ -291,7 +291,8 @@ fn an_outage_is_transient_and_a_broken_constraint_is_not() {
 }
 
 /// The inbox's reads follow their partial indexes (a page reads what it lists, not the
-/// history), and the metric's read the uncertain one.
+/// history), and the metrics' read the uncertain one and the leased one (calls waiting for
+/// approval).
 #[tokio::test]
 async fn inbox_queries_read_their_partial_indexes() {
     let dir = tempfile::tempdir().unwrap();
@@ -302,6 +303,7 @@ async fn inbox_queries_read_their_partial_indexes() {
         ("attempts_leased", sql.stuck(0, 0).sql),
         ("attempts_resolved", sql.resolved(0).sql),
         ("attempts_uncertain", sql.oldest_uncertain().sql),
+        ("attempts_leased", sql.awaiting_approval().sql),
     ];
     let plans = s
         .read(move |c| {
