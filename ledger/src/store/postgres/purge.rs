@@ -3,9 +3,10 @@
 
 use deadpool_postgres::GenericClient;
 
+use super::column_err;
+use super::reads::placeholder;
 use super::rows::{exec, query};
 use super::writes::write_counters;
-use super::{column_err, placeholder};
 use crate::clock::Millis;
 use crate::error::LedgerError;
 use crate::store::counters::CounterMoves;

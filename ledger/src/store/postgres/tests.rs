@@ -13,8 +13,9 @@ use serde_json::json;
 
 use super::migrations::{migrations, RELEASED};
 use super::rows::{attempts_by_keys_sql, load_attempts_sql, LOCK_PERMITS_OF_ATTEMPTS};
+use super::sweep::{due_permits_sql, SHORTEST_RETENTION_SQL};
 use super::testing::{self, Cleanup};
-use super::{due_permits_sql, PgOptions, PgStore, SHORTEST_RETENTION_SQL};
+use super::{PgOptions, PgStore};
 use crate::store::conformance::{self, Harness, LEASE_MS, T0};
 use crate::store::schema::{two_versions_ahead_refusal, SCHEMA_VERSION};
 use crate::store::{Decisions, Reads, Store};
@@ -762,7 +763,7 @@ fn outage_sqlstates_are_transient_and_others_are_not() {
 /// The inbox's reads follow their partial indexes, as the sweeper's do.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn inbox_queries_read_their_partial_indexes() {
-    let sql = crate::store::reads::ReadSql::new(super::DIALECT);
+    let sql = crate::store::reads::ReadSql::new(super::reads::DIALECT);
     assert_plans_use(&[
         (
             "attempts_uncertain",
