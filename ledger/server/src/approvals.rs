@@ -34,8 +34,8 @@ pub const MAX_PERSON_BYTES: usize = 128;
 pub fn routes() -> Router<Shared> {
     Router::new()
         .route(ADMIN_APPROVALS_PATH, get(list_approvals))
-        .route("/admin/v1/approvals/{id}/approve", post(approve))
-        .route("/admin/v1/approvals/{id}/reject", post(reject))
+        .route("/admin/v1/approvals/{id}/approve", post(decision::<true>))
+        .route("/admin/v1/approvals/{id}/reject", post(decision::<false>))
 }
 
 /// `GET /admin/v1/approvals`'s answer.
@@ -102,24 +102,15 @@ async fn list_approvals(State(state): State<Shared>, Query(q): Query<ApprovalQue
     }
 }
 
-async fn approve(
+/// `POST …/approve` (`APPROVE`) or `POST …/reject`: the same request but for the decision.
+async fn decision<const APPROVE: bool>(
     State(state): State<Shared>,
     Path(id): Path<String>,
     Extension(admin): Extension<AuthenticatedAdmin>,
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    decision_request(&state, &id, &admin, &headers, &body, true).await
-}
-
-async fn reject(
-    State(state): State<Shared>,
-    Path(id): Path<String>,
-    Extension(admin): Extension<AuthenticatedAdmin>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
-    decision_request(&state, &id, &admin, &headers, &body, false).await
+    decision_request(&state, &id, &admin, &headers, &body, APPROVE).await
 }
 
 async fn decision_request(

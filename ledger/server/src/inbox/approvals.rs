@@ -35,8 +35,8 @@ const EARLIER_CALLS: u32 = 5;
 pub(super) fn routes() -> Router<Shared> {
     Router::new()
         .route("/admin/approvals", get(approvals_page))
-        .route("/admin/approvals/{id}/approve", post(approve))
-        .route("/admin/approvals/{id}/reject", post(reject))
+        .route("/admin/approvals/{id}/approve", post(decided::<true>))
+        .route("/admin/approvals/{id}/reject", post(decided::<false>))
 }
 
 /// The navigation with the number of calls waiting for approval beside its link. Counting
@@ -242,22 +242,14 @@ struct DecisionForm {
     note: String,
 }
 
-async fn approve(
+/// The page's Approve (`APPROVE`) and Reject buttons: the same form but for the decision.
+async fn decided<const APPROVE: bool>(
     State(state): State<Shared>,
     Path(id): Path<String>,
     headers: HeaderMap,
     Form(form): Form<DecisionForm>,
 ) -> Response {
-    decision(&state, &id, &headers, form, true).await
-}
-
-async fn reject(
-    State(state): State<Shared>,
-    Path(id): Path<String>,
-    headers: HeaderMap,
-    Form(form): Form<DecisionForm>,
-) -> Response {
-    decision(&state, &id, &headers, form, false).await
+    decision(&state, &id, &headers, form, APPROVE).await
 }
 
 /// A person's decision from the page: the session and its CSRF token checked as for a

@@ -7,7 +7,7 @@ use serde_json::json;
 
 use crate::decide::{ApprovalInput, ApprovalRefused, Leases};
 use crate::error::ApprovalError;
-use crate::model::{ApprovalRule, AttemptState};
+use crate::model::{ApprovalRule, AttemptState, Policy};
 
 use super::support::*;
 
@@ -22,15 +22,14 @@ fn person(approve: bool) -> ApprovalInput {
 }
 
 /// One `pay` call allowed, each costing 5 of a budget of 10, every call approved first.
-fn approved_first() -> crate::model::Policy {
-    let mut pol = policy();
-    pol.rules.max_calls.insert("pay".into(), 1);
-    pol.rules.budget = Some(10);
-    pol.rules.cost_default = 5;
-    pol.rules
-        .approval
-        .insert("pay".into(), ApprovalRule::Always);
-    pol
+fn approved_first() -> Policy {
+    Policy::builder()
+        .retention_ms(24 * HOUR)
+        .max_calls("pay", 1)
+        .budget(10)
+        .cost_default(5)
+        .approval("pay", ApprovalRule::Always)
+        .build()
 }
 
 fn approval_id(r: &AuthorizeResponse) -> String {

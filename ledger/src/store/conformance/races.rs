@@ -57,17 +57,7 @@ pub async fn race_budget(h: &dyn Harness) {
     pol.rules.budget = Some(10);
     pol.rules.cost_default = 3;
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
-    let reqs = (0..32)
-        .map(|i| {
-            req(
-                &tok,
-                "pay",
-                Some(&format!("key-{i}")),
-                &format!("fp-{i}"),
-                json!({}),
-            )
-        })
-        .collect();
+    let reqs = (0..32).map(|i| nth_call(&tok, i)).collect();
     let rs = race(h, reqs).await;
     assert_eq!(count(&rs, None), 3, "{rs:?}");
     assert_eq!(count(&rs, Some(DenialCode::PermitBudgetExceeded)), 29);
@@ -96,13 +86,7 @@ pub async fn race_report_against_lease_expiry(h: &dyn Harness) {
     let (p, tok) = race_permit(&*s).await;
     let lease = i64::try_from(LEASE_MS).unwrap();
     for i in 0..RACE_ROUNDS {
-        let r = req(
-            &tok,
-            "pay",
-            Some(&format!("k{i}")),
-            &format!("f{i}"),
-            json!({}),
-        );
+        let r = nth_call(&tok, i);
         let a = dispatched(&auth(&*s, &r, T0).await);
         let (outcome, target) = if i % 4 < 2 {
             (completed(&format!("R{i}")), AttemptState::Completed)
@@ -138,13 +122,7 @@ pub async fn race_conflicting_reports_from_two_handles(h: &dyn Harness) {
     let s = hs.one.clone();
     let (p, tok) = race_permit(&*s).await;
     for i in 0..RACE_ROUNDS {
-        let r = req(
-            &tok,
-            "pay",
-            Some(&format!("k{i}")),
-            &format!("f{i}"),
-            json!({}),
-        );
+        let r = nth_call(&tok, i);
         let a = dispatched(&auth(&*s, &r, T0).await);
         let (first, second) = match i % 3 {
             0 => (completed(&format!("R{i}")), released()),
@@ -187,13 +165,7 @@ pub async fn race_resolution_against_late_report(h: &dyn Harness) {
     let s = hs.one.clone();
     let (p, tok) = race_permit(&*s).await;
     for i in 0..RACE_ROUNDS {
-        let r = req(
-            &tok,
-            "pay",
-            Some(&format!("k{i}")),
-            &format!("f{i}"),
-            json!({}),
-        );
+        let r = nth_call(&tok, i);
         let a = dispatched(&auth(&*s, &r, T0).await);
         let executed = i.is_multiple_of(2);
         let resolved = if executed {
@@ -310,13 +282,7 @@ pub async fn race_released_key_dispatched_again(h: &dyn Harness) {
     let s = hs.one.clone();
     let (p, tok) = race_permit(&*s).await;
     for i in 0..RACE_ROUNDS {
-        let r = req(
-            &tok,
-            "pay",
-            Some(&format!("k{i}")),
-            &format!("f{i}"),
-            json!({}),
-        );
+        let r = nth_call(&tok, i);
         let a = dispatched(&auth(&*s, &r, T0).await);
         assert_eq!(report(&*s, &a, released(), T0).await, OutcomeAck::Applied);
         let barrier = Arc::new(tokio::sync::Barrier::new(4));

@@ -64,6 +64,18 @@ pub async fn make_permit(store: &dyn Store, policy: Policy, expires_at: i64) -> 
     (p, tok)
 }
 
+/// The `i`th of a run of `pay` calls that differ in key (`key-{i}`) and fingerprint
+/// (`fp-{i}`): calls the duplicate guard never takes for one another.
+pub fn nth_call(tok: &str, i: impl std::fmt::Display) -> AuthorizeRequest {
+    req(
+        tok,
+        "pay",
+        Some(&format!("key-{i}")),
+        &format!("fp-{i}"),
+        json!({}),
+    )
+}
+
 pub fn req(tok: &str, tool: &str, key: Option<&str>, fp: &str, args: Value) -> AuthorizeRequest {
     AuthorizeRequest {
         permit_token: tok.into(),
@@ -249,17 +261,7 @@ pub(super) async fn race_cap(h: &dyn Harness, cap: u64) {
     pol.rules.max_calls.insert("pay".into(), cap);
     let (p, tok) = make_permit(&*s, pol, T0 + HOUR).await;
     let n = 32;
-    let reqs = (0..n)
-        .map(|i| {
-            req(
-                &tok,
-                "pay",
-                Some(&format!("key-{i}")),
-                &format!("fp-{i}"),
-                json!({}),
-            )
-        })
-        .collect();
+    let reqs = (0..n).map(|i| nth_call(&tok, i)).collect();
     let rs = race(h, reqs).await;
     let cap = usize::try_from(cap).unwrap();
     assert_eq!(count(&rs, None), cap, "{rs:?}");
