@@ -79,6 +79,13 @@ pub async fn approvals(h: &dyn Harness) {
         Err(ApprovalError::UnknownAttempt)
     ));
 
+    // The approval is this permit's: the same key and arguments under another permit find
+    // no approval there and ask anew (keys are per permit).
+    let (_, other_tok) = make_permit(&*s, approved_first(), T0 + HOUR).await;
+    let elsewhere = req(&other_tok, "pay", Some("k1"), "A", json!({"to": "x"}));
+    let other_id = approval_id(&auth(&*s, &elsewhere, T0 + 12).await);
+    assert_ne!(other_id, id);
+
     // The agent's retry dispatches the same attempt, at the cap, taking nothing new.
     assert_eq!(dispatched(&auth(&*s, &call, T0 + 20).await), id);
     let sent = counters_match_recount(&*s, &p.id).await;
