@@ -40,8 +40,10 @@ from tests.support.recording_upstream import RecordingUpstream
 from tests.support.stack import ROOT, Envoy, Ledger, free_port, http_get, ledger_binary, wait_until
 
 UPSTREAM_SECRET = "upgrade-upstream-secret-0123456789"
-RELEASED_SCHEMA = 12
-NEXT_SCHEMA = 13
+RELEASED_SCHEMA = 13
+NEXT_SCHEMA = 14
+# The oldest schema version a ledger may know and serve on both: versions 13 and 14 only add.
+OLDEST_SERVING = 12
 WORKERS = 4
 # Calls each replica must decide after a swap before the next step: both versions served.
 CALLS_PER_STEP = 40
@@ -197,7 +199,7 @@ def test_rolling_upgrade_to_the_next_schema_under_load(log_dir, data_root, datab
     try:
         for r in running:
             r.start()
-        assert schema_versions(database_url, schema)[-1] == (RELEASED_SCHEMA, RELEASED_SCHEMA)
+        assert schema_versions(database_url, schema)[-1] == (RELEASED_SCHEMA, OLDEST_SERVING)
         envoy = Envoy(log_dir, upstream.port, [a.port, b.port], name="envoy-upgrade", plugin_overrides={
             "ledger": {"service_token": a.service_token},
             "upstream_key": {"mode": "hmac", "secret": UPSTREAM_SECRET},
@@ -216,7 +218,7 @@ def test_rolling_upgrade_to_the_next_schema_under_load(log_dir, data_root, datab
         load.phase = "b-replaced"
         b_next = swap(b, a, log_dir, database_url, schema, next_bin, envoy, started)
         running = [a, b_next]
-        assert schema_versions(database_url, schema)[-1] == (NEXT_SCHEMA, RELEASED_SCHEMA)
+        assert schema_versions(database_url, schema)[-1] == (NEXT_SCHEMA, OLDEST_SERVING)
         assert '"migration applied"' in b_next.log_text() and f'"version":{NEXT_SCHEMA}' in b_next.log_text()
         a_before = total(authorize_counts(a))
         wait_decided(running, [a_before, 0], CALLS_PER_STEP, "the old and the new build both to decide calls")
@@ -260,7 +262,7 @@ def test_rolling_upgrade_to_the_next_schema_under_load(log_dir, data_root, datab
         # What the workload was meant to exercise did happen: dispatches, replays, the cap.
         assert summary.get("ok", 0) > 0 and any(r.replayed for r in history.calls if r.phase != "probe"), summary
         assert summary.get("denied:permit_max_calls_exceeded", 0) > 0, summary
-        assert schema_versions(database_url, schema)[-1] == (NEXT_SCHEMA, RELEASED_SCHEMA)
+        assert schema_versions(database_url, schema)[-1] == (NEXT_SCHEMA, OLDEST_SERVING)
         assert recount_mismatches(database_url, schema) == []
     finally:
         if load is not None:
@@ -293,7 +295,7 @@ def test_compatibility_rule_between_builds(log_dir, data_root, database_url):
                            binary=next_bin)
         upgraded.start()
         upgraded.stop()
-        assert schema_versions(database_url, schema)[-1] == (NEXT_SCHEMA, RELEASED_SCHEMA)
+        assert schema_versions(database_url, schema)[-1] == (NEXT_SCHEMA, OLDEST_SERVING)
         # The current build on the database at the next version, whose newest migration admits it.
         current = replica(log_dir, data_root / f"{schema}-c", database_url, schema, "ledger-compat-current")
         current.start()

@@ -12,11 +12,11 @@ use crate::error::LedgerError;
 
 /// The schema version this build writes: its newest migration, in both stores.
 #[cfg(not(feature = "schema-rehearsal"))]
-pub const SCHEMA_VERSION: i64 = 12;
-/// The schema version this build writes: the rehearsal build adds version 12 (see
+pub const SCHEMA_VERSION: i64 = 13;
+/// The schema version this build writes: the rehearsal build adds version 14 (see
 /// `schema-rehearsal` in ledger/Cargo.toml), never a released one.
 #[cfg(feature = "schema-rehearsal")]
-pub const SCHEMA_VERSION: i64 = 13;
+pub const SCHEMA_VERSION: i64 = 14;
 
 /// What a ledger does on a database whose schema it found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

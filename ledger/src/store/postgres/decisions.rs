@@ -10,8 +10,11 @@ use tokio_postgres::types::ToSql;
 use super::column_err;
 use super::group_queue::GroupQueue;
 use super::group_tx::{within, GroupTx};
+use super::one_statement::{try_decide, LoneCall, PermitCopies, Tried};
 use super::rows::{attempts_by_keys_sql, prepared, read_attempt, read_permit};
-use super::writes::{insert_attempts, prepare_writes, storable, update_attempts, write_counters};
+use super::writes::{
+    insert_attempts, prepare_writes, storable, update_attempts, write_counters, SlotCounter,
+};
 use super::{answer_group, pg_err, StateSets};
 use crate::clock::{Deadline, Millis};
 use crate::decide::{self, DecideParams, Decision, Mutation};
@@ -45,6 +48,7 @@ pub(super) async fn decision_worker(
     states: StateSets,
     op_timeout: Duration,
     queue: DecisionQueue,
+    copies: Option<Arc<PermitCopies>>,
 ) {
     while let Some(queued) = queue.next_group() {
         // A job whose caller gave up while it waited is answered without being decided.
@@ -59,6 +63,28 @@ pub(super) async fn decision_worker(
         // The group's deadline is its oldest member's.
         let Some(deadline) = jobs.iter().map(|j| j.deadline).min() else {
             continue;
+        };
+        let limit = op_timeout.min(deadline.remaining());
+        // A lone call first tries the one statement (`one_statement`): most are a new key
+        // under a permit this replica has just seen.
+        let jobs = match (&copies, <[AuthJob; 1]>::try_from(jobs)) {
+            (Some(copies), Ok([job])) => {
+                let call = LoneCall {
+                    req: &job.req,
+                    params: &job.params,
+                    now: job.now,
+                    deadline: job.deadline,
+                };
+                match try_decide(&pool, copies, &states, call, limit).await {
+                    Tried::Decided(decision) => {
+                        let _ = job.reply.send(Ok(*decision));
+                        continue;
+                    }
+                    Tried::Missed => vec![job],
+                }
+            }
+            (_, Ok(one)) => Vec::from(one),
+            (_, Err(jobs)) => jobs,
         };
         let limit = op_timeout.min(deadline.remaining());
         let outcome = within(&pool, limit, async |tx: &GroupTx| {
@@ -109,9 +135,13 @@ pub(super) async fn decision_worker(
             };
             let mut moves = CounterMoves::default();
             // No answer leaves before the commit did: a group that cannot commit is an error.
-            let decisions = group.decide(&ends, first_reads, &mut moves).await?;
+            let decided = group.decide(&ends, first_reads, &mut moves).await?;
             tx.committed();
-            Ok(decisions)
+            if let Some(copies) = &copies {
+                let locked = permits.values().map(|(p, budget)| (p, *budget));
+                copies.remember_group(locked, &moves, &decided.read, &decided.written);
+            }
+            Ok(decided.decisions)
         })
         .await;
         let cut_off = if limit < op_timeout {
@@ -170,8 +200,8 @@ pub(super) fn permit_of<'a>(permits: &'a LockedPermits, job: &AuthJob) -> Permit
 pub(super) struct BatchReads {
     /// (permit, key hash) → the attempt.
     by_key: std::collections::HashMap<(String, String), Attempt>,
-    /// (permit, tool) → slots held.
-    slots: std::collections::HashMap<(String, String), i64>,
+    /// (permit, tool) → (slots held, the counter's version).
+    slots: std::collections::HashMap<(String, String), (i64, i64)>,
     /// Index of the job in its batch → the newest attempt its duplicate guard would match.
     duplicates: std::collections::HashMap<usize, Attempt>,
 }
@@ -202,8 +232,7 @@ impl SnapshotReads for BatchLookups<'_> {
             .reads
             .slots
             .get(&(permit.id.clone(), tool.to_string()))
-            .copied()
-            .unwrap_or(0))
+            .map_or(0, |(slots, _)| *slots))
     }
 
     fn budget(&mut self, permit: &Permit) -> Result<(i64, i64), LedgerError> {
@@ -310,8 +339,8 @@ impl ReadStatements {
             keys: prepared(c, attempts_by_keys_sql()).await?,
             slots: prepared(
                 c,
-                "SELECT u.p, u.t, s.slots_held FROM unnest($1::TEXT[], $2::TEXT[]) AS u(p, t) CROSS JOIN LATERAL \
-                 (SELECT slots_held FROM permit_tool_usage x WHERE x.permit_id = u.p AND x.tool = u.t LIMIT 1) s",
+                "SELECT u.p, u.t, s.slots_held, s.version FROM unnest($1::TEXT[], $2::TEXT[]) AS u(p, t) CROSS JOIN LATERAL \
+                 (SELECT slots_held, version FROM permit_tool_usage x WHERE x.permit_id = u.p AND x.tool = u.t LIMIT 1) s",
             )
             .await?,
             duplicates: prepared(c, &DUPLICATES_SQL).await?,
@@ -374,7 +403,10 @@ pub(super) async fn read_batch<C: GenericClient>(
                 row.try_get(0).map_err(column_err)?,
                 row.try_get(1).map_err(column_err)?,
             ),
-            row.try_get(2).map_err(column_err)?,
+            (
+                row.try_get(2).map_err(column_err)?,
+                row.try_get(3).map_err(column_err)?,
+            ),
         );
     }
     for row in dups.map_err(pg_err)? {
@@ -389,6 +421,16 @@ pub(super) async fn read_batch<C: GenericClient>(
         }
     }
     Ok(reads)
+}
+
+/// What a group decided, and the slot counters it saw: those it read (as stored) and those it
+/// wrote (as the write left them), for [`PermitCopies::remember_group`].
+#[derive(Default)]
+pub(super) struct GroupDecided {
+    pub(super) decisions: Vec<Result<Decision, LedgerError>>,
+    /// (permit, tool) → (slots held, version), as read.
+    pub(super) read: std::collections::HashMap<(String, String), (i64, i64)>,
+    pub(super) written: Vec<SlotCounter>,
 }
 
 /// A group inside its transaction, which holds its permits' row locks.
@@ -416,9 +458,10 @@ impl Group<'_> {
         ends: &[usize],
         first_reads: BatchReads,
         moves: &mut CounterMoves,
-    ) -> Result<Vec<Result<Decision, LedgerError>>, LedgerError> {
+    ) -> Result<GroupDecided, LedgerError> {
         let c = self.tx.client()?;
         let mut decisions = Vec::with_capacity(self.jobs.len());
+        let mut seen = GroupDecided::default();
         let mut first_reads = Some(first_reads);
         let mut start = 0;
         for &end in ends {
@@ -431,6 +474,9 @@ impl Group<'_> {
                     read_batch(c, self.statements, self.states, &args).await?
                 }
             };
+            // Counters are written at the end: every batch reads them as they were stored.
+            seen.read
+                .extend(reads.slots.iter().map(|(k, v)| (k.clone(), *v)));
             let mut inserts: Vec<Attempt> = Vec::new();
             let mut updates: Vec<Attempt> = Vec::new();
             for (i, (job, key_hash)) in batch.iter().zip(key_hashes).enumerate() {
@@ -493,7 +539,7 @@ impl Group<'_> {
                     if last {
                         write_counters(c, moves).await
                     } else {
-                        Ok(())
+                        Ok(Vec::new())
                     }
                 },
                 async {
@@ -506,9 +552,10 @@ impl Group<'_> {
             );
             inserted?;
             updated?;
-            counters?;
+            seen.written.extend(counters?);
             committed?;
         }
-        Ok(decisions)
+        seen.decisions = decisions;
+        Ok(seen)
     }
 }

@@ -265,6 +265,31 @@ CREATE INDEX attempts_leased ON attempts(lease_expires_at)
     WHERE state IN ('in_flight','awaiting_input','awaiting_approval','approved');
 "#,
     },
+    Migration {
+        version: 13,
+        compatible_from: 12,
+        description: "one-statement decisions: each tool's slot counter carries a version that every raise of it moves",
+        // Additive: the version is kept by the database, whatever ledger writes the row, so a
+        // ledger of 12 beside one of 13 moves it too (store/postgres/one_statement.rs reads it).
+        // Rows stored before have version 1, as a new row gets: 0 stands for "no row".
+        sql: r#"
+ALTER TABLE permit_tool_usage ADD COLUMN version BIGINT NOT NULL DEFAULT 1;
+CREATE FUNCTION atmost_tool_usage_version() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        NEW.version := 1;
+    ELSIF NEW.slots_held > OLD.slots_held THEN
+        NEW.version := OLD.version + 1;
+    ELSE
+        NEW.version := OLD.version;
+    END IF;
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER permit_tool_usage_version BEFORE INSERT OR UPDATE ON permit_tool_usage
+    FOR EACH ROW EXECUTE FUNCTION atmost_tool_usage_version();
+"#,
+    },
 ];
 
 /// The rehearsal of the next schema version (feature `schema-rehearsal`, never released): an
@@ -274,7 +299,7 @@ CREATE INDEX attempts_leased ON attempts(lease_expires_at)
 /// index.
 #[cfg(feature = "schema-rehearsal")]
 const NEXT: &[Migration] = &[Migration {
-    version: 13,
+    version: 14,
     compatible_from: 12,
     description:
         "rehearsal: the deciding replica per attempt (nullable), attempts by permit and time",
@@ -544,7 +569,7 @@ mod tests {
         let applied = [(1, None), (2, Some(2))];
         let plan = plan(&all, &applied);
         let pending: Vec<i32> = plan.pending.iter().map(|m| m.version).collect();
-        assert_eq!(pending, (3..=12).collect::<Vec<_>>());
+        assert_eq!(pending, (3..=13).collect::<Vec<_>>());
         let sql = plan.sql;
         assert!(
             !sql.contains("compatible_from) VALUES (1,"),

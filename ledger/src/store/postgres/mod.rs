@@ -37,6 +37,7 @@ mod group_queue;
 mod group_tx;
 mod keys;
 mod migrations;
+mod one_statement;
 mod options;
 mod outcomes;
 mod purge;
@@ -48,6 +49,7 @@ pub mod testing;
 mod tls;
 mod writes;
 
+pub use one_statement::OneStatementCounts;
 pub use options::{is_postgres_url, redact_url, session_bound, PgOptions, DEFAULT_CALLOUT_TIMEOUT};
 
 use std::sync::Arc;
@@ -108,6 +110,8 @@ pub struct PgStore {
     /// Outcome reports waiting for the next group transaction.
     outcomes: OutcomeQueue,
     states: StateSets,
+    /// What the one-statement decisions decide on (`one_statement`); `None` when they are off.
+    permit_copies: Option<Arc<one_statement::PermitCopies>>,
     op_timeout: Duration,
     /// `SET LOCAL statement_timeout` (and `lock_timeout`) of the work that may take long (the
     /// admin API's reads, the sweep's search, the migrations): `--pg-statement-timeout`, where
@@ -164,6 +168,14 @@ fn answer_group<T>(
 }
 
 impl PgStore {
+    /// How this handle's one-statement decisions fared (none when they are off).
+    pub fn one_statement_counts(&self) -> OneStatementCounts {
+        self.permit_copies
+            .as_ref()
+            .map(|c| c.counts())
+            .unwrap_or_default()
+    }
+
     /// Connects, runs the migrations (under an advisory lock) and returns the store.
     pub async fn connect(opts: &PgOptions) -> Result<Self, LedgerError> {
         if opts.pool_size == 0 {
@@ -222,6 +234,9 @@ impl PgStore {
             decisions: Arc::default(),
             outcomes: Arc::default(),
             states: StateSets::new(),
+            permit_copies: opts
+                .one_statement_decisions
+                .then(|| Arc::new(one_statement::PermitCopies::default())),
             op_timeout: opts.connect_timeout + opts.statement_timeout * 2,
             long_work: {
                 let ms = opts.statement_timeout.as_millis().max(1);
@@ -415,6 +430,7 @@ impl Decisions for PgStore {
                 self.states.clone(),
                 self.op_timeout,
                 Arc::clone(&self.decisions),
+                self.permit_copies.clone(),
             ));
         }
         // A queued decision waits for the group before it too: at most two deadlines.

@@ -28,6 +28,10 @@ pub struct PgOptions {
     pub schema: Option<String>,
     /// PEM file of CA certificates to trust for TLS instead of the system's roots.
     pub ca_file: Option<PathBuf>,
+    /// Whether a lone new call may be decided with one statement on what this replica last
+    /// saw of its permit (docs/postgresql.md, "One statement per decision"); off, every
+    /// decision takes the locked path. On by default; the tests run the store both ways.
+    pub one_statement_decisions: bool,
 }
 
 impl std::fmt::Debug for PgOptions {
@@ -40,6 +44,7 @@ impl std::fmt::Debug for PgOptions {
             .field("callout_timeout", &self.callout_timeout)
             .field("schema", &self.schema)
             .field("ca_file", &self.ca_file)
+            .field("one_statement_decisions", &self.one_statement_decisions)
             .finish()
     }
 }
@@ -54,6 +59,7 @@ impl PgOptions {
             callout_timeout: DEFAULT_CALLOUT_TIMEOUT,
             schema: None,
             ca_file: None,
+            one_statement_decisions: true,
         }
     }
 }

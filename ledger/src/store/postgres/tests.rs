@@ -15,7 +15,7 @@ use super::migrations::{migrations, RELEASED};
 use super::rows::{attempts_by_keys_sql, load_attempts_sql, LOCK_PERMITS_OF_ATTEMPTS};
 use super::sweep::{due_permits_sql, SHORTEST_RETENTION_SQL};
 use super::testing::{self, Cleanup};
-use super::{PgOptions, PgStore};
+use super::{OneStatementCounts, PgOptions, PgStore};
 use crate::store::conformance::{self, Harness, LEASE_MS, T0};
 use crate::store::schema::{two_versions_ahead_refusal, SCHEMA_VERSION};
 use crate::store::{Decisions, Reads, Store};
@@ -45,23 +45,44 @@ async fn raw_client(url: &str) -> tokio_postgres::Client {
 struct PgHarness {
     url: String,
     schema: String,
+    /// Whether lone new calls may take the one-statement decision.
+    one_statement: bool,
     first: Arc<PgStore>,
 }
 
 impl PgHarness {
+    /// Every handle as shipped: lone new calls take the one-statement decision.
     async fn new() -> Self {
+        Self::with(true).await
+    }
+
+    /// Every decision on the locked path.
+    async fn locked_only() -> Self {
+        Self::with(false).await
+    }
+
+    async fn with(one_statement: bool) -> Self {
         let url = database_url();
         let schema = new_schema();
-        let first = Arc::new(PgStore::connect(&opts(&url, &schema)).await.unwrap());
-        PgHarness { url, schema, first }
+        let options = PgOptions {
+            one_statement_decisions: one_statement,
+            ..opts(&url, &schema)
+        };
+        let first = Arc::new(PgStore::connect(&options).await.unwrap());
+        PgHarness {
+            url,
+            schema,
+            one_statement,
+            first,
+        }
     }
 
     async fn handle(&self) -> Arc<dyn Store> {
-        Arc::new(
-            PgStore::connect(&opts(&self.url, &self.schema))
-                .await
-                .unwrap(),
-        )
+        let options = PgOptions {
+            one_statement_decisions: self.one_statement,
+            ..opts(&self.url, &self.schema)
+        };
+        Arc::new(PgStore::connect(&options).await.unwrap())
     }
 }
 
@@ -86,6 +107,14 @@ impl Harness for PgHarness {
 
 crate::conformance_suite!(PgHarness::new().await);
 
+/// The same suite with every decision on the locked path, the one-statement decision's
+/// fallback: both paths keep the contract on their own.
+mod locked_path {
+    use super::PgHarness;
+
+    crate::conformance_suite!(PgHarness::locked_only().await);
+}
+
 /// "dispatch", or the denial's code.
 fn answer_name(r: atmost_protocol::AuthorizeResponse) -> String {
     match r {
@@ -93,6 +122,55 @@ fn answer_name(r: atmost_protocol::AuthorizeResponse) -> String {
         atmost_protocol::AuthorizeResponse::Deny(d) => format!("{:?}", d.code),
         other => format!("{other:?}"),
     }
+}
+
+/// Lone new calls under a permit a handle has seen are decided by one statement; a copy that
+/// another replica made stale never admits past the cap: its statement does not apply, and
+/// the locked path denies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_statement_decides_lone_calls_and_a_stale_copy_admits_nothing() {
+    let h = PgHarness::new().await;
+    let a = h.first.clone();
+    let b = PgStore::connect(&opts(&h.url, &h.schema)).await.unwrap();
+    let mut pol = conformance::policy();
+    pol.rules.max_calls.insert("pay".into(), 3);
+    let (_, tok) = conformance::make_permit(&*a, pol, T0 + conformance::HOUR).await;
+    async fn call_as(s: &PgStore, tok: &str, key: &str) -> String {
+        let r = conformance::req(tok, "pay", Some(key), key, json!({}));
+        let d = s.authorize(&r, LEASE_MS, T0, conformance::patient()).await;
+        answer_name(d.unwrap().response)
+    }
+    let call = |s, key| call_as(s, &tok, key);
+    let counts = |applied, not_applied| OneStatementCounts {
+        applied,
+        not_applied,
+    };
+    // A's first call takes the locked path, which leaves A its copy of the permit.
+    assert_eq!(call(&a, "k1").await, "dispatch");
+    assert_eq!(a.one_statement_counts(), counts(0, 0));
+    assert_eq!(call(&a, "k2").await, "dispatch");
+    assert_eq!(a.one_statement_counts(), counts(1, 0));
+    // B takes the last slot; A's copy still says two are held.
+    assert_eq!(call(&b, "k3").await, "dispatch");
+    // On its copy A would admit a fourth call: the statement finds the slot counter's version
+    // moved and applies nothing, and the locked path denies.
+    assert_eq!(call(&a, "k4").await, "PermitMaxCallsExceeded");
+    assert_eq!(a.one_statement_counts(), counts(1, 1));
+    let held: i64 = raw_client(&h.url)
+        .await
+        .query_one(
+            &format!(
+                "SELECT slots_held FROM {}.permit_tool_usage WHERE tool = 'pay'",
+                h.schema
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(held, 3);
+    // The key of a call decided by one statement answers as any other: in progress.
+    assert_eq!(call(&a, "k2").await, "IdempotencyInProgress");
 }
 
 /// A client holding the permit's row lock in an open transaction (`COMMIT` releases it),

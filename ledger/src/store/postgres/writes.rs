@@ -6,6 +6,7 @@ use deadpool_postgres::GenericClient;
 use tokio_postgres::types::ToSql;
 
 use super::rows::{exec, prepared};
+use super::{column_err, pg_err};
 use crate::error::LedgerError;
 use crate::model::Attempt;
 use crate::store::counters::CounterMoves;
@@ -29,9 +30,15 @@ static INSERT_ATTEMPTS_SQL: LazyLock<String> = LazyLock::new(|| {
 static UPSERT_ATTEMPTS_SQL: LazyLock<String> =
     LazyLock::new(|| pg_upsert("attempts", "id", ATTEMPT_TABLE));
 
+/// Each row as it was left, with the version the database gave it (schema 13: a trigger
+/// moves it on every raise), which the one-statement decisions keep (see `one_statement`).
 const ADD_SLOTS_SQL: &str = "INSERT INTO permit_tool_usage (permit_id, tool, slots_held) \
              SELECT * FROM unnest($1::TEXT[], $2::TEXT[], $3::BIGINT[]) \
-             ON CONFLICT (permit_id, tool) DO UPDATE SET slots_held = permit_tool_usage.slots_held + excluded.slots_held";
+             ON CONFLICT (permit_id, tool) DO UPDATE SET slots_held = permit_tool_usage.slots_held + excluded.slots_held \
+             RETURNING permit_id, tool, slots_held, version";
+
+/// A tool's slot counter as a write left it: permit, tool, slots held and its version.
+pub(super) type SlotCounter = (String, String, i64, i64);
 
 /// `p.id = ANY($1)` gives the planner an index condition on `permits`: without it, a generic
 /// plan cached while the table was small joins the unnested rows to a sequential scan of every
@@ -122,11 +129,11 @@ fn rows_of(attempts: &[Attempt]) -> Result<Vec<AttemptRow>, LedgerError> {
 /// Writes the counter moves a transaction summed ([`CounterMoves`]), in the caller's
 /// transaction (which holds the row locks of the permits involved), just before it commits:
 /// each counter row once, however many attempts moved it. The statements are sent together
-/// (pipelined; the server runs them in order).
+/// (pipelined; the server runs them in order). Returns the tool slot counters as written.
 pub(super) async fn write_counters<C: GenericClient>(
     c: &C,
     moves: &CounterMoves,
-) -> Result<(), LedgerError> {
+) -> Result<Vec<SlotCounter>, LedgerError> {
     let (mut sp, mut st, mut sn) = (Vec::new(), Vec::new(), Vec::new());
     for (p, t, n) in moves.slot_rows() {
         sp.push(p);
@@ -147,11 +154,23 @@ pub(super) async fn write_counters<C: GenericClient>(
     }
     let (slots, budget, states) = tokio::join!(
         biased;
-        add_to_rows(
-            c,
-            ADD_SLOTS_SQL,
-            (&sp, &st, &sn),
-        ),
+        async {
+            if sp.is_empty() {
+                return Ok(Vec::new());
+            }
+            let statement = prepared(c, ADD_SLOTS_SQL).await?;
+            let rows = c.query(&statement, &[&sp, &st, &sn]).await.map_err(pg_err)?;
+            rows.iter()
+                .map(|r| {
+                    Ok((
+                        r.try_get(0).map_err(column_err)?,
+                        r.try_get(1).map_err(column_err)?,
+                        r.try_get(2).map_err(column_err)?,
+                        r.try_get(3).map_err(column_err)?,
+                    ))
+                })
+                .collect::<Result<Vec<SlotCounter>, LedgerError>>()
+        },
         async {
             if bp.is_empty() {
                 return Ok(0);
@@ -169,10 +188,10 @@ pub(super) async fn write_counters<C: GenericClient>(
             (&cp, &cs, &cn),
         )
     );
-    slots?;
+    let slots = slots?;
     budget?;
     states?;
-    Ok(())
+    Ok(slots)
 }
 
 /// Adds to counter rows keyed by two texts (created at the amount when missing); nothing is

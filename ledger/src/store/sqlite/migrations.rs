@@ -190,8 +190,6 @@ CREATE TABLE IF NOT EXISTS credentials (
 ALTER TABLE attempts ADD COLUMN credential TEXT;
 "#;
 
-/// Version 12, the rehearsal of the next schema version (feature `schema-rehearsal`, never
-/// released): as PostgreSQL's version 12, additive.
 /// Version 12: approvals (docs/approvals.md). Each attempt may keep the approval it waited
 /// for; two new states hold a slot with a lapse time the sweeper keeps, so the sweeper's
 /// partial index takes them in (its list is the model's `leased`, literally: a partial index
@@ -204,8 +202,10 @@ CREATE INDEX IF NOT EXISTS attempts_leased ON attempts(lease_expires_at)
     WHERE state IN ('in_flight','awaiting_input','awaiting_approval','approved');
 "#;
 
+/// Version 14, the rehearsal of the next schema version (feature `schema-rehearsal`, never
+/// released): as PostgreSQL's version 14, additive.
 #[cfg(feature = "schema-rehearsal")]
-const MIGRATION_13: &str = r#"
+const MIGRATION_14: &str = r#"
 ALTER TABLE attempts ADD COLUMN decided_by TEXT;
 CREATE INDEX IF NOT EXISTS attempts_by_permit_created ON attempts(permit_id, created_at);
 "#;
@@ -229,8 +229,9 @@ const COMPATIBLE_FROM: &[(i64, i64)] = &[
     (10, 4),
     (11, 4),
     (12, 12),
-    #[cfg(feature = "schema-rehearsal")]
     (13, 12),
+    #[cfg(feature = "schema-rehearsal")]
+    (14, 12),
 ];
 
 const COMPAT_TABLE: &str = "CREATE TABLE IF NOT EXISTS atmost_schema_compat (\
@@ -288,9 +289,11 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), LedgerError> {
     if version < 12 {
         tx.execute_batch(MIGRATION_12)?;
     }
+    // Version 13 changed PostgreSQL's schema only (the tool slot counters' version, which
+    // only PostgreSQL's one-statement decisions read): nothing to do here.
     #[cfg(feature = "schema-rehearsal")]
-    if version < 13 {
-        tx.execute_batch(MIGRATION_13)?;
+    if version < 14 {
+        tx.execute_batch(MIGRATION_14)?;
     }
     for (v, compatible_from) in COMPATIBLE_FROM {
         tx.execute(

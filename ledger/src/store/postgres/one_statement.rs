@@ -1,0 +1,450 @@
+//! One statement per decision: a new call decided on what this replica last saw of its permit,
+//! written with one statement that applies only where what it saw still holds
+//! (docs/postgresql.md, "One statement per decision").
+//!
+//! The locked path (`decisions`) locks a group's permits, reads what `decide` looks at and
+//! writes the effects, statement by statement, in one transaction: about a dozen statements
+//! for a lone call. Most calls are a new key under a permit this replica decided for a moment
+//! ago, so this path keeps, per permit, what the locked path (or this path) last left: the
+//! permit, its budget totals and each tool's slot counter with its version. It runs the same
+//! `decide` on that, and when the answer is a reservation it sends one statement (prepared once
+//! per connection, committed on its own) that
+//!
+//! 1. locks the permit's row where it is not revoked, its budget totals are no higher than
+//!    those decided on, the key names no attempt yet and the duplicate guard finds none;
+//! 2. locks the tool's slot counter where its version is the one decided on;
+//! 3. only then inserts the attempt and its key and adds to the counters.
+//!
+//! The version of a slot counter moves with every raise of it, whoever writes it (schema 13: a
+//! trigger), and nothing else raises what a decision admits on: a completion or a release only
+//! lowers slots and budget. So a decision on a stale copy that the statement lets through
+//! admitted on counts at least as high as the true ones: a stale copy can deny too much, never
+//! admit too much. A denial, and anything the copy cannot answer (a permit or tool not seen
+//! yet, a token it does not authenticate, a key already used, a version moved by another
+//! replica or writer), goes to the locked path, which decides it on what it reads under its
+//! locks and refreshes the copy.
+//!
+//! Rows are locked in the locked path's order (the permit, then its counters), so the two
+//! never wait on each other in a cycle. PostgreSQL checks a locked row's conditions again on
+//! its newest version when another transaction changed it meanwhile (EvalPlanQual), so a
+//! version moved by a commit that came after the statement's snapshot still stops it; the key
+//! and the duplicate guard are read in the snapshot, and whatever a concurrent reservation
+//! added there moved the version of the counter of its tool (the fingerprint names the tool),
+//! while a key taken concurrently under another tool meets the unique index and fails the
+//! statement whole. The model check's `VERSIONED_WRITE` variant is this protocol.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{LazyLock, Mutex};
+use std::time::Duration;
+
+use deadpool_postgres::{Object, Pool};
+use tokio_postgres::types::ToSql;
+
+use super::rows::prepared;
+use super::writes::{storable, SlotCounter};
+use super::{column_err, StateSets};
+use atmost_protocol::AuthorizeRequest;
+
+use crate::clock::{Deadline, Millis};
+use crate::decide::{self, DecideParams, Decision, Mutation};
+use crate::error::LedgerError;
+use crate::model::{Attempt, Permit};
+use crate::store::counters::CounterMoves;
+use crate::store::record::{inserted, pg_insert};
+use crate::store::rows::{AttemptRow, ATTEMPT_TABLE};
+use crate::store::snapshot::{self, DuplicateLookup, PermitRead, SnapshotReads};
+use crate::token;
+
+/// Permits kept at most; past it the copy starts over (the locked path fills it again).
+const CAPACITY: usize = 10_000;
+
+/// Least time left before a call's deadline for this path: its statement checks the deadline
+/// from when it reached the server, so the time it spent on the way is not counted; a call
+/// closer to its deadline goes to the locked path, whose guard counts it.
+const LEAST_TIME_LEFT: Duration = Duration::from_millis(50);
+
+/// A tool's slot counter as last seen: slots held and the counter's version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SeenCounter {
+    slots: i64,
+    version: i64,
+}
+
+/// What this replica last saw of a permit.
+#[derive(Debug, Clone)]
+struct SeenPermit {
+    permit: Permit,
+    /// Budget totals (reserved, spent), never below the stored ones when seen.
+    budget: (i64, i64),
+    tools: HashMap<String, SeenCounter>,
+}
+
+/// What this replica last saw of each permit it decided for.
+#[derive(Debug, Default)]
+pub(super) struct PermitCopies {
+    permits: Mutex<HashMap<String, SeenPermit>>,
+    /// Statements sent, and how many of them did not apply.
+    sent: AtomicU64,
+    not_applied: AtomicU64,
+}
+
+/// How the one-statement decisions fared on a store handle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OneStatementCounts {
+    /// Calls decided by one statement.
+    pub applied: u64,
+    /// Statements sent that did not apply (what the copy saw had moved, or the key was
+    /// taken): those calls were decided on the locked path.
+    pub not_applied: u64,
+}
+
+impl PermitCopies {
+    pub(super) fn counts(&self) -> OneStatementCounts {
+        let sent = self.sent.load(Ordering::Relaxed);
+        let not_applied = self.not_applied.load(Ordering::Relaxed);
+        OneStatementCounts {
+            applied: sent.saturating_sub(not_applied),
+            not_applied,
+        }
+    }
+
+    fn permits(&self) -> std::sync::MutexGuard<'_, HashMap<String, SeenPermit>> {
+        // A poisoned lock only means a panic elsewhere: the copies are advice, checked by
+        // every statement, so they are used as they are.
+        self.permits
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Keeps what a locked group left, after it committed: each locked permit, its budget
+    /// totals as read plus the group's moves, and the slot counters it read (as stored, when
+    /// the group did not move them) or wrote (as the write returned them).
+    pub(super) fn remember_group<'a>(
+        &self,
+        permits: impl ExactSizeIterator<Item = (&'a Permit, (i64, i64))>,
+        moves: &CounterMoves,
+        read: &HashMap<(String, String), (i64, i64)>,
+        written: &[SlotCounter],
+    ) {
+        let mut copies = self.permits();
+        if copies.len() + permits.len() > CAPACITY {
+            copies.clear();
+        }
+        for (permit, (reserved, spent)) in permits {
+            let (moved_reserved, moved_spent) = moves.budget(&permit.id);
+            let entry = copies
+                .entry(permit.id.clone())
+                .or_insert_with(|| SeenPermit {
+                    permit: permit.clone(),
+                    budget: (0, 0),
+                    tools: HashMap::new(),
+                });
+            entry.permit = permit.clone();
+            entry.budget = (
+                reserved.saturating_add(moved_reserved),
+                spent.saturating_add(moved_spent),
+            );
+        }
+        // Read as stored where the group did not move them; as written where it did.
+        let unmoved = read
+            .iter()
+            .filter(|((p, t), _)| moves.slots(p, t) == 0)
+            .map(|((p, t), (slots, version))| (p, t, *slots, *version));
+        let written = written.iter().map(|(p, t, s, v)| (p, t, *s, *v));
+        for (permit_id, tool, slots, version) in unmoved.chain(written) {
+            if let Some(p) = copies.get_mut(permit_id) {
+                p.tools.insert(tool.clone(), SeenCounter { slots, version });
+            }
+        }
+    }
+
+    fn get(&self, permit_id: &str) -> Option<SeenPermit> {
+        self.permits().get(permit_id).cloned()
+    }
+
+    fn forget(&self, permit_id: &str) {
+        self.permits().remove(permit_id);
+    }
+
+    /// Keeps what a one-statement decision left.
+    fn remember_decided(&self, seen: SeenPermit) {
+        let mut copies = self.permits();
+        copies.insert(seen.permit.id.clone(), seen);
+    }
+}
+
+/// The reads of a decision on a seen permit: counters as seen; the key's attempt and the
+/// duplicate guard's candidate are taken to be none, and what was asked is kept for the
+/// statement to check.
+struct SeenReads<'a> {
+    seen: &'a SeenPermit,
+    /// The key hash whose attempt was asked for.
+    asked_key: Option<String>,
+    /// The duplicate guard's lookup, when asked: (fingerprint, since, the call's key hash).
+    asked_duplicate: Option<(String, i64, Option<String>)>,
+    /// Whether a counter the decision needs was never seen.
+    unseen: bool,
+}
+
+impl SnapshotReads for SeenReads<'_> {
+    fn key_attempt(&mut self, _: &Permit, key_hash: &str) -> Result<Option<Attempt>, LedgerError> {
+        self.asked_key = Some(key_hash.to_string());
+        Ok(None)
+    }
+
+    fn slots_held(&mut self, _: &Permit, tool: &str) -> Result<i64, LedgerError> {
+        match self.seen.tools.get(tool) {
+            Some(c) => Ok(c.slots),
+            None => {
+                self.unseen = true;
+                Ok(0)
+            }
+        }
+    }
+
+    fn budget(&mut self, _: &Permit) -> Result<(i64, i64), LedgerError> {
+        Ok(self.seen.budget)
+    }
+
+    fn recent_duplicate(
+        &mut self,
+        lookup: &DuplicateLookup<'_>,
+    ) -> Result<Option<Attempt>, LedgerError> {
+        self.asked_duplicate = Some((
+            lookup.fingerprint.to_string(),
+            lookup.since,
+            lookup.key_hash.map(str::to_string),
+        ));
+        Ok(None)
+    }
+}
+
+/// The statement: the attempt's inserted columns are `$1…$n`, one single-element array each
+/// (the locked path's insert, [`pg_insert`]); the checks and the counters' moves follow.
+static DECIDE_SQL: LazyLock<String> = LazyLock::new(|| {
+    let n = inserted(ATTEMPT_TABLE).count();
+    let p = |i: usize| format!("${}", n + i);
+    let (permit, tool, version, budget_total, key, fingerprint, since, dup_key, gave_back) =
+        (p(1), p(2), p(3), p(4), p(5), p(6), p(7), p(8), p(9));
+    let (time_left, slots, reserved, spent, state) = (p(10), p(11), p(12), p(13), p(14));
+    format!(
+        "WITH lp AS (SELECT 1 FROM permits p WHERE p.id = {permit} AND p.revoked_at IS NULL \
+           AND p.reserved + p.spent <= {budget_total} \
+           AND clock_timestamp() < statement_timestamp() + {time_left}::FLOAT8 * INTERVAL '1 millisecond' \
+           AND ({key}::TEXT IS NULL OR NOT EXISTS (SELECT 1 FROM idempotency_keys k \
+                WHERE k.permit_id = {permit} AND k.key_hash = {key})) \
+           AND ({fingerprint}::TEXT IS NULL OR NOT EXISTS (SELECT 1 FROM attempts d \
+                WHERE d.permit_id = {permit} AND d.fingerprint = {fingerprint} \
+                AND NOT (d.state = ANY({gave_back}::TEXT[])) AND d.created_at >= {since} \
+                AND ({dup_key}::TEXT IS NULL OR d.key_hash IS NULL OR d.key_hash <> {dup_key}))) \
+           FOR UPDATE), \
+         lt AS (SELECT 1 FROM permit_tool_usage t WHERE t.permit_id = {permit} AND t.tool = {tool} \
+           AND t.version = {version} AND EXISTS (SELECT 1 FROM lp) FOR UPDATE), \
+         a AS ({insert} WHERE EXISTS (SELECT 1 FROM lt) RETURNING id, permit_id, key_hash), \
+         k AS (INSERT INTO idempotency_keys (permit_id, key_hash, attempt_id) \
+           SELECT permit_id, key_hash, id FROM a WHERE key_hash IS NOT NULL), \
+         b AS (UPDATE permits p SET reserved = p.reserved + {reserved}, spent = p.spent + {spent} \
+           WHERE p.id = {permit} AND ({reserved}::BIGINT <> 0 OR {spent}::BIGINT <> 0) \
+           AND EXISTS (SELECT 1 FROM a)), \
+         c AS (INSERT INTO permit_state_counts (permit_id, state, n) SELECT {permit}, {state}, 1 FROM a \
+           ON CONFLICT (permit_id, state) DO UPDATE SET n = permit_state_counts.n + 1), \
+         u AS (UPDATE permit_tool_usage t SET slots_held = t.slots_held + {slots} \
+           WHERE t.permit_id = {permit} AND t.tool = {tool} AND EXISTS (SELECT 1 FROM a) \
+           RETURNING t.slots_held, t.version) \
+         SELECT slots_held, version FROM u",
+        insert = pg_insert("attempts", ATTEMPT_TABLE),
+    )
+});
+
+/// What came of trying a call on this path.
+pub(super) enum Tried {
+    /// Decided and committed.
+    Decided(Box<Decision>),
+    /// Not taken, or taken and not applied: the locked path decides it.
+    Missed,
+}
+
+/// A lone call as the decision worker took it.
+pub(super) struct LoneCall<'a> {
+    pub(super) req: &'a AuthorizeRequest,
+    pub(super) params: &'a DecideParams,
+    pub(super) now: Millis,
+    pub(super) deadline: Deadline,
+}
+
+/// Decides a lone call on what this replica last saw of its permit, when it can (module
+/// docs). Nothing is written unless the answer is a reservation that the statement applied.
+pub(super) async fn try_decide(
+    pool: &Pool,
+    copies: &PermitCopies,
+    states: &StateSets,
+    job: LoneCall<'_>,
+    limit: Duration,
+) -> Tried {
+    if job.deadline.remaining() < LEAST_TIME_LEFT {
+        return Tried::Missed;
+    }
+    let Some(permit_id) = token::permit_id_of(&job.req.permit_token) else {
+        return Tried::Missed;
+    };
+    let Some(mut seen) = copies.get(permit_id) else {
+        return Tried::Missed;
+    };
+    let Some(counter) = seen.tools.get(&job.req.tool).copied() else {
+        return Tried::Missed;
+    };
+    let PermitRead::Authenticated(permit) =
+        PermitRead::check(&job.req.permit_token, Some(&seen.permit))
+    else {
+        return Tried::Missed;
+    };
+    let key_hash = decide::key_hash(job.req);
+    let mut reads = SeenReads {
+        seen: &seen,
+        asked_key: None,
+        asked_duplicate: None,
+        unseen: false,
+    };
+    let Ok(snap) = snapshot::assemble(
+        job.req,
+        PermitRead::Authenticated(permit),
+        key_hash.as_deref(),
+        job.now,
+        &mut reads,
+        &CounterMoves::default(),
+    ) else {
+        return Tried::Missed;
+    };
+    let (asked_key, asked_duplicate, unseen) = (
+        reads.asked_key.take(),
+        reads.asked_duplicate.take(),
+        reads.unseen,
+    );
+    let decision = decide::decide(job.req, &snap, job.params);
+    let Mutation::Reserve(attempt) = &decision.mutation else {
+        return Tried::Missed;
+    };
+    if unseen || attempt.tool != job.req.tool || storable(attempt).is_err() {
+        return Tried::Missed;
+    }
+    let mut moves = CounterMoves::default();
+    moves.record(None, attempt);
+    let (reserved, spent) = moves.budget(permit_id);
+    let check = Checks {
+        permit_id,
+        tool: &job.req.tool,
+        version: counter.version,
+        budget_total: seen.budget.0.saturating_add(seen.budget.1),
+        key: asked_key,
+        duplicate: asked_duplicate,
+        gave_back: &states.gave_back,
+        deadline: job.deadline,
+        slots: moves.slots(permit_id, &job.req.tool),
+        reserved,
+        spent,
+        state: attempt.state.as_str(),
+    };
+    copies.sent.fetch_add(1, Ordering::Relaxed);
+    match send(pool, attempt, &check, limit).await {
+        Ok(Some((slots, version))) => {
+            seen.budget = (
+                seen.budget.0.saturating_add(reserved),
+                seen.budget.1.saturating_add(spent),
+            );
+            seen.tools
+                .insert(job.req.tool.clone(), SeenCounter { slots, version });
+            copies.remember_decided(seen);
+            Tried::Decided(Box::new(decision))
+        }
+        Ok(None) | Err(_) => {
+            copies.not_applied.fetch_add(1, Ordering::Relaxed);
+            // Whatever moved, the locked path reads it again.
+            copies.forget(permit_id);
+            Tried::Missed
+        }
+    }
+}
+
+/// What the statement checks and moves besides the attempt.
+struct Checks<'a> {
+    permit_id: &'a str,
+    tool: &'a str,
+    version: i64,
+    budget_total: i64,
+    key: Option<String>,
+    duplicate: Option<(String, i64, Option<String>)>,
+    gave_back: &'a [String],
+    deadline: Deadline,
+    slots: i64,
+    reserved: i64,
+    spent: i64,
+    state: &'a str,
+}
+
+/// Sends the statement on a pooled connection within `limit`: the slot counter as it left it
+/// when it applied, `None` when it did not. A connection cut off mid-statement is closed, not
+/// pooled (as the locked path's, see `group_tx::within`).
+async fn send(
+    pool: &Pool,
+    attempt: &Attempt,
+    check: &Checks<'_>,
+    limit: Duration,
+) -> Result<Option<(i64, i64)>, LedgerError> {
+    let row = AttemptRow::of(attempt)?;
+    let arrays = AttemptRow::pg_arrays(std::slice::from_ref(&row));
+    let (fingerprint, since, dup_key) = match &check.duplicate {
+        Some((f, s, k)) => (Some(f.as_str()), *s, k.as_deref()),
+        None => (None, 0, None),
+    };
+    let time_left = check.deadline.remaining().as_secs_f64() * 1000.0;
+    let mut params: Vec<&(dyn ToSql + Sync)> = arrays
+        .iter()
+        .zip(ATTEMPT_TABLE)
+        .filter(|(_, c)| c.written.on_insert())
+        .map(|(a, _)| a.as_ref() as &(dyn ToSql + Sync))
+        .collect();
+    params.extend([
+        &check.permit_id as &(dyn ToSql + Sync),
+        &check.tool,
+        &check.version,
+        &check.budget_total,
+        &check.key,
+        &fingerprint,
+        &since,
+        &dup_key,
+        &check.gave_back,
+        &time_left,
+        &check.slots,
+        &check.reserved,
+        &check.spent,
+        &check.state,
+    ]);
+    let started = std::time::Instant::now();
+    let conn: Object = match tokio::time::timeout(limit, pool.get()).await {
+        Ok(conn) => conn.map_err(super::pool_err)?,
+        Err(_) => return Err(cut_off()),
+    };
+    let work = async {
+        let statement = prepared(&conn, &DECIDE_SQL).await?;
+        conn.query(&statement, &params).await.map_err(super::pg_err)
+    };
+    let rows = match tokio::time::timeout(limit.saturating_sub(started.elapsed()), work).await {
+        Ok(rows) => rows?,
+        Err(_) => {
+            drop(Object::take(conn));
+            return Err(cut_off());
+        }
+    };
+    match rows.first() {
+        Some(r) => Ok(Some((
+            r.try_get(0).map_err(column_err)?,
+            r.try_get(1).map_err(column_err)?,
+        ))),
+        None => Ok(None),
+    }
+}
+
+fn cut_off() -> LedgerError {
+    LedgerError::Unavailable("postgres did not answer the decision in time".into())
+}
