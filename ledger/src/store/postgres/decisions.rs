@@ -10,7 +10,7 @@ use tokio_postgres::types::ToSql;
 use super::column_err;
 use super::group_queue::GroupQueue;
 use super::group_tx::{within, GroupTx};
-use super::one_statement::{try_decide, LoneCall, PermitCopies, Tried};
+use super::one_statement::{try_decide, LastSeen, LoneCall, Tried};
 use super::rows::{attempts_by_keys_sql, prepared, read_attempt, read_permit};
 use super::writes::{
     insert_attempts, prepare_writes, storable, update_attempts, write_counters, SlotCounter,
@@ -48,7 +48,7 @@ pub(super) async fn decision_worker(
     states: StateSets,
     op_timeout: Duration,
     queue: DecisionQueue,
-    copies: Option<Arc<PermitCopies>>,
+    copies: Option<Arc<LastSeen>>,
 ) {
     while let Some(queued) = queue.next_group() {
         // A job whose caller gave up while it waited is answered without being decided.
@@ -140,6 +140,7 @@ pub(super) async fn decision_worker(
             if let Some(copies) = &copies {
                 let locked = permits.values().map(|(p, budget)| (p, *budget));
                 copies.remember_group(locked, &moves, &decided.read, &decided.written);
+                copies.remember_attempts(decided.attempts);
             }
             Ok(decided.decisions)
         })
@@ -424,13 +425,15 @@ pub(super) async fn read_batch<C: GenericClient>(
 }
 
 /// What a group decided, and the slot counters it saw: those it read (as stored) and those it
-/// wrote (as the write left them), for [`PermitCopies::remember_group`].
+/// wrote (as the write left them), for [`LastSeen::remember_group`].
 #[derive(Default)]
 pub(super) struct GroupDecided {
     pub(super) decisions: Vec<Result<Decision, LedgerError>>,
     /// (permit, tool) → (slots held, version), as read.
     pub(super) read: std::collections::HashMap<(String, String), (i64, i64)>,
     pub(super) written: Vec<SlotCounter>,
+    /// The attempts it wrote, as written.
+    pub(super) attempts: Vec<Attempt>,
 }
 
 /// A group inside its transaction, which holds its permits' row locks.
@@ -552,6 +555,7 @@ impl Group<'_> {
             );
             inserted?;
             updated?;
+            seen.attempts.extend(inserts.into_iter().chain(updates));
             seen.written.extend(counters?);
             committed?;
         }

@@ -38,6 +38,7 @@ mod group_tx;
 mod keys;
 mod migrations;
 mod one_statement;
+mod one_statement_outcome;
 mod options;
 mod outcomes;
 mod purge;
@@ -49,7 +50,7 @@ pub mod testing;
 mod tls;
 mod writes;
 
-pub use one_statement::OneStatementCounts;
+pub use one_statement::{Applied, OneStatementCounts};
 pub use options::{is_postgres_url, redact_url, session_bound, PgOptions, DEFAULT_CALLOUT_TIMEOUT};
 
 use std::sync::Arc;
@@ -110,8 +111,9 @@ pub struct PgStore {
     /// Outcome reports waiting for the next group transaction.
     outcomes: OutcomeQueue,
     states: StateSets,
-    /// What the one-statement decisions decide on (`one_statement`); `None` when they are off.
-    permit_copies: Option<Arc<one_statement::PermitCopies>>,
+    /// What the one-statement decisions and reports work on (`one_statement`); `None` when
+    /// they are off.
+    last_seen: Option<Arc<one_statement::LastSeen>>,
     op_timeout: Duration,
     /// `SET LOCAL statement_timeout` (and `lock_timeout`) of the work that may take long (the
     /// admin API's reads, the sweep's search, the migrations): `--pg-statement-timeout`, where
@@ -170,7 +172,7 @@ fn answer_group<T>(
 impl PgStore {
     /// How this handle's one-statement decisions fared (none when they are off).
     pub fn one_statement_counts(&self) -> OneStatementCounts {
-        self.permit_copies
+        self.last_seen
             .as_ref()
             .map(|c| c.counts())
             .unwrap_or_default()
@@ -234,9 +236,9 @@ impl PgStore {
             decisions: Arc::default(),
             outcomes: Arc::default(),
             states: StateSets::new(),
-            permit_copies: opts
+            last_seen: opts
                 .one_statement_decisions
-                .then(|| Arc::new(one_statement::PermitCopies::default())),
+                .then(|| Arc::new(one_statement::LastSeen::default())),
             op_timeout: opts.connect_timeout + opts.statement_timeout * 2,
             long_work: {
                 let ms = opts.statement_timeout.as_millis().max(1);
@@ -430,7 +432,7 @@ impl Decisions for PgStore {
                 self.states.clone(),
                 self.op_timeout,
                 Arc::clone(&self.decisions),
-                self.permit_copies.clone(),
+                self.last_seen.clone(),
             ));
         }
         // A queued decision waits for the group before it too: at most two deadlines.
@@ -482,6 +484,7 @@ impl Decisions for PgStore {
                 self.worker_pool.clone(),
                 self.op_timeout,
                 Arc::clone(&self.outcomes),
+                self.last_seen.clone(),
             ));
         }
         let mut out = Vec::with_capacity(answers.len());

@@ -42,7 +42,7 @@ use deadpool_postgres::{Object, Pool};
 use tokio_postgres::types::ToSql;
 
 use super::rows::prepared;
-use super::writes::{storable, SlotCounter};
+use super::writes::{arrays_of, storable, SlotCounter};
 use super::{column_err, StateSets};
 use atmost_protocol::AuthorizeRequest;
 
@@ -51,12 +51,13 @@ use crate::decide::{self, DecideParams, Decision, Mutation};
 use crate::error::LedgerError;
 use crate::model::{Attempt, Permit};
 use crate::store::counters::CounterMoves;
-use crate::store::record::{inserted, pg_insert};
+use crate::store::record::{inserted, pg_insert, Written};
 use crate::store::rows::{AttemptRow, ATTEMPT_TABLE};
 use crate::store::snapshot::{self, DuplicateLookup, PermitRead, SnapshotReads};
 use crate::token;
 
-/// Permits kept at most; past it the copy starts over (the locked path fills it again).
+/// Permits, and attempts, kept at most; past it the copies start over (the locked path fills
+/// them again).
 const CAPACITY: usize = 10_000;
 
 /// Least time left before a call's deadline for this path: its statement checks the deadline
@@ -80,41 +81,95 @@ struct SeenPermit {
     tools: HashMap<String, SeenCounter>,
 }
 
-/// What this replica last saw of each permit it decided for.
+/// What this replica last saw of each permit it decided for, and of each attempt it wrote
+/// (for its report: `one_statement_outcome`).
 #[derive(Debug, Default)]
-pub(super) struct PermitCopies {
+pub(super) struct LastSeen {
     permits: Mutex<HashMap<String, SeenPermit>>,
-    /// Statements sent, and how many of them did not apply.
+    attempts: Mutex<HashMap<String, Attempt>>,
+    pub(super) decisions: Tally,
+    pub(super) reports: Tally,
+}
+
+/// One-statement writes sent, and how many of them did not apply.
+#[derive(Debug, Default)]
+pub(super) struct Tally {
     sent: AtomicU64,
     not_applied: AtomicU64,
 }
 
-/// How the one-statement decisions fared on a store handle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct OneStatementCounts {
-    /// Calls decided by one statement.
-    pub applied: u64,
-    /// Statements sent that did not apply (what the copy saw had moved, or the key was
-    /// taken): those calls were decided on the locked path.
-    pub not_applied: u64,
-}
+impl Tally {
+    pub(super) fn sent(&self) {
+        self.sent.fetch_add(1, Ordering::Relaxed);
+    }
 
-impl PermitCopies {
-    pub(super) fn counts(&self) -> OneStatementCounts {
+    pub(super) fn not_applied(&self) {
+        self.not_applied.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn counts(&self) -> Applied {
         let sent = self.sent.load(Ordering::Relaxed);
         let not_applied = self.not_applied.load(Ordering::Relaxed);
-        OneStatementCounts {
+        Applied {
             applied: sent.saturating_sub(not_applied),
             not_applied,
         }
     }
+}
+
+/// How one kind of one-statement write fared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Applied {
+    /// Written by one statement.
+    pub applied: u64,
+    /// Statements sent that did not apply (what the copy saw had moved, or the key was
+    /// taken): those went to the locked path.
+    pub not_applied: u64,
+}
+
+/// How the one-statement decisions and reports fared on a store handle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OneStatementCounts {
+    pub decisions: Applied,
+    pub reports: Applied,
+}
+
+/// A lock whose holder panicked still guards a usable map: the copies are advice, checked by
+/// every statement, so they are used as they are.
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl LastSeen {
+    /// The attempt as this replica last wrote it.
+    pub(super) fn attempt(&self, id: &str) -> Option<Attempt> {
+        locked(&self.attempts).get(id).cloned()
+    }
+
+    /// Keeps attempts as just written (committed).
+    pub(super) fn remember_attempts(&self, written: impl IntoIterator<Item = Attempt>) {
+        let mut attempts = locked(&self.attempts);
+        for a in written {
+            if attempts.len() >= CAPACITY {
+                attempts.clear();
+            }
+            attempts.insert(a.id.clone(), a);
+        }
+    }
+
+    pub(super) fn forget_attempt(&self, id: &str) {
+        locked(&self.attempts).remove(id);
+    }
+
+    pub(super) fn counts(&self) -> OneStatementCounts {
+        OneStatementCounts {
+            decisions: self.decisions.counts(),
+            reports: self.reports.counts(),
+        }
+    }
 
     fn permits(&self) -> std::sync::MutexGuard<'_, HashMap<String, SeenPermit>> {
-        // A poisoned lock only means a panic elsewhere: the copies are advice, checked by
-        // every statement, so they are used as they are.
-        self.permits
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        locked(&self.permits)
     }
 
     /// Keeps what a locked group left, after it committed: each locked permit, its budget
@@ -277,7 +332,7 @@ pub(super) struct LoneCall<'a> {
 /// docs). Nothing is written unless the answer is a reservation that the statement applied.
 pub(super) async fn try_decide(
     pool: &Pool,
-    copies: &PermitCopies,
+    copies: &LastSeen,
     states: &StateSets,
     job: LoneCall<'_>,
     limit: Duration,
@@ -345,7 +400,7 @@ pub(super) async fn try_decide(
         spent,
         state: attempt.state.as_str(),
     };
-    copies.sent.fetch_add(1, Ordering::Relaxed);
+    copies.decisions.sent();
     match send(pool, attempt, &check, limit).await {
         Ok(Some((slots, version))) => {
             seen.budget = (
@@ -355,10 +410,11 @@ pub(super) async fn try_decide(
             seen.tools
                 .insert(job.req.tool.clone(), SeenCounter { slots, version });
             copies.remember_decided(seen);
+            copies.remember_attempts([attempt.clone()]);
             Tried::Decided(Box::new(decision))
         }
         Ok(None) | Err(_) => {
-            copies.not_applied.fetch_add(1, Ordering::Relaxed);
+            copies.decisions.not_applied();
             // Whatever moved, the locked path reads it again.
             copies.forget(permit_id);
             Tried::Missed
@@ -382,9 +438,8 @@ struct Checks<'a> {
     state: &'a str,
 }
 
-/// Sends the statement on a pooled connection within `limit`: the slot counter as it left it
-/// when it applied, `None` when it did not. A connection cut off mid-statement is closed, not
-/// pooled (as the locked path's, see `group_tx::within`).
+/// Sends the statement within `limit`: the slot counter as it left it when it applied, `None`
+/// when it did not.
 async fn send(
     pool: &Pool,
     attempt: &Attempt,
@@ -398,12 +453,7 @@ async fn send(
         None => (None, 0, None),
     };
     let time_left = check.deadline.remaining().as_secs_f64() * 1000.0;
-    let mut params: Vec<&(dyn ToSql + Sync)> = arrays
-        .iter()
-        .zip(ATTEMPT_TABLE)
-        .filter(|(_, c)| c.written.on_insert())
-        .map(|(a, _)| a.as_ref() as &(dyn ToSql + Sync))
-        .collect();
+    let mut params = arrays_of(&arrays, Written::on_insert);
     params.extend([
         &check.permit_id as &(dyn ToSql + Sync),
         &check.tool,
@@ -420,22 +470,7 @@ async fn send(
         &check.spent,
         &check.state,
     ]);
-    let started = std::time::Instant::now();
-    let conn: Object = match tokio::time::timeout(limit, pool.get()).await {
-        Ok(conn) => conn.map_err(super::pool_err)?,
-        Err(_) => return Err(cut_off()),
-    };
-    let work = async {
-        let statement = prepared(&conn, &DECIDE_SQL).await?;
-        conn.query(&statement, &params).await.map_err(super::pg_err)
-    };
-    let rows = match tokio::time::timeout(limit.saturating_sub(started.elapsed()), work).await {
-        Ok(rows) => rows?,
-        Err(_) => {
-            drop(Object::take(conn));
-            return Err(cut_off());
-        }
-    };
+    let rows = on_pooled(pool, limit, &DECIDE_SQL, &params).await?;
     match rows.first() {
         Some(r) => Ok(Some((
             r.try_get(0).map_err(column_err)?,
@@ -445,6 +480,30 @@ async fn send(
     }
 }
 
-fn cut_off() -> LedgerError {
-    LedgerError::Unavailable("postgres did not answer the decision in time".into())
+/// Runs `sql` (prepared once per connection) on a pooled connection, all within `limit`. A
+/// connection cut off mid-statement is closed, not pooled (as the locked path's, see
+/// `group_tx::within`): its statement may still be on its way.
+pub(super) async fn on_pooled(
+    pool: &Pool,
+    limit: Duration,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<Vec<tokio_postgres::Row>, LedgerError> {
+    let cut_off = || LedgerError::Unavailable("postgres did not answer in time".into());
+    let started = std::time::Instant::now();
+    let conn: Object = match tokio::time::timeout(limit, pool.get()).await {
+        Ok(conn) => conn.map_err(super::pool_err)?,
+        Err(_) => return Err(cut_off()),
+    };
+    let work = async {
+        let statement = prepared(&conn, sql).await?;
+        conn.query(&statement, params).await.map_err(super::pg_err)
+    };
+    match tokio::time::timeout(limit.saturating_sub(started.elapsed()), work).await {
+        Ok(rows) => rows,
+        Err(_) => {
+            drop(Object::take(conn));
+            Err(cut_off())
+        }
+    }
 }

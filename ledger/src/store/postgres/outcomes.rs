@@ -10,6 +10,8 @@ use tokio_postgres::types::ToSql;
 
 use super::group_queue::GroupQueue;
 use super::group_tx::{within, GroupTx};
+use super::one_statement::LastSeen;
+use super::one_statement_outcome::try_report;
 use super::rows::{load_attempts_sql, prepared, read_attempt, LOCK_PERMITS_OF_ATTEMPTS};
 use super::writes::{prepare_writes, storable, update_attempts, write_counters};
 use super::{answer_group, pg_err};
@@ -35,8 +37,28 @@ pub(super) type OutcomeQueue = Arc<GroupQueue<OutcomeJob>>;
 /// a cycle with another transaction: every other one locks a single permit), applies the
 /// reports in order and commits once. `BEGIN`, the locks and the attempts' reads go out in
 /// one flight; the writes and `COMMIT` in the next.
-pub(super) async fn outcome_worker(pool: Pool, op_timeout: Duration, queue: OutcomeQueue) {
+pub(super) async fn outcome_worker(
+    pool: Pool,
+    op_timeout: Duration,
+    queue: OutcomeQueue,
+    last_seen: Option<Arc<LastSeen>>,
+) {
     while let Some(jobs) = queue.next_group() {
+        // A lone report first tries the one statement (`one_statement_outcome`): most come to
+        // the replica that wrote their attempt.
+        let jobs = match (&last_seen, <[OutcomeJob; 1]>::try_from(jobs)) {
+            (Some(seen), Ok([job])) => {
+                match try_report(&pool, seen, &job.report, job.now, op_timeout).await {
+                    Some(result) => {
+                        let _ = job.reply.send(Ok(result));
+                        continue;
+                    }
+                    None => vec![job],
+                }
+            }
+            (_, Ok(one)) => Vec::from(one),
+            (_, Err(jobs)) => jobs,
+        };
         let outcome = within(&pool, op_timeout, async |tx: &GroupTx| {
             let c = tx.client()?;
             let ids: Vec<&str> = jobs.iter().map(|j| j.report.attempt_id.as_str()).collect();
@@ -96,6 +118,9 @@ pub(super) async fn outcome_worker(pool: Pool, op_timeout: Duration, queue: Outc
             counters?;
             committed?;
             tx.committed();
+            if let Some(seen) = &last_seen {
+                seen.remember_attempts(written);
+            }
             Ok(out)
         })
         .await;

@@ -15,7 +15,7 @@ use super::migrations::{migrations, RELEASED};
 use super::rows::{attempts_by_keys_sql, load_attempts_sql, LOCK_PERMITS_OF_ATTEMPTS};
 use super::sweep::{due_permits_sql, SHORTEST_RETENTION_SQL};
 use super::testing::{self, Cleanup};
-use super::{OneStatementCounts, PgOptions, PgStore};
+use super::{Applied, PgOptions, PgStore};
 use crate::store::conformance::{self, Harness, LEASE_MS, T0};
 use crate::store::schema::{two_versions_ahead_refusal, SCHEMA_VERSION};
 use crate::store::{Decisions, Reads, Store};
@@ -141,21 +141,21 @@ async fn one_statement_decides_lone_calls_and_a_stale_copy_admits_nothing() {
         answer_name(d.unwrap().response)
     }
     let call = |s, key| call_as(s, &tok, key);
-    let counts = |applied, not_applied| OneStatementCounts {
+    let counts = |applied, not_applied| Applied {
         applied,
         not_applied,
     };
     // A's first call takes the locked path, which leaves A its copy of the permit.
     assert_eq!(call(&a, "k1").await, "dispatch");
-    assert_eq!(a.one_statement_counts(), counts(0, 0));
+    assert_eq!(a.one_statement_counts().decisions, counts(0, 0));
     assert_eq!(call(&a, "k2").await, "dispatch");
-    assert_eq!(a.one_statement_counts(), counts(1, 0));
+    assert_eq!(a.one_statement_counts().decisions, counts(1, 0));
     // B takes the last slot; A's copy still says two are held.
     assert_eq!(call(&b, "k3").await, "dispatch");
     // On its copy A would admit a fourth call: the statement finds the slot counter's version
     // moved and applies nothing, and the locked path denies.
     assert_eq!(call(&a, "k4").await, "PermitMaxCallsExceeded");
-    assert_eq!(a.one_statement_counts(), counts(1, 1));
+    assert_eq!(a.one_statement_counts().decisions, counts(1, 1));
     let held: i64 = raw_client(&h.url)
         .await
         .query_one(
@@ -171,6 +171,69 @@ async fn one_statement_decides_lone_calls_and_a_stale_copy_admits_nothing() {
     assert_eq!(held, 3);
     // The key of a call decided by one statement answers as any other: in progress.
     assert_eq!(call(&a, "k2").await, "IdempotencyInProgress");
+}
+
+/// A lone report to the replica that wrote its attempt is applied by one statement; one whose
+/// attempt another replica moved meanwhile does not apply, and the locked path answers it from
+/// what is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_statement_reports_apply_only_to_the_attempt_as_written() {
+    use crate::store::conformance::{dispatched, report_of};
+    use atmost_protocol::{Outcome, OutcomeAck};
+    let h = PgHarness::new().await;
+    let a = h.first.clone();
+    let b = PgStore::connect(&opts(&h.url, &h.schema)).await.unwrap();
+    let (_, tok) =
+        conformance::make_permit(&*a, conformance::policy(), T0 + conformance::HOUR).await;
+    let mut ids = Vec::new();
+    for key in ["k1", "k2"] {
+        let r = conformance::req(&tok, "pay", Some(key), key, json!({}));
+        let d = a.authorize(&r, LEASE_MS, T0, conformance::patient()).await;
+        ids.push(dispatched(&d.unwrap().response));
+    }
+    let done = |id: &str| {
+        report_of(
+            id,
+            Outcome::Completed {
+                receipt: format!("receipt of {id}"),
+            },
+        )
+    };
+    let ack = a.record_outcome(&done(&ids[0]), T0 + 1).await.unwrap();
+    assert_eq!(ack.ack, OutcomeAck::Applied);
+    let reports = |applied, not_applied| Applied {
+        applied,
+        not_applied,
+    };
+    assert_eq!(a.one_statement_counts().reports, reports(1, 0));
+    // The same report again: the copy moves nothing, so the stored attempt answers it.
+    let again = a.record_outcome(&done(&ids[0]), T0 + 2).await.unwrap();
+    assert_eq!(again.ack, OutcomeAck::AlreadyRecorded);
+    assert_eq!(a.one_statement_counts().reports, reports(1, 0));
+    // B releases the second attempt; A's copy still has it in flight.
+    let released = report_of(
+        &ids[1],
+        Outcome::Released {
+            reason: "never sent".into(),
+        },
+    );
+    assert_eq!(
+        b.record_outcome(&released, T0 + 3).await.unwrap().ack,
+        OutcomeAck::Applied
+    );
+    let late = a.record_outcome(&done(&ids[1]), T0 + 4).await.unwrap();
+    assert_eq!(late.ack, OutcomeAck::Conflict);
+    assert_eq!(a.one_statement_counts().reports, reports(1, 1));
+    let state: String = raw_client(&h.url)
+        .await
+        .query_one(
+            &format!("SELECT state FROM {}.attempts WHERE id = $1", h.schema),
+            &[&ids[1]],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(state, "released");
 }
 
 /// A client holding the permit's row lock in an open transaction (`COMMIT` releases it),

@@ -10,7 +10,7 @@ use super::{column_err, pg_err};
 use crate::error::LedgerError;
 use crate::model::Attempt;
 use crate::store::counters::CounterMoves;
-use crate::store::record::{pg_insert, pg_upsert};
+use crate::store::record::{pg_insert, pg_upsert, Written};
 use crate::store::rows::{AttemptRow, ATTEMPT_TABLE};
 
 /// Inserts the attempts (their inserted columns, one array each, in table order) and points
@@ -82,12 +82,7 @@ pub(super) async fn insert_attempts<C: GenericClient>(
     }
     let rows = rows_of(attempts)?;
     let arrays = AttemptRow::pg_arrays(&rows);
-    let params: Vec<&(dyn ToSql + Sync)> = arrays
-        .iter()
-        .zip(ATTEMPT_TABLE)
-        .filter(|(_, c)| c.written.on_insert())
-        .map(|(a, _)| a.as_ref() as &(dyn ToSql + Sync))
-        .collect();
+    let params = arrays_of(&arrays, Written::on_insert);
     exec(c, &INSERT_ATTEMPTS_SQL, &params).await?;
     Ok(())
 }
@@ -119,6 +114,19 @@ pub(super) async fn update_attempts<C: GenericClient>(
         .collect();
     exec(c, &UPSERT_ATTEMPTS_SQL, &params).await?;
     Ok(())
+}
+
+/// The arrays of the columns `keep` picks, in table order, as statement parameters.
+pub(super) fn arrays_of<'a>(
+    arrays: &'a [Box<dyn ToSql + Send + Sync + 'a>],
+    keep: impl Fn(Written) -> bool,
+) -> Vec<&'a (dyn ToSql + Sync)> {
+    arrays
+        .iter()
+        .zip(ATTEMPT_TABLE)
+        .filter(|(_, c)| keep(c.written))
+        .map(|(a, _)| a.as_ref() as &(dyn ToSql + Sync))
+        .collect()
 }
 
 /// The rows the attempts are written as; refused whole if one cannot be stored.
