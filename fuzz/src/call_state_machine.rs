@@ -69,7 +69,7 @@ use crate::plain;
 use answer::Answer;
 use arbitrary::{Arbitrary, Unstructured};
 use atmost_config::{AnswerRelease, Config, RequestHold, UpstreamKey};
-use atmost_filter::call::effects::{self, Refused};
+use atmost_filter::call::effects::{self, EditRefused};
 use atmost_filter::call::resume::Ticket;
 use atmost_filter::call::{
     BodyStep, Call, Effect, Flow, LogProps, RequestHead, ResponseHead, Step, IDEMPOTENCY_HEADER,
@@ -276,7 +276,7 @@ struct FuzzHost<'a> {
 }
 
 impl effects::Host for FuzzHost<'_> {
-    fn effect(&mut self, effect: Effect) -> Result<(), Refused> {
+    fn effect(&mut self, effect: Effect) -> Result<(), EditRefused> {
         let request_edit = matches!(
             effect,
             Effect::RemoveRequestHeader(_)
@@ -286,12 +286,12 @@ impl effects::Host for FuzzHost<'_> {
         );
         if request_edit && self.refuse_request_edit && !self.done.refused {
             self.done.refused = true;
-            return Err(Refused);
+            return Err(EditRefused);
         }
         if effect.edits_response() && self.refuse_response_edit && !self.done.response_refused {
             self.done.response_refused = true;
             self.answer.edit_refused = true;
-            return Err(Refused);
+            return Err(EditRefused);
         }
         match &effect {
             Effect::ReplaceResponseBody { original_len, body } => {

@@ -20,6 +20,7 @@ pub mod approval;
 #[cfg(test)]
 mod approval_tests;
 pub mod counters;
+mod dispatch;
 pub mod limits;
 mod refusal;
 #[cfg(test)]
@@ -29,7 +30,8 @@ pub mod rounds;
 pub mod rules;
 pub mod settle;
 
-pub use approval::{decide_approval, ApprovalInput, ApprovalRefused};
+pub use crate::error::ApprovalRefused;
+pub use approval::{decide_approval, ApprovalInput};
 pub use counters::{counter_delta, counter_weight, reads_needed, CounterDelta, Reads};
 pub use limits::{limits_answer, permit_limits, Headroom};
 pub use refusal::refusal_proven;

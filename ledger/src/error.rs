@@ -83,13 +83,23 @@ pub enum ResolveError {
     Ledger(#[from] LedgerError),
 }
 
+/// Why a person's decision on a waiting call was refused by the decision itself
+/// ([`crate::decide::decide_approval`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+pub enum ApprovalRefused {
+    #[error("attempt is {0}; only an awaiting_approval attempt can be decided")]
+    NotAwaiting(crate::model::AttemptState),
+    #[error("the request lapsed before the decision; the sweeper expires it")]
+    Lapsed,
+}
+
 /// Why a person's decision on an approval was refused.
 #[derive(Debug, Error)]
 pub enum ApprovalError {
     #[error("no attempt has that id")]
     UnknownAttempt,
     #[error(transparent)]
-    Refused(#[from] crate::decide::ApprovalRefused),
+    Refused(#[from] ApprovalRefused),
     #[error(transparent)]
     Ledger(#[from] LedgerError),
 }

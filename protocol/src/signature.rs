@@ -35,8 +35,9 @@ pub const MAX_VALIDITY_S: u64 = 300;
 
 /// The covered components, in signing order, without and with the forwarded key.
 pub const COMPONENTS: [&str; 4] = ["@method", "@authority", "@path", "content-digest"];
-/// The fifth covered component, when the upstream receives an `Idempotency-Key` header.
-pub const KEY_COMPONENT: &str = "idempotency-key";
+/// The fifth covered component, when the upstream receives an `Idempotency-Key` header: that
+/// header's name (RFC 9421 §2.1).
+pub const KEY_COMPONENT: &str = crate::IDEMPOTENCY_KEY_HEADER;
 
 /// What the filter will send upstream if the call is dispatched: the parts the signature
 /// covers. Sent in [`crate::AuthorizeRequest::dispatch`]; the ledger signs exactly these.

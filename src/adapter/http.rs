@@ -5,7 +5,7 @@
 
 use super::host;
 use super::shared::Shared;
-use crate::call::effects::{self, Refused};
+use crate::call::effects::{self, EditRefused};
 use crate::call::reply::LocalReply;
 use crate::call::{BodyStep, Call, Effect, Flow, Level, LogProps, RequestHead, ResponseHead, Step};
 use crate::ledger_client::{self, Callout};
@@ -111,38 +111,40 @@ impl Exec<'_> {
 }
 
 impl effects::Host for Exec<'_> {
-    fn effect(&mut self, effect: Effect) -> Result<(), Refused> {
+    fn effect(&mut self, effect: Effect) -> Result<(), EditRefused> {
         match effect {
             Effect::RemoveRequestHeader(name) => {
-                return host::remove_header(MapType::HttpRequestHeaders, &name).ok_or(Refused)
+                return host::remove_header(MapType::HttpRequestHeaders, &name).ok_or(EditRefused)
             }
             Effect::SetRequestHeader(name, value) => {
-                return host::set_header(MapType::HttpRequestHeaders, &name, &value).ok_or(Refused)
+                return host::set_header(MapType::HttpRequestHeaders, &name, &value)
+                    .ok_or(EditRefused)
             }
             Effect::SetRequestSecret(name, value) => {
                 return host::set_header(MapType::HttpRequestHeaders, &name, value.expose())
-                    .ok_or(Refused)
+                    .ok_or(EditRefused)
             }
             Effect::ReplaceRequestBody { original_len, body } => {
                 if hostcalls::set_buffer(BufferType::HttpRequestBody, 0, original_len, &body)
                     .is_err()
                 {
                     host::log(Level::Error, "atmost: could not rewrite the request body");
-                    return Err(Refused);
+                    return Err(EditRefused);
                 }
             }
             Effect::SetResponseHeader(name, value) => {
-                return host::set_header(MapType::HttpResponseHeaders, &name, &value).ok_or(Refused)
+                return host::set_header(MapType::HttpResponseHeaders, &name, &value)
+                    .ok_or(EditRefused)
             }
             Effect::RemoveResponseHeader(name) => {
-                return host::remove_header(MapType::HttpResponseHeaders, &name).ok_or(Refused)
+                return host::remove_header(MapType::HttpResponseHeaders, &name).ok_or(EditRefused)
             }
             Effect::ReplaceResponseBody { original_len, body } => {
                 if hostcalls::set_buffer(BufferType::HttpResponseBody, 0, original_len, &body)
                     .is_err()
                 {
                     host::log(Level::Error, "atmost: could not rewrite the response body");
-                    return Err(Refused);
+                    return Err(EditRefused);
                 }
             }
             Effect::LocalReply(reply) => host::send_local_reply(&reply),

@@ -11,14 +11,14 @@ use crate::ledger_client::Callout;
 
 /// The host refused a request or response edit (header or body write).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Refused;
+pub struct EditRefused;
 
 pub trait Host {
     /// Carries out one effect. Only the request edits (`RemoveRequestHeader`,
     /// `SetRequestHeader`, `SetRequestSecret`, `ReplaceRequestBody`) and the response edits
-    /// ([`Effect::edits_response`]) may answer [`Refused`]; any other failure is the host's
+    /// ([`Effect::edits_response`]) may answer [`EditRefused`]; any other failure is the host's
     /// to log.
-    fn effect(&mut self, effect: Effect) -> Result<(), Refused>;
+    fn effect(&mut self, effect: Effect) -> Result<(), EditRefused>;
     /// Dispatches a ledger callout; `false` when the host would not.
     fn dispatch(&mut self, callout: &Callout) -> bool;
 }
@@ -67,10 +67,10 @@ mod tests {
     }
 
     impl Host for Recorder {
-        fn effect(&mut self, effect: Effect) -> Result<(), Refused> {
+        fn effect(&mut self, effect: Effect) -> Result<(), EditRefused> {
             if !self.refused && (self.refuse)(&effect) {
                 self.refused = true;
-                return Err(Refused);
+                return Err(EditRefused);
             }
             self.done.push(effect);
             Ok(())

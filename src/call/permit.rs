@@ -4,38 +4,40 @@ use std::fmt;
 
 /// Why the permit header gives no token; carries the header's name for the denial text.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PermitError {
+pub enum PermitHeaderError {
     Missing(String),
     NotAToken(String),
     Repeated(String),
 }
 
-impl fmt::Display for PermitError {
+impl fmt::Display for PermitHeaderError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            PermitError::Missing(h) => {
+            PermitHeaderError::Missing(h) => {
                 write!(f, "no permit: send the permit token in the `{h}` header")
             }
-            PermitError::NotAToken(h) => write!(f, "the `{h}` header is empty or not a token"),
-            PermitError::Repeated(h) => write!(f, "the `{h}` header was sent more than once"),
+            PermitHeaderError::NotAToken(h) => {
+                write!(f, "the `{h}` header is empty or not a token")
+            }
+            PermitHeaderError::Repeated(h) => write!(f, "the `{h}` header was sent more than once"),
         }
     }
 }
 
-impl std::error::Error for PermitError {}
+impl std::error::Error for PermitHeaderError {}
 
 /// The token of the one `header` value sent (surrounding whitespace trimmed), which must
 /// be visible ASCII.
-pub fn token(values: &[Vec<u8>], header: &str) -> Result<String, PermitError> {
+pub fn token(values: &[Vec<u8>], header: &str) -> Result<String, PermitHeaderError> {
     match values {
-        [] => Err(PermitError::Missing(header.to_string())),
+        [] => Err(PermitHeaderError::Missing(header.to_string())),
         [one] => match std::str::from_utf8(one).map(str::trim) {
             Ok(t) if !t.is_empty() && t.bytes().all(|b| (0x21..=0x7e).contains(&b)) => {
                 Ok(t.to_string())
             }
-            _ => Err(PermitError::NotAToken(header.to_string())),
+            _ => Err(PermitHeaderError::NotAToken(header.to_string())),
         },
-        _ => Err(PermitError::Repeated(header.to_string())),
+        _ => Err(PermitHeaderError::Repeated(header.to_string())),
     }
 }
 
@@ -47,21 +49,21 @@ mod tests {
     fn one_visible_ascii_value_is_the_token() {
         let h = "atmost-permit";
         assert_eq!(token(&[b" tok-1 ".to_vec()], h), Ok("tok-1".to_string()));
-        assert_eq!(token(&[], h), Err(PermitError::Missing(h.into())));
+        assert_eq!(token(&[], h), Err(PermitHeaderError::Missing(h.into())));
         assert_eq!(
             token(&[b"a b".to_vec()], h),
-            Err(PermitError::NotAToken(h.into()))
+            Err(PermitHeaderError::NotAToken(h.into()))
         );
         assert_eq!(
             token(&[b"".to_vec()], h),
-            Err(PermitError::NotAToken(h.into()))
+            Err(PermitHeaderError::NotAToken(h.into()))
         );
         assert_eq!(
             token(&[b"a".to_vec(), b"b".to_vec()], h),
-            Err(PermitError::Repeated(h.into()))
+            Err(PermitHeaderError::Repeated(h.into()))
         );
         assert_eq!(
-            PermitError::Repeated(h.into()).to_string(),
+            PermitHeaderError::Repeated(h.into()).to_string(),
             "the `atmost-permit` header was sent more than once"
         );
     }

@@ -55,8 +55,8 @@ pub fn refusal(code: DenialCode, message: impl Into<String>) -> Denial {
     Denial::new(code, message)
 }
 
-fn malformed(what: impl std::fmt::Display) -> Refused {
-    Refused::from(refusal(
+fn malformed(what: impl std::fmt::Display) -> SignatureRefused {
+    SignatureRefused::from(refusal(
         DenialCode::SignatureMalformed,
         format!("the dispatch signature is not the form the ledger writes: {what}"),
     ))
@@ -75,14 +75,14 @@ fn combined(values: &[Vec<u8>]) -> Option<String> {
 /// A refused signature: the denial, and the nonce it named when it could be read (a refusal
 /// naming it can be proven to the ledger, see `atmost_protocol::tool_refusal`).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Refused {
+pub struct SignatureRefused {
     pub denial: Box<Denial>,
     pub nonce: Option<String>,
 }
 
-impl From<Denial> for Refused {
-    fn from(denial: Denial) -> Refused {
-        Refused {
+impl From<Denial> for SignatureRefused {
+    fn from(denial: Denial) -> SignatureRefused {
+        SignatureRefused {
             denial: Box::new(denial),
             nonce: None,
         }
@@ -125,7 +125,7 @@ pub fn read(
     now: u64,
     skew: u64,
     authorities: &[String],
-) -> Result<Presented, Refused> {
+) -> Result<Presented, SignatureRefused> {
     let missing = || {
         refusal(
             DenialCode::SignatureMissing,
@@ -202,18 +202,18 @@ pub fn read(
     }
     let dispatch = DispatchNonce::parse(&nonce)
         .ok_or_else(|| malformed("`nonce` is not <attempt>/<round>/<permit>/<tool>"))?;
-    let naming = |r: Refused| Refused {
+    let naming = |r: SignatureRefused| SignatureRefused {
         nonce: Some(nonce.clone()),
         ..r
     };
     if dispatch.tool != request.tool {
-        return Err(naming(Refused::from(refusal(
+        return Err(naming(SignatureRefused::from(refusal(
             DenialCode::SignatureInvalid,
             "the signature's nonce names another tool than this call's params.name",
         ))));
     }
     if created > now.saturating_add(skew) {
-        return Err(naming(Refused::from(refusal(
+        return Err(naming(SignatureRefused::from(refusal(
             DenialCode::SignatureOutsideValidity,
             format!(
                 "the signature was created in the future (more than {skew} s ahead of this clock)"
@@ -221,7 +221,7 @@ pub fn read(
         ))));
     }
     if expires.saturating_add(skew) < now {
-        return Err(naming(Refused::from(refusal(
+        return Err(naming(SignatureRefused::from(refusal(
             DenialCode::SignatureOutsideValidity,
             "the signature has expired",
         ))));
@@ -237,7 +237,7 @@ pub fn read(
         ))
     })?;
     if digest.as_slice() != Sha256::digest(request.body).as_slice() {
-        return Err(naming(Refused::from(refusal(
+        return Err(naming(SignatureRefused::from(refusal(
             DenialCode::ContentDigestMismatch,
             "Content-Digest is not the SHA-256 of the body received",
         ))));

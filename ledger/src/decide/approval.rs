@@ -9,9 +9,10 @@
 
 use atmost_protocol::{AuthorizeRequest, AuthorizeResponse, Denial, DenialCode};
 
-use super::rules::{dispatch, permit_expired, redispatched};
+use super::dispatch::{dispatch, permit_expired, redispatched};
 use super::{DecideParams, Decision, Mutation};
 use crate::clock::{rfc3339, Millis};
+use crate::error::ApprovalRefused;
 use crate::model::{Approval, ApprovalDecision, Attempt, AttemptState, CallRules, Permit};
 
 /// Upper bound of `retry_after` for a call waiting for a person, in seconds: short, so an
@@ -158,15 +159,6 @@ pub struct ApprovalInput {
     pub note: Option<String>,
     /// How long an approval may wait for the agent's retry, in milliseconds.
     pub use_within_ms: u64,
-}
-
-/// Why a person's decision was refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum ApprovalRefused {
-    #[error("attempt is {0}; only an awaiting_approval attempt can be decided")]
-    NotAwaiting(AttemptState),
-    #[error("the request lapsed before the decision; the sweeper expires it")]
-    Lapsed,
 }
 
 /// A person's decision on an `awaiting_approval` attempt: `approved` with a use-by time (its

@@ -8,12 +8,17 @@
 use atmost_protocol::{AuthorizeRequest, AuthorizeResponse, Denial, DenialCode};
 use serde_json::Value;
 
+use super::dispatch::{dispatch, dispatch_body, lease_of, redispatched};
 use super::{
     approval, DecideParams, Decision, Mutation, Notice, Snapshot, MAX_KEY_LEN, MAX_RETRY_AFTER_SECS,
 };
 use crate::clock::Millis;
 use crate::model::{Attempt, AttemptState, BudgetTotals, CallRules, CostRule, GuardMode, Permit};
 use crate::token;
+
+// Rule 4.1 is the check every dispatch makes (a continuation and an approved call too), so it
+// lives with the dispatch.
+pub use super::dispatch::permit_expired;
 
 /// The idempotency key as stored: its SHA-256, so a raw key never rests in the ledger.
 pub fn key_hash(req: &AuthorizeRequest) -> Option<String> {
@@ -223,23 +228,6 @@ fn continue_round(
     Decision::updating(dispatch(&existing.id, permit, params, next.round), next)
 }
 
-/// `existing` dispatched again at `now`, in its current round: `in_flight` with a new lease
-/// and a new capability, signed over this request's body (its own).
-pub(super) fn redispatched(
-    existing: &Attempt,
-    req: &AuthorizeRequest,
-    params: &DecideParams,
-    now: Millis,
-) -> Attempt {
-    let mut next = existing.clone();
-    next.state = AttemptState::InFlight;
-    next.updated_at_ms = now;
-    next.lease_expires_at_ms = now.saturating_add(lease_of(params));
-    next.capability_hash = Some(token::sha256_hex(&params.new_capability));
-    next.dispatch_body_sha256 = dispatch_body(req);
-    next
-}
-
 /// Rule 4, a new call: its checks in order, the first that fails is the answer; then rule 5.
 fn new_call(
     permit: &Permit,
@@ -276,14 +264,6 @@ fn new_call(
     };
     decision.notices = notices;
     decision
-}
-
-/// Rule 4.1 (and the continuation's only check): the permit has expired.
-pub fn permit_expired(permit: &Permit, now: Millis) -> Option<Denial> {
-    (now >= permit.expires_at_ms).then(|| {
-        Denial::new(DenialCode::PermitExpired, "the permit has expired")
-            .with("expires_at", crate::clock::rfc3339(permit.expires_at_ms))
-    })
 }
 
 /// Rule 4.2: the tool is outside the permit's scope.
@@ -438,34 +418,4 @@ fn new_attempt(
         credential: params.credential.clone(),
         approval: None,
     }
-}
-
-/// The dispatch answer for `round` of an attempt; the limits, signature and credential are
-/// filled in after the decision.
-pub(super) fn dispatch(
-    attempt_id: &str,
-    permit: &Permit,
-    params: &DecideParams,
-    round: u32,
-) -> AuthorizeResponse {
-    AuthorizeResponse::Dispatch {
-        attempt_id: attempt_id.to_string(),
-        permit_id: permit.id.clone(),
-        lease_ms: params.lease_ms,
-        round,
-        capability: params.new_capability.clone(),
-        limits: None,
-        signature: None,
-        credential: None,
-    }
-}
-
-pub(super) fn lease_of(params: &DecideParams) -> Millis {
-    i64::try_from(params.lease_ms).unwrap_or(i64::MAX)
-}
-
-/// The SHA-256 of the body a dispatch of `req` is signed over, which its attempt records for
-/// the round (docs/signatures.md#signed-receipts).
-pub(super) fn dispatch_body(req: &AuthorizeRequest) -> Option<String> {
-    req.dispatch.as_ref().map(|d| d.body_sha256.clone())
 }

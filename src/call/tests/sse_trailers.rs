@@ -4,7 +4,7 @@
 //! edits the answer; whatever it holds must reach the client before the trailers.
 
 use super::*;
-use crate::call::effects::{self, Refused};
+use crate::call::effects::{self, EditRefused};
 use crate::ledger_client::Callout;
 
 /// Envoy's side of one response as the filter meets it through proxy-wasm in Envoy 1.40
@@ -35,11 +35,11 @@ struct Envoy {
 }
 
 impl effects::Host for Envoy {
-    fn effect(&mut self, effect: Effect) -> Result<(), Refused> {
+    fn effect(&mut self, effect: Effect) -> Result<(), EditRefused> {
         match effect {
             Effect::ReplaceResponseBody { original_len, body } => {
                 if self.refuse_body_edits {
-                    return Err(Refused);
+                    return Err(EditRefused);
                 }
                 let rest = self.body.get(original_len..).unwrap_or_default().to_vec();
                 self.body = body;
