@@ -60,8 +60,8 @@
  *                           again, so the key executes twice (P2).
  *
  * A variant checked as the real model is, against the same properties:
- *   -DVERSIONED_WRITE       the one-round-trip decision designed for PostgreSQL
- *                           (docs/postgresql.md#one-statement-per-decision-designed): a
+ *   -DVERSIONED_WRITE       PostgreSQL's one-statement decision
+ *                           (docs/postgresql.md#one-statement-per-decision): a
  *                           replica reads what a decision needs about the permit (whether the
  *                           cap leaves a slot, and the permit's version) in one step, decides,
  *                           and writes in another step only if the version is still the one
@@ -69,9 +69,10 @@
  *                           the version, reports, resolutions, rejections and expiries
  *                           (which only give slots back) do not, nor do a person's approval
  *                           and its dispatch (no slot moves); a write whose version moved
- *                           is decided again under the permit's lock. The stores do not take
- *                           this path yet: the model is its design, checked before it is
- *                           built.
+ *                           is decided again under the permit's lock. The PostgreSQL store
+ *                           takes this path (ledger/src/store/postgres/one_statement.rs),
+ *                           with a version per tool's slot counter: with one governed tool,
+ *                           the permit's version here.
  *
  * Bounds (exhaustive within them): one permit, one governed tool, cap N = 1, two keys,
  * at most MAXA attempts and MAXR rounds per attempt, CALLS gateway calls made by FILTERS

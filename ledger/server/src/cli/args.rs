@@ -162,6 +162,11 @@ pub struct LedgerArgs {
     /// the system's roots).
     #[arg(long, env = "ATMOST_PG_CA_FILE")]
     pub pg_ca_file: Option<PathBuf>,
+    /// PostgreSQL: decide a lone new call, and apply a lone report, with one statement on
+    /// what this replica last saw of its permit (docs/postgresql.md, "One statement per
+    /// decision"); `false` sends every decision and report down the locked path.
+    #[arg(long, env = "ATMOST_PG_ONE_STATEMENT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub pg_one_statement: bool,
     /// Bearer token the filter presents on /v1/authorize and /v1/outcomes: at least 32 bytes
     /// (`openssl rand -hex 32` makes one).
     #[arg(long, env = "ATMOST_SERVICE_TOKEN", hide_env_values = true)]

@@ -364,6 +364,7 @@ async fn open_postgres(args: &LedgerArgs, spec: &str) -> Result<Arc<dyn Store>, 
         callout_timeout: args.callout_timeout,
         schema: args.pg_schema.clone().filter(|s| !s.is_empty()),
         ca_file: args.pg_ca_file.clone(),
+        one_statement_decisions: args.pg_one_statement,
     };
     let store = PgStore::connect(&opts).await?;
     tracing::info!(store = "postgres", database = %store.description(), pool_size = opts.pool_size,

@@ -49,16 +49,20 @@ use atmost_protocol::AuthorizeRequest;
 use crate::clock::{Deadline, Millis};
 use crate::decide::{self, DecideParams, Decision, Mutation};
 use crate::error::LedgerError;
-use crate::model::{Attempt, Permit};
+use crate::model::{Attempt, AttemptState, Permit};
 use crate::store::counters::CounterMoves;
 use crate::store::record::{inserted, pg_insert, Written};
 use crate::store::rows::{AttemptRow, ATTEMPT_TABLE};
 use crate::store::snapshot::{self, DuplicateLookup, PermitRead, SnapshotReads};
 use crate::token;
 
-/// Permits, and attempts, kept at most; past it the copies start over (the locked path fills
-/// them again).
+/// Permits kept at most; past it the copies start over (the locked path fills them again).
 const CAPACITY: usize = 10_000;
+
+/// Attempts in flight kept at most (those a report may move), past which they start over: at
+/// a pod's rates a few hundred are in flight at any moment, and one may carry an earlier
+/// round's interim receipt.
+const ATTEMPTS_IN_FLIGHT: usize = 4_096;
 
 /// Least time left before a call's deadline for this path: its statement checks the deadline
 /// from when it reached the server, so the time it spent on the way is not counted; a call
@@ -146,11 +150,16 @@ impl LastSeen {
         locked(&self.attempts).get(id).cloned()
     }
 
-    /// Keeps attempts as just written (committed).
+    /// Keeps attempts as just written (committed) while they are in flight, the one state a
+    /// report moves an attempt from; forgets the others.
     pub(super) fn remember_attempts(&self, written: impl IntoIterator<Item = Attempt>) {
         let mut attempts = locked(&self.attempts);
         for a in written {
-            if attempts.len() >= CAPACITY {
+            if a.state != AttemptState::InFlight {
+                attempts.remove(&a.id);
+                continue;
+            }
+            if attempts.len() >= ATTEMPTS_IN_FLIGHT {
                 attempts.clear();
             }
             attempts.insert(a.id.clone(), a);
