@@ -285,7 +285,9 @@ impl SnapshotReads for SeenReads<'_> {
 }
 
 /// The statement: the attempt's inserted columns are `$1…$n`, one single-element array each
-/// (the locked path's insert, [`pg_insert`]); the checks and the counters' moves follow.
+/// (the locked path's insert, [`pg_insert`]); the checks and the counters' moves follow. The
+/// deadline is checked once both locks are held (`ok`, evaluated on `lt`'s row, after any
+/// wait for a lock): a statement that waited past its caller's deadline writes nothing.
 static DECIDE_SQL: LazyLock<String> = LazyLock::new(|| {
     let n = inserted(ATTEMPT_TABLE).count();
     let p = |i: usize| format!("${}", n + i);
@@ -295,7 +297,6 @@ static DECIDE_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH lp AS (SELECT 1 FROM permits p WHERE p.id = {permit} AND p.revoked_at IS NULL \
            AND p.reserved + p.spent <= {budget_total} \
-           AND clock_timestamp() < statement_timestamp() + {time_left}::FLOAT8 * INTERVAL '1 millisecond' \
            AND ({key}::TEXT IS NULL OR NOT EXISTS (SELECT 1 FROM idempotency_keys k \
                 WHERE k.permit_id = {permit} AND k.key_hash = {key})) \
            AND ({fingerprint}::TEXT IS NULL OR NOT EXISTS (SELECT 1 FROM attempts d \
@@ -305,7 +306,9 @@ static DECIDE_SQL: LazyLock<String> = LazyLock::new(|| {
            FOR UPDATE), \
          lt AS (SELECT 1 FROM permit_tool_usage t WHERE t.permit_id = {permit} AND t.tool = {tool} \
            AND t.version = {version} AND EXISTS (SELECT 1 FROM lp) FOR UPDATE), \
-         a AS ({insert} WHERE EXISTS (SELECT 1 FROM lt) RETURNING id, permit_id, key_hash), \
+         ok AS (SELECT 1 FROM lt \
+           WHERE clock_timestamp() < statement_timestamp() + {time_left}::FLOAT8 * INTERVAL '1 millisecond'), \
+         a AS ({insert} WHERE EXISTS (SELECT 1 FROM ok) RETURNING id, permit_id, key_hash), \
          k AS (INSERT INTO idempotency_keys (permit_id, key_hash, attempt_id) \
            SELECT permit_id, key_hash, id FROM a WHERE key_hash IS NOT NULL), \
          b AS (UPDATE permits p SET reserved = p.reserved + {reserved}, spent = p.spent + {spent} \

@@ -1049,6 +1049,13 @@ async fn a_decision_waiting_past_its_deadline_is_answered_then_and_commits_nothi
     let s = h.first.clone();
     let (p, tok) =
         conformance::make_permit(&*s, conformance::policy(), T0 + conformance::HOUR).await;
+    // A first call leaves the handle its copy of the permit, so the waiting call takes the
+    // one-statement path first: its statement, too, waits for the lock and commits nothing.
+    let first = conformance::req(&tok, "pay", Some("k0"), "fp-0", json!({}));
+    let d = s
+        .authorize(&first, LEASE_MS, T0, conformance::patient())
+        .await;
+    conformance::dispatched(&d.unwrap().response);
     let raw = hold_permit_lock(&h, &p.id).await;
     let r = conformance::req(&tok, "pay", Some("k1"), "fp-1", json!({}));
     let started = std::time::Instant::now();
@@ -1066,6 +1073,7 @@ async fn a_decision_waiting_past_its_deadline_is_answered_then_and_commits_nothi
         waited >= Duration::from_millis(300) && waited < Duration::from_secs(5),
         "answered after {waited:?}, the deadline was 300 ms"
     );
+    assert_eq!(s.one_statement_counts().decisions.not_applied, 1);
     raw.batch_execute("COMMIT").await.unwrap();
     // The lock is free: a waiting caller's decision goes through (on a fresh connection)...
     let d = s
@@ -1073,7 +1081,7 @@ async fn a_decision_waiting_past_its_deadline_is_answered_then_and_commits_nothi
         .await
         .unwrap();
     conformance::dispatched(&d.response);
-    // ... and it is the only attempt: the late one never committed.
+    // ... and with the first it is the only attempt: the late one never committed.
     let rows = raw
         .query(
             &format!(
@@ -1084,7 +1092,7 @@ async fn a_decision_waiting_past_its_deadline_is_answered_then_and_commits_nothi
         )
         .await
         .unwrap();
-    assert_eq!(rows[0].get::<_, i64>(0), 1);
+    assert_eq!(rows[0].get::<_, i64>(0), 2);
 }
 
 /// The group's COMMIT carries its budget: the server refuses it once that much time has
