@@ -7,6 +7,7 @@ use prometheus::{
 
 use atmost_ledger::decide::Headroom;
 use atmost_ledger::error::LedgerError;
+use atmost_ledger::store::OneStatementCounts;
 use atmost_protocol::closed_set;
 
 /// The buckets of `atmost_permit_left_ratio`: an alert picks its threshold among them
@@ -102,6 +103,9 @@ pub struct Metrics {
     pub key_rotations: IntCounter,
     /// Attempts per state, refreshed by the sweeper.
     pub attempts: IntGaugeVec,
+    /// PostgreSQL's one-statement writes by kind and result, brought up to the store's own
+    /// tally when scraped ([`Metrics::count_one_statement`]).
+    pub pg_one_statement: IntCounterVec,
     /// How long the attempt uncertain the longest has been so (0 when none is), refreshed by
     /// the sweeper.
     pub uncertain_oldest_seconds: Gauge,
@@ -258,6 +262,14 @@ impl Metrics {
             &["state"],
         ))?;
         m(registry.register(Box::new(attempts.clone())))?;
+        let pg_one_statement = m(IntCounterVec::new(
+            Opts::new(
+                "atmost_pg_one_statement_total",
+                "PostgreSQL: decisions and reports written by one statement (result applied), and statements that applied nothing, whose call or report then took the locked path (result not_applied).",
+            ),
+            &["kind", "result"],
+        ))?;
+        m(registry.register(Box::new(pg_one_statement.clone())))?;
         let uncertain_oldest_seconds = m(Gauge::new(
             "atmost_uncertain_oldest_seconds",
             "Seconds since the attempt uncertain the longest turned uncertain (0 when none is), read from the store when scraped (at most once a second).",
@@ -337,6 +349,7 @@ impl Metrics {
             dispatches_signed,
             key_rotations,
             attempts,
+            pg_one_statement,
             uncertain_oldest_seconds,
             draining,
             tls_reloads,
@@ -351,6 +364,19 @@ impl Metrics {
     }
 
     /// The Prometheus text exposition of every metric.
+    /// Brings `atmost_pg_one_statement_total` up to the store handle's tally (which only grows).
+    pub fn count_one_statement(&self, counts: OneStatementCounts) {
+        for (kind, tally) in [("decision", counts.decisions), ("report", counts.reports)] {
+            for (result, n) in [
+                ("applied", tally.applied),
+                ("not_applied", tally.not_applied),
+            ] {
+                let counter = self.pg_one_statement.with_label_values(&[kind, result]);
+                counter.inc_by(n.saturating_sub(counter.get()));
+            }
+        }
+    }
+
     pub fn render(&self) -> Result<String, LedgerError> {
         let mut buf = Vec::new();
         m(TextEncoder::new().encode(&self.registry.gather(), &mut buf))?;
@@ -400,6 +426,31 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The one-statement counters follow the store's tally, however often it is read, and
+    /// never go back.
+    #[test]
+    fn one_statement_counters_follow_the_store_tally() {
+        use atmost_ledger::store::Applied;
+        let metrics = Metrics::new().unwrap();
+        let tally = |applied, not_applied| Applied {
+            applied,
+            not_applied,
+        };
+        for (decisions, reports) in [(tally(10, 2), tally(4, 0)), (tally(15, 3), tally(4, 1))] {
+            metrics.count_one_statement(OneStatementCounts { decisions, reports });
+        }
+        metrics.count_one_statement(OneStatementCounts::default());
+        let text = metrics.render().unwrap();
+        for line in [
+            r#"atmost_pg_one_statement_total{kind="decision",result="applied"} 15"#,
+            r#"atmost_pg_one_statement_total{kind="decision",result="not_applied"} 3"#,
+            r#"atmost_pg_one_statement_total{kind="report",result="applied"} 4"#,
+            r#"atmost_pg_one_statement_total{kind="report",result="not_applied"} 1"#,
+        ] {
+            assert!(text.contains(line), "{line} not in:\n{text}");
+        }
+    }
 
     /// Where the shipped alerts and their runbook name `atmost_reconciler_lookups_total`.
     const RULES: [(&str, &str); 3] = [

@@ -84,6 +84,9 @@ pub(crate) async fn refresh_store_gauges(state: &AppState) {
 /// Reads the store's gauges now (see [`refresh_store_gauges`], which calls it).
 pub async fn read_store_gauges(state: &AppState) {
     let now = state.clock.now_ms();
+    if let Some(counts) = state.store.one_statement_counts() {
+        state.metrics.count_one_statement(counts);
+    }
     match state.store.attempt_counts().await {
         Ok(counts) => {
             for (s, n) in counts {

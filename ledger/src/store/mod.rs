@@ -72,6 +72,24 @@ impl SweepReport {
     }
 }
 
+/// How one kind of one-statement write fared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Applied {
+    /// Written by one statement.
+    pub applied: u64,
+    /// Statements sent that did not apply (what the copy saw had moved, or the key was
+    /// taken): those went to the locked path.
+    pub not_applied: u64,
+}
+
+/// How a store handle's one-statement decisions and reports fared (PostgreSQL's,
+/// docs/postgresql.md "One statement per decision"); none on a store without them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OneStatementCounts {
+    pub decisions: Applied,
+    pub reports: Applied,
+}
+
 /// How an outcome report was taken, with the state the attempt had before (for logs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OutcomeResult {
@@ -96,6 +114,11 @@ pub struct PermitCounters {
 pub trait Decisions: Send + Sync {
     /// The store answers, and can take decisions.
     async fn ping(&self) -> Result<(), LedgerError>;
+
+    /// How this handle's one-statement writes fared; `None` on a store that has none.
+    fn one_statement_counts(&self) -> Option<OneStatementCounts> {
+        None
+    }
 
     /// Stores a new permit (its token already hashed).
     async fn create_permit(&self, permit: &Permit) -> Result<(), LedgerError>;

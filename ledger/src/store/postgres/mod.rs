@@ -50,7 +50,6 @@ pub mod testing;
 mod tls;
 mod writes;
 
-pub use one_statement::{Applied, OneStatementCounts};
 pub use options::{is_postgres_url, redact_url, session_bound, PgOptions, DEFAULT_CALLOUT_TIMEOUT};
 
 use std::sync::Arc;
@@ -63,7 +62,7 @@ use tokio_postgres::config::SslMode;
 
 use super::counters::CounterMoves;
 use super::purge::{next_batch, PurgeReport, CANDIDATES_PER_READ};
-use super::{Decisions, OutcomeResult, SweepReport};
+use super::{Decisions, OneStatementCounts, OutcomeResult, SweepReport};
 use crate::clock::{Deadline, Millis};
 use crate::credentials::{CredentialUse, StoredCredential};
 use crate::decide::{self, ApprovalInput, DecideParams, Decision, Leases, ResolveInput, Snapshot};
@@ -170,14 +169,6 @@ fn answer_group<T>(
 }
 
 impl PgStore {
-    /// How this handle's one-statement decisions fared (none when they are off).
-    pub fn one_statement_counts(&self) -> OneStatementCounts {
-        self.last_seen
-            .as_ref()
-            .map(|c| c.counts())
-            .unwrap_or_default()
-    }
-
     /// Connects, runs the migrations (under an advisory lock) and returns the store.
     pub async fn connect(opts: &PgOptions) -> Result<Self, LedgerError> {
         if opts.pool_size == 0 {
@@ -343,6 +334,10 @@ impl PgStore {
 
 #[async_trait]
 impl Decisions for PgStore {
+    fn one_statement_counts(&self) -> Option<OneStatementCounts> {
+        self.last_seen.as_ref().map(|c| c.counts())
+    }
+
     async fn ping(&self) -> Result<(), LedgerError> {
         self.timed(async |c: &mut deadpool_postgres::Object| {
             query(&*c, "SELECT 1 FROM atmost_migrations LIMIT 1", &[]).await?;

@@ -54,6 +54,7 @@ use crate::store::counters::CounterMoves;
 use crate::store::record::{inserted, pg_insert, Written};
 use crate::store::rows::{AttemptRow, ATTEMPT_TABLE};
 use crate::store::snapshot::{self, DuplicateLookup, PermitRead, SnapshotReads};
+use crate::store::{Applied, OneStatementCounts};
 use crate::token;
 
 /// Permits kept at most; past it the copies start over (the locked path fills them again).
@@ -119,23 +120,6 @@ impl Tally {
             not_applied,
         }
     }
-}
-
-/// How one kind of one-statement write fared.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Applied {
-    /// Written by one statement.
-    pub applied: u64,
-    /// Statements sent that did not apply (what the copy saw had moved, or the key was
-    /// taken): those went to the locked path.
-    pub not_applied: u64,
-}
-
-/// How the one-statement decisions and reports fared on a store handle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct OneStatementCounts {
-    pub decisions: Applied,
-    pub reports: Applied,
 }
 
 /// A lock whose holder panicked still guards a usable map: the copies are advice, checked by

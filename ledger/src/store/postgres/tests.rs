@@ -15,9 +15,10 @@ use super::migrations::{migrations, RELEASED};
 use super::rows::{attempts_by_keys_sql, load_attempts_sql, LOCK_PERMITS_OF_ATTEMPTS};
 use super::sweep::{due_permits_sql, SHORTEST_RETENTION_SQL};
 use super::testing::{self, Cleanup};
-use super::{Applied, PgOptions, PgStore};
+use super::{PgOptions, PgStore};
 use crate::store::conformance::{self, Harness, LEASE_MS, T0};
 use crate::store::schema::{two_versions_ahead_refusal, SCHEMA_VERSION};
+use crate::store::Applied;
 use crate::store::{Decisions, Reads, Store};
 
 /// The server the PostgreSQL tests use. They never skip: without it they fail.
@@ -147,15 +148,15 @@ async fn one_statement_decides_lone_calls_and_a_stale_copy_admits_nothing() {
     };
     // A's first call takes the locked path, which leaves A its copy of the permit.
     assert_eq!(call(&a, "k1").await, "dispatch");
-    assert_eq!(a.one_statement_counts().decisions, counts(0, 0));
+    assert_eq!(a.one_statement_counts().unwrap().decisions, counts(0, 0));
     assert_eq!(call(&a, "k2").await, "dispatch");
-    assert_eq!(a.one_statement_counts().decisions, counts(1, 0));
+    assert_eq!(a.one_statement_counts().unwrap().decisions, counts(1, 0));
     // B takes the last slot; A's copy still says two are held.
     assert_eq!(call(&b, "k3").await, "dispatch");
     // On its copy A would admit a fourth call: the statement finds the slot counter's version
     // moved and applies nothing, and the locked path denies.
     assert_eq!(call(&a, "k4").await, "PermitMaxCallsExceeded");
-    assert_eq!(a.one_statement_counts().decisions, counts(1, 1));
+    assert_eq!(a.one_statement_counts().unwrap().decisions, counts(1, 1));
     let held: i64 = raw_client(&h.url)
         .await
         .query_one(
@@ -205,11 +206,11 @@ async fn one_statement_reports_apply_only_to_the_attempt_as_written() {
         applied,
         not_applied,
     };
-    assert_eq!(a.one_statement_counts().reports, reports(1, 0));
+    assert_eq!(a.one_statement_counts().unwrap().reports, reports(1, 0));
     // The same report again: the copy moves nothing, so the stored attempt answers it.
     let again = a.record_outcome(&done(&ids[0]), T0 + 2).await.unwrap();
     assert_eq!(again.ack, OutcomeAck::AlreadyRecorded);
-    assert_eq!(a.one_statement_counts().reports, reports(1, 0));
+    assert_eq!(a.one_statement_counts().unwrap().reports, reports(1, 0));
     // B releases the second attempt; A's copy still has it in flight.
     let released = report_of(
         &ids[1],
@@ -223,7 +224,7 @@ async fn one_statement_reports_apply_only_to_the_attempt_as_written() {
     );
     let late = a.record_outcome(&done(&ids[1]), T0 + 4).await.unwrap();
     assert_eq!(late.ack, OutcomeAck::Conflict);
-    assert_eq!(a.one_statement_counts().reports, reports(1, 1));
+    assert_eq!(a.one_statement_counts().unwrap().reports, reports(1, 1));
     let state: String = raw_client(&h.url)
         .await
         .query_one(
@@ -1073,7 +1074,7 @@ async fn a_decision_waiting_past_its_deadline_is_answered_then_and_commits_nothi
         waited >= Duration::from_millis(300) && waited < Duration::from_secs(5),
         "answered after {waited:?}, the deadline was 300 ms"
     );
-    assert_eq!(s.one_statement_counts().decisions.not_applied, 1);
+    assert_eq!(s.one_statement_counts().unwrap().decisions.not_applied, 1);
     raw.batch_execute("COMMIT").await.unwrap();
     // The lock is free: a waiting caller's decision goes through (on a fresh connection)...
     let d = s
