@@ -145,6 +145,13 @@ pub(super) async fn decision_worker(
             Ok(decided.decisions)
         })
         .await;
+        if let Some(copies) = &copies {
+            match &outcome {
+                None => copies.forget_all(),
+                Some(Err(e)) => copies.forget_after(e),
+                Some(Ok(_)) => {}
+            }
+        }
         let cut_off = if limit < op_timeout {
             LedgerError::deadline_passed("its group could commit", deadline)
         } else {

@@ -215,6 +215,22 @@ impl LastSeen {
         self.permits().remove(permit_id);
     }
 
+    /// Forgets every copy after an error that may mean another server now answers (a lost
+    /// connection, a failover): a standby promoted without the last commits could come to the
+    /// same counter version as a copy by other raises, so no copy outlives such an error. The
+    /// locked path fills them again from the database that answers now.
+    pub(super) fn forget_after(&self, error: &LedgerError) {
+        if matches!(error, LedgerError::Unavailable(_)) {
+            self.forget_all();
+        }
+    }
+
+    /// Forgets every copy (see [`LastSeen::forget_after`]): also when a group's time ran out.
+    pub(super) fn forget_all(&self) {
+        self.permits().clear();
+        locked(&self.attempts).clear();
+    }
+
     /// Keeps what a one-statement decision left.
     fn remember_decided(&self, seen: SeenPermit) {
         let mut copies = self.permits();
@@ -409,9 +425,15 @@ pub(super) async fn try_decide(
             copies.remember_attempts([attempt.clone()]);
             Tried::Decided(Box::new(decision))
         }
-        Ok(None) | Err(_) => {
+        Ok(None) => {
             copies.decisions.not_applied();
             // Whatever moved, the locked path reads it again.
+            copies.forget(permit_id);
+            Tried::Missed
+        }
+        Err(e) => {
+            copies.decisions.not_applied();
+            copies.forget_after(&e);
             copies.forget(permit_id);
             Tried::Missed
         }

@@ -107,13 +107,17 @@ pub(super) async fn try_report(
         return None;
     }
     seen.reports.sent();
-    match send(pool, &old, &next, limit).await {
+    let sent = send(pool, &old, &next, limit).await;
+    match sent {
         Ok(true) => {
             let previous = Some(old.state);
             seen.remember_attempts([next]);
             Some(OutcomeResult { ack, previous })
         }
         Ok(false) | Err(_) => {
+            if let Err(e) = &sent {
+                seen.forget_after(e);
+            }
             seen.reports.not_applied();
             seen.forget_attempt(&report.attempt_id);
             None

@@ -124,6 +124,13 @@ pub(super) async fn outcome_worker(
             Ok(out)
         })
         .await;
+        if let Some(seen) = &last_seen {
+            match &outcome {
+                None => seen.forget_all(),
+                Some(Err(e)) => seen.forget_after(e),
+                Some(Ok(_)) => {}
+            }
+        }
         let cut_off = LedgerError::Unavailable(format!(
             "postgres did not answer within {} ms",
             op_timeout.as_millis()
