@@ -86,7 +86,8 @@ pub fn updated(columns: &[Column]) -> impl Iterator<Item = &Column> {
     columns.iter().filter(|c| c.written.on_update())
 }
 
-fn names<'a>(columns: impl Iterator<Item = &'a Column>) -> String {
+/// The columns' names, comma-separated.
+pub fn names<'a>(columns: impl Iterator<Item = &'a Column>) -> String {
     columns.map(|c| c.name).collect::<Vec<_>>().join(", ")
 }
 
@@ -111,11 +112,11 @@ pub fn sqlite_update(table: &str, key: &str, columns: &[Column]) -> String {
     format!("UPDATE {table} SET {} WHERE {key} = ?1", sets.join(", "))
 }
 
-/// PostgreSQL: the `unnest` of one array per column, `$1` being the first column's.
-fn pg_unnest<'a>(columns: impl Iterator<Item = &'a Column>) -> String {
+/// PostgreSQL: the `unnest` of one array per column, `${first}` being the first column's.
+pub fn pg_unnest<'a>(columns: impl Iterator<Item = &'a Column>, first: usize) -> String {
     let arrays = columns
         .enumerate()
-        .map(|(i, c)| format!("${}::{}[]", i + 1, c.pg_type))
+        .map(|(i, c)| format!("${}::{}[]", first + i, c.pg_type))
         .collect::<Vec<_>>();
     format!("unnest({})", arrays.join(", "))
 }
@@ -126,7 +127,7 @@ pub fn pg_insert(table: &str, columns: &[Column]) -> String {
     format!(
         "INSERT INTO {table} ({}) SELECT * FROM {}",
         names(inserted(columns)),
-        pg_unnest(inserted(columns))
+        pg_unnest(inserted(columns), 1)
     )
 }
 
@@ -139,7 +140,7 @@ pub fn pg_upsert(table: &str, key: &str, columns: &[Column]) -> String {
     format!(
         "INSERT INTO {table} ({}) SELECT * FROM {} ON CONFLICT ({key}) DO UPDATE SET {}",
         names(columns.iter()),
-        pg_unnest(columns.iter()),
+        pg_unnest(columns.iter(), 1),
         sets.join(", ")
     )
 }

@@ -48,7 +48,7 @@ pub(super) async fn decision_worker(
     states: StateSets,
     op_timeout: Duration,
     queue: DecisionQueue,
-    copies: Option<Arc<LastSeen>>,
+    last_seen: Option<Arc<LastSeen>>,
 ) {
     while let Some(queued) = queue.next_group() {
         // A job whose caller gave up while it waited is answered without being decided.
@@ -67,15 +67,15 @@ pub(super) async fn decision_worker(
         let limit = op_timeout.min(deadline.remaining());
         // A lone call first tries the one statement (`one_statement`): most are a new key
         // under a permit this replica has just seen.
-        let jobs = match (&copies, <[AuthJob; 1]>::try_from(jobs)) {
-            (Some(copies), Ok([job])) => {
+        let jobs = match (&last_seen, <[AuthJob; 1]>::try_from(jobs)) {
+            (Some(last_seen), Ok([job])) => {
                 let call = LoneCall {
                     req: &job.req,
                     params: &job.params,
                     now: job.now,
                     deadline: job.deadline,
                 };
-                match try_decide(&pool, copies, &states, call, limit).await {
+                match try_decide(&pool, last_seen, &states, call, limit).await {
                     Tried::Decided(decision) => {
                         let _ = job.reply.send(Ok(*decision));
                         continue;
@@ -86,6 +86,7 @@ pub(super) async fn decision_worker(
             (_, Ok(one)) => Vec::from(one),
             (_, Err(jobs)) => jobs,
         };
+        // What is left of it after a statement that did not apply.
         let limit = op_timeout.min(deadline.remaining());
         let outcome = within(&pool, limit, async |tx: &GroupTx| {
             let c = tx.client()?;
@@ -137,20 +138,16 @@ pub(super) async fn decision_worker(
             // No answer leaves before the commit did: a group that cannot commit is an error.
             let decided = group.decide(&ends, first_reads, &mut moves).await?;
             tx.committed();
-            if let Some(copies) = &copies {
+            if let Some(last_seen) = &last_seen {
                 let locked = permits.values().map(|(p, budget)| (p, *budget));
-                copies.remember_group(locked, &moves, &decided.read, &decided.written);
-                copies.remember_attempts(decided.attempts);
+                last_seen.remember_group(locked, &moves, &decided.read, &decided.written);
+                last_seen.remember_attempts(decided.attempts);
             }
             Ok(decided.decisions)
         })
         .await;
-        if let Some(copies) = &copies {
-            match &outcome {
-                None => copies.forget_all(),
-                Some(Err(e)) => copies.forget_after(e),
-                Some(Ok(_)) => {}
-            }
+        if let Some(last_seen) = &last_seen {
+            last_seen.after_group(&outcome);
         }
         let cut_off = if limit < op_timeout {
             LedgerError::deadline_passed("its group could commit", deadline)

@@ -181,18 +181,19 @@ impl LastSeen {
         }
         for (permit, (reserved, spent)) in permits {
             let (moved_reserved, moved_spent) = moves.budget(&permit.id);
-            let entry = copies
-                .entry(permit.id.clone())
-                .or_insert_with(|| SeenPermit {
-                    permit: permit.clone(),
-                    budget: (0, 0),
-                    tools: HashMap::new(),
-                });
-            entry.permit = permit.clone();
-            entry.budget = (
-                reserved.saturating_add(moved_reserved),
-                spent.saturating_add(moved_spent),
-            );
+            let tools = copies
+                .remove(&permit.id)
+                .map(|seen| seen.tools)
+                .unwrap_or_default();
+            let seen = SeenPermit {
+                permit: permit.clone(),
+                budget: (
+                    reserved.saturating_add(moved_reserved),
+                    spent.saturating_add(moved_spent),
+                ),
+                tools,
+            };
+            copies.insert(permit.id.clone(), seen);
         }
         // Read as stored where the group did not move them; as written where it did.
         let unmoved = read
@@ -207,8 +208,12 @@ impl LastSeen {
         }
     }
 
-    fn get(&self, permit_id: &str) -> Option<SeenPermit> {
-        self.permits().get(permit_id).cloned()
+    /// What a lone call is decided on: its permit as seen, the permit's budget totals and the
+    /// counter of the call's tool; `None` unless all were seen.
+    fn seen_for(&self, permit_id: &str, tool: &str) -> Option<(Permit, (i64, i64), SeenCounter)> {
+        let copies = self.permits();
+        let seen = copies.get(permit_id)?;
+        Some((seen.permit.clone(), seen.budget, *seen.tools.get(tool)?))
     }
 
     fn forget(&self, permit_id: &str) {
@@ -226,49 +231,65 @@ impl LastSeen {
     }
 
     /// Forgets every copy (see [`LastSeen::forget_after`]): also when a group's time ran out.
-    pub(super) fn forget_all(&self) {
+    fn forget_all(&self) {
         self.permits().clear();
         locked(&self.attempts).clear();
     }
 
-    /// Keeps what a one-statement decision left.
-    fn remember_decided(&self, seen: SeenPermit) {
-        let mut copies = self.permits();
-        copies.insert(seen.permit.id.clone(), seen);
+    /// Keeps what a one-statement decision left: the budget it added to, and its tool's counter
+    /// as the statement returned it.
+    fn remember_decided(
+        &self,
+        permit_id: &str,
+        tool: &str,
+        (reserved, spent): (i64, i64),
+        counter: SeenCounter,
+    ) {
+        if let Some(seen) = self.permits().get_mut(permit_id) {
+            seen.budget = (
+                seen.budget.0.saturating_add(reserved),
+                seen.budget.1.saturating_add(spent),
+            );
+            seen.tools.insert(tool.to_string(), counter);
+        }
+    }
+
+    /// After a locked group: nothing when it committed; otherwise every copy is forgotten when
+    /// its time ran out, and on an error as [`LastSeen::forget_after`] says.
+    pub(super) fn after_group<T>(&self, outcome: &Option<Result<T, LedgerError>>) {
+        match outcome {
+            None => self.forget_all(),
+            Some(Err(e)) => self.forget_after(e),
+            Some(Ok(_)) => {}
+        }
     }
 }
 
-/// The reads of a decision on a seen permit: counters as seen; the key's attempt and the
-/// duplicate guard's candidate are taken to be none, and what was asked is kept for the
-/// statement to check.
-struct SeenReads<'a> {
-    seen: &'a SeenPermit,
+/// The reads of a lone call's decision on a seen permit: its tool's counter and the budget
+/// totals as seen; the key's attempt and the duplicate guard's candidate are taken to be none,
+/// and what was asked is kept for the statement to check.
+struct SeenReads {
+    /// The counter of the call's tool, the one tool a call's decision reads.
+    counter: SeenCounter,
+    budget: (i64, i64),
     /// The key hash whose attempt was asked for.
     asked_key: Option<String>,
     /// The duplicate guard's lookup, when asked: (fingerprint, since, the call's key hash).
     asked_duplicate: Option<(String, i64, Option<String>)>,
-    /// Whether a counter the decision needs was never seen.
-    unseen: bool,
 }
 
-impl SnapshotReads for SeenReads<'_> {
+impl SnapshotReads for SeenReads {
     fn key_attempt(&mut self, _: &Permit, key_hash: &str) -> Result<Option<Attempt>, LedgerError> {
         self.asked_key = Some(key_hash.to_string());
         Ok(None)
     }
 
-    fn slots_held(&mut self, _: &Permit, tool: &str) -> Result<i64, LedgerError> {
-        match self.seen.tools.get(tool) {
-            Some(c) => Ok(c.slots),
-            None => {
-                self.unseen = true;
-                Ok(0)
-            }
-        }
+    fn slots_held(&mut self, _: &Permit, _: &str) -> Result<i64, LedgerError> {
+        Ok(self.counter.slots)
     }
 
     fn budget(&mut self, _: &Permit) -> Result<(i64, i64), LedgerError> {
-        Ok(self.seen.budget)
+        Ok(self.budget)
     }
 
     fn recent_duplicate(
@@ -344,7 +365,7 @@ pub(super) struct LoneCall<'a> {
 /// docs). Nothing is written unless the answer is a reservation that the statement applied.
 pub(super) async fn try_decide(
     pool: &Pool,
-    copies: &LastSeen,
+    last_seen: &LastSeen,
     states: &StateSets,
     job: LoneCall<'_>,
     limit: Duration,
@@ -355,27 +376,23 @@ pub(super) async fn try_decide(
     let Some(permit_id) = token::permit_id_of(&job.req.permit_token) else {
         return Tried::Missed;
     };
-    let Some(mut seen) = copies.get(permit_id) else {
+    let Some((permit, budget, counter)) = last_seen.seen_for(permit_id, &job.req.tool) else {
         return Tried::Missed;
     };
-    let Some(counter) = seen.tools.get(&job.req.tool).copied() else {
+    let read = PermitRead::check(&job.req.permit_token, Some(&permit));
+    if read.authenticated().is_none() {
         return Tried::Missed;
-    };
-    let PermitRead::Authenticated(permit) =
-        PermitRead::check(&job.req.permit_token, Some(&seen.permit))
-    else {
-        return Tried::Missed;
-    };
+    }
     let key_hash = decide::key_hash(job.req);
     let mut reads = SeenReads {
-        seen: &seen,
+        counter,
+        budget,
         asked_key: None,
         asked_duplicate: None,
-        unseen: false,
     };
     let Ok(snap) = snapshot::assemble(
         job.req,
-        PermitRead::Authenticated(permit),
+        read,
         key_hash.as_deref(),
         job.now,
         &mut reads,
@@ -383,16 +400,11 @@ pub(super) async fn try_decide(
     ) else {
         return Tried::Missed;
     };
-    let (asked_key, asked_duplicate, unseen) = (
-        reads.asked_key.take(),
-        reads.asked_duplicate.take(),
-        reads.unseen,
-    );
     let decision = decide::decide(job.req, &snap, job.params);
     let Mutation::Reserve(attempt) = &decision.mutation else {
         return Tried::Missed;
     };
-    if unseen || attempt.tool != job.req.tool || storable(attempt).is_err() {
+    if attempt.tool != job.req.tool || storable(attempt).is_err() {
         return Tried::Missed;
     }
     let mut moves = CounterMoves::default();
@@ -402,9 +414,9 @@ pub(super) async fn try_decide(
         permit_id,
         tool: &job.req.tool,
         version: counter.version,
-        budget_total: seen.budget.0.saturating_add(seen.budget.1),
-        key: asked_key,
-        duplicate: asked_duplicate,
+        budget_total: budget.0.saturating_add(budget.1),
+        key: reads.asked_key,
+        duplicate: reads.asked_duplicate,
         gave_back: &states.gave_back,
         deadline: job.deadline,
         slots: moves.slots(permit_id, &job.req.tool),
@@ -412,32 +424,21 @@ pub(super) async fn try_decide(
         spent,
         state: attempt.state.as_str(),
     };
-    copies.decisions.sent();
-    match send(pool, attempt, &check, limit).await {
-        Ok(Some((slots, version))) => {
-            seen.budget = (
-                seen.budget.0.saturating_add(reserved),
-                seen.budget.1.saturating_add(spent),
-            );
-            seen.tools
-                .insert(job.req.tool.clone(), SeenCounter { slots, version });
-            copies.remember_decided(seen);
-            copies.remember_attempts([attempt.clone()]);
-            Tried::Decided(Box::new(decision))
-        }
-        Ok(None) => {
-            copies.decisions.not_applied();
-            // Whatever moved, the locked path reads it again.
-            copies.forget(permit_id);
-            Tried::Missed
-        }
-        Err(e) => {
-            copies.decisions.not_applied();
-            copies.forget_after(&e);
-            copies.forget(permit_id);
-            Tried::Missed
-        }
+    last_seen.decisions.sent();
+    let sent = send(pool, attempt, &check, limit).await;
+    if let Ok(Some((slots, version))) = sent {
+        let counter = SeenCounter { slots, version };
+        last_seen.remember_decided(permit_id, &job.req.tool, (reserved, spent), counter);
+        last_seen.remember_attempts([attempt.clone()]);
+        return Tried::Decided(Box::new(decision));
     }
+    last_seen.decisions.not_applied();
+    if let Err(e) = &sent {
+        last_seen.forget_after(e);
+    }
+    // Whatever moved, the locked path reads it again.
+    last_seen.forget(permit_id);
+    Tried::Missed
 }
 
 /// What the statement checks and moves besides the attempt.

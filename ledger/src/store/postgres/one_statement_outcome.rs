@@ -26,7 +26,7 @@ use crate::decide;
 use crate::error::LedgerError;
 use crate::model::Attempt;
 use crate::store::counters::CounterMoves;
-use crate::store::record::{updated, Column, Written};
+use crate::store::record::{names, pg_unnest, updated, Written};
 use crate::store::rows::{AttemptRow, ATTEMPT_TABLE};
 use crate::store::OutcomeResult;
 
@@ -40,19 +40,11 @@ fn aliased(alias: &str) -> String {
 
 /// `unnest($k::T[], …) AS alias(c1, …)` over the updated columns, the first array `$from`.
 fn unnest_as(alias: &str, from: usize) -> String {
-    let columns: Vec<&Column> = updated(ATTEMPT_TABLE).collect();
-    let arrays = columns
-        .iter()
-        .enumerate()
-        .map(|(i, c)| format!("${}::{}[]", from + i, c.pg_type))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let names = columns
-        .iter()
-        .map(|c| c.name)
-        .collect::<Vec<_>>()
-        .join(", ");
-    format!("unnest({arrays}) AS {alias}({names})")
+    format!(
+        "{} AS {alias}({})",
+        pg_unnest(updated(ATTEMPT_TABLE), from),
+        names(updated(ATTEMPT_TABLE))
+    )
 }
 
 /// The statement: `$1…$n` the attempt's updated columns as written before (one single-element
@@ -108,21 +100,17 @@ pub(super) async fn try_report(
     }
     seen.reports.sent();
     let sent = send(pool, &old, &next, limit).await;
-    match sent {
-        Ok(true) => {
-            let previous = Some(old.state);
-            seen.remember_attempts([next]);
-            Some(OutcomeResult { ack, previous })
-        }
-        Ok(false) | Err(_) => {
-            if let Err(e) = &sent {
-                seen.forget_after(e);
-            }
-            seen.reports.not_applied();
-            seen.forget_attempt(&report.attempt_id);
-            None
-        }
+    if let Ok(true) = sent {
+        let previous = Some(old.state);
+        seen.remember_attempts([next]);
+        return Some(OutcomeResult { ack, previous });
     }
+    seen.reports.not_applied();
+    if let Err(e) = &sent {
+        seen.forget_after(e);
+    }
+    seen.forget_attempt(&report.attempt_id);
+    None
 }
 
 /// Sends the statement within `limit`: whether it applied. A connection cut off

@@ -125,11 +125,7 @@ pub(super) async fn outcome_worker(
         })
         .await;
         if let Some(seen) = &last_seen {
-            match &outcome {
-                None => seen.forget_all(),
-                Some(Err(e)) => seen.forget_after(e),
-                Some(Ok(_)) => {}
-            }
+            seen.after_group(&outcome);
         }
         let cut_off = LedgerError::Unavailable(format!(
             "postgres did not answer within {} ms",
