@@ -192,9 +192,11 @@ files-tools: venv-test oci-tools k8s-tools prometheus-tools
 check-files: files-tools
 	$(VPY) -m pytest tests/files -q -p no:cacheprovider --timeout 300
 
+## check-rust's plain clippy is not repeated here: the clippy with the PostgreSQL tests compiled
+## in checks all of that code and more (nothing is built only without them), and code that only
+## those tests use is dead, and refused, in one of the one-store builds.
 lint:
 	$(CARGO) fmt --all -- --check
-	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(ONE_STORE_BUILDS)
 	$(CARGO) clippy --workspace --all-targets $(PG_TESTS) -- -D warnings
 	$(CARGO) clippy -p atmost-filter --target wasm32-wasip1 -- -D warnings
@@ -221,9 +223,23 @@ PG_TESTS := --features atmost-ledger/postgres-tests,atmost-ledger-server/postgre
 test-unit:
 	$(WITH_PG) $(CARGO) test --workspace $(PG_TESTS)
 
-E2E_PYTEST := $(VPY) -m pytest -q -p no:cacheprovider --timeout 300
+## The end-to-end suite spends most of its time waiting on the processes it starts (a lease to
+## run out, an alert's `for`, Envoy's start), so it runs on E2E_WORKERS pytest-xdist workers, a
+## test file per worker at a time (`--dist loadfile`: a module's fixtures start once). Every test
+## starts its own processes on ports nothing else holds, in temporary directories of its own,
+## its PostgreSQL stores in schemas or databases of their own, its pod in a network namespace of
+## its own; each worker logs under its own .run/test-logs/ directory. E2E_WORKERS=0 runs it in
+## one process.
+E2E_WORKERS ?= 2
+E2E_PYTEST := $(VPY) -m pytest -q -p no:cacheprovider --timeout 300 -n $(E2E_WORKERS) --dist loadfile
 
-test-e2e: setup ts-deps wasm ledger-next ledger oci-test
+# The suite asks cargo how it resolves the ledger's features, offline (tests/e2e/test_upgrade.py):
+# every package the lock file names is fetched from the registry first, dev-dependencies too.
+.PHONY: cargo-fetch
+cargo-fetch:
+	$(CARGO) fetch --locked --quiet
+
+test-e2e: setup ts-deps wasm ledger-next ledger oci-test cargo-fetch
 	ATMOST_BIN=target/debug/atmost ATMOST_NEXT_BIN=$(LEDGER_NEXT) $(WITH_PG) $(E2E_PYTEST) tests/e2e
 
 ## The end-to-end suite again, with the filter deployed as istiod renders the shipped WasmPlugin
@@ -368,8 +384,12 @@ fuzz: fuzz-regressions
 	@set -e; for t in $(FUZZ_TARGETS); do $(MAKE) --no-print-directory fuzz-run-$$t SECONDS_EACH=$(FUZZ_SECONDS); done
 	cd fuzz && ATMOST_PYTHON=$(abspath $(VPY)) $(CARGO) test --test rfc8785_reference
 
-## CI: the regressions, then every target briefly (FUZZ_CI_SECONDS each), then the grown
-## fingerprint corpus against the Python rfc8785 package.
+## CI: the regressions, then every target briefly (FUZZ_CI_SECONDS each, FUZZ_CI_JOBS at a time,
+## each one's output kept together), then the grown fingerprint corpus against the Python rfc8785
+## package. A fuzzer is one process on one core: two at a time on CI's two cores fuzz each target
+## as long as one at a time would, in half the wall time.
+FUZZ_CI_JOBS ?= 2
 fuzz-ci: fuzz-regressions
-	@set -e; for t in $(FUZZ_TARGETS); do $(MAKE) --no-print-directory fuzz-run-$$t SECONDS_EACH=$(FUZZ_CI_SECONDS); done
+	@$(MAKE) --no-print-directory -j$(FUZZ_CI_JOBS) --output-sync=target \
+		$(addprefix fuzz-run-,$(FUZZ_TARGETS)) SECONDS_EACH=$(FUZZ_CI_SECONDS)
 	cd fuzz && ATMOST_PYTHON=$(abspath $(VPY)) $(CARGO) test --test rfc8785_reference

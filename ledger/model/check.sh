@@ -76,18 +76,19 @@ mutant() {
 }
 
 status=0
-# The exhaustive searches one after another in the background (one core), the mutants'
-# short searches beside them.
-(
-    rc=0
-    for v in "${variants[@]}"; do (real "$v") >"$out/$v.log" 2>&1 || rc=1; done
-    exit "$rc"
-) &
-real_pid=$!
+# Each exhaustive search in the background on a core of its own (they are the long part), the
+# mutants' short searches beside them.
+real_pids=()
+for v in "${variants[@]}"; do
+    (real "$v") >"$out/$v.log" 2>&1 &
+    real_pids+=($!)
+done
 for m in "${mutants[@]}"; do
     (mutant "$m") || status=1
 done
-wait "$real_pid" || status=1
+for pid in "${real_pids[@]}"; do
+    wait "$pid" || status=1
+done
 for v in "${variants[@]}"; do cat "$out/$v.log"; done
 [ "$status" -eq 0 ] && echo "model-check: OK" || echo "model-check: FAILED"
 exit "$status"

@@ -1,3 +1,4 @@
+import os
 import shutil
 import sys
 import tempfile
@@ -45,7 +46,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def log_dir() -> Path:
-    path = ROOT / ".run" / "test-logs" / time.strftime("%Y%m%d-%H%M%S")
+    # Under pytest-xdist each worker is a session of its own: its logs get a directory of their
+    # own, so two workers' processes of the same name never write one file.
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    path = ROOT / ".run" / "test-logs" / (time.strftime("%Y%m%d-%H%M%S") + (f"-{worker}" if worker else ""))
     path.mkdir(parents=True, exist_ok=True)
     return path
 
