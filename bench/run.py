@@ -80,6 +80,8 @@ Environment (knobs):
   BENCH_CALLCOST      0 skips counting the filter's instructions per call (valgrind)
   BENCH_OUT           output directory
   BENCH_LEDGER_BIN    another `atmost` build, to compare a change
+  ATMOST_WASM         another build of the filter module, to compare a change (as for the
+                      test suites: every setup that runs atmost's filter loads it)
   BENCH_PLUGIN        JSON merged into atmost's plugin configuration,
                       e.g. '{"completion_reports": "per_call"}'
                       (setups Da and Ea add answer_release at_once to it)
