@@ -46,10 +46,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def log_dir() -> Path:
-    # Under pytest-xdist each worker is a session of its own: its logs get a directory of their
-    # own, so two workers' processes of the same name never write one file.
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    path = ROOT / ".run" / "test-logs" / (time.strftime("%Y%m%d-%H%M%S") + (f"-{worker}" if worker else ""))
+    # Under pytest-xdist each worker is a session of its own: one directory for the run (named by
+    # xdist's id of it, which every worker has) holds one per worker, so two workers' processes of
+    # the same name never write one file, and the fault suite's log scan finds the whole run.
+    run, worker = os.environ.get("PYTEST_XDIST_TESTRUNUID"), os.environ.get("PYTEST_XDIST_WORKER")
+    name = f"{time.strftime('%Y%m%d')}-{run[:12]}/{worker}" if run and worker else time.strftime("%Y%m%d-%H%M%S")
+    path = ROOT / ".run" / "test-logs" / name
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -143,7 +143,8 @@ def _logs_to_scan(log_dir: Path) -> list[Path]:
     others = sorted((d for d in root.iterdir() if d.is_dir() and not d.name.startswith("faults-")),
                     key=lambda d: d.stat().st_mtime) if root.exists() else []
     if others:
-        files += [f for f in others[-1].iterdir() if f.is_file()]
+        # The last end-to-end run: its logs, or its workers' directories of logs.
+        files += [f for f in others[-1].rglob("*") if f.is_file()]
     return files
 
 
