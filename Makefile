@@ -227,9 +227,9 @@ test-unit:
 ## run out, an alert's `for`, Envoy's start), so it runs on E2E_WORKERS pytest-xdist workers, a
 ## test file per worker at a time (`--dist loadfile`: a module's fixtures start once). Every test
 ## starts its own processes on ports nothing else holds, in temporary directories of its own,
-## its PostgreSQL stores in schemas or databases of their own, its pod in a network namespace of
-## its own; each worker logs under its own .run/test-logs/ directory. E2E_WORKERS=0 runs it in
-## one process.
+## its PostgreSQL stores in schemas of their own named at random, its pod's network namespaces
+## named for it; each worker logs under .run/test-logs/<date>-<run>/<worker>/. E2E_WORKERS=0
+## runs it in one process.
 E2E_WORKERS ?= 2
 E2E_PYTEST := $(VPY) -m pytest -q -p no:cacheprovider --timeout 300 -n $(E2E_WORKERS) --dist loadfile
 
