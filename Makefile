@@ -230,7 +230,7 @@ test-unit:
 ## its PostgreSQL stores in schemas of their own named at random, its pod's network namespaces
 ## named for it; each worker logs under .run/test-logs/<date>-<run>/<worker>/. E2E_WORKERS=0
 ## runs it in one process.
-E2E_WORKERS ?= 2
+E2E_WORKERS ?= 3
 E2E_PYTEST := $(VPY) -m pytest -q -p no:cacheprovider --timeout 300 -n $(E2E_WORKERS) --dist loadfile
 
 # The suite asks cargo how it resolves the ledger's features, offline (tests/e2e/test_upgrade.py):
