@@ -19,6 +19,10 @@ pub const MAX_APPROVAL_HOLD_MS: u64 = 240_000;
 /// ledger for held calls, so a re-ask is never more than this late.
 pub const MAX_HOLD_TICK_MS: u64 = 1_000;
 
+/// Longest `report_ride_ms`: a report that waits is an attempt left `in_flight`, which the
+/// ledger's lease (300 s by default) must outlast.
+pub const MAX_REPORT_RIDE_MS: u64 = 5_000;
+
 /// Default `max_body_bytes` and `max_receipt_bytes` (1 MiB).
 pub const DEFAULT_MAX_BYTES: u64 = 1_048_576;
 /// Largest accepted `max_body_bytes` / `max_receipt_bytes` (64 MiB).

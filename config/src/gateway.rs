@@ -65,6 +65,15 @@ pub struct Config {
     /// Envoy that dies before it lands leaves the attempt to its lease (`uncertain`). An
     /// `input_required` answer is held in both modes. Needs `completion_reports: batched`.
     pub answer_release: AnswerRelease,
+    /// `report_ride_ms` (integer, default 0, 0..=5000): with `answer_release: at_once`, how
+    /// long a released call's report may wait to ride on the worker's next authorize callout
+    /// (at most 16 on one) instead of a callout of its own. One still waiting then leaves
+    /// with the next batch, on the first tick after (so at most this plus
+    /// `report_interval_ms`); a report whose authorize is not answered, or is answered without
+    /// its acks, goes in a batch as well. 0: reports do not ride. The longer a report waits,
+    /// the longer its attempt stays `in_flight` (docs/design.md#reports-riding-on-the-next-authorize).
+    /// Needs `answer_release: at_once`.
+    pub report_ride_ms: u64,
     /// `tools_list_limits` (boolean, default `false`): a `tools/list` answer passing through
     /// for a request that carried a permit gains, under each governed tool's `_meta`, the
     /// permit's figures for that tool (`_meta["dev.atmost/permit"]`: calls left, budget
@@ -179,6 +188,7 @@ impl Config {
             "report_interval_ms",
             "completion_reports",
             "answer_release",
+            "report_ride_ms",
             "tools_list_limits",
             "credential_cache_ms",
             "request_hold",
@@ -321,6 +331,15 @@ impl Config {
                 "`at_once` sends each report through the root's batch, so it needs `completion_reports: batched` (a request's own callout is cancelled when its answer has gone)",
             ));
         }
+        let report_ride_ms = top.integer("report_ride_ms", 0, 0, MAX_REPORT_RIDE_MS)?;
+        if report_ride_ms > 0 && answer_release != AnswerRelease::AtOnce {
+            // A held answer waits for its report: one that waited for the next call would
+            // hold the answer until then.
+            return Err(err(
+                "report_ride_ms",
+                "needs `answer_release: at_once` (only a released call's report can wait for the next call)",
+            ));
+        }
         let tools_list_limits = top.boolean("tools_list_limits", false)?;
         let credential_cache_ms =
             top.integer("credential_cache_ms", 0, 0, MAX_CREDENTIAL_CACHE_MS)?;
@@ -359,6 +378,7 @@ impl Config {
             report_interval_ms,
             completion_reports,
             answer_release,
+            report_ride_ms,
             tools_list_limits,
             credential_cache_ms,
             request_hold,

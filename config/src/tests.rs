@@ -303,6 +303,37 @@ fn answer_release_modes() {
 }
 
 #[test]
+fn report_ride_ms_is_off_by_default_bounded_and_needs_answers_released_at_once() {
+    let mut v = minimal();
+    assert_eq!(config_from(&v).report_ride_ms, 0);
+    v["answer_release"] = json!("at_once");
+    assert_eq!(config_from(&v).report_ride_ms, 0);
+    v["report_ride_ms"] = json!(MAX_REPORT_RIDE_MS);
+    assert_eq!(config_from(&v).report_ride_ms, 5_000);
+    for bad in [
+        json!(5_001),
+        json!(-1),
+        json!("1s"),
+        json!(1.5),
+        json!(null),
+    ] {
+        v["report_ride_ms"] = bad.clone();
+        assert_eq!(field_of(&v), "report_ride_ms", "{bad}");
+    }
+    // A held answer waits for its report, so only a released call's report may wait.
+    v["report_ride_ms"] = json!(500);
+    v["answer_release"] = json!("after_receipt");
+    let refused = Config::parse(v.to_string().as_bytes()).err();
+    assert_eq!(
+        refused.as_ref().map(|e| e.field.as_str()),
+        Some("report_ride_ms")
+    );
+    assert!(refused.is_some_and(|e| e.message.contains("answer_release: at_once")));
+    v["report_ride_ms"] = json!(0);
+    assert_eq!(config_from(&v).report_ride_ms, 0);
+}
+
+#[test]
 fn full_example_parses() {
     let c = config_from(&json!({
       "ledger": {"cluster": "atmost_ledger", "authority": "ledger.local", "timeout_ms": 250, "service_token": SERVICE_TOKEN},

@@ -27,6 +27,7 @@ fn request(signed: bool) -> AuthorizeRequest {
     let body = br#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"echo","arguments":{"text":"k-1"},"_meta":{"dev.atmost/idempotency-key":"k-1"}}}"#;
     let forwarded = token::sha256_hex("fwd:k-1");
     AuthorizeRequest {
+        reports: Vec::new(),
         permit_token: token::new_token("pmt_0123456789abcdef01234567").unwrap(),
         tool: "echo".into(),
         idempotency_key: Some("k-1".into()),

@@ -51,6 +51,7 @@ async fn permit(store: &dyn Store) -> String {
 
 fn request(tok: &str, key: &str) -> AuthorizeRequest {
     AuthorizeRequest {
+        reports: Vec::new(),
         permit_token: tok.into(),
         tool: "echo".into(),
         idempotency_key: Some(key.into()),

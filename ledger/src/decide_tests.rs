@@ -33,6 +33,7 @@ fn permit() -> Permit {
 
 fn req(key: Option<&str>, fp: &str) -> AuthorizeRequest {
     AuthorizeRequest {
+        reports: Vec::new(),
         permit_token: token_for(PID),
         tool: "pay".into(),
         idempotency_key: key.map(String::from),

@@ -176,6 +176,7 @@ mod tests {
 
     fn request(dispatch: DispatchTarget) -> AuthorizeRequest {
         AuthorizeRequest {
+            reports: Vec::new(),
             permit_token: "atmp_x".into(),
             tool: "pay invoice/€".into(),
             idempotency_key: Some("k1".into()),

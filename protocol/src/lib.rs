@@ -2,7 +2,8 @@
 //!
 //! Both sides compile this crate, so a field renamed here is renamed on both ends.
 //! Every body is JSON. Paths:
-//! - `POST /v1/authorize`: [`AuthorizeRequest`] → [`AuthorizeResponse`]
+//! - `POST /v1/authorize`: [`AuthorizeRequest`] → [`AuthorizeResponse`] (written as an
+//!   [`AuthorizeAnswer`] when the request carried reports)
 //! - `POST /v1/outcomes`: [`OutcomesRequest`] → [`OutcomesResponse`]
 //! - `POST /v1/limits`: [`LimitsRequest`] → [`LimitsResponse`]
 //! - `POST /v1/credential`: [`credential::CredentialRequest`] →
@@ -53,6 +54,9 @@ pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
 pub const MIN_SERVICE_TOKEN_BYTES: usize = 32;
 /// Most tools one [`LimitsRequest`] may name.
 pub const MAX_LIMITS_TOOLS: usize = 1000;
+/// Most outcome reports one [`AuthorizeRequest`] may carry ([`AuthorizeRequest::reports`]):
+/// a decision waits for the reports that ride with it, so their number is kept small.
+pub const MAX_RIDING_REPORTS: usize = 16;
 
 /// The filter asks whether one `tools/call` may go upstream.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -100,6 +104,34 @@ pub struct AuthorizeRequest {
     /// sends no signature (`request_hold: body`, where the headers leave first).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dispatch: Option<signature::DispatchTarget>,
+    /// Reports about earlier calls that ride on this one (`report_ride_ms`,
+    /// docs/design.md#reports-riding-on-the-next-authorize), at most
+    /// [`MAX_RIDING_REPORTS`]: applied as a `POST /v1/outcomes` would apply them, and
+    /// acknowledged in [`AuthorizeAnswer::report_acks`]. They change nothing of this call's
+    /// decision, and a decision is answered even when they could not be applied (then the
+    /// answer has no acks, and the filter sends them again in a batch of their own).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reports: Vec<OutcomeReport>,
+}
+
+/// Adds `reports` to the JSON text of an [`AuthorizeRequest`] that carries none (as
+/// [`AuthorizeRequest::reports`]): the filter writes a call's request once, and the reports
+/// that ride on it are known only when its callout leaves. Answers `false`, changing nothing,
+/// when there is nothing to add or the text is not a JSON object with members.
+pub fn add_riding_reports(request: &mut Vec<u8>, reports: &[OutcomeReport]) -> bool {
+    let object =
+        request.len() > 2 && request.first() == Some(&b'{') && request.last() == Some(&b'}');
+    if reports.is_empty() || !object {
+        return false;
+    }
+    let Ok(list) = serde_json::to_vec(reports) else {
+        return false;
+    };
+    request.pop();
+    request.extend_from_slice(b",\"reports\":");
+    request.extend_from_slice(&list);
+    request.push(b'}');
+    true
 }
 
 /// The ledger's answer to an [`AuthorizeRequest`].
@@ -144,6 +176,19 @@ pub enum AuthorizeResponse {
     },
     /// Refused; nothing may go upstream.
     Deny(Denial),
+}
+
+/// The authorize answer as the ledger writes it: the decision, and the acks of the reports
+/// that rode on the request, one per report in order. Without reports it is written exactly
+/// as the bare [`AuthorizeResponse`]. An answer to a request that carried reports and has no
+/// `report_acks` means they were not applied (or the ledger is older than the field); they
+/// must go again.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AuthorizeAnswer {
+    #[serde(flatten)]
+    pub decision: AuthorizeResponse,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub report_acks: Option<Vec<OutcomeAck>>,
 }
 
 /// A refusal with a stable code and the data a caller needs to act on it.
@@ -732,5 +777,103 @@ mod tests {
             serde_json::json!({"tools": {"pay": {"calls_left": 2, "budget_left": null,
                                                  "expires_at": "2030-01-01T00:00:00Z"}}})
         );
+    }
+
+    fn report(attempt: &str) -> OutcomeReport {
+        OutcomeReport {
+            attempt_id: attempt.into(),
+            round: 1,
+            capability: "cap".into(),
+            outcome: Outcome::Completed {
+                receipt: r#"{"jsonrpc":"2.0","id":1,"result":{}}"#.into(),
+            },
+        }
+    }
+
+    fn call() -> AuthorizeRequest {
+        AuthorizeRequest {
+            permit_token: "atm_p_x".into(),
+            tool: "pay".into(),
+            idempotency_key: Some("k".into()),
+            fingerprint: "f".into(),
+            arguments: serde_json::json!({"amount": 1}),
+            key_required: false,
+            continuation: false,
+            forwarded_key: None,
+            forwarded_key_carriers: KeyCarriers::NONE,
+            dispatch: None,
+            reports: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn reports_added_to_a_written_request_read_back_as_its_reports() {
+        let mut text = serde_json::to_vec(&call()).unwrap_or_default();
+        assert!(!String::from_utf8_lossy(&text).contains("reports"));
+        let riders = vec![report("a1"), report("a2")];
+        assert!(add_riding_reports(&mut text, &riders));
+        let read: Option<AuthorizeRequest> = serde_json::from_slice(&text).ok();
+        assert_eq!(
+            read,
+            Some(AuthorizeRequest {
+                reports: riders.clone(),
+                ..call()
+            })
+        );
+        // Written whole, the same request has the same text.
+        let whole = serde_json::to_vec(&AuthorizeRequest {
+            reports: riders.clone(),
+            ..call()
+        })
+        .unwrap_or_default();
+        assert_eq!(text, whole);
+        for mut not_an_object in [
+            b"".to_vec(),
+            b"{}".to_vec(),
+            b"[1]".to_vec(),
+            b"{\"a\":1".to_vec(),
+        ] {
+            let before = not_an_object.clone();
+            assert!(!add_riding_reports(&mut not_an_object, &riders));
+            assert_eq!(not_an_object, before);
+        }
+        let mut unchanged = serde_json::to_vec(&call()).unwrap_or_default();
+        assert!(!add_riding_reports(&mut unchanged, &[]));
+        assert_eq!(unchanged, serde_json::to_vec(&call()).unwrap_or_default());
+    }
+
+    #[test]
+    fn an_answer_without_acks_is_written_as_the_bare_decision() {
+        let decisions = [
+            AuthorizeResponse::Replay {
+                attempt_id: "a".into(),
+                receipt: "{}".into(),
+                limits: Some(limits()),
+            },
+            AuthorizeResponse::Deny(Denial::new(DenialCode::PermitInvalid, "m").with("x", 1)),
+        ];
+        for decision in decisions {
+            let bare = serde_json::to_vec(&decision).unwrap_or_default();
+            let answer = AuthorizeAnswer {
+                decision: decision.clone(),
+                report_acks: None,
+            };
+            assert_eq!(serde_json::to_vec(&answer).unwrap_or_default(), bare);
+            let acked = AuthorizeAnswer {
+                decision: decision.clone(),
+                report_acks: Some(vec![OutcomeAck::Applied, OutcomeAck::Refused]),
+            };
+            let text = serde_json::to_value(&acked).unwrap_or_default();
+            assert_eq!(
+                text["report_acks"],
+                serde_json::json!(["applied", "refused"])
+            );
+            // Read either way: the decision as a bare answer (a filter that sent no reports
+            // ignores the member), and the whole answer.
+            let as_decision: Option<AuthorizeResponse> = serde_json::from_value(text.clone()).ok();
+            assert_eq!(as_decision, Some(decision));
+            let as_answer: Option<AuthorizeAnswer> = serde_json::from_value(text).ok();
+            assert_eq!(as_answer, Some(acked));
+        }
     }
 }

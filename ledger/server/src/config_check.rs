@@ -5,7 +5,7 @@ use std::io::Read;
 use std::path::Path;
 use std::time::Duration;
 
-use atmost_config::{PluginConfig, ToolSet, UpgradeRoutes};
+use atmost_config::{Config, PluginConfig, ToolSet, UpgradeRoutes};
 
 /// What the check knows of the deployment around the configuration.
 #[derive(Debug, Clone, Copy)]
@@ -18,15 +18,31 @@ pub struct Timing {
 
 /// A "not executed" is safe only if the lease outlasts every way the call may still run:
 /// the filter waiting for the ledger, then the upstream for the route's whole timeout
-/// (docs/design.md, the lease).
-fn check_lease(timing: &Timing, callout_timeout_ms: u64) -> Result<(), String> {
+/// (docs/design.md, the lease), and, when reports ride (`report_ride_ms`), the report's
+/// wait for the next call, the tick after it and its own batch's callout.
+fn check_lease(timing: &Timing, config: &Config) -> Result<(), String> {
+    let callout_timeout_ms = config.ledger.timeout_ms;
     let callout = Duration::from_millis(callout_timeout_ms);
-    let needed = callout + timing.route_timeout;
+    let ride = match config.report_ride_ms {
+        0 => Duration::ZERO,
+        ms => Duration::from_millis(ms + config.report_interval_ms + callout_timeout_ms),
+    };
+    let needed = callout + timing.route_timeout + ride;
     if timing.lease > needed {
         return Ok(());
     }
+    let ride_term = if ride.is_zero() {
+        String::new()
+    } else {
+        format!(
+            " + a riding report's wait {} (report_ride_ms, report_interval_ms, ledger.timeout_ms)",
+            humantime::format_duration(ride)
+        )
+    };
     Err(format!(
-        "atmost: the ledger's lease {} does not exceed ledger.timeout_ms {} ms + the route timeout {}          ({}): a call still running when its lease ends is recorded uncertain; raise --lease above {}          (or give the check the lease and route timeout you run with: --lease, --route-timeout)",
+        "atmost: the ledger's lease {} does not exceed ledger.timeout_ms {} ms + the route timeout {}{ride_term} \
+         ({}): a call still running when its lease ends is recorded uncertain; raise --lease above {} \
+         (or give the check the lease and route timeout you run with: --lease, --route-timeout)",
         humantime::format_duration(timing.lease),
         callout_timeout_ms,
         humantime::format_duration(timing.route_timeout),
@@ -55,7 +71,7 @@ fn upgrades(routes: &UpgradeRoutes) -> String {
 pub fn check_bytes(bytes: &[u8], timing: &Timing) -> Result<String, String> {
     match PluginConfig::parse(bytes) {
         Ok(PluginConfig::Gateway(config)) => {
-            check_lease(timing, config.ledger.timeout_ms).map(|()| {
+            check_lease(timing, &config).map(|()| {
                 format!(
             "ok: ledger cluster `{}`, permit header `{}`, governed tools {}, denial format {:?}, {}",
             config.ledger.cluster,
@@ -133,6 +149,24 @@ mod tests {
             line.contains("lease 1m")
                 && line.contains("route timeout 2m")
                 && line.contains("2m 1s"),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn a_riding_reports_wait_counts_against_the_lease() {
+        const RIDING: &[u8] =
+            br#"{"ledger":{"cluster":"atmost_ledger","service_token":"svc-token-0123456789abcdef0123456789","timeout_ms":1000},"upstream_key":{"mode":"off"},"answer_release":"at_once","report_ride_ms":2000}"#;
+        let at = |lease_ms: u64| Timing {
+            lease: Duration::from_millis(lease_ms),
+            route_timeout: Duration::from_secs(15),
+        };
+        // 1 s + 15 s without riding; with it, 2 s of wait, a 200 ms tick and 1 s of callout.
+        assert!(check_bytes(GATEWAY, &at(16_001)).is_ok());
+        assert!(check_bytes(RIDING, &at(19_201)).is_ok());
+        let line = check_bytes(RIDING, &at(19_200)).err().unwrap_or_default();
+        assert!(
+            line.contains("a riding report's wait 3s 200ms") && line.contains("(19s 200ms)"),
             "{line}"
         );
     }

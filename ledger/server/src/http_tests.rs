@@ -1584,3 +1584,72 @@ async fn the_sweeper_purges_ended_permits_after_the_delay() {
     assert_eq!(st, 200);
     assert_eq!(v["permits"], json!([]), "{v}");
 }
+
+#[tokio::test]
+async fn reports_riding_on_an_authorize_are_applied_and_acked_whatever_its_decision() {
+    let s = start().await;
+    let (_, tok) = s
+        .create_permit(
+            json!({"label": "riders", "expires": "1h", "tools": ["pay"], "max_calls": {"pay": 3}}),
+        )
+        .await;
+    let mut dispatched = Vec::new();
+    for i in 1..=3 {
+        let mut call = authz(&tok, &format!("k{i}"), &format!("fp{i}"));
+        // Each call carries the report of the one before it, as a filter's next call does,
+        // and the first also a forged one: the service token alone moves nothing.
+        if let Some(before) = dispatched.last() {
+            let before: &Value = before;
+            call["reports"] = json!([{"attempt_id": before["attempt_id"], "round": 1,
+                "capability": before["capability"], "outcome": "completed",
+                "receipt": SMALL_RECEIPT}]);
+        } else {
+            call["reports"] = json!([{"attempt_id": "att_forged", "round": 1,
+                "capability": "0".repeat(64), "outcome": "completed", "receipt": SMALL_RECEIPT}]);
+        }
+        let (st, d) = s.post("/v1/authorize", Some(SVC), call).await;
+        assert_eq!((st, &d["decision"]), (200, &json!("dispatch")), "{d}");
+        let expected = if i == 1 { "unknown_attempt" } else { "applied" };
+        assert_eq!(d["report_acks"], json!([expected]), "{d}");
+        dispatched.push(d);
+    }
+    // The first call's key replays the receipt that rode on the second: it was applied.
+    let (_, replay) = s
+        .post("/v1/authorize", Some(SVC), authz(&tok, "k1", "fp1"))
+        .await;
+    assert_eq!(replay["decision"], "replay", "{replay}");
+    assert_eq!(replay["receipt"], SMALL_RECEIPT);
+    assert!(replay.get("report_acks").is_none(), "{replay}");
+    // A denied call takes its riders too, the same report twice acknowledged in order.
+    let third = &dispatched[2];
+    let rider = json!({"attempt_id": third["attempt_id"], "round": 1,
+        "capability": third["capability"], "outcome": "completed", "receipt": SMALL_RECEIPT});
+    let mut denied = authz(&tok, "k4", "fp4");
+    denied["reports"] = json!([rider, rider]);
+    let (st, d) = s.post("/v1/authorize", Some(SVC), denied).await;
+    assert_eq!(st, 200);
+    assert_eq!(d["code"], "permit_max_calls_exceeded", "{d}");
+    assert_eq!(d["report_acks"], json!(["applied", "already_recorded"]));
+    let scraped = s.metrics().await;
+    assert!(
+        scraped.contains(r#"atmost_outcome_reports_ridden_total{result="taken"} 5"#),
+        "{scraped}"
+    );
+    // More riders than one authorize may carry: refused whole, nothing decided or applied.
+    let mut crowded = authz(&tok, "k5", "fp5");
+    crowded["reports"] = Value::Array(vec![rider; atmost_protocol::MAX_RIDING_REPORTS + 1]);
+    let (st, v) = s.post("/v1/authorize", Some(SVC), crowded).await;
+    assert_eq!(st, 400, "{v}");
+    assert!(
+        v["message"].as_str().unwrap_or("").contains("at most 16"),
+        "{v}"
+    );
+    let (_, list) = s.get("/admin/v1/attempts", Some(ADM)).await;
+    let states: Vec<&str> = list["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(states, ["completed"; 3], "{list}");
+}

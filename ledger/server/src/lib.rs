@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod readiness;
 pub mod reconcile;
 pub mod redact;
+pub mod reports;
 pub mod resolution;
 pub mod server;
 pub mod signer;

@@ -70,6 +70,9 @@ pub struct Metrics {
     /// Reports without the capability of the attempt's current round (forged, or from a
     /// party the round was not dispatched to), by reported kind.
     pub outcomes_refused: IntCounterVec,
+    /// Reports that rode on an authorize, by whether the ledger took them (`taken`: applied
+    /// and acknowledged in the answer, whatever each ack; `failed`: answered without acks).
+    pub reports_ridden: IntCounterVec,
     /// Duplicate-guard hits by mode (log, enforce).
     pub duplicates: IntCounterVec,
     /// Admin resolutions by result (executed, not_executed).
@@ -163,6 +166,11 @@ impl Metrics {
             "atmost_outcome_reports_refused_total",
             "Outcome reports refused because they did not carry the capability of the attempt's current round.",
             &["kind"],
+        )?;
+        let reports_ridden = counter_vec(
+            "atmost_outcome_reports_ridden_total",
+            "Outcome reports that rode on an authorize, by whether they were taken (their acks in its answer) or failed (answered without acks; the filter sends them again).",
+            &["result"],
         )?;
         let duplicates = counter_vec(
             "atmost_duplicate_suspected_total",
@@ -330,6 +338,7 @@ impl Metrics {
             permit_left_ratio,
             outcomes,
             outcomes_refused,
+            reports_ridden,
             duplicates,
             resolutions,
             reconciler_lookups,

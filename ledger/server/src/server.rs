@@ -9,9 +9,9 @@ use atmost_protocol::credential::CREDENTIAL_PATH;
 use atmost_protocol::ledger_error::LedgerErrorCode;
 use atmost_protocol::signature::{Jwks, KEYS_PATH};
 use atmost_protocol::{
-    AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, LimitsRequest, Outcome, OutcomeAck,
-    OutcomesRequest, OutcomesResponse, AUTHORIZE_PATH, CALLOUT_TIMEOUT_HEADER, LIMITS_PATH,
-    MAX_LIMITS_TOOLS, OUTCOMES_PATH,
+    AuthorizeAnswer, AuthorizeRequest, AuthorizeResponse, Denial, DenialCode, LimitsRequest,
+    AUTHORIZE_PATH, CALLOUT_TIMEOUT_HEADER, LIMITS_PATH, MAX_LIMITS_TOOLS, MAX_RIDING_REPORTS,
+    OUTCOMES_PATH,
 };
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, Query, State};
@@ -36,6 +36,7 @@ use crate::api::{
 use crate::approvals;
 use crate::credentials;
 use crate::inbox;
+use crate::reports;
 use crate::resolution::resolved;
 use crate::signer::KeyUnavailable;
 use crate::state::{AppState, Shared};
@@ -61,7 +62,7 @@ pub const KEYS_MAX_AGE_S: u64 = 60;
 pub fn api_router(state: Shared) -> Router {
     let service = Router::new()
         .route(AUTHORIZE_PATH, post(authorize))
-        .route(OUTCOMES_PATH, post(outcomes))
+        .route(OUTCOMES_PATH, post(reports::outcomes))
         .route(LIMITS_PATH, post(limits))
         .route(CREDENTIAL_PATH, post(credentials::fetch))
         .route_layer(middleware::from_fn_with_state(
@@ -184,7 +185,7 @@ async fn authorize(
         Err(why) => return bad_request(why),
     };
     let deadline = Deadline::of_callout(arrival, timeout);
-    let Json(req) = match body {
+    let Json(mut req) = match body {
         Ok(b) => b,
         Err(r) => return json_rejection(r),
     };
@@ -194,6 +195,45 @@ async fn authorize(
     if let Err(e) = signing::check_dispatch(&req) {
         return bad_request(e.to_string());
     }
+    if req.reports.len() > MAX_RIDING_REPORTS {
+        return bad_request(format!(
+            "reports: at most {MAX_RIDING_REPORTS} ride on one authorize"
+        ));
+    }
+    let riding = std::mem::take(&mut req.reports);
+    if riding.is_empty() {
+        return match decide_call(&state, &req, timeout, deadline).await {
+            Ok(decision) => (StatusCode::OK, Json(decision)).into_response(),
+            Err(refused) => refused,
+        };
+    }
+    // Side by side: on SQLite both reach the writer's turn and share its commit; on
+    // PostgreSQL each goes to its own group. The decision never waits on the reports' fate.
+    let (decided, report_acks) = tokio::join!(
+        decide_call(&state, &req, timeout, deadline),
+        reports::apply_riding(&state, riding)
+    );
+    match decided {
+        Ok(decision) => (
+            StatusCode::OK,
+            Json(AuthorizeAnswer {
+                decision,
+                report_acks,
+            }),
+        )
+            .into_response(),
+        Err(refused) => refused,
+    }
+}
+
+/// Decides one call and signs its dispatch: the answer, or the error answer that goes
+/// instead.
+async fn decide_call(
+    state: &Shared,
+    req: &AuthorizeRequest,
+    timeout: Duration,
+    deadline: Deadline,
+) -> Result<AuthorizeResponse, Response> {
     let started = Instant::now();
     let permit_id = token::permit_id_of(&req.permit_token).unwrap_or("-");
     // The key comes before the decision: a dispatch the ledger cannot sign is never reserved.
@@ -201,19 +241,19 @@ async fn authorize(
         None => None,
         Some(_) => match state.signer.active(&*state.store).await {
             Ok(key) => Some(key),
-            Err(e) => return unsignable(&state, permit_id, &req.tool, &e),
+            Err(e) => return Err(unsignable(state, permit_id, &req.tool, &e)),
         },
     };
     // Read and opened before the decision: a credential that cannot be sent reserves nothing.
-    let credential = match credentials::for_dispatch(&state, &req.permit_token).await {
+    let credential = match credentials::for_dispatch(state, &req.permit_token).await {
         Ok(c) => c,
-        Err(e) => return internal(&state, "credential", &e),
+        Err(e) => return Err(internal(state, "credential", &e)),
     };
     let (used, credential) = credential.unzip();
     let now = state.clock.now_ms();
     let decision = match state
         .store
-        .authorize_with(&req, used.clone(), state.leases(), now, deadline)
+        .authorize_with(req, used.clone(), state.leases(), now, deadline)
         .await
     {
         Ok(d) => d,
@@ -221,9 +261,9 @@ async fn authorize(
             state.metrics.decisions_past_deadline.inc();
             warn!(permit_id, tool = %req.tool, timeout_ms = timeout.as_millis() as u64, why,
                 "authorize not committed: the caller's deadline passed (answered 503)");
-            return error_response(LedgerErrorCode::StoreUnavailable, None);
+            return Err(error_response(LedgerErrorCode::StoreUnavailable, None));
         }
-        Err(e) => return internal(&state, "authorize", &e),
+        Err(e) => return Err(internal(state, "authorize", &e)),
     };
     // Signed after the store answered: no permit's lock is held while it signs, and only over
     // the body the attempt it wrote records.
@@ -245,13 +285,13 @@ async fn authorize(
     }
     let signed_by = match key.as_deref() {
         Some(key) => {
-            match signing::sign_answer(&req, &mut response, key, now, recorded_body.as_deref()) {
+            match signing::sign_answer(req, &mut response, key, now, recorded_body.as_deref()) {
                 Ok(true) => {
                     state.metrics.dispatches_signed.inc();
                     Some(key.kid())
                 }
                 Ok(false) => None,
-                Err(e) => return internal(&state, "sign", &e),
+                Err(e) => return Err(internal(state, "sign", &e)),
             }
         }
         None => None,
@@ -315,7 +355,7 @@ async fn authorize(
             info!(permit_id, tool = %req.tool, decision = "deny", code = d.code.as_str(), "authorize");
         }
     }
-    (StatusCode::OK, Json(response)).into_response()
+    Ok(response)
 }
 
 /// The answer to a call that names a dispatch target when no key can sign: denied
@@ -466,77 +506,6 @@ async fn limits(
             error_response(code, None)
         }
     }
-}
-
-async fn outcomes(
-    State(state): State<Shared>,
-    body: Result<Json<OutcomesRequest>, JsonRejection>,
-) -> Response {
-    let Json(mut req) = match body {
-        Ok(b) => b,
-        Err(r) => return json_rejection(r),
-    };
-    // Whether a verifier's refusal is proven is the keys' to say, never the report's.
-    state
-        .config
-        .tool_refusal_keys
-        .check_reports(&mut req.reports);
-    let mut acks = Vec::with_capacity(req.reports.len());
-    // Every report of the request in one store call (one transaction where the store can).
-    let now = state.clock.now_ms();
-    let results = match state.store.record_outcomes(&req.reports, now).await {
-        Ok(r) if r.len() == req.reports.len() => r,
-        Ok(_) => {
-            let e =
-                LedgerError::Invariant("the store answered a different number of reports".into());
-            return internal(&state, "outcome", &e);
-        }
-        Err(e) => return internal(&state, "outcome", &e),
-    };
-    for (report, result) in req.reports.iter().zip(results) {
-        let kind = report.outcome.kind();
-        state
-            .metrics
-            .outcomes
-            .with_label_values(&[kind, result.ack.as_str()])
-            .inc();
-        let reason = match &report.outcome {
-            Outcome::Released { reason } | Outcome::Uncertain { reason } => reason.as_str(),
-            Outcome::RefusedAtTool { refusal, .. } => refusal.as_str(),
-            Outcome::Completed { .. }
-            | Outcome::InputRequired { .. }
-            | Outcome::Accepted { .. } => "",
-        };
-        match result.ack {
-            OutcomeAck::Conflict => warn!(
-                attempt_id = %report.attempt_id, reported = kind,
-                current = result.previous.map(AttemptState::as_str).unwrap_or("-"),
-                reason, "outcome conflicts with the attempt's state; state kept"
-            ),
-            OutcomeAck::UnknownAttempt => {
-                warn!(attempt_id = %report.attempt_id, reported = kind, "outcome for unknown attempt")
-            }
-            OutcomeAck::Refused => {
-                state
-                    .metrics
-                    .outcomes_refused
-                    .with_label_values(&[kind])
-                    .inc();
-                // The capability is a secret: never logged.
-                warn!(attempt_id = %report.attempt_id, reported = kind, round = report.round,
-                    "outcome refused: no capability for the attempt's current round; state kept")
-            }
-            OutcomeAck::StaleRound => info!(
-                attempt_id = %report.attempt_id, reported = kind, round = report.round,
-                "outcome for an earlier round of the attempt; state kept"
-            ),
-            _ => {
-                info!(attempt_id = %report.attempt_id, outcome = kind, reason, ack = result.ack.as_str(), "outcome")
-            }
-        }
-        acks.push(result.ack);
-    }
-    (StatusCode::OK, Json(OutcomesResponse { acks })).into_response()
 }
 
 async fn create_permit(

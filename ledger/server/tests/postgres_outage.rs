@@ -49,6 +49,7 @@ mod postgres_outage {
 
     fn call(tok: &str) -> AuthorizeRequest {
         AuthorizeRequest {
+            reports: Vec::new(),
             permit_token: tok.into(),
             tool: "pay".into(),
             idempotency_key: Some("k1".into()),

@@ -36,6 +36,7 @@ fn permit(rule: ApprovalRule) -> Permit {
 
 fn req(amount: u64, fp: &str) -> AuthorizeRequest {
     AuthorizeRequest {
+        reports: Vec::new(),
         permit_token: format!("atmp_{PID}_{}", "ab".repeat(32)),
         tool: "refund".into(),
         idempotency_key: Some("k".into()),

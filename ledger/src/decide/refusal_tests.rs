@@ -178,6 +178,7 @@ fn the_same_key_after_a_proven_refusal_is_a_new_call() {
         ..Snapshot::default()
     };
     let req = atmost_protocol::AuthorizeRequest {
+        reports: Vec::new(),
         permit_token: format!("atmp_{PID}_{}", "ab".repeat(32)),
         tool: "pay now".into(),
         idempotency_key: Some("k".into()),

@@ -214,6 +214,7 @@ mod tests {
 
     fn req(key: Option<&str>) -> AuthorizeRequest {
         AuthorizeRequest {
+            reports: Vec::new(),
             permit_token: token(),
             tool: "pay".into(),
             idempotency_key: key.map(String::from),

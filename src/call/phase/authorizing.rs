@@ -153,6 +153,7 @@ impl Authorizing {
         let forwarded_key_carriers =
             upstream_key::carriers(forwarded_key.is_some(), hold_headers, &call.keys);
         let request = AuthorizeRequest {
+            reports: Vec::new(),
             permit_token,
             tool: call.name.clone(),
             idempotency_key: key.clone(),

@@ -78,6 +78,7 @@ pub fn nth_call(tok: &str, i: impl std::fmt::Display) -> AuthorizeRequest {
 
 pub fn req(tok: &str, tool: &str, key: Option<&str>, fp: &str, args: Value) -> AuthorizeRequest {
     AuthorizeRequest {
+        reports: Vec::new(),
         permit_token: tok.into(),
         tool: tool.into(),
         idempotency_key: key.map(String::from),
