@@ -9,8 +9,8 @@ use atmost_protocol::credential::{CredentialRequest, CredentialResponse, Upstrea
 use atmost_protocol::ledger_error::LedgerErrorCode;
 use atmost_protocol::signature::DispatchSignature;
 use atmost_protocol::{
-    AuthorizeResponse, DispatchGrant, LimitsRequest, LimitsResponse, OutcomeAck, OutcomesRequest,
-    OutcomesResponse, PermitLimits,
+    AuthorizeResponse, DispatchGrant, LimitsRequest, LimitsResponse, OutcomeAck, OutcomeReport,
+    OutcomesRequest, OutcomesResponse, PermitLimits,
 };
 use serde::Deserialize;
 use std::fmt;
@@ -43,6 +43,16 @@ pub struct Callout {
 }
 
 impl Callout {
+    /// This callout's body with `reports` riding on it, when it is an authorize (whose
+    /// request the machine writes without reports); `None` when it is not, or nothing rides.
+    pub fn with_riders(&self, reports: &[OutcomeReport]) -> Option<Vec<u8>> {
+        if self.endpoint != Endpoint::Authorize || reports.is_empty() {
+            return None;
+        }
+        let mut body = self.body.clone();
+        atmost_protocol::add_riding_reports(&mut body, reports).then_some(body)
+    }
+
     /// A `POST /v1/outcomes` carrying `request`.
     pub fn outcomes(request: &OutcomesRequest) -> Callout {
         Callout {
@@ -258,6 +268,14 @@ impl LedgerReply {
             .map_err(|_| CalloutError::Unreadable(Endpoint::Limits))
     }
 
+    /// The acks of the reports that rode on an authorize, as its answer gives them: none when
+    /// it has none (a ledger that did not take them, or one older than riding).
+    pub fn report_acks(&self) -> Result<Vec<OutcomeAck>, CalloutError> {
+        let answer: ReportAcksOf = serde_json::from_slice(self.ok_body()?)
+            .map_err(|_| CalloutError::Unreadable(Endpoint::Authorize))?;
+        Ok(answer.report_acks.unwrap_or_default())
+    }
+
     /// Reads an outcomes answer for `sent` reports.
     pub fn outcomes(&self, sent: usize) -> Result<Vec<OutcomeAck>, CalloutError> {
         let resp: OutcomesResponse = serde_json::from_slice(self.ok_body()?)
@@ -298,6 +316,17 @@ struct DispatchAnswer {
     /// The permit's credential, to set upstream (crate::call::credential).
     #[serde(default)]
     credential: Option<UpstreamCredential>,
+    /// The acks of the reports that rode on the request: read by [`LedgerReply::report_acks`].
+    #[serde(default, rename = "report_acks")]
+    _report_acks: serde::de::IgnoredAny,
+}
+
+/// The acks of an authorize answer ([`atmost_protocol::AuthorizeAnswer`]), every other
+/// member skipped.
+#[derive(Deserialize)]
+struct ReportAcksOf {
+    #[serde(default)]
+    report_acks: Option<Vec<OutcomeAck>>,
 }
 
 /// What must be read of a Dispatch answer to report on its round, when the rest of it
@@ -382,6 +411,8 @@ mod tests {
             r#"{"decision":"dispatch","attempt_id":"a","permit_id":"p","lease_ms":1,"round":2,"capability":"c","signature":{"signature_input":"atmost=()","signature":"atmost=:AA==:"}}"#,
             r#"{"decision":"dispatch","attempt_id":"a","permit_id":"p","lease_ms":1,"round":2,"capability":"c","signature":null}"#,
             r#"{"decision":"dispatch","attempt_id":"a","permit_id":"p","lease_ms":1,"round":2,"capability":"c","signature":{"signature":"s","signature_input":"i","x":1}}"#,
+            r#"{"decision":"dispatch","attempt_id":"a","permit_id":"p","lease_ms":1,"round":2,"capability":"c","report_acks":["applied","conflict"]}"#,
+            r#"{"decision":"deny","code":"permit_expired","message":"m","report_acks":["applied"]}"#,
         ];
         let mut dispatches = 0;
         for body in bodies {
@@ -395,7 +426,64 @@ mod tests {
             assert_eq!(read, tagged, "{body}");
             dispatches += usize::from(matches!(read, Ok(AuthorizeResponse::Dispatch { .. })));
         }
-        assert_eq!(dispatches, 7);
+        assert_eq!(dispatches, 8);
+    }
+
+    /// The acks of reports that rode on an authorize come with its answer, whatever its
+    /// decision; an answer without them, or a failed one, has none to give.
+    #[test]
+    fn the_acks_of_riding_reports_are_read_from_the_authorize_answer() {
+        let reply = |status: u32, body: &str| LedgerReply {
+            status: Some(status),
+            body: body.as_bytes().to_vec(),
+        };
+        let dispatch = reply(
+            200,
+            r#"{"decision":"dispatch","attempt_id":"a","permit_id":"p","lease_ms":1,"round":2,"capability":"c","report_acks":["applied","conflict"]}"#,
+        );
+        assert_eq!(
+            dispatch.report_acks(),
+            Ok(vec![OutcomeAck::Applied, OutcomeAck::Conflict])
+        );
+        // The Dispatch reads the quick way with its acks beside it.
+        assert!(serde_json::from_slice::<DispatchAnswer>(&dispatch.body).is_ok());
+        let bare = reply(
+            200,
+            r#"{"decision":"replay","attempt_id":"a","receipt":"{}"}"#,
+        );
+        assert_eq!(bare.report_acks(), Ok(vec![]));
+        let failed = reply(503, r#"{"error":"store_unavailable"}"#);
+        assert!(failed.report_acks().is_err());
+        assert_eq!(
+            LedgerReply::failed().report_acks(),
+            Err(CalloutError::Unreachable)
+        );
+    }
+
+    #[test]
+    fn an_authorize_callout_carries_its_riders_and_no_other_callout_does() {
+        let rider = OutcomeReport {
+            attempt_id: "a1".into(),
+            round: 1,
+            capability: "cap".into(),
+            outcome: atmost_protocol::Outcome::Completed {
+                receipt: "{}".into(),
+            },
+        };
+        let authorize = Callout {
+            endpoint: Endpoint::Authorize,
+            body: br#"{"permit_token":"t","tool":"pay","fingerprint":"f"}"#.to_vec(),
+        };
+        let body = authorize.with_riders(std::slice::from_ref(&rider));
+        let read: Option<atmost_protocol::AuthorizeRequest> =
+            body.and_then(|b| serde_json::from_slice(&b).ok());
+        assert_eq!(read.map(|r| r.reports), Some(vec![rider.clone()]));
+        assert_eq!(authorize.with_riders(&[]), None);
+        let limits = Callout::limits(&LimitsRequest {
+            permit_token: "t".into(),
+            tools: vec!["pay".into()],
+        });
+        assert_eq!(limits.with_riders(&[rider]), None);
     }
 
     #[test]

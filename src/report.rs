@@ -12,13 +12,15 @@
 
 pub mod completion_batch;
 pub mod outcome_queue;
+pub mod riders;
 
 use crate::call::Level;
 use crate::ledger_client::{Callout, CalloutError, LedgerReply};
 use crate::stats::Stat;
-use atmost_protocol::OutcomeReport;
+use atmost_protocol::{OutcomeAck, OutcomeReport};
 use completion_batch::{Completions, Finished};
 use outcome_queue::{BatchResult, ReportQueue};
+use riders::{Landed, Riders};
 use std::cell::RefCell;
 use std::collections::VecDeque;
 
@@ -82,6 +84,8 @@ const LOST_AFTER_MS: u64 = 5_000;
 pub struct Reporter {
     queue: ReportQueue,
     completions: Completions,
+    /// Released calls' reports waiting for the next authorize (`report_ride_ms`).
+    riders: Riders,
     reports_out: Option<Out>,
     completions_out: Option<Out>,
     /// Ticks after which a callout with no answer is given up on; `None` until configured
@@ -101,10 +105,13 @@ impl Reporter {
         }
     }
 
-    /// (Re)configured: the callout timeout and the tick period set when a batch is lost.
-    pub fn configure(&mut self, ledger_timeout_ms: u64, report_interval_ms: u64) {
+    /// (Re)configured: the callout timeout and the tick period set when a batch is lost;
+    /// `report_ride_ms` how long a released call's report waits for the next authorize (0:
+    /// it does not). Reports already waiting keep waiting under the new figure.
+    pub fn configure(&mut self, ledger_timeout_ms: u64, report_interval_ms: u64, ride_ms: u64) {
         self.lost_after_ticks =
             Some((ledger_timeout_ms + LOST_AFTER_MS) / report_interval_ms.max(1) + 1);
+        self.riders.set_ride_ms(ride_ms);
     }
 
     /// Queues an after-the-fact report (an HTTP context's `on_log`); the effects (counts
@@ -121,6 +128,83 @@ impl Reporter {
     /// [`Reporter::doorbell_failed`] and the next tick sends it instead.
     pub fn complete(&mut self, held: Option<u32>, report: OutcomeReport) -> bool {
         self.completions.push(held, report)
+    }
+
+    /// A released call's report (`answer_release: at_once`), released at `now_ms`: it waits
+    /// for the next authorize when reports ride, else joins the batch as
+    /// [`Reporter::complete`] with no context. Returns whether the root must be woken.
+    pub fn release(&mut self, now_ms: u64, report: OutcomeReport) -> bool {
+        if self.riders.on() {
+            self.riders.wait(now_ms, report);
+            return false;
+        }
+        self.completions.push(None, report)
+    }
+
+    /// The reports the authorize callout of `context_id` takes along (none when none wait).
+    pub fn board(&mut self, context_id: u32) -> Vec<OutcomeReport> {
+        self.riders.board(context_id)
+    }
+
+    /// Whether reports ride on the authorize callout of `context_id`.
+    pub fn is_aboard(&self, context_id: u32) -> bool {
+        self.riders.is_aboard(context_id)
+    }
+
+    /// The authorize callout of `context_id` was answered; `acks` as its answer gave them.
+    /// Riders not known to be delivered join the batch; the effects count and log what
+    /// became of them, and `true` says the root must be woken.
+    pub fn landed(
+        &mut self,
+        context_id: u32,
+        acks: Result<Vec<OutcomeAck>, CalloutError>,
+    ) -> (Vec<RootEffect>, bool) {
+        let landed = self.riders.landed(context_id, acks);
+        let mut tasks = Tasks::default();
+        let ring = self.took_riders(landed, &mut tasks);
+        (tasks.effects, ring)
+    }
+
+    /// The authorize callout of `context_id` will not be answered (not dispatched, or its
+    /// request ended first): its riders join the batch. `true`: the root must be woken.
+    pub fn stranded(&mut self, context_id: u32) -> (Vec<RootEffect>, bool) {
+        let landed = Landed {
+            stranded: self.riders.stranded(context_id),
+            failure: Some(CalloutError::NoAnswer),
+            ..Landed::default()
+        };
+        let mut tasks = Tasks::default();
+        let ring = self.took_riders(landed, &mut tasks);
+        (tasks.effects, ring)
+    }
+
+    fn took_riders(&mut self, landed: Landed, tasks: &mut Tasks) -> bool {
+        for _ in 0..landed.delivered {
+            tasks.effect(RootEffect::Count(Stat::ReportRode));
+        }
+        for (attempt, ack) in &landed.not_applied {
+            tasks.log(
+                Level::Warn,
+                format!("atmost: ledger did not apply the completed report of attempt {attempt}: {ack:?}"),
+            );
+        }
+        if let Some(why) = &landed.failure {
+            if !landed.stranded.is_empty() {
+                tasks.log(
+                    Level::Warn,
+                    format!(
+                        "atmost: {} reports riding on an authorize were not taken ({why}); sent in a batch",
+                        landed.stranded.len()
+                    ),
+                );
+            }
+        }
+        let mut ring = false;
+        for report in landed.stranded {
+            tasks.effect(RootEffect::Count(Stat::ReportRideMissed));
+            ring |= self.completions.push(None, report);
+        }
+        ring
     }
 
     pub fn doorbell_failed(&mut self) {
@@ -215,13 +299,17 @@ impl Reporter {
         tasks
     }
 
-    /// The root's tick: gives up on callouts out too long, sends completion reports a
-    /// doorbell could not announce, and sends the next batch of the report queue.
-    pub fn on_tick(&mut self) -> Tasks {
+    /// The root's tick at `now_ms`: gives up on callouts out too long, sends completion
+    /// reports a doorbell could not announce and riders that waited long enough, and sends
+    /// the next batch of the report queue.
+    pub fn on_tick(&mut self, now_ms: u64) -> Tasks {
         let Some(limit) = self.lost_after_ticks else {
             return Tasks::default();
         };
         let mut tasks = Tasks::default();
+        for report in self.riders.due(now_ms) {
+            self.completions.add_sent_now(report);
+        }
         if let Some(out) = &mut self.completions_out {
             out.ticks += 1;
             if out.ticks > limit {
@@ -260,6 +348,12 @@ impl Reporter {
         let mut tasks = Tasks::default();
         if self.lost_after_ticks.is_none() || self.completions_out.is_some() {
             return tasks;
+        }
+        if self.completions.pending_len() > 0 {
+            // A batch leaves anyway: the riders go with it.
+            for report in self.riders.all_waiting() {
+                self.completions.add_sent_now(report);
+            }
         }
         if let Some(batch) = self.completions.next_batch() {
             self.completions_out = Some(Out {
@@ -333,6 +427,21 @@ pub fn complete(
     ring: impl FnOnce() -> bool,
 ) {
     let must_ring = reporter.borrow_mut().complete(held, report);
+    if must_ring && !ring() {
+        reporter.borrow_mut().doorbell_failed();
+    }
+}
+
+/// Hands a released call's report (released at `now_ms`) to the reporter
+/// ([`Reporter::release`]) and rings the doorbell with `ring` when the root must be woken,
+/// as [`complete`] does.
+pub fn release(
+    reporter: &RefCell<Reporter>,
+    now_ms: u64,
+    report: OutcomeReport,
+    ring: impl FnOnce() -> bool,
+) {
+    let must_ring = reporter.borrow_mut().release(now_ms, report);
     if must_ring && !ring() {
         reporter.borrow_mut().doorbell_failed();
     }

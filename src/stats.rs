@@ -59,6 +59,11 @@ stat_table! {
     ReportBatchFailed => "atmost_report_batch_failed";
     /// A queued outcome report was dropped because the queue was full.
     ReportDropped => "atmost_report_dropped";
+    /// A released call's report delivered on the next authorize callout (`report_ride_ms`).
+    ReportRode => "atmost_report_rode";
+    /// A report that rode on an authorize callout not answered with its ack: sent again in
+    /// a batch of its own.
+    ReportRideMissed => "atmost_report_ride_missed";
     /// A dispatched call answered `input_required` (MCP 2026-07-28); the attempt awaits its continuation.
     InputRequired => "atmost_input_required";
     /// A dispatched call answered with a task handle (`CreateTaskResult`): reported `accepted`.

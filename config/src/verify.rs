@@ -37,7 +37,7 @@ pub const SHARED_FIELDS: [&str; 5] = [
     "upgrade_routes",
 ];
 /// The top-level fields only the gateway reads: refused in `role: "verify"`.
-pub const GATEWAY_ONLY_FIELDS: [&str; 10] = [
+pub const GATEWAY_ONLY_FIELDS: [&str; 11] = [
     "ledger",
     "permit_header",
     "key_required_tools",
@@ -46,6 +46,7 @@ pub const GATEWAY_ONLY_FIELDS: [&str; 10] = [
     "report_interval_ms",
     "completion_reports",
     "answer_release",
+    "report_ride_ms",
     "tools_list_limits",
     "approval_hold_ms",
 ];

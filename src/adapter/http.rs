@@ -8,7 +8,7 @@ use super::shared::Shared;
 use crate::call::effects::{self, EditRefused};
 use crate::call::reply::LocalReply;
 use crate::call::{BodyStep, Call, Effect, Flow, Level, LogProps, RequestHead, ResponseHead, Step};
-use crate::ledger_client::{self, Callout};
+use crate::ledger_client::{self, Callout, Endpoint};
 use crate::report;
 use atmost_protocol::tool_refusal;
 use atmost_protocol::OutcomeReport;
@@ -103,10 +103,34 @@ impl Exec<'_> {
     /// Hands a completion report to the root's batch and rings its doorbell.
     fn complete(&self, held: Option<u32>, completed: OutcomeReport) {
         let doorbell = self.shared.doorbell;
-        report::complete(&self.shared.reporter, held, completed, || {
-            doorbell
-                .is_some_and(|q| hostcalls::enqueue_shared_queue(q, Some(b"!".as_slice())).is_ok())
-        });
+        report::complete(&self.shared.reporter, held, completed, || ring(doorbell));
+    }
+}
+
+/// Rings the root's doorbell (the queue `doorbell`); whether it rang.
+fn ring(doorbell: Option<u32>) -> bool {
+    doorbell.is_some_and(|q| hostcalls::enqueue_shared_queue(q, Some(b"!".as_slice())).is_ok())
+}
+
+/// What became of the reports that rode on the authorize of `context_id` (`landed`: the
+/// answer that came; `None`: none will come): effects to the root, and the doorbell rung
+/// for those that join a batch.
+fn settle_riders(shared: &Shared, context_id: u32, landed: Option<&ledger_client::LedgerReply>) {
+    if !shared.reporter.borrow().is_aboard(context_id) {
+        return;
+    }
+    let (effects, must_ring) = match landed {
+        Some(reply) => shared
+            .reporter
+            .borrow_mut()
+            .landed(context_id, reply.report_acks()),
+        None => shared.reporter.borrow_mut().stranded(context_id),
+    };
+    for effect in effects {
+        shared.root_effect(effect);
+    }
+    if must_ring && !ring(shared.doorbell) {
+        shared.reporter.borrow_mut().doorbell_failed();
     }
 }
 
@@ -165,7 +189,12 @@ impl effects::Host for Exec<'_> {
                 }
             }
             Effect::Complete(completed) => self.complete(Some(self.context_id), completed),
-            Effect::CompleteUnwaited(completed) => self.complete(None, completed),
+            Effect::CompleteUnwaited(completed) => {
+                let doorbell = self.shared.doorbell;
+                report::release(&self.shared.reporter, host::now_ms(), completed, || {
+                    ring(doorbell)
+                });
+            }
             Effect::HoldForApproval { wait_ms } => {
                 let due_ms = host::now_ms().saturating_add(wait_ms);
                 let call = self.call.clone();
@@ -184,7 +213,19 @@ impl effects::Host for Exec<'_> {
     fn dispatch(&mut self, callout: &Callout) -> bool {
         let cfg = &self.shared.config.ledger;
         let headers = ledger_client::headers(cfg, callout.endpoint);
-        host::dispatch(&cfg.cluster, &headers, &callout.body, cfg.timeout_ms).is_some()
+        // Released calls' reports waiting for a call ride on this one's authorize.
+        let riders = match callout.endpoint {
+            Endpoint::Authorize => self.shared.reporter.borrow_mut().board(self.context_id),
+            _ => Vec::new(),
+        };
+        let with_riders = callout.with_riders(&riders);
+        let body = with_riders.as_deref().unwrap_or(&callout.body);
+        let sent = host::dispatch(&cfg.cluster, &headers, body, cfg.timeout_ms).is_some();
+        if !sent || with_riders.is_none() {
+            // Not sent, or the reports could not be added: they go in a batch.
+            settle_riders(self.shared, self.context_id, None);
+        }
+        sent
     }
 }
 
@@ -197,6 +238,7 @@ impl Context for Http {
         _num_trailers: usize,
     ) {
         let reply = host::callout_reply(num_headers, body_size);
+        settle_riders(&self.shared, self.context_id, Some(&reply));
         let step = self.call.borrow_mut().on_ledger_reply(&reply);
         // Returned flow is meaningless in a callout callback; resumes are explicit effects.
         let _ = self.apply(step);
@@ -278,6 +320,8 @@ impl HttpContext for Http {
 
     fn on_log(&mut self) {
         self.sync_batch();
+        // An authorize still out when the request ends is never answered (Envoy cancels it).
+        settle_riders(&self.shared, self.context_id, None);
         // Envoy's properties only matter for a dispatched call not settled yet.
         if self.call.borrow().is_held() {
             // The root asks no more for it; an answer still out is dropped.

@@ -182,7 +182,7 @@ impl RootContext for Root {
             verify.fetch_if_due();
             return;
         }
-        let tasks = self.reporter.borrow_mut().on_tick();
+        let tasks = self.reporter.borrow_mut().on_tick(host::now_ms());
         self.run(tasks);
         self.reask_held();
     }
@@ -290,9 +290,11 @@ impl Root {
     }
 
     fn configure_gateway(&mut self, config: Config, metrics: Rc<host::Metrics>) -> bool {
-        self.reporter
-            .borrow_mut()
-            .configure(config.ledger.timeout_ms, config.report_interval_ms);
+        self.reporter.borrow_mut().configure(
+            config.ledger.timeout_ms,
+            config.report_interval_ms,
+            config.report_ride_ms,
+        );
         let credentials = (config.credential_cache_ms > 0).then(|| {
             Rc::new(RefCell::new(CredentialCache::new(
                 config.credential_cache_ms,

@@ -67,6 +67,12 @@ impl Completions {
         }
     }
 
+    /// Adds a report no context waits for, from the root, which sends the next batch itself
+    /// right after: no doorbell to ring.
+    pub fn add_sent_now(&mut self, report: OutcomeReport) {
+        self.pending.push_back((None, report));
+    }
+
     /// The root handled the doorbell (or ringing it failed).
     pub fn answered_doorbell(&mut self) {
         self.rung = false;
@@ -135,11 +141,12 @@ impl Completions {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use atmost_protocol::Outcome;
 
-    fn report(i: u32) -> OutcomeReport {
+    /// A `completed` report of attempt `a{i}` (the riders' tests use it too).
+    pub(crate) fn report(i: u32) -> OutcomeReport {
         OutcomeReport {
             attempt_id: format!("a{i}"),
             round: 1,

@@ -14,7 +14,7 @@ fn report(i: u32) -> OutcomeReport {
 /// Ledger timeout 1000 ms, tick 200 ms: a callout is lost after 31 ticks.
 fn configured() -> Reporter {
     let mut r = Reporter::new();
-    r.configure(1000, 200);
+    r.configure(1000, 200, 0);
     r
 }
 
@@ -71,10 +71,10 @@ fn nothing_is_sent_before_configuration() {
     let mut r = Reporter::new();
     assert!(r.enqueue(report(1)).is_empty());
     assert!(r.complete(Some(7), report(2)));
-    assert_eq!(r.on_tick(), Tasks::default());
+    assert_eq!(r.on_tick(0), Tasks::default());
     assert_eq!(r.on_doorbell(), Tasks::default());
-    r.configure(1000, 200);
-    let t = r.on_tick();
+    r.configure(1000, 200, 0);
+    let t = r.on_tick(0);
     let sent: Vec<Batch> = t.sends.iter().map(|(b, _)| *b).collect();
     assert_eq!(sent, vec![Batch::Completions, Batch::Reports]);
 }
@@ -82,16 +82,16 @@ fn nothing_is_sent_before_configuration() {
 #[test]
 fn tick_sends_the_queue_one_batch_at_a_time() {
     let mut r = configured();
-    assert_eq!(r.on_tick(), Tasks::default(), "nothing queued");
+    assert_eq!(r.on_tick(0), Tasks::default(), "nothing queued");
     r.enqueue(report(1));
     r.enqueue(report(2));
-    let t = r.on_tick();
+    let t = r.on_tick(0);
     assert_eq!(t.sends.len(), 1);
     assert_eq!(t.sends[0].0, Batch::Reports);
     assert_eq!(attempts(&t.sends[0].1), vec!["a1", "a2"]);
     r.on_dispatched(Batch::Reports, 11);
     r.enqueue(report(3));
-    assert!(r.on_tick().sends.is_empty(), "one batch out at a time");
+    assert!(r.on_tick(0).sends.is_empty(), "one batch out at a time");
     assert_eq!(
         r.on_callout_reply(99, &acks(2)),
         Tasks::default(),
@@ -101,7 +101,7 @@ fn tick_sends_the_queue_one_batch_at_a_time() {
     assert_eq!(counts(&t), vec![Stat::ReportBatchSent]);
     assert!(t.sends.is_empty(), "the next batch waits for the tick");
     assert_eq!(r.queued(), 1);
-    let t = r.on_tick();
+    let t = r.on_tick(0);
     assert_eq!(attempts(&t.sends[0].1), vec!["a3"]);
 }
 
@@ -109,7 +109,7 @@ fn tick_sends_the_queue_one_batch_at_a_time() {
 fn failed_report_batch_stays_queued() {
     let mut r = configured();
     r.enqueue(report(1));
-    r.on_tick();
+    r.on_tick(0);
     r.on_dispatched(Batch::Reports, 5);
     let t = r.on_callout_reply(5, &LedgerReply::failed());
     assert_eq!(counts(&t), vec![Stat::ReportBatchFailed]);
@@ -118,7 +118,7 @@ fn failed_report_batch_stays_queued() {
         vec!["atmost: sending 1 outcome reports failed; they stay queued"]
     );
     assert_eq!(r.queued(), 1);
-    let t = r.on_tick();
+    let t = r.on_tick(0);
     assert_eq!(attempts(&t.sends[0].1), vec!["a1"]);
 }
 
@@ -126,7 +126,7 @@ fn failed_report_batch_stays_queued() {
 fn not_applied_reports_are_logged() {
     let mut r = configured();
     r.enqueue(report(1));
-    r.on_tick();
+    r.on_tick(0);
     r.on_dispatched(Batch::Reports, 5);
     let reply = LedgerReply {
         status: Some(200),
@@ -145,12 +145,12 @@ fn not_applied_reports_are_logged() {
 fn a_lost_report_batch_is_requeued_after_the_limit() {
     let mut r = configured();
     r.enqueue(report(1));
-    r.on_tick();
+    r.on_tick(0);
     r.on_dispatched(Batch::Reports, 5);
     for _ in 0..LIMIT {
-        assert_eq!(r.on_tick(), Tasks::default());
+        assert_eq!(r.on_tick(0), Tasks::default());
     }
-    let t = r.on_tick();
+    let t = r.on_tick(0);
     assert_eq!(
         logs(&t),
         vec!["atmost: a batch of outcome reports got no answer; requeued"]
@@ -170,12 +170,12 @@ fn a_lost_report_batch_is_requeued_after_the_limit() {
 fn report_batch_not_dispatched_waits_for_the_next_tick() {
     let mut r = configured();
     r.enqueue(report(1));
-    r.on_tick();
+    r.on_tick(0);
     let t = r.on_dispatch_failed(Batch::Reports);
     assert_eq!(counts(&t), vec![Stat::ReportBatchFailed]);
     assert!(t.sends.is_empty());
     assert_eq!(r.queued(), 1);
-    assert_eq!(r.on_tick().sends.len(), 1);
+    assert_eq!(r.on_tick(0).sends.len(), 1);
 }
 
 #[test]
@@ -242,7 +242,7 @@ fn failed_completion_batch_requeues_its_reports_then_resumes() {
         "resumed last"
     );
     assert_eq!(r.queued(), 2, "in the after-the-fact queue");
-    let t = r.on_tick();
+    let t = r.on_tick(0);
     assert_eq!(t.sends[0].0, Batch::Reports);
     assert_eq!(attempts(&t.sends[0].1), vec!["a1", "a2"]);
 }
@@ -264,7 +264,7 @@ fn an_unheld_completion_report_is_sent_retried_and_resumes_nothing() {
     let t = r.on_callout_reply(3, &failed);
     assert!(resumed(&t).is_empty(), "no response was held: {t:?}");
     assert_eq!(r.queued(), 1);
-    let t = r.on_tick();
+    let t = r.on_tick(0);
     assert_eq!(t.sends[0].0, Batch::Reports);
     assert_eq!(attempts(&t.sends[0].1), vec!["a1"], "sent again");
     r.on_dispatched(Batch::Reports, 4);
@@ -273,7 +273,83 @@ fn an_unheld_completion_report_is_sent_retried_and_resumes_nothing() {
         vec![Stat::ReportBatchSent]
     );
     assert_eq!(r.queued(), 0, "delivered once, then gone");
-    assert!(r.on_tick().sends.is_empty());
+    assert!(r.on_tick(0).sends.is_empty());
+}
+
+/// `report_ride_ms` 500: a released call's report waits for the next authorize, rides on it,
+/// and is delivered by its acks; without them it goes in a batch of its own.
+#[test]
+fn a_released_report_rides_on_the_next_authorize_and_is_delivered_by_its_acks() {
+    let mut r = Reporter::new();
+    r.configure(1000, 200, 500);
+    assert!(!r.release(1_000, report(1)), "nothing to ring: it waits");
+    assert!(r.on_doorbell().sends.is_empty() && r.on_tick(1_100).sends.is_empty());
+    assert_eq!(r.board(7).len(), 1);
+    assert!(r.is_aboard(7) && r.board(8).is_empty());
+    let answer = LedgerReply {
+        status: Some(200),
+        body: br#"{"decision":"deny","code":"permit_invalid","message":"m","report_acks":["applied"]}"#
+            .to_vec(),
+    };
+    let (effects, ring) = r.landed(7, answer.report_acks());
+    assert_eq!(effects, vec![RootEffect::Count(Stat::ReportRode)]);
+    assert!(!ring && !r.is_aboard(7));
+    assert!(
+        r.on_tick(5_000).sends.is_empty(),
+        "delivered once, then gone"
+    );
+
+    // An answer without acks (a ledger that did not take them) sends them in a batch.
+    r.release(6_000, report(2));
+    r.release(6_001, report(3));
+    r.board(9);
+    let bare = LedgerReply {
+        status: Some(200),
+        body: br#"{"decision":"deny","code":"permit_invalid","message":"m"}"#.to_vec(),
+    };
+    let (effects, ring) = r.landed(9, bare.report_acks());
+    assert!(ring, "the batch's doorbell rings");
+    assert!(effects.contains(&RootEffect::Count(Stat::ReportRideMissed)));
+    assert!(effects.contains(&RootEffect::Log(
+        Level::Warn,
+        "atmost: 2 reports riding on an authorize were not taken (ledger acknowledged 0 of 2 reports); sent in a batch".into()
+    )));
+    let t = r.on_doorbell();
+    assert_eq!(attempts(&t.sends[0].1), vec!["a2", "a3"]);
+}
+
+#[test]
+fn a_report_no_call_takes_leaves_on_the_first_tick_after_report_ride_ms() {
+    let mut r = Reporter::new();
+    r.configure(1000, 200, 500);
+    r.release(1_000, report(1));
+    assert!(r.on_tick(1_400).sends.is_empty());
+    let t = r.on_tick(1_600);
+    assert_eq!(t.sends.len(), 1);
+    assert_eq!(attempts(&t.sends[0].1), vec!["a1"]);
+    // While that batch is out a new one waits; one leaving anyway takes it along.
+    r.on_dispatched(Batch::Completions, 3);
+    r.release(1_700, report(2));
+    r.complete(Some(5), report(3));
+    let t = r.on_callout_reply(3, &acks(1));
+    assert_eq!(attempts(&t.sends[0].1), vec!["a3", "a2"]);
+    // An authorize that will not be answered leaves its riders to a batch.
+    r.on_dispatched(Batch::Completions, 4);
+    r.on_callout_reply(4, &acks(2));
+    r.release(2_000, report(4));
+    r.board(11);
+    let (effects, ring) = r.stranded(11);
+    assert!(ring && effects.contains(&RootEffect::Count(Stat::ReportRideMissed)));
+    assert_eq!(attempts(&r.on_doorbell().sends[0].1), vec!["a4"]);
+}
+
+/// Without `report_ride_ms` a released report joins the batch at once, as before.
+#[test]
+fn without_riding_a_released_report_rings_for_the_batch() {
+    let mut r = configured();
+    assert!(r.release(0, report(1)));
+    assert!(r.board(1).is_empty());
+    assert_eq!(attempts(&r.on_doorbell().sends[0].1), vec!["a1"]);
 }
 
 #[test]
@@ -283,9 +359,9 @@ fn a_lost_completion_batch_is_given_up_and_its_responses_resumed() {
     r.on_doorbell();
     r.on_dispatched(Batch::Completions, 3);
     for _ in 0..LIMIT {
-        assert!(resumed(&r.on_tick()).is_empty());
+        assert!(resumed(&r.on_tick(0)).is_empty());
     }
-    let t = r.on_tick();
+    let t = r.on_tick(0);
     assert_eq!(resumed(&t), vec![1]);
     assert!(logs(&t)[0].contains("(no answer)"), "{:?}", logs(&t));
     assert_eq!(
@@ -305,7 +381,7 @@ fn the_tick_sends_completions_a_doorbell_could_not_announce() {
     let mut r = configured();
     assert!(r.complete(Some(1), report(1)));
     r.doorbell_failed();
-    let t = r.on_tick();
+    let t = r.on_tick(0);
     assert_eq!(t.sends.len(), 1);
     assert_eq!(t.sends[0].0, Batch::Completions);
     // Answered: the next report rings again.
@@ -335,7 +411,7 @@ fn a_completion_report_rings_the_doorbell_only_when_the_root_must_wake() {
     // A doorbell that did not ring: the tick sends the report instead.
     complete(&r, Some(3), report(3), || ring(false));
     assert_eq!(rings.get(), 2);
-    let t = r.borrow_mut().on_tick();
+    let t = r.borrow_mut().on_tick(0);
     assert_eq!(t.sends.len(), 1);
     assert_eq!(t.sends[0].0, Batch::Completions);
 }
@@ -390,7 +466,7 @@ fn apply_hands_tokens_back_so_answers_are_recognised() {
     let r = RefCell::new(configured());
     r.borrow_mut().enqueue(report(1));
     let mut host = Recorder::refusing(0);
-    let t = r.borrow_mut().on_tick();
+    let t = r.borrow_mut().on_tick(0);
     apply(&r, t, &mut host);
     assert_eq!(host.dispatched, vec![vec!["a1".to_string()]]);
     let t = r.borrow_mut().on_callout_reply(101, &acks(1));
@@ -429,7 +505,7 @@ fn apply_finishes_undispatchable_completion_batches_until_none_wait() {
     assert!(!r.borrow().is_waiting(0));
     // Dispatch works again: the tick sends the queue.
     let mut host = Recorder::refusing(0);
-    let t = r.borrow_mut().on_tick();
+    let t = r.borrow_mut().on_tick(0);
     apply(&r, t, &mut host);
     assert_eq!(host.dispatched.len(), 1);
     assert_eq!(host.dispatched[0].len(), 100);
