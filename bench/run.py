@@ -85,6 +85,9 @@ Environment (knobs):
   BENCH_PLUGIN        JSON merged into atmost's plugin configuration,
                       e.g. '{"completion_reports": "per_call"}'
                       (setups Da and Ea add answer_release at_once to it)
+  BENCH_RIDE_MS       report_ride_ms for Da and Ea (default 0: their reports do not ride;
+                      D0a, their zero, never rides), to compare reports riding on the
+                      next authorize with a callout of their own
   BENCH_LEDGER_HTTP   the protocol of Envoy's ledger cluster: 2 (default, h2c, as shipped) or 1
                       (HTTP/1.1, a connection per callout in flight), to compare the two
   BENCH_PG_BINDIR     PostgreSQL's binaries for the bench's own cluster
@@ -1540,6 +1543,8 @@ def main() -> int:
                 overrides.update(json.loads(os.environ["BENCH_PLUGIN"]))
             if name in ANSWER_AT_ONCE:
                 overrides["answer_release"] = "at_once"
+            if name in ANSWER_AT_ONCE and name not in STUB_LEDGER and wasm == ATMOST_WASM:
+                overrides["report_ride_ms"] = int(os.environ.get("BENCH_RIDE_MS", "0"))
             ledger_ports = [lg.port for lg in ledgers] or [callout_port]
             upstream_port = mcp_port
             # Picked first: the verifier serves the authority the gateway's calls are signed for.
