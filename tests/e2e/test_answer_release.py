@@ -217,12 +217,18 @@ def test_envoy_killed_before_the_report_lands_leaves_the_attempt_to_its_lease(st
     stack.envoy.kill9()
     stack.ledger_proxy.cut_all()
     stack.ledger_proxy.set_mode("pass")
-    shown = wait_until(lambda: (a := stack.shown(attempt["id"]))["state"] != "in_flight" and a, 40,
+    left_to_its_lease(stack, server, permit, attempt["id"], args, key)
+
+
+def left_to_its_lease(stack: ReleaseFirstStack, server, permit: dict, attempt_id: str, args: dict,
+                      key: str) -> None:
+    """With its Envoy dead and its report never delivered, the lease makes the attempt
+    `uncertain`; on a new Envoy the same key is `delivery_uncertain`, never sent again, and
+    the slot stays taken."""
+    shown = wait_until(lambda: (a := stack.shown(attempt_id))["state"] != "in_flight" and a, 40,
                        "the lease to decide the attempt")
     assert shown["state"] == "uncertain", shown
     assert "lease_expired" in json.dumps(shown), shown
-
-    # A new Envoy: the same key is `delivery_uncertain`, never sent again; the slot stays taken.
     stack.envoy = stack.new_envoy()
     stack.start_envoy()
     client = RawMcp(stack.envoy.url)
@@ -231,7 +237,7 @@ def test_envoy_killed_before_the_report_lands_leaves_the_attempt_to_its_lease(st
     finally:
         client.close()
     assert denial_code(again) == "delivery_uncertain", again.text
-    assert denial(again)["attempt_id"] == attempt["id"]
+    assert denial(again)["attempt_id"] == attempt_id
     assert server.executions("pay_invoice") == 1
     [after] = stack.attempts(permit)
     assert after["state"] == "uncertain"

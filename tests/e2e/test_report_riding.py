@@ -14,7 +14,6 @@ without it that stack fails, it never skips.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
@@ -22,9 +21,9 @@ import uuid
 import pytest
 
 from tests.e2e.conftest import UPSTREAM_SECRET, new_key
-from tests.e2e.test_answer_release import CALLOUT_TIMEOUT_MS, ReleaseFirstStack
+from tests.e2e.test_answer_release import CALLOUT_TIMEOUT_MS, ReleaseFirstStack, left_to_its_lease
 from tests.e2e.test_open_doors import metric
-from tests.support.mcp_raw import RawMcp, denial, denial_code, result_text
+from tests.support.mcp_raw import RawMcp, denial, result_text
 from tests.support.stack import Envoy, wait_until
 
 # The longest wait there is: the last call's report is still waiting while the test looks.
@@ -136,19 +135,4 @@ def test_envoy_killed_with_a_report_waiting_leaves_the_attempt_to_its_lease(stac
 
     # Envoy dies with it: nothing delivers it, and the lease decides.
     stack.envoy.kill9()
-    shown = wait_until(lambda: (a := stack.shown(attempt["id"]))["state"] != "in_flight" and a, 40,
-                       "the lease to decide the attempt")
-    assert shown["state"] == "uncertain", shown
-    assert "lease_expired" in json.dumps(shown), shown
-
-    # A new Envoy: the same key is `delivery_uncertain`, never sent again; the slot stays taken.
-    stack.envoy = stack.new_envoy()
-    stack.start_envoy()
-    client = RawMcp(stack.envoy.url)
-    try:
-        again = client.call("pay_invoice", args, permit["token"], key)
-    finally:
-        client.close()
-    assert denial_code(again) == "delivery_uncertain", again.text
-    assert denial(again)["attempt_id"] == attempt["id"]
-    assert server.executions("pay_invoice") == 1
+    left_to_its_lease(stack, server, permit, attempt["id"], args, key)
