@@ -269,11 +269,25 @@ impl LedgerReply {
     }
 
     /// The acks of the reports that rode on an authorize, as its answer gives them: none when
-    /// it has none (a ledger that did not take them, or one older than riding).
+    /// it has none (a ledger that did not take them, or one older than riding). Read as a
+    /// JSON value and looked up among the acks' names, as [`LedgerReply::error_code`] reads
+    /// its code: a reader of its own would cost the module kilobytes.
     pub fn report_acks(&self) -> Result<Vec<OutcomeAck>, CalloutError> {
-        let answer: ReportAcksOf = serde_json::from_slice(self.ok_body()?)
-            .map_err(|_| CalloutError::Unreadable(Endpoint::Authorize))?;
-        Ok(answer.report_acks.unwrap_or_default())
+        let unreadable = || CalloutError::Unreadable(Endpoint::Authorize);
+        let answer = serde_json::from_slice::<serde_json::Value>(self.ok_body()?)
+            .map_err(|_| unreadable())?;
+        let Some(acks) = answer.get("report_acks") else {
+            return Ok(Vec::new());
+        };
+        let named = |ack: &serde_json::Value| {
+            let name = ack.as_str()?;
+            OutcomeAck::ALL.into_iter().find(|a| a.as_str() == name)
+        };
+        acks.as_array()
+            .ok_or_else(unreadable)?
+            .iter()
+            .map(|ack| named(ack).ok_or_else(unreadable))
+            .collect()
     }
 
     /// Reads an outcomes answer for `sent` reports.
@@ -319,14 +333,6 @@ struct DispatchAnswer {
     /// The acks of the reports that rode on the request: read by [`LedgerReply::report_acks`].
     #[serde(default, rename = "report_acks")]
     _report_acks: serde::de::IgnoredAny,
-}
-
-/// The acks of an authorize answer ([`atmost_protocol::AuthorizeAnswer`]), every other
-/// member skipped.
-#[derive(Deserialize)]
-struct ReportAcksOf {
-    #[serde(default)]
-    report_acks: Option<Vec<OutcomeAck>>,
 }
 
 /// What must be read of a Dispatch answer to report on its round, when the rest of it
