@@ -108,8 +108,9 @@ pub struct AuthorizeRequest {
     /// docs/design.md#reports-riding-on-the-next-authorize), at most
     /// [`MAX_RIDING_REPORTS`]: applied as a `POST /v1/outcomes` would apply them, and
     /// acknowledged in [`AuthorizeAnswer::report_acks`]. They change nothing of this call's
-    /// decision, and a decision is answered even when they could not be applied (then the
-    /// answer has no acks, and the filter sends them again in a batch of their own).
+    /// decision, and a decision is answered even when they could not be applied, or not
+    /// within the decision's deadline (then the answer has no acks, and the filter sends them
+    /// again in a batch of their own).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reports: Vec<OutcomeReport>,
 }

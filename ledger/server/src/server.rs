@@ -208,11 +208,15 @@ async fn authorize(
         };
     }
     // Side by side: on SQLite both reach the writer's turn and share its commit; on
-    // PostgreSQL each goes to its own group. The decision never waits on the reports' fate.
-    let (decided, report_acks) = tokio::join!(
-        decide_call(&state, &req, timeout, deadline),
-        reports::apply_riding(&state, riding)
+    // PostgreSQL each goes to its own group. The answer waits for the reports no longer than
+    // the decision may take: a decision committed in time is answered in time, without the
+    // acks of reports still being applied (the filter sends those again).
+    let riders = tokio::time::timeout_at(
+        deadline.instant().into(),
+        reports::apply_riding(&state, riding),
     );
+    let (decided, report_acks) = tokio::join!(decide_call(&state, &req, timeout, deadline), riders);
+    let report_acks = report_acks.ok().flatten();
     match decided {
         Ok(decision) => (
             StatusCode::OK,
