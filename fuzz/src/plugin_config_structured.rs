@@ -234,6 +234,7 @@ pub fn check(data: &[u8]) {
         credential_cache_ms: 0,
         completion_reports: atmost_config::CompletionReports::Batched,
         answer_release: atmost_config::AnswerRelease::AfterReceipt,
+        report_ride_ms: 0,
         request_hold: atmost_config::RequestHold::Headers,
         signature_validity_s: atmost_config::DEFAULT_SIGNATURE_VALIDITY_S,
         approval_hold_ms: 0,
