@@ -131,10 +131,11 @@ impl Reporter {
     }
 
     /// A released call's report (`answer_release: at_once`), released at `now_ms`: it waits
-    /// for the next authorize when reports ride, else joins the batch as
+    /// for the next authorize when reports ride and its receipt is not too large for that
+    /// ([`Riders::takes`]), else joins the batch as
     /// [`Reporter::complete`] with no context. Returns whether the root must be woken.
     pub fn release(&mut self, now_ms: u64, report: OutcomeReport) -> bool {
-        if self.riders.on() {
+        if self.riders.takes(&report) {
             self.riders.wait(now_ms, report);
             return false;
         }

@@ -57,6 +57,11 @@ pub const MAX_LIMITS_TOOLS: usize = 1000;
 /// Most outcome reports one [`AuthorizeRequest`] may carry ([`AuthorizeRequest::reports`]):
 /// a decision waits for the reports that ride with it, so their number is kept small.
 pub const MAX_RIDING_REPORTS: usize = 16;
+/// Most bytes of receipts the reports riding on one [`AuthorizeRequest`] carry together: with
+/// the call's own arguments the request stays well under the ledger's body limit (8 MiB), so
+/// riders can never be why a call's authorize is refused. A report whose receipt alone is
+/// larger does not ride.
+pub const MAX_RIDING_RECEIPT_BYTES: usize = 1 << 20;
 
 /// The filter asks whether one `tools/call` may go upstream.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -106,7 +111,7 @@ pub struct AuthorizeRequest {
     pub dispatch: Option<signature::DispatchTarget>,
     /// Reports about earlier calls that ride on this one (`report_ride_ms`,
     /// docs/design.md#reports-riding-on-the-next-authorize), at most
-    /// [`MAX_RIDING_REPORTS`]: applied as a `POST /v1/outcomes` would apply them, and
+    /// [`MAX_RIDING_REPORTS`] (the filter keeps them to [`MAX_RIDING_RECEIPT_BYTES`]): applied as a `POST /v1/outcomes` would apply them, and
     /// acknowledged in [`AuthorizeAnswer::report_acks`]. They change nothing of this call's
     /// decision, and a decision is answered even when they could not be applied, or not
     /// within the decision's deadline (then the answer has no acks, and the filter sends them
@@ -456,6 +461,18 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// The receipt the outcome carries (`completed`, `input_required`, `accepted`).
+    pub fn receipt(&self) -> Option<&str> {
+        match self {
+            Outcome::Completed { receipt }
+            | Outcome::InputRequired { receipt }
+            | Outcome::Accepted { receipt } => Some(receipt),
+            Outcome::Released { .. }
+            | Outcome::Uncertain { .. }
+            | Outcome::RefusedAtTool { .. } => None,
+        }
+    }
+
     /// The report's `outcome` tag (the `kind` label of the ledger's outcome counters).
     pub fn kind(&self) -> &'static str {
         match self {

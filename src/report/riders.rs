@@ -15,7 +15,7 @@
 //!   the root's next tick, as is every rider when a batch leaves anyway.
 
 use crate::ledger_client::CalloutError;
-use atmost_protocol::{OutcomeAck, OutcomeReport, MAX_RIDING_REPORTS};
+use atmost_protocol::{OutcomeAck, OutcomeReport, MAX_RIDING_RECEIPT_BYTES, MAX_RIDING_REPORTS};
 use std::collections::VecDeque;
 
 /// What became of the riders of one authorize.
@@ -60,15 +60,31 @@ impl Riders {
         self.ride_ms > 0
     }
 
+    /// Whether `report` may ride: reports ride at all, and its receipt alone is not larger
+    /// than the receipts of one authorize may be together.
+    pub fn takes(&self, report: &OutcomeReport) -> bool {
+        self.on() && receipt_len(report) <= MAX_RIDING_RECEIPT_BYTES
+    }
+
     /// A released call's report, released at `now_ms`, waits for the next authorize.
     pub fn wait(&mut self, now_ms: u64, report: OutcomeReport) {
         self.waiting.push_back((now_ms, report));
     }
 
-    /// The reports the authorize of `context_id` takes along, oldest first; they stay aboard
+    /// The reports the authorize of `context_id` takes along, oldest first, at most
+    /// [`MAX_RIDING_REPORTS`] and [`MAX_RIDING_RECEIPT_BYTES`] of receipts; they stay aboard
     /// until [`Riders::landed`] or [`Riders::stranded`] says what became of them.
     pub fn board(&mut self, context_id: u32) -> Vec<OutcomeReport> {
-        let n = self.waiting.len().min(MAX_RIDING_REPORTS);
+        let mut bytes = 0;
+        let n = self
+            .waiting
+            .iter()
+            .take(MAX_RIDING_REPORTS)
+            .take_while(|(_, r)| {
+                bytes += receipt_len(r);
+                bytes <= MAX_RIDING_RECEIPT_BYTES
+            })
+            .count();
         if n == 0 {
             return Vec::new();
         }
@@ -155,6 +171,10 @@ impl Riders {
     }
 }
 
+fn receipt_len(report: &OutcomeReport) -> usize {
+    report.outcome.receipt().map_or(0, str::len)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,6 +199,29 @@ mod tests {
         let second = r.board(8);
         assert_eq!(ids(&second), ["a16", "a17", "a18", "a19"]);
         assert_eq!(r.waiting_len(), 0);
+    }
+
+    #[test]
+    fn the_receipts_of_one_authorizes_riders_stay_within_their_bytes() {
+        let sized = |i: u32, bytes: usize| OutcomeReport {
+            outcome: atmost_protocol::Outcome::Completed {
+                receipt: "x".repeat(bytes),
+            },
+            ..report(i)
+        };
+        let mut r = Riders::new(500);
+        let third = MAX_RIDING_RECEIPT_BYTES / 3;
+        assert!(r.takes(&sized(0, MAX_RIDING_RECEIPT_BYTES)));
+        assert!(
+            !r.takes(&sized(0, MAX_RIDING_RECEIPT_BYTES + 1)),
+            "too large alone"
+        );
+        assert!(!Riders::new(0).takes(&report(0)), "riding off");
+        for i in 1..=4 {
+            r.wait(0, sized(i, third));
+        }
+        assert_eq!(ids(&r.board(1)), ["a1", "a2", "a3"]);
+        assert_eq!(ids(&r.board(2)), ["a4"]);
     }
 
     #[test]

@@ -343,6 +343,22 @@ fn a_report_no_call_takes_leaves_on_the_first_tick_after_report_ride_ms() {
     assert_eq!(attempts(&r.on_doorbell().sends[0].1), vec!["a4"]);
 }
 
+/// A receipt larger than one authorize's riders may carry together goes in a batch at once.
+#[test]
+fn a_report_too_large_to_ride_joins_the_batch_at_once() {
+    let mut r = Reporter::new();
+    r.configure(1000, 200, 500);
+    let large = OutcomeReport {
+        outcome: Outcome::Completed {
+            receipt: "x".repeat(atmost_protocol::MAX_RIDING_RECEIPT_BYTES + 1),
+        },
+        ..report(1)
+    };
+    assert!(r.release(0, large), "it rings for the batch");
+    assert!(r.board(7).is_empty());
+    assert_eq!(attempts(&r.on_doorbell().sends[0].1), vec!["a1"]);
+}
+
 /// Without `report_ride_ms` a released report joins the batch at once, as before.
 #[test]
 fn without_riding_a_released_report_rings_for_the_batch() {
