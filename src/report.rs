@@ -24,6 +24,25 @@ use riders::{Landed, Riders};
 use std::cell::RefCell;
 use std::collections::VecDeque;
 
+/// How many of `reports`, from the first, go in one callout: at most `max_reports`, and at
+/// most `max_bytes` of receipts together, but always the first one (one too large for any
+/// batch goes alone).
+pub fn batch_len<'a>(
+    reports: impl Iterator<Item = &'a OutcomeReport>,
+    max_reports: usize,
+    max_bytes: usize,
+) -> usize {
+    let mut bytes = 0;
+    reports
+        .take(max_reports)
+        .enumerate()
+        .take_while(|(i, r)| {
+            bytes += r.outcome.receipt().map_or(0, str::len);
+            *i == 0 || bytes <= max_bytes
+        })
+        .count()
+}
+
 /// Which of the two lists a callout carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Batch {

@@ -57,6 +57,10 @@ pub const MAX_LIMITS_TOOLS: usize = 1000;
 /// Most outcome reports one [`AuthorizeRequest`] may carry ([`AuthorizeRequest::reports`]):
 /// a decision waits for the reports that ride with it, so their number is kept small.
 pub const MAX_RIDING_REPORTS: usize = 16;
+/// Most bytes of receipts the reports of one [`OutcomesRequest`] from the filter carry
+/// together (a single larger report still goes, alone): half the ledger's body limit (8 MiB),
+/// so that a batch of reports is never refused for its size, and never blocks those behind it.
+pub const MAX_BATCH_RECEIPT_BYTES: usize = 4 << 20;
 /// Most bytes of receipts the reports riding on one [`AuthorizeRequest`] carry together: with
 /// the call's own arguments the request stays well under the ledger's body limit (8 MiB), so
 /// riders can never be why a call's authorize is refused. A report whose receipt alone is

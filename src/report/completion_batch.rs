@@ -17,7 +17,7 @@
 //! sent, or requeued when its batch fails, like any other.
 
 use crate::ledger_client::CalloutError;
-use atmost_protocol::{OutcomeAck, OutcomeReport, OutcomesRequest};
+use atmost_protocol::{OutcomeAck, OutcomeReport, OutcomesRequest, MAX_BATCH_RECEIPT_BYTES};
 use std::collections::{HashSet, VecDeque};
 
 /// Reports sent in one batch at most.
@@ -103,7 +103,11 @@ impl Completions {
         if self.busy() || self.pending.is_empty() {
             return None;
         }
-        let n = self.pending.len().min(MAX_BATCH);
+        let n = super::batch_len(
+            self.pending.iter().map(|(_, r)| r),
+            MAX_BATCH,
+            MAX_BATCH_RECEIPT_BYTES,
+        );
         self.in_flight = self.pending.drain(..n).collect();
         Some(OutcomesRequest {
             reports: self.in_flight.iter().map(|(_, r)| r.clone()).collect(),

@@ -9,7 +9,7 @@
 //! never `released`.
 
 use crate::ledger_client::CalloutError;
-use atmost_protocol::{OutcomeAck, OutcomeReport, OutcomesRequest};
+use atmost_protocol::{OutcomeAck, OutcomeReport, OutcomesRequest, MAX_BATCH_RECEIPT_BYTES};
 use std::collections::VecDeque;
 
 /// Reports kept at most.
@@ -78,7 +78,7 @@ impl ReportQueue {
         if self.busy() || self.pending.is_empty() {
             return None;
         }
-        let n = self.pending.len().min(MAX_BATCH);
+        let n = super::batch_len(self.pending.iter(), MAX_BATCH, MAX_BATCH_RECEIPT_BYTES);
         self.in_flight = self.pending.drain(..n).collect();
         Some(OutcomesRequest {
             reports: self.in_flight.clone(),

@@ -75,16 +75,11 @@ impl Riders {
     /// [`MAX_RIDING_REPORTS`] and [`MAX_RIDING_RECEIPT_BYTES`] of receipts; they stay aboard
     /// until [`Riders::landed`] or [`Riders::stranded`] says what became of them.
     pub fn board(&mut self, context_id: u32) -> Vec<OutcomeReport> {
-        let mut bytes = 0;
-        let n = self
-            .waiting
-            .iter()
-            .take(MAX_RIDING_REPORTS)
-            .take_while(|(_, r)| {
-                bytes += receipt_len(r);
-                bytes <= MAX_RIDING_RECEIPT_BYTES
-            })
-            .count();
+        let n = super::batch_len(
+            self.waiting.iter().map(|(_, r)| r),
+            MAX_RIDING_REPORTS,
+            MAX_RIDING_RECEIPT_BYTES,
+        );
         if n == 0 {
             return Vec::new();
         }

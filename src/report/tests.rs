@@ -542,3 +542,47 @@ fn apply_after_one_refused_completion_dispatch_sends_the_rest() {
     let t = r.borrow_mut().on_callout_reply(101, &acks(50));
     assert_eq!(resumed(&t), (100..150).collect::<Vec<u32>>());
 }
+
+/// A batch keeps to its count and to its bytes of receipts, and always takes its first
+/// report: a batch past the ledger's body limit would be refused every time it went, and
+/// the reports behind it with it.
+#[test]
+fn a_batch_keeps_to_its_receipts_bytes_and_always_takes_its_first() {
+    let sized = |i: u32, bytes: usize| OutcomeReport {
+        outcome: Outcome::Completed {
+            receipt: "x".repeat(bytes),
+        },
+        ..report(i)
+    };
+    const MIB: usize = 1 << 20;
+    let reports: Vec<OutcomeReport> = [3 * MIB, MIB, 10 * MIB, 1]
+        .iter()
+        .zip(1..)
+        .map(|(b, i)| sized(i, *b))
+        .collect();
+    let max = atmost_protocol::MAX_BATCH_RECEIPT_BYTES;
+    assert_eq!(batch_len(reports.iter(), 100, max), 2, "3 + 1 MiB fit in 4");
+    assert_eq!(
+        batch_len(reports[2..].iter(), 100, max),
+        1,
+        "10 MiB goes alone"
+    );
+    assert_eq!(batch_len(reports[3..].iter(), 100, max), 1);
+    assert_eq!(batch_len(std::iter::empty(), 100, max), 0);
+    let small: Vec<OutcomeReport> = (0..150).map(report).collect();
+    assert_eq!(batch_len(small.iter(), 100, max), 100);
+    // The queue sends them so: the 10 MiB report in a batch of its own.
+    let mut r = configured();
+    for report in reports {
+        r.enqueue(report);
+    }
+    let sent: Vec<Vec<String>> = (0..3)
+        .map(|token| {
+            let t = r.on_tick(0);
+            r.on_dispatched(Batch::Reports, token);
+            r.on_callout_reply(token, &acks(attempts(&t.sends[0].1).len()));
+            attempts(&t.sends[0].1)
+        })
+        .collect();
+    assert_eq!(sent, [vec!["a1", "a2"], vec!["a3"], vec!["a4"]]);
+}
