@@ -4,7 +4,8 @@
 //! With `answer_release: at_once` a released call's report need not leave at once: the answer
 //! went on, and the worker's next call asks the ledger anyway. Its report waits here, and the
 //! next authorize callout of any HTTP context of the VM takes it along (at most
-//! [`MAX_RIDING_REPORTS`]), so at a steady rate a call costs one callout, not two. What
+//! [`MAX_RIDING_REPORTS`], with at most [`MAX_RIDING_RECEIPT_BYTES`] of receipts), so at a
+//! steady rate a call costs one callout, not two. What
 //! becomes of each:
 //!
 //! - its authorize answered with one ack per rider: delivered;
