@@ -36,6 +36,10 @@ CALLOUT_TIMEOUT_MS = 30000
 class ReleaseFirstStack:
     """ledger ← ledger_proxy ← Envoy(filter, answer_release at_once) → upstream_proxy → example server."""
 
+    # What names this stack's Envoys, and what a variant adds to their plugin configuration.
+    NAME = "release"
+    PLUGIN: dict = {}
+
     def __init__(self, log_dir, data_root, upstream_port: int, store: str, database_url: str | None):
         tag = f"{store}-{uuid.uuid4().hex[:6]}"
         self.log_dir = log_dir
@@ -55,11 +59,12 @@ class ReleaseFirstStack:
 
     def new_envoy(self) -> Envoy:
         return Envoy(self.log_dir, self.upstream_proxy.port, [self.ledger_proxy.port],
-                     name=f"envoy-release-{self.tag}-{uuid.uuid4().hex[:4]}", plugin_overrides={
+                     name=f"envoy-{self.NAME}-{self.tag}-{uuid.uuid4().hex[:4]}", plugin_overrides={
                          "ledger": {"service_token": self.ledger.service_token, "timeout_ms": CALLOUT_TIMEOUT_MS},
                          "upstream_key": {"mode": "hmac", "secret": UPSTREAM_SECRET},
                          "answer_release": "at_once",
                          "report_interval_ms": 100,
+                         **self.PLUGIN,
                      })
 
     def start(self) -> "ReleaseFirstStack":
@@ -107,17 +112,22 @@ class ReleaseFirstStack:
         return self.ledger.cli_json("attempts", "show", attempt_id)["attempt"]
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgres"])
-def stack(request, log_dir, data_root, mcp_server):
+def started(kind: type[ReleaseFirstStack], request, log_dir, data_root, mcp_server):
+    """A stack of `kind` on the store `request.param` names, stopped when its user is done."""
     url = os.environ.get("DATABASE_URL", "").strip() or None
     if request.param == "postgres" and not url:
         pytest.fail("DATABASE_URL is not set: the PostgreSQL stack never skips. "
                     "`make test` provides it (scripts/with-postgres); or export DATABASE_URL=postgres://…")
-    s = ReleaseFirstStack(log_dir, data_root, mcp_server.port, request.param, url)
+    s = kind(log_dir, data_root, mcp_server.port, request.param, url)
     try:
         yield s.start()
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def stack(request, log_dir, data_root, mcp_server):
+    yield from started(ReleaseFirstStack, request, log_dir, data_root, mcp_server)
 
 
 @pytest.fixture

@@ -14,17 +14,16 @@ without it that stack fails, it never skips.
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 
 import pytest
 
-from tests.e2e.conftest import UPSTREAM_SECRET, new_key
-from tests.e2e.test_answer_release import CALLOUT_TIMEOUT_MS, ReleaseFirstStack, left_to_its_lease
+from tests.e2e.conftest import new_key
+from tests.e2e.test_answer_release import ReleaseFirstStack, left_to_its_lease, started
 from tests.e2e.test_open_doors import metric
 from tests.support.mcp_raw import RawMcp, denial, result_text
-from tests.support.stack import Envoy, wait_until
+from tests.support.stack import wait_until
 
 # The longest wait there is: the last call's report is still waiting while the test looks.
 RIDE_MS = 5000
@@ -33,15 +32,8 @@ RIDE_MS = 5000
 class RidingStack(ReleaseFirstStack):
     """ReleaseFirstStack, its filter's reports riding on the next authorize."""
 
-    def new_envoy(self) -> Envoy:
-        return Envoy(self.log_dir, self.upstream_proxy.port, [self.ledger_proxy.port],
-                     name=f"envoy-ride-{self.tag}-{uuid.uuid4().hex[:4]}", plugin_overrides={
-                         "ledger": {"service_token": self.ledger.service_token, "timeout_ms": CALLOUT_TIMEOUT_MS},
-                         "upstream_key": {"mode": "hmac", "secret": UPSTREAM_SECRET},
-                         "answer_release": "at_once",
-                         "report_ride_ms": RIDE_MS,
-                         "report_interval_ms": 100,
-                     })
+    NAME = "ride"
+    PLUGIN = {"report_ride_ms": RIDE_MS}
 
     def state_of(self, attempt_id: str) -> str:
         return self.shown(attempt_id)["state"]
@@ -49,15 +41,7 @@ class RidingStack(ReleaseFirstStack):
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def stack(request, log_dir, data_root, mcp_server):
-    url = os.environ.get("DATABASE_URL", "").strip() or None
-    if request.param == "postgres" and not url:
-        pytest.fail("DATABASE_URL is not set: the PostgreSQL stack never skips. "
-                    "`make test` provides it (scripts/with-postgres); or export DATABASE_URL=postgres://…")
-    s = RidingStack(log_dir, data_root, mcp_server.port, request.param, url)
-    try:
-        yield s.start()
-    finally:
-        s.stop()
+    yield from started(RidingStack, request, log_dir, data_root, mcp_server)
 
 
 @pytest.fixture
