@@ -37,10 +37,28 @@ pub fn batch_len<'a>(
         .take(max_reports)
         .enumerate()
         .take_while(|(i, r)| {
-            bytes += r.outcome.receipt().map_or(0, str::len);
+            bytes += receipt_len(r);
             *i == 0 || bytes <= max_bytes
         })
         .count()
+}
+
+/// The delivered reports the ledger did not apply (conflict, unknown attempt), by attempt id,
+/// from `reports` and their `acks` in order.
+pub fn not_applied<'a>(
+    reports: impl Iterator<Item = &'a OutcomeReport>,
+    acks: Vec<OutcomeAck>,
+) -> Vec<(String, OutcomeAck)> {
+    reports
+        .zip(acks)
+        .filter(|(_, a)| matches!(a, OutcomeAck::Conflict | OutcomeAck::UnknownAttempt))
+        .map(|(r, a)| (r.attempt_id.clone(), a))
+        .collect()
+}
+
+/// The bytes of the receipt a report carries (0 when it carries none).
+pub fn receipt_len(report: &OutcomeReport) -> usize {
+    report.outcome.receipt().map_or(0, str::len)
 }
 
 /// Which of the two lists a callout carries.
@@ -202,12 +220,7 @@ impl Reporter {
         for _ in 0..landed.delivered {
             tasks.effect(RootEffect::Count(Stat::ReportRode));
         }
-        for (attempt, ack) in &landed.not_applied {
-            tasks.log(
-                Level::Warn,
-                format!("atmost: ledger did not apply the completed report of attempt {attempt}: {ack:?}"),
-            );
-        }
+        log_completed_not_applied(&landed.not_applied, tasks);
         if let Some(why) = &landed.failure {
             if !landed.stranded.is_empty() {
                 tasks.log(
@@ -404,14 +417,7 @@ impl Reporter {
                 );
             }
         }
-        for (attempt, ack) in &done.not_applied {
-            tasks.log(
-                Level::Warn,
-                format!(
-                    "atmost: ledger did not apply the completed report of attempt {attempt}: {ack:?}"
-                ),
-            );
-        }
+        log_completed_not_applied(&done.not_applied, &mut tasks);
         for report in done.requeue {
             tasks.effect(RootEffect::Count(Stat::ReportDeferred));
             self.push_report(report, &mut tasks);
@@ -433,6 +439,18 @@ impl Reporter {
                 ),
             );
         }
+    }
+}
+
+/// Logs each completed (or accepted) report the ledger did not apply.
+fn log_completed_not_applied(not_applied: &[(String, OutcomeAck)], tasks: &mut Tasks) {
+    for (attempt, ack) in not_applied {
+        tasks.log(
+            Level::Warn,
+            format!(
+                "atmost: ledger did not apply the completed report of attempt {attempt}: {ack:?}"
+            ),
+        );
     }
 }
 

@@ -128,12 +128,7 @@ impl Completions {
         }
         match acks {
             Ok(acks) => {
-                done.not_applied = batch
-                    .into_iter()
-                    .zip(acks)
-                    .filter(|(_, a)| matches!(a, OutcomeAck::Conflict | OutcomeAck::UnknownAttempt))
-                    .map(|((_, r), a)| (r.attempt_id, a))
-                    .collect();
+                done.not_applied = super::not_applied(batch.iter().map(|(_, r)| r), acks);
             }
             Err(e) => {
                 done.requeue = batch.into_iter().map(|(_, r)| r).collect();

@@ -95,12 +95,7 @@ impl ReportQueue {
         let batch = std::mem::take(&mut self.in_flight);
         match acks {
             Ok(acks) => BatchResult::Delivered {
-                not_applied: batch
-                    .iter()
-                    .zip(acks)
-                    .filter(|(_, a)| matches!(a, OutcomeAck::Conflict | OutcomeAck::UnknownAttempt))
-                    .map(|(r, a)| (r.attempt_id.clone(), a))
-                    .collect(),
+                not_applied: super::not_applied(batch.iter(), acks),
             },
             Err(_) => {
                 let count = batch.len();

@@ -64,7 +64,7 @@ impl Riders {
     /// Whether `report` may ride: reports ride at all, and its receipt alone is not larger
     /// than the receipts of one authorize may be together.
     pub fn takes(&self, report: &OutcomeReport) -> bool {
-        self.on() && receipt_len(report) <= MAX_RIDING_RECEIPT_BYTES
+        self.on() && super::receipt_len(report) <= MAX_RIDING_RECEIPT_BYTES
     }
 
     /// A released call's report, released at `now_ms`, waits for the next authorize.
@@ -108,12 +108,7 @@ impl Riders {
         match acks {
             Ok(acks) if acks.len() == reports.len() => Landed {
                 delivered: reports.len(),
-                not_applied: reports
-                    .into_iter()
-                    .zip(acks)
-                    .filter(|(_, a)| matches!(a, OutcomeAck::Conflict | OutcomeAck::UnknownAttempt))
-                    .map(|(r, a)| (r.attempt_id, a))
-                    .collect(),
+                not_applied: super::not_applied(reports.iter(), acks),
                 ..Landed::default()
             },
             Ok(acks) => Landed {
@@ -165,10 +160,6 @@ impl Riders {
             None => Vec::new(),
         }
     }
-}
-
-fn receipt_len(report: &OutcomeReport) -> usize {
-    report.outcome.receipt().map_or(0, str::len)
 }
 
 #[cfg(test)]
