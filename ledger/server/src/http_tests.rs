@@ -1596,21 +1596,32 @@ async fn reports_riding_on_an_authorize_are_applied_and_acked_whatever_its_decis
     let mut dispatched = Vec::new();
     for i in 1..=3 {
         let mut call = authz(&tok, &format!("k{i}"), &format!("fp{i}"));
-        // Each call carries the report of the one before it, as a filter's next call does,
-        // and the first also a forged one: the service token alone moves nothing.
+        // Each call carries the report of the one before it, as a filter's next call does, and
+        // before it the same report under a capability the holder of the service token could
+        // make up: that one moves nothing, the true one beside it does. The first call's
+        // rider names an attempt that does not exist.
         if let Some(before) = dispatched.last() {
             let before: &Value = before;
-            call["reports"] = json!([{"attempt_id": before["attempt_id"], "round": 1,
-                "capability": before["capability"], "outcome": "completed",
-                "receipt": SMALL_RECEIPT}]);
+            let report = |capability: &Value| {
+                json!({"attempt_id": before["attempt_id"], "round": 1, "capability": capability,
+                       "outcome": "completed", "receipt": SMALL_RECEIPT})
+            };
+            call["reports"] = json!([
+                report(&json!("0".repeat(64))),
+                report(&before["capability"])
+            ]);
         } else {
             call["reports"] = json!([{"attempt_id": "att_forged", "round": 1,
                 "capability": "0".repeat(64), "outcome": "completed", "receipt": SMALL_RECEIPT}]);
         }
         let (st, d) = s.post("/v1/authorize", Some(SVC), call).await;
         assert_eq!((st, &d["decision"]), (200, &json!("dispatch")), "{d}");
-        let expected = if i == 1 { "unknown_attempt" } else { "applied" };
-        assert_eq!(d["report_acks"], json!([expected]), "{d}");
+        let expected = if i == 1 {
+            json!(["unknown_attempt"])
+        } else {
+            json!(["refused", "applied"])
+        };
+        assert_eq!(d["report_acks"], expected, "{d}");
         dispatched.push(d);
     }
     // The first call's key replays the receipt that rode on the second: it was applied.
@@ -1632,7 +1643,7 @@ async fn reports_riding_on_an_authorize_are_applied_and_acked_whatever_its_decis
     assert_eq!(d["report_acks"], json!(["applied", "already_recorded"]));
     let scraped = s.metrics().await;
     assert!(
-        scraped.contains(r#"atmost_outcome_reports_ridden_total{result="taken"} 5"#),
+        scraped.contains(r#"atmost_outcome_reports_ridden_total{result="taken"} 7"#),
         "{scraped}"
     );
     // More riders than one authorize may carry: refused whole, nothing decided or applied.
@@ -1652,4 +1663,30 @@ async fn reports_riding_on_an_authorize_are_applied_and_acked_whatever_its_decis
         .map(|a| a["state"].as_str().unwrap())
         .collect();
     assert_eq!(states, ["completed"; 3], "{list}");
+}
+
+/// The ledger's body limit, which the filter's batches of reports (4 MiB of receipts) and its
+/// riders (1 MiB) keep well under: a body past it is refused whole, whatever it carries.
+#[tokio::test]
+async fn a_body_past_the_limit_is_refused_whole() {
+    let s = start().await;
+    let receipt = "x".repeat(server::MAX_BODY_BYTES / 8 + 1);
+    let reports: Vec<Value> = (0..8)
+        .map(|i| {
+            json!({"attempt_id": format!("att_{i}"), "round": 1, "capability": "c",
+                        "outcome": "completed", "receipt": receipt})
+        })
+        .collect();
+    let (st, v) = s
+        .post("/v1/outcomes", Some(SVC), json!({"reports": reports}))
+        .await;
+    assert_eq!((st, &v["error"]), (400, &json!("bad_request")), "{v}");
+    assert!(
+        v["message"].as_str().unwrap_or("").contains("length limit"),
+        "{v}"
+    );
+    let (st, v) = s
+        .post("/v1/outcomes", Some(SVC), json!({"reports": reports[..1]}))
+        .await;
+    assert_eq!((st, &v["acks"]), (200, &json!(["unknown_attempt"])), "{v}");
 }
