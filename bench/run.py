@@ -467,8 +467,7 @@ class Envoy(stack.Process):
 
     def start(self) -> None:
         super().start()
-        stack.wait_until(lambda: self.alive() and stack.http_get(self.admin + "/ready")[0] == 200, 30,
-                         f"envoy {self.name} (log: {self.log_path})")
+        self.wait_started(lambda: stack.http_get(self.admin + "/ready")[0] == 200, 30, f"envoy {self.name}")
         # A ledger endpoint counts as unhealthy until its first health check passes (and the
         # cluster has no panic threshold): load sent before that is denied at once, which
         # would count fast denials as calls.

@@ -229,22 +229,53 @@ def ledger_binary() -> Path:
     return max(existing, key=lambda b: b.stat().st_mtime)
 
 
+def _port_share() -> range:
+    """The loopback ports this process hands out.
+
+    They lie outside the kernel's ephemeral range: a listener cannot bind a port that any
+    loopback connection uses as its source port, and while a suite runs, Envoys, clients and
+    ledgers open connections all the time, so a port taken from the ephemeral range could be
+    taken by a connect() between being handed out and being bound (the server then exits with
+    EADDRINUSE). Outside that range only an explicit bind can take it. Under pytest-xdist each
+    worker hands out its own share, so two workers never hand out the same port."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    below, above = range(10000, low), range(high + 1, 65536)
+    pool = below if len(below) >= len(above) else above
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    share = len(pool) // max(workers, 1)
+    return pool[index * share:(index + 1) * share]
+
+
 _PORTS_HANDED_OUT: set[int] = set()
+_PORT_SHARE = _port_share()
+# Where the next search starts: apart for two processes that are not xdist workers of one run.
+_port_cursor = os.getpid() % max(len(_PORT_SHARE), 1)
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on now and that this process has not handed out before.
-    The kernel may give the same ephemeral port to two binds in a row once the first socket is
-    closed, so a ledger's `--listen` and `--admin-listen`, asked for one after the other, could
-    be the same port; remembering what was handed out rules that out."""
-    for _ in range(100):
+    """A loopback port nothing is bound to now, outside the kernel's ephemeral range (see
+    `_port_share`), that this process has not handed out before: a ledger's `--listen` and
+    `--admin-listen`, asked for one after the other, are never the same port."""
+    global _port_cursor
+    for _ in range(len(_PORT_SHARE)):
+        port = _PORT_SHARE[_port_cursor]
+        _port_cursor = (_port_cursor + 1) % len(_PORT_SHARE)
+        if port in _PORTS_HANDED_OUT:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _PORTS_HANDED_OUT:
-            _PORTS_HANDED_OUT.add(port)
-            return port
-    raise RuntimeError("no loopback port that was not handed out already after 100 binds")
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"every loopback port of {_PORT_SHARE} is bound or was handed out already "
+                       "(net.ipv4.ip_local_port_range leaves the ports outside it that this picks from)")
 
 
 class ProcessExited(RuntimeError):
@@ -305,6 +336,16 @@ class Process:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def wait_started(self, ready, timeout: float, what: str) -> None:
+        """Waits until `ready()` holds. A process that exits meanwhile ends the wait at once, with
+        its log's tail in the error (a server that could not bind its port says so there)."""
+        def check():
+            if not self.alive():
+                raise ProcessExited(f"{self.name} exited while waiting for {what} (log: {self.log_path}):\n"
+                                    f"{self.log_text()[-3000:]}")
+            return ready()
+        wait_until(check, timeout, f"{what} (log: {self.log_path})")
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
         if not self.alive():
             return
@@ -363,11 +404,9 @@ class Ledger(Process):
 
     def start(self) -> None:
         super().start()
-        wait_until(lambda: self._ready(), 20, f"ledger on {self.url} (log: {self.log_path})")
+        self.wait_started(self._ready, 20, f"ledger on {self.url}")
 
     def _ready(self) -> bool:
-        if not self.alive():
-            raise ProcessExited(f"ledger exited:\n{self.log_text()[-3000:]}")
         return http_get(self.url + "/readyz", context=self.ssl_context)[0] == 200
 
     def cli_env(self) -> dict[str, str]:
@@ -427,8 +466,8 @@ class ExampleServer(Process):
 
     def start(self) -> None:
         super().start()
-        wait_until(lambda: self.alive() and http_get(self.url + "/_example/state", context=self.context)[0] == 200,
-                   30, f"example MCP server on {self.url}")
+        self.wait_started(lambda: http_get(self.url + "/_example/state", context=self.context)[0] == 200,
+                          30, f"example MCP server on {self.url}")
 
     def state(self) -> dict:
         return json.loads(http_get(self.url + "/_example/state", context=self.context)[1])
@@ -658,13 +697,11 @@ class Envoy(Process):
 
     def start(self, wait_for_ledger: bool = True) -> None:
         super().start()
-        wait_until(lambda: self._ready(), 30, f"envoy on {self.url} (log: {self.log_path})")
+        self.wait_started(self._ready, 30, f"envoy on {self.url}")
         if self.ledger_hosts and wait_for_ledger:
             wait_until(self.ledgers_healthy, 30, f"every ledger healthy in {self.name}")
 
     def _ready(self) -> bool:
-        if not self.alive():
-            raise ProcessExited(f"envoy exited:\n{self.log_text()[-3000:]}")
         return http_get(self.admin_url + "/ready")[0] == 200
 
     def ledgers_healthy(self) -> bool:

@@ -48,7 +48,6 @@ from tests.support.stack import (
     Ledger,
     LedgerTls,
     Process,
-    ProcessExited,
     default_ledger_tls,
     ledger_binary,
     make_ledger_tls,
@@ -230,20 +229,17 @@ def capture_a_governed_call(log_dir: Path, tag: str, tls: bool) -> CallCaptured:
         admin_url = f"{'https' if ledger_tls else 'http'}://127.0.0.1:{LEDGER_ADMIN_PORT}"
         ca_args = ["--cacert", str(ledger_tls.ca)] if ledger_tls else []
 
-        def ledger_ready() -> bool:
-            if not ledger.alive():
-                raise ProcessExited(f"ledger exited:\n{ledger.log_text()[-2000:]}")
-            return pod.curl(*ca_args, "-o", "/dev/null", "-w", "%{http_code}", ledger_url + "/readyz").stdout == "200"
-
-        wait_until(ledger_ready, 30, f"the ledger in the pod (log: {ledger.log_path})")
+        ledger.wait_started(
+            lambda: pod.curl(*ca_args, "-o", "/dev/null", "-w", "%{http_code}", ledger_url + "/readyz").stdout == "200",
+            30, "the ledger in the pod")
 
         server = Process(f"mcp-server-{tag}", pod.argv([str(VENV_BIN / "python"), str(EXAMPLE_SERVER), "--port",
                                                          str(UPSTREAM_PORT), "--json-response", "--stateless"]),
                          log_dir)
         server.start()
         started.append(server)
-        wait_until(lambda: server.alive() and pod.curl(f"http://127.0.0.1:{UPSTREAM_PORT}/_example/state").returncode == 0,
-                   30, f"the MCP server in the pod (log: {server.log_path})")
+        server.wait_started(lambda: pod.curl(f"http://127.0.0.1:{UPSTREAM_PORT}/_example/state").returncode == 0,
+                            30, "the MCP server in the pod")
 
         # The shipped file with only the filter's path and the CA file made absolute (or, for the
         # control, its cleartext form); its secrets come from Envoy's environment as shipped.
@@ -259,13 +255,8 @@ def capture_a_governed_call(log_dir: Path, tag: str, tls: bool) -> CallCaptured:
         started.append(envoy)
         admin = f"http://127.0.0.1:{ADMIN_PORT}"
 
-        def ledger_healthy() -> bool:
-            if not envoy.alive():
-                raise ProcessExited(f"envoy exited:\n{envoy.log_text()[-2000:]}")
-            clusters = pod.curl(admin + "/clusters").stdout
-            return f"atmost_ledger::127.0.0.1:{LEDGER_PORT}::health_flags::healthy" in clusters
-
-        wait_until(ledger_healthy, 30, f"Envoy in the pod to see the ledger healthy (log: {envoy.log_path})")
+        envoy.wait_started(lambda: f"atmost_ledger::127.0.0.1:{LEDGER_PORT}::health_flags::healthy"
+                           in pod.curl(admin + "/clusters").stdout, 30, "Envoy in the pod to see the ledger healthy")
 
         cli = [str(ledger_binary()), "--ledger", admin_url, "--json"]
         cli_env = {**os.environ, "ATMOST_ADMIN_TOKEN": admin_token}

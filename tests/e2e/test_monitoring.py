@@ -29,7 +29,7 @@ import yaml
 from tests.e2e.conftest import new_key
 from tests.support.mcp_raw import RawMcp, denial_code
 from tests.support.monitoring import DASHBOARD, NO_DATA_EXPECTED, RULES, rule_groups
-from tests.support.stack import Envoy, ExampleServer, Ledger, Process, ProcessExited, free_port, wait_until
+from tests.support.stack import Envoy, ExampleServer, Ledger, Process, free_port, wait_until
 from tests.support.tcp_proxy import TcpProxy
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
@@ -58,11 +58,9 @@ class Prometheus(Process):
 
     def start(self) -> None:
         super().start()
-        wait_until(self._ready, 60, f"prometheus on {self.url} (log: {self.log_path})")
+        self.wait_started(self._ready, 60, f"prometheus on {self.url}")
 
     def _ready(self) -> bool:
-        if not self.alive():
-            raise ProcessExited(f"prometheus exited:\n{self.log_text()[-3000:]}")
         try:
             return httpx.get(self.url + "/-/ready", timeout=2).status_code == 200
         except httpx.HTTPError:

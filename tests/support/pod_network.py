@@ -45,7 +45,7 @@ from pathlib import Path
 
 from tests.support.certificates import make_certificate
 from tests.support.network_policy import Cluster, Pod, egress_rules, no_policy
-from tests.support.stack import ROOT, WASM, Process, wait_until, wasmplugin_filter_config
+from tests.support.stack import ROOT, WASM, Process, wasmplugin_filter_config
 
 AGENT_UID = 1000
 PROXY_UID = 1337
@@ -327,11 +327,9 @@ class McpServer(NsProcess):
         super().start()
 
     def wait_ready(self) -> None:
-        wait_until(lambda: self._ready(), 30, f"{self.name} on {self.base} (log: {self.log_path})")
+        self.wait_started(self._ready, 30, f"{self.name} on {self.base}")
 
     def _ready(self) -> bool:
-        if not self.alive():
-            raise RuntimeError(f"{self.name} exited:\n{self.log_text()[-2000:]}")
         try:
             self.state()
             return True
@@ -688,11 +686,9 @@ class Sidecar(NsProcess):
 
     def start(self) -> None:
         super().start()
-        wait_until(self._ready, 30, f"{self.name} (log: {self.log_path})")
+        self.wait_started(self._ready, 30, self.name)
 
     def _ready(self) -> bool:
-        if not self.alive():
-            raise RuntimeError(f"{self.name} exited:\n{self.log_text()[-3000:]}")
         result = run(self.net.exec_argv(self.net.agent, ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
                                                           "http://127.0.0.1:15000/ready"]), check=False)
         return result.stdout.strip() == "200"

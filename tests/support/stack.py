@@ -65,8 +65,8 @@ class TsServer(Process):
 
     def start(self) -> None:
         super().start()
-        wait_until(lambda: self.alive() and http_get(self.url + "/_example/state")[0] == 200, 30,
-                   f"TypeScript MCP server on {self.url}")
+        self.wait_started(lambda: http_get(self.url + "/_example/state")[0] == 200, 30,
+                          f"TypeScript MCP server on {self.url}")
 
     def executions(self, tool: str = "pay_invoice") -> int:
         return json.loads(http_get(self.url + "/_example/state")[1])["executions"].get(tool, 0)
@@ -101,8 +101,7 @@ class GoUpstream(Process):
 
     def start(self) -> None:
         super().start()
-        wait_until(lambda: self.alive() and http_get(self.url + "/_example/log")[0] == 200, 30,
-                   f"Go upstream on {self.url}")
+        self.wait_started(lambda: http_get(self.url + "/_example/log")[0] == 200, 30, f"Go upstream on {self.url}")
 
     def log(self) -> dict:
         """`entries` (every message run) and `requests` (every POST to /mcp)."""
@@ -137,8 +136,8 @@ class H2Upstream(Process):
     def start(self) -> None:
         self._log_from = len(self.log_text())
         super().start()
-        wait_until(lambda: self.alive() and f'{{"listening":{self.port}}}' in self.log_text(), 30,
-                   f"HTTP/2 upstream on port {self.port}")
+        self.wait_started(lambda: f'{{"listening":{self.port}}}' in self.log_text(), 30,
+                          f"HTTP/2 upstream on port {self.port}")
 
     def executions(self) -> list[dict]:
         """What it ran, in the recording upstream's form (n, nonce, tool, arguments, upstream_key,
