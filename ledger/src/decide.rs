@@ -30,7 +30,6 @@ pub mod rounds;
 pub mod rules;
 pub mod settle;
 
-pub use crate::error::ApprovalRefused;
 pub use approval::{decide_approval, ApprovalInput};
 pub use counters::{counter_delta, counter_weight, reads_needed, CounterDelta, Reads};
 pub use limits::{limits_answer, permit_limits, Headroom};

@@ -6,9 +6,10 @@ use serde_json::json;
 
 use crate::decide::approval::{APPROVAL_UNDECIDED_REASON, APPROVAL_UNUSED_REASON};
 use crate::decide::{
-    counter_delta, decide, decide_approval, expire_lease, ApprovalInput, ApprovalRefused,
-    DecideParams, Decision, Mutation, Snapshot,
+    counter_delta, decide, decide_approval, expire_lease, ApprovalInput, DecideParams, Decision,
+    Mutation, Snapshot,
 };
+use crate::error::ApprovalRefused;
 use crate::model::{ApprovalRule, Attempt, AttemptState, CostRule, Permit, Policy};
 use crate::token;
 

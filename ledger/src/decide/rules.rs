@@ -18,7 +18,7 @@ use crate::token;
 
 // Rule 4.1 is the check every dispatch makes (a continuation and an approved call too), so it
 // lives with the dispatch.
-pub use super::dispatch::permit_expired;
+use super::dispatch::permit_expired;
 
 /// The idempotency key as stored: its SHA-256, so a raw key never rests in the ledger.
 pub fn key_hash(req: &AuthorizeRequest) -> Option<String> {

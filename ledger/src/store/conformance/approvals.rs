@@ -5,8 +5,8 @@
 use atmost_protocol::{AuthorizeResponse, DenialCode};
 use serde_json::json;
 
-use crate::decide::{ApprovalInput, ApprovalRefused, Leases};
-use crate::error::ApprovalError;
+use crate::decide::{ApprovalInput, Leases};
+use crate::error::{ApprovalError, ApprovalRefused};
 use crate::model::{ApprovalRule, AttemptState, Policy};
 
 use super::support::*;
