@@ -119,9 +119,14 @@ impl Call {
         self
     }
 
-    /// Short state name (tests, debug logs), from the one table of names ([`PhaseName`]).
+    /// Where the request stands, as one of the closed set of names ([`PhaseName`]).
+    pub fn phase_name(&self) -> PhaseName {
+        self.phase.name()
+    }
+
+    /// Short state name (tests, debug logs): [`Call::phase_name`] as text.
     pub fn state_name(&self) -> &'static str {
-        self.phase.name().as_str()
+        self.phase_name().as_str()
     }
 
     /// Hands the phase to `event`, which handles it and says what the request steps to.

@@ -72,7 +72,8 @@ use atmost_config::{AnswerRelease, Config, RequestHold, UpstreamKey};
 use atmost_filter::call::effects::{self, EditRefused};
 use atmost_filter::call::resume::Ticket;
 use atmost_filter::call::{
-    BodyStep, Call, Effect, Flow, LogProps, RequestHead, ResponseHead, Step, IDEMPOTENCY_HEADER,
+    BodyStep, Call, Effect, Flow, LogProps, PhaseName, RequestHead, ResponseHead, Step,
+    IDEMPOTENCY_HEADER,
 };
 use atmost_filter::ledger_client::{Callout, Endpoint, LedgerReply};
 use atmost_filter::parse::mcp::{self, Message, Mirrored};
@@ -1135,10 +1136,10 @@ fn run(data: &[u8]) -> Reached {
                 // while none is out still must not break the machine, but what it does to the
                 // answer's delivery is not judged.
                 w.off_script |= !(w.authorize_pending || w.outcomes_pending || w.limits_pending);
-                let state = call.state_name();
-                let authorizing =
-                    w.authorize_pending && (state == "authorizing" || state == "held_for_approval");
-                let listing = w.limits_pending && state == "listing_asking";
+                let phase = call.phase_name();
+                let authorizing = w.authorize_pending
+                    && matches!(phase, PhaseName::Authorizing | PhaseName::HeldForApproval);
+                let listing = w.limits_pending && phase == PhaseName::ListingAsking;
                 let LedgerAnswer {
                     reply,
                     dispatch_ok,
@@ -1164,7 +1165,7 @@ fn run(data: &[u8]) -> Reached {
                         authorizing && cfg.approval_hold_ms > 0,
                         "held for approval outside an authorize answer, or without approval_hold_ms: {done:?}"
                     );
-                    assert_eq!(call.state_name(), "held_for_approval");
+                    assert_eq!(call.phase_name(), PhaseName::HeldForApproval);
                     assert!(
                         !done.has(|e| matches!(e, Effect::LocalReply(_) | Effect::ResumeRequest)),
                         "a held call was answered or let go: {done:?}"
@@ -1276,11 +1277,11 @@ fn run(data: &[u8]) -> Reached {
                     finished: end_of_stream,
                     ..Answer::default()
                 };
-                let state = call.state_name();
+                let phase = call.phase_name();
                 let before_decision = w.body_mode
                     && w.request.headers_forwarded
                     && !w.answered
-                    && matches!(state, "reading_body" | "authorizing");
+                    && matches!(phase, PhaseName::ReadingBody | PhaseName::Authorizing);
                 // No verifier's refusal: the upstream here is the tool itself (its refusals
                 // have unit tests of their own, src/call/tests/tool_refusal.rs).
                 let s = call.on_response_headers(ResponseHead {
@@ -1294,14 +1295,14 @@ fn run(data: &[u8]) -> Reached {
                         done.has(|e| *e == Effect::Count(Stat::UpstreamAnsweredEarly)),
                         "request_hold: body: an answer before the decision went unnoticed: {done:?}"
                     );
-                    let expected = if state == "authorizing" {
+                    let expected = if phase == PhaseName::Authorizing {
                         Flow::Pause
                     } else {
                         Flow::Continue
                     };
                     assert_eq!(
                         done.flow, expected,
-                        "request_hold: body: an answer before the decision (in {state})"
+                        "request_hold: body: an answer before the decision (in {phase:?})"
                     );
                     w.answered_early = true;
                     w.reached.answered_early = true;
