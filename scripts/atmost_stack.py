@@ -236,13 +236,14 @@ def _port_share() -> range:
     loopback connection uses as its source port, and while a suite runs, Envoys, clients and
     ledgers open connections all the time, so a port taken from the ephemeral range could be
     taken by a connect() between being handed out and being bound (the server then exits with
-    EADDRINUSE). Outside that range only an explicit bind can take it. Under pytest-xdist each
-    worker hands out its own share, so two workers never hand out the same port."""
+    EADDRINUSE). Outside that range only an explicit bind can take it. They start at 20000,
+    above the fixed ports `make run` and the shipped configs use. Under pytest-xdist each worker
+    hands out its own share, so two workers never hand out the same port."""
     try:
         low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     except (OSError, ValueError):
         low, high = 32768, 60999
-    below, above = range(10000, low), range(high + 1, 65536)
+    below, above = range(20000, low), range(high + 1, 65536)
     pool = below if len(below) >= len(above) else above
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
@@ -251,30 +252,27 @@ def _port_share() -> range:
     return pool[index * share:(index + 1) * share]
 
 
-_PORTS_HANDED_OUT: set[int] = set()
 _PORT_SHARE = _port_share()
-# Where the next search starts: apart for two processes that are not xdist workers of one run.
+# Where the next search starts (apart for two processes that are not xdist workers of one run).
+# It walks the share round, so a port comes back only after every other one was handed out.
 _port_cursor = os.getpid() % max(len(_PORT_SHARE), 1)
 
 
 def free_port() -> int:
     """A loopback port nothing is bound to now, outside the kernel's ephemeral range (see
-    `_port_share`), that this process has not handed out before: a ledger's `--listen` and
-    `--admin-listen`, asked for one after the other, are never the same port."""
+    `_port_share`), and not one of the last ones this process handed out: a ledger's `--listen`
+    and `--admin-listen`, asked for one after the other, are never the same port."""
     global _port_cursor
     for _ in range(len(_PORT_SHARE)):
         port = _PORT_SHARE[_port_cursor]
         _port_cursor = (_port_cursor + 1) % len(_PORT_SHARE)
-        if port in _PORTS_HANDED_OUT:
-            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-        _PORTS_HANDED_OUT.add(port)
         return port
-    raise RuntimeError(f"every loopback port of {_PORT_SHARE} is bound or was handed out already "
+    raise RuntimeError(f"every loopback port of {_PORT_SHARE} is bound "
                        "(net.ipv4.ip_local_port_range leaves the ports outside it that this picks from)")
 
 
