@@ -30,7 +30,7 @@ SWEEP = "200ms"
 CALLOUT_TIMEOUT_MS = 500
 ROUTE_TIMEOUT = "3s"
 
-# Everything secret the suite used, for the log scan at the end (test_security.py).
+# Everything secret the suite used, for the log scan at the end (test_zz_security.py).
 SECRETS: dict[str, set[str]] = {"token": set(), "key": set(), "receipt": set()}
 HISTORIES: list[History] = []
 # The histories each fault scenario (a test using the `fault_stack` fixture, by node id)

@@ -1,5 +1,6 @@
 """Security properties, end to end. This file runs last on purpose: its log scan reads
-every log the fault suite wrote (and the newest end-to-end run's logs, when present).
+every log the fault suite wrote, and the logs of every end-to-end run since the fault suite
+last ran (on a clean clone, all of `make test`'s; otherwise at least the newest run's).
 
 - permit tokens and idempotency keys are stored only hashed;
 - the admin and the filter credentials are separate, and must differ;
@@ -144,14 +145,24 @@ def test_upstream_never_sees_the_raw_key_sent_in_meta(sec):
 TOOL_RECORDS = ("h2-upstream",)
 
 
+def _end_to_end_runs(log_dir: Path) -> list[Path]:
+    """The end-to-end runs' log directories made since the fault suite last ran: all three of
+    `make test` (the full suite and the two deployment forms) on a clean clone. Without one
+    since, the newest, so a second fault run in a row still reads one."""
+    root = ROOT / ".run" / "test-logs"
+    dirs = sorted((d for d in root.iterdir() if d.is_dir() and d != log_dir),
+                  key=lambda d: d.stat().st_mtime) if root.exists() else []
+    faults = [d for d in dirs if d.name.startswith("faults-")]
+    runs = [d for d in dirs if not d.name.startswith("faults-")]
+    since = faults[-1].stat().st_mtime if faults else 0.0
+    return [d for d in runs if d.stat().st_mtime > since] or runs[-1:]
+
+
 def _logs_to_scan(log_dir: Path) -> list[Path]:
     files = [f for f in log_dir.iterdir() if f.is_file()]
-    root = ROOT / ".run" / "test-logs"
-    others = sorted((d for d in root.iterdir() if d.is_dir() and not d.name.startswith("faults-")),
-                    key=lambda d: d.stat().st_mtime) if root.exists() else []
-    if others:
-        # The last end-to-end run: its logs, or its workers' directories of logs.
-        files += [f for f in others[-1].rglob("*") if f.is_file()]
+    for run in _end_to_end_runs(log_dir):
+        # A run's logs, or its workers' directories of logs.
+        files += [f for f in run.rglob("*") if f.is_file()]
     return [f for f in files if not f.name.startswith(TOOL_RECORDS)]
 
 
