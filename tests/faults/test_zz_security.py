@@ -150,7 +150,7 @@ def _end_to_end_runs(log_dir: Path) -> list[Path]:
     `make test` (the full suite and the two deployment forms) on a clean clone. Without one
     since, the newest, so a second fault run in a row still reads one."""
     root = ROOT / ".run" / "test-logs"
-    dirs = sorted((d for d in root.iterdir() if d.is_dir() and d != log_dir),
+    dirs = sorted((d for d in root.iterdir() if d.is_dir() and d.name != log_dir.name),
                   key=lambda d: d.stat().st_mtime) if root.exists() else []
     faults = [d for d in dirs if d.name.startswith("faults-")]
     runs = [d for d in dirs if not d.name.startswith("faults-")]
